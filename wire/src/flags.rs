@@ -1,0 +1,266 @@
+//! Small argument types: open flags, access masks, rename and xattr flags, POSIX locks and
+//! the caller's credentials. Wire bits are Kiln's own (stable across architectures) and are
+//! mapped to the host's `libc` values at the edge.
+
+use crate::codec::{
+    Decode, DecodeError, Encode, Encoder, Reader, decode_list, encode_list, wire_enum, wire_struct,
+};
+use crate::limits::GROUPS_MAX;
+
+/// Defines a `u32` bit set that refuses unknown bits on decode.
+macro_rules! wire_bits {
+    ($(#[$meta:meta])* pub struct $name:ident { $( $(#[$cmeta:meta])* const $flag:ident = $value:expr; )* }) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+        pub struct $name(u32);
+
+        impl $name {
+            $( $(#[$cmeta])* pub const $flag: $name = $name($value); )*
+            const KNOWN: u32 = 0 $( | $value )*;
+
+            pub const fn empty() -> Self {
+                $name(0)
+            }
+
+            /// `None` when `bits` holds a bit this protocol version does not know.
+            pub const fn from_bits(bits: u32) -> Option<Self> {
+                if bits & !Self::KNOWN == 0 { Some($name(bits)) } else { None }
+            }
+
+            pub const fn bits(self) -> u32 {
+                self.0
+            }
+
+            pub const fn contains(self, other: Self) -> bool {
+                self.0 & other.0 == other.0
+            }
+        }
+
+        impl std::ops::BitOr for $name {
+            type Output = Self;
+            fn bitor(self, rhs: Self) -> Self {
+                $name(self.0 | rhs.0)
+            }
+        }
+
+        impl Encode for $name {
+            fn encode(&self, out: &mut Encoder) {
+                out.put_u32(self.0);
+            }
+        }
+
+        impl Decode for $name {
+            const ENCODED_LEN_MIN: usize = 4;
+            fn decode(input: &mut Reader) -> Result<Self, DecodeError> {
+                Self::from_bits(input.u32()?)
+                    .ok_or(DecodeError::invalid(stringify!($name), "unknown bits"))
+            }
+        }
+
+        #[cfg(test)]
+        impl proptest::arbitrary::Arbitrary for $name {
+            type Parameters = ();
+            type Strategy = proptest::strategy::BoxedStrategy<Self>;
+            fn arbitrary_with((): ()) -> Self::Strategy {
+                use proptest::strategy::Strategy;
+                (0..=Self::KNOWN).prop_map(|b| $name(b & Self::KNOWN)).boxed()
+            }
+        }
+    };
+}
+
+wire_enum! {
+    /// How an open file may be accessed.
+    pub enum AccessMode {
+        ReadOnly = 0,
+        WriteOnly = 1,
+        ReadWrite = 2,
+    }
+}
+
+wire_bits! {
+    /// Flags of OPEN and CREATE beyond the access mode.
+    pub struct OpenFlags {
+        const APPEND = 1 << 0;
+        const TRUNC = 1 << 1;
+        /// Only meaningful for CREATE: fail with EEXIST when the name exists.
+        const EXCL = 1 << 2;
+        const SYNC = 1 << 3;
+        const DSYNC = 1 << 4;
+        const DIRECT = 1 << 5;
+        const NOATIME = 1 << 6;
+        const NOFOLLOW = 1 << 7;
+    }
+}
+
+impl OpenFlags {
+    /// The host's `open(2)` flags for these bits (the access mode is added separately).
+    pub fn to_libc(self) -> i32 {
+        let table = [
+            (Self::APPEND, libc::O_APPEND),
+            (Self::TRUNC, libc::O_TRUNC),
+            (Self::EXCL, libc::O_EXCL),
+            (Self::SYNC, libc::O_SYNC),
+            (Self::DSYNC, libc::O_DSYNC),
+            (Self::DIRECT, libc::O_DIRECT),
+            (Self::NOATIME, libc::O_NOATIME),
+            (Self::NOFOLLOW, libc::O_NOFOLLOW),
+        ];
+        table.iter().filter(|(f, _)| self.contains(*f)).fold(0, |acc, (_, l)| acc | l)
+    }
+}
+
+impl AccessMode {
+    pub fn to_libc(self) -> i32 {
+        match self {
+            AccessMode::ReadOnly => libc::O_RDONLY,
+            AccessMode::WriteOnly => libc::O_WRONLY,
+            AccessMode::ReadWrite => libc::O_RDWR,
+        }
+    }
+}
+
+wire_bits! {
+    /// What ACCESS checks; empty means existence only (`F_OK`).
+    pub struct AccessMask {
+        const EXECUTE = 1;
+        const WRITE = 2;
+        const READ = 4;
+    }
+}
+
+wire_enum! {
+    /// How RENAME treats an existing target.
+    pub enum RenameMode {
+        /// Replace the target (plain `rename(2)`).
+        Replace = 0,
+        /// Fail with EEXIST when the target exists (`RENAME_NOREPLACE`).
+        NoReplace = 1,
+        /// Swap source and target atomically (`RENAME_EXCHANGE`).
+        Exchange = 2,
+    }
+}
+
+wire_enum! {
+    /// How SETXATTR treats an existing attribute.
+    pub enum XattrSetMode {
+        /// Create or replace.
+        Upsert = 0,
+        /// Fail with EEXIST when it exists (`XATTR_CREATE`).
+        Create = 1,
+        /// Fail with ENODATA when it does not (`XATTR_REPLACE`).
+        Replace = 2,
+    }
+}
+
+wire_enum! {
+    /// What SEEK looks for from the given offset.
+    pub enum SeekWhat {
+        Data = 3,
+        Hole = 4,
+    }
+}
+
+wire_enum! {
+    /// A POSIX record lock's type.
+    pub enum LockKind {
+        Read = 0,
+        Write = 1,
+        Unlock = 2,
+    }
+
+    /// What LK does: test (`F_GETLK`), set (`F_SETLK`) or set and wait (`F_SETLKW`).
+    pub enum LockCmd {
+        Get = 0,
+        Set = 1,
+        SetWait = 2,
+    }
+}
+
+wire_struct! {
+    /// A POSIX record lock on a byte range; `len == 0` means "to the end of the file".
+    pub struct Lock {
+        pub kind: LockKind,
+        pub start: u64,
+        pub len: u64,
+        pub pid: u32,
+        /// Identifies the lock holder across fds (FUSE's lock owner).
+        pub owner: u64,
+    }
+
+    /// Who is asking: every fop carries the caller's ids so the brick checks permissions as
+    /// the kernel would for that caller.
+    pub struct Creds {
+        pub uid: u32,
+        pub gid: u32,
+        pub groups: Groups,
+        pub pid: u32,
+    }
+}
+
+impl Creds {
+    /// The superuser, for tools that act as root.
+    pub fn root() -> Creds {
+        Creds { uid: 0, gid: 0, groups: Groups::default(), pid: 0 }
+    }
+}
+
+/// Supplementary group ids, at most [`GROUPS_MAX`].
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Groups(Vec<u32>);
+
+impl Groups {
+    pub fn new(groups: Vec<u32>) -> Option<Groups> {
+        (groups.len() <= GROUPS_MAX).then_some(Groups(groups))
+    }
+
+    pub fn as_slice(&self) -> &[u32] {
+        &self.0
+    }
+}
+
+impl Encode for Groups {
+    fn encode(&self, out: &mut Encoder) {
+        encode_list(&self.0, out);
+    }
+}
+
+impl Decode for Groups {
+    const ENCODED_LEN_MIN: usize = 4;
+
+    fn decode(input: &mut Reader) -> Result<Self, DecodeError> {
+        decode_list(input, "groups", GROUPS_MAX).map(Groups)
+    }
+}
+
+#[cfg(test)]
+impl proptest::arbitrary::Arbitrary for Groups {
+    type Parameters = ();
+    type Strategy = proptest::strategy::BoxedStrategy<Self>;
+    fn arbitrary_with((): ()) -> Self::Strategy {
+        use proptest::strategy::Strategy;
+        proptest::collection::vec(proptest::arbitrary::any::<u32>(), 0..=GROUPS_MAX)
+            .prop_map(Groups)
+            .boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_bits_are_refused() {
+        assert_eq!(OpenFlags::from_bits(1 << 31), None);
+        assert_eq!(AccessMask::from_bits(8), None);
+        assert_eq!(AccessMask::from_bits(7), Some(AccessMask::READ | AccessMask::WRITE | AccessMask::EXECUTE));
+    }
+
+    #[test]
+    fn open_flags_map_to_libc() {
+        let f = OpenFlags::APPEND | OpenFlags::TRUNC;
+        assert_eq!(f.to_libc(), libc::O_APPEND | libc::O_TRUNC);
+        assert_eq!(AccessMode::ReadWrite.to_libc(), libc::O_RDWR);
+        assert!(Groups::new(vec![0; GROUPS_MAX + 1]).is_none());
+    }
+}
