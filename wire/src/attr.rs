@@ -55,7 +55,10 @@ impl Mode {
     pub const MAX: u16 = 0o7777;
 
     pub fn new(bits: u32) -> Option<Mode> {
-        u16::try_from(bits).ok().filter(|&b| b <= Self::MAX).map(Mode)
+        u16::try_from(bits)
+            .ok()
+            .filter(|&b| b <= Self::MAX)
+            .map(Mode)
     }
 
     /// Keeps only the permission bits of a full `st_mode`.
@@ -260,7 +263,10 @@ impl Decode for SetAttr {
         if mask & Self::ATIME != 0 && mask & Self::ATIME_NOW != 0
             || mask & Self::MTIME != 0 && mask & Self::MTIME_NOW != 0
         {
-            return Err(DecodeError::invalid("setattr mask", "a time both given and now"));
+            return Err(DecodeError::invalid(
+                "setattr mask",
+                "a time both given and now",
+            ));
         }
         let field = |bit: u32| mask & bit != 0;
         let mode = field(Self::MODE).then(|| Mode::decode(input)).transpose()?;
@@ -276,7 +282,14 @@ impl Decode for SetAttr {
         };
         let atime = time(Self::ATIME, Self::ATIME_NOW)?;
         let mtime = time(Self::MTIME, Self::MTIME_NOW)?;
-        Ok(SetAttr { mode, uid, gid, size, atime, mtime })
+        Ok(SetAttr {
+            mode,
+            uid,
+            gid,
+            size,
+            atime,
+            mtime,
+        })
     }
 }
 
@@ -290,7 +303,9 @@ mod arbitrary {
         type Parameters = ();
         type Strategy = BoxedStrategy<Mode>;
         fn arbitrary_with((): ()) -> Self::Strategy {
-            (0u32..=0o7777).prop_map(|b| Mode::new(b).expect("in range")).boxed()
+            (0u32..=0o7777)
+                .prop_map(|b| Mode::new(b).expect("in range"))
+                .boxed()
         }
     }
 

@@ -28,11 +28,18 @@ pub enum DecodeError {
     #[error("reserved header bits are set: {0:#x}")]
     ReservedBits(u32),
     #[error("{what} is {len} long, more than the limit of {max}")]
-    TooLong { what: &'static str, len: usize, max: usize },
+    TooLong {
+        what: &'static str,
+        len: usize,
+        max: usize,
+    },
     #[error("{0} bytes left over after the message")]
     TrailingBytes(usize),
     #[error("invalid {what}: {reason}")]
-    Invalid { what: &'static str, reason: &'static str },
+    Invalid {
+        what: &'static str,
+        reason: &'static str,
+    },
     #[error("unknown wire error code {0}")]
     UnknownErrorCode(u16),
 }
@@ -140,7 +147,10 @@ impl Reader {
 
     fn need(&self, needed: usize) -> Result<(), DecodeError> {
         if self.buf.len() < needed {
-            return Err(DecodeError::Truncated { needed, remaining: self.buf.len() });
+            return Err(DecodeError::Truncated {
+                needed,
+                remaining: self.buf.len(),
+            });
         }
         Ok(())
     }

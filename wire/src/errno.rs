@@ -171,7 +171,10 @@ mod tests {
     #[test]
     fn unknown_errno_becomes_eio_and_display_reads_like_coreutils() {
         assert_eq!(ErrorCode::from_errno(libc::EHWPOISON), ErrorCode::Io);
-        assert_eq!(ErrorCode::from_errno(libc::ENOTSUP), ErrorCode::NotSupported);
+        assert_eq!(
+            ErrorCode::from_errno(libc::ENOTSUP),
+            ErrorCode::NotSupported
+        );
         assert_eq!(ErrorCode::NoEnt.to_string(), "No such file or directory");
         assert_eq!(ErrorCode::NoEnt.errno_name(), "ENOENT");
     }

@@ -106,7 +106,10 @@ impl OpenFlags {
             (Self::NOATIME, libc::O_NOATIME),
             (Self::NOFOLLOW, libc::O_NOFOLLOW),
         ];
-        table.iter().filter(|(f, _)| self.contains(*f)).fold(0, |acc, (_, l)| acc | l)
+        table
+            .iter()
+            .filter(|(f, _)| self.contains(*f))
+            .fold(0, |acc, (_, l)| acc | l)
     }
 }
 
@@ -201,7 +204,12 @@ wire_struct! {
 impl Creds {
     /// The superuser, for tools that act as root.
     pub fn root() -> Creds {
-        Creds { uid: 0, gid: 0, groups: Groups::default(), pid: 0 }
+        Creds {
+            uid: 0,
+            gid: 0,
+            groups: Groups::default(),
+            pid: 0,
+        }
     }
 }
 
@@ -253,7 +261,10 @@ mod tests {
     fn unknown_bits_are_refused() {
         assert_eq!(OpenFlags::from_bits(1 << 31), None);
         assert_eq!(AccessMask::from_bits(8), None);
-        assert_eq!(AccessMask::from_bits(7), Some(AccessMask::READ | AccessMask::WRITE | AccessMask::EXECUTE));
+        assert_eq!(
+            AccessMask::from_bits(7),
+            Some(AccessMask::READ | AccessMask::WRITE | AccessMask::EXECUTE)
+        );
     }
 
     #[test]

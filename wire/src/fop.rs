@@ -52,7 +52,11 @@ impl<const MAX: u32> Decode for BoundedU32<MAX> {
 
     fn decode(input: &mut Reader) -> Result<Self, DecodeError> {
         let v = input.u32()?;
-        Self::new(v).ok_or(DecodeError::TooLong { what: "size", len: v as usize, max: MAX as usize })
+        Self::new(v).ok_or(DecodeError::TooLong {
+            what: "size",
+            len: v as usize,
+            max: MAX as usize,
+        })
     }
 }
 
@@ -229,9 +233,24 @@ macro_rules! list_reply {
     };
 }
 
-list_reply!(ReaddirReply, DirEntry, "readdir entries", READDIR_REPLY_LEN_MAX_BYTES);
-list_reply!(ReaddirpReply, DirEntryPlus, "readdirp entries", READDIR_REPLY_LEN_MAX_BYTES);
-list_reply!(ListxattrReply, XattrName, "xattr names", XATTR_LIST_ENTRIES_MAX);
+list_reply!(
+    ReaddirReply,
+    DirEntry,
+    "readdir entries",
+    READDIR_REPLY_LEN_MAX_BYTES
+);
+list_reply!(
+    ReaddirpReply,
+    DirEntryPlus,
+    "readdirp entries",
+    READDIR_REPLY_LEN_MAX_BYTES
+);
+list_reply!(
+    ListxattrReply,
+    XattrName,
+    "xattr names",
+    XATTR_LIST_ENTRIES_MAX
+);
 
 /// Defines the fop table: the code enum and the request and reply enums dispatching on it.
 macro_rules! fops {
@@ -271,6 +290,7 @@ macro_rules! fops {
         }
 
         /// The successful result of one fop.
+        #[allow(clippy::large_enum_variant, reason = "a reply is built once and encoded; boxing would allocate per reply")]
         #[derive(Debug, Clone, PartialEq, Eq)]
         #[cfg_attr(test, derive(proptest_derive::Arbitrary))]
         pub enum FopReply {

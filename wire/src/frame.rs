@@ -113,7 +113,9 @@ impl Header {
     /// body length limit, in that order.
     pub fn decode(b: &[u8; FRAME_HEADER_LEN_BYTES]) -> Result<Header, DecodeError> {
         if b[offset::MAGIC..offset::VERSION] != MAGIC {
-            return Err(DecodeError::BadMagic(u32::from_be_bytes([b[0], b[1], b[2], b[3]])));
+            return Err(DecodeError::BadMagic(u32::from_be_bytes([
+                b[0], b[1], b[2], b[3],
+            ])));
         }
         if b[offset::VERSION] != PROTOCOL_VERSION {
             return Err(DecodeError::UnsupportedVersion(b[offset::VERSION]));
@@ -121,12 +123,14 @@ impl Header {
         if checksum(&b[..offset::HEADER_CHECKSUM]) != read_u32(b, offset::HEADER_CHECKSUM) {
             return Err(DecodeError::HeaderChecksum);
         }
-        let kind = FrameKind::from_u8(b[offset::KIND])
-            .ok_or(DecodeError::UnknownKind(b[offset::KIND]))?;
+        let kind =
+            FrameKind::from_u8(b[offset::KIND]).ok_or(DecodeError::UnknownKind(b[offset::KIND]))?;
         let flags = read_u16(b, offset::FLAGS);
         let reserved = read_u16(b, offset::RESERVED);
         if flags != 0 || reserved != 0 {
-            return Err(DecodeError::ReservedBits(u32::from(flags) << 16 | u32::from(reserved)));
+            return Err(DecodeError::ReservedBits(
+                u32::from(flags) << 16 | u32::from(reserved),
+            ));
         }
         let body_len = read_u32(b, offset::BODY_LEN);
         if body_len as usize > FRAME_BODY_LEN_MAX_BYTES {
@@ -137,7 +141,9 @@ impl Header {
             });
         }
         let request_id = u64::from_le_bytes(
-            b[offset::REQUEST_ID..offset::BODY_CHECKSUM].try_into().unwrap_or_default(),
+            b[offset::REQUEST_ID..offset::BODY_CHECKSUM]
+                .try_into()
+                .unwrap_or_default(),
         );
         Ok(Header {
             kind,
@@ -151,13 +157,17 @@ impl Header {
 
     /// Decodes the header at the start of `bytes`, which may be longer or shorter.
     pub fn decode_prefix(bytes: &[u8]) -> Result<Header, DecodeError> {
-        let head = bytes.get(..FRAME_HEADER_LEN_BYTES).ok_or(DecodeError::Truncated {
-            needed: FRAME_HEADER_LEN_BYTES,
-            remaining: bytes.len(),
-        })?;
-        let head: &[u8; FRAME_HEADER_LEN_BYTES] = head.try_into().map_err(|_| {
-            DecodeError::Truncated { needed: FRAME_HEADER_LEN_BYTES, remaining: bytes.len() }
-        })?;
+        let head = bytes
+            .get(..FRAME_HEADER_LEN_BYTES)
+            .ok_or(DecodeError::Truncated {
+                needed: FRAME_HEADER_LEN_BYTES,
+                remaining: bytes.len(),
+            })?;
+        let head: &[u8; FRAME_HEADER_LEN_BYTES] =
+            head.try_into().map_err(|_| DecodeError::Truncated {
+                needed: FRAME_HEADER_LEN_BYTES,
+                remaining: bytes.len(),
+            })?;
         Header::decode(head)
     }
 }
@@ -189,7 +199,10 @@ mod tests {
             for bit in 0..8 {
                 let mut bad = good;
                 bad[i] ^= 1 << bit;
-                assert!(Header::decode(&bad).is_err(), "flip of byte {i} bit {bit} accepted");
+                assert!(
+                    Header::decode(&bad).is_err(),
+                    "flip of byte {i} bit {bit} accepted"
+                );
             }
         }
     }
@@ -198,10 +211,16 @@ mod tests {
     fn oversized_body_and_reserved_bits_are_refused() {
         let mut h = sample();
         h.body_len = u32::try_from(FRAME_BODY_LEN_MAX_BYTES + 1).expect("fits");
-        assert!(matches!(Header::decode(&h.encode()), Err(DecodeError::TooLong { .. })));
+        assert!(matches!(
+            Header::decode(&h.encode()),
+            Err(DecodeError::TooLong { .. })
+        ));
         let mut h = sample();
         h.flags = 1;
-        assert_eq!(Header::decode(&h.encode()), Err(DecodeError::ReservedBits(1 << 16)));
+        assert_eq!(
+            Header::decode(&h.encode()),
+            Err(DecodeError::ReservedBits(1 << 16))
+        );
     }
 
     #[test]
@@ -217,7 +236,10 @@ mod tests {
     fn short_input_is_truncated() {
         assert_eq!(
             Header::decode_prefix(&[0; 5]),
-            Err(DecodeError::Truncated { needed: 32, remaining: 5 })
+            Err(DecodeError::Truncated {
+                needed: 32,
+                remaining: 5
+            })
         );
     }
 }

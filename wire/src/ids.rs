@@ -160,7 +160,10 @@ impl Decode for FdId {
     const ENCODED_LEN_MIN: usize = 8;
 
     fn decode(input: &mut Reader) -> Result<Self, DecodeError> {
-        Ok(FdId { slot: input.u32()?, generation: input.u32()? })
+        Ok(FdId {
+            slot: input.u32()?,
+            generation: input.u32()?,
+        })
     }
 }
 
@@ -178,8 +181,11 @@ mod arbitrary {
         type Strategy = BoxedStrategy<Gfid>;
 
         fn arbitrary_with((): ()) -> Self::Strategy {
-            prop_oneof![Just(Gfid::ROOT), any::<[u8; 16]>().prop_filter_map("null", Gfid::from_bytes)]
-                .boxed()
+            prop_oneof![
+                Just(Gfid::ROOT),
+                any::<[u8; 16]>().prop_filter_map("null", Gfid::from_bytes)
+            ]
+            .boxed()
         }
     }
 
@@ -199,17 +205,34 @@ mod tests {
 
     #[test]
     fn root_gfid_prints_as_uuid() {
-        assert_eq!(Gfid::ROOT.to_string(), "00000000-0000-0000-0000-000000000001");
-        assert_eq!("00000000-0000-0000-0000-000000000001".parse(), Ok(Gfid::ROOT));
+        assert_eq!(
+            Gfid::ROOT.to_string(),
+            "00000000-0000-0000-0000-000000000001"
+        );
+        assert_eq!(
+            "00000000-0000-0000-0000-000000000001".parse(),
+            Ok(Gfid::ROOT)
+        );
     }
 
     #[test]
     fn gfid_parse_rejects_bad_forms() {
         assert_eq!("".parse::<Gfid>(), Err(GfidParseError::Syntax));
-        assert_eq!("00000000-0000-0000-0000-00000000000g".parse::<Gfid>(), Err(GfidParseError::Syntax));
-        assert_eq!("000000000000-0000-0000-000000000001".parse::<Gfid>(), Err(GfidParseError::Syntax));
-        assert_eq!("00000000-0000-0000-0000-000000000000".parse::<Gfid>(), Err(GfidParseError::Null));
-        let g: Gfid = "DEADBEEF-0000-4000-8000-0123456789AB".parse().expect("upper-case hex parses");
+        assert_eq!(
+            "00000000-0000-0000-0000-00000000000g".parse::<Gfid>(),
+            Err(GfidParseError::Syntax)
+        );
+        assert_eq!(
+            "000000000000-0000-0000-000000000001".parse::<Gfid>(),
+            Err(GfidParseError::Syntax)
+        );
+        assert_eq!(
+            "00000000-0000-0000-0000-000000000000".parse::<Gfid>(),
+            Err(GfidParseError::Null)
+        );
+        let g: Gfid = "DEADBEEF-0000-4000-8000-0123456789AB"
+            .parse()
+            .expect("upper-case hex parses");
         assert_eq!(g.to_string(), "deadbeef-0000-4000-8000-0123456789ab");
     }
 

@@ -47,6 +47,10 @@ pub use flags::{
 pub use fop::*;
 pub use frame::{FrameKind, Header, MAGIC, PROTOCOL_VERSION, checksum, checksum_append};
 pub use ids::{BrickId, FdId, Gfid, GfidParseError, RequestId};
-pub use message::{Call, CallCode, EncodeError, EncodedFrame, Event, Message, Outcome, Reply, Request};
-pub use names::{Label, Name, NameError, Payload, SymlinkTarget, XATTR_NAMESPACES, XattrName, XattrValue};
+pub use message::{
+    Call, CallCode, EncodeError, EncodedFrame, Event, Message, Outcome, Reply, Request,
+};
+pub use names::{
+    Label, Name, NameError, Payload, SymlinkTarget, XATTR_NAMESPACES, XattrName, XattrValue,
+};
 pub use session::{Capabilities, Hello, HelloReply, Invalidate, Limits, Ping};

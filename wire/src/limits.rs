@@ -43,9 +43,10 @@ pub const LABEL_LEN_MAX_BYTES: usize = 64;
 /// Most requests a client may have in flight on one connection; a brick may advertise less.
 pub const INFLIGHT_MAX: usize = 4096;
 
-const _: () = assert!(FRAME_HEADER_LEN_BYTES % 8 == 0);
+const _: () = assert!(FRAME_HEADER_LEN_BYTES.is_multiple_of(8));
 const _: () = assert!(READDIR_REPLY_LEN_MAX_BYTES < FRAME_BODY_LEN_MAX_BYTES);
-const _: () = assert!(XATTR_VALUE_LEN_MAX_BYTES + FRAME_METADATA_MAX_BYTES <= FRAME_BODY_LEN_MAX_BYTES);
+const _: () =
+    assert!(XATTR_VALUE_LEN_MAX_BYTES + FRAME_METADATA_MAX_BYTES <= FRAME_BODY_LEN_MAX_BYTES);
 const _: () = assert!(SYMLINK_TARGET_LEN_MAX_BYTES < FRAME_METADATA_MAX_BYTES);
 const _: () = assert!(FRAME_BODY_LEN_MAX_BYTES <= u32::MAX as usize);
 const _: () = assert!(NAME_LEN_MAX_BYTES <= u8::MAX as usize);

@@ -56,6 +56,10 @@ impl CallCode {
 }
 
 /// One frame's content.
+#[allow(
+    clippy::large_enum_variant,
+    reason = "messages are built once and encoded in place"
+)]
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[cfg_attr(test, derive(proptest_derive::Arbitrary))]
 pub enum Message {
@@ -98,6 +102,7 @@ pub struct Reply {
 }
 
 /// How a call ended.
+#[allow(clippy::large_enum_variant, reason = "see `Message`")]
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[cfg_attr(test, derive(proptest_derive::Arbitrary))]
 pub enum Outcome {
@@ -201,10 +206,15 @@ impl Message {
         };
         let len = out.len();
         if len > FRAME_BODY_LEN_MAX_BYTES {
-            return Err(EncodeError::TooLong { len, max: FRAME_BODY_LEN_MAX_BYTES });
+            return Err(EncodeError::TooLong {
+                len,
+                max: FRAME_BODY_LEN_MAX_BYTES,
+            });
         }
         let body = out.into_chunks();
-        let body_checksum = body.iter().fold(checksum(&[]), |crc, c| checksum_append(crc, c));
+        let body_checksum = body
+            .iter()
+            .fold(checksum(&[]), |crc, c| checksum_append(crc, c));
         let header = Header {
             kind,
             code,
@@ -213,7 +223,10 @@ impl Message {
             body_len: u32::try_from(len).unwrap_or(u32::MAX),
             body_checksum,
         };
-        Ok(EncodedFrame { header: header.encode(), body })
+        Ok(EncodedFrame {
+            header: header.encode(),
+            body,
+        })
     }
 
     /// Decodes a body whose header was already checked by [`Header::decode`]. The body must
@@ -229,7 +242,10 @@ impl Message {
             return Err(DecodeError::BodyChecksum);
         }
         let mut input = Reader::new(body);
-        let unknown = || DecodeError::UnknownCode { kind: header.kind.name(), code: header.code };
+        let unknown = || DecodeError::UnknownCode {
+            kind: header.kind.name(),
+            code: header.code,
+        };
         let message = match header.kind {
             FrameKind::Request => {
                 let call = match CallCode::from_u16(header.code).ok_or_else(unknown)? {
@@ -240,7 +256,10 @@ impl Message {
                         fop: FopRequest::decode_body(code, &mut input)?,
                     },
                 };
-                Message::Request(Request { id: header.request_id, call })
+                Message::Request(Request {
+                    id: header.request_id,
+                    call,
+                })
             }
             FrameKind::Reply => {
                 let call = CallCode::from_u16(header.code).ok_or_else(unknown)?;
@@ -258,10 +277,15 @@ impl Message {
                             .ok_or(DecodeError::UnknownErrorCode(status))?,
                     },
                 };
-                Message::Reply(Reply { id: header.request_id, outcome })
+                Message::Reply(Reply {
+                    id: header.request_id,
+                    outcome,
+                })
             }
             FrameKind::Event => match header.code {
-                INVALIDATE_CODE => Message::Event(Event::Invalidate(Invalidate::decode(&mut input)?)),
+                INVALIDATE_CODE => {
+                    Message::Event(Event::Invalidate(Invalidate::decode(&mut input)?))
+                }
                 _ => return Err(unknown()),
             },
         };
@@ -270,11 +294,13 @@ impl Message {
     }
 
     /// Decodes one complete frame (header and body, nothing after).
-    pub fn decode_frame(frame: Bytes) -> Result<Message, DecodeError> {
+    pub fn decode_frame(mut frame: Bytes) -> Result<Message, DecodeError> {
         let header = Header::decode_prefix(&frame)?;
-        let body = frame.slice(FRAME_HEADER_LEN_BYTES..);
+        let body = frame.split_off(FRAME_HEADER_LEN_BYTES);
         if body.len() > header.body_len as usize {
-            return Err(DecodeError::TrailingBytes(body.len() - header.body_len as usize));
+            return Err(DecodeError::TrailingBytes(
+                body.len() - header.body_len as usize,
+            ));
         }
         Message::decode(&header, body)
     }
@@ -290,7 +316,9 @@ mod tests {
     use super::*;
 
     fn roundtrip(msg: &Message) -> Result<(), TestCaseError> {
-        let frame = msg.encode().map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let frame = msg
+            .encode()
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
         let bytes = frame.to_bytes();
         prop_assert_eq!(bytes.len(), frame.len());
         let back = Message::decode_frame(bytes).map_err(|e| TestCaseError::fail(e.to_string()))?;
@@ -319,15 +347,29 @@ mod tests {
         cases: u32,
     ) -> HashSet<FopCode> {
         let mut runner = TestRunner::new_with_rng(
-            Config { cases, failure_persistence: None, ..Config::default() },
-            proptest::test_runner::TestRng::deterministic_rng(proptest::test_runner::RngAlgorithm::ChaCha),
+            Config {
+                cases,
+                failure_persistence: None,
+                ..Config::default()
+            },
+            proptest::test_runner::TestRng::deterministic_rng(
+                proptest::test_runner::RngAlgorithm::ChaCha,
+            ),
         );
         let seen = std::cell::RefCell::new(HashSet::new());
         let result = runner.run(&strategy, |msg| {
-            if let Message::Request(Request { call: Call::Fop { fop, .. }, .. }) = &msg {
+            if let Message::Request(Request {
+                call: Call::Fop { fop, .. },
+                ..
+            }) = &msg
+            {
                 seen.borrow_mut().insert(fop.code());
             }
-            if let Message::Reply(Reply { outcome: Outcome::Fop(r), .. }) = &msg {
+            if let Message::Reply(Reply {
+                outcome: Outcome::Fop(r),
+                ..
+            }) = &msg
+            {
                 seen.borrow_mut().insert(r.code());
             }
             roundtrip(&msg)
@@ -342,7 +384,10 @@ mod tests {
     fn every_fop_request_roundtrips() {
         let strategy = || {
             (any::<u64>(), any::<Creds>(), any::<FopRequest>()).prop_map(|(id, creds, fop)| {
-                Message::Request(Request { id, call: Call::Fop { creds, fop } })
+                Message::Request(Request {
+                    id,
+                    call: Call::Fop { creds, fop },
+                })
             })
         };
         let seen = roundtrip_many(strategy, 3000);
@@ -353,8 +398,12 @@ mod tests {
     #[test]
     fn every_fop_reply_roundtrips() {
         let strategy = || {
-            (any::<u64>(), any::<FopReply>())
-                .prop_map(|(id, r)| Message::Reply(Reply { id, outcome: Outcome::Fop(r) }))
+            (any::<u64>(), any::<FopReply>()).prop_map(|(id, r)| {
+                Message::Reply(Reply {
+                    id,
+                    outcome: Outcome::Fop(r),
+                })
+            })
         };
         let seen = roundtrip_many(strategy, 3000);
         let missing: Vec<_> = FopCode::ALL.iter().filter(|c| !seen.contains(c)).collect();

@@ -154,7 +154,10 @@ pub const XATTR_NAMESPACES: [&[u8]; 4] = [b"user.", b"trusted.", b"security.", b
 fn check_xattr_name(b: &[u8]) -> Result<(), NameError> {
     check_len(b.len(), 1, XATTR_NAME_LEN_MAX_BYTES)?;
     check_no_nul(b)?;
-    match XATTR_NAMESPACES.iter().any(|ns| b.len() > ns.len() && b.starts_with(ns)) {
+    match XATTR_NAMESPACES
+        .iter()
+        .any(|ns| b.len() > ns.len() && b.starts_with(ns))
+    {
         true => Ok(()),
         false => Err(NameError::XattrNamespace),
     }
@@ -170,7 +173,10 @@ fn check_payload(b: &[u8]) -> Result<(), NameError> {
 
 fn check_label(b: &[u8]) -> Result<(), NameError> {
     check_len(b.len(), 1, LABEL_LEN_MAX_BYTES)?;
-    match b.iter().all(|c| c.is_ascii_alphanumeric() || matches!(c, b'.' | b'_' | b'-')) {
+    match b
+        .iter()
+        .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'.' | b'_' | b'-'))
+    {
         true => Ok(()),
         false => Err(NameError::LabelCharset),
     }
@@ -227,7 +233,9 @@ mod arbitrary {
         bytes: impl Strategy<Value = Vec<u8>> + 'static,
         make: fn(Bytes) -> Result<T, NameError>,
     ) -> BoxedStrategy<T> {
-        bytes.prop_filter_map("invalid", move |b| make(Bytes::from(b)).ok()).boxed()
+        bytes
+            .prop_filter_map("invalid", move |b| make(Bytes::from(b)).ok())
+            .boxed()
     }
 
     macro_rules! arbitrary_bytes {
@@ -260,7 +268,10 @@ mod tests {
     fn name_rules() {
         assert!(Name::new(&b"a"[..]).is_ok());
         assert!(Name::new(vec![b'x'; 255]).is_ok());
-        assert_eq!(Name::new(vec![b'x'; 256]), Err(NameError::TooLong { len: 256, max: 255 }));
+        assert_eq!(
+            Name::new(vec![b'x'; 256]),
+            Err(NameError::TooLong { len: 256, max: 255 })
+        );
         assert_eq!(Name::new(&b""[..]), Err(NameError::Empty));
         assert_eq!(Name::new(&b"."[..]), Err(NameError::Dot));
         assert_eq!(Name::new(&b".."[..]), Err(NameError::Dot));
@@ -268,7 +279,10 @@ mod tests {
         assert_eq!(Name::new(&b"a/b"[..]), Err(NameError::Slash));
         assert_eq!(Name::new(&b"a\0b"[..]), Err(NameError::Nul));
         assert!(Name::new(&b"\xff\xfe not utf-8"[..]).is_ok());
-        assert_eq!(NameError::TooLong { len: 256, max: 255 }.errno(), libc::ENAMETOOLONG);
+        assert_eq!(
+            NameError::TooLong { len: 256, max: 255 }.errno(),
+            libc::ENAMETOOLONG
+        );
         assert_eq!(NameError::Slash.errno(), libc::EINVAL);
     }
 
@@ -276,8 +290,14 @@ mod tests {
     fn xattr_name_rules() {
         assert!(XattrName::new(&b"user.x"[..]).is_ok());
         assert!(XattrName::new(&b"trusted.gfid"[..]).is_ok());
-        assert_eq!(XattrName::new(&b"user."[..]), Err(NameError::XattrNamespace));
-        assert_eq!(XattrName::new(&b"foo.bar"[..]), Err(NameError::XattrNamespace));
+        assert_eq!(
+            XattrName::new(&b"user."[..]),
+            Err(NameError::XattrNamespace)
+        );
+        assert_eq!(
+            XattrName::new(&b"foo.bar"[..]),
+            Err(NameError::XattrNamespace)
+        );
         assert_eq!(XattrName::new(&b"user.a\0"[..]), Err(NameError::Nul));
         assert!(XattrValue::new(vec![0; XATTR_VALUE_LEN_MAX_BYTES]).is_ok());
         assert!(XattrValue::new(vec![0; XATTR_VALUE_LEN_MAX_BYTES + 1]).is_err());
@@ -287,6 +307,9 @@ mod tests {
     fn label_rules() {
         assert!(Label::new(&b"vol-0.a_b"[..]).is_ok());
         assert_eq!(Label::new(&b"a b"[..]), Err(NameError::LabelCharset));
-        assert_eq!(Label::new(vec![b'a'; 65]), Err(NameError::TooLong { len: 65, max: 64 }));
+        assert_eq!(
+            Label::new(vec![b'a'; 65]),
+            Err(NameError::TooLong { len: 65, max: 64 })
+        );
     }
 }

@@ -126,6 +126,9 @@ mod tests {
     #[test]
     fn capabilities_intersect() {
         let theirs = Capabilities(Capabilities::INVALIDATE_EVENTS.0 | 1 << 40);
-        assert_eq!(theirs.intersection(Capabilities::SUPPORTED), Capabilities::INVALIDATE_EVENTS);
+        assert_eq!(
+            theirs.intersection(Capabilities::SUPPORTED),
+            Capabilities::INVALIDATE_EVENTS
+        );
     }
 }
