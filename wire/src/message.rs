@@ -282,6 +282,10 @@ impl Message {
                     outcome,
                 })
             }
+            // Events answer no request: a non-zero id would not survive a round trip.
+            FrameKind::Event if header.request_id != 0 => {
+                return Err(DecodeError::invalid("event", "non-zero request id"));
+            }
             FrameKind::Event => match header.code {
                 INVALIDATE_CODE => {
                     Message::Event(Event::Invalidate(Invalidate::decode(&mut input)?))

@@ -13,11 +13,16 @@ use kiln_wire::{
 
 /// A frame with a valid header and checksums around an arbitrary body.
 fn frame(kind: FrameKind, code: u16, body: &[u8]) -> Bytes {
+    let request_id = if kind == FrameKind::Event { 0 } else { 9 };
+    frame_with_id(kind, code, request_id, body)
+}
+
+fn frame_with_id(kind: FrameKind, code: u16, request_id: u64, body: &[u8]) -> Bytes {
     let header = Header {
         kind,
         code,
         flags: 0,
-        request_id: 9,
+        request_id,
         body_len: u32::try_from(body.len()).expect("small"),
         body_checksum: checksum(body),
     };
@@ -201,6 +206,21 @@ fn lying_list_counts_do_not_allocate() {
     assert!(
         matches!(result, Err(DecodeError::TooLong { what: "groups", .. })),
         "{result:?}"
+    );
+}
+
+#[test]
+fn events_carry_no_request_id() {
+    // Found by the fuzzer: an event with a request id decoded but re-encoded without it.
+    let mut body = Gfid::ROOT.as_bytes().to_vec();
+    body.push(0);
+    assert!(Message::decode_frame(frame(FrameKind::Event, 0x0200, &body)).is_ok());
+    assert_eq!(
+        Message::decode_frame(frame_with_id(FrameKind::Event, 0x0200, 9, &body)),
+        Err(DecodeError::Invalid {
+            what: "event",
+            reason: "non-zero request id"
+        })
     );
 }
 
