@@ -1,9 +1,25 @@
 //! The Kiln brick: serves fops on one brick directory.
 //!
 //! It owns the GlusterFS-compatible on-disk layout (`trusted.gfid` xattrs, `.glusterfs/XX/YY`
-//! handles), the io_uring engine and the blocking engine that share one fop contract, the
-//! per-client fd tables and the GFID cache. It is the only crate with `unsafe` code, fenced in
-//! the ring and buffer modules.
+//! handles, see [`brick`]), the fop semantics written once ([`fops`]) over two executors — the
+//! io_uring engine and the blocking engine ([`exec`]) — the per-client fd tables, the GFID and
+//! directory-fd caches, start-up repair and the check command ([`recovery`]). It is the only
+//! crate with `unsafe` code, fenced in the ring module (`exec::uring`).
 //!
 //! It is not the protocol (that is `kiln-wire`), not configuration storage (that is
 //! `kiln-mgmt`), and not a client.
+
+pub mod brick;
+pub mod cache;
+pub mod creds;
+pub mod engine;
+pub mod exec;
+pub mod fdtable;
+pub mod fops;
+pub mod locks;
+pub mod recovery;
+pub mod step;
+
+pub use brick::{Brick, BrickError};
+pub use engine::{Engine, EngineConfig, EngineKind, Session};
+pub use fops::{CrashPoint, FopsConfig, SessionId};

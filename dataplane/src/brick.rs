@@ -1,0 +1,343 @@
+//! The brick on disk: GlusterFS's posix layout, opened once and held as directory fds.
+//!
+//! ```text
+//! <brick>/                      the named tree, as clients see it; trusted.gfid = …01
+//! <brick>/.glusterfs/XX/YY/<gfid>   hard link (non-directories) or relative symlink
+//!                                   ../../PA/RG/<parent-gfid>/<name> (directories)
+//! <brick>/.glusterfs/00/00/<root>   symlink ../../.. (the root)
+//! <brick>/.glusterfs/kiln-pending/  intent records of namespace fops in flight (recovery.rs)
+//! ```
+//!
+//! The brick root, `.glusterfs`, the pending directory and the 256 `.glusterfs/XX` directories
+//! are opened once, `O_PATH`, and every name operation is relative to one of them.
+
+use std::ffi::CString;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use kiln_wire::{BrickId, Gfid};
+use rustix::fs::{AtFlags, Mode, OFlags, XattrFlags};
+use rustix::io::Errno;
+
+use crate::step::DirFd;
+
+/// The xattr holding an object's GFID (16 raw bytes), as in GlusterFS.
+pub const GFID_XATTR: &str = "trusted.gfid";
+/// The xattr on the brick root holding the brick id (16 raw bytes).
+pub const BRICK_ID_XATTR: &str = "trusted.kiln.brick-id";
+/// GlusterFS's volume id on the brick root; a GlusterFS brick is adopted when it has one.
+pub const GLUSTER_VOLUME_ID_XATTR: &str = "trusted.glusterfs.volume-id";
+/// The housekeeping directory under the brick root. Clients never see or name it.
+pub const GLUSTERFS_DIR: &str = ".glusterfs";
+/// Where intent records of in-flight namespace fops live.
+pub const PENDING_DIR: &str = "kiln-pending";
+
+/// Why a brick could not be formatted or opened.
+#[derive(Debug, thiserror::Error)]
+pub enum BrickError {
+    #[error("brick directory {path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "{0} is not a brick (no trusted.gfid on its root); format it first with `kiln-brickd format`"
+    )]
+    NotABrick(PathBuf),
+    #[error("{path}: the root's trusted.gfid is {found}, not the root gfid")]
+    WrongRootGfid { path: PathBuf, found: String },
+    #[error("{0} is not empty; refusing to format a directory that holds data")]
+    NotEmpty(PathBuf),
+    #[error("the brick needs root (CAP_SYS_ADMIN) for trusted.* xattrs and per-caller credentials")]
+    NotRoot,
+}
+
+/// An open brick: its identity and the directory fds every fop works relative to.
+#[derive(Debug)]
+pub struct Brick {
+    pub path: PathBuf,
+    pub id: BrickId,
+    /// The brick root, `O_PATH | O_DIRECTORY`.
+    pub root: DirFd,
+    /// `.glusterfs/XX` for XX = 00..ff, `O_PATH | O_DIRECTORY`.
+    handle_dirs: Vec<DirFd>,
+    /// `.glusterfs/kiln-pending`.
+    pub pending: DirFd,
+    /// Which `XX/YY` directories are known to exist (one bit per YY, lazily made).
+    handle_parents: Vec<std::sync::atomic::AtomicU64>,
+}
+
+fn io_err(path: &Path) -> impl Fn(Errno) -> BrickError + '_ {
+    move |e| BrickError::Io {
+        path: path.to_owned(),
+        source: e.into(),
+    }
+}
+
+fn open_dir(dir: BorrowedFd<'_>, name: &str) -> Result<OwnedFd, Errno> {
+    rustix::fs::openat(
+        dir,
+        name,
+        OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+}
+
+fn mkdir_exist_ok(dir: BorrowedFd<'_>, name: &str, mode: u32) -> Result<(), Errno> {
+    match rustix::fs::mkdirat(dir, name, Mode::from_raw_mode(mode)) {
+        Ok(()) | Err(Errno::EXIST) => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// The root fd's view of a path for `*xattr` calls that take paths (`/proc/self/fd/N`).
+fn fd_path(fd: BorrowedFd<'_>) -> String {
+    use std::os::fd::AsRawFd;
+    format!("/proc/self/fd/{}", fd.as_raw_fd())
+}
+
+fn read_root_gfid(root: BorrowedFd<'_>) -> Result<Option<[u8; 16]>, Errno> {
+    let mut buf = [0u8; 16];
+    match rustix::fs::getxattr(fd_path(root), GFID_XATTR, &mut buf[..]) {
+        Ok(16) => Ok(Some(buf)),
+        Ok(_) => Ok(Some([0; 16])),
+        Err(Errno::NODATA) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+impl Brick {
+    /// Formats an empty directory (or a new one) as a Kiln brick: the root GFID, the brick id,
+    /// `.glusterfs` with its 256 first-level handle directories and the root's handle. The
+    /// second-level `XX/YY` directories are made lazily, on first use.
+    pub fn format(path: &Path) -> Result<BrickId, BrickError> {
+        require_root()?;
+        std::fs::create_dir_all(path).map_err(|source| BrickError::Io {
+            path: path.to_owned(),
+            source,
+        })?;
+        let entries = std::fs::read_dir(path).map_err(|source| BrickError::Io {
+            path: path.to_owned(),
+            source,
+        })?;
+        if entries.count() > 0 {
+            return Err(BrickError::NotEmpty(path.to_owned()));
+        }
+        let err = io_err(path);
+        let root = rustix::fs::open(
+            path,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(&err)?;
+        let id = BrickId(random_uuid_bytes());
+        let proc_path = fd_path(root.as_fd());
+        rustix::fs::setxattr(
+            &proc_path,
+            GFID_XATTR,
+            Gfid::ROOT.as_bytes(),
+            XattrFlags::CREATE,
+        )
+        .map_err(&err)?;
+        rustix::fs::setxattr(&proc_path, BRICK_ID_XATTR, &id.0, XattrFlags::CREATE)
+            .map_err(&err)?;
+        make_housekeeping(root.as_fd()).map_err(&err)?;
+        rustix::fs::fsync(&root).map_err(&err)?;
+        Ok(id)
+    }
+
+    /// Opens a brick formatted by Kiln or written by GlusterFS (adopting it: a GlusterFS brick
+    /// gets a Kiln brick id and the pending directory, nothing else changes).
+    pub fn open(path: &Path) -> Result<Brick, BrickError> {
+        require_root()?;
+        let err = io_err(path);
+        let root_rd = rustix::fs::open(
+            path,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(&err)?;
+        match read_root_gfid(root_rd.as_fd()).map_err(&err)? {
+            None => return Err(BrickError::NotABrick(path.to_owned())),
+            Some(g) if g != *Gfid::ROOT.as_bytes() => {
+                let found = Gfid::from_bytes(g).map_or("null".to_owned(), |g| g.to_string());
+                return Err(BrickError::WrongRootGfid {
+                    path: path.to_owned(),
+                    found,
+                });
+            }
+            Some(_) => {}
+        }
+        let proc_path = fd_path(root_rd.as_fd());
+        let mut id = [0u8; 16];
+        let id = match rustix::fs::getxattr(&proc_path, BRICK_ID_XATTR, &mut id[..]) {
+            Ok(16) => BrickId(id),
+            Ok(_) | Err(Errno::NODATA) => {
+                // A GlusterFS brick: keep its volume id as the brick id when it has one.
+                let mut vol = [0u8; 16];
+                let new =
+                    match rustix::fs::getxattr(&proc_path, GLUSTER_VOLUME_ID_XATTR, &mut vol[..]) {
+                        Ok(16) => vol,
+                        _ => random_uuid_bytes(),
+                    };
+                rustix::fs::setxattr(&proc_path, BRICK_ID_XATTR, &new, XattrFlags::empty())
+                    .map_err(&err)?;
+                BrickId(new)
+            }
+            Err(e) => return Err(err(e)),
+        };
+        make_housekeeping(root_rd.as_fd()).map_err(&err)?;
+        let root = open_dir(root_rd.as_fd(), ".").map_err(&err)?;
+        let glusterfs = open_dir(root.as_fd(), GLUSTERFS_DIR).map_err(&err)?;
+        let handle_dirs = (0..=255u8)
+            .map(|xx| open_dir(glusterfs.as_fd(), &format!("{xx:02x}")).map(Arc::new))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(&err)?;
+        let pending = Arc::new(open_dir(glusterfs.as_fd(), PENDING_DIR).map_err(&err)?);
+        let handle_parents = (0..65536 / 64)
+            .map(|_| std::sync::atomic::AtomicU64::new(0))
+            .collect();
+        Ok(Brick {
+            path: path.to_owned(),
+            id,
+            root: Arc::new(root),
+            handle_dirs,
+            pending,
+            handle_parents,
+        })
+    }
+
+    /// The `.glusterfs/XX` directory holding `gfid`'s handle.
+    pub fn handle_dir(&self, gfid: &Gfid) -> &DirFd {
+        &self.handle_dirs[usize::from(gfid.as_bytes()[0])]
+    }
+
+    /// `gfid`'s handle relative to [`Brick::handle_dir`]: `YY/<gfid>`.
+    pub fn handle_name(gfid: &Gfid) -> CString {
+        let s = format!("{:02x}/{gfid}", gfid.as_bytes()[1]);
+        CString::new(s).unwrap_or_default()
+    }
+
+    /// `gfid`'s handle relative to the brick root: `.glusterfs/XX/YY/<gfid>`.
+    pub fn handle_path(gfid: &Gfid) -> String {
+        let b = gfid.as_bytes();
+        format!("{GLUSTERFS_DIR}/{:02x}/{:02x}/{gfid}", b[0], b[1])
+    }
+
+    /// The target of a directory's handle symlink: `../../PA/RG/<parent>/<name>`.
+    pub fn dir_handle_target(parent: &Gfid, name: &[u8]) -> Vec<u8> {
+        let b = parent.as_bytes();
+        let mut t = format!("../../{:02x}/{:02x}/{parent}/", b[0], b[1]).into_bytes();
+        t.extend_from_slice(name);
+        t
+    }
+
+    /// Parses a directory handle's target back into (parent gfid, name).
+    pub fn parse_dir_handle_target(target: &[u8]) -> Option<(Gfid, Vec<u8>)> {
+        let rest = target.strip_prefix(b"../../")?;
+        // "PA/RG/" + 36-byte uuid + "/" + name
+        let uuid = rest.get(6..42)?;
+        let name = rest.get(43..)?;
+        if rest.get(42) != Some(&b'/') || name.is_empty() {
+            return None;
+        }
+        let gfid: Gfid = std::str::from_utf8(uuid).ok()?.parse().ok()?;
+        Some((gfid, name.to_vec()))
+    }
+
+    /// Makes the `YY` directory under `XX` when it is missing (lazy second level); after the
+    /// first time it costs one atomic load.
+    pub fn ensure_handle_parent(&self, gfid: &Gfid) -> Result<(), Errno> {
+        use std::sync::atomic::Ordering;
+        let [xx, yy, ..] = *gfid.as_bytes();
+        let bit = usize::from(xx) << 8 | usize::from(yy);
+        let word = &self.handle_parents[bit / 64];
+        if word.load(Ordering::Relaxed) & (1 << (bit % 64)) != 0 {
+            return Ok(());
+        }
+        let name = format!("{yy:02x}");
+        mkdir_exist_ok(self.handle_dir(gfid).as_fd(), &name, HANDLE_DIR_MODE)?;
+        // GlusterFS makes them 0700; callers need search permission (see HANDLE_DIR_MODE).
+        let mode = Mode::from_raw_mode(HANDLE_DIR_MODE);
+        rustix::fs::chmodat(self.handle_dir(gfid), &name, mode, AtFlags::empty())?;
+        word.fetch_or(1 << (bit % 64), Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+/// Mode of `.glusterfs/XX` and `XX/YY`: searchable by everyone, listable by root only. Callers'
+/// user-visible steps run with their own credentials and reach objects by handle, so they need
+/// search permission here; `.glusterfs` itself stays 0700, so no local user can walk in.
+pub const HANDLE_DIR_MODE: u32 = 0o711;
+
+fn make_housekeeping(root: BorrowedFd<'_>) -> Result<(), Errno> {
+    mkdir_exist_ok(root, GLUSTERFS_DIR, 0o700)?;
+    let glusterfs = open_dir(root, GLUSTERFS_DIR)?;
+    for xx in 0..=255u8 {
+        let name = format!("{xx:02x}");
+        mkdir_exist_ok(glusterfs.as_fd(), &name, HANDLE_DIR_MODE)?;
+        // A GlusterFS brick has them 0700; widen to search-only for callers.
+        rustix::fs::chmodat(
+            &glusterfs,
+            &name,
+            Mode::from_raw_mode(HANDLE_DIR_MODE),
+            AtFlags::empty(),
+        )?;
+    }
+    mkdir_exist_ok(glusterfs.as_fd(), PENDING_DIR, 0o700)?;
+    mkdir_exist_ok(glusterfs.as_fd(), "00/00", HANDLE_DIR_MODE)?;
+    match rustix::fs::symlinkat("../../..", &glusterfs, format!("00/00/{}", Gfid::ROOT)) {
+        Ok(()) | Err(Errno::EXIST) => {}
+        Err(e) => return Err(e),
+    }
+    rustix::fs::fsync(rustix::fs::openat(
+        &glusterfs,
+        ".",
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?)?;
+    Ok(())
+}
+
+fn require_root() -> Result<(), BrickError> {
+    match rustix::process::geteuid().is_root() {
+        true => Ok(()),
+        false => Err(BrickError::NotRoot),
+    }
+}
+
+/// 16 random bytes shaped as a version-4 UUID, from the kernel's random pool.
+pub fn random_uuid_bytes() -> [u8; 16] {
+    let mut b = [0u8; 16];
+    let _ = rustix::rand::getrandom(&mut b, rustix::rand::GetRandomFlags::empty());
+    b[6] = (b[6] & 0x0f) | 0x40;
+    b[8] = (b[8] & 0x3f) | 0x80;
+    b
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dir_handle_target_roundtrip() {
+        let parent: Gfid = "0a1b2c3d-0000-4000-8000-000000000009"
+            .parse()
+            .expect("valid");
+        let t = Brick::dir_handle_target(&parent, b"some dir");
+        assert_eq!(
+            t,
+            b"../../0a/1b/0a1b2c3d-0000-4000-8000-000000000009/some dir".to_vec()
+        );
+        assert_eq!(
+            Brick::parse_dir_handle_target(&t),
+            Some((parent, b"some dir".to_vec()))
+        );
+        assert_eq!(Brick::parse_dir_handle_target(b"../../.."), None);
+        assert_eq!(
+            Brick::handle_path(&parent),
+            ".glusterfs/0a/1b/0a1b2c3d-0000-4000-8000-000000000009"
+        );
+    }
+}

@@ -1,0 +1,335 @@
+//! The engine: worker threads that execute fops for client sessions.
+//!
+//! * `uring`: one worker thread per core by default, each with its own ring and tokio
+//!   current-thread runtime; a session is pinned to one worker, whose fd table, caches and
+//!   ring it uses without locks shared with other workers. Many fops of a session are in
+//!   flight at once, each a task on the worker.
+//! * `blocking`: a pool of threads making ordinary syscalls, sharing one set of tables. It is
+//!   the reference the ring is measured against and the fallback where io_uring is disabled.
+//!
+//! [`Session::call`] is the API the server uses: a fop in, a reply out, from any thread.
+
+use std::rc::Rc;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use kiln_wire::{Creds, ErrorCode, FopReply, FopRequest};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::brick::Brick;
+use crate::exec::blocking::BlockingExec;
+use crate::exec::uring::{BlockingPool, RingConfig, RingStats, UringExec};
+use crate::fops::{BrickState, CrashPoint, Fops, FopsConfig, SessionId};
+use crate::step::{Op, Step};
+
+/// Which executor runs the fops (`server.engine`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngineKind {
+    Uring,
+    Blocking,
+}
+
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub kind: EngineKind,
+    /// Worker threads (`server.event-threads`); the ring engine's default is one per core.
+    pub workers: usize,
+    /// Requests queued per worker before callers wait (backpressure, not an unbounded queue).
+    pub queue_max: usize,
+    pub fops: FopsConfig,
+    pub ring: RingConfig,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            kind: EngineKind::Uring,
+            workers: std::thread::available_parallelism().map_or(1, usize::from),
+            queue_max: 4096,
+            fops: FopsConfig::default(),
+            ring: RingConfig::default(),
+        }
+    }
+}
+
+#[allow(
+    clippy::large_enum_variant,
+    reason = "requests are moved once into a channel"
+)]
+enum Request {
+    Fop {
+        session: SessionId,
+        creds: Creds,
+        fop: FopRequest,
+        reply: oneshot::Sender<Result<FopReply, ErrorCode>>,
+    },
+    EndSession {
+        session: SessionId,
+    },
+    Stats {
+        reply: oneshot::Sender<RingStats>,
+    },
+    CrashPoint {
+        point: Option<CrashPoint>,
+    },
+}
+
+#[derive(Debug)]
+struct Inner {
+    workers: Vec<mpsc::Sender<Request>>,
+    next_session: AtomicU64,
+    kind: EngineKind,
+}
+
+impl std::fmt::Debug for Request {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Request")
+    }
+}
+
+/// A running engine. Cheap to clone; stops when the last clone and session are gone.
+#[derive(Debug, Clone)]
+pub struct Engine {
+    inner: Arc<Inner>,
+}
+
+/// One client's session: its own fd table on the brick, released when it is dropped.
+#[derive(Debug)]
+pub struct Session {
+    id: SessionId,
+    worker: mpsc::Sender<Request>,
+}
+
+fn to_code(e: rustix::io::Errno) -> ErrorCode {
+    ErrorCode::from_errno(e.raw_os_error())
+}
+
+impl Engine {
+    /// Starts the workers for an open brick.
+    pub fn start(brick: &Arc<Brick>, config: &EngineConfig) -> std::io::Result<Engine> {
+        let workers = match config.kind {
+            EngineKind::Uring => start_uring(brick, config)?,
+            EngineKind::Blocking => start_blocking(brick, config)?,
+        };
+        Ok(Engine {
+            inner: Arc::new(Inner {
+                workers,
+                next_session: AtomicU64::new(1),
+                kind: config.kind,
+            }),
+        })
+    }
+
+    pub fn kind(&self) -> EngineKind {
+        self.inner.kind
+    }
+
+    /// Opens a session, pinned to one worker (round robin).
+    pub fn session(&self) -> Session {
+        let id = self.inner.next_session.fetch_add(1, Ordering::Relaxed);
+        let worker = self.inner.workers[(id as usize) % self.inner.workers.len()].clone();
+        Session { id, worker }
+    }
+
+    /// Ring counters summed over the workers (zero for the blocking engine).
+    pub async fn ring_stats(&self) -> RingStats {
+        let mut total = RingStats::default();
+        for w in &self.inner.workers {
+            let (tx, rx) = oneshot::channel();
+            if w.send(Request::Stats { reply: tx }).await.is_ok()
+                && let Ok(s) = rx.await
+            {
+                total.enters += s.enters;
+                total.sqes += s.sqes;
+                total.chains += s.chains;
+                total.pool_jobs += s.pool_jobs;
+            }
+        }
+        total
+    }
+
+    /// Arms a crash point on every worker (crash-injection tests).
+    pub async fn set_crash_point(&self, point: Option<CrashPoint>) {
+        for w in &self.inner.workers {
+            let _ = w.send(Request::CrashPoint { point }).await;
+        }
+    }
+}
+
+impl Session {
+    pub fn id(&self) -> SessionId {
+        self.id
+    }
+
+    /// Executes one fop as `creds`. Many calls of one session may be in flight at once.
+    pub async fn call(&self, creds: Creds, fop: FopRequest) -> Result<FopReply, ErrorCode> {
+        let (tx, rx) = oneshot::channel();
+        let request = Request::Fop {
+            session: self.id,
+            creds,
+            fop,
+            reply: tx,
+        };
+        self.worker
+            .send(request)
+            .await
+            .map_err(|_| ErrorCode::NotConnected)?;
+        rx.await.map_err(|_| ErrorCode::Io)?
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        // A full queue must not lose the release: fall back to a blocking-free spawn.
+        if let Err(mpsc::error::TrySendError::Full(req)) = self
+            .worker
+            .try_send(Request::EndSession { session: self.id })
+        {
+            let worker = self.worker.clone();
+            std::thread::spawn(move || {
+                let _ = worker.blocking_send(req);
+            });
+        }
+    }
+}
+
+fn start_uring(
+    brick: &Arc<Brick>,
+    config: &EngineConfig,
+) -> std::io::Result<Vec<mpsc::Sender<Request>>> {
+    let pool = BlockingPool::new(config.ring.blocking_threads, config.ring.blocking_queue_max)?;
+    let shared = Arc::new(BrickState::default());
+    let mut senders = Vec::new();
+    for i in 0..config.workers.max(1) {
+        let (tx, rx) = mpsc::channel(config.queue_max.max(1));
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let (brick, config, pool, shared) =
+            (brick.clone(), config.clone(), pool.clone(), shared.clone());
+        std::thread::Builder::new()
+            .name(format!("kiln-worker-{i}"))
+            .spawn(move || {
+                let runtime = match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(rt) => rt,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                let local = tokio::task::LocalSet::new();
+                local.block_on(&runtime, async move {
+                    let exec = match UringExec::new(&config.ring, pool) {
+                        Ok(exec) => exec,
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(e));
+                            return;
+                        }
+                    };
+                    let _ = ready_tx.send(Ok(()));
+                    let fops = Rc::new(Fops::new(brick, shared, exec, config.fops.clone()));
+                    serve_uring(fops, rx).await;
+                });
+            })?;
+        ready_rx
+            .recv()
+            .map_err(|_| std::io::Error::other("worker thread died at start"))??;
+        senders.push(tx);
+    }
+    Ok(senders)
+}
+
+async fn serve_uring(fops: Rc<Fops<UringExec>>, mut rx: mpsc::Receiver<Request>) {
+    while let Some(request) = rx.recv().await {
+        match request {
+            Request::Fop {
+                session,
+                creds,
+                fop,
+                reply,
+            } => {
+                let fops = fops.clone();
+                tokio::task::spawn_local(async move {
+                    let result = fops.call(session, &creds, fop).await.map_err(to_code);
+                    let _ = reply.send(result);
+                });
+            }
+            Request::EndSession { session } => {
+                let files = fops.end_session(session);
+                let fops = fops.clone();
+                tokio::task::spawn_local(async move {
+                    let closes = files
+                        .into_iter()
+                        .map(|file| Step::brick(Op::Close { file }))
+                        .collect::<Vec<_>>();
+                    for close in closes {
+                        let _ = crate::exec::Exec::run(fops.exec(), vec![close]).await;
+                    }
+                });
+            }
+            Request::Stats { reply } => {
+                let _ = reply.send(fops.exec().stats());
+            }
+            Request::CrashPoint { point } => fops.set_crash_point(point),
+        }
+    }
+}
+
+fn start_blocking(
+    brick: &Arc<Brick>,
+    config: &EngineConfig,
+) -> std::io::Result<Vec<mpsc::Sender<Request>>> {
+    let fops = Arc::new(Fops::new(
+        brick.clone(),
+        Arc::default(),
+        BlockingExec,
+        config.fops.clone(),
+    ));
+    let (tx, rx) = mpsc::channel::<Request>(config.queue_max.max(1));
+    let rx = Arc::new(std::sync::Mutex::new(rx));
+    for i in 0..config.workers.max(1) {
+        let (fops, rx) = (fops.clone(), rx.clone());
+        std::thread::Builder::new()
+            .name(format!("kiln-blocking-worker-{i}"))
+            .spawn(move || {
+                loop {
+                    let request = rx
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .blocking_recv();
+                    match request {
+                        None => return,
+                        Some(Request::Fop {
+                            session,
+                            creds,
+                            fop,
+                            reply,
+                        }) => {
+                            let result = block_on(fops.call(session, &creds, fop)).map_err(to_code);
+                            let _ = reply.send(result);
+                        }
+                        Some(Request::EndSession { session }) => drop(fops.end_session(session)),
+                        Some(Request::Stats { reply }) => {
+                            let _ = reply.send(RingStats::default());
+                        }
+                        Some(Request::CrashPoint { point }) => fops.set_crash_point(point),
+                    }
+                }
+            })?;
+    }
+    // One queue shared by all threads: every session reaches every thread.
+    Ok(vec![tx])
+}
+
+/// Drives a future of the blocking executor, whose every await is already complete.
+fn block_on<F: Future>(future: F) -> F::Output {
+    let mut future = std::pin::pin!(future);
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    loop {
+        if let std::task::Poll::Ready(v) = future.as_mut().poll(&mut cx) {
+            return v;
+        }
+        std::thread::yield_now();
+    }
+}

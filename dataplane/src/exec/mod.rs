@@ -1,0 +1,29 @@
+//! Executors: how a chain of [`Step`]s reaches the kernel. The fop logic (`fops.rs`) is written
+//! once against [`Exec`]; [`blocking::BlockingExec`] makes one syscall per step on the calling
+//! thread, [`uring::UringExec`] turns a chain into linked SQEs submitted with the other fops of
+//! the same loop turn.
+
+pub mod blocking;
+pub mod uring;
+
+use std::future::Future;
+
+use crate::step::{Step, StepResult};
+
+/// Runs chains of steps and blocking work.
+pub trait Exec {
+    /// Runs `steps` in order as one chain. A failed step cancels the ones after it, which
+    /// report `ECANCELED`; the result has one entry per step.
+    fn run(&self, steps: Vec<Step>) -> impl Future<Output = Vec<StepResult>>;
+
+    /// Runs `work` where blocking is allowed: calls that have no io_uring opcode (getdents,
+    /// chmod/chown/utimes, listxattr, …).
+    fn blocking<T: Send + 'static>(
+        &self,
+        work: impl FnOnce() -> T + Send + 'static,
+    ) -> impl Future<Output = T>;
+
+    /// Whether open files are direct descriptors (then a fop that needs a plain fd reopens
+    /// by handle instead).
+    fn uses_fixed_files(&self) -> bool;
+}

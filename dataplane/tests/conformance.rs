@@ -1,0 +1,1195 @@
+//! The fop contract, run against both engines: every fop, the errno cases a local Linux file
+//! system gives, permissions, rename edge cases, long names, deep trees, and containment.
+
+mod common;
+
+use bytes::Bytes;
+use common::*;
+use kiln_dataplane::{EngineKind, FopsConfig};
+use kiln_wire::*;
+
+per_engine!(
+    create_write_read_release,
+    put_small_files_and_retry,
+    mkdir_readdir_readdirp,
+    errno_cases,
+    rename_cases,
+    permissions_are_the_kernels,
+    symlinks_never_escape,
+    xattrs,
+    setattr_fields,
+    hard_links,
+    fallocate_and_seek,
+    locks_between_sessions,
+    deep_tree_resolves_by_handle,
+    open_file_limit_and_session_end,
+    names_at_255_bytes,
+    statfs_and_access,
+);
+
+fn create_write_read_release(kind: EngineKind) {
+    let h = Harness::new(kind);
+    let gfid = h.gfid();
+    let create = Create {
+        parent: Gfid::ROOT,
+        name: name("a.txt"),
+        gfid,
+        access: AccessMode::ReadWrite,
+        flags: OpenFlags::EXCL,
+        mode: mode(0o640),
+        umask: mode(0o022),
+    };
+    let FopReply::Create(c) = h.call(&root(), create).expect("create") else {
+        panic!()
+    };
+    assert_eq!(c.iatt.gfid, gfid);
+    assert_eq!(c.iatt.file_type, FileType::Regular);
+    assert_eq!(c.iatt.mode.bits(), 0o640);
+    assert_eq!(c.iatt.nlink, 1, "the handle link is not visible");
+    let data = Payload::new(Bytes::from_static(b"hello, brick")).expect("small");
+    let FopReply::Write(w) = h
+        .call(
+            &root(),
+            Write {
+                fd: c.fd,
+                offset: 0,
+                data,
+            },
+        )
+        .expect("write")
+    else {
+        panic!()
+    };
+    assert_eq!((w.pre.size, w.post.size), (0, 12));
+    let FopReply::Fsync(_) = h
+        .call(
+            &root(),
+            Fsync {
+                fd: c.fd,
+                datasync: false,
+            },
+        )
+        .expect("fsync")
+    else {
+        panic!()
+    };
+    let FopReply::Fstat(s) = h.call(&root(), Fstat { fd: c.fd }).expect("fstat") else {
+        panic!()
+    };
+    assert_eq!(s.iatt.size, 12);
+    h.call(&root(), Flush { fd: c.fd }).expect("flush");
+    h.call(&root(), Release { fd: c.fd }).expect("release");
+    assert_eq!(
+        h.call(&root(), Release { fd: c.fd }).err(),
+        Some(ErrorCode::BadFd),
+        "a released fd is stale"
+    );
+    assert_eq!(h.read_all(gfid).expect("read"), b"hello, brick");
+    let found = h.lookup(Gfid::ROOT, "a.txt").expect("lookup");
+    assert_eq!(found.gfid, gfid);
+    assert_eq!(h.stat(gfid).expect("stat").size, 12);
+    // On disk: GlusterFS's layout.
+    let on_disk = std::fs::read(h.path().join("a.txt")).expect("file on disk");
+    assert_eq!(on_disk, b"hello, brick");
+    let handle = h.path().join(kiln_dataplane::Brick::handle_path(&gfid));
+    assert_eq!(
+        std::fs::read(handle).expect("handle is a hard link"),
+        b"hello, brick"
+    );
+    h.assert_consistent();
+}
+
+fn put_small_files_and_retry(kind: EngineKind) {
+    let h = Harness::new(kind);
+    let dir = h.mkdir(Gfid::ROOT, "spool").expect("mkdir");
+    let gfid = h.gfid();
+    let put = |g: Gfid, data: &'static [u8]| Put {
+        parent: dir,
+        name: name("msg"),
+        gfid: g,
+        mode: mode(0o600),
+        umask: mode(0),
+        flags: OpenFlags::empty(),
+        data: Payload::new(Bytes::from_static(data)).expect("small"),
+        attr: SetAttr {
+            mtime: Some(TimeSet::At(Timespec::new(1_000_000, 5).expect("valid"))),
+            ..SetAttr::default()
+        },
+    };
+    let FopReply::Put(e) = h.call(&root(), put(gfid, b"mail body")).expect("put") else {
+        panic!()
+    };
+    assert_eq!(
+        (e.iatt.size, e.iatt.mode.bits(), e.iatt.mtime.sec()),
+        (9, 0o600, 1_000_000)
+    );
+    assert_eq!(e.post_parent.nlink, 2);
+    // A retry with the same GFID succeeds; another GFID finds the name taken.
+    h.call(&root(), put(gfid, b"mail body"))
+        .expect("idempotent retry");
+    assert_eq!(
+        h.call(&root(), put(h.gfid(), b"x")).err(),
+        Some(ErrorCode::Exist)
+    );
+    assert_eq!(h.read_all(gfid).expect("read"), b"mail body");
+    // Empty files too.
+    let empty = h.put(dir, "empty", b"").expect("empty put");
+    assert_eq!(h.stat(empty).expect("stat").size, 0);
+    // Many small files, then all listed.
+    for i in 0..200 {
+        h.put(dir, &format!("f{i:03}"), format!("{i}").as_bytes())
+            .expect("put");
+    }
+    assert_eq!(h.list(dir).expect("list").len(), 202);
+    h.assert_consistent();
+}
+
+fn mkdir_readdir_readdirp(kind: EngineKind) {
+    let h = Harness::new(kind);
+    let a = h.mkdir(Gfid::ROOT, "a").expect("mkdir a");
+    let b = h.mkdir(a, "b").expect("mkdir b");
+    h.put(b, "leaf", b"x").expect("put");
+    assert_eq!(
+        h.stat(b).expect("nameless stat of a directory").file_type,
+        FileType::Directory
+    );
+    assert_eq!(
+        h.list(Gfid::ROOT).expect("root"),
+        vec!["a"],
+        ".glusterfs is hidden"
+    );
+    // READDIRP returns the same GFIDs LOOKUP does, in small pages.
+    for i in 0..50 {
+        h.mkdir(a, &format!("d{i:02}")).expect("mkdir");
+    }
+    let FopReply::Opendir(o) = h.call(&root(), Opendir { gfid: a }).expect("opendir") else {
+        panic!()
+    };
+    let (mut offset, mut seen) = (0, Vec::new());
+    loop {
+        let size = ReaddirSize::new(1024).expect("valid");
+        let FopReply::Readdirp(r) = h
+            .call(
+                &root(),
+                Readdirp {
+                    fd: o.fd,
+                    offset,
+                    size,
+                },
+            )
+            .expect("readdirp")
+        else {
+            panic!()
+        };
+        for e in &r.entries {
+            assert_eq!(
+                h.lookup(a, &e.name.to_string()).expect("lookup").gfid,
+                e.iatt.gfid
+            );
+            seen.push(e.name.to_string());
+            offset = e.offset;
+        }
+        if r.eof {
+            break;
+        }
+    }
+    assert_eq!(seen.len(), 51);
+    h.call(&root(), Releasedir { fd: o.fd })
+        .expect("releasedir");
+    h.call(
+        &root(),
+        Fsyncdir {
+            fd: o.fd,
+            datasync: false,
+        },
+    )
+    .expect_err("released");
+    let lookup = h
+        .call(
+            &root(),
+            Lookup {
+                parent: a,
+                name: name("b"),
+            },
+        )
+        .expect("lookup");
+    let FopReply::Lookup(l) = lookup else {
+        panic!()
+    };
+    assert_eq!(l.parent.gfid, a);
+    h.assert_consistent();
+}
+
+fn errno_cases(kind: EngineKind) {
+    let h = Harness::new(kind);
+    let d = h.mkdir(Gfid::ROOT, "d").expect("mkdir");
+    let f = h.put(Gfid::ROOT, "f", b"data").expect("put");
+    let err = |r: Result<FopReply, ErrorCode>| r.err();
+    assert_eq!(
+        h.lookup(Gfid::ROOT, "missing").err(),
+        Some(ErrorCode::NoEnt)
+    );
+    assert_eq!(h.mkdir(Gfid::ROOT, "d").err(), Some(ErrorCode::Exist));
+    assert_eq!(h.put(Gfid::ROOT, "d", b"").err(), Some(ErrorCode::Exist));
+    h.put(d, "inner", b"").expect("put");
+    assert_eq!(h.rmdir(Gfid::ROOT, "d").err(), Some(ErrorCode::NotEmpty));
+    assert_eq!(h.unlink(Gfid::ROOT, "d").err(), Some(ErrorCode::IsDir));
+    assert_eq!(h.rmdir(Gfid::ROOT, "f").err(), Some(ErrorCode::NotDir));
+    assert_eq!(
+        h.lookup(f, "x").err(),
+        Some(ErrorCode::NotDir),
+        "a file as parent"
+    );
+    assert_eq!(h.mkdir(f, "x").err(), Some(ErrorCode::NotDir));
+    assert_eq!(
+        h.rename(Gfid::ROOT, "d", d, "inside", RenameMode::Replace)
+            .err(),
+        Some(ErrorCode::Inval)
+    );
+    assert_eq!(
+        err(h.call(
+            &root(),
+            Link {
+                gfid: d,
+                new_parent: Gfid::ROOT,
+                new_name: name("dl")
+            }
+        )),
+        Some(ErrorCode::Perm)
+    );
+    assert_eq!(
+        h.open(d, AccessMode::WriteOnly).err(),
+        Some(ErrorCode::IsDir)
+    );
+    assert_eq!(
+        err(h.call(&root(), Readlink { gfid: f })),
+        Some(ErrorCode::Inval)
+    );
+    let unknown = h.gfid();
+    assert_eq!(h.stat(unknown).err(), Some(ErrorCode::Stale));
+    assert_eq!(h.lookup(unknown, "x").err(), Some(ErrorCode::Stale));
+    assert_eq!(
+        h.lookup(Gfid::ROOT, ".glusterfs").err(),
+        Some(ErrorCode::Perm)
+    );
+    assert_eq!(
+        h.mkdir(Gfid::ROOT, ".glusterfs").err(),
+        Some(ErrorCode::Perm)
+    );
+    let forged = FdId {
+        slot: 77,
+        generation: 3,
+    };
+    assert_eq!(
+        err(h.call(
+            &root(),
+            Read {
+                fd: forged,
+                offset: 0,
+                size: ReadSize::new(1).expect("ok")
+            }
+        )),
+        Some(ErrorCode::BadFd)
+    );
+    // Writing through a read-only fd.
+    let ro = h.open(f, AccessMode::ReadOnly).expect("open");
+    let data = Payload::new(Bytes::from_static(b"x")).expect("small");
+    assert_eq!(
+        err(h.call(
+            &root(),
+            Write {
+                fd: ro,
+                offset: 0,
+                data
+            }
+        )),
+        Some(ErrorCode::BadFd)
+    );
+    // Another session cannot use this session's fd.
+    let other = h.engine.session();
+    assert_eq!(
+        err(h.call_as(&other, &root(), Fstat { fd: ro })),
+        Some(ErrorCode::BadFd)
+    );
+    h.assert_consistent();
+}
+
+fn rename_cases(kind: EngineKind) {
+    let h = Harness::new(kind);
+    let a = h.mkdir(Gfid::ROOT, "a").expect("mkdir");
+    let b = h.mkdir(Gfid::ROOT, "b").expect("mkdir");
+    let f = h.put(a, "f", b"one").expect("put");
+    let g = h.put(b, "g", b"two").expect("put");
+    // Within a directory, then across.
+    h.rename(a, "f", a, "f2", RenameMode::Replace)
+        .expect("rename");
+    h.rename(a, "f2", b, "f3", RenameMode::Replace)
+        .expect("rename across");
+    assert_eq!(h.lookup(b, "f3").expect("moved").gfid, f);
+    // Replacing a file drops the victim's handle (check finds nothing stale).
+    h.rename(b, "f3", b, "g", RenameMode::Replace)
+        .expect("replace");
+    assert_eq!(h.lookup(b, "g").expect("replaced").gfid, f);
+    assert_eq!(
+        h.stat(g).err(),
+        Some(ErrorCode::Stale),
+        "the victim is gone"
+    );
+    h.assert_consistent();
+    // NOREPLACE and EXCHANGE.
+    h.put(a, "x", b"x").expect("put");
+    assert_eq!(
+        h.rename(a, "x", b, "g", RenameMode::NoReplace).err(),
+        Some(ErrorCode::Exist)
+    );
+    h.rename(a, "x", b, "g", RenameMode::Exchange)
+        .expect("exchange");
+    assert_eq!(
+        h.read_all(h.lookup(a, "x").expect("swapped").gfid)
+            .expect("read"),
+        b"one"
+    );
+    // A directory moves with its subtree; its handle follows, so nameless access still works.
+    let sub = h.mkdir(a, "sub").expect("mkdir");
+    let deep = h.mkdir(sub, "deep").expect("mkdir");
+    h.put(deep, "leaf", b"leaf").expect("put");
+    h.rename(a, "sub", b, "moved", RenameMode::Replace)
+        .expect("dir rename");
+    let fresh = Harness::reopen(
+        tempfile::tempdir().expect("tmp"),
+        &h.path(),
+        kind,
+        FopsConfig::default(),
+    );
+    assert_eq!(
+        fresh
+            .stat(deep)
+            .expect("cold resolve through the new handle")
+            .file_type,
+        FileType::Directory
+    );
+    assert_eq!(fresh.lookup(deep, "leaf").expect("leaf").size, 4);
+    // Replacing an empty directory with a directory.
+    h.mkdir(Gfid::ROOT, "empty").expect("mkdir");
+    h.rename(b, "moved", Gfid::ROOT, "empty", RenameMode::Replace)
+        .expect("replace empty dir");
+    assert_eq!(h.lookup(Gfid::ROOT, "empty").expect("moved over").gfid, sub);
+    // Exchanging two directories updates both handles.
+    let c = h.mkdir(Gfid::ROOT, "c").expect("mkdir");
+    h.rename(Gfid::ROOT, "c", Gfid::ROOT, "empty", RenameMode::Exchange)
+        .expect("exchange dirs");
+    drop(fresh);
+    let fresh = Harness::reopen(
+        tempfile::tempdir().expect("tmp"),
+        &h.path(),
+        kind,
+        FopsConfig::default(),
+    );
+    assert_eq!(fresh.stat(c).expect("c").file_type, FileType::Directory);
+    assert_eq!(fresh.lookup(deep, "leaf").expect("still reachable").size, 4);
+    h.assert_consistent();
+}
+
+fn permissions_are_the_kernels(kind: EngineKind) {
+    let h = Harness::new(kind);
+    let alice = user(1000);
+    let bob = user(2000);
+    let shared = h.mkdir(Gfid::ROOT, "shared").expect("mkdir");
+    assert_eq!(
+        h.put_as(&alice, shared, "x", b"").err(),
+        Some(ErrorCode::Access),
+        "0755 root dir"
+    );
+    let home = h.mkdir(Gfid::ROOT, "alice").expect("mkdir");
+    let chown = SetAttr {
+        uid: Some(1000),
+        gid: Some(1000),
+        ..SetAttr::default()
+    };
+    h.call(
+        &root(),
+        Setattr {
+            gfid: home,
+            attr: chown,
+        },
+    )
+    .expect("chown by root");
+    let f = h
+        .put_as(&alice, home, "notes", b"secret")
+        .expect("alice writes her home");
+    let attr = h.stat(f).expect("stat");
+    assert_eq!(
+        (attr.uid, attr.gid),
+        (1000, 1000),
+        "new files belong to the caller"
+    );
+    let private = SetAttr {
+        mode: Some(mode(0o600)),
+        ..SetAttr::default()
+    };
+    h.call(
+        &alice,
+        Setattr {
+            gfid: f,
+            attr: private,
+        },
+    )
+    .expect("owner chmods");
+    assert_eq!(
+        h.call(
+            &bob,
+            Setattr {
+                gfid: f,
+                attr: private
+            }
+        )
+        .err(),
+        Some(ErrorCode::Perm),
+        "non-owner chmod"
+    );
+    assert_eq!(
+        h.open_as(&bob, f, AccessMode::ReadOnly).err(),
+        Some(ErrorCode::Access)
+    );
+    h.open_as(&alice, f, AccessMode::ReadWrite)
+        .expect("owner opens");
+    assert_eq!(
+        h.call(
+            &bob,
+            Unlink {
+                parent: home,
+                name: name("notes")
+            }
+        )
+        .err(),
+        Some(ErrorCode::Access)
+    );
+    let give = SetAttr {
+        uid: Some(2000),
+        ..SetAttr::default()
+    };
+    assert_eq!(
+        h.call(
+            &alice,
+            Setattr {
+                gfid: f,
+                attr: give
+            }
+        )
+        .err(),
+        Some(ErrorCode::Perm),
+        "only root gives files away"
+    );
+    // A sticky, world-writable directory: bob cannot remove alice's file.
+    let tmp = h.mkdir(Gfid::ROOT, "tmp").expect("mkdir");
+    let sticky = SetAttr {
+        mode: Some(mode(0o1777)),
+        ..SetAttr::default()
+    };
+    h.call(
+        &root(),
+        Setattr {
+            gfid: tmp,
+            attr: sticky,
+        },
+    )
+    .expect("chmod");
+    h.put_as(&alice, tmp, "a", b"").expect("alice in /tmp");
+    assert_eq!(
+        h.call(
+            &bob,
+            Unlink {
+                parent: tmp,
+                name: name("a")
+            }
+        )
+        .err(),
+        Some(ErrorCode::Perm)
+    );
+    h.call(
+        &alice,
+        Unlink {
+            parent: tmp,
+            name: name("a"),
+        },
+    )
+    .expect("owner removes");
+    // Search permission is needed to look names up.
+    let locked = h.mkdir_as(&alice, home, "locked", 0o700).expect("mkdir");
+    h.put_as(&alice, locked, "in", b"").expect("put");
+    assert_eq!(
+        h.call(
+            &bob,
+            Lookup {
+                parent: locked,
+                name: name("in")
+            }
+        )
+        .err(),
+        Some(ErrorCode::Access)
+    );
+    // Root's trusted xattrs are out of a user's reach.
+    let value = XattrValue::new(&b"v"[..]).expect("small");
+    let set = Setxattr {
+        gfid: f,
+        name: XattrName::new(&b"trusted.x"[..]).expect("valid"),
+        value,
+        mode: XattrSetMode::Upsert,
+    };
+    assert_eq!(h.call(&alice, set).err(), Some(ErrorCode::Perm));
+    h.assert_consistent();
+}
+
+fn symlinks_never_escape(kind: EngineKind) {
+    let h = Harness::new(kind);
+    for (n, target) in [
+        ("up", "../../../../../../etc"),
+        ("abs", "/etc/passwd"),
+        ("dots", ".."),
+    ] {
+        let gfid = h.gfid();
+        let symlink = Symlink {
+            parent: Gfid::ROOT,
+            name: name(n),
+            gfid,
+            target: SymlinkTarget::new(target.to_owned()).expect("valid"),
+        };
+        let FopReply::Symlink(e) = h.call(&root(), symlink).expect("symlink") else {
+            panic!()
+        };
+        assert_eq!(e.iatt.file_type, FileType::Symlink);
+        let FopReply::Readlink(r) = h.call(&root(), Readlink { gfid }).expect("readlink") else {
+            panic!()
+        };
+        assert_eq!(r.target.as_bytes(), target.as_bytes());
+        assert_eq!(
+            h.lookup(Gfid::ROOT, n).expect("lookup").file_type,
+            FileType::Symlink,
+            "never followed"
+        );
+        assert_eq!(
+            h.open(gfid, AccessMode::ReadOnly).err(),
+            Some(ErrorCode::Loop)
+        );
+        assert_eq!(
+            h.lookup(gfid, "passwd").err(),
+            Some(ErrorCode::NotDir),
+            "not a directory to look in"
+        );
+        let chmod = SetAttr {
+            mode: Some(mode(0o777)),
+            ..SetAttr::default()
+        };
+        assert_eq!(
+            h.call(&root(), Setattr { gfid, attr: chmod }).err(),
+            Some(ErrorCode::NotSupported)
+        );
+    }
+    // Handles of files and directories cannot be reached as names.
+    assert_eq!(
+        h.lookup(Gfid::ROOT, ".glusterfs").err(),
+        Some(ErrorCode::Perm)
+    );
+    h.assert_consistent();
+}
+
+fn xattrs(kind: EngineKind) {
+    let h = Harness::new(kind);
+    let f = h.put(Gfid::ROOT, "f", b"").expect("put");
+    let d = h.mkdir(Gfid::ROOT, "d").expect("mkdir");
+    for gfid in [f, d] {
+        let xname = XattrName::new(&b"user.color"[..]).expect("valid");
+        let value = |v: &'static [u8]| XattrValue::new(v).expect("small");
+        let set = |v, mode| Setxattr {
+            gfid,
+            name: xname.clone(),
+            value: value(v),
+            mode,
+        };
+        h.call(&root(), set(b"blue", XattrSetMode::Create))
+            .expect("create");
+        assert_eq!(
+            h.call(&root(), set(b"red", XattrSetMode::Create)).err(),
+            Some(ErrorCode::Exist)
+        );
+        h.call(&root(), set(b"red", XattrSetMode::Replace))
+            .expect("replace");
+        let FopReply::Getxattr(g) = h
+            .call(
+                &root(),
+                Getxattr {
+                    gfid,
+                    name: xname.clone(),
+                },
+            )
+            .expect("get")
+        else {
+            panic!()
+        };
+        assert_eq!(g.value.as_bytes(), b"red");
+        let FopReply::Listxattr(l) = h.call(&root(), Listxattr { gfid }).expect("list") else {
+            panic!()
+        };
+        let names: Vec<_> = l
+            .entries
+            .iter()
+            .map(|n| String::from_utf8_lossy(n.as_bytes()).into_owned())
+            .collect();
+        assert_eq!(names, vec!["user.color"], "internal xattrs are hidden");
+        h.call(
+            &root(),
+            Removexattr {
+                gfid,
+                name: xname.clone(),
+            },
+        )
+        .expect("remove");
+        assert_eq!(
+            h.call(
+                &root(),
+                Getxattr {
+                    gfid,
+                    name: xname.clone()
+                }
+            )
+            .err(),
+            Some(ErrorCode::NoData)
+        );
+        assert_eq!(
+            h.call(&root(), set(b"x", XattrSetMode::Replace)).err(),
+            Some(ErrorCode::NoData)
+        );
+        let gfid_name = XattrName::new(&b"trusted.gfid"[..]).expect("valid");
+        let forge = Setxattr {
+            gfid,
+            name: gfid_name.clone(),
+            value: value(b"0123456789abcdef"),
+            mode: XattrSetMode::Upsert,
+        };
+        assert_eq!(
+            h.call(&root(), forge).err(),
+            Some(ErrorCode::Perm),
+            "the gfid is the brick's"
+        );
+        assert_eq!(
+            h.call(
+                &root(),
+                Removexattr {
+                    gfid,
+                    name: gfid_name.clone()
+                }
+            )
+            .err(),
+            Some(ErrorCode::Perm)
+        );
+        let FopReply::Getxattr(own) = h
+            .call(
+                &root(),
+                Getxattr {
+                    gfid,
+                    name: gfid_name,
+                },
+            )
+            .expect("readable")
+        else {
+            panic!()
+        };
+        assert_eq!(own.value.as_bytes(), gfid.as_bytes());
+    }
+    // By fd.
+    let fd = h.open(f, AccessMode::ReadWrite).expect("open");
+    let xname = XattrName::new(&b"user.fd"[..]).expect("valid");
+    h.call(
+        &root(),
+        Fsetxattr {
+            fd,
+            name: xname.clone(),
+            value: XattrValue::new(&b"1"[..]).expect("ok"),
+            mode: XattrSetMode::Upsert,
+        },
+    )
+    .expect("fset");
+    let FopReply::Fgetxattr(v) = h
+        .call(
+            &root(),
+            Fgetxattr {
+                fd,
+                name: xname.clone(),
+            },
+        )
+        .expect("fget")
+    else {
+        panic!()
+    };
+    assert_eq!(v.value.as_bytes(), b"1");
+    h.call(&root(), Fremovexattr { fd, name: xname })
+        .expect("fremove");
+    h.assert_consistent();
+}
+
+fn setattr_fields(kind: EngineKind) {
+    let h = Harness::new(kind);
+    let f = h.put(Gfid::ROOT, "f", b"0123456789").expect("put");
+    let t = Timespec::new(1_234_567_890, 123_456_789).expect("valid");
+    let attr = SetAttr {
+        mode: Some(mode(0o4751)),
+        uid: Some(42),
+        gid: Some(43),
+        size: Some(4),
+        atime: Some(TimeSet::At(t)),
+        mtime: Some(TimeSet::At(t)),
+    };
+    let FopReply::Setattr(c) = h.call(&root(), Setattr { gfid: f, attr }).expect("setattr") else {
+        panic!()
+    };
+    assert_eq!(c.pre.size, 10);
+    let p = c.post;
+    assert_eq!(
+        (p.mode.bits(), p.uid, p.gid, p.size, p.atime, p.mtime),
+        (0o4751, 42, 43, 4, t, t)
+    );
+    // UTIME_OMIT keeps atime; UTIME_NOW moves mtime.
+    let now = SetAttr {
+        mtime: Some(TimeSet::Now),
+        ..SetAttr::default()
+    };
+    let FopReply::Setattr(c) = h
+        .call(&root(), Setattr { gfid: f, attr: now })
+        .expect("setattr")
+    else {
+        panic!()
+    };
+    assert_eq!(c.post.atime, t);
+    assert!(c.post.mtime > t);
+    let FopReply::Truncate(c) = h
+        .call(&root(), Truncate { gfid: f, size: 100 })
+        .expect("truncate")
+    else {
+        panic!()
+    };
+    assert_eq!(c.post.size, 100);
+    let fd = h.open(f, AccessMode::WriteOnly).expect("open");
+    let FopReply::Ftruncate(c) = h
+        .call(&root(), Ftruncate { fd, size: 1 })
+        .expect("ftruncate")
+    else {
+        panic!()
+    };
+    assert_eq!(c.post.size, 1);
+    let ro = h.open(f, AccessMode::ReadOnly).expect("open");
+    assert_eq!(
+        h.call(&root(), Ftruncate { fd: ro, size: 0 }).err(),
+        Some(ErrorCode::Inval)
+    );
+    let d = h.mkdir(Gfid::ROOT, "d").expect("mkdir");
+    let size = SetAttr {
+        size: Some(0),
+        ..SetAttr::default()
+    };
+    assert_eq!(
+        h.call(
+            &root(),
+            Setattr {
+                gfid: d,
+                attr: size
+            }
+        )
+        .err(),
+        Some(ErrorCode::IsDir)
+    );
+    let dmode = SetAttr {
+        mode: Some(mode(0o700)),
+        ..SetAttr::default()
+    };
+    let FopReply::Setattr(c) = h
+        .call(
+            &root(),
+            Setattr {
+                gfid: d,
+                attr: dmode,
+            },
+        )
+        .expect("chmod dir")
+    else {
+        panic!()
+    };
+    assert_eq!(c.post.mode.bits(), 0o700);
+    h.assert_consistent();
+}
+
+fn hard_links(kind: EngineKind) {
+    let h = Harness::new(kind);
+    let f = h.put(Gfid::ROOT, "f", b"linked").expect("put");
+    let d = h.mkdir(Gfid::ROOT, "d").expect("mkdir");
+    let FopReply::Link(l) = h
+        .call(
+            &root(),
+            Link {
+                gfid: f,
+                new_parent: d,
+                new_name: name("g"),
+            },
+        )
+        .expect("link")
+    else {
+        panic!()
+    };
+    assert_eq!((l.iatt.gfid, l.iatt.nlink), (f, 2));
+    assert_eq!(h.lookup(d, "g").expect("lookup").gfid, f);
+    h.unlink(Gfid::ROOT, "f").expect("unlink one name");
+    assert_eq!(h.stat(f).expect("still there by gfid").nlink, 1);
+    assert_eq!(h.read_all(f).expect("read"), b"linked");
+    h.assert_consistent();
+    // Unlinking the last name while open: the fd still reads.
+    let fd = h.open(f, AccessMode::ReadOnly).expect("open");
+    h.unlink(d, "g").expect("unlink last name");
+    let FopReply::Read(r) = h
+        .call(
+            &root(),
+            Read {
+                fd,
+                offset: 0,
+                size: ReadSize::new(100).expect("ok"),
+            },
+        )
+        .expect("read")
+    else {
+        panic!()
+    };
+    assert_eq!(r.data.as_bytes(), b"linked");
+    assert_eq!(h.stat(f).err(), Some(ErrorCode::Stale));
+    h.assert_consistent();
+}
+
+fn fallocate_and_seek(kind: EngineKind) {
+    let h = Harness::new(kind);
+    let f = h.put(Gfid::ROOT, "f", b"").expect("put");
+    let fd = h.open(f, AccessMode::ReadWrite).expect("open");
+    let FopReply::Fallocate(c) = h
+        .call(
+            &root(),
+            Fallocate {
+                fd,
+                keep_size: false,
+                offset: 0,
+                len: 1 << 20,
+            },
+        )
+        .expect("fallocate")
+    else {
+        panic!()
+    };
+    assert_eq!(c.post.size, 1 << 20);
+    let data = Payload::new(Bytes::from(vec![7u8; 4096])).expect("small");
+    h.call(
+        &root(),
+        Write {
+            fd,
+            offset: 0,
+            data,
+        },
+    )
+    .expect("write");
+    h.call(
+        &root(),
+        Discard {
+            fd,
+            offset: 65536,
+            len: 65536,
+        },
+    )
+    .expect("punch hole");
+    let FopReply::Seek(s) = h
+        .call(
+            &root(),
+            Seek {
+                fd,
+                offset: 0,
+                what: SeekWhat::Data,
+            },
+        )
+        .expect("seek data")
+    else {
+        panic!()
+    };
+    assert_eq!(s.offset, 0);
+    let FopReply::Zerofill(z) = h
+        .call(
+            &root(),
+            Zerofill {
+                fd,
+                offset: 0,
+                len: 10,
+            },
+        )
+        .expect("zerofill")
+    else {
+        panic!()
+    };
+    assert_eq!(z.post.size, 1 << 20);
+    let FopReply::Read(r) = h
+        .call(
+            &root(),
+            Read {
+                fd,
+                offset: 0,
+                size: ReadSize::new(16).expect("ok"),
+            },
+        )
+        .expect("read")
+    else {
+        panic!()
+    };
+    assert_eq!(
+        &r.data.as_bytes()[..12],
+        &[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 7, 7]
+    );
+    let end = h.call(
+        &root(),
+        Seek {
+            fd,
+            offset: 2 << 20,
+            what: SeekWhat::Data,
+        },
+    );
+    assert_eq!(end.err(), Some(ErrorCode::NxIo));
+}
+
+fn locks_between_sessions(kind: EngineKind) {
+    let h = Harness::new(kind);
+    let f = h.put(Gfid::ROOT, "f", b"").expect("put");
+    let other = h.engine.session();
+    let fd1 = h.open(f, AccessMode::ReadWrite).expect("open");
+    let FopReply::Open(o) = h
+        .call_as(
+            &other,
+            &root(),
+            Open {
+                gfid: f,
+                access: AccessMode::ReadWrite,
+                flags: OpenFlags::empty(),
+            },
+        )
+        .expect("open")
+    else {
+        panic!()
+    };
+    let write = |start, len, owner| Lock {
+        kind: LockKind::Write,
+        start,
+        len,
+        pid: 1,
+        owner,
+    };
+    h.call(
+        &root(),
+        Lk {
+            fd: fd1,
+            cmd: LockCmd::Set,
+            lock: write(0, 10, 1),
+        },
+    )
+    .expect("lock");
+    assert_eq!(
+        h.call_as(
+            &other,
+            &root(),
+            Lk {
+                fd: o.fd,
+                cmd: LockCmd::Set,
+                lock: write(5, 1, 2)
+            }
+        )
+        .err(),
+        Some(ErrorCode::Again)
+    );
+    let FopReply::Lk(t) = h
+        .call_as(
+            &other,
+            &root(),
+            Lk {
+                fd: o.fd,
+                cmd: LockCmd::Get,
+                lock: write(5, 1, 2),
+            },
+        )
+        .expect("getlk")
+    else {
+        panic!()
+    };
+    assert_eq!(
+        (t.lock.kind, t.lock.start, t.lock.len),
+        (LockKind::Write, 0, 10)
+    );
+    h.call_as(
+        &other,
+        &root(),
+        Lk {
+            fd: o.fd,
+            cmd: LockCmd::Set,
+            lock: write(20, 5, 2),
+        },
+    )
+    .expect("no overlap");
+    // Releasing the holder's fd drops its locks.
+    h.call(&root(), Release { fd: fd1 }).expect("release");
+    h.call_as(
+        &other,
+        &root(),
+        Lk {
+            fd: o.fd,
+            cmd: LockCmd::Set,
+            lock: write(0, 10, 2),
+        },
+    )
+    .expect("free now");
+}
+
+fn deep_tree_resolves_by_handle(kind: EngineKind) {
+    let h = Harness::new(kind);
+    let mut parent = Gfid::ROOT;
+    let mut chain = Vec::new();
+    for i in 0..60 {
+        parent = h.mkdir(parent, &format!("level{i}")).expect("mkdir");
+        chain.push(parent);
+    }
+    h.put(parent, "bottom", b"deep").expect("put");
+    // A fresh engine has a cold directory cache: the deepest GFID resolves through 60 nested
+    // handle symlinks, past the kernel's limit of 40.
+    let fresh = Harness::reopen(
+        tempfile::tempdir().expect("tmp"),
+        &h.path(),
+        kind,
+        FopsConfig::default(),
+    );
+    assert_eq!(fresh.lookup(parent, "bottom").expect("deep lookup").size, 4);
+    assert_eq!(
+        fresh.stat(chain[30]).expect("middle").file_type,
+        FileType::Directory
+    );
+    h.assert_consistent();
+}
+
+fn open_file_limit_and_session_end(kind: EngineKind) {
+    let fops = FopsConfig {
+        open_files_per_client_max: 4,
+        ..FopsConfig::default()
+    };
+    let h = Harness::with(kind, fops);
+    let f = h.put(Gfid::ROOT, "f", b"").expect("put");
+    let s = h.engine.session();
+    let open = || {
+        h.call_as(
+            &s,
+            &root(),
+            Open {
+                gfid: f,
+                access: AccessMode::ReadOnly,
+                flags: OpenFlags::empty(),
+            },
+        )
+    };
+    for _ in 0..4 {
+        open().expect("under the limit");
+    }
+    assert_eq!(open().err(), Some(ErrorCode::MFile));
+    // Other sessions have their own limit.
+    h.open(f, AccessMode::ReadOnly).expect("another session");
+    drop(s);
+    // The dropped session's files are released; the brick stays usable.
+    h.open(f, AccessMode::ReadOnly).expect("still fine");
+}
+
+fn names_at_255_bytes(kind: EngineKind) {
+    let h = Harness::new(kind);
+    let long = "n".repeat(255);
+    let d = h.mkdir(Gfid::ROOT, &long).expect("255-byte dir name");
+    let f = h.put(d, &long, b"x").expect("255-byte file name");
+    assert_eq!(h.lookup(d, &long).expect("lookup").gfid, f);
+    let odd = Name::new(&b"\xff\xfe bytes, not utf-8"[..]).expect("valid");
+    h.call(
+        &root(),
+        Mkdir {
+            parent: d,
+            name: odd.clone(),
+            gfid: h.gfid(),
+            mode: mode(0o755),
+            umask: mode(0),
+        },
+    )
+    .expect("mkdir");
+    h.call(
+        &root(),
+        Lookup {
+            parent: d,
+            name: odd,
+        },
+    )
+    .expect("lookup");
+    h.assert_consistent();
+}
+
+fn statfs_and_access(kind: EngineKind) {
+    let h = Harness::new(kind);
+    let FopReply::Statfs(s) = h
+        .call(&root(), Statfs { gfid: Gfid::ROOT })
+        .expect("statfs")
+    else {
+        panic!()
+    };
+    assert!(s.stats.blocks > 0 && s.stats.namemax == 255);
+    let f = h.put(Gfid::ROOT, "f", b"").expect("put");
+    let private = SetAttr {
+        mode: Some(mode(0o600)),
+        ..SetAttr::default()
+    };
+    h.call(
+        &root(),
+        Setattr {
+            gfid: f,
+            attr: private,
+        },
+    )
+    .expect("chmod");
+    h.call(
+        &user(1000),
+        Access {
+            gfid: f,
+            mask: AccessMask::empty(),
+        },
+    )
+    .expect("exists");
+    assert_eq!(
+        h.call(
+            &user(1000),
+            Access {
+                gfid: f,
+                mask: AccessMask::READ
+            }
+        )
+        .err(),
+        Some(ErrorCode::Access)
+    );
+    h.call(
+        &root(),
+        Access {
+            gfid: f,
+            mask: AccessMask::READ | AccessMask::WRITE,
+        },
+    )
+    .expect("root");
+    let node = Mknod {
+        parent: Gfid::ROOT,
+        name: name("fifo"),
+        gfid: h.gfid(),
+        node_type: NodeType::Fifo,
+        mode: mode(0o644),
+        umask: mode(0),
+        rdev: 0,
+    };
+    let FopReply::Mknod(m) = h.call(&root(), node).expect("mknod") else {
+        panic!()
+    };
+    assert_eq!(m.iatt.file_type, FileType::Fifo);
+    h.assert_consistent();
+}
