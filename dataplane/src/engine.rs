@@ -71,6 +71,7 @@ enum Request {
     },
     CrashPoint {
         point: Option<CrashPoint>,
+        done: oneshot::Sender<()>,
     },
 }
 
@@ -151,7 +152,10 @@ impl Engine {
     /// Arms a crash point on every worker (crash-injection tests).
     pub async fn set_crash_point(&self, point: Option<CrashPoint>) {
         for w in &self.inner.workers {
-            let _ = w.send(Request::CrashPoint { point }).await;
+            let (done, applied) = oneshot::channel();
+            if w.send(Request::CrashPoint { point, done }).await.is_ok() {
+                let _ = applied.await;
+            }
         }
     }
 }
@@ -271,7 +275,10 @@ async fn serve_uring(fops: Rc<Fops<UringExec>>, mut rx: mpsc::Receiver<Request>)
             Request::Stats { reply } => {
                 let _ = reply.send(fops.exec().stats());
             }
-            Request::CrashPoint { point } => fops.set_crash_point(point),
+            Request::CrashPoint { point, done } => {
+                fops.set_crash_point(point);
+                let _ = done.send(());
+            }
         }
     }
 }
@@ -313,7 +320,10 @@ fn start_blocking(
                         Some(Request::Stats { reply }) => {
                             let _ = reply.send(RingStats::default());
                         }
-                        Some(Request::CrashPoint { point }) => fops.set_crash_point(point),
+                        Some(Request::CrashPoint { point, done }) => {
+                            fops.set_crash_point(point);
+                            let _ = done.send(());
+                        }
                     }
                 }
             })?;

@@ -941,12 +941,13 @@ impl<E: Exec> Fops<E> {
                     file: FileRef::Chain,
                 }),
             ];
-            let mut results = self.run(steps).await;
-            entry.iatt = iatt(
-                &stat_of(std::mem::replace(&mut results[2], Err(Errno::IO)))?,
-                r.gfid,
-            );
-            results.into_iter().try_for_each(|r| r.map(drop))?;
+            let mut results = self.run(steps).await.into_iter();
+            let (open, write) = (results.next(), results.next());
+            let (stat, close) = (results.next(), results.next());
+            for step in [open, write, close] {
+                step.unwrap_or(Err(Errno::IO))?;
+            }
+            entry.iatt = iatt(&stat_of(stat.unwrap_or(Err(Errno::IO)))?, r.gfid);
         }
         if !r.attr.is_empty() {
             entry.iatt = self.setattr(creds, &r.gfid, r.attr).await?.post;

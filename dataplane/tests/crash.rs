@@ -1,0 +1,390 @@
+//! Crash injection: every multi-step namespace fop is stopped after each of its steps, as if
+//! the brick had been killed there; the brick is reopened (start-up repair runs), must check
+//! clean, must show the fop either not done or fully done, and a retry must succeed.
+
+mod common;
+
+use bytes::Bytes;
+use common::*;
+use kiln_dataplane::{CrashPoint, EngineKind, FopsConfig};
+use kiln_wire::*;
+
+per_engine!(
+    crash_during_put,
+    crash_during_create,
+    crash_during_mkdir,
+    crash_during_symlink,
+    crash_during_mknod,
+    crash_during_link,
+    crash_during_unlink,
+    crash_during_rmdir,
+    crash_during_rename_replacing_a_file,
+    crash_during_directory_rename,
+);
+
+/// More than any fop's chain is long: the last iterations crash after the whole chain.
+const STEPS_MAX: usize = 12;
+
+/// For each crash point: `setup` on a fresh brick, `action` crashed after `k` steps, reopen,
+/// check the layout, `verify` (which sees the state and retries).
+fn each_crash_point(
+    kind: EngineKind,
+    fop: FopCode,
+    setup: impl Fn(&Harness) -> Vec<Gfid>,
+    action: impl Fn(&Harness, &[Gfid]) -> Result<FopReply, ErrorCode>,
+    verify: impl Fn(&Harness, &[Gfid], usize),
+) {
+    for k in 0..=STEPS_MAX {
+        let h = Harness::new(kind);
+        let ids = setup(&h);
+        h.rt.block_on(h.engine.set_crash_point(Some(CrashPoint {
+            fop,
+            after_steps: k,
+        })));
+        assert_eq!(
+            action(&h, &ids).err(),
+            Some(ErrorCode::Io),
+            "{fop:?} crash after {k} steps"
+        );
+        let Harness { dir, .. } = h;
+        let path = dir.path().join("brick");
+        let h = Harness::reopen(dir, &path, kind, FopsConfig::default());
+        h.assert_consistent();
+        verify(&h, &ids, k);
+        h.assert_consistent();
+    }
+}
+
+fn put_x(h: &Harness, gfid: Gfid) -> Result<FopReply, ErrorCode> {
+    h.call(
+        &root(),
+        Put {
+            parent: Gfid::ROOT,
+            name: name("x"),
+            gfid,
+            mode: mode(0o644),
+            umask: mode(0),
+            flags: OpenFlags::empty(),
+            data: Payload::new(Bytes::from_static(b"payload")).expect("small"),
+            attr: SetAttr::default(),
+        },
+    )
+}
+
+/// After a crashed create of `x` with `gfid`: `x` is absent or is that object; a retry with
+/// the same GFID succeeds and leaves exactly that object.
+fn created_or_not(h: &Harness, gfid: Gfid, retry: impl Fn() -> Result<FopReply, ErrorCode>) {
+    match h.lookup(Gfid::ROOT, "x") {
+        Err(ErrorCode::NoEnt) => {}
+        Ok(found) => assert_eq!(found.gfid, gfid, "a half-made object under another gfid"),
+        Err(e) => panic!("lookup after crash: {e}"),
+    }
+    retry().expect("retry with the same gfid");
+    assert_eq!(h.lookup(Gfid::ROOT, "x").expect("made").gfid, gfid);
+    assert_eq!(h.stat(gfid).expect("reachable by gfid").gfid, gfid);
+}
+
+fn crash_during_put(kind: EngineKind) {
+    each_crash_point(
+        kind,
+        FopCode::Put,
+        |h| vec![h.gfid()],
+        |h, ids| put_x(h, ids[0]),
+        |h, ids, _| {
+            created_or_not(h, ids[0], || put_x(h, ids[0]));
+            assert_eq!(
+                h.read_all(ids[0]).expect("read"),
+                b"payload",
+                "a retried PUT writes its data"
+            );
+        },
+    );
+}
+
+fn crash_during_create(kind: EngineKind) {
+    let create = |h: &Harness, g: Gfid| {
+        let flags = OpenFlags::empty();
+        h.call(
+            &root(),
+            Create {
+                parent: Gfid::ROOT,
+                name: name("x"),
+                gfid: g,
+                access: AccessMode::ReadWrite,
+                flags,
+                mode: mode(0o600),
+                umask: mode(0),
+            },
+        )
+    };
+    each_crash_point(
+        kind,
+        FopCode::Create,
+        |h| vec![h.gfid()],
+        |h, ids| create(h, ids[0]),
+        |h, ids, _| {
+            created_or_not(h, ids[0], || create(h, ids[0]));
+        },
+    );
+}
+
+fn crash_during_mkdir(kind: EngineKind) {
+    let mkdir = |h: &Harness, g: Gfid| {
+        h.call(
+            &root(),
+            Mkdir {
+                parent: Gfid::ROOT,
+                name: name("x"),
+                gfid: g,
+                mode: mode(0o755),
+                umask: mode(0),
+            },
+        )
+    };
+    each_crash_point(
+        kind,
+        FopCode::Mkdir,
+        |h| vec![h.gfid()],
+        |h, ids| mkdir(h, ids[0]),
+        |h, ids, _| {
+            created_or_not(h, ids[0], || mkdir(h, ids[0]));
+            h.put(ids[0], "child", b"c")
+                .expect("the new directory works");
+        },
+    );
+}
+
+fn crash_during_symlink(kind: EngineKind) {
+    let symlink = |h: &Harness, g: Gfid| {
+        let target = SymlinkTarget::new(&b"somewhere"[..]).expect("valid");
+        h.call(
+            &root(),
+            Symlink {
+                parent: Gfid::ROOT,
+                name: name("x"),
+                gfid: g,
+                target,
+            },
+        )
+    };
+    each_crash_point(
+        kind,
+        FopCode::Symlink,
+        |h| vec![h.gfid()],
+        |h, ids| symlink(h, ids[0]),
+        |h, ids, _| {
+            created_or_not(h, ids[0], || symlink(h, ids[0]));
+        },
+    );
+}
+
+fn crash_during_mknod(kind: EngineKind) {
+    let mknod = |h: &Harness, g: Gfid| {
+        h.call(
+            &root(),
+            Mknod {
+                parent: Gfid::ROOT,
+                name: name("x"),
+                gfid: g,
+                node_type: NodeType::Fifo,
+                mode: mode(0o600),
+                umask: mode(0),
+                rdev: 0,
+            },
+        )
+    };
+    each_crash_point(
+        kind,
+        FopCode::Mknod,
+        |h| vec![h.gfid()],
+        |h, ids| mknod(h, ids[0]),
+        |h, ids, _| {
+            created_or_not(h, ids[0], || mknod(h, ids[0]));
+        },
+    );
+}
+
+fn crash_during_link(kind: EngineKind) {
+    let link = |h: &Harness, g: Gfid| {
+        h.call(
+            &root(),
+            Link {
+                gfid: g,
+                new_parent: Gfid::ROOT,
+                new_name: name("x"),
+            },
+        )
+    };
+    each_crash_point(
+        kind,
+        FopCode::Link,
+        |h| vec![h.put(Gfid::ROOT, "f", b"f").expect("put")],
+        |h, ids| link(h, ids[0]),
+        |h, ids, _| {
+            match h.lookup(Gfid::ROOT, "x") {
+                Err(ErrorCode::NoEnt) => {
+                    link(h, ids[0]).expect("retry");
+                }
+                Ok(found) => assert_eq!(found.gfid, ids[0]),
+                Err(e) => panic!("{e}"),
+            }
+            assert_eq!(h.stat(ids[0]).expect("stat").nlink, 2);
+        },
+    );
+}
+
+fn crash_during_unlink(kind: EngineKind) {
+    each_crash_point(
+        kind,
+        FopCode::Unlink,
+        |h| vec![h.put(Gfid::ROOT, "f", b"f").expect("put")],
+        |h, _| {
+            h.call(
+                &root(),
+                Unlink {
+                    parent: Gfid::ROOT,
+                    name: name("f"),
+                },
+            )
+        },
+        |h, ids, _| {
+            match h.lookup(Gfid::ROOT, "f") {
+                Ok(found) => {
+                    assert_eq!(found.gfid, ids[0]);
+                    assert_eq!(h.read_all(ids[0]).expect("still whole"), b"f");
+                    h.unlink(Gfid::ROOT, "f").expect("retry");
+                }
+                Err(ErrorCode::NoEnt) => {}
+                Err(e) => panic!("{e}"),
+            }
+            assert_eq!(
+                h.stat(ids[0]).err(),
+                Some(ErrorCode::Stale),
+                "gone by gfid too"
+            );
+        },
+    );
+}
+
+fn crash_during_rmdir(kind: EngineKind) {
+    each_crash_point(
+        kind,
+        FopCode::Rmdir,
+        |h| vec![h.mkdir(Gfid::ROOT, "d").expect("mkdir")],
+        |h, _| {
+            h.call(
+                &root(),
+                Rmdir {
+                    parent: Gfid::ROOT,
+                    name: name("d"),
+                },
+            )
+        },
+        |h, ids, _| {
+            match h.lookup(Gfid::ROOT, "d") {
+                Ok(found) => {
+                    assert_eq!(found.gfid, ids[0]);
+                    assert_eq!(h.stat(ids[0]).expect("handle back in place").gfid, ids[0]);
+                    h.rmdir(Gfid::ROOT, "d").expect("retry");
+                }
+                Err(ErrorCode::NoEnt) => {}
+                Err(e) => panic!("{e}"),
+            }
+            assert_eq!(h.stat(ids[0]).err(), Some(ErrorCode::Stale));
+        },
+    );
+}
+
+fn crash_during_rename_replacing_a_file(kind: EngineKind) {
+    each_crash_point(
+        kind,
+        FopCode::Rename,
+        |h| {
+            vec![
+                h.put(Gfid::ROOT, "a", b"a").expect("put"),
+                h.put(Gfid::ROOT, "b", b"b").expect("put"),
+            ]
+        },
+        |h, _| {
+            h.call(
+                &root(),
+                Rename {
+                    old_parent: Gfid::ROOT,
+                    old_name: name("a"),
+                    new_parent: Gfid::ROOT,
+                    new_name: name("b"),
+                    mode: RenameMode::Replace,
+                },
+            )
+        },
+        |h, ids, _| {
+            let b = h.lookup(Gfid::ROOT, "b").expect("b always exists");
+            if b.gfid == ids[1] {
+                assert_eq!(
+                    h.lookup(Gfid::ROOT, "a").expect("not renamed yet").gfid,
+                    ids[0]
+                );
+                assert_eq!(h.read_all(ids[1]).expect("victim intact"), b"b");
+                h.rename(Gfid::ROOT, "a", Gfid::ROOT, "b", RenameMode::Replace)
+                    .expect("retry");
+            } else {
+                assert_eq!(b.gfid, ids[0]);
+                assert_eq!(h.lookup(Gfid::ROOT, "a").err(), Some(ErrorCode::NoEnt));
+            }
+            assert_eq!(h.read_all(ids[0]).expect("moved file"), b"a");
+            assert_eq!(
+                h.stat(ids[1]).err(),
+                Some(ErrorCode::Stale),
+                "the victim is gone"
+            );
+        },
+    );
+}
+
+fn crash_during_directory_rename(kind: EngineKind) {
+    each_crash_point(
+        kind,
+        FopCode::Rename,
+        |h| {
+            let a = h.mkdir(Gfid::ROOT, "a").expect("mkdir");
+            let sub = h.mkdir(a, "sub").expect("mkdir");
+            h.put(sub, "leaf", b"leaf").expect("put");
+            let b = h.mkdir(Gfid::ROOT, "b").expect("mkdir");
+            vec![a, sub, b]
+        },
+        |h, ids| {
+            h.call(
+                &root(),
+                Rename {
+                    old_parent: ids[0],
+                    old_name: name("sub"),
+                    new_parent: ids[2],
+                    new_name: name("moved"),
+                    mode: RenameMode::Replace,
+                },
+            )
+        },
+        |h, ids, _| {
+            let (a, sub, b) = (ids[0], ids[1], ids[2]);
+            if h.lookup(a, "sub").is_ok() {
+                h.rename(a, "sub", b, "moved", RenameMode::Replace)
+                    .expect("retry");
+            }
+            assert_eq!(h.lookup(b, "moved").expect("moved").gfid, sub);
+            // The directory's handle points at its new place: a cold resolve finds it.
+            let fresh = Harness::reopen(
+                tempfile::tempdir().expect("tmp"),
+                &h.path(),
+                h.engine.kind(),
+                FopsConfig::default(),
+            );
+            assert_eq!(
+                fresh
+                    .lookup(sub, "leaf")
+                    .expect("leaf through the handle")
+                    .size,
+                4
+            );
+        },
+    );
+}
