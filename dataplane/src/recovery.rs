@@ -326,11 +326,13 @@ pub fn check(brick: &Brick, repair_found: bool) -> Result<CheckReport, Errno> {
     if repair_found && report.pending_records > 0 {
         repair(brick)?;
     }
-    // The named tree, depth first, holding one fd per level being walked.
-    let mut stack: Vec<(Gfid, DirFd)> = vec![(Gfid::ROOT, brick.root.clone())];
+    // The named tree, depth first, holding one fd per level being walked. A directory whose
+    // GFID is missing (and not being repaired) is still walked; its children's directory
+    // handles cannot be compared then.
+    let mut stack: Vec<(Option<Gfid>, DirFd)> = vec![(Some(Gfid::ROOT), brick.root.clone())];
     while let Some((parent, dir)) = stack.pop() {
         for name in names_in(&dir)? {
-            if parent.is_root() && name == GLUSTERFS_DIR.as_bytes() {
+            if parent == Some(Gfid::ROOT) && name == GLUSTERFS_DIR.as_bytes() {
                 continue;
             }
             report.objects += 1;
@@ -340,39 +342,44 @@ pub fn check(brick: &Brick, repair_found: bool) -> Result<CheckReport, Errno> {
             };
             let path = proc_path(&dir, &name_c);
             let gfid = match read_gfid(&path)? {
-                Some(g) => g,
+                Some(g) => Some(g),
                 None => {
                     report.missing_gfid += 1;
-                    if !repair_found {
-                        continue;
-                    }
-                    let g = Gfid::from_bytes(crate::brick::random_uuid_bytes()).ok_or(Errno::IO)?;
-                    rustix::fs::lsetxattr(
-                        &*path,
-                        GFID_XATTR,
-                        g.as_bytes(),
-                        rustix::fs::XattrFlags::CREATE,
-                    )?;
-                    g
+                    repair_found
+                        .then(|| {
+                            let g = Gfid::from_bytes(crate::brick::random_uuid_bytes())
+                                .ok_or(Errno::IO)?;
+                            rustix::fs::lsetxattr(
+                                &*path,
+                                GFID_XATTR,
+                                g.as_bytes(),
+                                rustix::fs::XattrFlags::CREATE,
+                            )?;
+                            Ok::<_, Errno>(g)
+                        })
+                        .transpose()?
                 }
             };
-            check_handle(
-                brick,
-                &mut report,
-                repair_found,
-                &gfid,
-                &parent,
-                &dir,
-                &name,
-                &st,
-            )?;
-            if is_dir(&st) {
-                let child = rustix::fs::openat(
+            // A directory's handle names its parent, so it can be checked only under a parent
+            // with a GFID; a file's handle is a hard link and needs no parent.
+            if let Some(gfid) = gfid
+                && (parent.is_some() || !is_dir(&st))
+            {
+                let parent = parent.unwrap_or(Gfid::ROOT);
+                check_handle(
+                    brick,
+                    &mut report,
+                    repair_found,
+                    &gfid,
+                    &parent,
                     &dir,
-                    &*name_c,
-                    OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-                    Mode::empty(),
+                    &name,
+                    &st,
                 )?;
+            }
+            if is_dir(&st) {
+                let flags = OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+                let child = rustix::fs::openat(&dir, &*name_c, flags, Mode::empty())?;
                 stack.push((gfid, Arc::new(child)));
             }
         }

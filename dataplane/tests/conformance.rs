@@ -25,6 +25,7 @@ per_engine!(
     open_file_limit_and_session_end,
     names_at_255_bytes,
     statfs_and_access,
+    serves_a_glusterfs_brick,
 );
 
 fn create_write_read_release(kind: EngineKind) {
@@ -1191,5 +1192,73 @@ fn statfs_and_access(kind: EngineKind) {
         panic!()
     };
     assert_eq!(m.iatt.file_type, FileType::Fifo);
+    h.assert_consistent();
+}
+
+/// Writes a brick the way GlusterFS 10's posix translator does: root gfid and volume id,
+/// `.glusterfs` with only the handle directories in use (mode 0700), a directory handle
+/// symlink and a file handle hard link — plus a file copied in behind the brick's back.
+fn glusterfs_brick(path: &std::path::Path) -> (Gfid, Gfid) {
+    use rustix::fs::XattrFlags;
+    let set = |p: &std::path::Path, name: &str, value: &[u8]| {
+        rustix::fs::lsetxattr(p, name, value, XattrFlags::empty()).expect("setxattr");
+    };
+    let docs: Gfid = "6a1c3e2f-9b7d-4e0a-8c1f-2d3e4f5a6b7c"
+        .parse()
+        .expect("gfid");
+    let readme: Gfid = "b2c4d6e8-1a3b-4c5d-9e7f-0a1b2c3d4e5f"
+        .parse()
+        .expect("gfid");
+    std::fs::create_dir_all(path.join("docs")).expect("mkdir");
+    set(path, "trusted.gfid", Gfid::ROOT.as_bytes());
+    set(path, "trusted.glusterfs.volume-id", &[7; 16]);
+    std::fs::write(path.join("docs/readme"), b"written by glusterfs").expect("write");
+    std::fs::write(path.join("plain"), b"copied in").expect("write");
+    set(&path.join("docs"), "trusted.gfid", docs.as_bytes());
+    set(&path.join("docs/readme"), "trusted.gfid", readme.as_bytes());
+    let handle = |g: &Gfid| path.join(kiln_dataplane::Brick::handle_path(g));
+    for g in [Gfid::ROOT, docs, readme] {
+        let dir = handle(&g);
+        let dir = dir.parent().expect("has parent");
+        std::fs::create_dir_all(dir).expect("mkdir");
+        for d in [dir, dir.parent().expect("xx")] {
+            std::fs::set_permissions(d, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+                .expect("chmod");
+        }
+    }
+    std::os::unix::fs::symlink("../../..", handle(&Gfid::ROOT)).expect("root handle");
+    std::os::unix::fs::symlink(
+        "../../00/00/00000000-0000-0000-0000-000000000001/docs",
+        handle(&docs),
+    )
+    .expect("dir handle");
+    std::fs::hard_link(path.join("docs/readme"), handle(&readme)).expect("file handle");
+    (docs, readme)
+}
+
+fn serves_a_glusterfs_brick(kind: EngineKind) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("brick");
+    let (docs, readme) = glusterfs_brick(&path);
+    let h = Harness::reopen(dir, &path, kind, FopsConfig::default());
+    assert_eq!(
+        h.brick.id.0, [7; 16],
+        "the GlusterFS volume id becomes the brick id"
+    );
+    assert_eq!(h.lookup(Gfid::ROOT, "docs").expect("dir").gfid, docs);
+    assert_eq!(h.lookup(docs, "readme").expect("file").gfid, readme);
+    assert_eq!(
+        h.stat(docs).expect("nameless dir").file_type,
+        FileType::Directory
+    );
+    assert_eq!(h.read_all(readme).expect("read"), b"written by glusterfs");
+    // An object with no gfid gets one, with its handle, on first lookup.
+    let plain = h.lookup(Gfid::ROOT, "plain").expect("healed");
+    assert_eq!(
+        h.read_all(plain.gfid).expect("read by its new gfid"),
+        b"copied in"
+    );
+    // New objects land in GlusterFS's layout too.
+    h.put(docs, "new", b"by kiln").expect("put");
     h.assert_consistent();
 }
