@@ -1,0 +1,394 @@
+//! `kiln-bench engine`: the brick engine called directly (no network), against a plain
+//! single-thread `std::fs` loop on the same file system.
+//!
+//! Phases, each over `files` files spread across `dirs` directories: create (PUT: create +
+//! 4 KiB write + close), stat (LOOKUP by name), open/close (OPEN + RELEASE), unlink — at each
+//! queue depth (fops in flight), for the io_uring engine and the blocking engine. Then an
+//! open-latency sweep: p50/p99 of one more open while N files are already held open.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::Context;
+use bytes::Bytes;
+use hdrhistogram::Histogram;
+use kiln_dataplane::engine::{Engine, EngineConfig, EngineKind};
+use kiln_dataplane::{Brick, FopsConfig};
+use kiln_wire::*;
+use serde_json::json;
+
+use crate::report::{Record, Reporter};
+use crate::scratch::Scratch;
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct EngineBench {
+    pub files: usize,
+    pub dirs: usize,
+    pub depths: Vec<usize>,
+    pub file_bytes: usize,
+    /// Held-open counts for the latency sweep; `0` stands for "as many as the process may hold".
+    pub open_sweep: Vec<usize>,
+    pub open_samples: usize,
+}
+
+const PHASES: [&str; 4] = ["create", "stat", "open_close", "unlink"];
+/// Fds the brick and the benchmark need besides the held-open files.
+const FD_HEADROOM: usize = 700;
+
+fn name(i: usize) -> Name {
+    Name::new(format!("f{i:07}")).unwrap_or_else(|_| unreachable!("short ascii name"))
+}
+
+fn gfid(i: usize, salt: u8) -> Gfid {
+    let mut b = [0u8; 16];
+    b[0] = salt;
+    b[1] = (i % 251) as u8;
+    b[8..].copy_from_slice(&(i as u64 + 2).to_be_bytes());
+    Gfid::from_bytes(b).unwrap_or(Gfid::ROOT)
+}
+
+fn root() -> Creds {
+    Creds::root()
+}
+
+/// The std loop: one thread, plain syscalls, the same files.
+fn std_phase(
+    base: &std::path::Path,
+    phase: &str,
+    files: usize,
+    dirs: usize,
+    data: &[u8],
+) -> anyhow::Result<f64> {
+    use std::io::Write as _;
+    let path = |i: usize| base.join(format!("d{}", i % dirs)).join(format!("f{i:07}"));
+    let start = Instant::now();
+    for i in 0..files {
+        match phase {
+            "create" => std::fs::File::create(path(i))?.write_all(data)?,
+            "stat" => {
+                std::fs::symlink_metadata(path(i))?;
+            }
+            "open_close" => drop(std::fs::File::open(path(i))?),
+            _ => std::fs::remove_file(path(i))?,
+        }
+    }
+    Ok(files as f64 / start.elapsed().as_secs_f64())
+}
+
+fn fop_for(phase: &str, i: usize, dirs: &[Gfid], data: &Bytes, ids: &[Gfid]) -> FopRequest {
+    let parent = dirs[i % dirs.len()];
+    match phase {
+        "create" => Put {
+            parent,
+            name: name(i),
+            gfid: ids[i],
+            mode: Mode::new(0o644).unwrap_or_else(|| unreachable!()),
+            umask: Mode::new(0).unwrap_or_else(|| unreachable!()),
+            flags: OpenFlags::empty(),
+            data: Payload::new(data.clone()).unwrap_or_else(|_| unreachable!("4 KiB")),
+            attr: SetAttr::default(),
+        }
+        .into(),
+        "stat" => Lookup {
+            parent,
+            name: name(i),
+        }
+        .into(),
+        "open_close" => Open {
+            gfid: ids[i],
+            access: AccessMode::ReadOnly,
+            flags: OpenFlags::empty(),
+        }
+        .into(),
+        _ => Unlink {
+            parent,
+            name: name(i),
+        }
+        .into(),
+    }
+}
+
+/// Runs one phase at queue depth `depth`: `depth` tasks, each with its own session, each
+/// keeping one fop in flight.
+async fn engine_phase(
+    engine: &Engine,
+    phase: &str,
+    files: usize,
+    depth: usize,
+    dirs: &Arc<Vec<Gfid>>,
+    ids: &Arc<Vec<Gfid>>,
+    data: &Bytes,
+) -> anyhow::Result<f64> {
+    let start = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for k in 0..depth {
+        let session = engine.session();
+        let (dirs, ids, data, phase) = (dirs.clone(), ids.clone(), data.clone(), phase.to_owned());
+        tasks.spawn_local(async move {
+            for i in (k..files).step_by(depth) {
+                let reply = session
+                    .call(root(), fop_for(&phase, i, &dirs, &data, &ids))
+                    .await;
+                match (reply, phase.as_str()) {
+                    (Ok(FopReply::Open(o)), _) => {
+                        session
+                            .call(root(), Release { fd: o.fd }.into())
+                            .await
+                            .map_err(|e| anyhow::anyhow!("release: {e}"))?;
+                    }
+                    (Ok(_), _) => {}
+                    (Err(e), p) => anyhow::bail!("{p} of file {i}: {e}"),
+                }
+            }
+            Ok(())
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        done??;
+    }
+    Ok(files as f64 / start.elapsed().as_secs_f64())
+}
+
+fn start_engine(
+    path: &std::path::Path,
+    kind: EngineKind,
+    depth: usize,
+    open_max: usize,
+) -> anyhow::Result<(Arc<Brick>, Engine)> {
+    Brick::format(path)?;
+    let brick = Arc::new(Brick::open(path)?);
+    let mut config = EngineConfig {
+        kind,
+        fops: FopsConfig {
+            open_files_per_client_max: open_max,
+            ..FopsConfig::default()
+        },
+        ..EngineConfig::default()
+    };
+    if kind == EngineKind::Blocking {
+        // The reference thread pool gets one thread per fop in flight (capped).
+        config.workers = depth.clamp(2, 64);
+    }
+    let engine = Engine::start(&brick, &config)?;
+    Ok((brick, engine))
+}
+
+fn kind_name(kind: EngineKind) -> &'static str {
+    match kind {
+        EngineKind::Uring => "uring",
+        EngineKind::Blocking => "blocking",
+    }
+}
+
+/// Runs the whole benchmark, printing records as they are measured.
+pub fn run(
+    bench: &EngineBench,
+    scratch: &Scratch,
+    out: &mut Reporter,
+) -> anyhow::Result<Vec<Record>> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let local = tokio::task::LocalSet::new();
+    let data = Bytes::from(vec![0x5a; bench.file_bytes]);
+    let mut records = Vec::new();
+
+    // The reference: a single-thread std::fs loop on the same file system.
+    let std_dir = scratch.path().join("std");
+    for d in 0..bench.dirs {
+        std::fs::create_dir_all(std_dir.join(format!("d{d}")))?;
+    }
+    let mut reference = std::collections::HashMap::new();
+    for phase in PHASES {
+        let ops = std_phase(&std_dir, phase, bench.files, bench.dirs, &data)?;
+        reference.insert(phase, ops);
+        let r = Record {
+            workload: format!("engine.{phase}"),
+            target: "std_loop".into(),
+            params: json!({ "files": bench.files, "dirs": bench.dirs, "depth": 1 }),
+            ops_per_s: Some(ops),
+            p50_us: None,
+            p99_us: None,
+            enters_per_op: None,
+            reference: "std_loop".into(),
+            ratio: 1.0,
+        };
+        out.print(&r);
+        records.push(r);
+    }
+
+    for &depth in &bench.depths {
+        for kind in [EngineKind::Blocking, EngineKind::Uring] {
+            let path = scratch.path().join(format!("{}-q{depth}", kind_name(kind)));
+            let (_brick, engine) = start_engine(&path, kind, depth, bench.files + 16)?;
+            let dirs: Vec<Gfid> = (0..bench.dirs).map(|d| gfid(d, 0xd1)).collect();
+            let ids: Arc<Vec<Gfid>> = Arc::new((0..bench.files).map(|i| gfid(i, 0xf1)).collect());
+            let session = engine.session();
+            for (d, g) in dirs.iter().enumerate() {
+                let mkdir = Mkdir {
+                    parent: Gfid::ROOT,
+                    name: Name::new(format!("d{d}"))?,
+                    gfid: *g,
+                    mode: Mode::new(0o755).context("mode")?,
+                    umask: Mode::new(0).context("mode")?,
+                };
+                rt.block_on(session.call(root(), mkdir.into()))
+                    .map_err(|e| anyhow::anyhow!("mkdir: {e}"))?;
+            }
+            let dirs = Arc::new(dirs);
+            for phase in PHASES {
+                let before = rt.block_on(engine.ring_stats());
+                let ops = local.block_on(
+                    &rt,
+                    engine_phase(&engine, phase, bench.files, depth, &dirs, &ids, &data),
+                )?;
+                let after = rt.block_on(engine.ring_stats());
+                let enters = (kind == EngineKind::Uring)
+                    .then(|| (after.enters - before.enters) as f64 / bench.files as f64);
+                let r = Record {
+                    workload: format!("engine.{phase}"),
+                    target: kind_name(kind).into(),
+                    params: json!({ "files": bench.files, "dirs": bench.dirs, "depth": depth }),
+                    ops_per_s: Some(ops),
+                    p50_us: None,
+                    p99_us: None,
+                    enters_per_op: enters,
+                    reference: "std_loop".into(),
+                    ratio: ops / reference[phase],
+                };
+                out.print(&r);
+                records.push(r);
+            }
+        }
+    }
+    records.extend(open_sweep(bench, scratch, out, &rt, &local, &data)?);
+    Ok(records)
+}
+
+fn held_counts(bench: &EngineBench) -> anyhow::Result<Vec<usize>> {
+    let (soft, _) = rustix::process::getrlimit(rustix::process::Resource::Nofile)
+        .current
+        .map_or((1024, 0), |c| (c as usize, 0));
+    let max = soft.saturating_sub(FD_HEADROOM).max(10);
+    Ok(bench
+        .open_sweep
+        .iter()
+        .map(|&n| if n == 0 || n > max { max } else { n })
+        .collect())
+}
+
+fn micros(h: &Histogram<u64>, q: f64) -> f64 {
+    h.value_at_quantile(q) as f64 / 1000.0
+}
+
+/// p50/p99 of one more open (and its release) while `held` files stay open.
+fn open_sweep(
+    bench: &EngineBench,
+    scratch: &Scratch,
+    out: &mut Reporter,
+    rt: &tokio::runtime::Runtime,
+    local: &tokio::task::LocalSet,
+    data: &Bytes,
+) -> anyhow::Result<Vec<Record>> {
+    let counts = held_counts(bench)?;
+    let max = counts.iter().copied().max().unwrap_or(10);
+    let mut records = Vec::new();
+    let mut base_p50: std::collections::HashMap<&str, f64> = std::collections::HashMap::new();
+
+    // std: hold N plain files, time File::open of another.
+    let dir = scratch.path().join("std-open");
+    std::fs::create_dir_all(&dir)?;
+    for i in 0..=max {
+        std::fs::write(dir.join(format!("f{i}")), &data[..16])?;
+    }
+    for &held in &counts {
+        let keep: Vec<std::fs::File> = (0..held)
+            .map(|i| std::fs::File::open(dir.join(format!("f{i}"))))
+            .collect::<Result<_, _>>()?;
+        let mut h = Histogram::<u64>::new(3)?;
+        for _ in 0..bench.open_samples {
+            let start = Instant::now();
+            let f = std::fs::File::open(dir.join(format!("f{max}")))?;
+            h.record(start.elapsed().as_nanos() as u64)?;
+            drop(f);
+        }
+        drop(keep);
+        records.push(sweep_record("std_loop", held, &h, &mut base_p50, out));
+    }
+
+    for kind in [EngineKind::Blocking, EngineKind::Uring] {
+        let path = scratch.path().join(format!("{}-open", kind_name(kind)));
+        let (_brick, engine) = start_engine(&path, kind, 2, max + 16)?;
+        let ids: Vec<Gfid> = (0..=max).map(|i| gfid(i, 0x0e)).collect();
+        let session = engine.session();
+        local.block_on(rt, async {
+            for (i, g) in ids.iter().enumerate() {
+                let put = fop_for("create", i, &[Gfid::ROOT], &data.slice(..16), &ids);
+                let _ = g;
+                session
+                    .call(root(), put)
+                    .await
+                    .map_err(|e| anyhow::anyhow!("put: {e}"))?;
+            }
+            Ok::<_, anyhow::Error>(())
+        })?;
+        let mut held_fds = Vec::new();
+        for &held in &counts {
+            while held_fds.len() < held {
+                let open = Open {
+                    gfid: ids[held_fds.len()],
+                    access: AccessMode::ReadOnly,
+                    flags: OpenFlags::empty(),
+                };
+                match rt.block_on(session.call(root(), open.into())) {
+                    Ok(FopReply::Open(o)) => held_fds.push(o.fd),
+                    other => anyhow::bail!("holding file {}: {other:?}", held_fds.len()),
+                }
+            }
+            let mut h = Histogram::<u64>::new(3)?;
+            for _ in 0..bench.open_samples {
+                let open = Open {
+                    gfid: ids[max],
+                    access: AccessMode::ReadOnly,
+                    flags: OpenFlags::empty(),
+                };
+                let start = Instant::now();
+                let reply = rt.block_on(session.call(root(), open.into()));
+                h.record(start.elapsed().as_nanos() as u64)?;
+                let Ok(FopReply::Open(o)) = reply else {
+                    anyhow::bail!("open: {reply:?}")
+                };
+                rt.block_on(session.call(root(), Release { fd: o.fd }.into()))
+                    .map_err(|e| anyhow::anyhow!("release: {e}"))?;
+            }
+            records.push(sweep_record(kind_name(kind), held, &h, &mut base_p50, out));
+        }
+    }
+    Ok(records)
+}
+
+fn sweep_record(
+    target: &'static str,
+    held: usize,
+    h: &Histogram<u64>,
+    base: &mut std::collections::HashMap<&'static str, f64>,
+    out: &mut Reporter,
+) -> Record {
+    let p50 = micros(h, 0.5);
+    let first = *base.entry(target).or_insert(p50);
+    let r = Record {
+        workload: "engine.open_latency".into(),
+        target: target.into(),
+        params: json!({ "held_open": held }),
+        ops_per_s: None,
+        p50_us: Some(p50),
+        p99_us: Some(micros(h, 0.99)),
+        enters_per_op: None,
+        // Against the same target with the fewest files held: 1.0 means flat.
+        reference: format!("{target} at the smallest held_open"),
+        ratio: first / p50,
+    };
+    out.print(&r);
+    r
+}

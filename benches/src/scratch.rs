@@ -1,0 +1,96 @@
+//! Where a benchmark writes: a temporary directory, or — as root — a fresh ext4 file system
+//! in a loop image, because the root file system here (mounted with `discard`) swings 10×
+//! between runs.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, bail};
+
+/// A scratch directory, unmounted and removed when dropped.
+#[derive(Debug)]
+pub struct Scratch {
+    dir: tempfile::TempDir,
+    mounted: bool,
+    pub fs: String,
+}
+
+fn run(cmd: &str, args: &[&str]) -> anyhow::Result<()> {
+    let out = Command::new(cmd)
+        .args(args)
+        .output()
+        .with_context(|| format!("running {cmd}"))?;
+    if !out.status.success() {
+        bail!(
+            "{cmd} {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+impl Scratch {
+    /// `under`: where to make the directory (default: the system temp dir). `loop_mib`: when
+    /// set, mount a fresh ext4 of that size there first.
+    pub fn new(under: Option<&Path>, loop_mib: Option<u64>) -> anyhow::Result<Scratch> {
+        let dir = match under {
+            Some(p) => tempfile::tempdir_in(p)?,
+            None => tempfile::tempdir()?,
+        };
+        let Some(mib) = loop_mib else {
+            return Ok(Scratch {
+                fs: fs_type(dir.path()),
+                dir,
+                mounted: false,
+            });
+        };
+        if !rustix::process::geteuid().is_root() {
+            bail!("--loop-fs needs root (it mounts a loop image)");
+        }
+        let image = dir.path().join("fs.img");
+        let mnt = dir.path().join("mnt");
+        std::fs::create_dir(&mnt)?;
+        let file = std::fs::File::create(&image)?;
+        file.set_len(mib << 20)?;
+        let (image_s, mnt_s) = (
+            image.to_string_lossy().into_owned(),
+            mnt.to_string_lossy().into_owned(),
+        );
+        run("mkfs.ext4", &["-q", "-F", "-E", "nodiscard", &image_s])?;
+        run("mount", &["-o", "loop", &image_s, &mnt_s])?;
+        Ok(Scratch {
+            fs: "ext4 (fresh loop image)".into(),
+            dir,
+            mounted: true,
+        })
+    }
+
+    pub fn path(&self) -> PathBuf {
+        match self.mounted {
+            true => self.dir.path().join("mnt"),
+            false => self.dir.path().to_owned(),
+        }
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if self.mounted {
+            let _ = run("umount", &[&self.path().to_string_lossy()]);
+        }
+    }
+}
+
+fn fs_type(path: &Path) -> String {
+    match rustix::fs::statfs(path) {
+        Ok(s) => match s.f_type {
+            0xEF53 => "ext4".into(),
+            0x5846_5342 => "xfs".into(),
+            0x0102_1994 => "tmpfs".into(),
+            0x9123_683E => "btrfs".into(),
+            other => format!("fs type {other:#x}"),
+        },
+        Err(_) => "unknown".into(),
+    }
+}
