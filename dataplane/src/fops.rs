@@ -743,13 +743,6 @@ impl<E: Exec> Fops<E> {
                 new_name: handle.clone(),
             },
         }));
-        let stat_index = steps.len();
-        // By name: a direct descriptor cannot be statx'ed.
-        steps.push(Step::brick(Op::Statx {
-            dir: dir.clone(),
-            name: n.clone(),
-            nofollow: true,
-        }));
         let keep_open = matches!(
             kind,
             NewKind::File {
@@ -766,6 +759,14 @@ impl<E: Exec> Fops<E> {
             dir: pending.clone(),
             name: record.clone(),
             dir_flag: false,
+        }));
+        // Stats last: by name (a direct descriptor cannot be statx'ed), and at the end of the
+        // chain, where the ring executor runs them inline.
+        let stat_index = steps.len();
+        steps.push(Step::brick(Op::Statx {
+            dir: dir.clone(),
+            name: n.clone(),
+            nofollow: true,
         }));
         steps.push(Step::brick(Op::Fstat {
             file: FileRef::Fd(dir.clone()),
