@@ -109,8 +109,81 @@ fn fop_for(phase: &str, i: usize, dirs: &[Gfid], data: &Bytes, ids: &[Gfid]) -> 
     }
 }
 
-/// Runs one phase at queue depth `depth`: `depth` tasks, each with its own session, each
-/// keeping one fop in flight.
+/// Runs one phase on the io_uring engine the way the server will: `depth` tasks spread over
+/// the ring workers, running on the workers' own threads (no channel, no thread switch per
+/// fop), each with its own session and one fop in flight.
+async fn uring_phase(
+    engine: &Engine,
+    phase: &str,
+    files: usize,
+    depth: usize,
+    dirs: &Arc<Vec<Gfid>>,
+    ids: &Arc<Vec<Gfid>>,
+    data: &Bytes,
+) -> anyhow::Result<f64> {
+    let workers = engine.workers();
+    let start = Instant::now();
+    let mut finished = Vec::new();
+    for w in 0..workers {
+        let tasks: Vec<(usize, u64)> = (0..depth)
+            .filter(|k| k % workers == w)
+            .map(|k| (k, engine.session_id()))
+            .collect();
+        let (dirs, ids, data, phase) = (dirs.clone(), ids.clone(), data.clone(), phase.to_owned());
+        let (tx, rx) = tokio::sync::oneshot::channel::<anyhow::Result<()>>();
+        engine
+            .run_on_worker(w, move |local| {
+                tokio::task::spawn_local(async move {
+                    let mut set = tokio::task::JoinSet::new();
+                    for (k, session) in tasks {
+                        let (local, dirs, ids, data, phase) = (
+                            local.clone(),
+                            dirs.clone(),
+                            ids.clone(),
+                            data.clone(),
+                            phase.clone(),
+                        );
+                        set.spawn_local(async move {
+                            for i in (k..files).step_by(depth) {
+                                match local
+                                    .call(session, &root(), fop_for(&phase, i, &dirs, &data, &ids))
+                                    .await
+                                {
+                                    Ok(FopReply::Open(o)) => {
+                                        local
+                                            .call(session, &root(), Release { fd: o.fd }.into())
+                                            .await
+                                            .map_err(|e| anyhow::anyhow!("release: {e}"))?;
+                                    }
+                                    Ok(_) => {}
+                                    Err(e) => anyhow::bail!("{phase} of file {i}: {e}"),
+                                }
+                            }
+                            local.end_session(session).await;
+                            Ok(())
+                        });
+                    }
+                    let mut result = Ok(());
+                    while let Some(done) = set.join_next().await {
+                        if let Err(e) = done.map_err(anyhow::Error::from).and_then(|r| r) {
+                            result = Err(e);
+                        }
+                    }
+                    let _ = tx.send(result);
+                });
+            })
+            .await
+            .map_err(|e| anyhow::anyhow!("run on worker: {e}"))?;
+        finished.push(rx);
+    }
+    for rx in finished {
+        rx.await??;
+    }
+    Ok(files as f64 / start.elapsed().as_secs_f64())
+}
+
+/// Runs one phase at queue depth `depth` from this thread: `depth` tasks, each with its own
+/// session, each keeping one fop in flight.
 async fn engine_phase(
     engine: &Engine,
     phase: &str,
@@ -239,10 +312,21 @@ pub fn run(
             let dirs = Arc::new(dirs);
             for phase in PHASES {
                 let before = rt.block_on(engine.ring_stats());
-                let ops = local.block_on(
-                    &rt,
-                    engine_phase(&engine, phase, bench.files, depth, &dirs, &ids, &data),
-                )?;
+                let ops = match kind {
+                    EngineKind::Uring => rt.block_on(uring_phase(
+                        &engine,
+                        phase,
+                        bench.files,
+                        depth,
+                        &dirs,
+                        &ids,
+                        &data,
+                    ))?,
+                    EngineKind::Blocking => local.block_on(
+                        &rt,
+                        engine_phase(&engine, phase, bench.files, depth, &dirs, &ids, &data),
+                    )?,
+                };
                 let after = rt.block_on(engine.ring_stats());
                 let enters = (kind == EngineKind::Uring)
                     .then(|| (after.enters - before.enters) as f64 / bench.files as f64);
@@ -333,39 +417,82 @@ fn open_sweep(
             }
             Ok::<_, anyhow::Error>(())
         })?;
-        let mut held_fds = Vec::new();
+        let ids = Arc::new(ids);
         for &held in &counts {
-            while held_fds.len() < held {
-                let open = Open {
-                    gfid: ids[held_fds.len()],
-                    access: AccessMode::ReadOnly,
-                    flags: OpenFlags::empty(),
-                };
-                match rt.block_on(session.call(root(), open.into())) {
-                    Ok(FopReply::Open(o)) => held_fds.push(o.fd),
-                    other => anyhow::bail!("holding file {}: {other:?}", held_fds.len()),
+            let h = match kind {
+                EngineKind::Uring => {
+                    let (tx, rx) = tokio::sync::oneshot::channel();
+                    let (ids, samples, session) =
+                        (ids.clone(), bench.open_samples, engine.session_id());
+                    rt.block_on(engine.run_on_worker(0, move |local| {
+                        tokio::task::spawn_local(async move {
+                            let result = measure_open(held, samples, &ids, |fop| {
+                                let local = local.clone();
+                                async move { local.call(session, &root(), fop).await }
+                            })
+                            .await;
+                            local.end_session(session).await;
+                            let _ = tx.send(result);
+                        });
+                    }))
+                    .map_err(|e| anyhow::anyhow!("run on worker: {e}"))?;
+                    rt.block_on(rx)??
                 }
-            }
-            let mut h = Histogram::<u64>::new(3)?;
-            for _ in 0..bench.open_samples {
-                let open = Open {
-                    gfid: ids[max],
-                    access: AccessMode::ReadOnly,
-                    flags: OpenFlags::empty(),
-                };
-                let start = Instant::now();
-                let reply = rt.block_on(session.call(root(), open.into()));
-                h.record(start.elapsed().as_nanos() as u64)?;
-                let Ok(FopReply::Open(o)) = reply else {
-                    anyhow::bail!("open: {reply:?}")
-                };
-                rt.block_on(session.call(root(), Release { fd: o.fd }.into()))
-                    .map_err(|e| anyhow::anyhow!("release: {e}"))?;
-            }
+                EngineKind::Blocking => {
+                    let session = engine.session();
+                    local.block_on(
+                        rt,
+                        measure_open(held, bench.open_samples, &ids, |fop| {
+                            session.call(root(), fop)
+                        }),
+                    )?
+                }
+            };
             records.push(sweep_record(kind_name(kind), held, &h, &mut base_p50, out));
         }
     }
     Ok(records)
+}
+
+/// Holds `held` files open, then times `samples` opens (each released) of one more file.
+async fn measure_open<F, Fut>(
+    held: usize,
+    samples: usize,
+    ids: &[Gfid],
+    call: F,
+) -> anyhow::Result<Histogram<u64>>
+where
+    F: Fn(FopRequest) -> Fut,
+    Fut: Future<Output = Result<FopReply, ErrorCode>>,
+{
+    let open = |gfid| {
+        Open {
+            gfid,
+            access: AccessMode::ReadOnly,
+            flags: OpenFlags::empty(),
+        }
+        .into()
+    };
+    for (i, g) in ids.iter().take(held).enumerate() {
+        match call(open(*g)).await {
+            Ok(FopReply::Open(_)) => {}
+            other => anyhow::bail!("holding file {i}: {other:?}"),
+        }
+    }
+    let last = *ids.last().ok_or_else(|| anyhow::anyhow!("no files"))?;
+    let mut h = Histogram::<u64>::new(3)?;
+    for _ in 0..samples {
+        let start = Instant::now();
+        let reply = call(open(last)).await;
+        h.record(start.elapsed().as_nanos() as u64)?;
+        let Ok(FopReply::Open(o)) = reply else {
+            anyhow::bail!("open: {reply:?}")
+        };
+        call(Release { fd: o.fd }.into())
+            .await
+            .map_err(|e| anyhow::anyhow!("release: {e}"))?;
+    }
+    Ok(h)
 }
 
 fn sweep_record(

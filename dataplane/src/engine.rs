@@ -73,6 +73,38 @@ enum Request {
         point: Option<CrashPoint>,
         done: oneshot::Sender<()>,
     },
+    Run(WorkerJob),
+}
+
+/// A job run on a ring worker's own thread (see [`Engine::run_on_worker`]).
+type WorkerJob = Box<dyn FnOnce(LocalEngine) + Send>;
+
+/// The engine as seen from inside one ring worker's thread: fops are called directly, with no
+/// channel and no thread switch. This is how a server running its connections on the worker
+/// threads uses the engine; [`Session`] is for callers on other threads.
+#[derive(Debug, Clone)]
+pub struct LocalEngine {
+    fops: Rc<Fops<UringExec>>,
+}
+
+impl LocalEngine {
+    /// Executes one fop for `session` (a [`Engine::session_id`]) as `creds`.
+    pub async fn call(
+        &self,
+        session: SessionId,
+        creds: &Creds,
+        fop: FopRequest,
+    ) -> Result<FopReply, ErrorCode> {
+        self.fops.call(session, creds, fop).await.map_err(to_code)
+    }
+
+    /// Ends a session: closes its files and drops its locks.
+    pub async fn end_session(&self, session: SessionId) {
+        for file in self.fops.end_session(session) {
+            let _ = crate::exec::Exec::run(self.fops.exec(), vec![Step::brick(Op::Close { file })])
+                .await;
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -123,6 +155,32 @@ impl Engine {
 
     pub fn kind(&self) -> EngineKind {
         self.inner.kind
+    }
+
+    /// Worker threads (each with its own ring on the io_uring engine).
+    pub fn workers(&self) -> usize {
+        self.inner.workers.len()
+    }
+
+    /// A new session id, for use with [`LocalEngine::call`].
+    pub fn session_id(&self) -> SessionId {
+        self.inner.next_session.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Runs `job` on ring worker `worker`'s thread with that worker's [`LocalEngine`]; the job
+    /// may spawn local tasks there. ENOSYS on the blocking engine, which has no such threads.
+    pub async fn run_on_worker(
+        &self,
+        worker: usize,
+        job: impl FnOnce(LocalEngine) + Send + 'static,
+    ) -> Result<(), ErrorCode> {
+        if self.inner.kind != EngineKind::Uring {
+            return Err(ErrorCode::NoSys);
+        }
+        let tx = self.inner.workers.get(worker).ok_or(ErrorCode::Inval)?;
+        tx.send(Request::Run(Box::new(job)))
+            .await
+            .map_err(|_| ErrorCode::NotConnected)
     }
 
     /// Opens a session, pinned to one worker (round robin).
@@ -260,18 +318,10 @@ async fn serve_uring(fops: Rc<Fops<UringExec>>, mut rx: mpsc::Receiver<Request>)
                 });
             }
             Request::EndSession { session } => {
-                let files = fops.end_session(session);
-                let fops = fops.clone();
-                tokio::task::spawn_local(async move {
-                    let closes = files
-                        .into_iter()
-                        .map(|file| Step::brick(Op::Close { file }))
-                        .collect::<Vec<_>>();
-                    for close in closes {
-                        let _ = crate::exec::Exec::run(fops.exec(), vec![close]).await;
-                    }
-                });
+                let local = LocalEngine { fops: fops.clone() };
+                tokio::task::spawn_local(async move { local.end_session(session).await });
             }
+            Request::Run(job) => job(LocalEngine { fops: fops.clone() }),
             Request::Stats { reply } => {
                 let _ = reply.send(fops.exec().stats());
             }
@@ -324,6 +374,8 @@ fn start_blocking(
                             fops.set_crash_point(point);
                             let _ = done.send(());
                         }
+                        // Only ring workers run jobs (`run_on_worker` refuses this engine).
+                        Some(Request::Run(_)) => {}
                     }
                 }
             })?;

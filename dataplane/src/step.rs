@@ -180,6 +180,35 @@ pub enum Done {
 
 pub type StepResult = Result<Done, Errno>;
 
+/// Converts a `statx` result (rustix's or libc's: the fields have the same names) to [`Stat`].
+macro_rules! stat_from_statx {
+    ($s:expr) => {{
+        let s = $s;
+        let ts = |sec: i64, nsec: u32| {
+            kiln_wire::Timespec::new(sec, nsec.min(999_999_999)).unwrap_or_default()
+        };
+        $crate::step::Stat {
+            ino: s.stx_ino,
+            mode: u32::from(s.stx_mode),
+            nlink: s.stx_nlink,
+            uid: s.stx_uid,
+            gid: s.stx_gid,
+            rdev: rustix::fs::makedev(s.stx_rdev_major, s.stx_rdev_minor),
+            size: s.stx_size,
+            blocks: s.stx_blocks,
+            blksize: s.stx_blksize,
+            atime: ts(s.stx_atime.tv_sec, s.stx_atime.tv_nsec),
+            mtime: ts(s.stx_mtime.tv_sec, s.stx_mtime.tv_nsec),
+            ctime: ts(s.stx_ctime.tv_sec, s.stx_ctime.tv_nsec),
+            btime: match s.stx_mask & libc::STATX_BTIME {
+                0 => kiln_wire::Timespec::default(),
+                _ => ts(s.stx_btime.tv_sec, s.stx_btime.tv_nsec),
+            },
+        }
+    }};
+}
+pub(crate) use stat_from_statx;
+
 /// The part of `statx` a fop needs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Stat {
@@ -230,28 +259,7 @@ impl Stat {
     }
 
     pub(crate) fn from_rustix(s: &rustix::fs::Statx) -> Stat {
-        let ts = |t: rustix::fs::StatxTimestamp| {
-            Timespec::new(t.tv_sec, t.tv_nsec.min(999_999_999)).unwrap_or_default()
-        };
-        Stat {
-            ino: s.stx_ino,
-            mode: u32::from(s.stx_mode),
-            nlink: s.stx_nlink,
-            uid: s.stx_uid,
-            gid: s.stx_gid,
-            rdev: rustix::fs::makedev(s.stx_rdev_major, s.stx_rdev_minor),
-            size: s.stx_size,
-            blocks: s.stx_blocks,
-            blksize: s.stx_blksize,
-            atime: ts(s.stx_atime),
-            mtime: ts(s.stx_mtime),
-            ctime: ts(s.stx_ctime),
-            btime: if s.stx_mask & libc::STATX_BTIME != 0 {
-                ts(s.stx_btime)
-            } else {
-                Timespec::default()
-            },
-        }
+        stat_from_statx!(s)
     }
 }
 

@@ -674,28 +674,7 @@ fn sqe(op: &Op, buf: &mut Buf, fixed_slot: Option<u32>) -> squeue::Entry {
 }
 
 fn stat_from_libc(s: &libc::statx) -> Stat {
-    let ts = |t: libc::statx_timestamp| {
-        kiln_wire::Timespec::new(t.tv_sec, t.tv_nsec.min(999_999_999)).unwrap_or_default()
-    };
-    Stat {
-        ino: s.stx_ino,
-        mode: u32::from(s.stx_mode),
-        nlink: s.stx_nlink,
-        uid: s.stx_uid,
-        gid: s.stx_gid,
-        rdev: libc::makedev(s.stx_rdev_major, s.stx_rdev_minor),
-        size: s.stx_size,
-        blocks: s.stx_blocks,
-        blksize: s.stx_blksize,
-        atime: ts(s.stx_atime),
-        mtime: ts(s.stx_mtime),
-        ctime: ts(s.stx_ctime),
-        btime: if s.stx_mask & libc::STATX_BTIME != 0 {
-            ts(s.stx_btime)
-        } else {
-            kiln_wire::Timespec::default()
-        },
-    }
+    crate::step::stat_from_statx!(s)
 }
 
 /// Waits for every CQE of one chain; if dropped early, leaves the chain to the driver.
