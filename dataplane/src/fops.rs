@@ -62,7 +62,9 @@ pub struct Fops<E> {
     config: FopsConfig,
     gfids: Mutex<GfidCache>,
     dirs: Mutex<DirCache>,
-    sessions: Mutex<HashMap<SessionId, FdTable>>,
+    /// Each session's fd table; `None` once the session ended, so a fop still in flight
+    /// cannot open a file for it that nobody would ever release.
+    sessions: Mutex<HashMap<SessionId, Option<FdTable>>>,
     shared: Arc<BrickState>,
     crash_point: Mutex<Option<CrashPoint>>,
 }
@@ -108,8 +110,13 @@ pub fn iatt(stat: &Stat, gfid: Gfid) -> Iatt {
     iatt
 }
 
+/// An intent record's name: `<kind>-<gfid>-<nonce>`. The nonce keeps two fops on the same
+/// GFID (a retry racing the original, two renames of one directory) from sharing a record.
 fn record_name(kind: &str, gfid: &Gfid) -> CString {
-    cstr(format!("{kind}-{gfid}").as_bytes())
+    use std::sync::atomic::AtomicU64;
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let nonce = NEXT.fetch_add(1, Ordering::Relaxed);
+    cstr(format!("{kind}-{gfid}-{nonce:x}").as_bytes())
 }
 
 /// What a new entry is.
@@ -164,7 +171,7 @@ impl<E: Exec> Fops<E> {
     /// caller must close through the executor (direct descriptors).
     pub fn end_session(&self, session: SessionId) -> Vec<FileRef> {
         lock(&self.shared.locks).release_session(session);
-        let Some(mut table) = lock(&self.sessions).remove(&session) else {
+        let Some(Some(mut table)) = lock(&self.sessions).insert(session, None) else {
             return Vec::new();
         };
         table
@@ -179,7 +186,10 @@ impl<E: Exec> Fops<E> {
 
     /// Open fds of a session (for tests and state dumps).
     pub fn open_files(&self, session: SessionId) -> usize {
-        lock(&self.sessions).get(&session).map_or(0, FdTable::len)
+        lock(&self.sessions)
+            .get(&session)
+            .and_then(Option::as_ref)
+            .map_or(0, FdTable::len)
     }
 
     /// Executes one fop for `session` as `creds`.
@@ -249,7 +259,7 @@ impl<E: Exec> Fops<E> {
                     .await?,
             ),
             Q::Read(r) => A::Read(self.read(session, r).await?),
-            Q::Write(r) => A::Write(self.write(session, r).await?),
+            Q::Write(r) => A::Write(self.write(session, creds, r).await?),
             Q::Flush(r) => {
                 self.open_file(session, r.fd)?;
                 A::Flush(kiln_wire::Done {})
@@ -338,15 +348,28 @@ impl<E: Exec> Fops<E> {
                 } else {
                     0
                 };
-                A::Fallocate(self.fallocate(session, r.fd, mode, r.offset, r.len).await?)
+                A::Fallocate(
+                    self.fallocate(session, creds, r.fd, mode, r.offset, r.len)
+                        .await?,
+                )
             }
             Q::Discard(r) => {
                 let mode = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
-                A::Discard(self.fallocate(session, r.fd, mode, r.offset, r.len).await?)
+                A::Discard(
+                    self.fallocate(session, creds, r.fd, mode, r.offset, r.len)
+                        .await?,
+                )
             }
             Q::Zerofill(r) => A::Zerofill(
-                self.fallocate(session, r.fd, libc::FALLOC_FL_ZERO_RANGE, r.offset, r.len)
-                    .await?,
+                self.fallocate(
+                    session,
+                    creds,
+                    r.fd,
+                    libc::FALLOC_FL_ZERO_RANGE,
+                    r.offset,
+                    r.len,
+                )
+                .await?,
             ),
             Q::Seek(r) => A::Seek(self.seek(session, r).await?),
             Q::Lk(r) => A::Lk(self.lk(session, r).await?),
@@ -446,32 +469,30 @@ impl<E: Exec> Fops<E> {
         }
     }
 
-    fn session_table<'a>(
-        sessions: &'a mut MutexGuard<'_, HashMap<SessionId, FdTable>>,
-        session: SessionId,
-        limit: usize,
-    ) -> &'a mut FdTable {
-        sessions
-            .entry(session)
-            .or_insert_with(|| FdTable::new(limit))
-    }
-
     fn open_file(&self, session: SessionId, fd: FdId) -> R<OpenFile> {
-        lock(&self.sessions)
+        let sessions = lock(&self.sessions);
+        sessions
             .get(&session)
+            .and_then(Option::as_ref)
             .ok_or(Errno::BADF)?
             .get(fd)
             .cloned()
     }
 
+    /// Adds an open file to the session's table; EBADF when the session has ended.
     fn insert_open(&self, session: SessionId, file: OpenFile) -> R<FdId> {
+        let limit = self.config.open_files_per_client_max;
         let mut sessions = lock(&self.sessions);
-        Self::session_table(
-            &mut sessions,
-            session,
-            self.config.open_files_per_client_max,
-        )
-        .insert(file)
+        let table = sessions
+            .entry(session)
+            .or_insert_with(|| Some(FdTable::new(limit)));
+        table.as_mut().ok_or(Errno::BADF)?.insert(file)
+    }
+
+    fn session_ended(&self, session: SessionId) -> bool {
+        lock(&self.sessions)
+            .get(&session)
+            .is_some_and(Option::is_none)
     }
 
     // ---- inode fops ----
@@ -618,6 +639,19 @@ impl<E: Exec> Fops<E> {
         let value = gfid.as_bytes().to_vec();
         let create = libc::XATTR_CREATE;
         let opens = matches!(kind, NewKind::File { .. } | NewKind::Dir { .. });
+        // A GFID already in use: a retry of this create (same name), or a client reusing an
+        // identity (EEXIST, and nothing of the other object is touched).
+        let taken = Step::brick(Op::Statx {
+            dir: handle_dir.clone(),
+            name: handle.clone(),
+            nofollow: true,
+        });
+        if self.run1(taken).await.is_ok() {
+            return match self.lookup(creds, parent, name).await {
+                Ok(existing) if existing.iatt.gfid == gfid => Ok((Self::retried(existing), None)),
+                _ => Err(Errno::EXIST),
+            };
+        }
 
         let mut steps = vec![
             Step::brick(Op::Fstat {
@@ -724,12 +758,14 @@ impl<E: Exec> Fops<E> {
             data: Some(data), ..
         } = &kind
         {
-            steps.push(Step::brick(Op::Write {
+            let write = Op::Write {
                 file: FileRef::Chain,
                 offset: 0,
                 data: data.clone(),
-            }));
+            };
+            steps.push(Step::caller(write, creds));
         }
+        let handle_index = steps.len();
         steps.push(Step::brick(match kind {
             NewKind::Dir { .. } => Op::Symlink {
                 target: cstr(&Brick::dir_handle_target(parent, name.as_bytes())),
@@ -750,11 +786,12 @@ impl<E: Exec> Fops<E> {
                 ..
             }
         );
-        if opens && !keep_open {
+        let close_index = (opens && !keep_open).then(|| {
             steps.push(Step::brick(Op::Close {
                 file: FileRef::Chain,
             }));
-        }
+            steps.len() - 1
+        });
         steps.push(Step::brick(Op::Unlink {
             dir: pending.clone(),
             name: record.clone(),
@@ -778,32 +815,34 @@ impl<E: Exec> Fops<E> {
             Ok(Done::Opened(f)) => Some(f.clone()),
             _ => None,
         });
+        let recorded = results[1].is_ok();
         if let Err(e) = results[COMMIT] {
-            self.unlink_quietly(&pending, &record, false).await;
+            if recorded {
+                self.unlink_quietly(&pending, &record, false).await;
+            }
             if e == Errno::EXIST {
                 // A retry of a create that already happened carries the same GFID.
                 let existing = self.lookup(creds, parent, name).await?;
                 if existing.iatt.gfid == gfid {
-                    let parent = existing.parent;
-                    let reply = EntryReply {
-                        iatt: existing.iatt,
-                        pre_parent: parent.clone(),
-                        post_parent: parent,
-                    };
-                    return Ok((reply, None));
+                    return Ok((Self::retried(existing), None));
                 }
             }
             return Err(e);
         }
         if let Some(e) = results.iter().find_map(|r| r.as_ref().err().copied()) {
-            // A step around the commit failed (e.g. ENOSPC for the record or the xattr): undo,
-            // newest first.
-            if let Some(file) = opened {
+            // A step around the commit failed (e.g. ENOSPC for the record or the xattr): undo
+            // what this chain made, and only that, newest first.
+            let closed = close_index.is_some_and(|i| results[i].is_ok());
+            if let Some(file) = opened.filter(|_| !closed) {
                 let _ = self.run1(Step::brick(Op::Close { file })).await;
             }
-            self.unlink_quietly(&handle_dir, &handle, false).await;
+            if results[handle_index].is_ok() {
+                self.unlink_quietly(&handle_dir, &handle, false).await;
+            }
             self.unlink_quietly(&dir, &n, is_dir).await;
-            self.unlink_quietly(&pending, &record, false).await;
+            if recorded {
+                self.unlink_quietly(&pending, &record, false).await;
+            }
             return Err(e);
         }
         let post = stat_of(results.pop().unwrap_or(Err(Errno::IO)))?;
@@ -816,6 +855,16 @@ impl<E: Exec> Fops<E> {
             post_parent: iatt(&post, *parent),
         };
         Ok((reply, if keep_open { opened } else { None }))
+    }
+
+    /// The reply to a create that already happened (a retry with the same GFID).
+    fn retried(existing: LookupReply) -> EntryReply {
+        let parent = existing.parent;
+        EntryReply {
+            iatt: existing.iatt,
+            pre_parent: parent.clone(),
+            post_parent: parent,
+        }
     }
 
     async fn create(&self, session: SessionId, creds: &Creds, r: Create) -> R<CreateReply> {
@@ -928,11 +977,14 @@ impl<E: Exec> Fops<E> {
             };
             let steps = vec![
                 Step::caller(open, creds),
-                Step::brick(Op::Write {
-                    file: FileRef::Chain,
-                    offset: 0,
-                    data: r.data.clone().into_bytes(),
-                }),
+                Step::caller(
+                    Op::Write {
+                        file: FileRef::Chain,
+                        offset: 0,
+                        data: r.data.clone().into_bytes(),
+                    },
+                    creds,
+                ),
                 Step::brick(Op::Statx {
                     dir: self.brick.handle_dir(&r.gfid).clone(),
                     name: Brick::handle_name(&r.gfid),
@@ -986,27 +1038,23 @@ impl<E: Exec> Fops<E> {
             _ => {}
         }
         let gfid = self.gfid_at(parent, &dir, name.as_bytes(), &stat).await?;
-        // The handle goes with the last name: a directory's always, a file's when only the
-        // name and the handle link to it.
-        let handle_goes = is_dir || stat.nlink == 2;
+        // The handle moves into a record first; after the commit it comes back when names are
+        // left (a file's other hard links) and goes otherwise (`settle_removed`).
         let handle_dir = self.brick.handle_dir(&gfid).clone();
         let handle = Brick::handle_name(&gfid);
         let pending = self.brick.pending.clone();
         let record = record_name("del", &gfid);
-        let mut steps = vec![Step::brick(Op::Fstat {
-            file: FileRef::Fd(dir.clone()),
-        })];
-        if handle_goes {
-            steps.push(Step::brick(Op::Rename {
-                old_dir: handle_dir.clone(),
-                old_name: handle.clone(),
-                new_dir: pending.clone(),
+        let steps = vec![
+            Step::brick(Op::Fstat {
+                file: FileRef::Fd(dir.clone()),
+            }),
+            Step::brick(Op::Rename {
+                old_dir: handle_dir,
+                old_name: handle,
+                new_dir: pending,
                 new_name: record.clone(),
                 flags: 0,
-            }));
-        }
-        let commit = steps.len();
-        steps.push(
+            }),
             Step::caller(
                 Op::Unlink {
                     dir: dir.clone(),
@@ -1016,32 +1064,22 @@ impl<E: Exec> Fops<E> {
                 creds,
             )
             .barrier(),
-        );
-        if handle_goes {
-            steps.push(Step::brick(Op::Unlink {
-                dir: pending.clone(),
-                name: record.clone(),
-                dir_flag: false,
-            }));
-        }
-        steps.push(Step::brick(Op::Fstat {
-            file: FileRef::Fd(dir.clone()),
-        }));
+            Step::brick(Op::Fstat {
+                file: FileRef::Fd(dir.clone()),
+            }),
+        ];
         let mut results = self.run_namespace(fop, steps).await?;
-        // No handle to move (a damaged brick) is no reason to refuse the removal.
-        let moved = handle_goes && results[1].is_ok();
-        if let Err(e) = results[commit] {
+        // No handle to move (a damaged brick, or a racing removal of another name that moved
+        // it first) is no reason to refuse the removal.
+        let moved = results[1].is_ok();
+        if let Err(e) = results[2] {
             if moved {
-                let back = Op::Rename {
-                    old_dir: pending,
-                    old_name: record,
-                    new_dir: handle_dir,
-                    new_name: handle,
-                    flags: 0,
-                };
-                let _ = self.run1(Step::brick(back)).await;
+                self.handle_back(&gfid, &record).await;
             }
             return Err(e);
+        }
+        if moved {
+            self.settle_removed(&gfid, is_dir, &record).await;
         }
         if is_dir {
             lock(&self.dirs).remove(&gfid);
@@ -1100,39 +1138,54 @@ impl<E: Exec> Fops<E> {
                 file: FileRef::Fd(dst_dir.clone()),
             }),
         ];
-        // Records made before the commit, and what to do with each after it.
-        let mut moved_dirs: Vec<(Gfid, Gfid, Vec<u8>)> = Vec::new(); // (dir, new parent, new name)
-        let mut victim: Option<Gfid> = None;
+        // Directories whose handle must follow them: (gfid, new parent, new name, record).
+        let mut moved_dirs: Vec<(Gfid, Gfid, Vec<u8>, CString)> = Vec::new();
         if src.is_dir() {
-            moved_dirs.push((src_gfid, r.new_parent, r.new_name.as_bytes().to_vec()));
+            let record = record_name("mv", &src_gfid);
+            moved_dirs.push((
+                src_gfid,
+                r.new_parent,
+                r.new_name.as_bytes().to_vec(),
+                record,
+            ));
         }
+        // A replaced target loses a name: its handle moves to a record, and after the commit
+        // goes back or away depending on whether a name is left (see `settle_removed`).
+        let mut victim: Option<(Gfid, bool, CString)> = None;
         if let Some((dst_stat, dst_gfid)) = &dst
             && *dst_gfid != src_gfid
         {
             match r.mode {
                 RenameMode::Exchange if dst_stat.is_dir() => {
-                    moved_dirs.push((*dst_gfid, r.old_parent, r.old_name.as_bytes().to_vec()));
+                    let record = record_name("mv", dst_gfid);
+                    moved_dirs.push((
+                        *dst_gfid,
+                        r.old_parent,
+                        r.old_name.as_bytes().to_vec(),
+                        record,
+                    ));
                 }
-                RenameMode::Replace if dst_stat.is_dir() || dst_stat.nlink == 2 => {
-                    victim = Some(*dst_gfid);
+                RenameMode::Replace => {
+                    victim = Some((*dst_gfid, dst_stat.is_dir(), record_name("del", dst_gfid)));
                 }
                 _ => {}
             }
         }
-        for (g, p, name) in &moved_dirs {
+        for (_, p, name, record) in &moved_dirs {
             let target = cstr(&Brick::dir_handle_target(p, name));
             steps.push(Step::brick(Op::Symlink {
                 target,
                 dir: pending.clone(),
-                name: record_name("mv", g),
+                name: record.clone(),
             }));
         }
-        if let Some(v) = &victim {
+        let victim_step = steps.len();
+        if let Some((v, _, record)) = &victim {
             steps.push(Step::brick(Op::Rename {
                 old_dir: self.brick.handle_dir(v).clone(),
                 old_name: Brick::handle_name(v),
                 new_dir: pending.clone(),
-                new_name: record_name("del", v),
+                new_name: record.clone(),
                 flags: 0,
             }));
         }
@@ -1142,33 +1195,21 @@ impl<E: Exec> Fops<E> {
             RenameMode::NoReplace => libc::RENAME_NOREPLACE,
             RenameMode::Exchange => libc::RENAME_EXCHANGE,
         };
-        steps.push(
-            Step::caller(
-                Op::Rename {
-                    old_dir: src_dir.clone(),
-                    old_name: old,
-                    new_dir: dst_dir.clone(),
-                    new_name: new.clone(),
-                    flags,
-                },
-                creds,
-            )
-            .barrier(),
-        );
-        for (g, _, _) in &moved_dirs {
+        let rename = Op::Rename {
+            old_dir: src_dir.clone(),
+            old_name: old,
+            new_dir: dst_dir.clone(),
+            new_name: new.clone(),
+            flags,
+        };
+        steps.push(Step::caller(rename, creds).barrier());
+        for (g, _, _, record) in &moved_dirs {
             steps.push(Step::brick(Op::Rename {
                 old_dir: pending.clone(),
-                old_name: record_name("mv", g),
+                old_name: record.clone(),
                 new_dir: self.brick.handle_dir(g).clone(),
                 new_name: Brick::handle_name(g),
                 flags: 0,
-            }));
-        }
-        if let Some(v) = &victim {
-            steps.push(Step::brick(Op::Unlink {
-                dir: pending.clone(),
-                name: record_name("del", v),
-                dir_flag: false,
             }));
         }
         let stat_index = steps.len();
@@ -1184,11 +1225,22 @@ impl<E: Exec> Fops<E> {
             file: FileRef::Fd(dst_dir.clone()),
         }));
         let mut results = self.run_namespace(FopCode::Rename, steps).await?;
+        let recorded: Vec<bool> = (0..moved_dirs.len())
+            .map(|i| results[2 + i].is_ok())
+            .collect();
+        let victim = victim.filter(|_| results[victim_step].is_ok());
         if let Err(e) = results[commit] {
-            self.undo_rename_records(&moved_dirs, victim.as_ref()).await;
+            for ((_, _, _, record), made) in moved_dirs.iter().zip(&recorded) {
+                if *made {
+                    self.unlink_quietly(&pending, record, false).await;
+                }
+            }
+            if let Some((v, _, record)) = &victim {
+                self.handle_back(v, record).await;
+            }
             return Err(e);
         }
-        if let Some(e) = results[..stat_index]
+        if let Some(e) = results[commit..stat_index]
             .iter()
             .find_map(|r| r.as_ref().err().copied())
         {
@@ -1196,8 +1248,11 @@ impl<E: Exec> Fops<E> {
             // right and `kiln-brickd check --repair` fixes the handle.
             tracing::warn!(error = %e, "rename committed but a handle update failed");
         }
-        if let Some(v) = victim {
-            lock(&self.dirs).remove(&v);
+        if let Some((v, is_dir, record)) = &victim {
+            self.settle_removed(v, *is_dir, record).await;
+            if *is_dir {
+                lock(&self.dirs).remove(v);
+            }
         }
         let mut take = |i: usize| stat_of(std::mem::replace(&mut results[i], Err(Errno::IO)));
         let n = stat_index;
@@ -1212,26 +1267,36 @@ impl<E: Exec> Fops<E> {
         })
     }
 
-    async fn undo_rename_records(
-        &self,
-        moved_dirs: &[(Gfid, Gfid, Vec<u8>)],
-        victim: Option<&Gfid>,
-    ) {
+    /// Moves a handle parked in `record` back into place (the removal did not happen).
+    async fn handle_back(&self, gfid: &Gfid, record: &CString) {
+        let back = Op::Rename {
+            old_dir: self.brick.pending.clone(),
+            old_name: record.clone(),
+            new_dir: self.brick.handle_dir(gfid).clone(),
+            new_name: Brick::handle_name(gfid),
+            flags: 0,
+        };
+        let _ = self.run1(Step::brick(back)).await;
+    }
+
+    /// After a committed removal of one name of `gfid`, whose handle was parked in `record`:
+    /// a file with names left (other hard links, counted now, after the commit, so a LINK or
+    /// UNLINK racing with this one cannot mislead it) gets its handle back; otherwise the
+    /// record goes, and with it the handle.
+    async fn settle_removed(&self, gfid: &Gfid, is_dir: bool, record: &CString) {
         let pending = self.brick.pending.clone();
-        for (g, _, _) in moved_dirs {
-            self.unlink_quietly(&pending, &record_name("mv", g), false)
-                .await;
+        if !is_dir {
+            let probe = Step::brick(Op::Statx {
+                dir: pending.clone(),
+                name: record.clone(),
+                nofollow: true,
+            });
+            if stat_of(self.run1(probe).await).is_ok_and(|st| st.nlink >= 2) {
+                self.handle_back(gfid, record).await;
+                return;
+            }
         }
-        if let Some(v) = victim {
-            let back = Op::Rename {
-                old_dir: pending,
-                old_name: record_name("del", v),
-                new_dir: self.brick.handle_dir(v).clone(),
-                new_name: Brick::handle_name(v),
-                flags: 0,
-            };
-            let _ = self.run1(Step::brick(back)).await;
-        }
+        self.unlink_quietly(&pending, record, false).await;
     }
 
     async fn link(&self, creds: &Creds, r: Link) -> R<EntryReply> {
@@ -1356,7 +1421,7 @@ impl<E: Exec> Fops<E> {
         })
     }
 
-    async fn write(&self, session: SessionId, r: Write) -> R<AttrChange> {
+    async fn write(&self, session: SessionId, creds: &Creds, r: Write) -> R<AttrChange> {
         if self.shared.poisoned.load(Ordering::Relaxed) {
             return Err(Errno::IO);
         }
@@ -1365,23 +1430,21 @@ impl<E: Exec> Fops<E> {
             return Err(Errno::BADF);
         }
         let data = r.data.into_bytes();
-        self.change(
-            gfid,
-            file.clone(),
-            Op::Write {
-                file,
-                offset: r.offset,
-                data,
-            },
-        )
-        .await
+        let write = Op::Write {
+            file: file.clone(),
+            offset: r.offset,
+            data,
+        };
+        self.change(gfid, file, Step::caller(write, creds)).await
     }
 
-    /// Runs `op` between two `fstat`s of `file`, in one chain.
-    async fn change(&self, gfid: Gfid, file: FileRef, op: Op) -> R<AttrChange> {
+    /// Runs `step` between two `fstat`s of `file`, in one chain. Data changes run as the
+    /// caller, so the kernel clears set-id bits and enforces quotas and reserved blocks as it
+    /// would for the caller's own write.
+    async fn change(&self, gfid: Gfid, file: FileRef, step: Step) -> R<AttrChange> {
         let steps = vec![
             Step::brick(Op::Fstat { file: file.clone() }),
-            Step::brick(op),
+            step,
             Step::brick(Op::Fstat { file }),
         ];
         let mut out = self.run(steps).await.into_iter();
@@ -1396,9 +1459,11 @@ impl<E: Exec> Fops<E> {
 
     async fn fsync(&self, session: SessionId, fd: FdId, datasync: bool) -> R<AttrChange> {
         let (gfid, file, _) = self.file(session, fd)?;
-        let result = self
-            .change(gfid, file.clone(), Op::Fsync { file, datasync })
-            .await;
+        let fsync = Step::brick(Op::Fsync {
+            file: file.clone(),
+            datasync,
+        });
+        let result = self.change(gfid, file, fsync).await;
         self.poison_on_fsync_error(result)
     }
 
@@ -1428,7 +1493,10 @@ impl<E: Exec> Fops<E> {
     async fn release(&self, session: SessionId, fd: FdId, dir: bool) -> R<()> {
         let open = {
             let mut sessions = lock(&self.sessions);
-            let table = sessions.get_mut(&session).ok_or(Errno::BADF)?;
+            let table = sessions
+                .get_mut(&session)
+                .and_then(Option::as_mut)
+                .ok_or(Errno::BADF)?;
             match (&table.get(fd)?.kind, dir) {
                 (OpenKind::Dir { .. }, false) => return Err(Errno::ISDIR),
                 (OpenKind::File { .. }, true) => return Err(Errno::NOTDIR),
@@ -1445,6 +1513,7 @@ impl<E: Exec> Fops<E> {
     async fn fallocate(
         &self,
         session: SessionId,
+        creds: &Creds,
         fd: FdId,
         mode: i32,
         offset: u64,
@@ -1454,17 +1523,14 @@ impl<E: Exec> Fops<E> {
         if !writable {
             return Err(Errno::BADF);
         }
-        self.change(
-            gfid,
-            file.clone(),
-            Op::Fallocate {
-                file,
-                mode,
-                offset,
-                len,
-            },
-        )
-        .await
+        let fallocate = Op::Fallocate {
+            file: file.clone(),
+            mode,
+            offset,
+            len,
+        };
+        self.change(gfid, file, Step::caller(fallocate, creds))
+            .await
     }
 
     async fn seek(&self, session: SessionId, r: Seek) -> R<SeekReply> {
@@ -1504,6 +1570,10 @@ impl<E: Exec> Fops<E> {
         // F_SETLKW waits in bounded slices so a lost holder cannot pin a worker forever.
         const WAIT_SLICES: u32 = 6000;
         for _ in 0..WAIT_SLICES {
+            // A waiter whose session ended must not take the lock after its locks were dropped.
+            if self.session_ended(session) {
+                return Err(Errno::BADF);
+            }
             let result = lock(&self.shared.locks).apply(session, gfid, r.cmd, &r.lock);
             match (result, r.cmd) {
                 (Err(Errno::AGAIN), LockCmd::SetWait) => {
@@ -1673,12 +1743,13 @@ impl<E: Exec> Fops<E> {
             || n.starts_with(b"trusted.kiln.")
     }
 
-    /// The path an xattr call uses for `gfid`, and whether it may follow (only the
-    /// `/proc/self/fd/N` magic link of a directory).
-    async fn xattr_path(&self, gfid: &Gfid) -> R<(CString, bool)> {
+    /// The `/proc/self/fd/N/...` path an xattr call uses for `gfid`, with the directory fd
+    /// it goes through: the caller moves both into the blocking job, so fd N cannot be closed
+    /// and reused for another object before the call runs.
+    async fn xattr_path(&self, gfid: &Gfid) -> R<(DirFd, CString)> {
         let (dir, name) = self.object_path(gfid).await?;
-        let follow = name.is_empty();
-        Ok((proc_path(&dir, &name), follow))
+        let path = proc_path(&dir, &name);
+        Ok((dir, path))
     }
 
     async fn setxattr(
@@ -1693,7 +1764,7 @@ impl<E: Exec> Fops<E> {
         if Self::protected(name) {
             return Err(Errno::PERM);
         }
-        let (path, follow) = self.xattr_path(gfid).await?;
+        let (dir, path) = self.xattr_path(gfid).await?;
         let (creds, name, value) = (creds.clone(), cstr(name.as_bytes()), value.to_vec());
         let flags = match mode {
             XattrSetMode::Upsert => rustix::fs::XattrFlags::empty(),
@@ -1702,11 +1773,9 @@ impl<E: Exec> Fops<E> {
         };
         self.exec
             .blocking(move || {
+                let _held = dir;
                 let _as = crate::creds::ActAs::new(&creds)?;
-                match follow {
-                    true => rustix::fs::setxattr(&*path, &*name, &value, flags),
-                    false => rustix::fs::lsetxattr(&*path, &*name, &value, flags),
-                }
+                rustix::fs::lsetxattr(&*path, &*name, &value, flags)
             })
             .await
     }
@@ -1715,31 +1784,27 @@ impl<E: Exec> Fops<E> {
         if Self::protected(name) {
             return Err(Errno::PERM);
         }
-        let (path, follow) = self.xattr_path(gfid).await?;
+        let (dir, path) = self.xattr_path(gfid).await?;
         let (creds, name) = (creds.clone(), cstr(name.as_bytes()));
         self.exec
             .blocking(move || {
+                let _held = dir;
                 let _as = crate::creds::ActAs::new(&creds)?;
-                match follow {
-                    true => rustix::fs::removexattr(&*path, &*name),
-                    false => rustix::fs::lremovexattr(&*path, &*name),
-                }
+                rustix::fs::lremovexattr(&*path, &*name)
             })
             .await
     }
 
     async fn getxattr(&self, creds: &Creds, gfid: &Gfid, name: &XattrName) -> R<XattrReply> {
-        let (path, follow) = self.xattr_path(gfid).await?;
+        let (dir, path) = self.xattr_path(gfid).await?;
         let (creds, name) = (creds.clone(), cstr(name.as_bytes()));
         let value = self
             .exec
             .blocking(move || {
+                let _held = dir;
                 let _as = crate::creds::ActAs::new(&creds)?;
                 let mut buf = vec![0u8; limits::XATTR_VALUE_LEN_MAX_BYTES];
-                let n = match follow {
-                    true => rustix::fs::getxattr(&*path, &*name, &mut buf[..])?,
-                    false => rustix::fs::lgetxattr(&*path, &*name, &mut buf[..])?,
-                };
+                let n = rustix::fs::lgetxattr(&*path, &*name, &mut buf[..])?;
                 buf.truncate(n);
                 Ok::<_, Errno>(buf)
             })
@@ -1750,17 +1815,15 @@ impl<E: Exec> Fops<E> {
     }
 
     async fn listxattr(&self, creds: &Creds, gfid: &Gfid) -> R<ListxattrReply> {
-        let (path, follow) = self.xattr_path(gfid).await?;
+        let (dir, path) = self.xattr_path(gfid).await?;
         let creds = creds.clone();
         let list = self
             .exec
             .blocking(move || {
+                let _held = dir;
                 let _as = crate::creds::ActAs::new(&creds)?;
                 let mut buf = vec![0u8; limits::XATTR_VALUE_LEN_MAX_BYTES];
-                let n = match follow {
-                    true => rustix::fs::listxattr(&*path, &mut buf[..])?,
-                    false => rustix::fs::llistxattr(&*path, &mut buf[..])?,
-                };
+                let n = rustix::fs::llistxattr(&*path, &mut buf[..])?;
                 buf.truncate(n);
                 Ok::<_, Errno>(buf)
             })
@@ -2009,6 +2072,10 @@ pub fn read_or_heal_gfid(
     let path = proc_path(dir, name);
     let gfid = match read_gfid(&path)? {
         Some(g) => g,
+        // Being created right now: its GFID is on the way; the name does not exist yet.
+        None if crate::recovery::create_in_flight(brick, parent, name.as_bytes())? => {
+            return Err(Errno::NOENT);
+        }
         None => {
             let g = Gfid::from_bytes(crate::brick::random_uuid_bytes()).ok_or(Errno::IO)?;
             match rustix::fs::lsetxattr(

@@ -129,10 +129,7 @@ pub fn repair(brick: &Brick) -> Result<RepairReport, Errno> {
     for record in names_in(pending)? {
         let record_c = cstr(&record);
         let text = String::from_utf8_lossy(&record).into_owned();
-        let Some((kind, gfid)) = text
-            .split_once('-')
-            .and_then(|(k, g)| Some((k, g.parse::<Gfid>().ok()?)))
-        else {
+        let Some((kind, gfid)) = parse_record(&text) else {
             tracing::warn!(record = %text, "unknown intent record removed");
             ignore_missing(rustix::fs::unlinkat(pending, &*record_c, AtFlags::empty()))?;
             continue;
@@ -154,6 +151,30 @@ pub fn repair(brick: &Brick) -> Result<RepairReport, Errno> {
         }
     }
     Ok(report)
+}
+
+/// Splits `<kind>-<gfid>-<nonce>`.
+fn parse_record(name: &str) -> Option<(&str, Gfid)> {
+    let (kind, rest) = name.split_once('-')?;
+    Some((kind, rest.get(..36)?.parse().ok()?))
+}
+
+/// Whether a create of `parent/name` is in flight (its `new-` record exists): the object
+/// there has no GFID yet because it is being made, not because it was copied in.
+pub fn create_in_flight(brick: &Brick, parent: &Gfid, name: &[u8]) -> Result<bool, Errno> {
+    let mut target = parent.to_string().into_bytes();
+    target.push(b'/');
+    target.extend_from_slice(name);
+    for record in names_in(&brick.pending)? {
+        if record.starts_with(b"new-") {
+            let found =
+                rustix::fs::readlinkat(&brick.pending, cstr(&record).as_c_str(), Vec::new());
+            if found.is_ok_and(|t| t.as_bytes() == target.as_slice()) {
+                return Ok(true);
+            }
+        }
+    }
+    Ok(false)
 }
 
 fn settle_new(brick: &Brick, record: &CString, gfid: &Gfid) -> Result<bool, Errno> {

@@ -26,6 +26,8 @@ per_engine!(
     names_at_255_bytes,
     statfs_and_access,
     serves_a_glusterfs_brick,
+    reused_gfid_is_refused,
+    writes_run_as_the_caller,
 );
 
 fn create_write_read_release(kind: EngineKind) {
@@ -1261,4 +1263,78 @@ fn serves_a_glusterfs_brick(kind: EngineKind) {
     // New objects land in GlusterFS's layout too.
     h.put(docs, "new", b"by kiln").expect("put");
     h.assert_consistent();
+}
+
+fn reused_gfid_is_refused(kind: EngineKind) {
+    let h = Harness::new(kind);
+    let d = h.mkdir(Gfid::ROOT, "d").expect("mkdir");
+    let f = h.put(Gfid::ROOT, "f", b"f").expect("put");
+    // A client reusing another object's identity gets EEXIST and the other object keeps its
+    // handle (nameless access still works).
+    for taken in [d, f] {
+        let mkdir = Mkdir {
+            parent: Gfid::ROOT,
+            name: name("new"),
+            gfid: taken,
+            mode: mode(0o755),
+            umask: mode(0),
+        };
+        assert_eq!(h.call(&root(), mkdir).err(), Some(ErrorCode::Exist));
+        let put = Put {
+            parent: d,
+            name: name("new"),
+            gfid: taken,
+            mode: mode(0o644),
+            umask: mode(0),
+            flags: OpenFlags::empty(),
+            data: Payload::new(Bytes::from_static(b"x")).expect("small"),
+            attr: SetAttr::default(),
+        };
+        assert_eq!(h.call(&root(), put).err(), Some(ErrorCode::Exist));
+        assert_eq!(h.stat(taken).expect("still reachable").gfid, taken);
+    }
+    assert_eq!(h.lookup(Gfid::ROOT, "new").err(), Some(ErrorCode::NoEnt));
+    h.assert_consistent();
+}
+
+fn writes_run_as_the_caller(kind: EngineKind) {
+    let h = Harness::new(kind);
+    let f = h.put(Gfid::ROOT, "tool", b"#!/bin/sh").expect("put");
+    let setuid = SetAttr {
+        mode: Some(mode(0o4777)),
+        ..SetAttr::default()
+    };
+    h.call(
+        &root(),
+        Setattr {
+            gfid: f,
+            attr: setuid,
+        },
+    )
+    .expect("chmod");
+    let bob = user(2000);
+    let fd = h
+        .open_as(&bob, f, AccessMode::WriteOnly)
+        .expect("world-writable");
+    let data = Payload::new(Bytes::from_static(b"evil")).expect("small");
+    let FopReply::Write(w) = h
+        .call(
+            &bob,
+            Write {
+                fd,
+                offset: 0,
+                data,
+            },
+        )
+        .expect("write")
+    else {
+        panic!()
+    };
+    // The kernel clears set-uid on a write by someone without CAP_FSETID: it only does so
+    // if the write really ran as bob.
+    assert_eq!(
+        w.post.mode.bits(),
+        0o777,
+        "set-uid must not survive an unprivileged write"
+    );
 }

@@ -150,9 +150,31 @@ struct RingState {
     chains: RefCell<Slab<ChainSlot>>,
     fixed_free: RefCell<Vec<u32>>,
     submit_scheduled: Cell<bool>,
+    /// Personalities evicted from the cache, unregistered after the next submit.
+    retired: RefCell<Vec<u16>>,
     personalities: RefCell<LruCache<CredsKey, u16>>,
     supported: HashSet<u8>,
     stats: Cell<RingStats>,
+}
+
+impl Drop for RingState {
+    /// A worker shutting down may still have SQEs in the kernel: wait for their completions
+    /// before the buffers they point into are freed. If the ring fails meanwhile, leak the
+    /// buffers rather than free memory the kernel may still write.
+    fn drop(&mut self) {
+        let mut remaining: usize = self.chains.get_mut().iter().map(|(_, c)| c.remaining).sum();
+        let ring = self.ring.get_mut();
+        while remaining > 0 {
+            match ring.submit_and_wait(1) {
+                Ok(_) => remaining = remaining.saturating_sub(ring.completion().count()),
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
+                Err(_) => {
+                    std::mem::forget(std::mem::take(self.chains.get_mut()));
+                    return;
+                }
+            }
+        }
+    }
 }
 
 impl std::fmt::Debug for RingState {
@@ -192,7 +214,9 @@ impl UringExec {
     /// Sets up this thread's ring and spawns its completion driver on the current
     /// `LocalSet`. Must run inside the worker's runtime.
     pub fn new(config: &RingConfig, pool: BlockingPool) -> std::io::Result<UringExec> {
+        // SUBMIT_ALL: one failing SQE must not stop the submission of the chains behind it.
         let ring = IoUring::builder()
+            .setup_submit_all()
             .setup_cqsize(config.ring_entries * 2)
             .build(config.ring_entries)?;
         ring.submitter().register_files_sparse(config.fixed_files)?;
@@ -219,6 +243,7 @@ impl UringExec {
             chains: RefCell::new(Slab::new()),
             fixed_free: RefCell::new((0..config.fixed_files).rev().collect()),
             submit_scheduled: Cell::new(false),
+            retired: RefCell::new(Vec::new()),
             personalities: RefCell::new(LruCache::new(config.personalities_max)),
             supported,
             stats: Cell::new(RingStats::default()),
@@ -290,12 +315,8 @@ impl UringExec {
         if let Some((_, old)) = self.state.personalities.borrow_mut().push(key, id)
             && old != id
         {
-            let _ = self
-                .state
-                .ring
-                .borrow()
-                .submitter()
-                .unregister_personality(old);
+            // SQEs pushed this turn may still name it: unregister after the next submit.
+            self.state.retired.borrow_mut().push(old);
         }
         Ok(Some(id))
     }
@@ -311,8 +332,9 @@ impl UringExec {
                 chain_slot = self.state.fixed_free.borrow_mut().pop();
                 fixed[i] = chain_slot;
                 if chain_slot.is_none() {
-                    // No free slot: fail this open as the kernel would at a full table.
-                    return fail_from(i, n, Errno::NFILE);
+                    // No free slot: nothing runs, as the kernel would refuse at a full table.
+                    self.release_slots(&fixed);
+                    return fail_all(n, Errno::NFILE);
                 }
             } else if let Some(slot) = chain_slot {
                 step.op.resolve_chain_file(Some(&FileRef::Fixed(slot)));
@@ -324,7 +346,10 @@ impl UringExec {
                 Who::Brick => personalities.push(None),
                 Who::Caller(creds) => match self.personality(creds) {
                     Ok(p) => personalities.push(p),
-                    Err(e) => return fail_from(0, n, e),
+                    Err(e) => {
+                        self.release_slots(&fixed);
+                        return fail_all(n, e);
+                    }
                 },
             }
         }
@@ -386,8 +411,9 @@ impl UringExec {
             if unsafe { ring.submission().push_multiple(&entries) }.is_err() {
                 drop(ring);
                 drop(chains);
-                self.state.chains.borrow_mut().remove(key);
-                return fail_from(0, n, Errno::AGAIN);
+                let slot = self.state.chains.borrow_mut().remove(key);
+                self.release_slots(&slot.fixed);
+                return fail_all(n, Errno::AGAIN);
             }
         }
         self.bump(|s| {
@@ -465,38 +491,53 @@ impl UringExec {
         }
     }
 
+    fn release_slots(&self, fixed: &[Option<u32>]) {
+        self.state
+            .fixed_free
+            .borrow_mut()
+            .extend(fixed.iter().flatten());
+    }
+
     fn schedule_submit(&self) {
-        if self.state.submit_scheduled.replace(true) {
+        Self::reschedule(&self.state);
+    }
+
+    /// Makes sure one submit task is queued behind this turn's ready tasks.
+    fn reschedule(state: &Rc<RingState>) {
+        if state.submit_scheduled.replace(true) {
             return;
         }
-        let state = self.state.clone();
+        let state = state.clone();
         tokio::task::spawn_local(async move {
             // Runs after the tasks already ready in this turn, so their chains share one
             // io_uring_enter.
             state.submit_scheduled.set(false);
-            let submitted = state.ring.borrow_mut().submit();
+            let mut ring = state.ring.borrow_mut();
+            let submitted = ring.submit();
             let mut s = state.stats.get();
             s.enters += 1;
             state.stats.set(s);
             if let Err(e) = submitted {
                 tracing::error!(error = %e, "io_uring_enter failed");
             }
+            // The kernel has taken the credentials of every submitted SQE: personalities
+            // evicted meanwhile can go now.
+            for id in state.retired.borrow_mut().drain(..) {
+                let _ = ring.submitter().unregister_personality(id);
+            }
+            let left = !ring.submission().is_empty();
+            drop(ring);
+            if left {
+                // Submission stopped early (a full completion queue): try again next turn.
+                UringExec::reschedule(&state);
+            }
         });
     }
 }
 
-fn fail_from(first: usize, n: usize, e: Errno) -> Vec<StepResult> {
-    (0..n)
-        .map(|i| {
-            if i == first {
-                Err(e)
-            } else if i < first {
-                Ok(Done::Value(0))
-            } else {
-                Err(Errno::CANCELED)
-            }
-        })
-        .collect()
+/// The result of a segment that never reached the kernel: every step failed with `e`.
+fn fail_all(n: usize, e: Errno) -> Vec<StepResult> {
+    (0..n).map(|_| Err(e)).collect()
 }
 
 fn io_errno(e: &std::io::Error) -> Errno {
@@ -753,13 +794,22 @@ async fn drive(state: Rc<RingState>, fd: AsyncFd<RingFd>) {
             if slot.remaining == 0 {
                 if slot.abandoned {
                     let slot = chains.remove(key);
-                    // Direct descriptors opened by an abandoned chain are closed with it.
-                    for (i, f) in slot.fixed.iter().enumerate() {
-                        if let (Some(s), Some(r)) = (f, slot.results[i]) {
-                            if r >= 0 {
-                                let _ = ring.submitter().register_files_update(*s, &[-1]);
+                    // Files opened by an abandoned chain are closed with it.
+                    for (i, step) in slot.steps.iter().enumerate() {
+                        let (Op::Open { .. }, Some(r)) = (&step.op, slot.results[i]) else {
+                            continue;
+                        };
+                        match slot.fixed[i] {
+                            Some(s) => {
+                                if r >= 0 {
+                                    let _ = ring.submitter().register_files_update(s, &[-1]);
+                                }
+                                state.fixed_free.borrow_mut().push(s);
                             }
-                            state.fixed_free.borrow_mut().push(*s);
+                            // SAFETY: a successful non-fixed OPENAT returned a new fd that no
+                            // one else owns (its fop is gone); it is closed exactly once here.
+                            None if r >= 0 => drop(unsafe { OwnedFd::from_raw_fd(r) }),
+                            None => {}
                         }
                     }
                 } else if let Some(w) = slot.waker.take() {
