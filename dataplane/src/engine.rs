@@ -140,15 +140,29 @@ fn to_code(e: rustix::io::Errno) -> ErrorCode {
 impl Engine {
     /// Starts the workers for an open brick.
     pub fn start(brick: &Arc<Brick>, config: &EngineConfig) -> std::io::Result<Engine> {
-        let workers = match config.kind {
-            EngineKind::Uring => start_uring(brick, config)?,
-            EngineKind::Blocking => start_blocking(brick, config)?,
+        let (workers, kind) = match config.kind {
+            EngineKind::Uring => match start_uring(brick, config) {
+                Ok(workers) => (workers, EngineKind::Uring),
+                // io_uring disabled (`kernel.io_uring_disabled`), filtered by seccomp or
+                // missing: serve with the blocking engine rather than not at all.
+                Err(e)
+                    if matches!(
+                        e.raw_os_error(),
+                        Some(libc::EPERM | libc::EACCES | libc::ENOSYS)
+                    ) =>
+                {
+                    tracing::warn!(error = %e, "io_uring is unavailable; using the blocking engine");
+                    (start_blocking(brick, config)?, EngineKind::Blocking)
+                }
+                Err(e) => return Err(e),
+            },
+            EngineKind::Blocking => (start_blocking(brick, config)?, EngineKind::Blocking),
         };
         Ok(Engine {
             inner: Arc::new(Inner {
                 workers,
                 next_session: AtomicU64::new(1),
-                kind: config.kind,
+                kind,
             }),
         })
     }

@@ -45,6 +45,12 @@ impl LockTable {
         lock: &Lock,
     ) -> Result<Lock, Errno> {
         let (start, end) = range(lock)?;
+        if cmd == LockCmd::Get && !self.files.contains_key(&gfid) {
+            return Ok(Lock {
+                kind: LockKind::Unlock,
+                ..lock.clone()
+            });
+        }
         let held = self.files.entry(gfid).or_default();
         let mine = |h: &Held| h.session == session && h.owner == lock.owner;
         let conflict = held.iter().find(|h| {
