@@ -154,10 +154,6 @@ impl<E: Exec> Fops<E> {
         }
     }
 
-    pub fn brick(&self) -> &Arc<Brick> {
-        &self.brick
-    }
-
     pub fn exec(&self) -> &E {
         &self.exec
     }
@@ -182,14 +178,6 @@ impl<E: Exec> Fops<E> {
                 OpenKind::Dir { .. } => None,
             })
             .collect()
-    }
-
-    /// Open fds of a session (for tests and state dumps).
-    pub fn open_files(&self, session: SessionId) -> usize {
-        lock(&self.sessions)
-            .get(&session)
-            .and_then(Option::as_ref)
-            .map_or(0, FdTable::len)
     }
 
     /// Executes one fop for `session` as `creds`.

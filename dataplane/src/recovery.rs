@@ -126,7 +126,15 @@ fn dir_at_target(brick: &Brick, target: &[u8], gfid: &Gfid) -> bool {
 pub fn repair(brick: &Brick) -> Result<RepairReport, Errno> {
     let mut report = RepairReport::default();
     let pending = &brick.pending;
-    for record in names_in(pending)? {
+    // Directory moves first, so every parent a `new-` or `del-` record names resolves through
+    // its final handle; then removals; creates last.
+    let mut records = names_in(pending)?;
+    records.sort_by_key(|r| match r.split(|&b| b == b'-').next() {
+        Some(b"mv") => 0,
+        Some(b"del") => 1,
+        _ => 2,
+    });
+    for record in records {
         let record_c = cstr(&record);
         let text = String::from_utf8_lossy(&record).into_owned();
         let Some((kind, gfid)) = parse_record(&text) else {

@@ -25,10 +25,6 @@ impl Exec for BlockingExec {
     async fn blocking<T: Send + 'static>(&self, work: impl FnOnce() -> T + Send + 'static) -> T {
         work()
     }
-
-    fn uses_fixed_files(&self) -> bool {
-        false
-    }
 }
 
 /// Runs a chain: every step in order, except that a failed barrier cancels the rest.

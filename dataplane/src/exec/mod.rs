@@ -22,8 +22,4 @@ pub trait Exec {
         &self,
         work: impl FnOnce() -> T + Send + 'static,
     ) -> impl Future<Output = T>;
-
-    /// Whether open files are direct descriptors (then a fop that needs a plain fd reopens
-    /// by handle instead).
-    fn uses_fixed_files(&self) -> bool;
 }

@@ -908,8 +908,4 @@ impl Exec for UringExec {
         self.bump(|s| s.pool_jobs += 1);
         self.pool.run(work).await
     }
-
-    fn uses_fixed_files(&self) -> bool {
-        true
-    }
 }
