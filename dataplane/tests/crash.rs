@@ -413,3 +413,57 @@ fn check_finds_and_repairs_damage() {
     assert!(repaired.problems() > 0);
     h.assert_consistent();
 }
+
+/// Two fops interrupted at once: a directory rename after its commit (the directory's new
+/// handle not yet installed) and a PUT into that directory after its commit. Repair settles
+/// the move first, so the create's parent resolves and the create is completed, not undone.
+#[test]
+fn repair_settles_moves_before_creates_inside_them() {
+    for kind in [EngineKind::Blocking, EngineKind::Uring] {
+        let h = Harness::new(kind);
+        let a = h.mkdir(Gfid::ROOT, "a").expect("mkdir");
+        let sub = h.mkdir(a, "sub").expect("mkdir");
+        // Resolve `sub` once, so the (still running) brick holds its fd across the rename.
+        h.put(sub, "warm", b"").expect("put");
+        // The rename chain: 2 stats, the `mv-` record, the rename (commit); stop right after.
+        h.rt.block_on(h.engine.set_crash_point(Some(CrashPoint {
+            fop: FopCode::Rename,
+            after_steps: 4,
+        })));
+        let rename = Rename {
+            old_parent: a,
+            old_name: name("sub"),
+            new_parent: Gfid::ROOT,
+            new_name: name("moved"),
+            mode: RenameMode::Replace,
+        };
+        assert_eq!(h.call(&root(), rename).err(), Some(ErrorCode::Io));
+        // The PUT chain: parent stat, `new-` record, open (commit), gfid xattr; stop there.
+        h.rt.block_on(h.engine.set_crash_point(Some(CrashPoint {
+            fop: FopCode::Put,
+            after_steps: 4,
+        })));
+        let file = h.gfid();
+        let put = Put {
+            parent: sub,
+            name: name("f"),
+            gfid: file,
+            mode: mode(0o644),
+            umask: mode(0),
+            flags: OpenFlags::empty(),
+            data: Payload::new(Bytes::from_static(b"")).expect("small"),
+            attr: SetAttr::default(),
+        };
+        assert_eq!(h.call(&root(), put).err(), Some(ErrorCode::Io));
+        let Harness { dir, .. } = h;
+        let path = dir.path().join("brick");
+        let h = Harness::reopen(dir, &path, kind, FopsConfig::default());
+        h.assert_consistent();
+        assert_eq!(h.lookup(Gfid::ROOT, "moved").expect("moved").gfid, sub);
+        assert_eq!(
+            h.lookup(sub, "f").expect("the create was completed").gfid,
+            file
+        );
+        assert_eq!(h.stat(file).expect("by gfid").gfid, file);
+    }
+}
