@@ -268,36 +268,33 @@ fn settle_del(brick: &Brick, record: &CString, gfid: &Gfid) -> Result<bool, Errn
     } else {
         st.stx_nlink >= 2
     };
-    if still_named {
-        // The removal never committed: the handle goes back.
-        brick.ensure_handle_parent(gfid)?;
-        rustix::fs::renameat(
-            pending,
-            &**record,
-            brick.handle_dir(gfid),
-            &*Brick::handle_name(gfid),
-        )?;
-    } else {
-        ignore_missing(rustix::fs::unlinkat(pending, &**record, AtFlags::empty()))?;
-    }
+    // Not committed (a name is left): the handle goes back; committed: it goes.
+    install_or_drop(brick, record, gfid, still_named)?;
     Ok(!still_named)
+}
+
+/// Renames `record` into place as `gfid`'s handle (`install`), or removes it.
+fn install_or_drop(
+    brick: &Brick,
+    record: &CString,
+    gfid: &Gfid,
+    install: bool,
+) -> Result<(), Errno> {
+    let pending = &brick.pending;
+    if install {
+        brick.ensure_handle_parent(gfid)?;
+        let handle = Brick::handle_name(gfid);
+        rustix::fs::renameat(pending, &**record, brick.handle_dir(gfid), &*handle)
+    } else {
+        ignore_missing(rustix::fs::unlinkat(pending, &**record, AtFlags::empty()))
+    }
 }
 
 fn settle_mv(brick: &Brick, record: &CString, gfid: &Gfid) -> Result<bool, Errno> {
     let pending = &brick.pending;
     let target = rustix::fs::readlinkat(pending, &**record, Vec::new())?;
     let moved = dir_at_target(brick, target.as_bytes(), gfid);
-    if moved {
-        brick.ensure_handle_parent(gfid)?;
-        rustix::fs::renameat(
-            pending,
-            &**record,
-            brick.handle_dir(gfid),
-            &*Brick::handle_name(gfid),
-        )?;
-    } else {
-        ignore_missing(rustix::fs::unlinkat(pending, &**record, AtFlags::empty()))?;
-    }
+    install_or_drop(brick, record, gfid, moved)?;
     Ok(moved)
 }
 
