@@ -467,3 +467,75 @@ fn repair_settles_moves_before_creates_inside_them() {
         assert_eq!(h.stat(file).expect("by gfid").gfid, file);
     }
 }
+
+/// A full disk: creates and writes fail with ENOSPC (or EDQUOT-like errors the kernel gives),
+/// never with a wrong success, and the brick stays consistent; after space is freed it works.
+#[test]
+fn full_disk_gives_enospc_and_loses_nothing() {
+    use std::process::Command;
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let image = scratch.path().join("small.img");
+    let mnt = scratch.path().join("mnt");
+    std::fs::create_dir(&mnt).expect("mkdir");
+    std::fs::File::create(&image)
+        .and_then(|f| f.set_len(16 << 20))
+        .expect("image");
+    let ok = |cmd: &mut Command| cmd.output().map(|o| o.status.success()).unwrap_or(false);
+    assert!(
+        ok(Command::new("mkfs.ext4")
+            .args(["-q", "-F", "-N", "4096"])
+            .arg(&image)),
+        "mkfs.ext4"
+    );
+    assert!(
+        ok(Command::new("mount")
+            .arg("-o")
+            .arg("loop")
+            .arg(&image)
+            .arg(&mnt)),
+        "mount"
+    );
+    struct Unmount(std::path::PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg(&self.0).status();
+        }
+    }
+    let _unmount = Unmount(mnt.clone());
+    let path = mnt.join("brick");
+    kiln_dataplane::Brick::format(&path).expect("format");
+    for kind in [EngineKind::Blocking, EngineKind::Uring] {
+        let h = Harness::reopen(
+            tempfile::tempdir().expect("tmp"),
+            &path,
+            kind,
+            FopsConfig::default(),
+        );
+        let dir = h.mkdir(Gfid::ROOT, &format!("{kind:?}")).expect("mkdir");
+        let block = vec![7u8; 1 << 20];
+        let mut written = Vec::new();
+        let err = loop {
+            match h.put(dir, &format!("f{}", written.len()), &block) {
+                Ok(g) => written.push(g),
+                Err(e) => break e,
+            }
+            assert!(
+                written.len() < 64,
+                "a 16 MiB file system cannot hold 64 MiB"
+            );
+        };
+        assert_eq!(err, ErrorCode::NoSpace, "{kind:?}");
+        h.assert_consistent();
+        // Everything acknowledged is intact.
+        for g in &written {
+            assert_eq!(h.read_all(*g).expect("read back").len(), block.len());
+        }
+        // Freeing space makes the brick usable again.
+        for i in 0..written.len() {
+            h.unlink(dir, &format!("f{i}")).expect("unlink");
+        }
+        h.put(dir, "after", b"fits again")
+            .expect("put after freeing space");
+        h.assert_consistent();
+    }
+}
