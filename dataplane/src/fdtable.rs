@@ -43,6 +43,8 @@ pub struct FdTable {
     free: Vec<u32>,
     open: usize,
     limit: usize,
+    /// Open fds per file, so the last close of a file is known in O(1).
+    per_file: std::collections::HashMap<Gfid, u32>,
 }
 
 impl FdTable {
@@ -52,6 +54,7 @@ impl FdTable {
             free: Vec::new(),
             open: 0,
             limit,
+            per_file: std::collections::HashMap::new(),
         }
     }
 
@@ -71,6 +74,7 @@ impl FdTable {
                 slot
             }
         };
+        *self.per_file.entry(file.gfid).or_default() += 1;
         let s = &mut self.slots[slot as usize];
         s.entry = Some(file);
         self.open += 1;
@@ -99,6 +103,12 @@ impl FdTable {
         s.generation = s.generation.wrapping_add(1);
         self.free.push(id.slot);
         self.open -= 1;
+        if let Some(n) = self.per_file.get_mut(&file.gfid) {
+            *n -= 1;
+            if *n == 0 {
+                self.per_file.remove(&file.gfid);
+            }
+        }
         Ok(file)
     }
 
@@ -106,11 +116,17 @@ impl FdTable {
     pub fn drain(&mut self) -> Vec<OpenFile> {
         self.free.clear();
         self.open = 0;
+        self.per_file.clear();
         self.slots.drain(..).filter_map(|s| s.entry).collect()
     }
 
     pub fn len(&self) -> usize {
         self.open
+    }
+
+    /// How many fds of this session are open on `gfid`.
+    pub fn open_on(&self, gfid: &Gfid) -> u32 {
+        self.per_file.get(gfid).copied().unwrap_or(0)
     }
 
     pub fn is_empty(&self) -> bool {

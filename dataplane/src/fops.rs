@@ -249,7 +249,8 @@ impl<E: Exec> Fops<E> {
             Q::Read(r) => A::Read(self.read(session, r).await?),
             Q::Write(r) => A::Write(self.write(session, creds, r).await?),
             Q::Flush(r) => {
-                self.open_file(session, r.fd)?;
+                let gfid = self.open_file(session, r.fd)?.gfid;
+                lock(&self.shared.locks).release(session, Some(r.lock_owner), &gfid);
                 A::Flush(kiln_wire::Done {})
             }
             Q::Fsync(r) => A::Fsync(self.fsync(session, r.fd, r.datasync).await?),
@@ -1479,7 +1480,7 @@ impl<E: Exec> Fops<E> {
     }
 
     async fn release(&self, session: SessionId, fd: FdId, dir: bool) -> R<()> {
-        let open = {
+        let (open, still_open) = {
             let mut sessions = lock(&self.sessions);
             let table = sessions
                 .get_mut(&session)
@@ -1488,10 +1489,18 @@ impl<E: Exec> Fops<E> {
             match (&table.get(fd)?.kind, dir) {
                 (OpenKind::Dir { .. }, false) => return Err(Errno::ISDIR),
                 (OpenKind::File { .. }, true) => return Err(Errno::NOTDIR),
-                _ => table.remove(fd)?,
+                _ => {
+                    let open = table.remove(fd)?;
+                    let still_open = table.open_on(&open.gfid);
+                    (open, still_open)
+                }
             }
         };
-        lock(&self.shared.locks).release(session, &open.gfid);
+        // The session's last fd on the file is gone: none of its lock owners can hold locks
+        // there any more (FLUSH already dropped each closing owner's).
+        if still_open == 0 {
+            lock(&self.shared.locks).release(session, None, &open.gfid);
+        }
         if let OpenKind::File { file, .. } = open.kind {
             self.run1(Step::brick(Op::Close { file })).await?;
         }

@@ -127,10 +127,11 @@ impl LockTable {
         Ok(lock.clone())
     }
 
-    /// Drops `session`'s locks on `gfid` (a file was closed: POSIX drops the process's locks).
-    pub fn release(&mut self, session: SessionId, gfid: &Gfid) {
+    /// Drops the locks on `gfid` held by `session`, or only by its `owner` when given (FLUSH:
+    /// POSIX drops a process's locks when it closes any fd of the file).
+    pub fn release(&mut self, session: SessionId, owner: Option<u64>, gfid: &Gfid) {
         if let Some(held) = self.files.get_mut(gfid) {
-            held.retain(|h| h.session != session);
+            held.retain(|h| h.session != session || owner.is_some_and(|o| o != h.owner));
             if held.is_empty() {
                 self.files.remove(gfid);
             }
@@ -185,6 +186,13 @@ mod tests {
         assert_eq!(
             t.apply(2, g, LockCmd::Set, &lk(LockKind::Read, 10, 1, 9)),
             Err(Errno::AGAIN)
+        );
+        t.release(2, Some(9), &g);
+        let probe = t.apply(3, g, LockCmd::Get, &lk(LockKind::Write, 50, 1, 4));
+        assert_eq!(
+            probe.map(|l| l.kind),
+            Ok(LockKind::Unlock),
+            "owner 9's lock went with its flush"
         );
         t.release_session(1);
         t.apply(2, g, LockCmd::Set, &lk(LockKind::Write, 0, 0, 9))

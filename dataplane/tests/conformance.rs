@@ -80,7 +80,14 @@ fn create_write_read_release(kind: EngineKind) {
         panic!()
     };
     assert_eq!(s.iatt.size, 12);
-    h.call(&root(), Flush { fd: c.fd }).expect("flush");
+    h.call(
+        &root(),
+        Flush {
+            fd: c.fd,
+            lock_owner: 1,
+        },
+    )
+    .expect("flush");
     h.call(&root(), Release { fd: c.fd }).expect("release");
     assert_eq!(
         h.call(&root(), Release { fd: c.fd }).err(),
@@ -1034,7 +1041,50 @@ fn locks_between_sessions(kind: EngineKind) {
         },
     )
     .expect("no overlap");
-    // Releasing the holder's fd drops its locks.
+    // FLUSH by one owner drops that owner's locks only; another owner of the same session
+    // (another process behind the same mount) keeps its own.
+    h.call(
+        &root(),
+        Lk {
+            fd: fd1,
+            cmd: LockCmd::Set,
+            lock: write(30, 5, 3),
+        },
+    )
+    .expect("second owner");
+    h.call(
+        &root(),
+        Flush {
+            fd: fd1,
+            lock_owner: 3,
+        },
+    )
+    .expect("flush by owner 3");
+    h.call_as(
+        &other,
+        &root(),
+        Lk {
+            fd: o.fd,
+            cmd: LockCmd::Set,
+            lock: write(30, 5, 2),
+        },
+    )
+    .expect("owner 3's range is free");
+    assert_eq!(
+        h.call_as(
+            &other,
+            &root(),
+            Lk {
+                fd: o.fd,
+                cmd: LockCmd::Set,
+                lock: write(5, 1, 2)
+            }
+        )
+        .err(),
+        Some(ErrorCode::Again),
+        "owner 1 still holds 0..10"
+    );
+    // Releasing the holder's last fd on the file drops its locks.
     h.call(&root(), Release { fd: fd1 }).expect("release");
     h.call_as(
         &other,

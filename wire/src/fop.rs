@@ -132,7 +132,9 @@ wire_struct! {
     pub struct Open { pub gfid: Gfid, pub access: AccessMode, pub flags: OpenFlags }
     pub struct Read { pub fd: FdId, pub offset: u64, pub size: ReadSize }
     pub struct Write { pub fd: FdId, pub offset: u64, pub data: Payload }
-    pub struct Flush { pub fd: FdId }
+    /// A close of one of the caller's fds: POSIX drops the locks `lock_owner` holds on the
+    /// file (FUSE's FLUSH carries the owner).
+    pub struct Flush { pub fd: FdId, pub lock_owner: u64 }
     pub struct Fsync { pub fd: FdId, pub datasync: bool }
     pub struct Release { pub fd: FdId }
     pub struct Opendir { pub gfid: Gfid }
