@@ -193,6 +193,10 @@ impl Model {
     }
 
     fn write(&mut self, file: Gfid, offset: usize, data: &[u8]) {
+        // A zero-length write changes nothing, not even the size (pwrite(2)).
+        if data.is_empty() {
+            return;
+        }
         if let Some(Node::File { data: d, .. }) = self.nodes.get_mut(&file) {
             if d.len() < offset + data.len() {
                 d.resize(offset + data.len(), 0);
