@@ -2001,42 +2001,48 @@ pub fn open_dir_by_gfid(brick: &Brick, gfid: &Gfid, depth: usize) -> R<DirFd> {
     }
     let flags = OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC;
     let resolve = ResolveFlags::BENEATH | ResolveFlags::NO_MAGICLINKS;
-    let fd = match rustix::fs::openat2(
-        &brick.root,
-        Brick::handle_path(gfid),
-        flags,
-        FsMode::empty(),
-        resolve,
-    ) {
-        Ok(fd) => fd,
-        Err(Errno::NOENT) => return Err(not_a_dir_or_stale(brick, gfid)),
-        // A user's symlink pointing out of the brick (refused by RESOLVE_BENEATH) or at a
-        // non-directory.
-        Err(Errno::XDEV | Errno::NOTDIR) => return Err(not_a_dir_or_stale(brick, gfid)),
-        Err(Errno::LOOP) => {
-            // Deeper than the kernel's symlink limit: resolve the parent, then one name.
-            let target = rustix::fs::readlinkat(
-                brick.handle_dir(gfid),
-                &*Brick::handle_name(gfid),
-                Vec::new(),
-            )?;
-            let (parent, name) =
-                Brick::parse_dir_handle_target(target.as_bytes()).ok_or(Errno::STALE)?;
-            let parent = open_dir_by_gfid(brick, &parent, depth + 1)?;
-            rustix::fs::openat(
-                &parent,
-                cstr(&name).as_c_str(),
-                flags | OFlags::NOFOLLOW,
-                FsMode::empty(),
-            )?
+    // RESOLVE_BENEATH answers EAGAIN when a rename anywhere raced with the walk through the
+    // handle's `..` components; retry a few times, then walk one level at a time.
+    const RACED_RETRIES: usize = 8;
+    let mut attempt = 0;
+    let fd = loop {
+        match rustix::fs::openat2(
+            &brick.root,
+            Brick::handle_path(gfid),
+            flags,
+            FsMode::empty(),
+            resolve,
+        ) {
+            Ok(fd) => break fd,
+            Err(Errno::NOENT) => return Err(not_a_dir_or_stale(brick, gfid)),
+            // A user's symlink pointing out of the brick (refused by RESOLVE_BENEATH) or at a
+            // non-directory.
+            Err(Errno::XDEV | Errno::NOTDIR) => return Err(not_a_dir_or_stale(brick, gfid)),
+            Err(Errno::AGAIN) if attempt < RACED_RETRIES => attempt += 1,
+            // Deeper than the kernel's symlink limit, or renames keep racing: resolve the
+            // parent, then one name.
+            Err(Errno::LOOP | Errno::AGAIN) => break open_through_parent(brick, gfid, depth)?,
+            Err(e) => return Err(e),
         }
-        Err(e) => return Err(e),
     };
     let dir = Arc::new(fd);
     match read_gfid(&proc_path(&dir, c""))? {
         Some(found) if found == *gfid => Ok(dir),
         _ => Err(not_a_dir_or_stale(brick, gfid)),
     }
+}
+
+/// Opens directory `gfid` as `<its parent>/<its name>`, read from its handle symlink.
+fn open_through_parent(brick: &Brick, gfid: &Gfid, depth: usize) -> R<std::os::fd::OwnedFd> {
+    let target = rustix::fs::readlinkat(
+        brick.handle_dir(gfid),
+        &*Brick::handle_name(gfid),
+        Vec::new(),
+    )?;
+    let (parent, name) = Brick::parse_dir_handle_target(target.as_bytes()).ok_or(Errno::STALE)?;
+    let parent = open_dir_by_gfid(brick, &parent, depth + 1)?;
+    let flags = OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC | OFlags::NOFOLLOW;
+    rustix::fs::openat(&parent, cstr(&name).as_c_str(), flags, FsMode::empty())
 }
 
 /// Why `gfid` did not resolve to a directory: ENOTDIR when its handle is the object itself (a

@@ -1,0 +1,120 @@
+//! Many sessions at once: concurrent creates, reads, renames and unlinks in one shared
+//! directory and in private ones, every result checked, then the whole brick checked.
+
+mod common;
+
+use std::collections::BTreeSet;
+
+use bytes::Bytes;
+use common::*;
+use kiln_dataplane::EngineKind;
+use kiln_wire::*;
+
+per_engine!(concurrent_sessions_agree);
+
+const SESSIONS: usize = 32;
+const FILES_PER_SESSION: usize = 20;
+
+fn concurrent_sessions_agree(kind: EngineKind) {
+    let h = Harness::new(kind);
+    let shared = h.mkdir(Gfid::ROOT, "shared").expect("mkdir");
+    let gfids: Vec<Vec<Gfid>> = (0..SESSIONS)
+        .map(|_| (0..FILES_PER_SESSION * 2).map(|_| h.gfid()).collect())
+        .collect();
+    h.rt.block_on(async {
+        let mut tasks = tokio::task::JoinSet::new();
+        for (t, ids) in gfids.into_iter().enumerate() {
+            let session = h.engine.session();
+            tasks.spawn(async move {
+                let call = |fop: FopRequest| session.call(root(), fop);
+                let own = ids[FILES_PER_SESSION * 2 - 1];
+                let mkdir = Mkdir {
+                    parent: Gfid::ROOT,
+                    name: name(&format!("own{t}")),
+                    gfid: own,
+                    mode: mode(0o755),
+                    umask: mode(0),
+                };
+                call(mkdir.into()).await.expect("mkdir own");
+                for (i, &gfid) in ids.iter().enumerate().take(FILES_PER_SESSION) {
+                    let body = format!("session {t} file {i}");
+                    let put = Put {
+                        parent: shared,
+                        name: name(&format!("f-{t}-{i}")),
+                        gfid,
+                        mode: mode(0o644),
+                        umask: mode(0),
+                        flags: OpenFlags::empty(),
+                        data: Payload::new(Bytes::from(body.clone())).expect("small"),
+                        attr: SetAttr::default(),
+                    };
+                    call(put.into()).await.expect("put");
+                    let open = Open {
+                        gfid,
+                        access: AccessMode::ReadOnly,
+                        flags: OpenFlags::empty(),
+                    };
+                    let Ok(FopReply::Open(o)) = call(open.into()).await else {
+                        panic!("open")
+                    };
+                    let read = Read {
+                        fd: o.fd,
+                        offset: 0,
+                        size: ReadSize::new(4096).expect("ok"),
+                    };
+                    let Ok(FopReply::Read(r)) = call(read.into()).await else {
+                        panic!("read")
+                    };
+                    assert_eq!(r.data.as_bytes(), body.as_bytes(), "session {t} file {i}");
+                    call(Release { fd: o.fd }.into()).await.expect("release");
+                    // Move every other file into the session's own directory, drop the rest.
+                    if i % 2 == 0 {
+                        let rename = Rename {
+                            old_parent: shared,
+                            old_name: name(&format!("f-{t}-{i}")),
+                            new_parent: own,
+                            new_name: name(&format!("g{i}")),
+                            mode: RenameMode::Replace,
+                        };
+                        call(rename.into()).await.expect("rename");
+                    } else {
+                        call(
+                            Unlink {
+                                parent: shared,
+                                name: name(&format!("f-{t}-{i}")),
+                            }
+                            .into(),
+                        )
+                        .await
+                        .expect("unlink");
+                    }
+                }
+            });
+        }
+        while let Some(done) = tasks.join_next().await {
+            done.expect("a session task panicked");
+        }
+    });
+    assert!(
+        h.list(shared).expect("list").is_empty(),
+        "every shared file was moved or removed"
+    );
+    for t in 0..SESSIONS {
+        let own = h
+            .lookup(Gfid::ROOT, &format!("own{t}"))
+            .expect("own dir")
+            .gfid;
+        let names: BTreeSet<String> = h.list(own).expect("list").into_iter().collect();
+        let expected: BTreeSet<String> = (0..FILES_PER_SESSION)
+            .filter(|i| i % 2 == 0)
+            .map(|i| format!("g{i}"))
+            .collect();
+        assert_eq!(names, expected, "session {t}");
+        let g0 = h.lookup(own, "g0").expect("g0").gfid;
+        assert_eq!(
+            h.read_all(g0).expect("read"),
+            format!("session {t} file 0").as_bytes()
+        );
+    }
+    h.assert_consistent();
+}
