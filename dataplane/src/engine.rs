@@ -143,18 +143,13 @@ impl Engine {
         let (workers, kind) = match config.kind {
             EngineKind::Uring => match start_uring(brick, config) {
                 Ok(workers) => (workers, EngineKind::Uring),
-                // io_uring disabled (`kernel.io_uring_disabled`), filtered by seccomp or
-                // missing: serve with the blocking engine rather than not at all.
-                Err(e)
-                    if matches!(
-                        e.raw_os_error(),
-                        Some(libc::EPERM | libc::EACCES | libc::ENOSYS)
-                    ) =>
-                {
+                // io_uring disabled (`kernel.io_uring_disabled`), filtered by seccomp, too old
+                // for the features used, or short of locked memory: serve with the blocking
+                // engine rather than not at all.
+                Err(e) => {
                     tracing::warn!(error = %e, "io_uring is unavailable; using the blocking engine");
                     (start_blocking(brick, config)?, EngineKind::Blocking)
                 }
-                Err(e) => return Err(e),
             },
             EngineKind::Blocking => (start_blocking(brick, config)?, EngineKind::Blocking),
         };

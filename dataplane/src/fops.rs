@@ -166,8 +166,13 @@ impl<E: Exec> Fops<E> {
     /// Ends a session: its fds are released and its locks dropped. Returns the files the
     /// caller must close through the executor (direct descriptors).
     pub fn end_session(&self, session: SessionId) -> Vec<FileRef> {
+        // Under the sessions guard (lock order: sessions, then locks), so no LK can slip a lock
+        // in between the tombstone and the release.
+        let mut sessions = lock(&self.sessions);
+        let ended = sessions.insert(session, None);
         lock(&self.shared.locks).release_session(session);
-        let Some(Some(mut table)) = lock(&self.sessions).insert(session, None) else {
+        drop(sessions);
+        let Some(Some(mut table)) = ended else {
             return Vec::new();
         };
         table
@@ -476,12 +481,6 @@ impl<E: Exec> Fops<E> {
             .entry(session)
             .or_insert_with(|| Some(FdTable::new(limit)));
         table.as_mut().ok_or(Errno::BADF)?.insert(file)
-    }
-
-    fn session_ended(&self, session: SessionId) -> bool {
-        lock(&self.sessions)
-            .get(&session)
-            .is_some_and(Option::is_none)
     }
 
     // ---- inode fops ----
@@ -1282,6 +1281,19 @@ impl<E: Exec> Fops<E> {
             });
             if stat_of(self.run1(probe).await).is_ok_and(|st| st.nlink >= 2) {
                 self.handle_back(gfid, record).await;
+                // A removal of the last other name may have raced in between: a handle that
+                // is now the only link goes (a missing handle is healed on lookup; an orphan
+                // would keep the file alive).
+                let dir = self.brick.handle_dir(gfid).clone();
+                let handle = Brick::handle_name(gfid);
+                let probe = Step::brick(Op::Statx {
+                    dir: dir.clone(),
+                    name: handle.clone(),
+                    nofollow: true,
+                });
+                if stat_of(self.run1(probe).await).is_ok_and(|st| st.nlink <= 1) {
+                    self.unlink_quietly(&dir, &handle, false).await;
+                }
                 return;
             }
         }
@@ -1345,8 +1357,13 @@ impl<E: Exec> Fops<E> {
         if stat.is_dir() {
             return Err(Errno::ISDIR);
         }
-        if stat.mode & libc::S_IFMT == libc::S_IFLNK {
-            return Err(Errno::LOOP);
+        match stat.mode & libc::S_IFMT {
+            libc::S_IFLNK => return Err(Errno::LOOP),
+            libc::S_IFREG => {}
+            // FIFOs, sockets and devices are opened by the client's kernel, never on the
+            // brick: opening the server's device nodes or blocking a thread on a FIFO is not
+            // a fop.
+            _ => return Err(Errno::NXIO),
         }
         self.brick.ensure_handle_parent(gfid)?;
         let flags = access.to_libc() | (flags.to_libc() & !libc::O_EXCL) | libc::O_NOFOLLOW;
@@ -1480,7 +1497,7 @@ impl<E: Exec> Fops<E> {
     }
 
     async fn release(&self, session: SessionId, fd: FdId, dir: bool) -> R<()> {
-        let (open, still_open) = {
+        let open = {
             let mut sessions = lock(&self.sessions);
             let table = sessions
                 .get_mut(&session)
@@ -1491,16 +1508,15 @@ impl<E: Exec> Fops<E> {
                 (OpenKind::File { .. }, true) => return Err(Errno::NOTDIR),
                 _ => {
                     let open = table.remove(fd)?;
-                    let still_open = table.open_on(&open.gfid);
-                    (open, still_open)
+                    // The session's last fd on the file is gone: none of its lock owners can
+                    // hold locks there any more (FLUSH already dropped each closing owner's).
+                    if table.open_on(&open.gfid) == 0 {
+                        lock(&self.shared.locks).release(session, None, &open.gfid);
+                    }
+                    open
                 }
             }
         };
-        // The session's last fd on the file is gone: none of its lock owners can hold locks
-        // there any more (FLUSH already dropped each closing owner's).
-        if still_open == 0 {
-            lock(&self.shared.locks).release(session, None, &open.gfid);
-        }
         if let OpenKind::File { file, .. } = open.kind {
             self.run1(Step::brick(Op::Close { file })).await?;
         }
@@ -1567,11 +1583,17 @@ impl<E: Exec> Fops<E> {
         // F_SETLKW waits in bounded slices so a lost holder cannot pin a worker forever.
         const WAIT_SLICES: u32 = 6000;
         for _ in 0..WAIT_SLICES {
-            // A waiter whose session ended must not take the lock after its locks were dropped.
-            if self.session_ended(session) {
-                return Err(Errno::BADF);
-            }
-            let result = lock(&self.shared.locks).apply(session, gfid, r.cmd, &r.lock);
+            // Under the sessions guard: a waiter whose fd was released or whose session ended
+            // meanwhile must not take a lock nobody would release.
+            let result = {
+                let sessions = lock(&self.sessions);
+                let table = sessions
+                    .get(&session)
+                    .and_then(Option::as_ref)
+                    .ok_or(Errno::BADF)?;
+                table.get(r.fd)?;
+                lock(&self.shared.locks).apply(session, gfid, r.cmd, &r.lock)
+            };
             match (result, r.cmd) {
                 (Err(Errno::AGAIN), LockCmd::SetWait) => {
                     self.exec
@@ -2021,7 +2043,11 @@ pub fn open_dir_by_gfid(brick: &Brick, gfid: &Gfid, depth: usize) -> R<DirFd> {
             Err(Errno::AGAIN) if attempt < RACED_RETRIES => attempt += 1,
             // Deeper than the kernel's symlink limit, or renames keep racing: resolve the
             // parent, then one name.
-            Err(Errno::LOOP | Errno::AGAIN) => break open_through_parent(brick, gfid, depth)?,
+            Err(Errno::LOOP | Errno::AGAIN) => match open_through_parent(brick, gfid, depth) {
+                Ok(fd) => break fd,
+                Err(Errno::NOENT) => return Err(not_a_dir_or_stale(brick, gfid)),
+                Err(e) => return Err(e),
+            },
             Err(e) => return Err(e),
         }
     };
@@ -2034,12 +2060,17 @@ pub fn open_dir_by_gfid(brick: &Brick, gfid: &Gfid, depth: usize) -> R<DirFd> {
 
 /// Opens directory `gfid` as `<its parent>/<its name>`, read from its handle symlink.
 fn open_through_parent(brick: &Brick, gfid: &Gfid, depth: usize) -> R<std::os::fd::OwnedFd> {
-    let target = rustix::fs::readlinkat(
-        brick.handle_dir(gfid),
-        &*Brick::handle_name(gfid),
-        Vec::new(),
-    )?;
+    let handle = Brick::handle_name(gfid);
+    // Only a handle the brick made (a symlink without a GFID of its own) names a parent and a
+    // name; a user's symlink carries its own GFID and text the client chose.
+    if read_gfid(&proc_path(brick.handle_dir(gfid), &handle))? == Some(*gfid) {
+        return Err(Errno::NOTDIR);
+    }
+    let target = rustix::fs::readlinkat(brick.handle_dir(gfid), &*handle, Vec::new())?;
     let (parent, name) = Brick::parse_dir_handle_target(target.as_bytes()).ok_or(Errno::STALE)?;
+    if Name::new(name.clone()).is_err() {
+        return Err(Errno::STALE);
+    }
     let parent = open_dir_by_gfid(brick, &parent, depth + 1)?;
     let flags = OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC | OFlags::NOFOLLOW;
     rustix::fs::openat(&parent, cstr(&name).as_c_str(), flags, FsMode::empty())

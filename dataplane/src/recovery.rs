@@ -127,12 +127,44 @@ pub fn repair(brick: &Brick) -> Result<RepairReport, Errno> {
     let mut report = RepairReport::default();
     let pending = &brick.pending;
     // Directory moves first, so every parent a `new-` or `del-` record names resolves through
-    // its final handle; then removals; creates last.
+    // its final handle. A move inside a moved directory resolves only once the outer one is
+    // installed, so moves are settled in passes while they make progress; the rest did not
+    // happen. Then removals, then creates.
     let mut records = names_in(pending)?;
+    let mut moves: Vec<(Vec<u8>, Gfid)> = Vec::new();
+    records.retain(|r| match parse_record(&String::from_utf8_lossy(r)) {
+        Some(("mv", gfid)) => {
+            moves.push((r.clone(), gfid));
+            false
+        }
+        _ => true,
+    });
+    loop {
+        let before = moves.len();
+        let mut left = Vec::new();
+        for (record, gfid) in moves {
+            let record_c = cstr(&record);
+            let target = rustix::fs::readlinkat(pending, &*record_c, Vec::new())?;
+            if dir_at_target(brick, target.as_bytes(), &gfid) {
+                install_or_drop(brick, &record_c, &gfid, true)?;
+                tracing::info!(record = %String::from_utf8_lossy(&record), "settled an interrupted rename");
+                report.completed += 1;
+            } else {
+                left.push((record, gfid));
+            }
+        }
+        moves = left;
+        if moves.is_empty() || moves.len() == before {
+            break;
+        }
+    }
+    for (record, gfid) in moves {
+        install_or_drop(brick, &cstr(&record), &gfid, false)?;
+        report.rolled_back += 1;
+    }
     records.sort_by_key(|r| match r.split(|&b| b == b'-').next() {
-        Some(b"mv") => 0,
-        Some(b"del") => 1,
-        _ => 2,
+        Some(b"del") => 0,
+        _ => 1,
     });
     for record in records {
         let record_c = cstr(&record);
@@ -145,7 +177,6 @@ pub fn repair(brick: &Brick) -> Result<RepairReport, Errno> {
         let completed = match kind {
             "new" => settle_new(brick, &record_c, &gfid)?,
             "del" => settle_del(brick, &record_c, &gfid)?,
-            "mv" => settle_mv(brick, &record_c, &gfid)?,
             _ => {
                 ignore_missing(rustix::fs::unlinkat(pending, &*record_c, AtFlags::empty()))?;
                 false
@@ -288,14 +319,6 @@ fn install_or_drop(
     } else {
         ignore_missing(rustix::fs::unlinkat(pending, &**record, AtFlags::empty()))
     }
-}
-
-fn settle_mv(brick: &Brick, record: &CString, gfid: &Gfid) -> Result<bool, Errno> {
-    let pending = &brick.pending;
-    let target = rustix::fs::readlinkat(pending, &**record, Vec::new())?;
-    let moved = dir_at_target(brick, target.as_bytes(), gfid);
-    install_or_drop(brick, record, gfid, moved)?;
-    Ok(moved)
 }
 
 /// What `check` found (and, when repairing, fixed).

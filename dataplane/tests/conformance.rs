@@ -1244,6 +1244,11 @@ fn statfs_and_access(kind: EngineKind) {
         panic!()
     };
     assert_eq!(m.iatt.file_type, FileType::Fifo);
+    // Special files are opened by the client's kernel, never on the brick.
+    assert_eq!(
+        h.open(m.iatt.gfid, AccessMode::ReadOnly).err(),
+        Some(ErrorCode::NxIo)
+    );
     h.assert_consistent();
 }
 

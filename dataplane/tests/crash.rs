@@ -539,3 +539,46 @@ fn full_disk_gives_enospc_and_loses_nothing() {
         h.assert_consistent();
     }
 }
+
+/// Two interrupted directory renames, one into the other: the inner move's record resolves
+/// only once the outer one is installed, which repair does in passes.
+#[test]
+fn repair_settles_nested_moves() {
+    for kind in [EngineKind::Blocking, EngineKind::Uring] {
+        let h = Harness::new(kind);
+        let a = h.mkdir(Gfid::ROOT, "a").expect("mkdir");
+        let p = h.mkdir(a, "p").expect("mkdir");
+        let d = h.mkdir(Gfid::ROOT, "d").expect("mkdir");
+        // Resolve both once, so the still running brick holds their fds across the renames.
+        h.put(p, "warm", b"").expect("put");
+        h.put(d, "leaf", b"leaf").expect("put");
+        let crash_rename = |op: Gfid, on: &str, np: Gfid, nn: &str| {
+            // Two parent stats, the `mv-` record, the rename (commit): stop right after.
+            h.rt.block_on(h.engine.set_crash_point(Some(CrashPoint {
+                fop: FopCode::Rename,
+                after_steps: 4,
+            })));
+            let rename = Rename {
+                old_parent: op,
+                old_name: name(on),
+                new_parent: np,
+                new_name: name(nn),
+                mode: RenameMode::Replace,
+            };
+            assert_eq!(h.call(&root(), rename).err(), Some(ErrorCode::Io));
+        };
+        crash_rename(a, "p", Gfid::ROOT, "p2");
+        crash_rename(Gfid::ROOT, "d", p, "d2");
+        let Harness { dir, .. } = h;
+        let path = dir.path().join("brick");
+        let h = Harness::reopen(dir, &path, kind, FopsConfig::default());
+        h.assert_consistent();
+        assert_eq!(h.lookup(p, "d2").expect("inner move kept").gfid, d);
+        assert_eq!(
+            h.lookup(d, "leaf")
+                .expect("through the repaired handle")
+                .size,
+            4
+        );
+    }
+}

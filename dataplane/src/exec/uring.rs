@@ -158,21 +158,44 @@ struct RingState {
 }
 
 impl Drop for RingState {
-    /// A worker shutting down may still have SQEs in the kernel: wait for their completions
-    /// before the buffers they point into are freed. If the ring fails meanwhile, leak the
-    /// buffers rather than free memory the kernel may still write.
+    /// A worker shutting down may still have SQEs in the kernel: cancel what can be cancelled
+    /// and wait (bounded) for their completions before the buffers they point into are freed.
+    /// Whatever is still in flight after that (an open stuck on a slow device) is leaked
+    /// rather than freed under the kernel.
     fn drop(&mut self) {
+        const CANCEL_MARKER: u64 = u64::MAX;
+        const DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
         let mut remaining: usize = self.chains.get_mut().iter().map(|(_, c)| c.remaining).sum();
+        if remaining == 0 {
+            return;
+        }
         let ring = self.ring.get_mut();
-        while remaining > 0 {
-            match ring.submit_and_wait(1) {
-                Ok(_) => remaining = remaining.saturating_sub(ring.completion().count()),
-                Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
-                Err(_) => {
-                    std::mem::forget(std::mem::take(self.chains.get_mut()));
-                    return;
-                }
+        let cancel = opcode::AsyncCancel2::new(types::CancelBuilder::any())
+            .build()
+            .user_data(CANCEL_MARKER);
+        // SAFETY: a cancel SQE carries no pointers into memory that could be freed.
+        let _ = unsafe { ring.submission().push(&cancel) };
+        let deadline = std::time::Instant::now() + DRAIN_TIMEOUT;
+        while remaining > 0 && std::time::Instant::now() < deadline {
+            let tick = types::Timespec::new().nsec(100_000_000);
+            let args = types::SubmitArgs::new().timespec(&tick);
+            match ring.submitter().submit_with_args(1, &args) {
+                Ok(_) => {}
+                Err(e)
+                    if matches!(
+                        e.raw_os_error(),
+                        Some(libc::ETIME | libc::EINTR | libc::EBUSY)
+                    ) => {}
+                Err(_) => break,
             }
+            let done = ring
+                .completion()
+                .filter(|c| c.user_data() != CANCEL_MARKER)
+                .count();
+            remaining = remaining.saturating_sub(done);
+        }
+        if remaining > 0 {
+            std::mem::forget(std::mem::take(self.chains.get_mut()));
         }
     }
 }
@@ -219,7 +242,15 @@ impl UringExec {
             .setup_submit_all()
             .setup_cqsize(config.ring_entries * 2)
             .build(config.ring_entries)?;
-        ring.submitter().register_files_sparse(config.fixed_files)?;
+        // The registered table counts against RLIMIT_NOFILE; leave room for plain fds.
+        let nofile = rustix::process::getrlimit(rustix::process::Resource::Nofile)
+            .current
+            .unwrap_or(1024);
+        let fixed_files = config
+            .fixed_files
+            .min(u32::try_from(nofile / 4).unwrap_or(u32::MAX))
+            .max(16);
+        ring.submitter().register_files_sparse(fixed_files)?;
         let mut probe = Probe::new();
         ring.submitter().register_probe(&mut probe)?;
         let supported: HashSet<u8> = OPCODES
@@ -241,7 +272,7 @@ impl UringExec {
         let state = Rc::new(RingState {
             ring: RefCell::new(ring),
             chains: RefCell::new(Slab::new()),
-            fixed_free: RefCell::new((0..config.fixed_files).rev().collect()),
+            fixed_free: RefCell::new((0..fixed_files).rev().collect()),
             submit_scheduled: Cell::new(false),
             retired: RefCell::new(Vec::new()),
             personalities: RefCell::new(LruCache::new(config.personalities_max)),

@@ -71,6 +71,8 @@ impl Harness {
             ..EngineConfig::default()
         };
         let engine = Engine::start(&brick, &config).expect("engine");
+        // The per-engine tests must really run on the engine they name (no silent fallback).
+        assert_eq!(engine.kind(), kind, "the engine fell back");
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
