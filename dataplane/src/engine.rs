@@ -353,42 +353,27 @@ fn start_blocking(
         config.fops.clone(),
     ));
     let (tx, rx) = mpsc::channel::<Request>(config.queue_max.max(1));
-    let rx = Arc::new(std::sync::Mutex::new(rx));
-    for i in 0..config.workers.max(1) {
-        let (fops, rx) = (fops.clone(), rx.clone());
-        std::thread::Builder::new()
-            .name(format!("kiln-blocking-worker-{i}"))
-            .spawn(move || {
-                loop {
-                    let request = rx
-                        .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner)
-                        .blocking_recv();
-                    match request {
-                        None => return,
-                        Some(Request::Fop {
-                            session,
-                            creds,
-                            fop,
-                            reply,
-                        }) => {
-                            let result = block_on(fops.call(session, &creds, fop)).map_err(to_code);
-                            let _ = reply.send(result);
-                        }
-                        Some(Request::EndSession { session }) => drop(fops.end_session(session)),
-                        Some(Request::Stats { reply }) => {
-                            let _ = reply.send(RingStats::default());
-                        }
-                        Some(Request::CrashPoint { point, done }) => {
-                            fops.set_crash_point(point);
-                            let _ = done.send(());
-                        }
-                        // Only ring workers run jobs (`run_on_worker` refuses this engine).
-                        Some(Request::Run(_)) => {}
-                    }
-                }
-            })?;
-    }
+    let serve = move |request: Request| match request {
+        Request::Fop {
+            session,
+            creds,
+            fop,
+            reply,
+        } => {
+            let _ = reply.send(block_on(fops.call(session, &creds, fop)).map_err(to_code));
+        }
+        Request::EndSession { session } => drop(fops.end_session(session)),
+        Request::Stats { reply } => {
+            let _ = reply.send(RingStats::default());
+        }
+        Request::CrashPoint { point, done } => {
+            fops.set_crash_point(point);
+            let _ = done.send(());
+        }
+        // Only ring workers run jobs (`run_on_worker` refuses this engine).
+        Request::Run(_) => {}
+    };
+    crate::exec::spawn_queue_threads("kiln-blocking-worker", config.workers, rx, serve)?;
     // One queue shared by all threads: every session reaches every thread.
     Ok(vec![tx])
 }

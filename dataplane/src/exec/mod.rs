@@ -7,6 +7,9 @@ pub mod blocking;
 pub mod uring;
 
 use std::future::Future;
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::mpsc;
 
 use crate::step::{Step, StepResult};
 
@@ -22,4 +25,34 @@ pub trait Exec {
         &self,
         work: impl FnOnce() -> T + Send + 'static,
     ) -> impl Future<Output = T>;
+}
+
+/// Starts `threads` threads named `<name>-<i>` that share one bounded queue, each running
+/// `handle` on the items it takes, until every sender is gone: the shape of both the blocking
+/// pool and the blocking engine.
+pub(crate) fn spawn_queue_threads<T: Send + 'static>(
+    name: &str,
+    threads: usize,
+    queue: mpsc::Receiver<T>,
+    handle: impl Fn(T) + Send + Clone + 'static,
+) -> std::io::Result<()> {
+    let queue = Arc::new(Mutex::new(queue));
+    for i in 0..threads.max(1) {
+        let (queue, handle) = (queue.clone(), handle.clone());
+        std::thread::Builder::new()
+            .name(format!("{name}-{i}"))
+            .spawn(move || {
+                loop {
+                    let item = queue
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .blocking_recv();
+                    match item {
+                        Some(item) => handle(item),
+                        None => return,
+                    }
+                }
+            })?;
+    }
+    Ok(())
 }

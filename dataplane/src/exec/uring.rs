@@ -23,7 +23,7 @@ use std::num::NonZeroUsize;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::pin::Pin;
 use std::rc::Rc;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 
 use bytes::Bytes;
@@ -76,24 +76,7 @@ pub struct BlockingPool {
 impl BlockingPool {
     pub fn new(threads: usize, queue_max: usize) -> std::io::Result<BlockingPool> {
         let (tx, rx) = mpsc::channel::<Job>(queue_max.max(1));
-        let rx = Arc::new(Mutex::new(rx));
-        for i in 0..threads.max(1) {
-            let rx = rx.clone();
-            std::thread::Builder::new()
-                .name(format!("kiln-blocking-{i}"))
-                .spawn(move || {
-                    loop {
-                        let job = rx
-                            .lock()
-                            .unwrap_or_else(std::sync::PoisonError::into_inner)
-                            .blocking_recv();
-                        match job {
-                            Some(job) => job(),
-                            None => return,
-                        }
-                    }
-                })?;
-        }
+        super::spawn_queue_threads("kiln-blocking", threads, rx, |job: Job| job())?;
         Ok(BlockingPool { jobs: tx })
     }
 
