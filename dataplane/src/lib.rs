@@ -18,6 +18,7 @@ pub mod fdtable;
 pub mod fops;
 pub mod locks;
 pub mod recovery;
+pub mod server;
 pub mod step;
 
 pub use brick::{Brick, BrickError};

@@ -5,42 +5,103 @@
 //! kiln-brickd check [--repair] BRICK_DIR
 //!                                   find (and repair) stale handles, missing gfids,
 //!                                   dangling directory handles, interrupted fops
+//! kiln-brickd serve BRICK_DIR --listen ADDR --tls-dir DIR --name NAME [options]
+//!                                   repair interrupted fops, then serve clients over QUIC
+//!                                   until SIGTERM or SIGINT
 //! ```
-//! Serving clients over QUIC comes with the transport (see README.md, Status).
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
 
-use kiln_dataplane::Brick;
-use kiln_dataplane::recovery;
+use anyhow::Context as _;
+use clap::{Parser, Subcommand, ValueEnum};
+use kiln_dataplane::server::{AuthAllow, Server, ServerConfig};
+use kiln_dataplane::{Brick, Engine, EngineConfig, EngineKind, recovery};
+use kiln_mgmt::pki;
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-const USAGE: &str =
-    "usage: kiln-brickd format BRICK_DIR\n       kiln-brickd check [--repair] BRICK_DIR";
+#[derive(Parser)]
+#[command(name = "kiln-brickd", about = "The Kiln brick server", version)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Make an empty directory (or an existing GlusterFS brick) a Kiln brick.
+    Format { brick_dir: PathBuf },
+    /// Find (and with --repair, fix) stale handles, missing gfids and interrupted fops.
+    Check {
+        #[arg(long)]
+        repair: bool,
+        brick_dir: PathBuf,
+    },
+    /// Serve the brick to clients over QUIC with mutual TLS.
+    Serve(ServeArgs),
+}
+
+#[derive(clap::Args)]
+struct ServeArgs {
+    brick_dir: PathBuf,
+    /// UDP address to listen on (port 0 picks a free port; the address is printed).
+    #[arg(long, default_value = "127.0.0.1:24007")]
+    listen: SocketAddr,
+    /// Directory with ca.crt and this brick's brick-NAME.crt and brick-NAME.key.
+    #[arg(long, env = "KILN_TLS_DIR")]
+    tls_dir: PathBuf,
+    /// The brick's certificate name (`kiln cert issue --brick NAME`).
+    #[arg(long, default_value = "brick")]
+    name: String,
+    /// Client names allowed in: `*` or a comma-separated list (auth.allow).
+    #[arg(long, default_value = "*")]
+    auth_allow: String,
+    /// Executor for fops (server.engine).
+    #[arg(long, value_enum, default_value_t = EngineArg::Uring)]
+    engine: EngineArg,
+    /// Worker threads (server.event-threads); default one per core.
+    #[arg(long)]
+    workers: Option<usize>,
+    /// Calls in flight per connection (network.inflight-max).
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    inflight_max: u32,
+    /// Ring workers that each run a QUIC endpoint on the shared port; default all.
+    #[arg(long)]
+    endpoints: Option<usize>,
+    /// Volume name told to clients; default: the brick directory's name.
+    #[arg(long)]
+    volume: Option<String>,
+    /// Seconds to let calls in flight finish after SIGTERM.
+    #[arg(long, default_value_t = 10)]
+    shutdown_grace_secs: u64,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum EngineArg {
+    Uring,
+    Blocking,
+}
 
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let result = match args
-        .iter()
-        .map(String::as_str)
-        .collect::<Vec<_>>()
-        .as_slice()
-    {
-        ["format", dir] => Brick::format(&PathBuf::from(dir))
-            .map(|id| println!("formatted {dir} as brick {id}"))
+    let result = match Cli::parse().command {
+        Command::Format { brick_dir } => Brick::format(&brick_dir)
+            .map(|id| println!("formatted {} as brick {id}", brick_dir.display()))
             .map_err(anyhow::Error::from),
-        ["check", dir] => check(dir, false),
-        ["check", "--repair", dir] => check(dir, true),
-        _ => {
-            eprintln!("{USAGE}");
-            return ExitCode::from(2);
-        }
+        Command::Check { repair, brick_dir } => check(&brick_dir, repair),
+        Command::Serve(args) => serve(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -51,8 +112,8 @@ fn main() -> ExitCode {
     }
 }
 
-fn check(dir: &str, repair: bool) -> anyhow::Result<()> {
-    let brick = Brick::open(&PathBuf::from(dir))?;
+fn check(dir: &std::path::Path, repair: bool) -> anyhow::Result<()> {
+    let brick = Brick::open(dir)?;
     let report = recovery::check(&brick, repair).map_err(std::io::Error::from)?;
     println!("{report}");
     if report.problems() > 0 && !repair {
@@ -62,4 +123,68 @@ fn check(dir: &str, repair: bool) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let files = pki::identity_files(
+        &args.tls_dir,
+        &pki::Role::Brick { hosts: vec![] },
+        &args.name,
+    );
+    let identity = pki::load_identity(&pki::ca_files(&args.tls_dir).cert, &files)?;
+    let auth_allow = AuthAllow::parse(&args.auth_allow).context("--auth-allow")?;
+
+    let brick = Arc::new(
+        Brick::open(&args.brick_dir)
+            .with_context(|| format!("cannot open brick {}", args.brick_dir.display()))?,
+    );
+    let repaired = recovery::repair(&brick).map_err(std::io::Error::from)?;
+    tracing::info!(brick = %brick.id, ?repaired, "brick open");
+
+    let mut engine_config = EngineConfig {
+        kind: match args.engine {
+            EngineArg::Uring => EngineKind::Uring,
+            EngineArg::Blocking => EngineKind::Blocking,
+        },
+        ..EngineConfig::default()
+    };
+    if let Some(workers) = args.workers {
+        engine_config.workers = workers.max(1);
+    }
+    let engine = Engine::start(&brick, &engine_config)?;
+
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        let mut config = ServerConfig::new(args.listen, identity);
+        config.auth_allow = auth_allow;
+        config.inflight_max = args.inflight_max;
+        config.endpoints = args.endpoints.unwrap_or(usize::MAX);
+        config.volume = args.volume.unwrap_or_else(|| {
+            let dir = args
+                .brick_dir
+                .canonicalize()
+                .unwrap_or(args.brick_dir.clone());
+            dir.file_name()
+                .map_or("kiln".into(), |n| n.to_string_lossy().into_owned())
+        });
+        let server = Server::start(&engine, brick.id, config).await?;
+        // Scripts and tests read the address from this line (the port may have been 0).
+        println!("listening on {}", server.local_addr());
+
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut term = signal(SignalKind::terminate())?;
+        let mut int = signal(SignalKind::interrupt())?;
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        tracing::info!("shutting down: draining calls in flight");
+        server
+            .shutdown(Duration::from_secs(args.shutdown_grace_secs))
+            .await;
+        tracing::info!("stopped");
+        anyhow::Ok(())
+    })
 }

@@ -35,6 +35,8 @@ mod ids;
 pub mod limits;
 mod message;
 mod names;
+#[cfg(feature = "quic")]
+pub mod quic;
 mod session;
 
 pub use attr::{DirEntry, DirEntryPlus, FileType, FsStats, Iatt, Mode, SetAttr, TimeSet, Timespec};

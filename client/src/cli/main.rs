@@ -1,0 +1,154 @@
+//! `kiln`: the one command users type.
+//!
+//! ```text
+//! kiln up [DATA_DIR]                       serve a one-brick volume from DATA_DIR/brick
+//! kiln ca init                             create the cluster CA
+//! kiln cert issue --brick NAME [--host H]… | --client NAME
+//! kiln ls [-l] | stat | cat | put | get | mkdir [-p] | rm [-r] | mv | ln [-s] | xattr …
+//! ```
+//! File commands reach the brick at `--brick-addr` (`KILN_BRICK`) with the client certificate
+//! `--client` (`KILN_CLIENT`) from `--tls-dir` (`KILN_TLS_DIR`).
+
+mod files;
+mod up;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use kiln_mgmt::pki::{self, Role};
+
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// Where the TLS material lives unless `--tls-dir` or `KILN_TLS_DIR` says otherwise.
+const DEFAULT_TLS_DIR: &str = "/var/lib/kiln/tls";
+
+#[derive(Parser)]
+#[command(name = "kiln", about = "Kiln: a GlusterFS-style brick server", version)]
+struct Cli {
+    #[command(flatten)]
+    global: Global,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Args, Clone)]
+struct Global {
+    /// Directory with ca.crt, ca.key and the issued certificates.
+    #[arg(long, env = "KILN_TLS_DIR", default_value = DEFAULT_TLS_DIR, global = true)]
+    tls_dir: PathBuf,
+    /// The brick's UDP address.
+    #[arg(
+        long,
+        env = "KILN_BRICK",
+        default_value = "127.0.0.1:24007",
+        global = true
+    )]
+    brick_addr: SocketAddr,
+    /// The name the brick's certificate must carry; default: the brick's address.
+    #[arg(long, env = "KILN_SERVER_NAME", global = true)]
+    server_name: Option<String>,
+    /// This client's certificate name (`kiln cert issue --client NAME`).
+    #[arg(long, env = "KILN_CLIENT", default_value = "admin", global = true)]
+    client: String,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve a one-brick volume from DATA_DIR/brick on 127.0.0.1:24007, creating the brick
+    /// and TLS material on first use; runs until Ctrl-C.
+    Up {
+        #[arg(default_value = "./kiln-data")]
+        data_dir: PathBuf,
+        #[arg(long, default_value = "127.0.0.1:24007")]
+        listen: SocketAddr,
+    },
+    /// The cluster CA.
+    #[command(subcommand)]
+    Ca(CaCommand),
+    /// Certificates signed by the cluster CA.
+    #[command(subcommand)]
+    Cert(CertCommand),
+    #[command(flatten)]
+    File(files::FileCommand),
+}
+
+#[derive(Subcommand)]
+enum CaCommand {
+    /// Create the cluster CA in the TLS directory (refuses to replace one).
+    Init,
+}
+
+#[derive(Subcommand)]
+enum CertCommand {
+    /// Issue a brick or client certificate.
+    Issue {
+        /// A brick certificate with this name.
+        #[arg(long, conflicts_with = "client", required_unless_present = "client")]
+        brick: Option<String>,
+        /// Host names or addresses the brick is reached at (repeatable).
+        #[arg(long = "host", requires = "brick", default_values = ["localhost", "127.0.0.1", "::1"])]
+        hosts: Vec<String>,
+        /// A client certificate with this name (what auth.allow lists).
+        #[arg(long)]
+        client: Option<String>,
+        /// Days the certificate is valid.
+        #[arg(long, default_value_t = pki::CERT_VALIDITY_DAYS)]
+        days: u32,
+    },
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Up { data_dir, listen } => up::run(&data_dir, listen),
+        Command::Ca(CaCommand::Init) => pki::init_ca(&cli.global.tls_dir)
+            .map(|files| println!("created the cluster CA: {}", files.cert.display()))
+            .map_err(anyhow::Error::from),
+        Command::Cert(CertCommand::Issue {
+            brick,
+            hosts,
+            client,
+            days,
+        }) => {
+            let (role, name) = match (brick, client) {
+                (Some(name), _) => (Role::Brick { hosts }, name),
+                (None, Some(name)) => (Role::Client, name),
+                (None, None) => unreachable_usage(),
+            };
+            pki::issue(&cli.global.tls_dir, &role, &name, days)
+                .map(|files| {
+                    println!(
+                        "issued {} and {}",
+                        files.cert.display(),
+                        files.key.display()
+                    );
+                })
+                .map_err(anyhow::Error::from)
+        }
+        Command::File(command) => return files::run(&cli.global, command),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kiln: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// clap enforces `--brick` or `--client`; reaching here means it did not.
+fn unreachable_usage() -> ! {
+    eprintln!("kiln: cert issue needs --brick NAME or --client NAME");
+    std::process::exit(2)
+}

@@ -1,0 +1,572 @@
+//! A connection to one brick, and the fop API on top of it (GFID-based, like gfapi's handle
+//! API).
+//!
+//! * Any number of tasks call through one [`Volume`] at once; each call is its own QUIC
+//!   stream, and the brick's stream credit bounds how many are in flight.
+//! * When the connection breaks, the call in flight fails with [`Error::Disconnected`] (it may
+//!   or may not have run), and the next call reconnects and says HELLO again.
+//! * An [`Fd`] opened before a reconnect is opened again by its GFID on first use, with the
+//!   same access mode (never `TRUNC` or `EXCL` again). When that is not possible — the file
+//!   is gone, or the fd held POSIX locks, which died with the old session — it fails with
+//!   EBADF; it never reaches another file, because the GFID names the file.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use kiln_mgmt::pki::{self, Identity, Role};
+use kiln_wire::quic::{self, CloseCode};
+use kiln_wire::{
+    AccessMode, Call, Capabilities, Creds, ErrorCode, FdId, FopReply, FopRequest, Gfid, Hello,
+    HelloReply, Label, Message, OpenFlags, Outcome, PROTOCOL_VERSION, Reply, Request,
+};
+use quinn::crypto::rustls::QuicClientConfig;
+
+use crate::error::Error;
+
+/// Where a brick is and who this client is.
+#[derive(Debug, Clone)]
+pub struct ConnectOptions {
+    pub addr: SocketAddr,
+    /// The name the brick's certificate must carry (a DNS name or the address).
+    pub server_name: String,
+    pub identity: Identity,
+    /// The client's name (the common name of its certificate).
+    pub client_name: String,
+    /// The caller identity fops run as, unless [`Volume::with_creds`] says otherwise.
+    pub creds: Creds,
+    /// Calls this client keeps in flight at most (the brick may allow fewer).
+    pub inflight_max: u32,
+    /// Largest UDP payload sent or accepted.
+    pub udp_payload_max_bytes: u16,
+}
+
+impl ConnectOptions {
+    /// Options for client `client_name` with the CA and certificate in `tls_dir` (as
+    /// `kiln ca init` and `kiln cert issue --client` write them), acting as root.
+    pub fn from_tls_dir(
+        addr: SocketAddr,
+        tls_dir: &Path,
+        client_name: &str,
+    ) -> Result<ConnectOptions, Error> {
+        let files = pki::identity_files(tls_dir, &Role::Client, client_name);
+        let identity = pki::load_identity(&pki::ca_files(tls_dir).cert, &files)
+            .map_err(|e| Error::Tls(e.to_string()))?;
+        Ok(ConnectOptions {
+            addr,
+            server_name: addr.ip().to_string(),
+            identity,
+            client_name: client_name.to_owned(),
+            creds: Creds::root(),
+            inflight_max: 1024,
+            udp_payload_max_bytes: quic::UDP_PAYLOAD_MAX_BYTES,
+        })
+    }
+}
+
+/// A handle on a brick. Cheap to clone; clones share the connection.
+#[derive(Debug, Clone)]
+pub struct Volume {
+    inner: Arc<Inner>,
+    creds: Creds,
+}
+
+#[derive(Debug)]
+struct Inner {
+    options: ConnectOptions,
+    endpoint: quinn::Endpoint,
+    client_config: quinn::ClientConfig,
+    live: Mutex<Option<Live>>,
+    /// Held while connecting, so concurrent callers wait for one new connection.
+    connecting: tokio::sync::Mutex<()>,
+    epochs: AtomicU64,
+    next_request: AtomicU64,
+}
+
+/// One connection; `epoch` counts connections made by this volume.
+#[derive(Debug, Clone)]
+struct Conn {
+    connection: quinn::Connection,
+    epoch: u64,
+}
+
+/// The current connection, past HELLO.
+#[derive(Debug, Clone)]
+struct Live {
+    conn: Conn,
+    hello: HelloReply,
+}
+
+/// An open file or directory. Release it with [`Volume::release`]; one that is dropped is
+/// released when the connection ends.
+#[derive(Debug)]
+pub struct Fd {
+    gfid: Gfid,
+    kind: FdKind,
+    /// (connection epoch, the brick's id for it in that connection's session)
+    state: Mutex<(u64, FdId)>,
+    locked: AtomicBool,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum FdKind {
+    File {
+        access: AccessMode,
+        flags: OpenFlags,
+    },
+    Dir,
+}
+
+impl Fd {
+    pub fn gfid(&self) -> Gfid {
+        self.gfid
+    }
+}
+
+impl Volume {
+    /// Connects to the brick and says HELLO.
+    pub async fn connect(options: ConnectOptions) -> Result<Volume, Error> {
+        let client_config = quinn_config(&options)?;
+        let bind: SocketAddr = match options.addr {
+            SocketAddr::V4(_) => "0.0.0.0:0",
+            SocketAddr::V6(_) => "[::]:0",
+        }
+        .parse()
+        .map_err(|_| Error::Tls("bad bind address".into()))?;
+        let socket = quic::udp_socket(bind, false).map_err(|e| connect_error(&options, e))?;
+        let endpoint = quinn::Endpoint::new(
+            quic::endpoint_config(),
+            None,
+            socket,
+            Arc::new(quinn::TokioRuntime),
+        )
+        .map_err(|e| connect_error(&options, e))?;
+        let volume = Volume {
+            creds: options.creds.clone(),
+            inner: Arc::new(Inner {
+                options,
+                endpoint,
+                client_config,
+                live: Mutex::new(None),
+                connecting: tokio::sync::Mutex::new(()),
+                epochs: AtomicU64::new(0),
+                next_request: AtomicU64::new(1),
+            }),
+        };
+        volume.live().await?;
+        Ok(volume)
+    }
+
+    /// This handle acting as `creds` (FUSE callers, tools that act as a user).
+    pub fn with_creds(&self, creds: Creds) -> Volume {
+        Volume {
+            inner: self.inner.clone(),
+            creds,
+        }
+    }
+
+    pub fn creds(&self) -> &Creds {
+        &self.creds
+    }
+
+    /// What the brick said at HELLO on the current connection.
+    pub async fn hello(&self) -> Result<HelloReply, Error> {
+        Ok(self.live().await?.hello)
+    }
+
+    /// Closes the connection; calls in flight fail.
+    pub async fn close(&self) {
+        let live = self.inner.live.lock().map(|mut l| l.take()).unwrap_or(None);
+        if let Some(live) = live {
+            live.conn
+                .connection
+                .close(CloseCode::Done.into(), b"client done");
+        }
+        self.inner.endpoint.wait_idle().await;
+    }
+
+    /// Runs one fop as this handle's creds. Fops that name an fd should go through the
+    /// typed methods or [`Volume::call_fd`], which keep fds valid across reconnects.
+    pub async fn call(&self, fop: impl Into<FopRequest>) -> Result<FopReply, Error> {
+        let live = self.live().await?;
+        self.call_on(&live, fop.into()).await
+    }
+
+    /// Runs a fop built from `fd`'s current id, opening `fd` again first if the connection it
+    /// was opened on is gone.
+    pub async fn call_fd(
+        &self,
+        fd: &Fd,
+        fop: impl FnOnce(FdId) -> FopRequest,
+    ) -> Result<FopReply, Error> {
+        let live = self.live().await?;
+        let id = self.fd_id(&live, fd).await?;
+        self.call_on(&live, fop(id)).await
+    }
+
+    async fn call_on(&self, live: &Live, fop: FopRequest) -> Result<FopReply, Error> {
+        let code = fop.code();
+        let call = Call::Fop {
+            creds: self.creds.clone(),
+            fop,
+        };
+        match self.round_trip(&live.conn, call).await? {
+            Outcome::Fop(reply) if reply.code() == code => Ok(reply),
+            Outcome::Error { error, .. } => Err(Error::Fop(error)),
+            other => Err(Error::Protocol(format!(
+                "a {:?} reply to {}",
+                other.code(),
+                code.name()
+            ))),
+        }
+    }
+
+    /// Sends a PING and waits for its echo.
+    pub async fn ping(&self) -> Result<(), Error> {
+        let live = self.live().await?;
+        let nonce = self.inner.next_request.load(Ordering::Relaxed);
+        match self
+            .round_trip(&live.conn, Call::Ping(kiln_wire::Ping { nonce }))
+            .await?
+        {
+            Outcome::Ping(p) if p.nonce == nonce => Ok(()),
+            other => Err(Error::Protocol(format!("bad PING answer {other:?}"))),
+        }
+    }
+
+    async fn round_trip(&self, conn: &Conn, call: Call) -> Result<Outcome, Error> {
+        let id = self.inner.next_request.fetch_add(1, Ordering::Relaxed);
+        let (mut send, mut recv) = conn
+            .connection
+            .open_bi()
+            .await
+            .map_err(|e| self.lost(conn, e.to_string()))?;
+        let request = Message::Request(Request { id, call });
+        quic::write_message(&mut send, &request)
+            .await
+            .map_err(|e| self.stream_error(conn, e))?;
+        match quic::read_message(&mut recv)
+            .await
+            .map_err(|e| self.stream_error(conn, e))?
+        {
+            Message::Reply(Reply { id: rid, outcome }) if rid == id => Ok(outcome),
+            other => Err(Error::Protocol(format!(
+                "expected the reply to request {id}, got {other:?}"
+            ))),
+        }
+    }
+
+    fn stream_error(&self, conn: &Conn, e: quic::StreamError) -> Error {
+        match e {
+            quic::StreamError::Read(quinn::ReadError::ConnectionLost(c))
+            | quic::StreamError::Write(quinn::WriteError::ConnectionLost(c)) => {
+                self.lost(conn, c.to_string())
+            }
+            quic::StreamError::Read(quinn::ReadError::Reset(code))
+            | quic::StreamError::Write(quinn::WriteError::Stopped(code)) => Error::Protocol(
+                format!("the brick refused the request (stream code {code})"),
+            ),
+            // A truncated reply means the brick went away mid-reply.
+            quic::StreamError::Truncated if conn.connection.close_reason().is_some() => {
+                self.lost(conn, "connection closed".into())
+            }
+            e => Error::Protocol(e.to_string()),
+        }
+    }
+
+    /// Forgets `conn` (if it is still current) so the next call reconnects.
+    fn lost(&self, conn: &Conn, reason: String) -> Error {
+        if let Ok(mut current) = self.inner.live.lock()
+            && current.as_ref().is_some_and(|c| c.conn.epoch == conn.epoch)
+        {
+            *current = None;
+        }
+        match conn.connection.close_reason() {
+            Some(quinn::ConnectionError::ApplicationClosed(close)) => {
+                Error::Disconnected(format!("{}", String::from_utf8_lossy(&close.reason)))
+            }
+            _ => Error::Disconnected(reason),
+        }
+    }
+
+    /// The current connection, connecting (once, for all waiting callers) if there is none.
+    async fn live(&self) -> Result<Live, Error> {
+        if let Some(live) = self.current() {
+            return Ok(live);
+        }
+        let _connecting = self.inner.connecting.lock().await;
+        if let Some(live) = self.current() {
+            return Ok(live);
+        }
+        let live = self.connect_once().await?;
+        if let Ok(mut current) = self.inner.live.lock() {
+            *current = Some(live.clone());
+        }
+        Ok(live)
+    }
+
+    fn current(&self) -> Option<Live> {
+        let live = self.inner.live.lock().ok()?.clone()?;
+        live.conn
+            .connection
+            .close_reason()
+            .is_none()
+            .then_some(live)
+    }
+
+    async fn connect_once(&self) -> Result<Live, Error> {
+        let options = &self.inner.options;
+        let connection = self
+            .inner
+            .endpoint
+            .connect_with(
+                self.inner.client_config.clone(),
+                options.addr,
+                &options.server_name,
+            )
+            .map_err(|e| connect_error(options, e))?
+            .await
+            .map_err(|e| refused_or_connect(options, e))?;
+        let hello = Hello {
+            version_min: PROTOCOL_VERSION,
+            version_max: PROTOCOL_VERSION,
+            capabilities: Capabilities::NONE,
+            client_name: Label::new(options.client_name.clone().into_bytes())
+                .map_err(|e| Error::Tls(format!("client name: {e}")))?,
+        };
+        let conn = Conn {
+            connection: connection.clone(),
+            epoch: self.inner.epochs.fetch_add(1, Ordering::Relaxed) + 1,
+        };
+        let outcome =
+            self.round_trip(&conn, Call::Hello(hello))
+                .await
+                .map_err(|e| match connection.close_reason() {
+                    Some(reason) => refused_or_connect(options, reason),
+                    None => e,
+                })?;
+        match outcome {
+            Outcome::Hello(hello) => Ok(Live { conn, hello }),
+            Outcome::Error {
+                error: ErrorCode::ProtoNotSupported,
+                ..
+            } => Err(Error::Refused(format!(
+                "the brick does not speak protocol version {PROTOCOL_VERSION}"
+            ))),
+            other => Err(Error::Protocol(format!("bad HELLO answer {other:?}"))),
+        }
+    }
+
+    /// `fd`'s id on `live`'s session, opening it again there if it was opened on an older
+    /// connection.
+    async fn fd_id(&self, live: &Live, fd: &Fd) -> Result<FdId, Error> {
+        let (epoch, id) = *fd.state.lock().map_err(|_| Error::Fop(ErrorCode::BadFd))?;
+        if epoch == live.conn.epoch {
+            return Ok(id);
+        }
+        if fd.locked.load(Ordering::Relaxed) {
+            return Err(Error::Fop(ErrorCode::BadFd));
+        }
+        let reopen = match fd.kind {
+            FdKind::File { access, flags } => {
+                let keep = flags.bits() & !(OpenFlags::TRUNC.bits() | OpenFlags::EXCL.bits());
+                FopRequest::Open(kiln_wire::Open {
+                    gfid: fd.gfid,
+                    access,
+                    flags: OpenFlags::from_bits(keep).unwrap_or(OpenFlags::empty()),
+                })
+            }
+            FdKind::Dir => FopRequest::Opendir(kiln_wire::Opendir { gfid: fd.gfid }),
+        };
+        let id = match self.call_on(live, reopen).await {
+            Ok(FopReply::Open(r) | FopReply::Opendir(r)) => r.fd,
+            Ok(_) => return Err(Error::Protocol("bad reopen reply".into())),
+            Err(Error::Fop(_)) => return Err(Error::Fop(ErrorCode::BadFd)),
+            Err(e) => return Err(e),
+        };
+        if let Ok(mut state) = fd.state.lock() {
+            *state = (live.conn.epoch, id);
+        }
+        Ok(id)
+    }
+
+    fn new_fd(live: &Live, gfid: Gfid, kind: FdKind, id: FdId) -> Fd {
+        Fd {
+            gfid,
+            kind,
+            state: Mutex::new((live.conn.epoch, id)),
+            locked: AtomicBool::new(false),
+        }
+    }
+
+    /// Opens file `gfid`.
+    pub async fn open(
+        &self,
+        gfid: Gfid,
+        access: AccessMode,
+        flags: OpenFlags,
+    ) -> Result<Fd, Error> {
+        let live = self.live().await?;
+        let fop = kiln_wire::Open {
+            gfid,
+            access,
+            flags,
+        };
+        match self.call_on(&live, fop.into()).await? {
+            FopReply::Open(r) => Ok(Self::new_fd(
+                &live,
+                gfid,
+                FdKind::File { access, flags },
+                r.fd,
+            )),
+            _ => Err(unexpected("OPEN")),
+        }
+    }
+
+    /// Creates `name` in `parent` with a new GFID and opens it.
+    pub async fn create(
+        &self,
+        create: kiln_wire::Create,
+    ) -> Result<(Fd, kiln_wire::CreateReply), Error> {
+        let live = self.live().await?;
+        let (gfid, access, flags) = (create.gfid, create.access, create.flags);
+        match self.call_on(&live, create.into()).await? {
+            FopReply::Create(r) => Ok((
+                Self::new_fd(&live, gfid, FdKind::File { access, flags }, r.fd),
+                r,
+            )),
+            _ => Err(unexpected("CREATE")),
+        }
+    }
+
+    /// Opens directory `gfid` for reading.
+    pub async fn opendir(&self, gfid: Gfid) -> Result<Fd, Error> {
+        let live = self.live().await?;
+        match self
+            .call_on(&live, kiln_wire::Opendir { gfid }.into())
+            .await?
+        {
+            FopReply::Opendir(r) => Ok(Self::new_fd(&live, gfid, FdKind::Dir, r.fd)),
+            _ => Err(unexpected("OPENDIR")),
+        }
+    }
+
+    /// Releases `fd` on the brick (RELEASE or RELEASEDIR). An fd of an older connection
+    /// died with it and needs nothing.
+    pub async fn release(&self, fd: Fd) -> Result<(), Error> {
+        let live = self.live().await?;
+        let (epoch, id) = *fd.state.lock().map_err(|_| Error::Fop(ErrorCode::BadFd))?;
+        if epoch != live.conn.epoch {
+            return Ok(());
+        }
+        let fop = match fd.kind {
+            FdKind::File { .. } => FopRequest::Release(kiln_wire::Release { fd: id }),
+            FdKind::Dir => FopRequest::Releasedir(kiln_wire::Releasedir { fd: id }),
+        };
+        self.call_on(&live, fop).await.map(drop)
+    }
+
+    /// Reads up to `size` bytes at `offset`; fewer at the end of the file.
+    pub async fn read(&self, fd: &Fd, offset: u64, size: u32) -> Result<Bytes, Error> {
+        let size = kiln_wire::ReadSize::new(size).ok_or(Error::Fop(ErrorCode::Inval))?;
+        match self
+            .call_fd(fd, |fd| kiln_wire::Read { fd, offset, size }.into())
+            .await?
+        {
+            FopReply::Read(r) => Ok(r.data.into_bytes()),
+            _ => Err(unexpected("READ")),
+        }
+    }
+
+    /// Writes `data` (at most 1 MiB) at `offset`.
+    pub async fn write(&self, fd: &Fd, offset: u64, data: Bytes) -> Result<kiln_wire::Iatt, Error> {
+        let data = kiln_wire::Payload::new(data)
+            .map_err(|e| Error::Fop(ErrorCode::from_errno(e.errno())))?;
+        match self
+            .call_fd(fd, |fd| kiln_wire::Write { fd, offset, data }.into())
+            .await?
+        {
+            FopReply::Write(r) => Ok(r.post),
+            _ => Err(unexpected("WRITE")),
+        }
+    }
+
+    /// Flushes `fd`'s data (and with `datasync == false`, its metadata) to stable storage.
+    pub async fn fsync(&self, fd: &Fd, datasync: bool) -> Result<(), Error> {
+        self.call_fd(fd, |fd| kiln_wire::Fsync { fd, datasync }.into())
+            .await
+            .map(drop)
+    }
+
+    /// A POSIX record lock operation on `fd`. Locks are not carried over a reconnect: an fd
+    /// that took one fails with EBADF after the connection is lost.
+    pub async fn lk(
+        &self,
+        fd: &Fd,
+        cmd: kiln_wire::LockCmd,
+        lock: kiln_wire::Lock,
+    ) -> Result<kiln_wire::Lock, Error> {
+        let taking = cmd != kiln_wire::LockCmd::Get && lock.kind != kiln_wire::LockKind::Unlock;
+        match self
+            .call_fd(fd, |fd| kiln_wire::Lk { fd, cmd, lock }.into())
+            .await?
+        {
+            FopReply::Lk(r) => {
+                if taking {
+                    fd.locked.store(true, Ordering::Relaxed);
+                }
+                Ok(r.lock)
+            }
+            _ => Err(unexpected("LK")),
+        }
+    }
+}
+
+fn unexpected(fop: &str) -> Error {
+    Error::Protocol(format!("unexpected reply to {fop}"))
+}
+
+fn connect_error(options: &ConnectOptions, e: impl std::fmt::Display) -> Error {
+    Error::Connect {
+        addr: options.addr.to_string(),
+        reason: e.to_string(),
+    }
+}
+
+/// A connection the brick closed on purpose says why; anything else is a connect failure.
+fn refused_or_connect(options: &ConnectOptions, e: quinn::ConnectionError) -> Error {
+    match e {
+        quinn::ConnectionError::ApplicationClosed(close) => {
+            Error::Refused(String::from_utf8_lossy(&close.reason).into_owned())
+        }
+        e => connect_error(options, e),
+    }
+}
+
+fn quinn_config(options: &ConnectOptions) -> Result<quinn::ClientConfig, Error> {
+    let tls_error = |e: &dyn std::fmt::Display| Error::Tls(e.to_string());
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(options.identity.ca.clone())
+        .map_err(|e| tls_error(&e))?;
+    let mut tls = rustls::ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(|e| tls_error(&e))?
+        .with_root_certificates(roots)
+        .with_client_auth_cert(
+            options.identity.chain.clone(),
+            options.identity.key.clone_key(),
+        )
+        .map_err(|e| tls_error(&e))?;
+    tls.alpn_protocols = vec![quic::ALPN.to_vec()];
+    let crypto = QuicClientConfig::try_from(tls).map_err(|e| tls_error(&e))?;
+    let mut config = quinn::ClientConfig::new(Arc::new(crypto));
+    config.transport_config(quic::transport_config(
+        options.inflight_max,
+        options.udp_payload_max_bytes,
+    ));
+    Ok(config)
+}

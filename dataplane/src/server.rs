@@ -1,0 +1,508 @@
+//! The QUIC server: clients reach the engine through here. The only module that touches quinn
+//! or rustls.
+//!
+//! * **Where it runs.** On the io_uring engine, each of the first `endpoints` ring workers runs
+//!   its own quinn endpoint on its own tokio runtime, all bound to one UDP port with
+//!   `SO_REUSEPORT`; the kernel hashes each client's address to one of them, and that
+//!   connection's fops go straight to that worker's engine with no thread hop. On the blocking
+//!   engine one `kiln-net` thread runs the endpoint and hands fops to the pool.
+//! * **Who gets in.** TLS 1.3 with client certificates required: a client's certificate must
+//!   chain to the cluster CA, be in its validity window and carry the client-auth usage, and
+//!   its name (common name) must be in `auth.allow`. Refusals are logged with the reason.
+//! * **Per connection.** One session (its own fd table and locks, released when the connection
+//!   ends), HELLO first, then one stream per call, at most `inflight_max` at once (QUIC stream
+//!   credit is the backpressure). A frame that does not decode resets its own stream only.
+//! * **Shutdown.** [`Server::shutdown`] stops accepting, lets every call in flight finish and
+//!   reply, ends the sessions and closes connections with a reason.
+
+use std::net::SocketAddr;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kiln_mgmt::pki::{self, Identity};
+use kiln_wire::quic::{self, CloseCode, StreamCode};
+use kiln_wire::{
+    BrickId, Call, CallCode, Capabilities, Creds, ErrorCode, FopReply, FopRequest, HelloReply,
+    Label, Limits, Message, Outcome, PROTOCOL_VERSION, Reply, Request,
+};
+use quinn::crypto::rustls::QuicServerConfig;
+use rustls::server::WebPkiClientVerifier;
+use tokio::sync::{oneshot, watch};
+use tokio::task::JoinSet;
+
+use crate::engine::{Engine, EngineKind, LocalEngine, Session};
+use crate::fops::SessionId;
+
+/// How long a new connection may take to send its HELLO.
+pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Client names allowed on this brick (`auth.allow`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum AuthAllow {
+    /// Every client with a certificate from the cluster CA (the default).
+    #[default]
+    All,
+    /// Only these client names.
+    Names(Vec<String>),
+}
+
+impl AuthAllow {
+    /// Parses `*` or a comma-separated list of client names.
+    pub fn parse(list: &str) -> Result<AuthAllow, pki::PkiError> {
+        if list.trim() == "*" {
+            return Ok(AuthAllow::All);
+        }
+        let names = list
+            .split(',')
+            .map(str::trim)
+            .map(|n| pki::check_name(n).map(|()| n.to_owned()))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(AuthAllow::Names(names))
+    }
+
+    pub fn allows(&self, name: &str) -> bool {
+        match self {
+            AuthAllow::All => true,
+            AuthAllow::Names(names) => names.iter().any(|n| n == name),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+    /// The brick's certificate and key, and the cluster CA that clients must chain to.
+    pub identity: Identity,
+    pub auth_allow: AuthAllow,
+    /// Calls in flight per connection (`network.inflight-max`).
+    pub inflight_max: u32,
+    /// Ring workers that run an endpoint (1 = one shared endpoint); capped at the workers.
+    pub endpoints: usize,
+    /// The volume name told to clients in the HELLO reply.
+    pub volume: String,
+    /// Largest UDP payload sent or accepted; path MTU discovery works up to it.
+    pub udp_payload_max_bytes: u16,
+}
+
+impl ServerConfig {
+    pub fn new(listen: SocketAddr, identity: Identity) -> ServerConfig {
+        ServerConfig {
+            listen,
+            identity,
+            auth_allow: AuthAllow::All,
+            inflight_max: 256,
+            endpoints: usize::MAX,
+            volume: String::new(),
+            udp_payload_max_bytes: quic::UDP_PAYLOAD_MAX_BYTES,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("TLS configuration: {0}")]
+    Tls(#[from] rustls::Error),
+    #[error("client verifier: {0}")]
+    Verifier(#[from] rustls::server::VerifierBuilderError),
+    #[error("QUIC configuration: {0}")]
+    Quic(#[from] quinn::crypto::rustls::NoInitialCipherSuite),
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("bad volume name: {0}")]
+    Volume(#[from] kiln_wire::NameError),
+    #[error("engine: {0}")]
+    Engine(ErrorCode),
+    #[error("server thread: {0}")]
+    Thread(std::io::Error),
+}
+
+/// A running server. Dropping it without [`Server::shutdown`] leaves the endpoints running
+/// until the process exits.
+#[derive(Debug)]
+pub struct Server {
+    local_addr: SocketAddr,
+    shutdown: watch::Sender<Option<Duration>>,
+    stopped: Vec<oneshot::Receiver<()>>,
+}
+
+/// What every connection of one endpoint shares.
+struct Context {
+    backend: Backend,
+    auth_allow: AuthAllow,
+    hello: HelloReply,
+    shutdown: watch::Receiver<Option<Duration>>,
+}
+
+/// How an endpoint reaches the engine.
+enum Backend {
+    /// On a ring worker's own thread: direct calls.
+    Local(Engine, LocalEngine),
+    /// From the `kiln-net` thread into the blocking engine's pool.
+    Remote(Engine),
+}
+
+/// One connection's session on the engine.
+enum SessionHandle {
+    Local(LocalEngine, SessionId),
+    Remote(Session),
+}
+
+impl Backend {
+    fn session(&self) -> SessionHandle {
+        match self {
+            Backend::Local(engine, local) => {
+                SessionHandle::Local(local.clone(), engine.session_id())
+            }
+            Backend::Remote(engine) => SessionHandle::Remote(engine.session()),
+        }
+    }
+}
+
+impl SessionHandle {
+    async fn call(&self, creds: Creds, fop: FopRequest) -> Result<FopReply, ErrorCode> {
+        match self {
+            SessionHandle::Local(local, id) => local.call(*id, &creds, fop).await,
+            SessionHandle::Remote(session) => session.call(creds, fop).await,
+        }
+    }
+
+    async fn end(self) {
+        match self {
+            SessionHandle::Local(local, id) => local.end_session(id).await,
+            SessionHandle::Remote(session) => drop(session),
+        }
+    }
+}
+
+impl Server {
+    /// Binds the endpoints and starts serving `engine` for `brick_id`.
+    pub async fn start(
+        engine: &Engine,
+        brick_id: BrickId,
+        config: ServerConfig,
+    ) -> Result<Server, ServerError> {
+        let server_config = quinn_config(&config)?;
+        let hello = HelloReply {
+            version: PROTOCOL_VERSION,
+            capabilities: Capabilities::NONE,
+            brick_id,
+            volume: Label::new(config.volume.clone().into_bytes())?,
+            limits: Limits {
+                inflight_max: config.inflight_max,
+                ..Limits::protocol()
+            },
+        };
+        let endpoints = match engine.kind() {
+            EngineKind::Uring => config.endpoints.clamp(1, engine.workers()),
+            EngineKind::Blocking => 1,
+        };
+        // The first socket picks the port when asked for port 0; the others share it.
+        let mut sockets = Vec::with_capacity(endpoints);
+        let mut local_addr = config.listen;
+        for _ in 0..endpoints {
+            let socket = quic::udp_socket(local_addr, endpoints > 1).map_err(|source| {
+                ServerError::Listen {
+                    addr: local_addr,
+                    source,
+                }
+            })?;
+            local_addr = socket.local_addr().map_err(ServerError::Thread)?;
+            sockets.push(socket);
+        }
+
+        let (shutdown, shutdown_rx) = watch::channel(None);
+        let mut stopped = Vec::with_capacity(endpoints);
+        for (worker, socket) in sockets.into_iter().enumerate() {
+            let (done, stopped_rx) = oneshot::channel();
+            stopped.push(stopped_rx);
+            let job = {
+                let (server_config, hello, auth_allow, shutdown) = (
+                    server_config.clone(),
+                    hello.clone(),
+                    config.auth_allow.clone(),
+                    shutdown_rx.clone(),
+                );
+                move |backend: Backend| {
+                    let context = Rc::new(Context {
+                        backend,
+                        auth_allow,
+                        hello,
+                        shutdown,
+                    });
+                    tokio::task::spawn_local(async move {
+                        match endpoint(server_config, socket) {
+                            Ok(endpoint) => serve_endpoint(endpoint, context).await,
+                            Err(e) => tracing::error!(error = %e, "cannot start endpoint"),
+                        }
+                        let _ = done.send(());
+                    });
+                }
+            };
+            match engine.kind() {
+                EngineKind::Uring => {
+                    let backend = engine.clone();
+                    engine
+                        .run_on_worker(worker, move |local| job(Backend::Local(backend, local)))
+                        .await
+                        .map_err(ServerError::Engine)?;
+                }
+                EngineKind::Blocking => {
+                    let engine = engine.clone();
+                    spawn_net_thread(move || job(Backend::Remote(engine)))
+                        .map_err(ServerError::Thread)?;
+                }
+            }
+        }
+        tracing::info!(%local_addr, endpoints, "serving");
+        Ok(Server {
+            local_addr,
+            shutdown,
+            stopped,
+        })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Stops accepting, lets calls in flight finish (for at most `grace`), ends every session
+    /// and closes every connection with a reason.
+    pub async fn shutdown(self, grace: Duration) {
+        let _ = self.shutdown.send(Some(grace));
+        for stopped in self.stopped {
+            let _ = stopped.await;
+        }
+    }
+}
+
+/// Runs `job` on a new thread with a current-thread runtime, until its local tasks end.
+fn spawn_net_thread(job: impl FnOnce() + Send + 'static) -> std::io::Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    std::thread::Builder::new()
+        .name("kiln-net".into())
+        .spawn(move || {
+            let local = tokio::task::LocalSet::new();
+            local.spawn_local(async move { job() });
+            runtime.block_on(local);
+        })?;
+    Ok(())
+}
+
+fn quinn_config(config: &ServerConfig) -> Result<quinn::ServerConfig, ServerError> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(config.identity.ca.clone())?;
+    let verifier =
+        WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone()).build()?;
+    let mut tls = rustls::ServerConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(
+            config.identity.chain.clone(),
+            config.identity.key.clone_key(),
+        )?;
+    tls.alpn_protocols = vec![quic::ALPN.to_vec()];
+    let mut server = quinn::ServerConfig::with_crypto(Arc::new(QuicServerConfig::try_from(tls)?));
+    server.transport_config(quic::transport_config(
+        config.inflight_max,
+        config.udp_payload_max_bytes,
+    ));
+    // A migrated connection would hash to another endpoint's socket.
+    server.migration(false);
+    Ok(server)
+}
+
+fn endpoint(
+    config: quinn::ServerConfig,
+    socket: std::net::UdpSocket,
+) -> std::io::Result<quinn::Endpoint> {
+    quinn::Endpoint::new(
+        quic::endpoint_config(),
+        Some(config),
+        socket,
+        Arc::new(quinn::TokioRuntime),
+    )
+}
+
+async fn serve_endpoint(endpoint: quinn::Endpoint, context: Rc<Context>) {
+    let mut shutdown = context.shutdown.clone();
+    let mut connections = JoinSet::new();
+    loop {
+        tokio::select! {
+            incoming = endpoint.accept() => match incoming {
+                Some(incoming) => {
+                    connections.spawn_local(serve_connection(incoming, context.clone()));
+                }
+                None => break,
+            },
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+            _ = shutdown.wait_for(Option::is_some) => break,
+        }
+    }
+    // Refuse new connections; the live ones drain on their own.
+    endpoint.set_server_config(None);
+    while connections.join_next().await.is_some() {}
+    endpoint.close(CloseCode::ShuttingDown.into(), b"brick shutting down");
+    let _ = tokio::time::timeout(Duration::from_secs(1), endpoint.wait_idle()).await;
+}
+
+async fn serve_connection(incoming: quinn::Incoming, context: Rc<Context>) {
+    let remote = incoming.remote_address();
+    let connection = match incoming.await {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!(%remote, error = %e, "connection refused during TLS handshake");
+            return;
+        }
+    };
+    let Some(client) = peer_name(&connection) else {
+        tracing::warn!(%remote, "connection refused: the client certificate has no name");
+        connection.close(
+            CloseCode::NotAllowed.into(),
+            b"client certificate has no name",
+        );
+        return;
+    };
+    if !context.auth_allow.allows(&client) {
+        tracing::warn!(%remote, %client, "connection refused: client is not in auth.allow");
+        let reason = format!("client '{client}' is not allowed on this volume (auth.allow)");
+        connection.close(CloseCode::NotAllowed.into(), reason.as_bytes());
+        return;
+    }
+    if let Err(reason) = handshake(&connection, &context).await {
+        tracing::warn!(%remote, %client, %reason, "connection closed at HELLO");
+        connection.close(CloseCode::Protocol.into(), reason.as_bytes());
+        return;
+    }
+    tracing::debug!(%remote, %client, "session open");
+
+    let session = Rc::new(context.backend.session());
+    let mut shutdown = context.shutdown.clone();
+    let mut calls = JoinSet::new();
+    let grace = loop {
+        tokio::select! {
+            stream = connection.accept_bi() => match stream {
+                Ok((send, recv)) => {
+                    calls.spawn_local(serve_call(send, recv, session.clone()));
+                }
+                Err(e) => {
+                    tracing::debug!(%remote, %client, error = %e, "connection ended");
+                    break None;
+                }
+            },
+            Some(_) = calls.join_next(), if !calls.is_empty() => {}
+            grace = shutdown.wait_for(Option::is_some) => break grace.ok().and_then(|g| *g),
+        }
+    };
+    // Calls in flight finish and reply before the session's files are closed.
+    let drained = async { while calls.join_next().await.is_some() {} };
+    if tokio::time::timeout(grace.unwrap_or(Duration::MAX), drained)
+        .await
+        .is_err()
+    {
+        tracing::warn!(%remote, %client, "calls still running at the end of the grace period");
+        calls.abort_all();
+    }
+    if let Ok(session) = Rc::try_unwrap(session) {
+        session.end().await;
+    }
+    if grace.is_some() {
+        connection.close(CloseCode::ShuttingDown.into(), b"brick shutting down");
+    }
+}
+
+/// The client's name: the common name of its certificate, already verified by TLS.
+fn peer_name(connection: &quinn::Connection) -> Option<String> {
+    let chain = connection
+        .peer_identity()?
+        .downcast::<Vec<rustls_pki_types::CertificateDer<'static>>>()
+        .ok()?;
+    pki::peer_name(chain.first()?)
+}
+
+/// Answers the connection's first call, which must be HELLO.
+async fn handshake(connection: &quinn::Connection, context: &Context) -> Result<(), String> {
+    let (mut send, mut recv) = tokio::time::timeout(HELLO_TIMEOUT, connection.accept_bi())
+        .await
+        .map_err(|_| "no HELLO in time".to_owned())?
+        .map_err(|e| e.to_string())?;
+    let refuse = |error: ErrorCode| {
+        Message::Reply(Reply {
+            id: 0,
+            outcome: Outcome::Error {
+                call: CallCode::Hello,
+                error,
+            },
+        })
+    };
+    let (id, version) = match quic::read_message(&mut recv).await {
+        Ok(Message::Request(Request {
+            id,
+            call: Call::Hello(hello),
+        })) => (id, hello.negotiate()),
+        Err(quic::StreamError::Decode(e @ kiln_wire::DecodeError::UnsupportedVersion(_))) => {
+            let _ = quic::write_message(&mut send, &refuse(ErrorCode::ProtoNotSupported)).await;
+            return Err(format!("{e}"));
+        }
+        Ok(_) => return Err("the first call must be HELLO".to_owned()),
+        Err(e) => return Err(e.to_string()),
+    };
+    let reply = match version {
+        Ok(_) => Outcome::Hello(context.hello.clone()),
+        Err(error) => Outcome::Error {
+            call: CallCode::Hello,
+            error,
+        },
+    };
+    quic::write_message(&mut send, &Message::Reply(Reply { id, outcome: reply }))
+        .await
+        .map_err(|e| e.to_string())?;
+    version.map(drop).map_err(|_| {
+        format!("the client's protocol versions do not include {PROTOCOL_VERSION}, the only one this brick speaks")
+    })
+}
+
+async fn serve_call(
+    mut send: quinn::SendStream,
+    mut recv: quinn::RecvStream,
+    session: Rc<SessionHandle>,
+) {
+    let request = match quic::read_message(&mut recv).await {
+        Ok(Message::Request(request)) => request,
+        Ok(_) => return reset(send, recv, "not a request"),
+        Err(e) => return reset(send, recv, &e.to_string()),
+    };
+    let outcome = match request.call {
+        Call::Fop { creds, fop } => {
+            let code = CallCode::Fop(fop.code());
+            match session.call(creds, fop).await {
+                Ok(reply) => Outcome::Fop(reply),
+                Err(error) => Outcome::Error { call: code, error },
+            }
+        }
+        Call::Ping(ping) => Outcome::Ping(ping),
+        Call::Hello(_) => Outcome::Error {
+            call: CallCode::Hello,
+            error: ErrorCode::Inval,
+        },
+    };
+    let reply = Message::Reply(Reply {
+        id: request.id,
+        outcome,
+    });
+    if let Err(e) = quic::write_message(&mut send, &reply).await {
+        tracing::debug!(error = %e, "reply not delivered");
+    }
+}
+
+fn reset(mut send: quinn::SendStream, mut recv: quinn::RecvStream, why: &str) {
+    tracing::debug!(%why, "bad frame: stream reset");
+    let _ = send.reset(StreamCode::BadFrame.into());
+    let _ = recv.stop(StreamCode::BadFrame.into());
+}

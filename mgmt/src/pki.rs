@@ -1,0 +1,378 @@
+//! The cluster's identities: one CA, and brick and client certificates signed by it.
+//!
+//! A TLS directory holds PEM files, each written atomically with mode 0600 in a 0700
+//! directory:
+//!
+//! ```text
+//! ca.crt  ca.key                       the cluster CA (`kiln ca init`)
+//! brick-NAME.crt  brick-NAME.key       a brick's server identity (`kiln cert issue --brick`)
+//! client-NAME.crt client-NAME.key      a client identity (`kiln cert issue --client`)
+//! ```
+//!
+//! The client name is the certificate's common name; bricks read it from the peer's
+//! certificate to apply `auth.allow`. Client certificates carry only the client-auth usage
+//! and brick certificates only the server-auth usage, so neither can stand in for the other.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use rcgen::{
+    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+    KeyUsagePurpose,
+};
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+
+/// Validity of a newly issued certificate, in days, unless asked otherwise.
+pub const CERT_VALIDITY_DAYS: u32 = 825;
+/// Validity of the cluster CA, in days.
+pub const CA_VALIDITY_DAYS: u32 = 3650;
+/// Longest client or brick name, in bytes.
+pub const IDENTITY_NAME_MAX_BYTES: usize = 64;
+
+#[derive(Debug, thiserror::Error)]
+pub enum PkiError {
+    #[error("a cluster CA already exists at {0}; remove it to start a new cluster")]
+    CaExists(PathBuf),
+    #[error("no cluster CA at {0}; create one with `kiln ca init`")]
+    NoCa(PathBuf),
+    #[error(
+        "bad identity name {0:?}: use 1 to {IDENTITY_NAME_MAX_BYTES} letters, digits, '.', '_' or '-'"
+    )]
+    BadName(String),
+    #[error("bad host {0:?} for a brick certificate")]
+    BadHost(String),
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path} holds no {what}")]
+    Pem { path: PathBuf, what: &'static str },
+    #[error("cannot write {path}: {source}")]
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("certificate generation failed: {0}")]
+    Generate(#[from] rcgen::Error),
+}
+
+/// Whom a certificate identifies.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Role {
+    /// A brick, reachable under these host names or addresses (the certificate's SANs).
+    Brick { hosts: Vec<String> },
+    /// A client, named by the certificate's common name (what `auth.allow` lists).
+    Client,
+}
+
+impl Role {
+    fn file_prefix(&self) -> &'static str {
+        match self {
+            Role::Brick { .. } => "brick",
+            Role::Client => "client",
+        }
+    }
+}
+
+/// Where a certificate and its key live.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CertFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+/// The files of the cluster CA in `dir`.
+pub fn ca_files(dir: &Path) -> CertFiles {
+    CertFiles {
+        cert: dir.join("ca.crt"),
+        key: dir.join("ca.key"),
+    }
+}
+
+/// The files of identity `name` with `role` in `dir`.
+pub fn identity_files(dir: &Path, role: &Role, name: &str) -> CertFiles {
+    let stem = format!("{}-{name}", role.file_prefix());
+    CertFiles {
+        cert: dir.join(format!("{stem}.crt")),
+        key: dir.join(format!("{stem}.key")),
+    }
+}
+
+/// Creates the cluster CA in `dir` (created 0700 if missing). Refuses to replace one.
+pub fn init_ca(dir: &Path) -> Result<CertFiles, PkiError> {
+    let files = ca_files(dir);
+    if files.cert.exists() || files.key.exists() {
+        return Err(PkiError::CaExists(files.cert));
+    }
+    let mut params = CertificateParams::default();
+    params.distinguished_name = rcgen::DistinguishedName::new();
+    params
+        .distinguished_name
+        .push(DnType::CommonName, "Kiln cluster CA");
+    params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+    params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    let (not_before, not_after) = validity(CA_VALIDITY_DAYS);
+    params.not_before = not_before;
+    params.not_after = not_after;
+    let key = KeyPair::generate()?;
+    let cert = params.self_signed(&key)?;
+    create_dir(dir)?;
+    write_secret(&files.key, key.serialize_pem().as_bytes())?;
+    write_secret(&files.cert, cert.pem().as_bytes())?;
+    Ok(files)
+}
+
+/// Issues a certificate for `name` with `role`, valid for `days` from now, signed by the CA
+/// in `dir`; replaces an earlier one of the same name.
+pub fn issue(dir: &Path, role: &Role, name: &str, days: u32) -> Result<CertFiles, PkiError> {
+    let (not_before, not_after) = validity(days);
+    issue_valid_between(dir, role, name, not_before, not_after)
+}
+
+/// [`issue`] with an explicit validity window (tests use it to make an expired certificate).
+pub fn issue_valid_between(
+    dir: &Path,
+    role: &Role,
+    name: &str,
+    not_before: time::OffsetDateTime,
+    not_after: time::OffsetDateTime,
+) -> Result<CertFiles, PkiError> {
+    check_name(name)?;
+    let ca = ca_files(dir);
+    let ca_key_pem = read_to_string(&ca.key).map_err(|e| match e {
+        PkiError::Read { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
+            PkiError::NoCa(ca.key.clone())
+        }
+        e => e,
+    })?;
+    let ca_key = KeyPair::from_pem(&ca_key_pem)?;
+    let issuer = Issuer::from_ca_cert_pem(&read_to_string(&ca.cert)?, ca_key)?;
+
+    let mut params = match role {
+        Role::Brick { hosts } => {
+            for host in hosts {
+                if host.is_empty() || host.len() > 253 {
+                    return Err(PkiError::BadHost(host.clone()));
+                }
+            }
+            CertificateParams::new(hosts.clone()).map_err(|_| PkiError::BadHost(hosts.join(",")))?
+        }
+        Role::Client => CertificateParams::default(),
+    };
+    params.distinguished_name = rcgen::DistinguishedName::new();
+    params.distinguished_name.push(DnType::CommonName, name);
+    params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+    params.extended_key_usages = vec![match role {
+        Role::Brick { .. } => ExtendedKeyUsagePurpose::ServerAuth,
+        Role::Client => ExtendedKeyUsagePurpose::ClientAuth,
+    }];
+    params.use_authority_key_identifier_extension = true;
+    params.not_before = not_before;
+    params.not_after = not_after;
+    let key = KeyPair::generate()?;
+    let cert = params.signed_by(&key, &issuer)?;
+
+    let files = identity_files(dir, role, name);
+    write_secret(&files.key, key.serialize_pem().as_bytes())?;
+    write_secret(&files.cert, cert.pem().as_bytes())?;
+    Ok(files)
+}
+
+/// A loaded identity: the trusted CA, this party's certificate chain and its private key.
+#[derive(Debug)]
+pub struct Identity {
+    pub ca: CertificateDer<'static>,
+    pub chain: Vec<CertificateDer<'static>>,
+    pub key: PrivateKeyDer<'static>,
+}
+
+impl Clone for Identity {
+    fn clone(&self) -> Self {
+        Identity {
+            ca: self.ca.clone(),
+            chain: self.chain.clone(),
+            key: self.key.clone_key(),
+        }
+    }
+}
+
+/// Loads the CA certificate and one identity's certificate and key.
+pub fn load_identity(ca_cert: &Path, files: &CertFiles) -> Result<Identity, PkiError> {
+    let ca = load_certs(ca_cert)?
+        .into_iter()
+        .next()
+        .ok_or_else(|| PkiError::Pem {
+            path: ca_cert.to_owned(),
+            what: "certificate",
+        })?;
+    let chain = load_certs(&files.cert)?;
+    if chain.is_empty() {
+        return Err(PkiError::Pem {
+            path: files.cert.clone(),
+            what: "certificate",
+        });
+    }
+    let key =
+        PrivateKeyDer::from_pem_slice(read(&files.key)?.as_slice()).map_err(|_| PkiError::Pem {
+            path: files.key.clone(),
+            what: "private key",
+        })?;
+    Ok(Identity { ca, chain, key })
+}
+
+fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, PkiError> {
+    CertificateDer::pem_slice_iter(read(path)?.as_slice())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|_| PkiError::Pem {
+            path: path.to_owned(),
+            what: "certificate",
+        })
+}
+
+/// The identity name (common name) in a peer's certificate.
+pub fn peer_name(cert: &CertificateDer<'_>) -> Option<String> {
+    let (_, parsed) = x509_parser::parse_x509_certificate(cert).ok()?;
+    let name = parsed
+        .subject()
+        .iter_common_name()
+        .next()?
+        .as_str()
+        .ok()?
+        .to_owned();
+    Some(name)
+}
+
+/// Checks a client or brick name: it becomes part of a file name and an `auth.allow` entry.
+pub fn check_name(name: &str) -> Result<(), PkiError> {
+    let ok = !name.is_empty()
+        && name.len() <= IDENTITY_NAME_MAX_BYTES
+        && !name.starts_with('.')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(PkiError::BadName(name.to_owned()))
+    }
+}
+
+fn validity(days: u32) -> (time::OffsetDateTime, time::OffsetDateTime) {
+    let now = time::OffsetDateTime::now_utc();
+    // A little slack before now for clocks that differ between hosts.
+    (
+        now - time::Duration::hours(1),
+        now + time::Duration::days(i64::from(days)),
+    )
+}
+
+fn read(path: &Path) -> Result<Vec<u8>, PkiError> {
+    std::fs::read(path).map_err(|source| PkiError::Read {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+fn read_to_string(path: &Path) -> Result<String, PkiError> {
+    String::from_utf8(read(path)?).map_err(|_| PkiError::Pem {
+        path: path.to_owned(),
+        what: "PEM text",
+    })
+}
+
+fn create_dir(dir: &Path) -> Result<(), PkiError> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(|source| PkiError::Write {
+            path: dir.to_owned(),
+            source,
+        })
+}
+
+/// Writes `bytes` to `path` with mode 0600: a temporary file, fsync, rename, fsync of the
+/// directory — a crash leaves the old file or the new one, never a torn one.
+fn write_secret(path: &Path, bytes: &[u8]) -> Result<(), PkiError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let err = |source| PkiError::Write {
+        path: path.to_owned(),
+        source,
+    };
+    let dir = path.parent().unwrap_or(Path::new("."));
+    create_dir(dir)?;
+    let tmp = path.with_extension("tmp");
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)
+        .map_err(err)?;
+    file.write_all(bytes).map_err(err)?;
+    file.sync_all().map_err(err)?;
+    std::fs::rename(&tmp, path).map_err(err)?;
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn ca_then_certs_with_private_modes() {
+        let dir = tempfile::tempdir().expect("test setup");
+        let tls = dir.path().join("tls");
+        let ca = init_ca(&tls).expect("test setup");
+        assert!(matches!(init_ca(&tls), Err(PkiError::CaExists(_))));
+        let brick = Role::Brick {
+            hosts: vec!["localhost".into(), "127.0.0.1".into()],
+        };
+        let b = issue(&tls, &brick, "b1", 30).expect("test setup");
+        let c = issue(&tls, &Role::Client, "alice", 30).expect("test setup");
+        for f in [&ca.cert, &ca.key, &b.cert, &b.key, &c.cert, &c.key] {
+            let mode = std::fs::metadata(f)
+                .expect("test setup")
+                .permissions()
+                .mode()
+                & 0o777;
+            assert_eq!(mode, 0o600, "{}", f.display());
+        }
+        let dir_mode = std::fs::metadata(&tls)
+            .expect("test setup")
+            .permissions()
+            .mode()
+            & 0o777;
+        assert_eq!(dir_mode, 0o700);
+        let id = load_identity(&ca.cert, &c).expect("test setup");
+        assert_eq!(peer_name(&id.chain[0]).as_deref(), Some("alice"));
+        let id = load_identity(&ca.cert, &b).expect("test setup");
+        assert_eq!(peer_name(&id.chain[0]).as_deref(), Some("b1"));
+    }
+
+    #[test]
+    fn bad_names_and_missing_ca_are_refused() {
+        let dir = tempfile::tempdir().expect("test setup");
+        for bad in ["", ".hidden", "a/b", "a b", &"x".repeat(65)] {
+            assert!(
+                matches!(check_name(bad), Err(PkiError::BadName(_))),
+                "{bad:?}"
+            );
+        }
+        assert!(matches!(
+            issue(dir.path(), &Role::Client, "alice", 1),
+            Err(PkiError::NoCa(_))
+        ));
+        let files = identity_files(dir.path(), &Role::Client, "nobody");
+        assert!(matches!(
+            load_identity(&dir.path().join("ca.crt"), &files),
+            Err(PkiError::Read { .. })
+        ));
+    }
+}

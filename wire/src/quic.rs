@@ -1,0 +1,203 @@
+//! How messages travel on QUIC (feature `quic`): the mapping both ends share.
+//!
+//! * Every call is one bidirectional stream: the client writes one request frame and finishes
+//!   its side; the brick writes one reply frame and finishes. QUIC multiplexes the streams, so
+//!   a slow 1 MiB read never holds up a `stat` behind it, and the brick's limit on concurrent
+//!   streams *is* the in-flight limit: a client at the limit waits for stream credit
+//!   (backpressure) instead of queueing without bound.
+//! * The first call on a connection is HELLO; the brick answers nothing else before it.
+//! * Events (INVALIDATE) come on unidirectional streams from the brick, one frame each.
+//! * A stream whose frame does not decode is reset with [`StreamCode::BadFrame`]; other
+//!   streams and the connection carry on.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use quinn::{RecvStream, SendStream, VarInt};
+
+use crate::limits::{FRAME_BODY_LEN_MAX_BYTES, FRAME_HEADER_LEN_BYTES};
+use crate::{DecodeError, EncodeError, Header, Message};
+
+/// The TLS application protocol name. Versions are negotiated by HELLO, not by ALPN, so a
+/// client of another version gets a clear answer instead of a failed handshake.
+pub const ALPN: &[u8] = b"kiln";
+
+/// The largest UDP payload either end sends or accepts: the loopback path MTU (64 KiB less
+/// the IPv4 and UDP headers). Path MTU discovery finds what a real network carries.
+pub const UDP_PAYLOAD_MAX_BYTES: u16 = 65_527;
+
+/// Idle connections close after this long without packets; keep-alives prevent it.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+/// Keep-alive interval, well inside [`IDLE_TIMEOUT`].
+pub const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(5);
+
+/// Why a stream was reset or stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+pub enum StreamCode {
+    /// The frame on this stream did not decode.
+    BadFrame = 1,
+    /// The brick is shutting down and did not take this call.
+    ShuttingDown = 2,
+}
+
+impl From<StreamCode> for VarInt {
+    fn from(code: StreamCode) -> VarInt {
+        VarInt::from_u32(code as u32)
+    }
+}
+
+/// Why a connection was closed (the QUIC application close code).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+pub enum CloseCode {
+    /// Closed by its owner; nothing went wrong.
+    Done = 0,
+    /// The peer speaks a protocol version or sent a first call this end cannot serve.
+    Protocol = 1,
+    /// The client's identity is not allowed on this brick (`auth.allow`).
+    NotAllowed = 2,
+    /// The brick is shutting down.
+    ShuttingDown = 3,
+}
+
+impl From<CloseCode> for VarInt {
+    fn from(code: CloseCode) -> VarInt {
+        VarInt::from_u32(code as u32)
+    }
+}
+
+/// Transport parameters both ends use. `streams_max` bounds the calls in flight on one
+/// connection (the brick's `network.inflight-max`); path MTU discovery probes up to
+/// `udp_payload_max` bytes.
+pub fn transport_config(streams_max: u32, udp_payload_max: u16) -> Arc<quinn::TransportConfig> {
+    const FRAME_MAX_BYTES: u32 = (FRAME_HEADER_LEN_BYTES + FRAME_BODY_LEN_MAX_BYTES) as u32;
+    let frame_max = FRAME_MAX_BYTES;
+    let mut t = quinn::TransportConfig::default();
+    t.max_concurrent_bidi_streams(VarInt::from_u32(streams_max))
+        .max_concurrent_uni_streams(VarInt::from_u32(64))
+        // One whole frame fits in a stream's window, so a 1 MiB write never stalls on
+        // per-stream credit; the connection window bounds what all streams hold together.
+        .stream_receive_window(VarInt::from_u32(frame_max))
+        .receive_window(VarInt::from_u32(32 * frame_max))
+        .send_window(32 * u64::from(frame_max))
+        .max_idle_timeout(IDLE_TIMEOUT.try_into().ok())
+        .keep_alive_interval(Some(KEEP_ALIVE_INTERVAL))
+        .mtu_discovery_config(Some({
+            let mut mtu = quinn::MtuDiscoveryConfig::default();
+            mtu.upper_bound(udp_payload_max);
+            mtu
+        }));
+    Arc::new(t)
+}
+
+/// Endpoint parameters both ends use: accept datagrams up to [`UDP_PAYLOAD_MAX_BYTES`].
+pub fn endpoint_config() -> quinn::EndpointConfig {
+    let mut config = quinn::EndpointConfig::default();
+    // The constant is within QUIC's bounds (1200..=65527), so this cannot fail.
+    let _ = config.max_udp_payload_size(UDP_PAYLOAD_MAX_BYTES);
+    config
+}
+
+/// Socket buffer size asked for on each UDP socket, in bytes: a burst of 1 MiB writes from
+/// many streams overflows the kernel's default and costs retransmissions.
+pub const UDP_BUFFER_BYTES: usize = 8 * 1024 * 1024;
+
+/// A UDP socket bound to `addr` for an endpoint, with large buffers (forced past
+/// `net.core.rmem_max` when the process may). With `reuse_port`, several endpoints share the
+/// port and the kernel spreads clients over them by address.
+pub fn udp_socket(addr: SocketAddr, reuse_port: bool) -> std::io::Result<std::net::UdpSocket> {
+    use rustix::net::{AddressFamily, SocketType, sockopt};
+    let family = match addr {
+        SocketAddr::V4(_) => AddressFamily::INET,
+        SocketAddr::V6(_) => AddressFamily::INET6,
+    };
+    let fd = rustix::net::socket(family, SocketType::DGRAM, None)?;
+    if reuse_port {
+        sockopt::set_socket_reuseport(&fd, true)?;
+    }
+    if sockopt::set_socket_recv_buffer_size_force(&fd, UDP_BUFFER_BYTES).is_err() {
+        sockopt::set_socket_recv_buffer_size(&fd, UDP_BUFFER_BYTES)?;
+    }
+    if sockopt::set_socket_send_buffer_size_force(&fd, UDP_BUFFER_BYTES).is_err() {
+        sockopt::set_socket_send_buffer_size(&fd, UDP_BUFFER_BYTES)?;
+    }
+    rustix::net::bind(&fd, &addr)?;
+    Ok(std::net::UdpSocket::from(fd))
+}
+
+/// Reading or writing one frame on a stream failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StreamError {
+    #[error("the stream ended before a whole frame arrived")]
+    Truncated,
+    #[error("bad frame: {0}")]
+    Decode(#[from] DecodeError),
+    #[error("cannot encode: {0}")]
+    Encode(#[from] EncodeError),
+    #[error("stream read failed: {0}")]
+    Read(#[from] quinn::ReadError),
+    #[error("stream write failed: {0}")]
+    Write(#[from] quinn::WriteError),
+    #[error("stream already closed")]
+    Closed(#[from] quinn::ClosedStream),
+}
+
+/// Writes `message` as one frame and finishes the stream. Payload chunks go to quinn as the
+/// same `Bytes`, uncopied.
+pub async fn write_message(send: &mut SendStream, message: &Message) -> Result<(), StreamError> {
+    let frame = message.encode()?;
+    let mut chunks = Vec::with_capacity(frame.body.len() + 1);
+    chunks.push(Bytes::copy_from_slice(&frame.header));
+    chunks.extend(frame.body);
+    send.write_all_chunks(&mut chunks).await?;
+    send.finish()?;
+    Ok(())
+}
+
+/// Reads one frame from `recv`. The length is checked against the protocol limit before
+/// anything is allocated; a body that arrives in one QUIC chunk is kept without a copy.
+pub async fn read_message(recv: &mut RecvStream) -> Result<Message, StreamError> {
+    let mut head = [0u8; FRAME_HEADER_LEN_BYTES];
+    read_exact(recv, &mut head).await?;
+    let header = Header::decode(&head)?;
+    let body = read_body(recv, header.body_len as usize).await?;
+    Ok(Message::decode(&header, body)?)
+}
+
+async fn read_exact(recv: &mut RecvStream, buf: &mut [u8]) -> Result<(), StreamError> {
+    let mut filled = 0;
+    while filled < buf.len() {
+        match recv.read(&mut buf[filled..]).await? {
+            Some(n) => filled += n,
+            None => return Err(StreamError::Truncated),
+        }
+    }
+    Ok(())
+}
+
+async fn read_body(recv: &mut RecvStream, len: usize) -> Result<Bytes, StreamError> {
+    if len == 0 {
+        return Ok(Bytes::new());
+    }
+    let first = recv
+        .read_chunk(len, true)
+        .await?
+        .ok_or(StreamError::Truncated)?
+        .bytes;
+    if first.len() == len {
+        return Ok(first);
+    }
+    let mut body = BytesMut::with_capacity(len);
+    body.extend_from_slice(&first);
+    while body.len() < len {
+        let chunk = recv
+            .read_chunk(len - body.len(), true)
+            .await?
+            .ok_or(StreamError::Truncated)?;
+        body.extend_from_slice(&chunk.bytes);
+    }
+    Ok(body.freeze())
+}
