@@ -545,7 +545,9 @@ fn refused_or_connect(options: &ConnectOptions, e: quinn::ConnectionError) -> Er
     }
 }
 
-fn quinn_config(options: &ConnectOptions) -> Result<quinn::ClientConfig, Error> {
+/// The QUIC client configuration for `options`: TLS 1.3 with the client certificate, the
+/// cluster CA as the only root, Kiln's ALPN and transport parameters.
+pub fn quinn_config(options: &ConnectOptions) -> Result<quinn::ClientConfig, Error> {
     let tls_error = |e: &dyn std::fmt::Display| Error::Tls(e.to_string());
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut roots = rustls::RootCertStore::empty();

@@ -432,40 +432,48 @@ async fn handshake(connection: &quinn::Connection, context: &Context) -> Result<
         .await
         .map_err(|_| "no HELLO in time".to_owned())?
         .map_err(|e| e.to_string())?;
-    let refuse = |error: ErrorCode| {
-        Message::Reply(Reply {
-            id: 0,
-            outcome: Outcome::Error {
-                call: CallCode::Hello,
-                error,
-            },
-        })
-    };
-    let (id, version) = match quic::read_message(&mut recv).await {
+    let (id, outcome, refusal) = match quic::read_message(&mut recv).await {
         Ok(Message::Request(Request {
             id,
             call: Call::Hello(hello),
-        })) => (id, hello.negotiate()),
-        Err(quic::StreamError::Decode(e @ kiln_wire::DecodeError::UnsupportedVersion(_))) => {
-            let _ = quic::write_message(&mut send, &refuse(ErrorCode::ProtoNotSupported)).await;
-            return Err(format!("{e}"));
-        }
+        })) => match hello.negotiate() {
+            Ok(_) => (id, Outcome::Hello(context.hello.clone()), None),
+            Err(error) => (
+                id,
+                Outcome::Error {
+                    call: CallCode::Hello,
+                    error,
+                },
+                Some(format!(
+                    "the client's protocol versions {}..={} do not include {PROTOCOL_VERSION}, \
+                     the only one this brick speaks",
+                    hello.version_min, hello.version_max
+                )),
+            ),
+        },
+        // A frame of another version still gets an answer this brick can write.
+        Err(quic::StreamError::Decode(e @ kiln_wire::DecodeError::UnsupportedVersion(_))) => (
+            0,
+            Outcome::Error {
+                call: CallCode::Hello,
+                error: ErrorCode::ProtoNotSupported,
+            },
+            Some(e.to_string()),
+        ),
         Ok(_) => return Err("the first call must be HELLO".to_owned()),
         Err(e) => return Err(e.to_string()),
     };
-    let reply = match version {
-        Ok(_) => Outcome::Hello(context.hello.clone()),
-        Err(error) => Outcome::Error {
-            call: CallCode::Hello,
-            error,
-        },
-    };
-    quic::write_message(&mut send, &Message::Reply(Reply { id, outcome: reply }))
+    quic::write_message(&mut send, &Message::Reply(Reply { id, outcome }))
         .await
         .map_err(|e| e.to_string())?;
-    version.map(drop).map_err(|_| {
-        format!("the client's protocol versions do not include {PROTOCOL_VERSION}, the only one this brick speaks")
-    })
+    match refusal {
+        None => Ok(()),
+        Some(reason) => {
+            // Closing discards unsent data: let the answer arrive first (bounded).
+            let _ = tokio::time::timeout(HELLO_TIMEOUT, send.stopped()).await;
+            Err(reason)
+        }
+    }
 }
 
 async fn serve_call(

@@ -1,0 +1,187 @@
+//! A real `kiln-brickd` on loopback with its TLS material, for end-to-end tests.
+#![allow(
+    dead_code,
+    unreachable_pub,
+    reason = "each test file uses a different part"
+)]
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kiln_client::{ConnectOptions, Volume};
+use kiln_mgmt::pki::{self, Role};
+
+/// A binary of this workspace, built beside the test executable by `cargo test`.
+pub fn bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable");
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>/deps");
+    let path = dir.join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: run the workspace's tests (`./scripts/test`), which build every binary",
+        path.display()
+    );
+    path
+}
+
+/// A formatted brick and a TLS directory with a CA, a brick certificate `b` and client
+/// certificates `alice` and `bob`.
+pub struct Cluster {
+    pub dir: tempfile::TempDir,
+    pub tls: PathBuf,
+    pub brick: PathBuf,
+}
+
+impl Cluster {
+    pub fn new() -> Cluster {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let tls = dir.path().join("tls");
+        pki::init_ca(&tls).expect("ca");
+        let hosts = vec!["127.0.0.1".into(), "localhost".into()];
+        pki::issue(&tls, &Role::Brick { hosts }, "b", 1).expect("brick cert");
+        for client in ["alice", "bob"] {
+            pki::issue(&tls, &Role::Client, client, 1).expect("client cert");
+        }
+        let brick = dir.path().join("brick");
+        std::fs::create_dir(&brick).expect("brick dir");
+        let status = Command::new(bin("kiln-brickd"))
+            .arg("format")
+            .arg(&brick)
+            .stdout(Stdio::null())
+            .status()
+            .expect("format");
+        assert!(status.success());
+        Cluster { dir, tls, brick }
+    }
+
+    /// Starts `kiln-brickd serve` on `listen` with `extra` arguments and waits until it
+    /// listens.
+    pub fn start(&self, listen: &str, extra: &[&str]) -> Brickd {
+        let log = self.dir.path().join(format!(
+            "brickd-{}.log",
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos())
+        ));
+        let mut child = Command::new(bin("kiln-brickd"))
+            .arg("serve")
+            .arg(&self.brick)
+            .args(["--listen", listen, "--name", "b", "--tls-dir"])
+            .arg(&self.tls)
+            .args(extra)
+            .env("RUST_LOG", "info,kiln_dataplane::server=debug")
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log).expect("log file"))
+            .spawn()
+            .expect("spawn kiln-brickd");
+        let stdout = child.stdout.take().expect("stdout");
+        let mut line = String::new();
+        BufReader::new(stdout)
+            .read_line(&mut line)
+            .expect("read the listening line");
+        let addr = line
+            .trim()
+            .strip_prefix("listening on ")
+            .unwrap_or_else(|| {
+                panic!(
+                    "kiln-brickd did not start: {line:?}\n{}",
+                    std::fs::read_to_string(&log).unwrap_or_default()
+                )
+            })
+            .parse()
+            .expect("address");
+        Brickd { child, addr, log }
+    }
+
+    pub fn options(&self, addr: SocketAddr, client: &str) -> ConnectOptions {
+        ConnectOptions::from_tls_dir(addr, &self.tls, client).expect("client identity")
+    }
+
+    pub async fn connect(&self, addr: SocketAddr, client: &str) -> Volume {
+        Volume::connect(self.options(addr, client))
+            .await
+            .expect("connect")
+    }
+}
+
+/// A running brick process; killed when dropped.
+pub struct Brickd {
+    pub child: Child,
+    pub addr: SocketAddr,
+    pub log: PathBuf,
+}
+
+impl Brickd {
+    pub fn pid(&self) -> i32 {
+        i32::try_from(self.child.id()).expect("pid")
+    }
+
+    /// Everything the brick has logged so far.
+    pub fn logs(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits (bounded) until the log contains `needle`.
+    pub fn wait_for_log(&self, needle: &str) -> String {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let logs = self.logs();
+            if logs.contains(needle) || Instant::now() > deadline {
+                return logs;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// `kill -9`.
+    pub fn kill9(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGTERM, then the exit status (bounded wait).
+    pub fn terminate(mut self) -> std::process::ExitStatus {
+        signal(self.pid(), rustix::process::Signal::TERM);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(status) = self.child.try_wait().expect("wait") {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "kiln-brickd ignored SIGTERM");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Open file descriptors of the brick process.
+    pub fn open_fds(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.pid()))
+            .map(Iterator::count)
+            .unwrap_or(0)
+    }
+}
+
+impl Drop for Brickd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn signal(pid: i32, sig: rustix::process::Signal) {
+    let pid = rustix::process::Pid::from_raw(pid).expect("pid");
+    rustix::process::kill_process(pid, sig).expect("kill");
+}
+
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}

@@ -1,0 +1,464 @@
+//! Every fop through the client library against a real `kiln-brickd`, on both engines.
+
+mod common;
+
+use bytes::Bytes;
+use common::{Cluster, runtime};
+use kiln_client::path::new_gfid;
+use kiln_client::{Error, Volume};
+use kiln_wire::{
+    AccessMask, AccessMode, ErrorCode, FileType, FopCode, FopReply, Gfid, Lock, LockCmd, LockKind,
+    Mode, Name, NodeType, OpenFlags, Payload, ReaddirSize, RenameMode, SeekWhat, SetAttr,
+    SymlinkTarget, XattrName, XattrSetMode, XattrValue,
+};
+
+fn name(s: &str) -> Name {
+    Name::new(Bytes::copy_from_slice(s.as_bytes())).expect("name")
+}
+
+fn xname(s: &str) -> XattrName {
+    XattrName::new(Bytes::copy_from_slice(s.as_bytes())).expect("xattr name")
+}
+
+fn mode(m: u32) -> Mode {
+    Mode::new(m).expect("mode")
+}
+
+fn code(e: Error) -> ErrorCode {
+    e.code().unwrap_or_else(|| panic!("not a fop error: {e}"))
+}
+
+#[test]
+fn every_fop_over_quic_uring() {
+    every_fop("uring");
+}
+
+#[test]
+fn every_fop_over_quic_blocking() {
+    every_fop("blocking");
+}
+
+fn every_fop(engine: &str) {
+    let cluster = Cluster::new();
+    let brickd = cluster.start("127.0.0.1:0", &["--engine", engine]);
+    let rt = runtime();
+    rt.block_on(async {
+        let v = cluster.connect(brickd.addr, "alice").await;
+        let mut seen = std::collections::BTreeSet::new();
+        exercise(&v, &mut seen).await;
+        let missing: Vec<_> = FopCode::ALL
+            .iter()
+            .filter(|c| !seen.contains(*c))
+            .map(|c| c.name())
+            .collect();
+        assert!(missing.is_empty(), "fops not exercised: {missing:?}");
+        v.close().await;
+    });
+    // What the client did is what is on disk.
+    assert_eq!(
+        std::fs::read(cluster.brick.join("dir/renamed")).expect("file on the brick"),
+        b"hello, kiln"
+    );
+}
+
+/// Calls every fop once or more, checking each answer; records the codes used in `seen`.
+#[allow(
+    clippy::too_many_lines,
+    reason = "one walk through the whole fop table"
+)]
+async fn exercise(v: &Volume, seen: &mut std::collections::BTreeSet<FopCode>) {
+    macro_rules! call {
+        ($variant:ident, $fop:expr) => {{
+            seen.insert(FopCode::$variant);
+            match v.call(kiln_wire::$variant { ..$fop }).await {
+                Ok(FopReply::$variant(r)) => r,
+                other => panic!("{}: {other:?}", stringify!($variant)),
+            }
+        }};
+    }
+    macro_rules! call_fd {
+        ($fd:expr, $variant:ident, |$id:ident| $fop:expr) => {{
+            seen.insert(FopCode::$variant);
+            match v.call_fd($fd, |$id| $fop.into()).await {
+                Ok(FopReply::$variant(r)) => r,
+                other => panic!("{}: {other:?}", stringify!($variant)),
+            }
+        }};
+    }
+
+    let root = v.stat(Gfid::ROOT).await.expect("stat root");
+    seen.insert(FopCode::Stat);
+    assert_eq!(root.file_type, FileType::Directory);
+
+    let dir = call!(
+        Mkdir,
+        kiln_wire::Mkdir {
+            parent: Gfid::ROOT,
+            name: name("dir"),
+            gfid: new_gfid(),
+            mode: mode(0o755),
+            umask: mode(0o022),
+        }
+    );
+    let dir = dir.iatt.gfid;
+    let found = call!(
+        Lookup,
+        kiln_wire::Lookup {
+            parent: Gfid::ROOT,
+            name: name("dir"),
+        }
+    );
+    assert_eq!(found.iatt.gfid, dir);
+
+    // CREATE, WRITE, FLUSH, FSYNC, FSTAT, READ, SEEK.
+    seen.insert(FopCode::Create);
+    let (fd, created) = v
+        .create(kiln_wire::Create {
+            parent: dir,
+            name: name("file"),
+            gfid: new_gfid(),
+            access: AccessMode::ReadWrite,
+            flags: OpenFlags::EXCL,
+            mode: mode(0o640),
+            umask: mode(0),
+        })
+        .await
+        .expect("create");
+    let file = created.iatt.gfid;
+    seen.insert(FopCode::Write);
+    let post = v
+        .write(&fd, 0, Bytes::from_static(b"hello, kiln"))
+        .await
+        .expect("write");
+    assert_eq!(post.size, 11);
+    call_fd!(&fd, Flush, |fd| kiln_wire::Flush { fd, lock_owner: 1 });
+    call_fd!(&fd, Fsync, |fd| kiln_wire::Fsync { fd, datasync: true });
+    let st = call_fd!(&fd, Fstat, |fd| kiln_wire::Fstat { fd });
+    assert_eq!((st.iatt.size, st.iatt.mode.bits()), (11, 0o640));
+    seen.insert(FopCode::Read);
+    assert_eq!(&v.read(&fd, 7, 100).await.expect("read")[..], b"kiln");
+    let sought = call_fd!(&fd, Seek, |fd| kiln_wire::Seek {
+        fd,
+        offset: 0,
+        what: SeekWhat::Data
+    });
+    assert_eq!(sought.offset, 0);
+
+    // Locks: a write lock is seen by LK GET from another owner.
+    seen.insert(FopCode::Lk);
+    let lock = |kind, owner| Lock {
+        kind,
+        start: 0,
+        len: 0,
+        pid: 1,
+        owner,
+    };
+    v.lk(&fd, LockCmd::Set, lock(LockKind::Write, 7))
+        .await
+        .expect("lock");
+    let held = v
+        .lk(&fd, LockCmd::Get, lock(LockKind::Write, 8))
+        .await
+        .expect("test lock");
+    assert_eq!((held.kind, held.owner), (LockKind::Write, 7));
+    v.lk(&fd, LockCmd::Set, lock(LockKind::Unlock, 7))
+        .await
+        .expect("unlock");
+
+    // fd xattrs and attributes.
+    call_fd!(&fd, Fsetxattr, |fd| kiln_wire::Fsetxattr {
+        fd,
+        name: xname("user.f"),
+        value: XattrValue::new(Bytes::from_static(b"1")).expect("value"),
+        mode: XattrSetMode::Create,
+    });
+    let got = call_fd!(&fd, Fgetxattr, |fd| kiln_wire::Fgetxattr {
+        fd,
+        name: xname("user.f")
+    });
+    assert_eq!(got.value.as_bytes(), b"1");
+    call_fd!(&fd, Fremovexattr, |fd| kiln_wire::Fremovexattr {
+        fd,
+        name: xname("user.f")
+    });
+    let changed = call_fd!(&fd, Fsetattr, |fd| kiln_wire::Fsetattr {
+        fd,
+        attr: SetAttr {
+            mode: Some(mode(0o600)),
+            ..SetAttr::default()
+        }
+    });
+    assert_eq!(changed.post.mode.bits(), 0o600);
+    let grown = call_fd!(&fd, Ftruncate, |fd| kiln_wire::Ftruncate { fd, size: 8192 });
+    assert_eq!(grown.post.size, 8192);
+    let alloc = call_fd!(&fd, Fallocate, |fd| kiln_wire::Fallocate {
+        fd,
+        keep_size: false,
+        offset: 8192,
+        len: 4096
+    });
+    assert_eq!(alloc.post.size, 12288);
+    call_fd!(&fd, Discard, |fd| kiln_wire::Discard {
+        fd,
+        offset: 4096,
+        len: 4096
+    });
+    call_fd!(&fd, Zerofill, |fd| kiln_wire::Zerofill {
+        fd,
+        offset: 8192,
+        len: 4096
+    });
+    let shrunk = call!(
+        Truncate,
+        kiln_wire::Truncate {
+            gfid: file,
+            size: 11
+        }
+    );
+    assert_eq!(shrunk.post.size, 11);
+    seen.insert(FopCode::Release);
+    v.release(fd).await.expect("release");
+
+    // OPEN of an existing file, by GFID.
+    seen.insert(FopCode::Open);
+    let ro = v
+        .open(file, AccessMode::ReadOnly, OpenFlags::empty())
+        .await
+        .expect("open");
+    assert_eq!(&v.read(&ro, 0, 5).await.expect("read")[..], b"hello");
+    v.release(ro).await.expect("release");
+
+    call!(
+        Access,
+        kiln_wire::Access {
+            gfid: file,
+            mask: AccessMask::READ
+        }
+    );
+    let attr = call!(
+        Setattr,
+        kiln_wire::Setattr {
+            gfid: file,
+            attr: SetAttr {
+                mode: Some(mode(0o644)),
+                ..SetAttr::default()
+            },
+        }
+    );
+    assert_eq!(attr.post.mode.bits(), 0o644);
+
+    // Path xattrs.
+    call!(
+        Setxattr,
+        kiln_wire::Setxattr {
+            gfid: file,
+            name: xname("user.colour"),
+            value: XattrValue::new(Bytes::from_static(b"blue")).expect("value"),
+            mode: XattrSetMode::Upsert,
+        }
+    );
+    let got = call!(
+        Getxattr,
+        kiln_wire::Getxattr {
+            gfid: file,
+            name: xname("user.colour"),
+        }
+    );
+    assert_eq!(got.value.as_bytes(), b"blue");
+    let list = call!(Listxattr, kiln_wire::Listxattr { gfid: file });
+    assert!(list.entries.iter().any(|n| n.as_bytes() == b"user.colour"));
+    call!(
+        Removexattr,
+        kiln_wire::Removexattr {
+            gfid: file,
+            name: xname("user.colour"),
+        }
+    );
+
+    // Links, symlinks, special files.
+    let linked = call!(
+        Link,
+        kiln_wire::Link {
+            gfid: file,
+            new_parent: dir,
+            new_name: name("hard"),
+        }
+    );
+    assert_eq!(linked.iatt.nlink, 2);
+    let sym = call!(
+        Symlink,
+        kiln_wire::Symlink {
+            parent: dir,
+            name: name("sym"),
+            gfid: new_gfid(),
+            target: SymlinkTarget::new(Bytes::from_static(b"file")).expect("target"),
+        }
+    );
+    let target = call!(
+        Readlink,
+        kiln_wire::Readlink {
+            gfid: sym.iatt.gfid
+        }
+    );
+    assert_eq!(target.target.as_bytes(), b"file");
+    let fifo = call!(
+        Mknod,
+        kiln_wire::Mknod {
+            parent: dir,
+            name: name("fifo"),
+            gfid: new_gfid(),
+            node_type: NodeType::Fifo,
+            mode: mode(0o600),
+            umask: mode(0),
+            rdev: 0,
+        }
+    );
+    assert_eq!(fifo.iatt.file_type, FileType::Fifo);
+    let put = call!(
+        Put,
+        kiln_wire::Put {
+            parent: dir,
+            name: name("small"),
+            gfid: new_gfid(),
+            mode: mode(0o644),
+            umask: mode(0),
+            flags: OpenFlags::empty(),
+            data: Payload::new(Bytes::from_static(b"tiny")).expect("payload"),
+            attr: SetAttr::default(),
+        }
+    );
+    assert_eq!(put.iatt.size, 4);
+
+    // Directory reading.
+    seen.insert(FopCode::Opendir);
+    let dfd = v.opendir(dir).await.expect("opendir");
+    let size = ReaddirSize::new(64 * 1024).expect("size");
+    let plain = call_fd!(&dfd, Readdir, |fd| kiln_wire::Readdir {
+        fd,
+        offset: 0,
+        size
+    });
+    let mut names: Vec<String> = plain.entries.iter().map(|e| e.name.to_string()).collect();
+    names.sort();
+    assert_eq!(names, ["fifo", "file", "hard", "small", "sym"]);
+    let plus = call_fd!(&dfd, Readdirp, |fd| kiln_wire::Readdirp {
+        fd,
+        offset: 0,
+        size
+    });
+    assert!(
+        plus.entries
+            .iter()
+            .any(|e| e.name.as_bytes() == b"small" && e.iatt.size == 4)
+    );
+    call_fd!(&dfd, Fsyncdir, |fd| kiln_wire::Fsyncdir {
+        fd,
+        datasync: false
+    });
+    seen.insert(FopCode::Releasedir);
+    v.release(dfd).await.expect("releasedir");
+
+    // Namespace changes.
+    call!(
+        Rename,
+        kiln_wire::Rename {
+            old_parent: dir,
+            old_name: name("file"),
+            new_parent: dir,
+            new_name: name("renamed"),
+            mode: RenameMode::NoReplace,
+        }
+    );
+    for gone in ["hard", "sym", "fifo", "small"] {
+        call!(
+            Unlink,
+            kiln_wire::Unlink {
+                parent: dir,
+                name: name(gone),
+            }
+        );
+    }
+    let statfs = call!(Statfs, kiln_wire::Statfs { gfid: Gfid::ROOT });
+    assert!(statfs.stats.blocks > 0);
+    call!(
+        Mkdir,
+        kiln_wire::Mkdir {
+            parent: dir,
+            name: name("empty"),
+            gfid: new_gfid(),
+            mode: mode(0o700),
+            umask: mode(0),
+        }
+    );
+    call!(
+        Rmdir,
+        kiln_wire::Rmdir {
+            parent: dir,
+            name: name("empty"),
+        }
+    );
+
+    // Errors come back as the errno a local file system gives.
+    let missing = v.lookup(dir, &name("nope")).await.expect_err("ENOENT");
+    assert_eq!(code(missing), ErrorCode::NoEnt);
+    let not_empty = v
+        .call(kiln_wire::Rmdir {
+            parent: Gfid::ROOT,
+            name: name("dir"),
+        })
+        .await
+        .expect_err("ENOTEMPTY");
+    assert_eq!(code(not_empty), ErrorCode::NotEmpty);
+}
+
+#[test]
+fn path_helpers_round_trip() {
+    let cluster = Cluster::new();
+    let brickd = cluster.start("127.0.0.1:0", &[]);
+    runtime().block_on(async {
+        let v = cluster.connect(brickd.addr, "alice").await;
+        v.mkdir_all("/a/b/c", 0o755).await.expect("mkdir -p");
+        v.mkdir_all("/a/b/c", 0o755).await.expect("mkdir -p again");
+        v.put("/a/b/c/one", Bytes::from_static(b"1"), 0o644)
+            .await
+            .expect("put");
+        assert_eq!(
+            code(
+                v.put("/a/b/c/one", Bytes::from_static(b"x"), 0o644)
+                    .await
+                    .expect_err("taken")
+            ),
+            ErrorCode::Exist
+        );
+        // 2.5 MiB goes through CREATE and three WRITEs, and replaces what was there.
+        let big: Vec<u8> = (0..2_621_440u32).map(|i| (i % 251) as u8).collect();
+        v.write_file("/a/b/c/one", Bytes::from(big.clone()), 0o600)
+            .await
+            .expect("write_file");
+        assert_eq!(v.read_to_end("/a/b/c/one").await.expect("read"), big);
+        let walked: Vec<String> = v
+            .walk("/a")
+            .await
+            .expect("walk")
+            .into_iter()
+            .map(|(p, _)| p)
+            .collect();
+        assert_eq!(walked, ["/a", "/a/b", "/a/b/c", "/a/b/c/one"]);
+        assert_eq!(
+            code(v.resolve("/a/b/c/one/x").await.expect_err("ENOTDIR")),
+            ErrorCode::NotDir
+        );
+        v.remove_all("/a").await.expect("rm -r");
+        assert_eq!(
+            code(v.resolve("/a").await.expect_err("gone")),
+            ErrorCode::NoEnt
+        );
+        v.close().await;
+    });
+    let left: Vec<_> = std::fs::read_dir(&cluster.brick)
+        .expect("brick")
+        .map(|e| e.expect("entry").file_name())
+        .filter(|n| n != ".glusterfs")
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+}
