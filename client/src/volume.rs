@@ -41,6 +41,8 @@ pub struct ConnectOptions {
     pub inflight_max: u32,
     /// Largest UDP payload sent or accepted.
     pub udp_payload_max_bytes: u16,
+    /// A brick silent this long is gone: calls in flight and connection attempts fail.
+    pub idle_timeout: std::time::Duration,
 }
 
 impl ConnectOptions {
@@ -62,6 +64,7 @@ impl ConnectOptions {
             creds: Creds::root(),
             inflight_max: 1024,
             udp_payload_max_bytes: quic::UDP_PAYLOAD_MAX_BYTES,
+            idle_timeout: quic::IDLE_TIMEOUT,
         })
     }
 }
@@ -569,6 +572,7 @@ pub fn quinn_config(options: &ConnectOptions) -> Result<quinn::ClientConfig, Err
     config.transport_config(quic::transport_config(
         options.inflight_max,
         options.udp_payload_max_bytes,
+        options.idle_timeout,
     ));
     Ok(config)
 }

@@ -24,7 +24,7 @@ fn mode(m: u32) -> Mode {
     Mode::new(m).expect("mode")
 }
 
-fn code(e: Error) -> ErrorCode {
+fn code(e: &Error) -> ErrorCode {
     e.code().unwrap_or_else(|| panic!("not a fop error: {e}"))
 }
 
@@ -400,7 +400,7 @@ async fn exercise(v: &Volume, seen: &mut std::collections::BTreeSet<FopCode>) {
 
     // Errors come back as the errno a local file system gives.
     let missing = v.lookup(dir, &name("nope")).await.expect_err("ENOENT");
-    assert_eq!(code(missing), ErrorCode::NoEnt);
+    assert_eq!(code(&missing), ErrorCode::NoEnt);
     let not_empty = v
         .call(kiln_wire::Rmdir {
             parent: Gfid::ROOT,
@@ -408,7 +408,7 @@ async fn exercise(v: &Volume, seen: &mut std::collections::BTreeSet<FopCode>) {
         })
         .await
         .expect_err("ENOTEMPTY");
-    assert_eq!(code(not_empty), ErrorCode::NotEmpty);
+    assert_eq!(code(&not_empty), ErrorCode::NotEmpty);
 }
 
 #[test]
@@ -424,7 +424,7 @@ fn path_helpers_round_trip() {
             .expect("put");
         assert_eq!(
             code(
-                v.put("/a/b/c/one", Bytes::from_static(b"x"), 0o644)
+                &v.put("/a/b/c/one", Bytes::from_static(b"x"), 0o644)
                     .await
                     .expect_err("taken")
             ),
@@ -445,12 +445,12 @@ fn path_helpers_round_trip() {
             .collect();
         assert_eq!(walked, ["/a", "/a/b", "/a/b/c", "/a/b/c/one"]);
         assert_eq!(
-            code(v.resolve("/a/b/c/one/x").await.expect_err("ENOTDIR")),
+            code(&v.resolve("/a/b/c/one/x").await.expect_err("ENOTDIR")),
             ErrorCode::NotDir
         );
         v.remove_all("/a").await.expect("rm -r");
         assert_eq!(
-            code(v.resolve("/a").await.expect_err("gone")),
+            code(&v.resolve("/a").await.expect_err("gone")),
             ErrorCode::NoEnt
         );
         v.close().await;

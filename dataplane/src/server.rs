@@ -312,6 +312,7 @@ fn quinn_config(config: &ServerConfig) -> Result<quinn::ServerConfig, ServerErro
     server.transport_config(quic::transport_config(
         config.inflight_max,
         config.udp_payload_max_bytes,
+        quic::IDLE_TIMEOUT,
     ));
     // A migrated connection would hash to another endpoint's socket.
     server.migration(false);

@@ -28,10 +28,9 @@ pub const ALPN: &[u8] = b"kiln";
 /// the IPv4 and UDP headers). Path MTU discovery finds what a real network carries.
 pub const UDP_PAYLOAD_MAX_BYTES: u16 = 65_527;
 
-/// Idle connections close after this long without packets; keep-alives prevent it.
-pub const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
-/// Keep-alive interval, well inside [`IDLE_TIMEOUT`].
-pub const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(5);
+/// A peer silent for this long is gone: the connection fails and its calls get an error (a
+/// killed brick is noticed this fast). Keep-alives keep idle but live connections open.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Why a stream was reset or stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,8 +70,13 @@ impl From<CloseCode> for VarInt {
 
 /// Transport parameters both ends use. `streams_max` bounds the calls in flight on one
 /// connection (the brick's `network.inflight-max`); path MTU discovery probes up to
-/// `udp_payload_max` bytes.
-pub fn transport_config(streams_max: u32, udp_payload_max: u16) -> Arc<quinn::TransportConfig> {
+/// `udp_payload_max` bytes; a peer silent for `idle_timeout` is gone (keep-alives go out at
+/// a quarter of it).
+pub fn transport_config(
+    streams_max: u32,
+    udp_payload_max: u16,
+    idle_timeout: Duration,
+) -> Arc<quinn::TransportConfig> {
     const FRAME_MAX_BYTES: u32 = (FRAME_HEADER_LEN_BYTES + FRAME_BODY_LEN_MAX_BYTES) as u32;
     let frame_max = FRAME_MAX_BYTES;
     let mut t = quinn::TransportConfig::default();
@@ -83,8 +87,8 @@ pub fn transport_config(streams_max: u32, udp_payload_max: u16) -> Arc<quinn::Tr
         .stream_receive_window(VarInt::from_u32(frame_max))
         .receive_window(VarInt::from_u32(32 * frame_max))
         .send_window(32 * u64::from(frame_max))
-        .max_idle_timeout(IDLE_TIMEOUT.try_into().ok())
-        .keep_alive_interval(Some(KEEP_ALIVE_INTERVAL))
+        .max_idle_timeout(idle_timeout.try_into().ok())
+        .keep_alive_interval(Some(idle_timeout / 4))
         .mtu_discovery_config(Some({
             let mut mtu = quinn::MtuDiscoveryConfig::default();
             mtu.upper_bound(udp_payload_max);

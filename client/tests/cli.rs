@@ -1,0 +1,203 @@
+//! The `kiln` command as a user runs it: file commands against a real brick, coreutils-style
+//! errors and exit codes, and the CA and certificate commands.
+
+mod common;
+
+use std::process::{Command, Output};
+
+use common::{Cluster, bin};
+
+fn kiln(cluster: &Cluster, addr: &str, args: &[&str]) -> Output {
+    Command::new(bin("kiln"))
+        .args(args)
+        .env("KILN_TLS_DIR", &cluster.tls)
+        .env("KILN_BRICK", addr)
+        .env("KILN_CLIENT", "alice")
+        .output()
+        .expect("run kiln")
+}
+
+/// Runs `kiln args` and returns its standard output; it must succeed.
+fn ok(cluster: &Cluster, addr: &str, args: &[&str]) -> String {
+    let out = kiln(cluster, addr, args);
+    assert!(
+        out.status.success(),
+        "kiln {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("utf-8")
+}
+
+/// Runs `kiln args`, which must fail with exit status 1, and returns its one-line message.
+fn fails(cluster: &Cluster, addr: &str, args: &[&str]) -> String {
+    let out = kiln(cluster, addr, args);
+    assert_eq!(out.status.code(), Some(1), "kiln {args:?}");
+    let err = String::from_utf8(out.stderr).expect("utf-8");
+    assert_eq!(err.lines().count(), 1, "one line: {err:?}");
+    err.trim_end().to_owned()
+}
+
+#[test]
+fn file_commands_work_like_coreutils() {
+    let cluster = Cluster::new();
+    let brickd = cluster.start("127.0.0.1:0", &[]);
+    let addr = brickd.addr.to_string();
+    let a = addr.as_str();
+    let local = cluster.dir.path().join("local.txt");
+    std::fs::write(&local, b"hello from disk\n").expect("local file");
+    let big = cluster.dir.path().join("big.bin");
+    let big_data: Vec<u8> = (0..3_000_000u32).map(|i| (i * 7 % 256) as u8).collect();
+    std::fs::write(&big, &big_data).expect("big file");
+
+    ok(&cluster, a, &["mkdir", "-p", "/docs/old"]);
+    ok(
+        &cluster,
+        a,
+        &["put", local.to_str().expect("utf-8"), "/docs/a.txt"],
+    );
+    ok(&cluster, a, &["put", big.to_str().expect("utf-8"), "/docs"]);
+    assert_eq!(
+        ok(&cluster, a, &["cat", "/docs/a.txt"]),
+        "hello from disk\n"
+    );
+    assert_eq!(ok(&cluster, a, &["ls", "/docs"]), "a.txt\nbig.bin\nold\n");
+    let long = ok(&cluster, a, &["ls", "-l", "/docs"]);
+    assert!(
+        long.lines()
+            .any(|l| l.starts_with("drwxr-xr-x") && l.ends_with(" old")),
+        "{long}"
+    );
+    assert!(
+        long.lines()
+            .any(|l| l.contains(" 3000000 ") && l.ends_with(" big.bin")),
+        "{long}"
+    );
+    let stat = ok(&cluster, a, &["stat", "/docs/a.txt"]);
+    assert!(
+        stat.contains("Size: 16") && stat.contains("regular file") && stat.contains("GFID: "),
+        "{stat}"
+    );
+
+    let fetched = cluster.dir.path().join("fetched.bin");
+    ok(
+        &cluster,
+        a,
+        &["get", "/docs/big.bin", fetched.to_str().expect("utf-8")],
+    );
+    assert_eq!(std::fs::read(&fetched).expect("fetched"), big_data);
+
+    ok(&cluster, a, &["mv", "/docs/a.txt", "/docs/old"]);
+    ok(&cluster, a, &["ln", "-s", "old/a.txt", "/docs/link"]);
+    ok(&cluster, a, &["ln", "/docs/old/a.txt", "/hard"]);
+    assert_eq!(ok(&cluster, a, &["cat", "/hard"]), "hello from disk\n");
+    assert!(
+        ok(&cluster, a, &["ls", "-l", "/docs"])
+            .lines()
+            .any(|l| l.starts_with('l') && l.ends_with(" link"))
+    );
+
+    ok(
+        &cluster,
+        a,
+        &["xattr", "set", "/hard", "user.colour", "blue"],
+    );
+    assert_eq!(
+        ok(&cluster, a, &["xattr", "get", "/hard", "user.colour"]),
+        "blue\n"
+    );
+    assert_eq!(
+        ok(&cluster, a, &["xattr", "list", "/hard"]),
+        "user.colour\n"
+    );
+    ok(&cluster, a, &["xattr", "rm", "/hard", "user.colour"]);
+    assert_eq!(ok(&cluster, a, &["xattr", "list", "/hard"]), "");
+
+    // Errors read like coreutils and exit 1.
+    assert_eq!(
+        fails(&cluster, a, &["stat", "/nope"]),
+        "kiln: cannot stat '/nope': No such file or directory"
+    );
+    assert_eq!(
+        fails(&cluster, a, &["mkdir", "/docs"]),
+        "kiln: cannot create directory '/docs': File exists"
+    );
+    assert_eq!(
+        fails(&cluster, a, &["rm", "/docs"]),
+        "kiln: cannot remove '/docs': Is a directory"
+    );
+    assert_eq!(
+        fails(&cluster, a, &["cat", "/docs"]),
+        "kiln: /docs: Is a directory"
+    );
+    assert_eq!(
+        fails(&cluster, a, &["ls", "/hard/x"]),
+        "kiln: cannot access '/hard/x': Not a directory"
+    );
+    assert!(
+        fails(&cluster, a, &["xattr", "get", "/hard", "user.none"])
+            .starts_with("kiln: '/hard': No data available")
+    );
+
+    ok(&cluster, a, &["rm", "-r", "/docs"]);
+    ok(&cluster, a, &["rm", "/hard"]);
+    assert_eq!(ok(&cluster, a, &["ls", "/"]), "");
+
+    // A brick that is not there: one line, exit 1.
+    drop(brickd);
+    let down = fails(&cluster, a, &["ls", "/"]);
+    assert!(
+        down.starts_with(&format!("kiln: cannot connect to {a}")),
+        "{down}"
+    );
+}
+
+#[test]
+fn ca_and_cert_commands() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tls = dir.path().join("tls");
+    let run = |args: &[&str]| {
+        Command::new(bin("kiln"))
+            .args(args)
+            .env("KILN_TLS_DIR", &tls)
+            .output()
+            .expect("run kiln")
+    };
+    let out = run(&["cert", "issue", "--client", "alice"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("kiln ca init"));
+    assert!(run(&["ca", "init"]).status.success());
+    let again = run(&["ca", "init"]);
+    assert_eq!(again.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&again.stderr).contains("already exists"));
+    assert!(
+        run(&["cert", "issue", "--brick", "b1", "--host", "10.0.0.1"])
+            .status
+            .success()
+    );
+    assert!(
+        run(&["cert", "issue", "--client", "alice"])
+            .status
+            .success()
+    );
+    let bad = run(&["cert", "issue", "--client", "../evil"]);
+    assert_eq!(bad.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("bad identity name"));
+    let usage = run(&["cert", "issue"]);
+    assert_eq!(usage.status.code(), Some(2));
+    for f in [
+        "ca.crt",
+        "ca.key",
+        "brick-b1.crt",
+        "brick-b1.key",
+        "client-alice.crt",
+        "client-alice.key",
+    ] {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(tls.join(f))
+            .expect(f)
+            .permissions()
+            .mode()
+            & 0o777;
+        assert_eq!(mode, 0o600, "{f}");
+    }
+}

@@ -1,0 +1,305 @@
+//! Sessions over time: what a connection leaves behind when it ends, many clients at once, a
+//! brick killed under writes, and a graceful stop.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use common::{Cluster, runtime};
+use kiln_client::{Error, Volume};
+use kiln_wire::{AccessMode, ErrorCode, Gfid, Lock, LockCmd, LockKind, OpenFlags};
+
+fn lock(kind: LockKind, owner: u64) -> Lock {
+    Lock {
+        kind,
+        start: 0,
+        len: 0,
+        pid: 1,
+        owner,
+    }
+}
+
+/// Waits (bounded) until `f` is true.
+fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_closed_session_releases_its_files_and_locks() {
+    let cluster = Cluster::new();
+    let brickd = cluster.start("127.0.0.1:0", &[]);
+    let rt = runtime();
+    let (alice, bob) = rt.block_on(async {
+        let alice = cluster.connect(brickd.addr, "alice").await;
+        let bob = cluster.connect(brickd.addr, "bob").await;
+        (alice, bob)
+    });
+    let before = brickd.open_fds();
+    let (fds, shared) = rt.block_on(async {
+        let mut fds = Vec::new();
+        for i in 0..50 {
+            let iatt = alice
+                .put(&format!("/f{i}"), Bytes::from_static(b"x"), 0o644)
+                .await
+                .expect("put");
+            let fd = alice
+                .open(iatt.gfid, AccessMode::ReadWrite, OpenFlags::empty())
+                .await
+                .expect("open");
+            fds.push(fd);
+        }
+        alice
+            .lk(&fds[0], LockCmd::Set, lock(LockKind::Write, 1))
+            .await
+            .expect("alice locks f0");
+        let shared = bob
+            .open(fds[0].gfid(), AccessMode::ReadWrite, OpenFlags::empty())
+            .await
+            .expect("bob opens f0");
+        let held = bob
+            .lk(&shared, LockCmd::Get, lock(LockKind::Write, 2))
+            .await
+            .expect("test");
+        assert_eq!(held.kind, LockKind::Write, "bob sees alice's lock");
+        (fds, shared)
+    });
+    assert!(
+        brickd.open_fds() >= before + 50,
+        "50 open files on the brick"
+    );
+    // Alice goes away without releasing anything.
+    drop(fds);
+    rt.block_on(alice.close());
+    eventually("alice's files to close", || brickd.open_fds() <= before + 1);
+    rt.block_on(async {
+        bob.lk(&shared, LockCmd::Set, lock(LockKind::Write, 2))
+            .await
+            .expect("alice's lock died with her session");
+        bob.release(shared).await.expect("release");
+        bob.close().await;
+    });
+}
+
+#[test]
+fn a_hundred_clients_at_once() {
+    const CLIENTS: usize = 100;
+    const FILES: usize = 8;
+    let cluster = Cluster::new();
+    let brickd = cluster.start("127.0.0.1:0", &[]);
+    runtime().block_on(async {
+        let mut tasks = tokio::task::JoinSet::new();
+        for c in 0..CLIENTS {
+            let options = cluster.options(brickd.addr, if c % 2 == 0 { "alice" } else { "bob" });
+            tasks.spawn(async move {
+                let v = Volume::connect(options).await.expect("connect");
+                let dir = format!("/client{c}");
+                v.mkdir(&dir, 0o755).await.expect("mkdir");
+                for f in 0..FILES {
+                    let data = Bytes::from(format!("client {c} file {f}").repeat(f + 1));
+                    v.put(&format!("{dir}/f{f}"), data, 0o644)
+                        .await
+                        .expect("put");
+                }
+                v.mv_for_test(&format!("{dir}/f0"), &format!("{dir}/renamed"))
+                    .await;
+                let mut names: Vec<String> = v
+                    .read_dir(v.resolve(&dir).await.expect("dir").gfid)
+                    .await
+                    .expect("readdir")
+                    .into_iter()
+                    .map(|e| e.name.to_string())
+                    .collect();
+                names.sort();
+                let mut expected: Vec<String> = (1..FILES).map(|f| format!("f{f}")).collect();
+                expected.push("renamed".into());
+                expected.sort();
+                assert_eq!(names, expected, "client {c}");
+                for f in 1..FILES {
+                    let got = v.read_to_end(&format!("{dir}/f{f}")).await.expect("read");
+                    assert_eq!(got, format!("client {c} file {f}").repeat(f + 1).as_bytes());
+                }
+                let st = v.resolve(&format!("{dir}/renamed")).await.expect("stat");
+                assert_eq!(st.size, format!("client {c} file 0").len() as u64);
+                v.remove_all(&dir).await.expect("rm -r");
+                v.close().await;
+                c
+            });
+        }
+        let mut done = 0;
+        while let Some(result) = tasks.join_next().await {
+            result.expect("client task");
+            done += 1;
+        }
+        assert_eq!(done, CLIENTS);
+    });
+    let left: Vec<_> = std::fs::read_dir(&cluster.brick)
+        .expect("brick")
+        .map(|e| e.expect("entry").file_name())
+        .filter(|n| n != ".glusterfs")
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+}
+
+/// A rename through the raw fop, for the test above.
+trait MvForTest {
+    async fn mv_for_test(&self, from: &str, to: &str);
+}
+
+impl MvForTest for Volume {
+    async fn mv_for_test(&self, from: &str, to: &str) {
+        let (old_parent, old_name) = self.resolve_parent(from).await.expect("from");
+        let (new_parent, new_name) = self.resolve_parent(to).await.expect("to");
+        self.call(kiln_wire::Rename {
+            old_parent,
+            old_name,
+            new_parent,
+            new_name,
+            mode: kiln_wire::RenameMode::NoReplace,
+        })
+        .await
+        .expect("rename");
+    }
+}
+
+#[test]
+fn a_killed_brick_keeps_what_was_fsynced_and_clients_carry_on() {
+    const CHUNK: usize = 64 * 1024;
+    let cluster = Cluster::new();
+    let first = cluster.start("127.0.0.1:0", &[]);
+    let addr = first.addr.to_string();
+    let rt = runtime();
+    let v = rt.block_on(cluster.connect(first.addr, "alice"));
+    let chunk = |i: usize| Bytes::from(vec![(i % 251) as u8; CHUNK]);
+
+    // Write and fsync chunk by chunk from a task; kill the brick while it runs.
+    let (fd, locked_fd, gfid) = rt.block_on(async {
+        let fd = v.create_file("/log", 0o644).await.expect("create");
+        let gfid = fd.gfid();
+        let locked = v
+            .open(gfid, AccessMode::ReadOnly, OpenFlags::empty())
+            .await
+            .expect("open");
+        v.lk(&locked, LockCmd::Set, lock(LockKind::Read, 9))
+            .await
+            .expect("lock");
+        (fd, locked, gfid)
+    });
+    let fd = std::sync::Arc::new(fd);
+    let writer = {
+        let (v, fd) = (v.clone(), fd.clone());
+        rt.spawn(async move {
+            let mut acked = 0;
+            for i in 0..10_000 {
+                let written = v.write(&fd, (i * CHUNK) as u64, chunk(i)).await;
+                if let Err(e) = written.and(v.fsync(&fd, true).await) {
+                    return (acked, e);
+                }
+                acked = i + 1;
+            }
+            panic!("the brick was never killed");
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    first.kill9();
+    let (acked, error) = rt.block_on(writer).expect("writer");
+    assert!(acked > 0, "some writes were acknowledged before the kill");
+    assert!(
+        matches!(error, Error::Disconnected(_) | Error::Connect { .. }),
+        "the writer saw the brick go: {error:?}"
+    );
+
+    // While the brick is down, calls fail cleanly.
+    let down = rt.block_on(v.stat(Gfid::ROOT)).expect_err("brick is down");
+    assert!(matches!(down, Error::Connect { .. }), "{down:?}");
+
+    let second = cluster.start(&addr, &[]);
+    rt.block_on(async {
+        // Everything acknowledged by fsync is there.
+        let content = v.read_to_end("/log").await.expect("read after restart");
+        assert!(
+            content.len() >= acked * CHUNK,
+            "{} < {}",
+            content.len(),
+            acked * CHUNK
+        );
+        for i in 0..acked {
+            assert!(
+                content[i * CHUNK..(i + 1) * CHUNK]
+                    .iter()
+                    .all(|&b| b == (i % 251) as u8),
+                "chunk {i} damaged"
+            );
+        }
+        // The fd opened before the crash is opened again by its GFID and still writes the
+        // same file; the one that held a lock is refused (its lock died with the brick).
+        v.write(&fd, 0, Bytes::from_static(b"again"))
+            .await
+            .expect("write through the reopened fd");
+        assert_eq!(
+            v.read(&locked_fd, 0, 5)
+                .await
+                .expect_err("stale locked fd")
+                .code(),
+            Some(ErrorCode::BadFd)
+        );
+        let iatt = v.resolve("/log").await.expect("stat");
+        assert_eq!(iatt.gfid, gfid);
+        assert_eq!(&v.read_to_end("/log").await.expect("read")[..5], b"again");
+        v.close().await;
+    });
+    drop(second);
+}
+
+#[test]
+fn sigterm_lets_calls_in_flight_finish() {
+    let cluster = Cluster::new();
+    let brickd = cluster.start("127.0.0.1:0", &[]);
+    let rt = runtime();
+    let v = rt.block_on(cluster.connect(brickd.addr, "alice"));
+    let puts = {
+        let v = v.clone();
+        rt.spawn(async move {
+            let mut tasks = tokio::task::JoinSet::new();
+            for i in 0..2000 {
+                let v = v.clone();
+                tasks.spawn(async move {
+                    (
+                        i,
+                        v.put(&format!("/p{i}"), Bytes::from(vec![7u8; 4096]), 0o644)
+                            .await,
+                    )
+                });
+            }
+            let mut results = Vec::new();
+            while let Some(r) = tasks.join_next().await {
+                results.push(r.expect("task"));
+            }
+            results
+        })
+    };
+    std::thread::sleep(Duration::from_millis(200));
+    let status = brickd.terminate();
+    assert!(status.success(), "kiln-brickd exited with {status}");
+    let results = rt.block_on(puts).expect("puts");
+    let mut ok = 0;
+    for (i, result) in results {
+        match result {
+            Ok(_) => {
+                ok += 1;
+                let on_disk = std::fs::read(cluster.brick.join(format!("p{i}"))).expect("acked");
+                assert_eq!(on_disk.len(), 4096);
+            }
+            // Calls not yet taken when the brick stopped fail with the brick's reason.
+            Err(Error::Disconnected(why) | Error::Connect { reason: why, .. }) => {
+                assert!(!why.is_empty());
+            }
+            Err(e) => panic!("put {i}: {e:?}"),
+        }
+    }
+    assert!(ok > 0, "some puts finished before the stop");
+}
