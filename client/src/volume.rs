@@ -37,8 +37,6 @@ pub struct ConnectOptions {
     pub client_name: String,
     /// The caller identity fops run as, unless [`Volume::with_creds`] says otherwise.
     pub creds: Creds,
-    /// Calls this client keeps in flight at most (the brick may allow fewer).
-    pub inflight_max: u32,
     /// Largest UDP payload sent or accepted.
     pub udp_payload_max_bytes: u16,
     /// A brick silent this long is gone: calls in flight and connection attempts fail.
@@ -62,7 +60,6 @@ impl ConnectOptions {
             identity,
             client_name: client_name.to_owned(),
             creds: Creds::root(),
-            inflight_max: 1024,
             udp_payload_max_bytes: quic::UDP_PAYLOAD_MAX_BYTES,
             idle_timeout: quic::IDLE_TIMEOUT,
         })
@@ -570,7 +567,7 @@ pub fn quinn_config(options: &ConnectOptions) -> Result<quinn::ClientConfig, Err
     let crypto = QuicClientConfig::try_from(tls).map_err(|e| tls_error(&e))?;
     let mut config = quinn::ClientConfig::new(Arc::new(crypto));
     config.transport_config(quic::transport_config(
-        options.inflight_max,
+        quic::PeerStreams::Events,
         options.udp_payload_max_bytes,
         options.idle_timeout,
     ));

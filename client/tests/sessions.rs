@@ -303,3 +303,29 @@ fn sigterm_lets_calls_in_flight_finish() {
     }
     assert!(ok > 0, "some puts finished before the stop");
 }
+
+#[test]
+fn calls_beyond_the_inflight_limit_wait_instead_of_failing() {
+    let cluster = Cluster::new();
+    let brickd = cluster.start("127.0.0.1:0", &["--inflight-max", "4"]);
+    runtime().block_on(async {
+        let v = cluster.connect(brickd.addr, "alice").await;
+        assert_eq!(v.hello().await.expect("hello").limits.inflight_max, 4);
+        let mut tasks = tokio::task::JoinSet::new();
+        for i in 0..300 {
+            let v = v.clone();
+            tasks.spawn(async move {
+                v.put(&format!("/q{i}"), Bytes::from(vec![1u8; 1024]), 0o644)
+                    .await
+                    .map(|iatt| iatt.size)
+            });
+        }
+        let mut done = 0;
+        while let Some(r) = tasks.join_next().await {
+            assert_eq!(r.expect("task").expect("put"), 1024);
+            done += 1;
+        }
+        assert_eq!(done, 300);
+        v.close().await;
+    });
+}

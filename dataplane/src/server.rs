@@ -310,7 +310,7 @@ fn quinn_config(config: &ServerConfig) -> Result<quinn::ServerConfig, ServerErro
     tls.alpn_protocols = vec![quic::ALPN.to_vec()];
     let mut server = quinn::ServerConfig::with_crypto(Arc::new(QuicServerConfig::try_from(tls)?));
     server.transport_config(quic::transport_config(
-        config.inflight_max,
+        quic::PeerStreams::Calls(config.inflight_max),
         config.udp_payload_max_bytes,
         quic::IDLE_TIMEOUT,
     ));

@@ -68,20 +68,36 @@ impl From<CloseCode> for VarInt {
     }
 }
 
-/// Transport parameters both ends use. `streams_max` bounds the calls in flight on one
-/// connection (the brick's `network.inflight-max`); path MTU discovery probes up to
+/// The streams one end lets its peer open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PeerStreams {
+    /// A brick accepts this many calls in flight (`network.inflight-max`) and no events.
+    Calls(u32),
+    /// A client accepts event streams and no calls.
+    Events,
+}
+
+/// Event streams a client accepts at once.
+pub const EVENT_STREAMS_MAX: u32 = 64;
+
+/// Transport parameters both ends use. `peer` bounds what the other end may open (for a
+/// brick, the calls in flight on one connection); path MTU discovery probes up to
 /// `udp_payload_max` bytes; a peer silent for `idle_timeout` is gone (keep-alives go out at
 /// a quarter of it).
 pub fn transport_config(
-    streams_max: u32,
+    peer: PeerStreams,
     udp_payload_max: u16,
     idle_timeout: Duration,
 ) -> Arc<quinn::TransportConfig> {
+    let (calls, events) = match peer {
+        PeerStreams::Calls(n) => (n, 0),
+        PeerStreams::Events => (0, EVENT_STREAMS_MAX),
+    };
     const FRAME_MAX_BYTES: u32 = (FRAME_HEADER_LEN_BYTES + FRAME_BODY_LEN_MAX_BYTES) as u32;
     let frame_max = FRAME_MAX_BYTES;
     let mut t = quinn::TransportConfig::default();
-    t.max_concurrent_bidi_streams(VarInt::from_u32(streams_max))
-        .max_concurrent_uni_streams(VarInt::from_u32(64))
+    t.max_concurrent_bidi_streams(VarInt::from_u32(calls))
+        .max_concurrent_uni_streams(VarInt::from_u32(events))
         // One whole frame fits in a stream's window, so a 1 MiB write never stalls on
         // per-stream credit; the connection window bounds what all streams hold together.
         .stream_receive_window(VarInt::from_u32(frame_max))
