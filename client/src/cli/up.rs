@@ -1,10 +1,11 @@
 //! `kiln up`: one command from a fresh clone to a served volume. It makes what is missing —
 //! the cluster CA, a brick certificate, an `admin` client certificate, the brick — then runs
-//! `kiln-brickd serve` in the foreground until Ctrl-C. (The management daemon will take this
+//! `kiln-brickd serve` in its place, in the foreground, until Ctrl-C. (The management daemon will take this
 //! over: see README.md, Status.)
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::os::unix::process::CommandExt as _;
 use std::process::Command;
 
 use anyhow::{Context, bail};
@@ -45,7 +46,9 @@ pub(crate) fn run(data_dir: &Path, listen: SocketAddr) -> anyhow::Result<()> {
         tls.display()
     );
     println!("  kiln put ./README.md /readme && kiln ls -l /");
-    let status = Command::new(&brickd)
+    // The brick takes this process's place, so Ctrl-C and SIGTERM reach it directly and it
+    // drains before the shell prompt returns.
+    let error = Command::new(&brickd)
         .arg("serve")
         .arg(&brick)
         .arg("--listen")
@@ -54,12 +57,8 @@ pub(crate) fn run(data_dir: &Path, listen: SocketAddr) -> anyhow::Result<()> {
         .arg(&tls)
         .arg("--name")
         .arg(BRICK_NAME)
-        .status()
-        .with_context(|| format!("cannot run {}", brickd.display()))?;
-    if !status.success() {
-        bail!("kiln-brickd exited with {status}");
-    }
-    Ok(())
+        .exec();
+    Err(error).with_context(|| format!("cannot run {}", brickd.display()))
 }
 
 /// `name` next to this executable (how cargo and packages lay them out), else from PATH.
