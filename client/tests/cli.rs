@@ -201,3 +201,51 @@ fn ca_and_cert_commands() {
         assert_eq!(mode, 0o600, "{f}");
     }
 }
+
+#[test]
+fn kiln_up_serves_a_volume_from_a_directory() {
+    use std::io::{BufRead, BufReader};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data");
+    let mut up = Command::new(bin("kiln"))
+        .args(["up", "--listen", "127.0.0.1:0"])
+        .arg(&data)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("kiln up");
+    let mut lines = BufReader::new(up.stdout.take().expect("stdout")).lines();
+    let addr = loop {
+        let line = lines
+            .next()
+            .expect("kiln up printed its address")
+            .expect("line");
+        if let Some(addr) = line.strip_prefix("listening on ") {
+            break addr.to_owned();
+        }
+    };
+    let run = |args: &[&str]| {
+        Command::new(bin("kiln"))
+            .args(args)
+            .env("KILN_TLS_DIR", data.join("tls"))
+            .env("KILN_BRICK", &addr)
+            .output()
+            .expect("run kiln")
+    };
+    let readme = dir.path().join("readme");
+    std::fs::write(&readme, b"served\n").expect("local");
+    assert!(
+        run(&["put", readme.to_str().expect("utf-8"), "/readme"])
+            .status
+            .success()
+    );
+    assert_eq!(run(&["cat", "/readme"]).stdout, b"served\n");
+    // The brick took kiln's place: SIGTERM reaches it, and it drains and exits 0.
+    let pid = rustix::process::Pid::from_raw(i32::try_from(up.id()).expect("pid")).expect("pid");
+    rustix::process::kill_process(pid, rustix::process::Signal::TERM).expect("kill");
+    assert!(up.wait().expect("wait").success());
+    assert_eq!(
+        std::fs::read(data.join("brick/readme")).expect("on disk"),
+        b"served\n"
+    );
+}
