@@ -261,18 +261,18 @@ fn sigterm_lets_calls_in_flight_finish() {
     let brickd = cluster.start("127.0.0.1:0", &[]);
     let rt = runtime();
     let v = rt.block_on(cluster.connect(brickd.addr, "alice"));
+    let finished = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let puts = {
-        let v = v.clone();
+        let (v, finished) = (v.clone(), finished.clone());
         rt.spawn(async move {
             let mut tasks = tokio::task::JoinSet::new();
             for i in 0..2000 {
-                let v = v.clone();
+                let (v, finished) = (v.clone(), finished.clone());
                 tasks.spawn(async move {
-                    (
-                        i,
-                        v.put(&format!("/p{i}"), Bytes::from(vec![7u8; 4096]), 0o644)
-                            .await,
-                    )
+                    let put = v.put(&format!("/p{i}"), Bytes::from(vec![7u8; 4096]), 0o644);
+                    let result = put.await;
+                    finished.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    (i, result)
                 });
             }
             let mut results = Vec::new();
@@ -282,7 +282,10 @@ fn sigterm_lets_calls_in_flight_finish() {
             results
         })
     };
-    std::thread::sleep(Duration::from_millis(200));
+    // Stop the brick while most puts are still queued or in flight.
+    eventually("the first puts", || {
+        finished.load(std::sync::atomic::Ordering::Relaxed) >= 10
+    });
     let status = brickd.terminate();
     assert!(status.success(), "kiln-brickd exited with {status}");
     let results = rt.block_on(puts).expect("puts");

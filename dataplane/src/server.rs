@@ -36,6 +36,9 @@ use crate::fops::SessionId;
 
 /// How long a new connection may take to send its HELLO.
 pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long calls of a connection that is gone may still run before they are dropped and the
+/// session's files and locks released.
+pub const ORPHAN_CALL_GRACE: Duration = Duration::from_secs(30);
 
 /// Client names allowed on this brick (`auth.allow`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -401,17 +404,18 @@ async fn serve_connection(incoming: quinn::Incoming, context: Rc<Context>) {
             grace = shutdown.wait_for(Option::is_some) => break grace.ok().and_then(|g| *g),
         }
     };
-    // Calls in flight finish and reply before the session's files are closed.
+    // Calls in flight finish (and reply, if the client is still there) before the session's
+    // files are closed; a call still blocked after the grace period (a lock wait) is dropped.
     let drained = async { while calls.join_next().await.is_some() {} };
-    if tokio::time::timeout(grace.unwrap_or(Duration::MAX), drained)
-        .await
-        .is_err()
-    {
-        tracing::warn!(%remote, %client, "calls still running at the end of the grace period");
+    let limit = grace.unwrap_or(ORPHAN_CALL_GRACE);
+    if tokio::time::timeout(limit, drained).await.is_err() {
+        tracing::warn!(%remote, %client, ?limit, "calls still running after the grace period: dropped");
         calls.abort_all();
+        while calls.join_next().await.is_some() {}
     }
-    if let Ok(session) = Rc::try_unwrap(session) {
-        session.end().await;
+    match Rc::try_unwrap(session) {
+        Ok(session) => session.end().await,
+        Err(_) => tracing::error!(%remote, %client, "session still referenced; not ended"),
     }
     if grace.is_some() {
         connection.close(CloseCode::ShuttingDown.into(), b"brick shutting down");
