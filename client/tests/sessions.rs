@@ -269,8 +269,8 @@ fn sigterm_lets_calls_in_flight_finish() {
             for i in 0..2000 {
                 let (v, finished) = (v.clone(), finished.clone());
                 tasks.spawn(async move {
-                    let put = v.put(&format!("/p{i}"), Bytes::from(vec![7u8; 4096]), 0o644);
-                    let result = put.await;
+                    let path = format!("/p{i}");
+                    let result = v.put(&path, Bytes::from(vec![7u8; 4096]), 0o644).await;
                     finished.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     (i, result)
                 });
