@@ -173,7 +173,10 @@ fn a_killed_brick_keeps_what_was_fsynced_and_clients_carry_on() {
     let first = cluster.start("127.0.0.1:0", &[]);
     let addr = first.addr.to_string();
     let rt = runtime();
-    let v = rt.block_on(cluster.connect(first.addr, "alice"));
+    // A short idle timeout, so the killed brick is noticed in seconds.
+    let mut options = cluster.options(first.addr, "alice");
+    options.idle_timeout = Duration::from_secs(3);
+    let v = rt.block_on(Volume::connect(options)).expect("connect");
     let chunk = |i: usize| Bytes::from(vec![(i % 251) as u8; CHUNK]);
 
     // Write and fsync chunk by chunk from a task; kill the brick while it runs.

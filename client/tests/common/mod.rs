@@ -99,12 +99,8 @@ impl Cluster {
         Brickd { child, addr, log }
     }
 
-    /// Options for `client`, with a short idle timeout so a killed brick is noticed fast.
     pub fn options(&self, addr: SocketAddr, client: &str) -> ConnectOptions {
-        let mut options =
-            ConnectOptions::from_tls_dir(addr, &self.tls, client).expect("client identity");
-        options.idle_timeout = Duration::from_secs(2);
-        options
+        ConnectOptions::from_tls_dir(addr, &self.tls, client).expect("client identity")
     }
 
     pub async fn connect(&self, addr: SocketAddr, client: &str) -> Volume {
