@@ -335,3 +335,58 @@ fn calls_beyond_the_inflight_limit_wait_instead_of_failing() {
         v.close().await;
     });
 }
+
+#[test]
+fn a_brick_and_a_port_have_one_server() {
+    let cluster = Cluster::new();
+    let brickd = cluster.start("127.0.0.1:0", &["--workers", "2", "--endpoints", "2"]);
+    let serve = |brick: &std::path::Path, listen: &str| {
+        std::process::Command::new(common::bin("kiln-brickd"))
+            .arg("serve")
+            .arg(brick)
+            .args(["--listen", listen, "--name", "b", "--tls-dir"])
+            .arg(&cluster.tls)
+            .output()
+            .expect("run kiln-brickd")
+    };
+    // The same brick on another port.
+    let again = serve(&cluster.brick, "127.0.0.1:0");
+    assert!(!again.status.success());
+    let err = String::from_utf8_lossy(&again.stderr);
+    assert!(
+        err.contains("already served by another kiln-brickd"),
+        "{err}"
+    );
+    // Another brick on the same port: refused, even though the endpoints use SO_REUSEPORT.
+    let other = cluster.dir.path().join("other");
+    std::fs::create_dir(&other).expect("dir");
+    let format = std::process::Command::new(common::bin("kiln-brickd"))
+        .arg("format")
+        .arg(&other)
+        .output()
+        .expect("format");
+    assert!(format.status.success());
+    let clash = serve(&other, &brickd.addr.to_string());
+    assert!(!clash.status.success());
+    let err = String::from_utf8_lossy(&clash.stderr);
+    assert!(
+        err.contains("cannot listen on") && err.contains("in use"),
+        "{err}"
+    );
+    // The first brick still serves.
+    runtime().block_on(async {
+        let v = cluster.connect(brickd.addr, "alice").await;
+        v.ping().await.expect("ping");
+        v.close().await;
+    });
+    let check = std::process::Command::new(common::bin("kiln-brickd"))
+        .arg("check")
+        .arg(&cluster.brick)
+        .output()
+        .expect("check");
+    assert!(
+        check.status.success(),
+        "{}",
+        String::from_utf8_lossy(&check.stdout)
+    );
+}

@@ -125,6 +125,25 @@ fn check(dir: &std::path::Path, repair: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// An exclusive lock on the brick's `.glusterfs/kiln-brickd.lock`, held while serving.
+fn lock_brick(brick: &Brick) -> anyhow::Result<std::fs::File> {
+    let path = brick.path.join(".glusterfs/kiln-brickd.lock");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("cannot open {}", path.display()))?;
+    match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+        Ok(()) => Ok(file),
+        Err(rustix::io::Errno::WOULDBLOCK) => anyhow::bail!(
+            "brick {} is already served by another kiln-brickd",
+            brick.path.display()
+        ),
+        Err(e) => Err(e).with_context(|| format!("cannot lock {}", path.display())),
+    }
+}
+
 fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let files = pki::identity_files(
         &args.tls_dir,
@@ -138,6 +157,8 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         Brick::open(&args.brick_dir)
             .with_context(|| format!("cannot open brick {}", args.brick_dir.display()))?,
     );
+    // One server per brick: a second one would "repair" the first's fops in flight.
+    let _lock = lock_brick(&brick)?;
     let repaired = recovery::repair(&brick).map_err(std::io::Error::from)?;
     tracing::info!(brick = %brick.id, ?repaired, "brick open");
 

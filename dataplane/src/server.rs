@@ -130,6 +130,7 @@ pub struct Server {
     local_addr: SocketAddr,
     shutdown: watch::Sender<Option<Duration>>,
     stopped: Vec<oneshot::Receiver<()>>,
+    _port_guard: Option<rustix::fd::OwnedFd>,
 }
 
 /// What every connection of one endpoint shares.
@@ -204,7 +205,11 @@ impl Server {
             EngineKind::Blocking => 1,
         };
         // The first socket picks the port when asked for port 0; the others share it.
+        // `SO_REUSEPORT` would also let another root process join the group and take a share
+        // of the clients, so the port is claimed for this process by a bound TCP socket on the
+        // same number (TCP and UDP ports are separate spaces; nothing else needs it).
         let mut sockets = Vec::with_capacity(endpoints);
+        let mut port_guard = None;
         let mut local_addr = config.listen;
         for _ in 0..endpoints {
             let socket = quic::udp_socket(local_addr, endpoints > 1).map_err(|source| {
@@ -214,12 +219,22 @@ impl Server {
                 }
             })?;
             local_addr = socket.local_addr().map_err(ServerError::Thread)?;
+            if endpoints > 1 && port_guard.is_none() {
+                port_guard =
+                    Some(
+                        claim_port(local_addr).map_err(|source| ServerError::Listen {
+                            addr: local_addr,
+                            source,
+                        })?,
+                    );
+            }
             sockets.push(socket);
         }
 
         let (shutdown, shutdown_rx) = watch::channel(None);
         let mut stopped = Vec::with_capacity(endpoints);
         for (worker, socket) in sockets.into_iter().enumerate() {
+            let (ready, started) = oneshot::channel();
             let (done, stopped_rx) = oneshot::channel();
             stopped.push(stopped_rx);
             let job = {
@@ -229,7 +244,16 @@ impl Server {
                     config.auth_allow.clone(),
                     shutdown_rx.clone(),
                 );
+                // Runs on the thread that will drive the endpoint, inside its runtime.
                 move |backend: Backend| {
+                    let endpoint = match endpoint(server_config, socket) {
+                        Ok(endpoint) => endpoint,
+                        Err(e) => {
+                            let _ = ready.send(Err(e));
+                            return;
+                        }
+                    };
+                    let _ = ready.send(Ok(()));
                     let context = Rc::new(Context {
                         backend,
                         auth_allow,
@@ -237,10 +261,7 @@ impl Server {
                         shutdown,
                     });
                     tokio::task::spawn_local(async move {
-                        match endpoint(server_config, socket) {
-                            Ok(endpoint) => serve_endpoint(endpoint, context).await,
-                            Err(e) => tracing::error!(error = %e, "cannot start endpoint"),
-                        }
+                        serve_endpoint(endpoint, context).await;
                         let _ = done.send(());
                     });
                 }
@@ -259,12 +280,20 @@ impl Server {
                         .map_err(ServerError::Thread)?;
                 }
             }
+            started
+                .await
+                .map_err(|_| ServerError::Thread(std::io::Error::other("endpoint thread died")))?
+                .map_err(|source| ServerError::Listen {
+                    addr: local_addr,
+                    source,
+                })?;
         }
         tracing::info!(%local_addr, endpoints, "serving");
         Ok(Server {
             local_addr,
             shutdown,
             stopped,
+            _port_guard: port_guard,
         })
     }
 
@@ -280,6 +309,19 @@ impl Server {
             let _ = stopped.await;
         }
     }
+}
+
+/// A TCP socket bound (not listening) to `addr`, so a second brick on the same UDP port fails
+/// with "address in use" instead of silently joining the `SO_REUSEPORT` group.
+fn claim_port(addr: SocketAddr) -> std::io::Result<rustix::fd::OwnedFd> {
+    use rustix::net::{AddressFamily, SocketType};
+    let family = match addr {
+        SocketAddr::V4(_) => AddressFamily::INET,
+        SocketAddr::V6(_) => AddressFamily::INET6,
+    };
+    let fd = rustix::net::socket(family, SocketType::STREAM, None)?;
+    rustix::net::bind(&fd, &addr)?;
+    Ok(fd)
 }
 
 /// Runs `job` on a new thread with a current-thread runtime, until its local tasks end.
