@@ -8,5 +8,6 @@
 //! `wire/benches/codec.rs`.
 
 pub mod engine;
+pub mod net;
 pub mod report;
 pub mod scratch;

@@ -2,12 +2,14 @@
 //!
 //! ```text
 //! kiln-bench engine [--files N] [--dirs N] [--depths 1,16,256] [--loop-fs-mib M] [--json]
+//! kiln-bench net [--files N] [--concurrency 1,16,128] [--pings N] [--bulk-mib M] [--json]
 //! ```
 
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
 use kiln_bench::engine::{self, EngineBench};
+use kiln_bench::net::{self, NetBench};
 use kiln_bench::report::{Reporter, environment};
 use kiln_bench::scratch::Scratch;
 
@@ -54,6 +56,51 @@ enum Workload {
         #[arg(long, default_value_t = 2000)]
         open_samples: usize,
     },
+    /// The brick over QUIC in this process (small-file PUTs, PING round trips, 1 MiB writes
+    /// and reads), against std::fs, the engine called directly and TCP on loopback.
+    Net {
+        /// Files PUT at each concurrency level (and by the std::fs loop).
+        #[arg(long, default_value_t = 20_000)]
+        files: usize,
+        #[arg(long, default_value_t = 4)]
+        dirs: usize,
+        #[arg(long, default_value_t = 4096)]
+        file_bytes: usize,
+        /// Tasks PUTting at once, sharing one connection.
+        #[arg(long, value_delimiter = ',', default_values_t = [1, 16, 128])]
+        concurrency: Vec<usize>,
+        /// Sequential PINGs (and TCP round trips) measured.
+        #[arg(long, default_value_t = 20_000)]
+        pings: usize,
+        /// MiB written, then read, in 1 MiB requests.
+        #[arg(long, default_value_t = 1024)]
+        bulk_mib: usize,
+        /// 1 MiB requests in flight during the bulk runs.
+        #[arg(long, default_value_t = 8)]
+        bulk_inflight: usize,
+        /// Largest UDP payload (client and server) of the connection the PUTs and PINGs use.
+        #[arg(long, default_value_t = kiln_wire::quic::UDP_PAYLOAD_MAX_BYTES)]
+        udp_payload: u16,
+        /// Largest UDP payload of each bulk run (client and server), one run per value.
+        #[arg(long, value_delimiter = ',', default_values_t = [kiln_wire::quic::UDP_PAYLOAD_MAX_BYTES, 1452])]
+        bulk_udp_payloads: Vec<u16>,
+        #[arg(long, value_enum, default_value_t = EngineArg::Uring)]
+        engine: EngineArg,
+        /// Worker threads of the client's tokio runtime; 0 runs the client on a
+        /// current-thread runtime on the main thread.
+        #[arg(long, default_value_t = 0)]
+        client_threads: usize,
+        /// Ring workers that run a QUIC endpoint on the shared port (1 = one shared
+        /// endpoint); 0 = every worker.
+        #[arg(long, default_value_t = 0)]
+        endpoints: usize,
+    },
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum EngineArg {
+    Uring,
+    Blocking,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -89,6 +136,39 @@ fn main() -> anyhow::Result<()> {
                 open_samples,
             };
             engine::run(&bench, &scratch, &mut out)?;
+        }
+        Workload::Net {
+            files,
+            dirs,
+            file_bytes,
+            concurrency,
+            pings,
+            bulk_mib,
+            bulk_inflight,
+            udp_payload,
+            bulk_udp_payloads,
+            engine,
+            client_threads,
+            endpoints,
+        } => {
+            let bench = NetBench {
+                files,
+                dirs: dirs.max(1),
+                file_bytes,
+                concurrency,
+                pings,
+                bulk_mib,
+                bulk_inflight,
+                udp_payload,
+                bulk_udp_payloads,
+                engine: match engine {
+                    EngineArg::Uring => kiln_dataplane::EngineKind::Uring,
+                    EngineArg::Blocking => kiln_dataplane::EngineKind::Blocking,
+                },
+                client_threads,
+                endpoints,
+            };
+            net::run(&bench, &scratch, &mut out)?;
         }
     }
     Ok(())

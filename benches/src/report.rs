@@ -3,7 +3,8 @@
 use serde::Serialize;
 
 /// One (workload, target, parameters) result. `ratio` is this target's throughput divided by
-/// the reference's, so above 1 is faster.
+/// the reference's (operations or bytes per second), so above 1 is faster; for a latency it is
+/// the reference's p50 divided by this p50, so above 1 is faster too.
 #[derive(Debug, Clone, Serialize)]
 pub struct Record {
     pub workload: String,
@@ -11,6 +12,9 @@ pub struct Record {
     pub params: serde_json::Value,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ops_per_s: Option<f64>,
+    /// Throughput of bulk transfers, in MiB (2^20 bytes) per second.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mib_per_s: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub p50_us: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -43,8 +47,16 @@ impl Reporter {
         }
         if !self.header_printed {
             println!(
-                "{:<10} {:<10} {:<28} {:>12} {:>9} {:>9} {:>8} {:>8}",
-                "workload", "target", "params", "ops/s", "p50 µs", "p99 µs", "enter/op", "ratio"
+                "{:<16} {:<13} {:<36} {:>10} {:>8} {:>9} {:>9} {:>8} {:>8}  reference",
+                "workload",
+                "target",
+                "params",
+                "ops/s",
+                "MiB/s",
+                "p50 µs",
+                "p99 µs",
+                "enter/op",
+                "ratio"
             );
             self.header_printed = true;
         }
@@ -56,16 +68,28 @@ impl Reporter {
                 .join(" ")
         });
         println!(
-            "{:<10} {:<10} {:<28} {:>12} {:>9} {:>9} {:>8} {:>7.2}x",
+            "{:<16} {:<13} {:<36} {:>10} {:>8} {:>9} {:>9} {:>8} {:>7.2}x  {}",
             r.workload,
             r.target,
             params,
             opt(r.ops_per_s, 0),
+            opt(r.mib_per_s, 0),
             opt(r.p50_us, 1),
             opt(r.p99_us, 1),
             opt(r.enters_per_op, 2),
-            r.ratio
+            r.ratio,
+            r.reference
         );
+    }
+
+    /// Prints a line that is not a result (a workload's set-up, a counter worth knowing):
+    /// `{"key": value}` in JSON Lines, `# key: value` in the table.
+    pub fn note(&mut self, key: &str, value: &serde_json::Value) {
+        if self.json {
+            println!("{}", serde_json::json!({ key: value }));
+        } else {
+            println!("# {key}: {value}");
+        }
     }
 }
 

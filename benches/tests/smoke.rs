@@ -60,3 +60,89 @@ fn engine_workload_runs_and_reports_every_target() {
             .any(|r| r["target"] == "uring" && r["enters_per_op"].as_f64().is_some())
     );
 }
+
+#[test]
+fn net_workload_runs_and_reports_every_target() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kiln-bench"))
+        .args([
+            "net",
+            "--files",
+            "200",
+            "--pings",
+            "200",
+            "--bulk-mib",
+            "8",
+            "--json",
+        ])
+        .output()
+        .expect("run kiln-bench");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("JSON Lines"))
+        .collect();
+    assert!(lines[0].get("environment").is_some());
+    let net = lines
+        .iter()
+        .find_map(|l| l.get("net"))
+        .expect("the net set-up line");
+    assert!(net["server"].is_string());
+    // UDP counters are notes, not results.
+    assert!(lines.iter().any(|l| l.get("udp").is_some()));
+    let records: Vec<&serde_json::Value> = lines
+        .iter()
+        .filter(|l| l.get("workload").is_some())
+        .collect();
+    let has = |workload: &str, target: &str, reference: &str| {
+        records.iter().any(|r| {
+            r["workload"] == workload && r["target"] == target && r["reference"] == reference
+        })
+    };
+    for (workload, target, reference) in [
+        ("net.create", "std_loop", "std_loop"),
+        ("net.create", "engine_direct", "std_loop"),
+        ("net.create", "quic", "std_loop"),
+        ("net.create", "quic", "engine_direct"),
+        ("net.ping", "tcp", "tcp"),
+        ("net.ping", "quic", "tcp"),
+        ("net.bulk", "tcp", "tcp"),
+        ("net.bulk_write", "quic", "tcp"),
+        ("net.bulk_read", "quic", "tcp"),
+    ] {
+        assert!(
+            has(workload, target, reference),
+            "no {workload} result for {target} against {reference}"
+        );
+    }
+    // Every concurrency level of the PUTs, and both UDP payload caps of the bulk runs.
+    for c in [1, 16, 128] {
+        assert!(records.iter().any(|r| r["workload"] == "net.create"
+            && r["target"] == "quic"
+            && r["params"]["concurrency"] == c));
+    }
+    for cap in [kiln_wire::quic::UDP_PAYLOAD_MAX_BYTES, 1452] {
+        for workload in ["net.bulk_write", "net.bulk_read"] {
+            assert!(
+                records
+                    .iter()
+                    .any(|r| r["workload"] == workload && r["params"]["udp_payload"] == cap),
+                "no {workload} with udp_payload {cap}"
+            );
+        }
+    }
+    let positive = |v: &serde_json::Value| v.as_f64().is_some_and(|x| x > 0.0);
+    for r in &records {
+        assert!(positive(&r["ratio"]), "{r}");
+        assert!(
+            positive(&r["ops_per_s"]) || positive(&r["mib_per_s"]),
+            "no rate: {r}"
+        );
+        if r["workload"] != "net.bulk" {
+            assert!(positive(&r["p50_us"]) && positive(&r["p99_us"]), "{r}");
+        }
+    }
+}

@@ -110,10 +110,10 @@ pub enum ServerError {
     Verifier(#[from] rustls::server::VerifierBuilderError),
     #[error("QUIC configuration: {0}")]
     Quic(#[from] quinn::crypto::rustls::NoInitialCipherSuite),
-    #[error("cannot listen on {addr}: {source}")]
+    #[error("cannot listen on {addr}: {error}")]
     Listen {
         addr: SocketAddr,
-        source: std::io::Error,
+        error: std::io::Error,
     },
     #[error("bad volume name: {0}")]
     Volume(#[from] kiln_wire::NameError),
@@ -212,21 +212,18 @@ impl Server {
         let mut port_guard = None;
         let mut local_addr = config.listen;
         for _ in 0..endpoints {
-            let socket = quic::udp_socket(local_addr, endpoints > 1).map_err(|source| {
+            let socket = quic::udp_socket(local_addr, endpoints > 1).map_err(|error| {
                 ServerError::Listen {
                     addr: local_addr,
-                    source,
+                    error,
                 }
             })?;
             local_addr = socket.local_addr().map_err(ServerError::Thread)?;
             if endpoints > 1 && port_guard.is_none() {
-                port_guard =
-                    Some(
-                        claim_port(local_addr).map_err(|source| ServerError::Listen {
-                            addr: local_addr,
-                            source,
-                        })?,
-                    );
+                port_guard = Some(claim_port(local_addr).map_err(|error| ServerError::Listen {
+                    addr: local_addr,
+                    error,
+                })?);
             }
             sockets.push(socket);
         }
@@ -283,9 +280,9 @@ impl Server {
             started
                 .await
                 .map_err(|_| ServerError::Thread(std::io::Error::other("endpoint thread died")))?
-                .map_err(|source| ServerError::Listen {
+                .map_err(|error| ServerError::Listen {
                     addr: local_addr,
-                    source,
+                    error,
                 })?;
         }
         tracing::info!(%local_addr, endpoints, "serving");

@@ -49,5 +49,17 @@ fn clear_errors() {
     assert!(err.contains("is not a brick"), "{err}");
     let (code, _, err) = brickd(&["frobnicate"]);
     assert_eq!(code, 2);
-    assert!(err.contains("usage:"), "{err}");
+    assert!(
+        err.contains("unrecognized subcommand") && err.contains("Usage:"),
+        "{err}"
+    );
+    // Serving needs the brick's certificate: a missing one is named.
+    let (code, _, err) = brickd(&["serve", path, "--tls-dir", path, "--name", "b"]);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("cannot read")
+            && err.contains("ca.crt")
+            && err.matches("os error").count() == 1,
+        "{err}"
+    );
 }

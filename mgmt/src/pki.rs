@@ -42,17 +42,17 @@ pub enum PkiError {
     BadName(String),
     #[error("bad host {0:?} for a brick certificate")]
     BadHost(String),
-    #[error("cannot read {path}: {source}")]
+    #[error("cannot read {path}: {error}")]
     Read {
         path: PathBuf,
-        source: std::io::Error,
+        error: std::io::Error,
     },
     #[error("{path} holds no {what}")]
     Pem { path: PathBuf, what: &'static str },
-    #[error("cannot write {path}: {source}")]
+    #[error("cannot write {path}: {error}")]
     Write {
         path: PathBuf,
-        source: std::io::Error,
+        error: std::io::Error,
     },
     #[error("certificate generation failed: {0}")]
     Generate(#[from] rcgen::Error),
@@ -142,7 +142,7 @@ pub fn issue_valid_between(
     check_name(name)?;
     let ca = ca_files(dir);
     let ca_key_pem = read_to_string(&ca.key).map_err(|e| match e {
-        PkiError::Read { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
+        PkiError::Read { error, .. } if error.kind() == std::io::ErrorKind::NotFound => {
             PkiError::NoCa(ca.key.clone())
         }
         e => e,
@@ -269,9 +269,9 @@ fn validity(days: u32) -> (time::OffsetDateTime, time::OffsetDateTime) {
 }
 
 fn read(path: &Path) -> Result<Vec<u8>, PkiError> {
-    std::fs::read(path).map_err(|source| PkiError::Read {
+    std::fs::read(path).map_err(|error| PkiError::Read {
         path: path.to_owned(),
-        source,
+        error,
     })
 }
 
@@ -288,9 +288,9 @@ fn create_dir(dir: &Path) -> Result<(), PkiError> {
         .recursive(true)
         .mode(0o700)
         .create(dir)
-        .map_err(|source| PkiError::Write {
+        .map_err(|error| PkiError::Write {
             path: dir.to_owned(),
-            source,
+            error,
         })
 }
 
@@ -298,9 +298,9 @@ fn create_dir(dir: &Path) -> Result<(), PkiError> {
 /// directory — a crash leaves the old file or the new one, never a torn one.
 fn write_secret(path: &Path, bytes: &[u8]) -> Result<(), PkiError> {
     use std::os::unix::fs::OpenOptionsExt;
-    let err = |source| PkiError::Write {
+    let err = |error| PkiError::Write {
         path: path.to_owned(),
-        source,
+        error,
     };
     let dir = path.parent().unwrap_or(Path::new("."));
     create_dir(dir)?;

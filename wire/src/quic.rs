@@ -24,9 +24,17 @@ use crate::{DecodeError, EncodeError, Header, Message};
 /// client of another version gets a clear answer instead of a failed handshake.
 pub const ALPN: &[u8] = b"kiln";
 
-/// The largest UDP payload either end sends or accepts: the loopback path MTU (64 KiB less
-/// the IPv4 and UDP headers). Path MTU discovery finds what a real network carries.
-pub const UDP_PAYLOAD_MAX_BYTES: u16 = 65_527;
+/// The largest UDP payload either end sends or accepts: what the loopback's 64 KiB MTU carries
+/// over IPv6 (65 536 less a 40-byte IPv6 and an 8-byte UDP header; IPv4 would allow 65 507).
+/// Path MTU discovery finds what a real network carries.
+pub const UDP_PAYLOAD_MAX_BYTES: u16 = 65_488;
+
+/// Largest datagram for which segmentation offload (GSO) stays on. quinn hands the kernel up
+/// to 10 datagrams per GSO send and the kernel refuses a send over 64 KiB (EMSGSIZE), which
+/// quinn takes for a failed MTU probe: the whole batch is lost and the path falls back to
+/// 1200 bytes. So large-datagram paths (loopback, jumbo frames) send one datagram per call,
+/// and only Ethernet-sized ones use GSO.
+pub const GSO_DATAGRAM_MAX_BYTES: u16 = 6_553;
 
 /// A peer silent for this long is gone: the connection fails and its calls get an error (a
 /// killed brick is noticed this fast). Keep-alives keep idle but live connections open.
@@ -109,7 +117,8 @@ pub fn transport_config(
             let mut mtu = quinn::MtuDiscoveryConfig::default();
             mtu.upper_bound(udp_payload_max);
             mtu
-        }));
+        }))
+        .enable_segmentation_offload(udp_payload_max <= GSO_DATAGRAM_MAX_BYTES);
     Arc::new(t)
 }
 

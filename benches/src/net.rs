@@ -1,0 +1,861 @@
+//! `kiln-bench net`: the brick over QUIC, client and server in this one process, against
+//! references measured in the same run.
+//!
+//! Set-up: a fresh brick in the scratch directory served by the engine (io_uring by default)
+//! and [`Server`] on `127.0.0.1:0`, with mutual TLS material made by `kiln_mgmt::pki` (CA,
+//! brick certificate for `127.0.0.1`/`localhost`, client certificate `bench`). The brick's
+//! QUIC endpoints run on the engine's worker threads; the client ([`Volume`], one connection
+//! shared by every task) runs on its own tokio runtime — a current-thread runtime on the main
+//! thread unless `--client-threads` asks for a multi-thread one. The PUTs and PINGs share one
+//! connection, its UDP payload capped at `udp_payload` on both ends (default
+//! [`UDP_PAYLOAD_MAX_BYTES`]).
+//!
+//! Workloads:
+//!
+//! * `net.create` — PUT of small files (create + write + close in one round trip,
+//!   [`Volume::put_at`]) into a few directories, `files` per concurrency level, by
+//!   `concurrency` tasks sharing the connection. References: `std_loop`, one thread doing
+//!   `File::create` + `write_all` of the same files on the same file system; and
+//!   `engine_direct`, the same PUTs at the same concurrency through one engine [`Session`]
+//!   from the client runtime (no network, no TLS, no codec). p50/p99 are per PUT.
+//! * `net.ping` — `ping` sequential PINGs ([`Volume::ping`]: one stream, one request frame,
+//!   one reply frame), against a 64-byte ping-pong on one TCP connection over loopback with
+//!   `TCP_NODELAY`, its far end on a thread of its own like the brick's endpoints.
+//!   `ratio` = TCP's p50 ÷ QUIC's p50, so above 1 means faster than TCP; 0.5 means a PING
+//!   takes twice as long as the bare TCP round trip.
+//! * `net.bulk_write` / `net.bulk_read` — one file of `bulk_mib` MiB written then read in
+//!   1 MiB requests, up to `bulk_inflight` in flight, over one connection; reads are checked
+//!   against what was written, the file is removed afterwards. Once per UDP payload cap in
+//!   `bulk_udp_payloads` (default the 64 KiB loopback maximum, then 1452, a typical Ethernet
+//!   path), each on a fresh server and connection. The reference `net.bulk`/`tcp` copies the
+//!   same bytes in 1 MiB writes over one TCP connection on loopback to a reader thread.
+//!   `ratio` = QUIC MiB/s ÷ TCP MiB/s. Nothing is fsynced: the brick's writes land in the page
+//!   cache, and the read comes from there.
+//!
+//! After every QUIC phase a `udp` note gives the change in the kernel's UDP counters
+//! (`/proc/net/snmp`, the whole network namespace): datagrams and the drop counters. With
+//! UDP GSO/GRO a batch may be counted once, so datagram counts are approximate. A send the
+//! kernel refuses outright (EMSGSIZE, which quinn-udp drops silently as an expected MTU
+//! probe failure) is in no counter: it shows only as loss inside quinn.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use bytes::Bytes;
+use hdrhistogram::Histogram;
+use kiln_client::{ConnectOptions, Volume};
+use kiln_dataplane::Brick;
+use kiln_dataplane::engine::{Engine, EngineConfig, EngineKind, Session};
+use kiln_dataplane::server::{Server, ServerConfig};
+use kiln_mgmt::pki::{self, Role};
+use kiln_wire::limits::IO_SIZE_MAX_BYTES;
+use kiln_wire::quic::UDP_PAYLOAD_MAX_BYTES;
+use kiln_wire::*;
+use serde_json::json;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::task::JoinSet;
+
+use crate::report::{Record, Reporter};
+use crate::scratch::Scratch;
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct NetBench {
+    /// Files PUT per concurrency level (and by the std loop, once).
+    pub files: usize,
+    pub dirs: usize,
+    pub file_bytes: usize,
+    pub concurrency: Vec<usize>,
+    pub pings: usize,
+    pub bulk_mib: usize,
+    pub bulk_inflight: usize,
+    /// UDP payload cap of the connection the PUTs and PINGs use.
+    pub udp_payload: u16,
+    /// UDP payload caps for the bulk runs, one run each.
+    pub bulk_udp_payloads: Vec<u16>,
+    pub engine: EngineKind,
+    /// Worker threads of the client's runtime; 0 = current-thread runtime.
+    pub client_threads: usize,
+    /// Ring workers that run a QUIC endpoint (1 = one shared endpoint; 0 = all workers).
+    pub endpoints: usize,
+}
+
+/// Bytes each way in the TCP ping-pong.
+const TCP_PING_BYTES: usize = 64;
+/// Bytes per bulk request (the protocol's largest READ or WRITE).
+const BULK_REQUEST_BYTES: usize = IO_SIZE_MAX_BYTES;
+/// Smallest UDP payload QUIC allows.
+const UDP_PAYLOAD_MIN_BYTES: u16 = 1200;
+/// How long a TCP reference peer waits for its connection.
+const ACCEPT_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long the servers get to drain at the end.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+/// The client identity's name.
+const CLIENT_NAME: &str = "bench";
+const BRICK_NAME: &str = "bench-brick";
+
+fn histogram() -> anyhow::Result<Histogram<u64>> {
+    Ok(Histogram::new(3)?)
+}
+
+fn micros(h: &Histogram<u64>, q: f64) -> f64 {
+    h.value_at_quantile(q) as f64 / 1000.0
+}
+
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// A latency histogram shared by the tasks of one phase (one lock per operation, so memory
+/// stays one histogram whatever the concurrency).
+type SharedHistogram = Arc<Mutex<Histogram<u64>>>;
+
+fn record_into(h: &SharedHistogram, elapsed: Duration) -> anyhow::Result<()> {
+    h.lock()
+        .map_err(|_| anyhow::anyhow!("histogram lock poisoned"))?
+        .record(nanos(elapsed).max(1))?;
+    Ok(())
+}
+
+fn take(h: SharedHistogram) -> anyhow::Result<Histogram<u64>> {
+    Arc::try_unwrap(h)
+        .map_err(|_| anyhow::anyhow!("histogram still shared"))?
+        .into_inner()
+        .map_err(|_| anyhow::anyhow!("histogram lock poisoned"))
+}
+
+fn record(workload: &str, target: &str, params: serde_json::Value, reference: &str) -> Record {
+    Record {
+        workload: workload.into(),
+        target: target.into(),
+        params,
+        ops_per_s: None,
+        mib_per_s: None,
+        p50_us: None,
+        p99_us: None,
+        enters_per_op: None,
+        reference: reference.into(),
+        ratio: 1.0,
+    }
+}
+
+fn file_name(i: usize) -> anyhow::Result<Name> {
+    Ok(Name::new(format!("f{i:07}"))?)
+}
+
+fn kind_name(kind: EngineKind) -> &'static str {
+    match kind {
+        EngineKind::Uring => "uring",
+        EngineKind::Blocking => "blocking",
+    }
+}
+
+fn client_runtime(threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
+    match threads {
+        0 => tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build(),
+        n => tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(n)
+            .thread_name("kiln-bench-client")
+            .enable_all()
+            .build(),
+    }
+}
+
+/// The kernel's UDP counters (`/proc/net/snmp`), by name.
+fn udp_counters() -> Option<Vec<(String, i64)>> {
+    let text = std::fs::read_to_string("/proc/net/snmp").ok()?;
+    let mut lines = text.lines().filter(|l| l.starts_with("Udp:"));
+    let names = lines.next()?.split_whitespace().skip(1);
+    let values = lines.next()?.split_whitespace().skip(1);
+    Some(
+        names
+            .zip(values)
+            .filter_map(|(n, v)| Some((n.to_owned(), v.parse().ok()?)))
+            .collect(),
+    )
+}
+
+/// Notes the change in the UDP counters since `before` for `phase`.
+fn note_udp(out: &mut Reporter, phase: &str, before: Option<&Vec<(String, i64)>>) {
+    if let (Some(before), Some(now)) = (before, udp_counters().as_ref()) {
+        let delta = |name: &str| {
+            let get = |c: &Vec<(String, i64)>| c.iter().find(|(n, _)| n == name).map(|(_, v)| *v);
+            get(now).zip(get(before)).map(|(a, b)| a - b)
+        };
+        let mut counters = serde_json::Map::new();
+        for name in [
+            "OutDatagrams",
+            "InDatagrams",
+            "InErrors",
+            "RcvbufErrors",
+            "SndbufErrors",
+        ] {
+            if let Some(d) = delta(name) {
+                counters.insert(name.to_owned(), json!(d));
+            }
+        }
+        out.note("udp", &json!({ "phase": phase, "delta": counters }));
+    }
+}
+
+/// The brick, its engine and where its TLS material lives.
+struct Setup {
+    brick: Arc<Brick>,
+    engine: Engine,
+    tls_dir: tempfile::TempDir,
+    brick_identity: pki::Identity,
+    endpoints: usize,
+}
+
+fn setup(bench: &NetBench, scratch: &Scratch) -> anyhow::Result<Setup> {
+    let tls_dir = tempfile::tempdir_in(scratch.path())?;
+    pki::init_ca(tls_dir.path()).context("cluster CA")?;
+    let brick_role = Role::Brick {
+        hosts: vec!["127.0.0.1".into(), "localhost".into()],
+    };
+    let brick_files =
+        pki::issue(tls_dir.path(), &brick_role, BRICK_NAME, 1).context("brick certificate")?;
+    pki::issue(tls_dir.path(), &Role::Client, CLIENT_NAME, 1).context("client certificate")?;
+    let brick_identity = pki::load_identity(&pki::ca_files(tls_dir.path()).cert, &brick_files)
+        .context("brick identity")?;
+
+    let brick_dir = scratch.path().join("brick");
+    Brick::format(&brick_dir)?;
+    let brick = Arc::new(Brick::open(&brick_dir)?);
+    let config = EngineConfig {
+        kind: bench.engine,
+        ..EngineConfig::default()
+    };
+    let engine = Engine::start(&brick, &config)?;
+    Ok(Setup {
+        brick,
+        engine,
+        tls_dir,
+        brick_identity,
+        endpoints: bench.endpoints,
+    })
+}
+
+/// Starts a server on a new port with UDP payloads capped at `udp_payload`, and connects a
+/// client to it with the same cap. Run inside the client runtime.
+async fn serve_and_connect(setup: &Setup, udp_payload: u16) -> anyhow::Result<(Server, Volume)> {
+    let listen: SocketAddr = "127.0.0.1:0".parse()?;
+    let mut config = ServerConfig::new(listen, setup.brick_identity.clone());
+    config.volume = "bench".into();
+    config.udp_payload_max_bytes = udp_payload;
+    if setup.endpoints > 0 {
+        config.endpoints = setup.endpoints;
+    }
+    let server = Server::start(&setup.engine, setup.brick.id, config).await?;
+    let mut options =
+        ConnectOptions::from_tls_dir(server.local_addr(), setup.tls_dir.path(), CLIENT_NAME)?;
+    options.udp_payload_max_bytes = udp_payload;
+    let volume = Volume::connect(options)
+        .await
+        .with_context(|| format!("connecting to {}", server.local_addr()))?;
+    Ok((server, volume))
+}
+
+/// Runs the whole benchmark, printing records as they are measured.
+pub fn run(bench: &NetBench, scratch: &Scratch, out: &mut Reporter) -> anyhow::Result<Vec<Record>> {
+    if bench.file_bytes > IO_SIZE_MAX_BYTES {
+        bail!("--file-bytes: a PUT carries at most {IO_SIZE_MAX_BYTES} bytes");
+    }
+    if let Some(p) = bench
+        .bulk_udp_payloads
+        .iter()
+        .chain([&bench.udp_payload])
+        .find(|&&p| !(UDP_PAYLOAD_MIN_BYTES..=UDP_PAYLOAD_MAX_BYTES).contains(&p))
+    {
+        bail!("UDP payload cap {p} is outside {UDP_PAYLOAD_MIN_BYTES}..={UDP_PAYLOAD_MAX_BYTES}");
+    }
+    let setup = setup(bench, scratch)?;
+    let rt = client_runtime(bench.client_threads)?;
+    let (server, volume) = rt.block_on(serve_and_connect(&setup, bench.udp_payload))?;
+    let ping_frame = Message::Request(Request {
+        id: 1,
+        call: Call::Ping(Ping { nonce: 1 }),
+    })
+    .encode()?
+    .len();
+    out.note(
+        "net",
+        &json!({
+            "engine": kind_name(setup.engine.kind()),
+            "engine_workers": setup.engine.workers(),
+            "endpoints": match bench.endpoints {
+                0 => setup.engine.workers(),
+                n => n.min(setup.engine.workers()),
+            },
+            "server": server.local_addr().to_string(),
+            "client_runtime": match bench.client_threads {
+                0 => "current-thread".to_owned(),
+                n => format!("multi-thread, {n} workers"),
+            },
+            "udp_payload": bench.udp_payload,
+            "ping_frame_bytes": ping_frame,
+            "transport": "QUIC over UDP on loopback, TLS 1.3 with client certificates",
+        }),
+    );
+
+    let mut records = Vec::new();
+    records.extend(create(bench, scratch, &setup, &rt, &volume, out)?);
+    records.extend(ping(bench, &rt, &volume, ping_frame, out)?);
+    records.extend(bulk(bench, &setup, &rt, (server, volume), out)?);
+    Ok(records)
+}
+
+/// Runs `files` PUTs through `put` from `concurrency` tasks, each with one in flight.
+/// Returns PUTs per second and the per-PUT latency.
+async fn put_phase<P, Fut>(
+    files: usize,
+    concurrency: usize,
+    dirs: &Arc<Vec<Gfid>>,
+    data: &Bytes,
+    put: P,
+) -> anyhow::Result<(f64, Histogram<u64>)>
+where
+    P: Fn(Gfid, Name, Bytes) -> Fut + Clone + Send + 'static,
+    Fut: Future<Output = anyhow::Result<()>> + Send + 'static,
+{
+    let latency: SharedHistogram = Arc::new(Mutex::new(histogram()?));
+    let concurrency = concurrency.max(1);
+    let start = Instant::now();
+    let mut tasks = JoinSet::new();
+    for k in 0..concurrency {
+        let (dirs, data, put, latency) = (dirs.clone(), data.clone(), put.clone(), latency.clone());
+        tasks.spawn(async move {
+            for i in (k..files).step_by(concurrency) {
+                let name = file_name(i)?;
+                let t = Instant::now();
+                put(dirs[i % dirs.len()], name, data.clone())
+                    .await
+                    .with_context(|| format!("PUT of file {i}"))?;
+                record_into(&latency, t.elapsed())?;
+            }
+            anyhow::Ok(())
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        done??;
+    }
+    let rate = files as f64 / start.elapsed().as_secs_f64();
+    Ok((rate, take(latency)?))
+}
+
+/// (a) small-file PUTs: std loop, engine called directly, QUIC.
+fn create(
+    bench: &NetBench,
+    scratch: &Scratch,
+    setup: &Setup,
+    rt: &tokio::runtime::Runtime,
+    volume: &Volume,
+    out: &mut Reporter,
+) -> anyhow::Result<Vec<Record>> {
+    use std::io::Write as _;
+    let data = Bytes::from(vec![0x5a; bench.file_bytes]);
+    let dirs = bench.dirs.max(1);
+    let params = |concurrency: usize| {
+        json!({ "files": bench.files, "dirs": dirs, "bytes": bench.file_bytes,
+                "concurrency": concurrency })
+    };
+    let mut records = Vec::new();
+
+    // The reference: one thread, plain syscalls, the same number of files.
+    let std_dir = scratch.path().join("std");
+    for d in 0..dirs {
+        std::fs::create_dir_all(std_dir.join(format!("d{d}")))?;
+    }
+    let mut h = histogram()?;
+    let start = Instant::now();
+    for i in 0..bench.files {
+        let path = std_dir
+            .join(format!("d{}", i % dirs))
+            .join(format!("f{i:07}"));
+        let t = Instant::now();
+        std::fs::File::create(&path)?.write_all(&data)?;
+        h.record(nanos(t.elapsed()).max(1))?;
+    }
+    let std_rate = bench.files as f64 / start.elapsed().as_secs_f64();
+    let mut r = record("net.create", "std_loop", params(1), "std_loop");
+    (r.ops_per_s, r.p50_us, r.p99_us) = (
+        Some(std_rate),
+        Some(micros(&h, 0.5)),
+        Some(micros(&h, 0.99)),
+    );
+    out.print(&r);
+    records.push(r);
+
+    for &concurrency in &bench.concurrency {
+        let concurrency = concurrency.max(1);
+        // The engine, called directly from the client runtime through one session (as one
+        // connection is one session on the brick).
+        let session = Arc::new(setup.engine.session());
+        let direct_dirs = rt.block_on(engine_dirs(&session, concurrency, dirs))?;
+        let put = {
+            let session = session.clone();
+            move |parent: Gfid, name: Name, data: Bytes| {
+                let session = session.clone();
+                async move { engine_put(&session, parent, name, data).await }
+            }
+        };
+        let (direct_rate, h) = rt.block_on(put_phase(
+            bench.files,
+            concurrency,
+            &direct_dirs,
+            &data,
+            put,
+        ))?;
+        drop(session);
+        let mut r = record(
+            "net.create",
+            "engine_direct",
+            params(concurrency),
+            "std_loop",
+        );
+        (r.ops_per_s, r.p50_us, r.p99_us) = (
+            Some(direct_rate),
+            Some(micros(&h, 0.5)),
+            Some(micros(&h, 0.99)),
+        );
+        r.ratio = direct_rate / std_rate;
+        out.print(&r);
+        records.push(r);
+
+        // The same PUTs through the client, over QUIC.
+        let quic_dirs = rt.block_on(async {
+            let mut gfids = Vec::with_capacity(dirs);
+            for d in 0..dirs {
+                let iatt = volume
+                    .mkdir_all(&format!("/quic-c{concurrency}/d{d}"), 0o755)
+                    .await?;
+                gfids.push(iatt.gfid);
+            }
+            anyhow::Ok(Arc::new(gfids))
+        })?;
+        let udp = udp_counters();
+        let put = {
+            let volume = volume.clone();
+            move |parent: Gfid, name: Name, data: Bytes| {
+                let volume = volume.clone();
+                async move {
+                    volume.put_at(parent, name, data, 0o644).await?;
+                    anyhow::Ok(())
+                }
+            }
+        };
+        let (quic_rate, h) =
+            rt.block_on(put_phase(bench.files, concurrency, &quic_dirs, &data, put))?;
+        note_udp(
+            out,
+            &format!("net.create quic concurrency={concurrency}"),
+            udp.as_ref(),
+        );
+        let mut r = record("net.create", "quic", params(concurrency), "std_loop");
+        (r.ops_per_s, r.p50_us, r.p99_us) = (
+            Some(quic_rate),
+            Some(micros(&h, 0.5)),
+            Some(micros(&h, 0.99)),
+        );
+        r.ratio = quic_rate / std_rate;
+        out.print(&r);
+        records.push(r.clone());
+        r.reference = "engine_direct".into();
+        r.ratio = quic_rate / direct_rate;
+        out.print(&r);
+        records.push(r);
+    }
+    Ok(records)
+}
+
+/// Makes `dirs` directories under a new `/direct-cN` through `session`.
+async fn engine_dirs(
+    session: &Session,
+    concurrency: usize,
+    dirs: usize,
+) -> anyhow::Result<Arc<Vec<Gfid>>> {
+    let mode = |bits| Mode::new(bits).context("mode");
+    let mkdir = |parent, name: String| -> anyhow::Result<FopRequest> {
+        Ok(Mkdir {
+            parent,
+            name: Name::new(name)?,
+            gfid: kiln_client::path::new_gfid(),
+            mode: mode(0o755)?,
+            umask: mode(0)?,
+        }
+        .into())
+    };
+    let gfid_of = |reply: Result<FopReply, ErrorCode>| match reply {
+        Ok(FopReply::Mkdir(r)) => Ok(r.iatt.gfid),
+        other => Err(anyhow::anyhow!("mkdir: {other:?}")),
+    };
+    let top = gfid_of(
+        session
+            .call(
+                Creds::root(),
+                mkdir(Gfid::ROOT, format!("direct-c{concurrency}"))?,
+            )
+            .await,
+    )?;
+    let mut gfids = Vec::with_capacity(dirs);
+    for d in 0..dirs {
+        gfids.push(gfid_of(
+            session
+                .call(Creds::root(), mkdir(top, format!("d{d}"))?)
+                .await,
+        )?);
+    }
+    Ok(Arc::new(gfids))
+}
+
+async fn engine_put(
+    session: &Session,
+    parent: Gfid,
+    name: Name,
+    data: Bytes,
+) -> anyhow::Result<()> {
+    let put = Put {
+        parent,
+        name,
+        gfid: kiln_client::path::new_gfid(),
+        mode: Mode::new(0o644).context("mode")?,
+        umask: Mode::new(0).context("mode")?,
+        flags: OpenFlags::empty(),
+        data: Payload::new(data).map_err(|e| anyhow::anyhow!("payload: {e:?}"))?,
+        attr: SetAttr::default(),
+    };
+    match session.call(Creds::root(), put.into()).await {
+        Ok(FopReply::Put(_)) => Ok(()),
+        other => Err(anyhow::anyhow!("PUT: {other:?}")),
+    }
+}
+
+/// Runs `serve` on a thread of its own with a current-thread runtime (as the brick's
+/// endpoints run on their own threads), on the first connection to `listener`.
+fn spawn_tcp_peer<F, Fut>(
+    listener: std::net::TcpListener,
+    serve: F,
+) -> std::thread::JoinHandle<anyhow::Result<()>>
+where
+    F: FnOnce(tokio::net::TcpStream) -> Fut + Send + 'static,
+    Fut: Future<Output = anyhow::Result<()>>,
+{
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        rt.block_on(async move {
+            listener.set_nonblocking(true)?;
+            let listener = tokio::net::TcpListener::from_std(listener)?;
+            let (stream, _) = tokio::time::timeout(ACCEPT_TIMEOUT, listener.accept())
+                .await
+                .context("no connection to the TCP reference peer")??;
+            stream.set_nodelay(true)?;
+            serve(stream).await
+        })
+    })
+}
+
+fn join_peer(peer: std::thread::JoinHandle<anyhow::Result<()>>) -> anyhow::Result<()> {
+    peer.join()
+        .map_err(|_| anyhow::anyhow!("TCP reference peer panicked"))?
+}
+
+async fn tcp_connect(addr: SocketAddr) -> anyhow::Result<tokio::net::TcpStream> {
+    let stream = tokio::net::TcpStream::connect(addr).await?;
+    stream.set_nodelay(true)?;
+    Ok(stream)
+}
+
+/// PINGs (or TCP round trips) before measuring: connection warm-up, not recorded.
+fn warmup(n: usize) -> usize {
+    (n / 10).clamp(1, 1000)
+}
+
+/// (b) round trips: QUIC PING against a TCP ping-pong of 64 bytes.
+fn ping(
+    bench: &NetBench,
+    rt: &tokio::runtime::Runtime,
+    volume: &Volume,
+    frame_bytes: usize,
+    out: &mut Reporter,
+) -> anyhow::Result<Vec<Record>> {
+    let (pings, warm) = (bench.pings.max(1), warmup(bench.pings));
+
+    // The reference: 64 bytes each way on one TCP connection.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let peer = spawn_tcp_peer(listener, move |mut stream| async move {
+        let mut buf = [0u8; TCP_PING_BYTES];
+        for _ in 0..warm + pings {
+            stream.read_exact(&mut buf).await?;
+            stream.write_all(&buf).await?;
+        }
+        anyhow::Ok(())
+    });
+    let (tcp_rate, tcp) = rt.block_on(async {
+        let mut stream = tcp_connect(addr).await?;
+        let mut buf = [0x5au8; TCP_PING_BYTES];
+        let mut h = histogram()?;
+        let mut start = Instant::now();
+        for i in 0..warm + pings {
+            if i == warm {
+                start = Instant::now();
+            }
+            let t = Instant::now();
+            stream.write_all(&buf).await?;
+            stream.read_exact(&mut buf).await?;
+            if i >= warm {
+                h.record(nanos(t.elapsed()).max(1))?;
+            }
+        }
+        anyhow::Ok((pings as f64 / start.elapsed().as_secs_f64(), h))
+    })?;
+    join_peer(peer)?;
+    let tcp_p50 = micros(&tcp, 0.5);
+    let mut records = Vec::new();
+    let mut r = record(
+        "net.ping",
+        "tcp",
+        json!({ "pings": pings, "bytes": TCP_PING_BYTES, "nodelay": true }),
+        "tcp",
+    );
+    (r.ops_per_s, r.p50_us, r.p99_us) = (Some(tcp_rate), Some(tcp_p50), Some(micros(&tcp, 0.99)));
+    out.print(&r);
+    records.push(r);
+
+    let udp = udp_counters();
+    let (quic_rate, quic) = rt.block_on(async {
+        let mut h = histogram()?;
+        let mut start = Instant::now();
+        for i in 0..warm + pings {
+            if i == warm {
+                start = Instant::now();
+            }
+            let t = Instant::now();
+            volume.ping().await.with_context(|| format!("PING {i}"))?;
+            if i >= warm {
+                h.record(nanos(t.elapsed()).max(1))?;
+            }
+        }
+        anyhow::Ok((pings as f64 / start.elapsed().as_secs_f64(), h))
+    })?;
+    note_udp(out, "net.ping quic", udp.as_ref());
+    let mut r = record(
+        "net.ping",
+        "quic",
+        json!({ "pings": pings, "frame_bytes": frame_bytes }),
+        "tcp",
+    );
+    let p50 = micros(&quic, 0.5);
+    (r.ops_per_s, r.p50_us, r.p99_us) = (Some(quic_rate), Some(p50), Some(micros(&quic, 0.99)));
+    r.ratio = tcp_p50 / p50;
+    out.print(&r);
+    records.push(r);
+    Ok(records)
+}
+
+/// The content of bulk request `i` (so a read that returns the wrong chunk is caught).
+fn bulk_chunk(i: usize) -> Bytes {
+    let salt = (i % 251) as u8;
+    Bytes::from(
+        (0..BULK_REQUEST_BYTES)
+            .map(|b| (b % 253) as u8 ^ salt)
+            .collect::<Vec<u8>>(),
+    )
+}
+
+/// Chunks cycle through this many patterns (memory stays bounded whatever `bulk_mib`).
+const BULK_PATTERNS: usize = 4;
+
+/// (c) bulk: TCP copy, then QUIC write + read once per UDP payload cap.
+fn bulk(
+    bench: &NetBench,
+    setup: &Setup,
+    rt: &tokio::runtime::Runtime,
+    first: (Server, Volume),
+    out: &mut Reporter,
+) -> anyhow::Result<Vec<Record>> {
+    let mib = bench.bulk_mib.max(1);
+    let total = mib * BULK_REQUEST_BYTES;
+    let mut records = Vec::new();
+
+    // The reference: the same bytes over one TCP connection in 1 MiB writes, to a reader
+    // thread that acknowledges the last byte.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let peer = spawn_tcp_peer(listener, move |mut stream| async move {
+        let mut buf = vec![0u8; BULK_REQUEST_BYTES];
+        let mut got = 0;
+        // Every read returns at least one byte, so this is at most `total` reads.
+        while got < total {
+            match stream.read(&mut buf).await? {
+                0 => bail!("TCP copy ended after {got} of {total} bytes"),
+                n => got += n,
+            }
+        }
+        stream.write_all(&[1]).await?;
+        anyhow::Ok(())
+    });
+    let tcp_rate = rt.block_on(async {
+        let mut stream = tcp_connect(addr).await?;
+        let buf = bulk_chunk(0);
+        let start = Instant::now();
+        for _ in 0..mib {
+            stream.write_all(&buf).await?;
+        }
+        let mut ack = [0u8; 1];
+        stream.read_exact(&mut ack).await?;
+        anyhow::Ok(mib as f64 / start.elapsed().as_secs_f64())
+    })?;
+    join_peer(peer)?;
+    let mut r = record(
+        "net.bulk",
+        "tcp",
+        json!({ "mib": mib, "request_kib": BULK_REQUEST_BYTES / 1024 }),
+        "tcp",
+    );
+    r.mib_per_s = Some(tcp_rate);
+    out.print(&r);
+    records.push(r);
+
+    // The first connection (create, ping) is done; each bulk run gets a fresh server and
+    // connection, so both caps start from the same state (path MTU discovery from scratch).
+    let (server, volume) = first;
+    rt.block_on(async {
+        volume.close().await;
+        server.shutdown(SHUTDOWN_GRACE).await;
+    });
+    let chunks: Arc<Vec<Bytes>> = Arc::new((0..BULK_PATTERNS).map(bulk_chunk).collect());
+    for &udp_payload in &bench.bulk_udp_payloads {
+        let (server, volume) = rt.block_on(serve_and_connect(setup, udp_payload))?;
+        let params = json!({ "mib": mib, "request_kib": BULK_REQUEST_BYTES / 1024,
+                             "inflight": bench.bulk_inflight.max(1), "udp_payload": udp_payload });
+        let path = format!("/bulk-{udp_payload}");
+        let phase = |dir: &str| format!("net.bulk_{dir} quic udp_payload={udp_payload}");
+
+        let fd = Arc::new(rt.block_on(volume.create_file(&path, 0o644))?);
+        let gfid = fd.gfid();
+        let udp = udp_counters();
+        let (write_rate, h) = rt.block_on(bulk_io(mib, bench.bulk_inflight, {
+            let (volume, fd, chunks) = (volume.clone(), fd.clone(), chunks.clone());
+            move |i| {
+                let (volume, fd, chunk) = (
+                    volume.clone(),
+                    fd.clone(),
+                    chunks[i % BULK_PATTERNS].clone(),
+                );
+                async move {
+                    volume
+                        .write(&fd, (i * BULK_REQUEST_BYTES) as u64, chunk)
+                        .await
+                        .with_context(|| format!("WRITE of MiB {i}"))?;
+                    anyhow::Ok(())
+                }
+            }
+        }))?;
+        note_udp(out, &phase("write"), udp.as_ref());
+        let fd = Arc::try_unwrap(fd).map_err(|_| anyhow::anyhow!("bulk fd still shared"))?;
+        rt.block_on(async {
+            volume.release(fd).await?;
+            let size = volume.stat(gfid).await?.size;
+            if size != total as u64 {
+                bail!("bulk file has {size} bytes, not {total}");
+            }
+            anyhow::Ok(())
+        })?;
+        let mut r = record("net.bulk_write", "quic", params.clone(), "tcp");
+        (r.mib_per_s, r.p50_us, r.p99_us) = (
+            Some(write_rate),
+            Some(micros(&h, 0.5)),
+            Some(micros(&h, 0.99)),
+        );
+        r.ratio = write_rate / tcp_rate;
+        out.print(&r);
+        records.push(r);
+
+        let fd =
+            Arc::new(rt.block_on(volume.open(gfid, AccessMode::ReadOnly, OpenFlags::empty()))?);
+        let udp = udp_counters();
+        let (read_rate, h) = rt.block_on(bulk_io(mib, bench.bulk_inflight, {
+            let (volume, fd, chunks) = (volume.clone(), fd.clone(), chunks.clone());
+            move |i| {
+                let (volume, fd, chunks) = (volume.clone(), fd.clone(), chunks.clone());
+                async move {
+                    let got = volume
+                        .read(
+                            &fd,
+                            (i * BULK_REQUEST_BYTES) as u64,
+                            BULK_REQUEST_BYTES as u32,
+                        )
+                        .await
+                        .with_context(|| format!("READ of MiB {i}"))?;
+                    if got != chunks[i % BULK_PATTERNS] {
+                        bail!("READ of MiB {i}: {} bytes, not what was written", got.len());
+                    }
+                    anyhow::Ok(())
+                }
+            }
+        }))?;
+        note_udp(out, &phase("read"), udp.as_ref());
+        let fd = Arc::try_unwrap(fd).map_err(|_| anyhow::anyhow!("bulk fd still shared"))?;
+        rt.block_on(async {
+            volume.release(fd).await?;
+            volume.remove_all(&path).await?;
+            anyhow::Ok(())
+        })?;
+        let mut r = record("net.bulk_read", "quic", params, "tcp");
+        (r.mib_per_s, r.p50_us, r.p99_us) = (
+            Some(read_rate),
+            Some(micros(&h, 0.5)),
+            Some(micros(&h, 0.99)),
+        );
+        r.ratio = read_rate / tcp_rate;
+        out.print(&r);
+        records.push(r);
+
+        rt.block_on(async {
+            volume.close().await;
+            server.shutdown(SHUTDOWN_GRACE).await;
+        });
+    }
+    Ok(records)
+}
+
+/// Runs requests `0..mib` through `io`, at most `inflight` at once. Returns MiB/s and the
+/// latency of each request.
+async fn bulk_io<F, Fut>(
+    mib: usize,
+    inflight: usize,
+    io: F,
+) -> anyhow::Result<(f64, Histogram<u64>)>
+where
+    F: Fn(usize) -> Fut,
+    Fut: Future<Output = anyhow::Result<()>> + Send + 'static,
+{
+    let inflight = inflight.max(1);
+    let mut h = histogram()?;
+    let mut tasks = JoinSet::new();
+    let start = Instant::now();
+    for i in 0..mib {
+        if tasks.len() >= inflight
+            && let Some(done) = tasks.join_next().await
+        {
+            h.record(nanos(done??).max(1))?;
+        }
+        let request = io(i);
+        tasks.spawn(async move {
+            let t = Instant::now();
+            request.await?;
+            anyhow::Ok(t.elapsed())
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        h.record(nanos(done??).max(1))?;
+    }
+    Ok((mib as f64 / start.elapsed().as_secs_f64(), h))
+}
