@@ -22,6 +22,8 @@ use kiln_dataplane::server::{AuthAllow, Server, ServerConfig};
 use kiln_dataplane::{Brick, Engine, EngineConfig, EngineKind, recovery};
 use kiln_mgmt::pki;
 
+mod control;
+
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -43,7 +45,7 @@ enum Command {
         brick_dir: PathBuf,
     },
     /// Serve the brick to clients over QUIC with mutual TLS.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
 }
 
 #[derive(clap::Args)]
@@ -79,6 +81,12 @@ struct ServeArgs {
     /// Seconds to let calls in flight finish after SIGTERM.
     #[arg(long, default_value_t = 10)]
     shutdown_grace_secs: u64,
+    /// A Unix socket (mode 0600) on which kiln-mgmtd pushes live options.
+    #[arg(long)]
+    control: Option<PathBuf>,
+    /// The configuration generation these arguments come from (reported back on pushes).
+    #[arg(long, default_value_t = 0)]
+    generation: u64,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -101,7 +109,7 @@ fn main() -> ExitCode {
             .map(|id| println!("formatted {} as brick {id}", brick_dir.display()))
             .map_err(anyhow::Error::from),
         Command::Check { repair, brick_dir } => check(&brick_dir, repair),
-        Command::Serve(args) => serve(args),
+        Command::Serve(args) => serve(*args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -190,16 +198,28 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
             dir.file_name()
                 .map_or("kiln".into(), |n| n.to_string_lossy().into_owned())
         });
-        let server = Server::start(&engine, brick.id, config).await?;
+        let mut server = Server::start(&engine, brick.id, config).await?;
         // Scripts and tests read the address from this line (the port may have been 0).
         println!("listening on {}", server.local_addr());
 
         use tokio::signal::unix::{SignalKind, signal};
         let mut term = signal(SignalKind::terminate())?;
         let mut int = signal(SignalKind::interrupt())?;
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = int.recv() => {}
+        let control = match &args.control {
+            Some(path) => Some(control::bind(path)?),
+            None => None,
+        };
+        let mut generation = args.generation;
+        loop {
+            tokio::select! {
+                _ = term.recv() => break,
+                _ = int.recv() => break,
+                Some(accepted) = async { Some(control.as_ref()?.accept().await) } => {
+                    if let Ok((stream, _)) = accepted {
+                        control::serve(stream, &mut server, &mut generation).await;
+                    }
+                }
+            }
         }
         tracing::info!("shutting down: draining calls in flight");
         server

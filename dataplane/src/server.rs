@@ -17,7 +17,7 @@
 
 use std::net::SocketAddr;
 use std::rc::Rc;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use kiln_mgmt::pki::{self, Identity};
@@ -128,6 +128,9 @@ pub enum ServerError {
 #[derive(Debug)]
 pub struct Server {
     local_addr: SocketAddr,
+    config: ServerConfig,
+    endpoints: Vec<quinn::Endpoint>,
+    live: Arc<RwLock<Live>>,
     shutdown: watch::Sender<Option<Duration>>,
     stopped: Vec<oneshot::Receiver<()>>,
     _port_guard: Option<rustix::fd::OwnedFd>,
@@ -136,9 +139,15 @@ pub struct Server {
 /// What every connection of one endpoint shares.
 struct Context {
     backend: Backend,
+    live: Arc<RwLock<Live>>,
+    shutdown: watch::Receiver<Option<Duration>>,
+}
+
+/// What [`Server::reconfigure`] changes while serving; read by each new connection.
+#[derive(Debug, Clone)]
+struct Live {
     auth_allow: AuthAllow,
     hello: HelloReply,
-    shutdown: watch::Receiver<Option<Duration>>,
 }
 
 /// How an endpoint reaches the engine.
@@ -228,19 +237,20 @@ impl Server {
             sockets.push(socket);
         }
 
+        let live = Arc::new(RwLock::new(Live {
+            auth_allow: config.auth_allow.clone(),
+            hello,
+        }));
         let (shutdown, shutdown_rx) = watch::channel(None);
         let mut stopped = Vec::with_capacity(endpoints);
+        let mut handles = Vec::with_capacity(endpoints);
         for (worker, socket) in sockets.into_iter().enumerate() {
             let (ready, started) = oneshot::channel();
             let (done, stopped_rx) = oneshot::channel();
             stopped.push(stopped_rx);
             let job = {
-                let (server_config, hello, auth_allow, shutdown) = (
-                    server_config.clone(),
-                    hello.clone(),
-                    config.auth_allow.clone(),
-                    shutdown_rx.clone(),
-                );
+                let (server_config, live, shutdown) =
+                    (server_config.clone(), live.clone(), shutdown_rx.clone());
                 // Runs on the thread that will drive the endpoint, inside its runtime.
                 move |backend: Backend| {
                     let endpoint = match endpoint(server_config, socket) {
@@ -250,11 +260,10 @@ impl Server {
                             return;
                         }
                     };
-                    let _ = ready.send(Ok(()));
+                    let _ = ready.send(Ok(endpoint.clone()));
                     let context = Rc::new(Context {
                         backend,
-                        auth_allow,
-                        hello,
+                        live,
                         shutdown,
                     });
                     tokio::task::spawn_local(async move {
@@ -277,17 +286,24 @@ impl Server {
                         .map_err(ServerError::Thread)?;
                 }
             }
-            started
-                .await
-                .map_err(|_| ServerError::Thread(std::io::Error::other("endpoint thread died")))?
-                .map_err(|error| ServerError::Listen {
-                    addr: local_addr,
-                    error,
-                })?;
+            handles.push(
+                started
+                    .await
+                    .map_err(|_| {
+                        ServerError::Thread(std::io::Error::other("endpoint thread died"))
+                    })?
+                    .map_err(|error| ServerError::Listen {
+                        addr: local_addr,
+                        error,
+                    })?,
+            );
         }
         tracing::info!(%local_addr, endpoints, "serving");
         Ok(Server {
             local_addr,
+            config,
+            endpoints: handles,
+            live,
             shutdown,
             stopped,
             _port_guard: port_guard,
@@ -296,6 +312,28 @@ impl Server {
 
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
+    }
+
+    /// Applies live options: `auth.allow` from the next connection on (connections already
+    /// open keep their session), `network.inflight-max` for connections opened from now on.
+    pub fn reconfigure(
+        &mut self,
+        auth_allow: AuthAllow,
+        inflight_max: u32,
+    ) -> Result<(), ServerError> {
+        if inflight_max != self.config.inflight_max {
+            self.config.inflight_max = inflight_max;
+            let quinn_config = quinn_config(&self.config)?;
+            for endpoint in &self.endpoints {
+                endpoint.set_server_config(Some(quinn_config.clone()));
+            }
+        }
+        self.config.auth_allow = auth_allow.clone();
+        if let Ok(mut live) = self.live.write() {
+            live.auth_allow = auth_allow;
+            live.hello.limits.inflight_max = inflight_max;
+        }
+        Ok(())
     }
 
     /// Stops accepting, lets calls in flight finish (for at most `grace`), ends every session
@@ -412,13 +450,18 @@ async fn serve_connection(incoming: quinn::Incoming, context: Rc<Context>) {
         );
         return;
     };
-    if !context.auth_allow.allows(&client) {
+    let live = context.live.read().map(|l| l.clone());
+    let Ok(live) = live else {
+        connection.close(CloseCode::ShuttingDown.into(), b"brick state poisoned");
+        return;
+    };
+    if !live.auth_allow.allows(&client) {
         tracing::warn!(%remote, %client, "connection refused: client is not in auth.allow");
         let reason = format!("client '{client}' is not allowed on this volume (auth.allow)");
         connection.close(CloseCode::NotAllowed.into(), reason.as_bytes());
         return;
     }
-    if let Err(reason) = handshake(&connection, &context).await {
+    if let Err(reason) = handshake(&connection, &live.hello).await {
         tracing::warn!(%remote, %client, %reason, "connection closed at HELLO");
         connection.close(CloseCode::Protocol.into(), reason.as_bytes());
         return;
@@ -471,7 +514,7 @@ fn peer_name(connection: &quinn::Connection) -> Option<String> {
 }
 
 /// Answers the connection's first call, which must be HELLO.
-async fn handshake(connection: &quinn::Connection, context: &Context) -> Result<(), String> {
+async fn handshake(connection: &quinn::Connection, hello_reply: &HelloReply) -> Result<(), String> {
     let (mut send, mut recv) = tokio::time::timeout(HELLO_TIMEOUT, connection.accept_bi())
         .await
         .map_err(|_| "no HELLO in time".to_owned())?
@@ -481,7 +524,7 @@ async fn handshake(connection: &quinn::Connection, context: &Context) -> Result<
             id,
             call: Call::Hello(hello),
         })) => match hello.negotiate() {
-            Ok(_) => (id, Outcome::Hello(context.hello.clone()), None),
+            Ok(_) => (id, Outcome::Hello(hello_reply.clone()), None),
             Err(error) => (
                 id,
                 Outcome::Error {

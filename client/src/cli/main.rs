@@ -4,6 +4,7 @@
 //! kiln up [DATA_DIR]                       serve a one-brick volume from DATA_DIR/brick
 //! kiln ca init                             create the cluster CA
 //! kiln cert issue --brick NAME [--host H]… | --client NAME
+//! kiln volume create|start|stop|delete|info|list|status|set|get|reset …   (via kiln-mgmtd)
 //! kiln ls [-l] | stat | cat | put | get | mkdir [-p] | rm [-r] | mv | ln [-s] | xattr …
 //! ```
 //! File commands reach the brick at `--brick-addr` (`KILN_BRICK`) with the client certificate
@@ -11,6 +12,7 @@
 
 mod files;
 mod up;
+mod volume;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -53,6 +55,9 @@ struct Global {
     /// This client's certificate name (`kiln cert issue --client NAME`).
     #[arg(long, env = "KILN_CLIENT", default_value = "admin", global = true)]
     client: String,
+    /// The management daemon's socket.
+    #[arg(long, env = "KILN_MGMT_SOCKET", default_value = kiln_mgmt::protocol::DEFAULT_SOCKET, global = true)]
+    socket: PathBuf,
 }
 
 #[derive(Subcommand)]
@@ -71,6 +76,14 @@ enum Command {
     /// Certificates signed by the cluster CA.
     #[command(subcommand)]
     Cert(CertCommand),
+    /// Volumes of the management daemon (`kiln-mgmtd`).
+    Volume {
+        /// Print the daemon's answer as JSON.
+        #[arg(long)]
+        json: bool,
+        #[command(subcommand)]
+        command: volume::VolumeCommand,
+    },
     #[command(flatten)]
     File(files::FileCommand),
 }
@@ -136,6 +149,7 @@ fn main() -> ExitCode {
                 })
                 .map_err(anyhow::Error::from)
         }
+        Command::Volume { json, command } => volume::run(&cli.global.socket, json, command),
         Command::File(command) => return files::run(&cli.global, command),
     };
     match result {

@@ -1,0 +1,169 @@
+//! `kiln volume …`: commands for the management daemon over its Unix socket. Output is aligned
+//! for people; `--json` prints the daemon's answer as one JSON object for scripts.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, bail};
+use clap::Subcommand;
+use kiln_mgmt::options;
+use kiln_mgmt::protocol::{LINE_MAX_BYTES, Request, Response};
+
+#[derive(Subcommand)]
+pub(crate) enum VolumeCommand {
+    /// Create a volume from brick directories (made and formatted if missing).
+    Create {
+        name: String,
+        #[arg(required = true)]
+        bricks: Vec<PathBuf>,
+        /// The first brick's UDP port (the others follow); default: the lowest free ones.
+        #[arg(long)]
+        port: Option<u16>,
+    },
+    /// Start the volume's bricks (and keep them running).
+    Start { name: String },
+    /// Stop the volume's bricks.
+    Stop { name: String },
+    /// Forget a stopped volume (its brick directories stay on disk).
+    Delete { name: String },
+    /// Show volumes: bricks, ports, options set, state.
+    Info { name: Option<String> },
+    /// Volume names.
+    List,
+    /// Per brick: pid, port, state, uptime, restarts.
+    Status { name: String },
+    /// Set an option (`kiln volume set help` lists them).
+    Set {
+        name: String,
+        key: Option<String>,
+        value: Option<String>,
+    },
+    /// Show an option, or `all`.
+    Get {
+        name: String,
+        #[arg(default_value = "all")]
+        key: String,
+    },
+    /// Put an option, or `all`, back to its default.
+    Reset { name: String, key: String },
+}
+
+pub(crate) fn run(socket: &Path, json: bool, command: VolumeCommand) -> anyhow::Result<()> {
+    let all = |key: String| (key != "all").then_some(key);
+    let request = match command {
+        VolumeCommand::Create { name, bricks, port } => {
+            let cwd = std::env::current_dir()?;
+            let bricks = bricks.into_iter().map(|b| cwd.join(b)).collect();
+            Request::VolumeCreate { name, bricks, port }
+        }
+        VolumeCommand::Start { name } => Request::VolumeStart { name },
+        VolumeCommand::Stop { name } => Request::VolumeStop { name },
+        VolumeCommand::Delete { name } => Request::VolumeDelete { name },
+        VolumeCommand::Info { name } => Request::VolumeInfo { name },
+        VolumeCommand::List => Request::VolumeInfo { name: None },
+        VolumeCommand::Status { name } => Request::VolumeStatus { name },
+        VolumeCommand::Set { name, key, value } => match (name.as_str(), key, value) {
+            ("help", None, None) => {
+                print!("{}", options::help_table());
+                return Ok(());
+            }
+            (_, Some(key), Some(value)) => Request::VolumeSet { name, key, value },
+            _ => bail!("usage: kiln volume set NAME KEY VALUE | kiln volume set help"),
+        },
+        VolumeCommand::Get { name, key } => Request::VolumeGet {
+            name,
+            key: all(key),
+        },
+        VolumeCommand::Reset { name, key } => Request::VolumeReset {
+            name,
+            key: all(key),
+        },
+    };
+    let list_only = matches!(&request, Request::VolumeInfo { name: None });
+    let response = call(socket, &request)?;
+    if json {
+        println!("{}", serde_json::to_string(&response)?);
+        return match response {
+            Response::Error { message } => bail!("{message}"),
+            _ => Ok(()),
+        };
+    }
+    print(response, list_only)
+}
+
+/// One request to the daemon and its answer.
+pub(crate) fn call(socket: &Path, request: &Request) -> anyhow::Result<Response> {
+    let mut stream = UnixStream::connect(socket).with_context(|| {
+        format!(
+            "cannot reach kiln-mgmtd at {} (is it running? see `kiln-mgmtd --help`)",
+            socket.display()
+        )
+    })?;
+    let mut line = serde_json::to_vec(request)?;
+    line.push(b'\n');
+    stream.write_all(&line)?;
+    let mut answer = String::new();
+    BufReader::new(stream)
+        .take(LINE_MAX_BYTES as u64)
+        .read_line(&mut answer)?;
+    serde_json::from_str(&answer).context("kiln-mgmtd gave an answer this kiln does not understand")
+}
+
+fn print(response: Response, list_only: bool) -> anyhow::Result<()> {
+    match response {
+        Response::Done { message, .. } => println!("{message}"),
+        Response::Error { message } => bail!("{message}"),
+        Response::Volumes { volumes, .. } if list_only => {
+            for v in volumes {
+                println!("{}", v.name);
+            }
+        }
+        Response::Volumes { volumes, .. } => {
+            for (n, v) in volumes.iter().enumerate() {
+                if n > 0 {
+                    println!();
+                }
+                println!("Volume:  {}", v.name);
+                println!("ID:      {}", v.id);
+                println!("State:   {}", v.state);
+                println!("Bricks:  {}", v.bricks.len());
+                for (i, b) in v.bricks.iter().enumerate() {
+                    println!("  b{i}  port {:<5}  {}", b.port, b.path.display());
+                }
+                if !v.options.is_empty() {
+                    println!("Options set:");
+                    for (k, value) in &v.options {
+                        println!("  {k} = {value}");
+                    }
+                }
+            }
+        }
+        Response::Options { options } => {
+            let width = options.iter().map(|o| o.key.len()).max().unwrap_or(0);
+            for o in options {
+                let source = if o.set { "" } else { "  (default)" };
+                println!("{:<width$}  {}{source}", o.key, o.value);
+            }
+        }
+        Response::Status { bricks } => {
+            println!(
+                "{:<40} {:>5} {:>8} {:<10} {:>8} {:>8}",
+                "brick", "port", "pid", "state", "uptime", "restarts"
+            );
+            for b in bricks {
+                let pid = b.pid.map_or("-".to_owned(), |p| p.to_string());
+                println!(
+                    "{:<40} {:>5} {:>8} {:<10} {:>7}s {:>8}",
+                    b.path.display(),
+                    b.port,
+                    pid,
+                    b.state,
+                    b.uptime_secs,
+                    b.restarts
+                );
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,371 @@
+//! `kiln volume …` against a real `kiln-mgmtd`: lifecycle, options, supervision and crash
+//! safety of the configuration.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::bin;
+
+struct Mgmtd {
+    child: Child,
+    state: PathBuf,
+    socket: PathBuf,
+}
+
+impl Mgmtd {
+    fn start(dir: &Path) -> Mgmtd {
+        let state = dir.join("state");
+        let socket = dir.join("run/mgmtd.sock");
+        let log = std::fs::File::options()
+            .create(true)
+            .append(true)
+            .open(dir.join("mgmtd.log"))
+            .expect("log");
+        let child = Command::new(bin("kiln-mgmtd"))
+            .arg("--state-dir")
+            .arg(&state)
+            .arg("--socket")
+            .arg(&socket)
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn kiln-mgmtd");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+            assert!(Instant::now() < deadline, "kiln-mgmtd did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Mgmtd {
+            child,
+            state,
+            socket,
+        }
+    }
+
+    fn kiln(&self, args: &[&str]) -> Output {
+        Command::new(bin("kiln"))
+            .args(args)
+            .env("KILN_MGMT_SOCKET", &self.socket)
+            .env("KILN_TLS_DIR", self.state.join("tls"))
+            .output()
+            .expect("run kiln")
+    }
+
+    fn ok(&self, args: &[&str]) -> String {
+        let out = self.kiln(args);
+        assert!(
+            out.status.success(),
+            "kiln {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).expect("utf-8")
+    }
+
+    fn fails(&self, args: &[&str]) -> String {
+        let out = self.kiln(args);
+        assert_eq!(out.status.code(), Some(1), "kiln {args:?} should fail");
+        String::from_utf8(out.stderr).expect("utf-8")
+    }
+
+    fn kill9(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    fn terminate(mut self) -> std::process::ExitStatus {
+        let pid = rustix::process::Pid::from_raw(i32::try_from(self.child.id()).expect("pid"))
+            .expect("pid");
+        rustix::process::kill_process(pid, rustix::process::Signal::TERM).expect("kill");
+        self.child.wait().expect("wait")
+    }
+
+    /// The brick pids `kiln volume status` reports, waiting (bounded) until all run.
+    fn running_pids(&self, volume: &str) -> Vec<u32> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let json = self.ok(&["volume", "--json", "status", volume]);
+            let v: serde_json::Value = serde_json::from_str(&json).expect("json");
+            let bricks = v["bricks"].as_array().expect("bricks").clone();
+            if bricks.iter().all(|b| b["state"] == "running") {
+                return bricks
+                    .iter()
+                    .map(|b| b["pid"].as_u64().expect("pid") as u32)
+                    .collect();
+            }
+            assert!(Instant::now() < deadline, "bricks not running: {json}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Mgmtd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn volume_lifecycle_options_and_supervision() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let m = Mgmtd::start(dir.path());
+    let b0 = dir.path().join("bricks/b0");
+    let b1 = dir.path().join("bricks/b1");
+    let b0s = b0.to_str().expect("utf-8");
+    let b1s = b1.to_str().expect("utf-8");
+
+    m.ok(&["volume", "create", "vol", b0s, b1s, "--port", "47100"]);
+    assert!(b0.join(".glusterfs").exists(), "the brick was formatted");
+    assert!(
+        m.fails(&["volume", "create", "vol", b0s])
+            .contains("already exists")
+    );
+    assert!(
+        m.fails(&["volume", "create", "other", b0s])
+            .contains("already belongs to volume vol")
+    );
+    assert_eq!(m.ok(&["volume", "list"]), "vol\n");
+    let info = m.ok(&["volume", "info", "vol"]);
+    assert!(
+        info.contains("State:   created") && info.contains("port 47101"),
+        "{info}"
+    );
+
+    // Options: validated before anything is written.
+    let unknown = m.fails(&["volume", "set", "vol", "auth.alow", "alice"]);
+    assert!(unknown.contains("did you mean 'auth.allow'"), "{unknown}");
+    let bad = m.fails(&["volume", "set", "vol", "network.inflight-max", "0"]);
+    assert!(bad.contains("an integer from 1 to 4096"), "{bad}");
+    m.ok(&["volume", "set", "vol", "network.inflight-max", "64"]);
+    m.ok(&["volume", "set", "vol", "auth.allow", "admin"]);
+    let got = m.ok(&["volume", "get", "vol", "network.inflight-max"]);
+    assert_eq!(
+        got.split_whitespace().collect::<Vec<_>>(),
+        ["network.inflight-max", "64"]
+    );
+    let all = m.ok(&["volume", "get", "vol"]);
+    assert!(
+        all.contains("server.engine") && all.contains("(default)"),
+        "{all}"
+    );
+    m.ok(&["volume", "reset", "vol", "network.inflight-max"]);
+    assert!(
+        m.ok(&["volume", "get", "vol", "network.inflight-max"])
+            .contains("256  (default)")
+    );
+    let help = m.ok(&["volume", "set", "help"]);
+    assert!(help.contains("storage.fsync-policy"), "{help}");
+
+    // Start: the bricks run and serve the admin client.
+    m.ok(&["volume", "start", "vol"]);
+    let pids = m.running_pids("vol");
+    assert_eq!(pids.len(), 2);
+    let addr = "127.0.0.1:47100";
+    let ls = Command::new(bin("kiln"))
+        .args(["mkdir", "/from-mgmtd"])
+        .env("KILN_TLS_DIR", m.state.join("tls"))
+        .env("KILN_BRICK", addr)
+        .output()
+        .expect("kiln mkdir");
+    assert!(
+        ls.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ls.stderr)
+    );
+    assert!(b0.join("from-mgmtd").is_dir());
+
+    // A crashed brick is started again.
+    let victim = rustix::process::Pid::from_raw(pids[0] as i32).expect("pid");
+    rustix::process::kill_process(victim, rustix::process::Signal::KILL).expect("kill brick");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let now = m.running_pids("vol");
+        if now[0] != pids[0] {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the brick was not restarted");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let status = m.ok(&["volume", "status", "vol"]);
+    assert!(status.contains("running"), "{status}");
+
+    assert!(
+        m.fails(&["volume", "delete", "vol"])
+            .contains("stop it first")
+    );
+    m.ok(&["volume", "stop", "vol"]);
+    let json = m.ok(&["volume", "--json", "status", "vol"]);
+    let v: serde_json::Value = serde_json::from_str(&json).expect("json");
+    for brick in v["bricks"].as_array().expect("bricks") {
+        assert!(
+            brick["state"] == "stopped" && brick["pid"].is_null(),
+            "{json}"
+        );
+    }
+    for pid in &pids[1..] {
+        assert!(
+            !Path::new(&format!("/proc/{pid}")).exists(),
+            "brick {pid} still running after stop"
+        );
+    }
+    m.ok(&["volume", "delete", "vol"]);
+    assert_eq!(m.ok(&["volume", "list"]), "");
+    assert!(b0.join("from-mgmtd").is_dir(), "data stays on disk");
+    assert!(m.terminate().success());
+}
+
+#[test]
+fn acknowledged_sets_survive_kill_9() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let b = dir.path().join("brick");
+    let m = Mgmtd::start(dir.path());
+    m.ok(&["volume", "create", "v", b.to_str().expect("utf-8")]);
+    // A storm of sets from several threads; the daemon is killed in the middle of it.
+    let socket = m.socket.clone();
+    let acked: Vec<(usize, u32)> = std::thread::scope(|scope| {
+        let threads: Vec<_> = (0..4)
+            .map(|t| {
+                let socket = socket.clone();
+                scope.spawn(move || {
+                    let mut acked = Vec::new();
+                    for i in 0..200u32 {
+                        let value = (t as u32) * 1000 + i + 1;
+                        let out = Command::new(bin("kiln"))
+                            .args(["volume", "set", "v", "network.inflight-max"])
+                            .arg((value % 4096 + 1).to_string())
+                            .env("KILN_MGMT_SOCKET", &socket)
+                            .output()
+                            .expect("kiln");
+                        if !out.status.success() {
+                            break;
+                        }
+                        acked.push((t, value % 4096 + 1));
+                    }
+                    acked
+                })
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(700));
+        let pid =
+            rustix::process::Pid::from_raw(i32::try_from(m.child.id()).expect("pid")).expect("pid");
+        rustix::process::kill_process(pid, rustix::process::Signal::KILL).expect("kill -9");
+        threads
+            .into_iter()
+            .flat_map(|t| t.join().expect("thread"))
+            .collect()
+    });
+    assert!(
+        !acked.is_empty(),
+        "some sets were acknowledged before the kill"
+    );
+    m.kill9();
+    let m = Mgmtd::start(dir.path());
+    // Every transaction is one generation and the log is replayed in order, so every
+    // acknowledged set (and the create) is there when the generation covers them all.
+    let json = m.ok(&["volume", "--json", "info", "v"]);
+    let info: serde_json::Value = serde_json::from_str(&json).expect("json");
+    let generation = info["generation"].as_u64().expect("generation");
+    assert!(
+        generation > acked.len() as u64,
+        "generation {generation} after {} acknowledged sets",
+        acked.len()
+    );
+    let value = info["volumes"][0]["options"]["network.inflight-max"]
+        .as_str()
+        .expect("the option is set");
+    assert!(value.parse::<u32>().is_ok(), "{value}");
+    let log = std::fs::read_to_string(dir.path().join("mgmtd.log")).unwrap_or_default();
+    assert!(log.contains("configuration loaded"), "{log}");
+}
+
+#[test]
+fn live_options_reach_running_bricks() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let m = Mgmtd::start(dir.path());
+    let brick = dir.path().join("brick");
+    m.ok(&[
+        "volume",
+        "create",
+        "live",
+        brick.to_str().expect("utf-8"),
+        "--port",
+        "47200",
+    ]);
+    m.ok(&["volume", "start", "live"]);
+    m.running_pids("live");
+    m.ok(&["cert", "issue", "--client", "bob"]);
+    let as_client = |client: &str| {
+        Command::new(bin("kiln"))
+            .args(["ls", "/"])
+            .env("KILN_TLS_DIR", m.state.join("tls"))
+            .env("KILN_BRICK", "127.0.0.1:47200")
+            .env("KILN_CLIENT", client)
+            .output()
+            .expect("kiln ls")
+    };
+    assert!(as_client("bob").status.success());
+
+    let said = m.ok(&["volume", "set", "live", "auth.allow", "admin"]);
+    assert!(said.contains("applied by 1 running brick"), "{said}");
+    let refused = as_client("bob");
+    assert!(!refused.status.success());
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("auth.allow"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
+    assert!(as_client("admin").status.success());
+    // The brick reports the generation it runs.
+    let json = m.ok(&["volume", "--json", "status", "live"]);
+    let status: serde_json::Value = serde_json::from_str(&json).expect("json");
+    let info: serde_json::Value =
+        serde_json::from_str(&m.ok(&["volume", "--json", "info", "live"])).expect("json");
+    assert_eq!(
+        status["bricks"][0]["generation"], info["generation"],
+        "{json}"
+    );
+
+    // A restart option is saved and waits for the next start.
+    let said = m.ok(&["volume", "set", "live", "server.engine", "blocking"]);
+    assert!(said.contains("next start"), "{said}");
+    m.ok(&["volume", "reset", "live", "all"]);
+    assert!(as_client("bob").status.success(), "auth.allow is back to *");
+}
+
+#[test]
+fn a_torn_store_tail_is_dropped_and_reported() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let m = Mgmtd::start(dir.path());
+    let brick = dir.path().join("brick");
+    m.ok(&["volume", "create", "t", brick.to_str().expect("utf-8")]);
+    m.ok(&["volume", "set", "t", "network.inflight-max", "99"]);
+    let state = m.state.clone();
+    assert!(m.terminate().success());
+    // Half a record at the end, as a crash in the middle of a write leaves it.
+    let log = state.join("store/log");
+    let mut bytes = std::fs::read(&log).expect("log");
+    bytes.extend_from_slice(&[200, 0, 0, 0, 1, 2, 3, 4, b'{', b'"']);
+    std::fs::write(&log, &bytes).expect("write");
+    let m = Mgmtd::start(dir.path());
+    assert!(
+        m.ok(&["volume", "get", "t", "network.inflight-max"])
+            .contains("99")
+    );
+    let logs = std::fs::read_to_string(dir.path().join("mgmtd.log")).expect("log");
+    assert!(logs.contains("dropped a torn or corrupt record"), "{logs}");
+    // Without a daemon, the CLI says so in one line.
+    let socket = m.socket.clone();
+    drop(m);
+    let out = Command::new(bin("kiln"))
+        .args(["volume", "list"])
+        .env("KILN_MGMT_SOCKET", &socket)
+        .output()
+        .expect("kiln");
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("cannot reach kiln-mgmtd"), "{err}");
+}

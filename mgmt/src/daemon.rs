@@ -1,0 +1,409 @@
+//! `kiln-mgmtd`: the configuration store, the volume commands and the brick supervisor behind
+//! one root-only Unix socket.
+//!
+//! State directory layout:
+//!
+//! ```text
+//! <state>/store/       the durable configuration (see `store`)
+//! <state>/tls/         the cluster CA, every brick's certificate and the `admin` client's
+//! <state>/logs/        one log per brick
+//! ```
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{UnixListener, UnixStream};
+
+use crate::options;
+use crate::pki::{self, Role};
+use crate::protocol::{LINE_MAX_BYTES, OptionValue, Request, Response};
+use crate::store::{CommitError, Store, StoreOptions};
+use crate::supervisor::{CurrentConfig, Launch, Supervisor};
+use crate::volume::{BRICK_PORT_BASE, Brick, Change, Cluster, ConfigError, Volume, VolumeState};
+
+/// The client certificate made for the local administrator.
+pub const ADMIN_CLIENT: &str = "admin";
+
+#[derive(Debug, Clone)]
+pub struct DaemonConfig {
+    pub state_dir: PathBuf,
+    pub socket: PathBuf,
+    pub brickd: PathBuf,
+    pub listen_ip: std::net::IpAddr,
+}
+
+struct Daemon {
+    config: DaemonConfig,
+    store: Arc<Store<Cluster>>,
+    supervisor: Arc<Supervisor>,
+}
+
+/// Opens the store, starts the bricks of started volumes, and serves the socket until
+/// `shutdown` completes; then stops the bricks.
+pub async fn run(config: DaemonConfig, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+    let tls_dir = config.state_dir.join("tls");
+    let log_dir = config.state_dir.join("logs");
+    std::fs::create_dir_all(&log_dir)
+        .with_context(|| format!("cannot create {}", log_dir.display()))?;
+    if !pki::ca_files(&tls_dir).cert.exists() {
+        pki::init_ca(&tls_dir)?;
+    }
+    if !pki::identity_files(&tls_dir, &Role::Client, ADMIN_CLIENT)
+        .cert
+        .exists()
+    {
+        pki::issue(
+            &tls_dir,
+            &Role::Client,
+            ADMIN_CLIENT,
+            pki::CERT_VALIDITY_DAYS,
+        )?;
+    }
+    let (store, report) =
+        Store::<Cluster>::open(&config.state_dir.join("store"), StoreOptions::default())
+            .context("cannot open the configuration store")?;
+    if let Some(dropped) = &report.dropped_tail {
+        tracing::warn!(
+            offset = dropped.offset,
+            bytes = dropped.bytes,
+            reason = %dropped.reason,
+            "dropped a torn or corrupt record at the end of the store"
+        );
+    }
+    tracing::info!(generation = report.generation, "configuration loaded");
+    let store = Arc::new(store);
+    let run_dir = config.state_dir.join("run");
+    std::fs::create_dir_all(&run_dir)
+        .with_context(|| format!("cannot create {}", run_dir.display()))?;
+    let current: CurrentConfig = {
+        let store = store.clone();
+        Arc::new(move |name: &str| store.read(|c, g| c.volumes.get(name).cloned().map(|v| (v, g))))
+    };
+    let supervisor = Supervisor::new(
+        Launch {
+            brickd: config.brickd.clone(),
+            tls_dir,
+            log_dir,
+            listen_ip: config.listen_ip,
+            run_dir,
+        },
+        current,
+    );
+    let daemon = Arc::new(Daemon {
+        config,
+        store,
+        supervisor,
+    });
+    daemon.store.read(|cluster, _| {
+        for volume in cluster.volumes.values() {
+            if volume.state == VolumeState::Started {
+                daemon.supervisor.start_volume(volume);
+            }
+        }
+    });
+
+    let listener = bind_socket(&daemon.config.socket)?;
+    tracing::info!(socket = %daemon.config.socket.display(), "listening");
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => {
+                    let daemon = daemon.clone();
+                    tokio::spawn(async move {
+                        if let Err(e) = daemon.serve(stream).await {
+                            tracing::debug!(error = %e, "client connection");
+                        }
+                    });
+                }
+                Err(e) => tracing::warn!(error = %e, "accept failed"),
+            },
+            () = &mut shutdown => break,
+        }
+    }
+    tracing::info!("stopping bricks");
+    daemon.supervisor.stop_all().await;
+    let _ = std::fs::remove_file(&daemon.config.socket);
+    Ok(())
+}
+
+/// Binds the socket with mode 0600 in a 0700 directory, replacing a stale one.
+fn bind_socket(path: &Path) -> anyhow::Result<UnixListener> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    if let Some(dir) = path.parent() {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .with_context(|| format!("cannot create {}", dir.display()))?;
+    }
+    if std::os::unix::net::UnixStream::connect(path).is_ok() {
+        anyhow::bail!("another kiln-mgmtd is listening on {}", path.display());
+    }
+    let _ = std::fs::remove_file(path);
+    let listener =
+        UnixListener::bind(path).with_context(|| format!("cannot listen on {}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    Ok(listener)
+}
+
+impl Daemon {
+    async fn serve(&self, stream: UnixStream) -> anyhow::Result<()> {
+        let (read, mut write) = stream.into_split();
+        let mut line = String::new();
+        let n = BufReader::new(read)
+            .take(LINE_MAX_BYTES as u64)
+            .read_line(&mut line)
+            .await?;
+        let response = match serde_json::from_str::<Request>(&line[..n]) {
+            Ok(request) => self.handle(request).await,
+            Err(e) => Response::Error {
+                message: format!("bad request: {e}"),
+            },
+        };
+        let mut out = serde_json::to_vec(&response)?;
+        out.push(b'\n');
+        write.write_all(&out).await?;
+        Ok(())
+    }
+
+    async fn handle(&self, request: Request) -> Response {
+        match self.handle_inner(request).await {
+            Ok(response) => response,
+            Err(e) => Response::Error {
+                message: format!("{e:#}"),
+            },
+        }
+    }
+
+    async fn commit(&self, change: Change) -> anyhow::Result<u64> {
+        self.store.commit(vec![change]).await.map_err(|e| match e {
+            CommitError::Rejected(e) => anyhow::Error::from(e),
+            CommitError::Store(e) => anyhow::Error::from(e).context("the change was not saved"),
+        })
+    }
+
+    fn volume(&self, name: &str) -> anyhow::Result<Volume> {
+        Ok(self.store.read(|c, _| c.volume(name).cloned())?)
+    }
+
+    async fn handle_inner(&self, request: Request) -> anyhow::Result<Response> {
+        let done = |generation, message: String| Response::Done {
+            generation,
+            message,
+        };
+        Ok(match request {
+            Request::VolumeCreate { name, bricks, port } => {
+                let volume = self.prepare_volume(&name, &bricks, port)?;
+                let generation = self.commit(Change::Create(volume)).await?;
+                done(
+                    generation,
+                    format!("volume {name} created; start it with `kiln volume start {name}`"),
+                )
+            }
+            Request::VolumeDelete { name } => {
+                let generation = self
+                    .commit(Change::Delete {
+                        volume: name.clone(),
+                    })
+                    .await?;
+                done(
+                    generation,
+                    format!(
+                        "volume {name} deleted; its brick directories and data are left on disk"
+                    ),
+                )
+            }
+            Request::VolumeStart { name } => {
+                let generation = self
+                    .commit(Change::Start {
+                        volume: name.clone(),
+                    })
+                    .await?;
+                self.supervisor.start_volume(&self.volume(&name)?);
+                done(generation, format!("volume {name} started"))
+            }
+            Request::VolumeStop { name } => {
+                let generation = self
+                    .commit(Change::Stop {
+                        volume: name.clone(),
+                    })
+                    .await?;
+                self.supervisor.stop_volume(&self.volume(&name)?).await;
+                done(generation, format!("volume {name} stopped"))
+            }
+            Request::VolumeInfo { name } => self.store.read(|c, generation| {
+                let volumes = match &name {
+                    Some(n) => vec![c.volume(n)?.clone()],
+                    None => c.volumes.values().cloned().collect(),
+                };
+                Ok::<_, ConfigError>(Response::Volumes {
+                    generation,
+                    volumes,
+                })
+            })?,
+            Request::VolumeStatus { name } => Response::Status {
+                bricks: self.supervisor.status(&self.volume(&name)?),
+            },
+            Request::VolumeSet { name, key, value } => {
+                let value = options::find(&key)?.parse(&value)?;
+                let generation = self
+                    .commit(Change::Set {
+                        volume: name.clone(),
+                        key: key.clone(),
+                        value: value.clone(),
+                    })
+                    .await?;
+                let live = options::find(&key)?.apply == options::Apply::Live;
+                let note = self.apply_to_bricks(&name, generation, live).await?;
+                done(
+                    generation,
+                    format!("{key} = {value} on volume {name}{note}"),
+                )
+            }
+            Request::VolumeGet { name, key } => {
+                let volume = self.volume(&name)?;
+                let keys: Vec<&str> = match &key {
+                    Some(k) => vec![options::find(k)?.key],
+                    None => options::OPTIONS.iter().map(|o| o.key).collect(),
+                };
+                let options = keys
+                    .into_iter()
+                    .map(|k| OptionValue {
+                        key: k.to_owned(),
+                        value: options::effective(&volume.options, k).to_string(),
+                        set: volume.options.contains_key(k),
+                    })
+                    .collect();
+                Response::Options { options }
+            }
+            Request::VolumeReset { name, key } => {
+                let generation = self
+                    .commit(Change::Reset {
+                        volume: name.clone(),
+                        key: key.clone(),
+                    })
+                    .await?;
+                let live = match &key {
+                    Some(k) => options::find(k)?.apply == options::Apply::Live,
+                    None => true,
+                };
+                let note = self.apply_to_bricks(&name, generation, live).await?;
+                let what = key.unwrap_or_else(|| "every option".to_owned());
+                done(
+                    generation,
+                    format!("{what} reset to the default on volume {name}{note}"),
+                )
+            }
+        })
+    }
+
+    /// After a committed option change: pushes live options to a started volume's bricks and
+    /// says which did not take them; restart options wait for the next brick start.
+    async fn apply_to_bricks(
+        &self,
+        name: &str,
+        generation: u64,
+        live: bool,
+    ) -> anyhow::Result<String> {
+        let volume = self.volume(name)?;
+        if volume.state != VolumeState::Started {
+            return Ok(String::new());
+        }
+        if !live {
+            return Ok(
+                "; the bricks use it from their next start (`kiln volume stop` and `start`)".into(),
+            );
+        }
+        let results = self.supervisor.push(&volume, generation).await;
+        let missing: Vec<String> = results
+            .into_iter()
+            .filter_map(|(brick, r)| r.err().map(|why| format!("{brick} ({why})")))
+            .collect();
+        Ok(match missing.is_empty() {
+            true => format!("; applied by {} running brick(s)", volume.bricks.len()),
+            false => format!(
+                "; saved, but not yet applied by {}: they get it when they restart",
+                missing.join(", ")
+            ),
+        })
+    }
+
+    /// Checks a new volume, formats its brick directories and issues their certificates.
+    fn prepare_volume(
+        &self,
+        name: &str,
+        bricks: &[PathBuf],
+        port: Option<u16>,
+    ) -> anyhow::Result<Volume> {
+        let mut ports: Vec<u16> = Vec::new();
+        let volume = self.store.read(|cluster, _| {
+            let first = port.unwrap_or_else(|| cluster.free_port(BRICK_PORT_BASE, &[]));
+            for (i, _) in bricks.iter().enumerate() {
+                let wanted = first.saturating_add(u16::try_from(i).unwrap_or(u16::MAX));
+                ports.push(match port {
+                    Some(_) => wanted,
+                    None => cluster.free_port(wanted, &ports),
+                });
+            }
+            let volume = Volume {
+                name: name.to_owned(),
+                id: uuid(),
+                bricks: bricks
+                    .iter()
+                    .zip(&ports)
+                    .map(|(path, &port)| Brick {
+                        path: path.clone(),
+                        port,
+                    })
+                    .collect(),
+                options: Default::default(),
+                state: VolumeState::Created,
+            };
+            crate::store::State::check(cluster, &Change::Create(volume.clone()))?;
+            Ok::<_, ConfigError>(volume)
+        })?;
+        let tls_dir = self.config.state_dir.join("tls");
+        for (i, brick) in volume.bricks.iter().enumerate() {
+            if !brick.path.join(".glusterfs").exists() {
+                std::fs::create_dir_all(&brick.path)
+                    .with_context(|| format!("cannot create {}", brick.path.display()))?;
+                let out = std::process::Command::new(&self.config.brickd)
+                    .arg("format")
+                    .arg(&brick.path)
+                    .output()
+                    .with_context(|| format!("cannot run {}", self.config.brickd.display()))?;
+                if !out.status.success() {
+                    anyhow::bail!("{}", String::from_utf8_lossy(&out.stderr).trim());
+                }
+            }
+            let hosts = vec!["localhost".into(), "127.0.0.1".into(), "::1".into()];
+            pki::issue(
+                &tls_dir,
+                &Role::Brick { hosts },
+                &Brick::name(name, i),
+                pki::CERT_VALIDITY_DAYS,
+            )?;
+        }
+        Ok(volume)
+    }
+}
+
+/// A random version-4 UUID.
+fn uuid() -> String {
+    let mut b = [0u8; 16];
+    let _ = rustix::rand::getrandom(&mut b, rustix::rand::GetRandomFlags::empty());
+    b[6] = (b[6] & 0x0f) | 0x40;
+    b[8] = (b[8] & 0x3f) | 0x80;
+    let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
+    format!(
+        "{}-{}-{}-{}-{}",
+        &hex[..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..]
+    )
+}

@@ -1,0 +1,85 @@
+//! `kiln-mgmtd`: the management daemon. Holds the volume configuration in its state directory,
+//! runs the bricks of started volumes, and takes commands from `kiln volume …` on a root-only
+//! Unix socket. Stops its bricks and exits on SIGTERM or SIGINT.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Parser;
+use kiln_mgmt::daemon::{self, DaemonConfig};
+use kiln_mgmt::protocol::DEFAULT_SOCKET;
+
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+#[derive(Parser)]
+#[command(name = "kiln-mgmtd", about = "The Kiln management daemon", version)]
+struct Args {
+    /// Configuration store, TLS material and brick logs.
+    #[arg(long, env = "KILN_STATE_DIR", default_value = "/var/lib/kiln")]
+    state_dir: PathBuf,
+    /// The command socket (mode 0600).
+    #[arg(long, env = "KILN_MGMT_SOCKET", default_value = DEFAULT_SOCKET)]
+    socket: PathBuf,
+    /// The brick executable; default: `kiln-brickd` beside this one, else from PATH.
+    #[arg(long)]
+    brickd: Option<PathBuf>,
+    /// Address the bricks listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    listen_ip: std::net::IpAddr,
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    let args = Args::parse();
+    let brickd = args.brickd.unwrap_or_else(|| {
+        std::env::current_exe()
+            .ok()
+            .map(|exe| exe.with_file_name("kiln-brickd"))
+            .filter(|p| p.exists())
+            .unwrap_or_else(|| PathBuf::from("kiln-brickd"))
+    });
+    let config = DaemonConfig {
+        state_dir: args.state_dir,
+        socket: args.socket,
+        brickd,
+        listen_ip: args.listen_ip,
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("kiln-mgmtd: cannot start: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut term = signal(SignalKind::terminate())?;
+        let mut int = signal(SignalKind::interrupt())?;
+        let shutdown = async move {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+        };
+        daemon::run(config, shutdown).await
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kiln-mgmtd: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

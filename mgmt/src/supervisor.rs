@@ -1,0 +1,376 @@
+//! Runs the brick processes of started volumes and keeps them running: a brick that exits is
+//! started again after a backoff (1 s, doubling to 30 s; back to 1 s after a minute of
+//! running); a stopped volume's bricks get SIGTERM, and SIGKILL if they do not drain in time.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+
+use crate::options;
+use crate::protocol::BrickStatus;
+use crate::volume::{Brick, Volume};
+
+/// First wait before restarting a brick that exited.
+pub const RESTART_BACKOFF_MIN: Duration = Duration::from_secs(1);
+/// Longest wait before restarting a brick.
+pub const RESTART_BACKOFF_MAX: Duration = Duration::from_secs(30);
+/// A brick that ran this long before exiting starts again after the shortest wait.
+pub const STABLE_RUN: Duration = Duration::from_secs(60);
+/// How long a stopping brick may drain before it is killed.
+pub const STOP_GRACE: Duration = Duration::from_secs(15);
+
+/// Where the supervisor finds what bricks need.
+#[derive(Debug, Clone)]
+pub struct Launch {
+    /// The `kiln-brickd` executable.
+    pub brickd: PathBuf,
+    /// The directory with the CA and the bricks' certificates.
+    pub tls_dir: PathBuf,
+    /// Each brick logs to `<log_dir>/<brick name>.log`.
+    pub log_dir: PathBuf,
+    /// The address bricks listen on.
+    pub listen_ip: std::net::IpAddr,
+    /// Each brick's control socket is `<run_dir>/<brick name>.sock`.
+    pub run_dir: PathBuf,
+}
+
+/// The current configuration of a volume and its generation, read at every brick start so a
+/// restarted brick runs what was committed last.
+pub type CurrentConfig = Arc<dyn Fn(&str) -> Option<(Volume, u64)> + Send + Sync>;
+
+/// How long a live push to one brick may take.
+pub const PUSH_TIMEOUT: Duration = Duration::from_secs(5);
+
+pub struct Supervisor {
+    launch: Launch,
+    current: CurrentConfig,
+    bricks: Mutex<HashMap<String, Running>>,
+}
+
+impl std::fmt::Debug for Supervisor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Supervisor")
+            .field("launch", &self.launch)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Debug)]
+struct Running {
+    stop: watch::Sender<bool>,
+    run: Arc<Mutex<Run>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+#[derive(Debug, Clone)]
+struct Run {
+    pid: Option<u32>,
+    state: &'static str,
+    since: Instant,
+    restarts: u32,
+    /// The configuration generation the brick runs.
+    generation: u64,
+}
+
+impl Supervisor {
+    pub fn new(launch: Launch, current: CurrentConfig) -> Arc<Supervisor> {
+        Arc::new(Supervisor {
+            launch,
+            current,
+            bricks: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Starts every brick of `volume` that is not running yet.
+    pub fn start_volume(&self, volume: &Volume) {
+        let Ok(mut bricks) = self.bricks.lock() else {
+            return;
+        };
+        for i in 0..volume.bricks.len() {
+            let name = Brick::name(&volume.name, i);
+            if bricks.contains_key(&name) {
+                continue;
+            }
+            let (stop, stopped) = watch::channel(false);
+            let run = Arc::new(Mutex::new(Run {
+                pid: None,
+                state: "starting",
+                since: Instant::now(),
+                restarts: 0,
+                generation: 0,
+            }));
+            let task = tokio::spawn(watch_brick(
+                self.launch.clone(),
+                self.current.clone(),
+                (volume.name.clone(), i),
+                run.clone(),
+                stopped,
+            ));
+            bricks.insert(name, Running { stop, run, task });
+        }
+    }
+
+    /// Stops every brick of `volume` (SIGTERM, then SIGKILL after [`STOP_GRACE`]).
+    pub async fn stop_volume(&self, volume: &Volume) {
+        let stopping: Vec<Running> = match self.bricks.lock() {
+            Ok(mut bricks) => (0..volume.bricks.len())
+                .filter_map(|i| bricks.remove(&Brick::name(&volume.name, i)))
+                .collect(),
+            Err(_) => return,
+        };
+        for running in &stopping {
+            let _ = running.stop.send(true);
+        }
+        for running in stopping {
+            let _ = running.task.await;
+        }
+    }
+
+    /// Stops every brick.
+    pub async fn stop_all(&self) {
+        let all: Vec<Running> = match self.bricks.lock() {
+            Ok(mut bricks) => bricks.drain().map(|(_, r)| r).collect(),
+            Err(_) => return,
+        };
+        for running in &all {
+            let _ = running.stop.send(true);
+        }
+        for running in all {
+            let _ = running.task.await;
+        }
+    }
+
+    /// Each brick of `volume`: its process, state and uptime.
+    pub fn status(&self, volume: &Volume) -> Vec<BrickStatus> {
+        let bricks = self.bricks.lock().ok();
+        volume
+            .bricks
+            .iter()
+            .enumerate()
+            .map(|(i, brick)| {
+                let run = bricks
+                    .as_ref()
+                    .and_then(|b| b.get(&Brick::name(&volume.name, i)))
+                    .and_then(|r| r.run.lock().ok().map(|r| r.clone()));
+                BrickStatus {
+                    path: brick.path.clone(),
+                    port: brick.port,
+                    pid: run.as_ref().and_then(|r| r.pid),
+                    state: run.as_ref().map_or("stopped", |r| r.state).to_owned(),
+                    uptime_secs: run
+                        .as_ref()
+                        .filter(|r| r.pid.is_some())
+                        .map_or(0, |r| r.since.elapsed().as_secs()),
+                    restarts: run.as_ref().map_or(0, |r| r.restarts),
+                    generation: run.filter(|r| r.pid.is_some()).map(|r| r.generation),
+                }
+            })
+            .collect()
+    }
+
+    /// Pushes the live options of `volume` at `generation` to its running bricks. Returns,
+    /// per brick, the generation it now runs or why it did not take the push.
+    pub async fn push(
+        &self,
+        volume: &Volume,
+        generation: u64,
+    ) -> Vec<(String, Result<u64, String>)> {
+        let live: serde_json::Map<String, serde_json::Value> = options::OPTIONS
+            .iter()
+            .filter(|o| o.apply == options::Apply::Live)
+            .map(|o| {
+                (
+                    o.key.to_owned(),
+                    options::effective(&volume.options, o.key)
+                        .to_string()
+                        .into(),
+                )
+            })
+            .collect();
+        let push = serde_json::json!({ "generation": generation, "options": live });
+        let mut results = Vec::new();
+        for i in 0..volume.bricks.len() {
+            let name = Brick::name(&volume.name, i);
+            let socket = self.launch.run_dir.join(format!("{name}.sock"));
+            let result = tokio::time::timeout(PUSH_TIMEOUT, push_one(&socket, &push))
+                .await
+                .unwrap_or_else(|_| Err("no answer in time".to_owned()));
+            if let Ok(applied) = result
+                && let Ok(bricks) = self.bricks.lock()
+                && let Some(running) = bricks.get(&name)
+                && let Ok(mut run) = running.run.lock()
+            {
+                run.generation = applied;
+            }
+            results.push((name, result));
+        }
+        results
+    }
+}
+
+/// One push over a brick's control socket.
+async fn push_one(socket: &std::path::Path, push: &serde_json::Value) -> Result<u64, String> {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+    let stream = tokio::net::UnixStream::connect(socket)
+        .await
+        .map_err(|e| format!("not reachable ({e})"))?;
+    let (read, mut write) = stream.into_split();
+    let mut line = push.to_string().into_bytes();
+    line.push(b'\n');
+    write.write_all(&line).await.map_err(|e| e.to_string())?;
+    let mut answer = String::new();
+    tokio::io::BufReader::new(read)
+        .read_line(&mut answer)
+        .await
+        .map_err(|e| e.to_string())?;
+    let answer: serde_json::Value = serde_json::from_str(&answer).map_err(|e| e.to_string())?;
+    match (answer["generation"].as_u64(), answer["error"].as_str()) {
+        (Some(g), _) => Ok(g),
+        (None, Some(e)) => Err(e.to_owned()),
+        _ => Err(format!("bad answer {answer}")),
+    }
+}
+
+/// `kiln-brickd serve` arguments for brick `index` of `volume` at `generation`.
+fn brick_args(launch: &Launch, volume: &Volume, index: usize, generation: u64) -> Vec<String> {
+    let option = |key: &str| options::effective(&volume.options, key).to_string();
+    let name = Brick::name(&volume.name, index);
+    let brick = &volume.bricks[index];
+    let mut args = vec![
+        "serve".to_owned(),
+        brick.path.display().to_string(),
+        "--listen".to_owned(),
+        std::net::SocketAddr::new(launch.listen_ip, brick.port).to_string(),
+        "--tls-dir".to_owned(),
+        launch.tls_dir.display().to_string(),
+        "--name".to_owned(),
+        name.clone(),
+        "--volume".to_owned(),
+        volume.name.clone(),
+        "--auth-allow".to_owned(),
+        option("auth.allow"),
+        "--inflight-max".to_owned(),
+        option("network.inflight-max"),
+        "--engine".to_owned(),
+        option("server.engine"),
+        "--control".to_owned(),
+        launch
+            .run_dir
+            .join(format!("{name}.sock"))
+            .display()
+            .to_string(),
+        "--generation".to_owned(),
+        generation.to_string(),
+    ];
+    let workers = option("server.event-threads");
+    if workers != "0" {
+        args.extend(["--workers".to_owned(), workers]);
+    }
+    args
+}
+
+/// Runs one brick until `stopped` says so, restarting it when it exits.
+async fn watch_brick(
+    launch: Launch,
+    current: CurrentConfig,
+    (volume, index): (String, usize),
+    run: Arc<Mutex<Run>>,
+    mut stopped: watch::Receiver<bool>,
+) {
+    let name = Brick::name(&volume, index);
+    let mut backoff = RESTART_BACKOFF_MIN;
+    loop {
+        let Some((config, generation)) = current(&volume).filter(|(v, _)| index < v.bricks.len())
+        else {
+            update(&run, |r| r.state = "stopped");
+            return;
+        };
+        let args = brick_args(&launch, &config, index, generation);
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(launch.log_dir.join(format!("{name}.log")));
+        let mut command = tokio::process::Command::new(&launch.brickd);
+        command
+            .args(&args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .kill_on_drop(true);
+        if let Ok(log) = log {
+            command.stderr(log);
+        }
+        let started = Instant::now();
+        match command.spawn() {
+            Ok(mut child) => {
+                let pid = child.id();
+                update(&run, |r| {
+                    r.pid = pid;
+                    r.state = "running";
+                    r.since = Instant::now();
+                    r.generation = generation;
+                });
+                tracing::info!(brick = %name, pid, "brick started");
+                tokio::select! {
+                    exit = child.wait() => {
+                        let how = exit.map_or_else(|e| e.to_string(), |s| s.to_string());
+                        tracing::warn!(brick = %name, %how, ?backoff, "brick exited; restarting");
+                    }
+                    () = stop_requested(&mut stopped) => {
+                        terminate(&mut child).await;
+                        update(&run, |r| { r.pid = None; r.state = "stopped"; });
+                        tracing::info!(brick = %name, "brick stopped");
+                        return;
+                    }
+                }
+            }
+            Err(e) => tracing::error!(brick = %name, error = %e, "cannot start brick"),
+        }
+        if started.elapsed() >= STABLE_RUN {
+            backoff = RESTART_BACKOFF_MIN;
+        }
+        update(&run, |r| {
+            r.pid = None;
+            r.state = "restarting";
+            r.restarts += 1;
+        });
+        tokio::select! {
+            () = tokio::time::sleep(backoff) => {}
+            () = stop_requested(&mut stopped) => {
+                update(&run, |r| r.state = "stopped");
+                return;
+            }
+        }
+        backoff = (backoff * 2).min(RESTART_BACKOFF_MAX);
+    }
+}
+
+/// Completes when the brick is asked to stop (or the supervisor is gone).
+async fn stop_requested(stopped: &mut watch::Receiver<bool>) {
+    let _ = stopped.wait_for(|s| *s).await;
+}
+
+fn update(run: &Mutex<Run>, f: impl FnOnce(&mut Run)) {
+    if let Ok(mut r) = run.lock() {
+        f(&mut r);
+    }
+}
+
+/// SIGTERM, a bounded wait for the drain, then SIGKILL.
+async fn terminate(child: &mut tokio::process::Child) {
+    if let Some(pid) = child
+        .id()
+        .and_then(|p| rustix::process::Pid::from_raw(p as i32))
+    {
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+    }
+    if tokio::time::timeout(STOP_GRACE, child.wait())
+        .await
+        .is_err()
+    {
+        let _ = child.kill().await;
+    }
+}

@@ -1,0 +1,379 @@
+//! The cluster configuration `kiln-mgmtd` keeps: volumes, their bricks and their options, and
+//! the typed changes that are its only way to change ([`Change`], committed by the
+//! [`store`](crate::store)).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::options::{self, OptionError};
+use crate::store::State;
+
+/// Lowest port handed to a brick when the caller does not choose one (GlusterFS's range).
+pub const BRICK_PORT_BASE: u16 = 49152;
+/// Longest volume name, in bytes.
+pub const VOLUME_NAME_MAX_BYTES: usize = 64;
+
+/// Every volume of this management daemon.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Cluster {
+    pub volumes: BTreeMap<String, Volume>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Volume {
+    pub name: String,
+    /// A UUID, fixed at creation.
+    pub id: String,
+    pub bricks: Vec<Brick>,
+    /// Options set explicitly, in canonical form; the rest have their defaults.
+    pub options: BTreeMap<String, String>,
+    pub state: VolumeState,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Brick {
+    /// The brick directory on this host.
+    pub path: PathBuf,
+    /// The UDP port its server listens on.
+    pub port: u16,
+}
+
+impl Brick {
+    /// The name of the brick's certificate and of its log: `<volume>-b<index>`.
+    pub fn name(volume: &str, index: usize) -> String {
+        format!("{volume}-b{index}")
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum VolumeState {
+    Created,
+    Started,
+    Stopped,
+}
+
+impl std::fmt::Display for VolumeState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            VolumeState::Created => "created",
+            VolumeState::Started => "started",
+            VolumeState::Stopped => "stopped",
+        })
+    }
+}
+
+/// One change to the configuration.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "change", rename_all = "kebab-case")]
+pub enum Change {
+    Create(Volume),
+    Delete {
+        volume: String,
+    },
+    Start {
+        volume: String,
+    },
+    Stop {
+        volume: String,
+    },
+    /// `value` in canonical form ([`options::OptionDef::parse`]).
+    Set {
+        volume: String,
+        key: String,
+        value: String,
+    },
+    /// Back to the default; `None` resets every option.
+    Reset {
+        volume: String,
+        key: Option<String>,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("volume {0} does not exist")]
+    NoSuchVolume(String),
+    #[error("volume {0} already exists")]
+    VolumeExists(String),
+    #[error(
+        "bad volume name {0:?}: use 1 to {VOLUME_NAME_MAX_BYTES} letters, digits, '.', '_' or '-'"
+    )]
+    BadVolumeName(String),
+    #[error("a volume needs at least one brick")]
+    NoBricks,
+    #[error("brick {path} must be an absolute path")]
+    RelativeBrick { path: PathBuf },
+    #[error("brick {path} already belongs to volume {volume}")]
+    BrickInUse { path: PathBuf, volume: String },
+    #[error("port {port} is already used by volume {volume}")]
+    PortInUse { port: u16, volume: String },
+    #[error("volume {0} is already started")]
+    AlreadyStarted(String),
+    #[error("volume {0} is not started")]
+    NotStarted(String),
+    #[error("volume {0} is started; stop it first")]
+    StillStarted(String),
+    #[error(transparent)]
+    Option(#[from] OptionError),
+    #[error("value {value:?} for {key} is not in canonical form")]
+    NotCanonical { key: String, value: String },
+}
+
+/// Checks a volume name: it becomes part of file names and certificate names.
+pub fn check_volume_name(name: &str) -> Result<(), ConfigError> {
+    let ok = !name.is_empty()
+        && name.len() <= VOLUME_NAME_MAX_BYTES
+        && !name.starts_with(['.', '-'])
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+    ok.then_some(())
+        .ok_or_else(|| ConfigError::BadVolumeName(name.to_owned()))
+}
+
+impl Cluster {
+    pub fn volume(&self, name: &str) -> Result<&Volume, ConfigError> {
+        self.volumes
+            .get(name)
+            .ok_or_else(|| ConfigError::NoSuchVolume(name.to_owned()))
+    }
+
+    /// The lowest free brick port at or above `from`.
+    pub fn free_port(&self, from: u16, taken_now: &[u16]) -> u16 {
+        let used: Vec<u16> = self
+            .volumes
+            .values()
+            .flat_map(|v| v.bricks.iter().map(|b| b.port))
+            .chain(taken_now.iter().copied())
+            .collect();
+        (from..=u16::MAX)
+            .find(|p| !used.contains(p))
+            .unwrap_or(from)
+    }
+}
+
+impl State for Cluster {
+    type Change = Change;
+    type Error = ConfigError;
+
+    fn check(&self, change: &Change) -> Result<(), ConfigError> {
+        match change {
+            Change::Create(new) => {
+                check_volume_name(&new.name)?;
+                if self.volumes.contains_key(&new.name) {
+                    return Err(ConfigError::VolumeExists(new.name.clone()));
+                }
+                if new.bricks.is_empty() {
+                    return Err(ConfigError::NoBricks);
+                }
+                for (i, brick) in new.bricks.iter().enumerate() {
+                    if !brick.path.is_absolute() {
+                        return Err(ConfigError::RelativeBrick {
+                            path: brick.path.clone(),
+                        });
+                    }
+                    let clash =
+                        |other: &Brick| other.path == brick.path || other.port == brick.port;
+                    if new.bricks[..i].iter().any(clash) {
+                        return Err(ConfigError::BrickInUse {
+                            path: brick.path.clone(),
+                            volume: new.name.clone(),
+                        });
+                    }
+                    for v in self.volumes.values() {
+                        for other in &v.bricks {
+                            if other.path == brick.path {
+                                return Err(ConfigError::BrickInUse {
+                                    path: brick.path.clone(),
+                                    volume: v.name.clone(),
+                                });
+                            }
+                            if other.port == brick.port {
+                                return Err(ConfigError::PortInUse {
+                                    port: brick.port,
+                                    volume: v.name.clone(),
+                                });
+                            }
+                        }
+                    }
+                }
+                for (key, value) in &new.options {
+                    check_option(key, value)?;
+                }
+                Ok(())
+            }
+            Change::Delete { volume } => match self.volume(volume)?.state {
+                VolumeState::Started => Err(ConfigError::StillStarted(volume.clone())),
+                _ => Ok(()),
+            },
+            Change::Start { volume } => match self.volume(volume)?.state {
+                VolumeState::Started => Err(ConfigError::AlreadyStarted(volume.clone())),
+                _ => Ok(()),
+            },
+            Change::Stop { volume } => match self.volume(volume)?.state {
+                VolumeState::Started => Ok(()),
+                _ => Err(ConfigError::NotStarted(volume.clone())),
+            },
+            Change::Set { volume, key, value } => {
+                self.volume(volume)?;
+                check_option(key, value)
+            }
+            Change::Reset { volume, key } => {
+                self.volume(volume)?;
+                match key {
+                    Some(key) => options::find(key).map(drop).map_err(ConfigError::from),
+                    None => Ok(()),
+                }
+            }
+        }
+    }
+
+    fn apply(&mut self, change: &Change) {
+        match change {
+            Change::Create(new) => {
+                self.volumes.insert(new.name.clone(), new.clone());
+            }
+            Change::Delete { volume } => {
+                self.volumes.remove(volume);
+            }
+            Change::Start { volume: name } => {
+                if let Some(v) = self.volumes.get_mut(name) {
+                    v.state = VolumeState::Started;
+                }
+            }
+            Change::Stop { volume: name } => {
+                if let Some(v) = self.volumes.get_mut(name) {
+                    v.state = VolumeState::Stopped;
+                }
+            }
+            Change::Set {
+                volume: name,
+                key,
+                value,
+            } => {
+                if let Some(v) = self.volumes.get_mut(name) {
+                    v.options.insert(key.clone(), value.clone());
+                }
+            }
+            Change::Reset { volume: name, key } => {
+                if let Some(v) = self.volumes.get_mut(name) {
+                    match key {
+                        Some(key) => drop(v.options.remove(key)),
+                        None => v.options.clear(),
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A known key with a value already in canonical form.
+fn check_option(key: &str, value: &str) -> Result<(), ConfigError> {
+    let canonical = options::find(key)?.parse(value)?;
+    if canonical != value {
+        return Err(ConfigError::NotCanonical {
+            key: key.to_owned(),
+            value: value.to_owned(),
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn volume(name: &str, path: &str, port: u16) -> Volume {
+        Volume {
+            name: name.into(),
+            id: "00000000-0000-4000-8000-000000000001".into(),
+            bricks: vec![Brick {
+                path: path.into(),
+                port,
+            }],
+            options: BTreeMap::new(),
+            state: VolumeState::Created,
+        }
+    }
+
+    fn commit(c: &mut Cluster, change: &Change) -> Result<(), ConfigError> {
+        c.check(change)?;
+        c.apply(change);
+        Ok(())
+    }
+
+    #[test]
+    fn lifecycle_and_conflicts() {
+        let mut c = Cluster::default();
+        commit(&mut c, &Change::Create(volume("v1", "/b/1", 49152))).expect("create");
+        assert_eq!(
+            commit(&mut c, &Change::Create(volume("v1", "/b/2", 49153))),
+            Err(ConfigError::VolumeExists("v1".into()))
+        );
+        assert!(matches!(
+            commit(&mut c, &Change::Create(volume("v2", "/b/1", 49153))),
+            Err(ConfigError::BrickInUse { .. })
+        ));
+        assert!(matches!(
+            commit(&mut c, &Change::Create(volume("v2", "/b/2", 49152))),
+            Err(ConfigError::PortInUse { .. })
+        ));
+        assert!(matches!(
+            commit(&mut c, &Change::Create(volume("v2", "b/2", 49153))),
+            Err(ConfigError::RelativeBrick { .. })
+        ));
+        assert!(matches!(
+            commit(&mut c, &Change::Create(volume("../x", "/b/3", 49154))),
+            Err(ConfigError::BadVolumeName(_))
+        ));
+        assert_eq!(c.free_port(BRICK_PORT_BASE, &[49153]), 49154);
+        let v = "v1".to_owned();
+        assert_eq!(
+            commit(&mut c, &Change::Stop { volume: v.clone() }),
+            Err(ConfigError::NotStarted(v.clone()))
+        );
+        commit(&mut c, &Change::Start { volume: v.clone() }).expect("start");
+        assert_eq!(
+            commit(&mut c, &Change::Delete { volume: v.clone() }),
+            Err(ConfigError::StillStarted(v.clone()))
+        );
+        commit(&mut c, &Change::Stop { volume: v.clone() }).expect("stop");
+        commit(&mut c, &Change::Delete { volume: v.clone() }).expect("delete");
+        assert!(c.volumes.is_empty());
+    }
+
+    #[test]
+    fn options_are_checked_and_reset() {
+        let mut c = Cluster::default();
+        commit(&mut c, &Change::Create(volume("v", "/b", 49152))).expect("create");
+        let set = |key: &str, value: &str| Change::Set {
+            volume: "v".into(),
+            key: key.into(),
+            value: value.into(),
+        };
+        commit(&mut c, &set("network.inflight-max", "64")).expect("set");
+        assert!(matches!(
+            commit(&mut c, &set("network.inflight-max", "0")),
+            Err(ConfigError::Option(OptionError::BadValue { .. }))
+        ));
+        assert!(matches!(
+            commit(&mut c, &set("auth.alow", "*")),
+            Err(ConfigError::Option(OptionError::Unknown { .. }))
+        ));
+        commit(&mut c, &set("auth.allow", "alice")).expect("set");
+        commit(
+            &mut c,
+            &Change::Reset {
+                volume: "v".into(),
+                key: Some("auth.allow".into()),
+            },
+        )
+        .expect("reset");
+        let opts = &c.volume("v").expect("v").options;
+        assert_eq!(opts.len(), 1);
+        assert_eq!(opts["network.inflight-max"], "64");
+    }
+}
