@@ -8,6 +8,7 @@
 //! `wire/benches/codec.rs`.
 
 pub mod engine;
+pub mod mgmt;
 pub mod net;
 pub mod report;
 pub mod scratch;

@@ -3,12 +3,14 @@
 //! ```text
 //! kiln-bench engine [--files N] [--dirs N] [--depths 1,16,256] [--loop-fs-mib M] [--json]
 //! kiln-bench net [--files N] [--concurrency 1,16,128] [--pings N] [--bulk-mib M] [--json]
+//! kiln-bench mgmt [--sets N] [--tasks N] [--loop-fs-mib M] [--json]
 //! ```
 
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
 use kiln_bench::engine::{self, EngineBench};
+use kiln_bench::mgmt::{self, MgmtBench};
 use kiln_bench::net::{self, NetBench};
 use kiln_bench::report::{Reporter, environment};
 use kiln_bench::scratch::Scratch;
@@ -95,6 +97,17 @@ enum Workload {
         #[arg(long, default_value_t = 0)]
         endpoints: usize,
     },
+    /// The management path: `kiln volume set` through a real kiln-mgmtd (volume created, then
+    /// started so each set is pushed live to a running brick) and the configuration store's
+    /// commits alone and grouped, against this disk's fsync + rename + fsync floor.
+    Mgmt {
+        /// Operations measured per phase: CLI sets, store commits, floor samples.
+        #[arg(long, default_value_t = 200)]
+        sets: usize,
+        /// Tasks committing at once in the group-commit run.
+        #[arg(long, default_value_t = 16)]
+        tasks: usize,
+    },
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -169,6 +182,9 @@ fn main() -> anyhow::Result<()> {
                 endpoints,
             };
             net::run(&bench, &scratch, &mut out)?;
+        }
+        Workload::Mgmt { sets, tasks } => {
+            mgmt::run(&MgmtBench { sets, tasks }, &scratch, &mut out)?;
         }
     }
     Ok(())

@@ -146,3 +146,77 @@ fn net_workload_runs_and_reports_every_target() {
         }
     }
 }
+
+#[test]
+fn mgmt_workload_runs_and_reports_every_target() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kiln-bench"))
+        .args(["mgmt", "--sets", "20", "--json"])
+        .output()
+        .expect("run kiln-bench");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("JSON Lines"))
+        .collect();
+    assert!(lines[0].get("environment").is_some());
+    // Whether gluster is installed or not, the run says so.
+    let gluster = lines
+        .iter()
+        .find_map(|l| l.get("gluster"))
+        .expect("the gluster note");
+    assert!(gluster["note"].is_string(), "{gluster}");
+    let stop = lines
+        .iter()
+        .find_map(|l| l.get("mgmtd_stop"))
+        .expect("the kiln-mgmtd stop note");
+    assert_eq!(stop["sigkill"], false, "{stop}");
+    let records: Vec<&serde_json::Value> = lines
+        .iter()
+        .filter(|l| l.get("workload").is_some())
+        .collect();
+    for (workload, target) in [
+        ("mgmt.fsync_floor", "fsync_floor"),
+        ("mgmt.commit", "store"),
+        ("mgmt.commit", "store_group"),
+        ("mgmt.set", "kiln-cli"),
+        ("mgmt.set", "kiln-cli-started"),
+    ] {
+        assert!(
+            records
+                .iter()
+                .any(|r| r["workload"] == workload && r["target"] == target),
+            "no {workload} result for {target}"
+        );
+    }
+    let positive = |v: &serde_json::Value| v.as_f64().is_some_and(|x| x > 0.0);
+    for r in &records {
+        assert_eq!(r["reference"], "fsync_floor", "{r}");
+        assert!(positive(&r["ratio"]), "{r}");
+        assert!(positive(&r["ops_per_s"]), "{r}");
+        assert!(positive(&r["p50_us"]) && positive(&r["p99_us"]), "{r}");
+    }
+    // The group run reports the store's own fsync count, and the started run's sets reached
+    // the brick.
+    let group = records
+        .iter()
+        .find(|r| r["target"] == "store_group")
+        .expect("store_group");
+    assert!(
+        group["params"]["fsyncs"].as_u64().is_some_and(|f| f >= 1),
+        "{group}"
+    );
+    let started = records
+        .iter()
+        .find(|r| r["target"] == "kiln-cli-started")
+        .expect("kiln-cli-started");
+    assert!(
+        started["params"]["applied_live"]
+            .as_u64()
+            .is_some_and(|n| n >= 1),
+        "{started}"
+    );
+}

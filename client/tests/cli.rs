@@ -214,21 +214,31 @@ fn kiln_up_serves_a_volume_from_a_directory() {
         .stderr(std::process::Stdio::null())
         .spawn()
         .expect("kiln up");
-    let mut lines = BufReader::new(up.stdout.take().expect("stdout")).lines();
+    // Read its output on a thread, so a kiln up that never says where it serves fails the
+    // test in bounded time instead of hanging it.
+    let stdout = up.stdout.take().expect("stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
     let addr = loop {
-        let line = lines
-            .next()
-            .expect("kiln up printed its address")
-            .expect("line");
-        if let Some(addr) = line.strip_prefix("listening on ") {
-            break addr.to_owned();
+        let line = rx
+            .recv_timeout(std::time::Duration::from_secs(60))
+            .expect("kiln up printed where it serves");
+        if let Some((_, addr)) = line.split_once("KILN_BRICK=") {
+            break addr.trim().to_owned();
         }
     };
     let run = |args: &[&str]| {
         Command::new(bin("kiln"))
             .args(args)
-            .env("KILN_TLS_DIR", data.join("tls"))
+            .env("KILN_TLS_DIR", data.join("state/tls"))
             .env("KILN_BRICK", &addr)
+            .env("KILN_MGMT_SOCKET", data.join("mgmtd.sock"))
             .output()
             .expect("run kiln")
     };
@@ -240,7 +250,10 @@ fn kiln_up_serves_a_volume_from_a_directory() {
             .success()
     );
     assert_eq!(run(&["cat", "/readme"]).stdout, b"served\n");
-    // The brick took kiln's place: SIGTERM reaches it, and it drains and exits 0.
+    assert!(
+        String::from_utf8_lossy(&run(&["volume", "status", "local"]).stdout).contains("running")
+    );
+    // SIGTERM goes to the daemon, which stops the brick; everything exits cleanly.
     let pid = rustix::process::Pid::from_raw(i32::try_from(up.id()).expect("pid")).expect("pid");
     rustix::process::kill_process(pid, rustix::process::Signal::TERM).expect("kill");
     assert!(up.wait().expect("wait").success());

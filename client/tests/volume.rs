@@ -297,10 +297,11 @@ fn live_options_reach_running_bricks() {
     m.ok(&["volume", "start", "live"]);
     m.running_pids("live");
     m.ok(&["cert", "issue", "--client", "bob"]);
+    let tls = m.state.join("tls");
     let as_client = |client: &str| {
         Command::new(bin("kiln"))
             .args(["ls", "/"])
-            .env("KILN_TLS_DIR", m.state.join("tls"))
+            .env("KILN_TLS_DIR", &tls)
             .env("KILN_BRICK", "127.0.0.1:47200")
             .env("KILN_CLIENT", client)
             .output()
@@ -333,6 +334,22 @@ fn live_options_reach_running_bricks() {
     assert!(said.contains("next start"), "{said}");
     m.ok(&["volume", "reset", "live", "all"]);
     assert!(as_client("bob").status.success(), "auth.allow is back to *");
+
+    // A killed daemon takes its bricks with it (they drain and exit), leaving no orphan
+    // holding the port for the next daemon.
+    let pid = m.running_pids("live")[0];
+    m.kill9();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Path::new(&format!("/proc/{pid}")).exists() {
+        assert!(Instant::now() < deadline, "brick {pid} outlived its daemon");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let m = Mgmtd::start(dir.path());
+    m.running_pids("live");
+    assert!(
+        as_client("bob").status.success(),
+        "served again after the daemon restarts"
+    );
 }
 
 #[test]

@@ -87,6 +87,10 @@ struct ServeArgs {
     /// The configuration generation these arguments come from (reported back on pushes).
     #[arg(long, default_value_t = 0)]
     generation: u64,
+    /// Stop (as on SIGTERM) when the parent process dies: set by kiln-mgmtd, so a brick never
+    /// outlives its supervisor and a restarted supervisor starts it afresh.
+    #[arg(long)]
+    die_with_parent: bool,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -153,6 +157,13 @@ fn lock_brick(brick: &Brick) -> anyhow::Result<std::fs::File> {
 }
 
 fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    if args.die_with_parent {
+        rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::TERM))?;
+        // The parent may have died before the call above.
+        if rustix::process::getppid().is_none_or(|p| p.as_raw_nonzero().get() == 1) {
+            anyhow::bail!("the parent process is gone; not serving");
+        }
+    }
     let files = pki::identity_files(
         &args.tls_dir,
         &pki::Role::Brick { hosts: vec![] },

@@ -265,6 +265,7 @@ fn brick_args(launch: &Launch, volume: &Volume, index: usize, generation: u64) -
             .to_string(),
         "--generation".to_owned(),
         generation.to_string(),
+        "--die-with-parent".to_owned(),
     ];
     let workers = option("server.event-threads");
     if workers != "0" {

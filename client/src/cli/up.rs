@@ -1,64 +1,171 @@
-//! `kiln up`: one command from a fresh clone to a served volume. It makes what is missing —
-//! the cluster CA, a brick certificate, an `admin` client certificate, the brick — then runs
-//! `kiln-brickd serve` in its place, in the foreground, until Ctrl-C. (The management daemon will take this
-//! over: see README.md, Status.)
+//! `kiln up`: one command from a fresh clone to a served volume. It runs `kiln-mgmtd` with its
+//! state (embedded store, TLS material, brick logs) in `DATA_DIR/state`, makes the one-brick
+//! volume `local` on `DATA_DIR/brick` if it does not exist, starts it, says how to reach it,
+//! and runs until Ctrl-C or SIGTERM, which it passes to the daemon (which stops the brick).
 
 use std::net::SocketAddr;
-use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use kiln_mgmt::pki::{self, Role};
+use kiln_mgmt::protocol::{Request, Response};
 
-const BRICK_NAME: &str = "local";
-const CLIENT_NAME: &str = "admin";
+use crate::volume::call;
+
+/// The volume `kiln up` serves.
+const VOLUME: &str = "local";
+/// How long the daemon and the brick may take to come up.
+const START_TIMEOUT: Duration = Duration::from_secs(30);
 
 pub(crate) fn run(data_dir: &Path, listen: SocketAddr) -> anyhow::Result<()> {
     std::fs::create_dir_all(data_dir)
         .with_context(|| format!("cannot create {}", data_dir.display()))?;
     let data_dir = data_dir.canonicalize()?;
-    let tls = data_dir.join("tls");
-    if !pki::ca_files(&tls).cert.exists() {
-        pki::init_ca(&tls)?;
-    }
-    let brick_role = Role::Brick {
-        hosts: vec!["localhost".into(), listen.ip().to_string()],
-    };
-    for (role, name) in [(&brick_role, BRICK_NAME), (&Role::Client, CLIENT_NAME)] {
-        if !pki::identity_files(&tls, role, name).cert.exists() {
-            pki::issue(&tls, role, name, pki::CERT_VALIDITY_DAYS)?;
-        }
-    }
-
-    let brickd = sibling_binary("kiln-brickd")?;
+    let state = data_dir.join("state");
+    let socket = data_dir.join("mgmtd.sock");
     let brick = data_dir.join("brick");
-    if !brick.join(".glusterfs").exists() {
-        std::fs::create_dir_all(&brick)?;
-        let status = Command::new(&brickd).arg("format").arg(&brick).status()?;
-        if !status.success() {
-            bail!("kiln-brickd format {} failed", brick.display());
-        }
+
+    let mut mgmtd = Command::new(sibling_binary("kiln-mgmtd")?)
+        .arg("--state-dir")
+        .arg(&state)
+        .arg("--socket")
+        .arg(&socket)
+        .arg("--listen-ip")
+        .arg(listen.ip().to_string())
+        .spawn()
+        .context("cannot start kiln-mgmtd")?;
+    let result = bring_up(&socket, &brick, listen, &mut mgmtd).and_then(|port| {
+        let tls = state.join("tls");
+        println!(
+            "volume {VOLUME} is served from {} on {}:{port}",
+            brick.display(),
+            listen.ip()
+        );
+        println!("in another shell:");
+        println!(
+            "  export KILN_MGMT_SOCKET={} KILN_TLS_DIR={} KILN_BRICK={}:{port}",
+            socket.display(),
+            tls.display(),
+            listen.ip()
+        );
+        println!("  kiln put ./README.md /readme && kiln ls -l /");
+        println!("  kiln volume status {VOLUME}");
+        wait_for_signal(&mut mgmtd)
+    });
+    if result.is_err() {
+        let _ = mgmtd.kill();
+        let _ = mgmtd.wait();
     }
-    println!("serving {} on {listen}; in another shell:", brick.display());
-    println!(
-        "  export KILN_TLS_DIR={} KILN_BRICK={listen}",
-        tls.display()
+    result
+}
+
+/// Waits for the daemon, creates the volume if needed, starts it and waits for its brick;
+/// returns the brick's port.
+fn bring_up(
+    socket: &Path,
+    brick: &Path,
+    listen: SocketAddr,
+    mgmtd: &mut std::process::Child,
+) -> anyhow::Result<u16> {
+    let deadline = Instant::now() + START_TIMEOUT;
+    while std::os::unix::net::UnixStream::connect(socket).is_err() {
+        if let Some(status) = mgmtd.try_wait()? {
+            bail!("kiln-mgmtd exited with {status}");
+        }
+        if Instant::now() > deadline {
+            bail!("kiln-mgmtd did not open {} in time", socket.display());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let exists = matches!(
+        call(
+            socket,
+            &Request::VolumeInfo {
+                name: Some(VOLUME.into())
+            }
+        )?,
+        Response::Volumes { .. }
     );
-    println!("  kiln put ./README.md /readme && kiln ls -l /");
-    // The brick takes this process's place, so Ctrl-C and SIGTERM reach it directly and it
-    // drains before the shell prompt returns.
-    let error = Command::new(&brickd)
-        .arg("serve")
-        .arg(&brick)
-        .arg("--listen")
-        .arg(listen.to_string())
-        .arg("--tls-dir")
-        .arg(&tls)
-        .arg("--name")
-        .arg(BRICK_NAME)
-        .exec();
-    Err(error).with_context(|| format!("cannot run {}", brickd.display()))
+    if !exists {
+        let port = (listen.port() != 0).then_some(listen.port());
+        expect_done(call(
+            socket,
+            &Request::VolumeCreate {
+                name: VOLUME.into(),
+                bricks: vec![brick.to_path_buf()],
+                port,
+            },
+        )?)?;
+    }
+    if let Response::Volumes { volumes, .. } = call(
+        socket,
+        &Request::VolumeInfo {
+            name: Some(VOLUME.into()),
+        },
+    )? && volumes
+        .first()
+        .is_some_and(|v| v.state != kiln_mgmt::volume::VolumeState::Started)
+    {
+        expect_done(call(
+            socket,
+            &Request::VolumeStart {
+                name: VOLUME.into(),
+            },
+        )?)?;
+    }
+    loop {
+        if let Response::Status { bricks } = call(
+            socket,
+            &Request::VolumeStatus {
+                name: VOLUME.into(),
+            },
+        )? && let Some(b) = bricks.first()
+            && b.state == "running"
+            && b.generation.is_some()
+        {
+            // The brick process runs; give its server a moment to bind before saying so.
+            if std::net::UdpSocket::bind(SocketAddr::new(listen.ip(), b.port)).is_err() {
+                return Ok(b.port);
+            }
+        }
+        if Instant::now() > deadline {
+            bail!("the brick did not start; see its log under the state directory's logs/");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn expect_done(response: Response) -> anyhow::Result<()> {
+    match response {
+        Response::Error { message } => bail!("{message}"),
+        _ => Ok(()),
+    }
+}
+
+/// Runs until SIGINT or SIGTERM, then has the daemon stop (and stop its brick).
+fn wait_for_signal(mgmtd: &mut std::process::Child) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut term = signal(SignalKind::terminate())?;
+        let mut int = signal(SignalKind::interrupt())?;
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        anyhow::Ok(())
+    })?;
+    if let Some(pid) = rustix::process::Pid::from_raw(i32::try_from(mgmtd.id())?) {
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+    }
+    let status = mgmtd.wait()?;
+    if !status.success() {
+        bail!("kiln-mgmtd exited with {status}");
+    }
+    Ok(())
 }
 
 /// `name` next to this executable (how cargo and packages lay them out), else from PATH.
