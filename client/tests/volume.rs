@@ -135,10 +135,26 @@ fn volume_lifecycle_options_and_supervision() {
     );
 
     // Options: validated before anything is written.
+    let generation = |m: &Mgmtd| {
+        let json = m.ok(&["volume", "--json", "info", "vol"]);
+        serde_json::from_str::<serde_json::Value>(&json).expect("json")["generation"]
+            .as_u64()
+            .expect("generation")
+    };
+    let before = generation(&m);
     let unknown = m.fails(&["volume", "set", "vol", "auth.alow", "alice"]);
     assert!(unknown.contains("did you mean 'auth.allow'"), "{unknown}");
     let bad = m.fails(&["volume", "set", "vol", "network.inflight-max", "0"]);
     assert!(bad.contains("an integer from 1 to 4096"), "{bad}");
+    assert!(
+        m.fails(&["volume", "set", "nope", "auth.allow", "*"])
+            .contains("does not exist")
+    );
+    assert!(
+        m.fails(&["volume", "reset", "vol", "x.y"])
+            .contains("unknown option")
+    );
+    assert_eq!(generation(&m), before, "a refused change writes nothing");
     m.ok(&["volume", "set", "vol", "network.inflight-max", "64"]);
     m.ok(&["volume", "set", "vol", "auth.allow", "admin"]);
     let got = m.ok(&["volume", "get", "vol", "network.inflight-max"]);
@@ -219,66 +235,77 @@ fn volume_lifecycle_options_and_supervision() {
 
 #[test]
 fn acknowledged_sets_survive_kill_9() {
+    const ROUNDS: usize = 3;
+    // Where in the storm the daemon dies is seeded; KILN_MGMT_SEED replays a failure.
+    let seed: u64 = std::env::var("KILN_MGMT_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0x5eed);
+    let mut rng = seed;
     let dir = tempfile::tempdir().expect("tempdir");
     let b = dir.path().join("brick");
-    let m = Mgmtd::start(dir.path());
+    let mut m = Mgmtd::start(dir.path());
     m.ok(&["volume", "create", "v", b.to_str().expect("utf-8")]);
-    // A storm of sets from several threads; the daemon is killed in the middle of it.
-    let socket = m.socket.clone();
-    let acked: Vec<(usize, u32)> = std::thread::scope(|scope| {
-        let threads: Vec<_> = (0..4)
-            .map(|t| {
-                let socket = socket.clone();
-                scope.spawn(move || {
-                    let mut acked = Vec::new();
-                    for i in 0..200u32 {
-                        let value = (t as u32) * 1000 + i + 1;
-                        let out = Command::new(bin("kiln"))
-                            .args(["volume", "set", "v", "network.inflight-max"])
-                            .arg((value % 4096 + 1).to_string())
-                            .env("KILN_MGMT_SOCKET", &socket)
-                            .output()
-                            .expect("kiln");
-                        if !out.status.success() {
-                            break;
+    let mut acked_total = 0u64;
+    for round in 0..ROUNDS {
+        rng = rng
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        let kill_after = Duration::from_millis(100 + (rng >> 33) % 800);
+        // A storm of sets from several threads; the daemon is killed in the middle of it.
+        let socket = m.socket.clone();
+        let acked: usize = std::thread::scope(|scope| {
+            let threads: Vec<_> = (0..4u32)
+                .map(|t| {
+                    let socket = socket.clone();
+                    scope.spawn(move || {
+                        let mut acked = 0;
+                        for i in 0..200u32 {
+                            let value = (t * 1000 + i) % 4096 + 1;
+                            let out = Command::new(bin("kiln"))
+                                .args(["volume", "set", "v", "network.inflight-max"])
+                                .arg(value.to_string())
+                                .env("KILN_MGMT_SOCKET", &socket)
+                                .output()
+                                .expect("kiln");
+                            if !out.status.success() {
+                                break;
+                            }
+                            acked += 1;
                         }
-                        acked.push((t, value % 4096 + 1));
-                    }
-                    acked
+                        acked
+                    })
                 })
-            })
-            .collect();
-        std::thread::sleep(Duration::from_millis(700));
-        let pid =
-            rustix::process::Pid::from_raw(i32::try_from(m.child.id()).expect("pid")).expect("pid");
-        rustix::process::kill_process(pid, rustix::process::Signal::KILL).expect("kill -9");
-        threads
-            .into_iter()
-            .flat_map(|t| t.join().expect("thread"))
-            .collect()
-    });
+                .collect();
+            std::thread::sleep(kill_after);
+            let pid = rustix::process::Pid::from_raw(i32::try_from(m.child.id()).expect("pid"))
+                .expect("pid");
+            rustix::process::kill_process(pid, rustix::process::Signal::KILL).expect("kill -9");
+            threads.into_iter().map(|t| t.join().expect("thread")).sum()
+        });
+        acked_total += acked as u64;
+        m.kill9();
+        m = Mgmtd::start(dir.path());
+        // Every transaction is one generation and the log is replayed in order, so every
+        // acknowledged set (and the create) is there when the generation covers them all.
+        let json = m.ok(&["volume", "--json", "info", "v"]);
+        let info: serde_json::Value = serde_json::from_str(&json).expect("json");
+        let generation = info["generation"].as_u64().expect("generation");
+        assert!(
+            generation > acked_total,
+            "seed {seed} round {round}: generation {generation} after {acked_total} acknowledged sets"
+        );
+        assert!(
+            info["volumes"][0]["options"]["network.inflight-max"]
+                .as_str()
+                .is_some_and(|v| v.parse::<u32>().is_ok()),
+            "seed {seed} round {round}: {json}"
+        );
+    }
     assert!(
-        !acked.is_empty(),
-        "some sets were acknowledged before the kill"
+        acked_total > 0,
+        "some sets were acknowledged before the kills"
     );
-    m.kill9();
-    let m = Mgmtd::start(dir.path());
-    // Every transaction is one generation and the log is replayed in order, so every
-    // acknowledged set (and the create) is there when the generation covers them all.
-    let json = m.ok(&["volume", "--json", "info", "v"]);
-    let info: serde_json::Value = serde_json::from_str(&json).expect("json");
-    let generation = info["generation"].as_u64().expect("generation");
-    assert!(
-        generation > acked.len() as u64,
-        "generation {generation} after {} acknowledged sets",
-        acked.len()
-    );
-    let value = info["volumes"][0]["options"]["network.inflight-max"]
-        .as_str()
-        .expect("the option is set");
-    assert!(value.parse::<u32>().is_ok(), "{value}");
-    let log = std::fs::read_to_string(dir.path().join("mgmtd.log")).unwrap_or_default();
-    assert!(log.contains("configuration loaded"), "{log}");
 }
 
 #[test]

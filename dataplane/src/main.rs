@@ -69,6 +69,12 @@ struct ServeArgs {
     /// Worker threads (server.event-threads); default one per core.
     #[arg(long)]
     workers: Option<usize>,
+    /// Cached inode → GFID entries (network.inode-lru-limit).
+    #[arg(long)]
+    gfid_cache_entries: Option<usize>,
+    /// Directory fds held open (storage.dirfd-cache-entries).
+    #[arg(long)]
+    dirfd_cache_entries: Option<usize>,
     /// Calls in flight per connection (network.inflight-max).
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=4096))]
     inflight_max: u32,
@@ -190,6 +196,18 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     if let Some(workers) = args.workers {
         engine_config.workers = workers.max(1);
+    }
+    if let Some(n) = args
+        .gfid_cache_entries
+        .and_then(std::num::NonZeroUsize::new)
+    {
+        engine_config.fops.gfid_cache_entries = n;
+    }
+    if let Some(n) = args
+        .dirfd_cache_entries
+        .and_then(std::num::NonZeroUsize::new)
+    {
+        engine_config.fops.dirfd_cache_entries = n;
     }
     let engine = Engine::start(&brick, &engine_config)?;
 

@@ -20,7 +20,7 @@ use crate::options;
 use crate::pki::{self, Role};
 use crate::protocol::{LINE_MAX_BYTES, OptionValue, Request, Response};
 use crate::store::{CommitError, Store, StoreOptions};
-use crate::supervisor::{CurrentConfig, Launch, Supervisor};
+use crate::supervisor::{CurrentConfig, Launch, NOT_IMPLEMENTED_BY_BRICK, Supervisor};
 use crate::volume::{BRICK_PORT_BASE, Brick, Change, Cluster, ConfigError, Volume, VolumeState};
 
 /// The client certificate made for the local administrator.
@@ -257,7 +257,12 @@ impl Daemon {
                     })
                     .await?;
                 let live = options::find(&key)?.apply == options::Apply::Live;
-                let note = self.apply_to_bricks(&name, generation, live).await?;
+                let mut note = self.apply_to_bricks(&name, generation, live).await?;
+                if NOT_IMPLEMENTED_BY_BRICK.contains(&key.as_str()) {
+                    note.push_str(
+                        "; note: this brick version stores this option but does not act on it yet",
+                    );
+                }
                 done(
                     generation,
                     format!("{key} = {value} on volume {name}{note}"),

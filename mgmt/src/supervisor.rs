@@ -42,6 +42,13 @@ pub struct Launch {
 /// restarted brick runs what was committed last.
 pub type CurrentConfig = Arc<dyn Fn(&str) -> Option<(Volume, u64)> + Send + Sync>;
 
+/// Options in the table that this version of the brick stores but does not act on yet.
+pub const NOT_IMPLEMENTED_BY_BRICK: &[&str] = &[
+    "diagnostics.count-fop-hits",
+    "diagnostics.latency-measurement",
+    "storage.fsync-policy",
+];
+
 /// How long a live push to one brick may take.
 pub const PUSH_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -257,6 +264,10 @@ fn brick_args(launch: &Launch, volume: &Volume, index: usize, generation: u64) -
         option("network.inflight-max"),
         "--engine".to_owned(),
         option("server.engine"),
+        "--gfid-cache-entries".to_owned(),
+        option("network.inode-lru-limit"),
+        "--dirfd-cache-entries".to_owned(),
+        option("storage.dirfd-cache-entries"),
         "--control".to_owned(),
         launch
             .run_dir
