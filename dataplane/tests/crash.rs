@@ -498,7 +498,16 @@ fn full_disk_gives_enospc_and_loses_nothing() {
     struct Unmount(std::path::PathBuf);
     impl Drop for Unmount {
         fn drop(&mut self) {
-            let _ = Command::new("umount").arg(&self.0).status();
+            // The engine's threads may still hold directory fds for a moment (EBUSY); retry,
+            // then detach lazily so no mount outlives the test.
+            for _ in 0..50 {
+                let done = Command::new("umount").arg(&self.0).output();
+                if done.is_ok_and(|o| o.status.success()) {
+                    return;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            let _ = Command::new("umount").arg("-l").arg(&self.0).output();
         }
     }
     let _unmount = Unmount(mnt.clone());
