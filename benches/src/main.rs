@@ -96,6 +96,9 @@ enum Workload {
         /// endpoint); 0 = every worker.
         #[arg(long, default_value_t = 0)]
         endpoints: usize,
+        /// Client connections the PUTs are spread over.
+        #[arg(long, default_value_t = 1)]
+        connections: usize,
     },
     /// The management path: `kiln volume set` through a real kiln-mgmtd (volume created, then
     /// started so each set is pushed live to a running brick) and the configuration store's
@@ -163,6 +166,7 @@ fn main() -> anyhow::Result<()> {
             engine,
             client_threads,
             endpoints,
+            connections,
         } => {
             let bench = NetBench {
                 files,
@@ -180,6 +184,7 @@ fn main() -> anyhow::Result<()> {
                 },
                 client_threads,
                 endpoints,
+                connections,
             };
             net::run(&bench, &scratch, &mut out)?;
         }

@@ -39,6 +39,7 @@
 //! probe failure) is in no counter: it shows only as loss inside quinn.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -80,6 +81,8 @@ pub struct NetBench {
     pub client_threads: usize,
     /// Ring workers that run a QUIC endpoint (1 = one shared endpoint; 0 = all workers).
     pub endpoints: usize,
+    /// Client connections the PUTs are spread over (round robin).
+    pub connections: usize,
 }
 
 /// Bytes each way in the TCP ping-pong.
@@ -303,7 +306,17 @@ pub fn run(bench: &NetBench, scratch: &Scratch, out: &mut Reporter) -> anyhow::R
     );
 
     let mut records = Vec::new();
-    records.extend(create(bench, scratch, &setup, &rt, &volume, out)?);
+    // More connections for the PUTs: each gets its own client port, so the kernel spreads
+    // them over the brick's endpoints.
+    let mut volumes = vec![volume.clone()];
+    for _ in 1..bench.connections.max(1) {
+        let mut options =
+            ConnectOptions::from_tls_dir(server.local_addr(), setup.tls_dir.path(), CLIENT_NAME)?;
+        options.udp_payload_max_bytes = bench.udp_payload;
+        volumes.push(rt.block_on(Volume::connect(options))?);
+    }
+    let volumes = Arc::new(volumes);
+    records.extend(create(bench, scratch, &setup, &rt, &volumes, out)?);
     records.extend(ping(bench, &rt, &volume, ping_frame, out)?);
     records.extend(bulk(bench, &setup, &rt, (server, volume), out)?);
     Ok(records)
@@ -353,15 +366,16 @@ fn create(
     scratch: &Scratch,
     setup: &Setup,
     rt: &tokio::runtime::Runtime,
-    volume: &Volume,
+    volumes: &Arc<Vec<Volume>>,
     out: &mut Reporter,
 ) -> anyhow::Result<Vec<Record>> {
     use std::io::Write as _;
+    let volume = &volumes[0];
     let data = Bytes::from(vec![0x5a; bench.file_bytes]);
     let dirs = bench.dirs.max(1);
     let params = |concurrency: usize| {
         json!({ "files": bench.files, "dirs": dirs, "bytes": bench.file_bytes,
-                "concurrency": concurrency })
+                "concurrency": concurrency, "connections": bench.connections.max(1) })
     };
     let mut records = Vec::new();
 
@@ -439,9 +453,10 @@ fn create(
         })?;
         let udp = udp_counters();
         let put = {
-            let volume = volume.clone();
+            // Round robin over the connections (one, unless --connections asks for more).
+            let (volumes, next) = (volumes.clone(), Arc::new(AtomicUsize::new(0)));
             move |parent: Gfid, name: Name, data: Bytes| {
-                let volume = volume.clone();
+                let volume = volumes[next.fetch_add(1, Ordering::Relaxed) % volumes.len()].clone();
                 async move {
                     volume.put_at(parent, name, data, 0o644).await?;
                     anyhow::Ok(())

@@ -207,6 +207,21 @@ fn volume_lifecycle_options_and_supervision() {
     }
     let status = m.ok(&["volume", "status", "vol"]);
     assert!(status.contains("running"), "{status}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let json = m.ok(&["volume", "--json", "status", "vol"]);
+        let v: serde_json::Value = serde_json::from_str(&json).expect("json");
+        if v["bricks"]
+            .as_array()
+            .expect("bricks")
+            .iter()
+            .all(|b| b["health"] == "ok")
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "bricks not healthy: {json}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
 
     assert!(
         m.fails(&["volume", "delete", "vol"])

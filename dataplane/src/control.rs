@@ -4,6 +4,8 @@
 //! ```text
 //! → {"generation":7,"options":{"auth.allow":"alice,bob","network.inflight-max":"128"}}
 //! ← {"generation":7}            or   {"error":"…"}
+//! → {"status":true}             (a health probe: changes nothing)
+//! ← {"generation":7}
 //! ```
 //! Options the brick cannot change while running are not sent: they take effect when
 //! kiln-mgmtd restarts it.
@@ -44,6 +46,7 @@ pub(crate) async fn serve(stream: UnixStream, server: &mut Server, generation: &
         .read_line(&mut line)
         .await
     {
+        Ok(_) if is_status_probe(&line) => serde_json::json!({ "generation": *generation }),
         Ok(_) => match apply(&line, server) {
             Ok(applied) => {
                 *generation = applied;
@@ -60,6 +63,10 @@ pub(crate) async fn serve(stream: UnixStream, server: &mut Server, generation: &
     let mut out = answer.to_string().into_bytes();
     out.push(b'\n');
     let _ = write.write_all(&out).await;
+}
+
+fn is_status_probe(line: &str) -> bool {
+    serde_json::from_str::<serde_json::Value>(line).is_ok_and(|v| v["status"] == true)
 }
 
 fn apply(line: &str, server: &mut Server) -> anyhow::Result<u64> {

@@ -245,7 +245,7 @@ impl Daemon {
                 })
             })?,
             Request::VolumeStatus { name } => Response::Status {
-                bricks: self.supervisor.status(&self.volume(&name)?),
+                bricks: self.supervisor.checked_status(&self.volume(&name)?).await,
             },
             Request::VolumeSet { name, key, value } => {
                 let value = options::find(&key)?.parse(&value)?;

@@ -95,4 +95,7 @@ pub struct BrickStatus {
     pub restarts: u32,
     /// The configuration generation the running brick has applied.
     pub generation: Option<u64>,
+    /// `ok` when the running brick answers on its control socket, else why not; `-` when it
+    /// is not running.
+    pub health: String,
 }

@@ -49,6 +49,8 @@ pub const NOT_IMPLEMENTED_BY_BRICK: &[&str] = &[
     "storage.fsync-policy",
 ];
 
+/// How long a health probe of one brick may take.
+pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(1);
 /// How long a live push to one brick may take.
 pub const PUSH_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -174,9 +176,32 @@ impl Supervisor {
                         .map_or(0, |r| r.since.elapsed().as_secs()),
                     restarts: run.as_ref().map_or(0, |r| r.restarts),
                     generation: run.filter(|r| r.pid.is_some()).map(|r| r.generation),
+                    health: "-".to_owned(),
                 }
             })
             .collect()
+    }
+
+    /// [`Supervisor::status`] with each running brick probed on its control socket.
+    pub async fn checked_status(&self, volume: &Volume) -> Vec<BrickStatus> {
+        let mut status = self.status(volume);
+        let probe = serde_json::json!({ "status": true });
+        for (i, brick) in status.iter_mut().enumerate() {
+            if brick.pid.is_none() {
+                continue;
+            }
+            let socket = self
+                .launch
+                .run_dir
+                .join(format!("{}.sock", Brick::name(&volume.name, i)));
+            brick.health =
+                match tokio::time::timeout(HEALTH_TIMEOUT, push_one(&socket, &probe)).await {
+                    Ok(Ok(_)) => "ok".to_owned(),
+                    Ok(Err(why)) => format!("unresponsive: {why}"),
+                    Err(_) => "unresponsive: no answer in time".to_owned(),
+                };
+        }
+        status
     }
 
     /// Pushes the live options of `volume` at `generation` to its running bricks. Returns,

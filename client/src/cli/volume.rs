@@ -148,19 +148,22 @@ fn print(response: Response, list_only: bool) -> anyhow::Result<()> {
         }
         Response::Status { bricks } => {
             println!(
-                "{:<40} {:>5} {:>8} {:<10} {:>8} {:>8}",
-                "brick", "port", "pid", "state", "uptime", "restarts"
+                "{:<40} {:>5} {:>8} {:<10} {:>8} {:>8} {:>10}  health",
+                "brick", "port", "pid", "state", "uptime", "restarts", "generation"
             );
             for b in bricks {
                 let pid = b.pid.map_or("-".to_owned(), |p| p.to_string());
+                let generation = b.generation.map_or("-".to_owned(), |g| g.to_string());
                 println!(
-                    "{:<40} {:>5} {:>8} {:<10} {:>7}s {:>8}",
+                    "{:<40} {:>5} {:>8} {:<10} {:>7}s {:>8} {:>10}  {}",
                     b.path.display(),
                     b.port,
                     pid,
                     b.state,
                     b.uptime_secs,
-                    b.restarts
+                    b.restarts,
+                    generation,
+                    b.health
                 );
             }
         }
