@@ -77,7 +77,16 @@ impl Scratch {
 impl Drop for Scratch {
     fn drop(&mut self) {
         if self.mounted {
-            let _ = run("umount", &[&self.path().to_string_lossy()]);
+            // Engine threads may hold directory fds for a moment longer (EBUSY): retry, then
+            // detach lazily so no mount outlives the benchmark.
+            let path = self.path().to_string_lossy().into_owned();
+            for _ in 0..50 {
+                if run("umount", &[&path]).is_ok() {
+                    return;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            let _ = run("umount", &["-l", &path]);
         }
     }
 }

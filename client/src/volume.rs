@@ -355,6 +355,18 @@ impl Volume {
             } => Err(Error::Refused(format!(
                 "the brick does not speak protocol version {PROTOCOL_VERSION}"
             ))),
+            // The brick answers EACCES at HELLO to a client not in `auth.allow`.
+            Outcome::Error {
+                error: ErrorCode::Access,
+                ..
+            } => Err(Error::Refused(format!(
+                "client '{}' is not allowed on this volume (auth.allow)",
+                options.client_name
+            ))),
+            Outcome::Error { error, .. } => Err(Error::Refused(format!(
+                "HELLO refused: {}",
+                crate::error::errno_text(error.to_errno())
+            ))),
             other => Err(Error::Protocol(format!("bad HELLO answer {other:?}"))),
         }
     }

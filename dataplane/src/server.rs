@@ -455,15 +455,15 @@ async fn serve_connection(incoming: quinn::Incoming, context: Rc<Context>) {
         connection.close(CloseCode::ShuttingDown.into(), b"brick state poisoned");
         return;
     };
-    if !live.auth_allow.allows(&client) {
+    // A client not in auth.allow is refused at HELLO, so the refusal and its reason reach
+    // it instead of racing the end of its TLS handshake.
+    let refusal = (!live.auth_allow.allows(&client)).then(|| {
         tracing::warn!(%remote, %client, "connection refused: client is not in auth.allow");
-        let reason = format!("client '{client}' is not allowed on this volume (auth.allow)");
-        connection.close(CloseCode::NotAllowed.into(), reason.as_bytes());
-        return;
-    }
-    if let Err(reason) = handshake(&connection, &live.hello).await {
+        format!("client '{client}' is not allowed on this volume (auth.allow)")
+    });
+    if let Err((code, reason)) = handshake(&connection, &live.hello, refusal).await {
         tracing::warn!(%remote, %client, %reason, "connection closed at HELLO");
-        connection.close(CloseCode::Protocol.into(), reason.as_bytes());
+        connection.close(code.into(), reason.as_bytes());
         return;
     }
     tracing::debug!(%remote, %client, "session open");
@@ -514,51 +514,62 @@ fn peer_name(connection: &quinn::Connection) -> Option<String> {
 }
 
 /// Answers the connection's first call, which must be HELLO.
-async fn handshake(connection: &quinn::Connection, hello_reply: &HelloReply) -> Result<(), String> {
+/// Answers the connection's first call, which must be HELLO. A refusal (`refused`, or a
+/// version the brick does not speak) is answered with an error reply that reaches the client
+/// before the connection is closed with the returned code and reason.
+async fn handshake(
+    connection: &quinn::Connection,
+    hello_reply: &HelloReply,
+    refused: Option<String>,
+) -> Result<(), (CloseCode, String)> {
+    let protocol = |reason: String| (CloseCode::Protocol, reason);
     let (mut send, mut recv) = tokio::time::timeout(HELLO_TIMEOUT, connection.accept_bi())
         .await
-        .map_err(|_| "no HELLO in time".to_owned())?
-        .map_err(|e| e.to_string())?;
+        .map_err(|_| protocol("no HELLO in time".to_owned()))?
+        .map_err(|e| protocol(e.to_string()))?;
+    let error = |error| Outcome::Error {
+        call: CallCode::Hello,
+        error,
+    };
     let (id, outcome, refusal) = match quic::read_message(&mut recv).await {
         Ok(Message::Request(Request {
             id,
             call: Call::Hello(hello),
-        })) => match hello.negotiate() {
-            Ok(_) => (id, Outcome::Hello(hello_reply.clone()), None),
-            Err(error) => (
+        })) => match (hello.negotiate(), refused) {
+            (Err(code), _) => (
                 id,
-                Outcome::Error {
-                    call: CallCode::Hello,
-                    error,
-                },
-                Some(format!(
+                error(code),
+                Some(protocol(format!(
                     "the client's protocol versions {}..={} do not include {PROTOCOL_VERSION}, \
                      the only one this brick speaks",
                     hello.version_min, hello.version_max
-                )),
+                ))),
             ),
+            (Ok(_), Some(reason)) => (
+                id,
+                error(ErrorCode::Access),
+                Some((CloseCode::NotAllowed, reason)),
+            ),
+            (Ok(_), None) => (id, Outcome::Hello(hello_reply.clone()), None),
         },
         // A frame of another version still gets an answer this brick can write.
         Err(quic::StreamError::Decode(e @ kiln_wire::DecodeError::UnsupportedVersion(_))) => (
             0,
-            Outcome::Error {
-                call: CallCode::Hello,
-                error: ErrorCode::ProtoNotSupported,
-            },
-            Some(e.to_string()),
+            error(ErrorCode::ProtoNotSupported),
+            Some(protocol(e.to_string())),
         ),
-        Ok(_) => return Err("the first call must be HELLO".to_owned()),
-        Err(e) => return Err(e.to_string()),
+        Ok(_) => return Err(protocol("the first call must be HELLO".to_owned())),
+        Err(e) => return Err(protocol(e.to_string())),
     };
     quic::write_message(&mut send, &Message::Reply(Reply { id, outcome }))
         .await
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| protocol(e.to_string()))?;
     match refusal {
         None => Ok(()),
-        Some(reason) => {
+        Some(refusal) => {
             // Closing discards unsent data: let the answer arrive first (bounded).
             let _ = tokio::time::timeout(HELLO_TIMEOUT, send.stopped()).await;
-            Err(reason)
+            Err(refusal)
         }
     }
 }
