@@ -129,6 +129,11 @@ fn take(h: SharedHistogram) -> anyhow::Result<Histogram<u64>> {
         .map_err(|_| anyhow::anyhow!("histogram lock poisoned"))
 }
 
+/// Sets `r`'s p50 and p99 from the latency histogram `h`.
+fn set_latency(r: &mut Record, h: &Histogram<u64>) {
+    (r.p50_us, r.p99_us) = (Some(micros(h, 0.5)), Some(micros(h, 0.99)));
+}
+
 fn record(workload: &str, target: &str, params: serde_json::Value, reference: &str) -> Record {
     Record {
         workload: workload.into(),
@@ -243,6 +248,17 @@ fn setup(bench: &NetBench, scratch: &Scratch) -> anyhow::Result<Setup> {
     })
 }
 
+/// The bench client's options for the server at `addr`, UDP payloads capped at `udp_payload`.
+fn client_options(
+    setup: &Setup,
+    addr: SocketAddr,
+    udp_payload: u16,
+) -> anyhow::Result<ConnectOptions> {
+    let mut options = ConnectOptions::from_tls_dir(addr, setup.tls_dir.path(), CLIENT_NAME)?;
+    options.udp_payload_max_bytes = udp_payload;
+    Ok(options)
+}
+
 /// Starts a server on a new port with UDP payloads capped at `udp_payload`, and connects a
 /// client to it with the same cap. Run inside the client runtime.
 async fn serve_and_connect(setup: &Setup, udp_payload: u16) -> anyhow::Result<(Server, Volume)> {
@@ -254,10 +270,7 @@ async fn serve_and_connect(setup: &Setup, udp_payload: u16) -> anyhow::Result<(S
         config.endpoints = setup.endpoints;
     }
     let server = Server::start(&setup.engine, setup.brick.id, config).await?;
-    let mut options =
-        ConnectOptions::from_tls_dir(server.local_addr(), setup.tls_dir.path(), CLIENT_NAME)?;
-    options.udp_payload_max_bytes = udp_payload;
-    let volume = Volume::connect(options)
+    let volume = Volume::connect(client_options(setup, server.local_addr(), udp_payload)?)
         .await
         .with_context(|| format!("connecting to {}", server.local_addr()))?;
     Ok((server, volume))
@@ -310,9 +323,7 @@ pub fn run(bench: &NetBench, scratch: &Scratch, out: &mut Reporter) -> anyhow::R
     // them over the brick's endpoints.
     let mut volumes = vec![volume.clone()];
     for _ in 1..bench.connections.max(1) {
-        let mut options =
-            ConnectOptions::from_tls_dir(server.local_addr(), setup.tls_dir.path(), CLIENT_NAME)?;
-        options.udp_payload_max_bytes = bench.udp_payload;
+        let options = client_options(&setup, server.local_addr(), bench.udp_payload)?;
         volumes.push(rt.block_on(Volume::connect(options))?);
     }
     let volumes = Arc::new(volumes);
@@ -396,11 +407,8 @@ fn create(
     }
     let std_rate = bench.files as f64 / start.elapsed().as_secs_f64();
     let mut r = record("net.create", "std_loop", params(1), "std_loop");
-    (r.ops_per_s, r.p50_us, r.p99_us) = (
-        Some(std_rate),
-        Some(micros(&h, 0.5)),
-        Some(micros(&h, 0.99)),
-    );
+    r.ops_per_s = Some(std_rate);
+    set_latency(&mut r, &h);
     out.print(&r);
     records.push(r);
 
@@ -431,11 +439,8 @@ fn create(
             params(concurrency),
             "std_loop",
         );
-        (r.ops_per_s, r.p50_us, r.p99_us) = (
-            Some(direct_rate),
-            Some(micros(&h, 0.5)),
-            Some(micros(&h, 0.99)),
-        );
+        r.ops_per_s = Some(direct_rate);
+        set_latency(&mut r, &h);
         r.ratio = direct_rate / std_rate;
         out.print(&r);
         records.push(r);
@@ -471,11 +476,8 @@ fn create(
             udp.as_ref(),
         );
         let mut r = record("net.create", "quic", params(concurrency), "std_loop");
-        (r.ops_per_s, r.p50_us, r.p99_us) = (
-            Some(quic_rate),
-            Some(micros(&h, 0.5)),
-            Some(micros(&h, 0.99)),
-        );
+        r.ops_per_s = Some(quic_rate);
+        set_latency(&mut r, &h);
         r.ratio = quic_rate / std_rate;
         out.print(&r);
         records.push(r.clone());
@@ -784,11 +786,8 @@ fn bulk(
             anyhow::Ok(())
         })?;
         let mut r = record("net.bulk_write", "quic", params.clone(), "tcp");
-        (r.mib_per_s, r.p50_us, r.p99_us) = (
-            Some(write_rate),
-            Some(micros(&h, 0.5)),
-            Some(micros(&h, 0.99)),
-        );
+        r.mib_per_s = Some(write_rate);
+        set_latency(&mut r, &h);
         r.ratio = write_rate / tcp_rate;
         out.print(&r);
         records.push(r);
@@ -824,11 +823,8 @@ fn bulk(
             anyhow::Ok(())
         })?;
         let mut r = record("net.bulk_read", "quic", params, "tcp");
-        (r.mib_per_s, r.p50_us, r.p99_us) = (
-            Some(read_rate),
-            Some(micros(&h, 0.5)),
-            Some(micros(&h, 0.99)),
-        );
+        r.mib_per_s = Some(read_rate);
+        set_latency(&mut r, &h);
         r.ratio = read_rate / tcp_rate;
         out.print(&r);
         records.push(r);

@@ -396,19 +396,11 @@ impl Daemon {
     }
 }
 
-/// A random version-4 UUID.
+/// A random version-4 UUID, in the form GlusterFS prints volume ids.
 fn uuid() -> String {
     let mut b = [0u8; 16];
     let _ = rustix::rand::getrandom(&mut b, rustix::rand::GetRandomFlags::empty());
     b[6] = (b[6] & 0x0f) | 0x40;
     b[8] = (b[8] & 0x3f) | 0x80;
-    let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
-    format!(
-        "{}-{}-{}-{}-{}",
-        &hex[..8],
-        &hex[8..12],
-        &hex[12..16],
-        &hex[16..20],
-        &hex[20..]
-    )
+    kiln_wire::BrickId(b).to_string()
 }

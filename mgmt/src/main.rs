@@ -39,13 +39,10 @@ fn main() -> ExitCode {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let args = Args::parse();
-    let brickd = args.brickd.unwrap_or_else(|| {
-        std::env::current_exe()
-            .ok()
-            .map(|exe| exe.with_file_name("kiln-brickd"))
-            .filter(|p| p.exists())
-            .unwrap_or_else(|| PathBuf::from("kiln-brickd"))
-    });
+    let brickd = args
+        .brickd
+        .or_else(|| kiln_mgmt::supervisor::find_binary("kiln-brickd"))
+        .unwrap_or_else(|| PathBuf::from("kiln-brickd"));
     let config = DaemonConfig {
         state_dir: args.state_dir,
         socket: args.socket,

@@ -23,6 +23,20 @@ pub const STABLE_RUN: Duration = Duration::from_secs(60);
 /// How long a stopping brick may drain before it is killed.
 pub const STOP_GRACE: Duration = Duration::from_secs(15);
 
+/// The workspace binary `name`: beside the running executable (how cargo and packages lay
+/// them out), else from PATH.
+pub fn find_binary(name: &str) -> Option<PathBuf> {
+    let beside = std::env::current_exe().ok()?.with_file_name(name);
+    if beside.exists() {
+        return Some(beside);
+    }
+    std::env::var_os("PATH")
+        .iter()
+        .flat_map(std::env::split_paths)
+        .map(|dir| dir.join(name))
+        .find(|p| p.exists())
+}
+
 /// Where the supervisor finds what bricks need.
 #[derive(Debug, Clone)]
 pub struct Launch {

@@ -168,22 +168,9 @@ fn wait_for_signal(mgmtd: &mut std::process::Child) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `name` next to this executable (how cargo and packages lay them out), else from PATH.
+/// A workspace binary, or a message saying how to build it.
 fn sibling_binary(name: &str) -> anyhow::Result<PathBuf> {
-    let here = std::env::current_exe()?;
-    let beside = here.with_file_name(name);
-    if beside.exists() {
-        return Ok(beside);
-    }
-    std::env::var_os("PATH")
-        .iter()
-        .flat_map(std::env::split_paths)
-        .map(|dir| dir.join(name))
-        .find(|p| p.exists())
-        .with_context(|| {
-            format!(
-                "{name} not found beside {} or in PATH; build it with `cargo build --release`",
-                here.display()
-            )
-        })
+    kiln_mgmt::supervisor::find_binary(name).with_context(|| {
+        format!("{name} not found beside kiln or in PATH; build it with `cargo build --release`")
+    })
 }
