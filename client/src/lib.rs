@@ -6,6 +6,7 @@
 //! bricks only through `kiln-wire` messages and never links the brick's code.
 
 pub mod error;
+pub mod mount;
 pub mod path;
 pub mod volume;
 

@@ -527,13 +527,14 @@ impl<E: Exec> Fops<E> {
                         access |= a;
                     }
                 }
-                let flags = AtFlags::EACCESS
-                    | if name.is_empty() {
-                        AtFlags::EMPTY_PATH
-                    } else {
-                        AtFlags::SYMLINK_NOFOLLOW
-                    };
-                rustix::fs::accessat(&dir, &*name, access, flags)
+                // A directory is checked as "." of its own fd: faccessat2 refuses
+                // AT_EMPTY_PATH with AT_EACCESS on these kernels (EINVAL).
+                if name.is_empty() {
+                    rustix::fs::accessat(&dir, c".", access, AtFlags::EACCESS)
+                } else {
+                    let flags = AtFlags::EACCESS | AtFlags::SYMLINK_NOFOLLOW;
+                    rustix::fs::accessat(&dir, &*name, access, flags)
+                }
             })
             .await
     }

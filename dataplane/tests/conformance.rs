@@ -1231,6 +1231,35 @@ fn statfs_and_access(kind: EngineKind) {
         },
     )
     .expect("root");
+    // Directories too, the root included (a FUSE chdir asks ACCESS X_OK of each).
+    let d = h.mkdir(Gfid::ROOT, "private-dir").expect("mkdir");
+    let private_dir = SetAttr {
+        mode: Some(mode(0o700)),
+        ..SetAttr::default()
+    };
+    h.call(
+        &root(),
+        Setattr {
+            gfid: d,
+            attr: private_dir,
+        },
+    )
+    .expect("chmod dir");
+    for (who, gfid, ok) in [
+        (root(), Gfid::ROOT, true),
+        (user(1000), Gfid::ROOT, true),
+        (root(), d, true),
+        (user(1000), d, false),
+    ] {
+        let result = h.call(
+            &who,
+            Access {
+                gfid,
+                mask: AccessMask::EXECUTE,
+            },
+        );
+        assert_eq!(result.is_ok(), ok, "{who:?} X_OK on {gfid}: {result:?}");
+    }
     let node = Mknod {
         parent: Gfid::ROOT,
         name: name("fifo"),

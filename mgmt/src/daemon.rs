@@ -256,8 +256,8 @@ impl Daemon {
                         value: value.clone(),
                     })
                     .await?;
-                let live = options::find(&key)?.apply == options::Apply::Live;
-                let mut note = self.apply_to_bricks(&name, generation, live).await?;
+                let apply = options::find(&key)?.apply;
+                let mut note = self.apply_to_bricks(&name, generation, apply).await?;
                 if NOT_IMPLEMENTED_BY_BRICK.contains(&key.as_str()) {
                     note.push_str(
                         "; note: this brick version stores this option but does not act on it yet",
@@ -291,11 +291,11 @@ impl Daemon {
                         key: key.clone(),
                     })
                     .await?;
-                let live = match &key {
-                    Some(k) => options::find(k)?.apply == options::Apply::Live,
-                    None => true,
+                let apply = match &key {
+                    Some(k) => options::find(k)?.apply,
+                    None => options::Apply::Live,
                 };
-                let note = self.apply_to_bricks(&name, generation, live).await?;
+                let note = self.apply_to_bricks(&name, generation, apply).await?;
                 let what = key.unwrap_or_else(|| "every option".to_owned());
                 done(
                     generation,
@@ -311,16 +311,19 @@ impl Daemon {
         &self,
         name: &str,
         generation: u64,
-        live: bool,
+        apply: options::Apply,
     ) -> anyhow::Result<String> {
         let volume = self.volume(name)?;
-        if volume.state != VolumeState::Started {
-            return Ok(String::new());
-        }
-        if !live {
-            return Ok(
-                "; the bricks use it from their next start (`kiln volume stop` and `start`)".into(),
-            );
+        match apply {
+            options::Apply::Mount => return Ok("; mounts use it from their next mount".into()),
+            _ if volume.state != VolumeState::Started => return Ok(String::new()),
+            options::Apply::Restart => {
+                return Ok(
+                    "; the bricks use it from their next start (`kiln volume stop` and `start`)"
+                        .into(),
+                );
+            }
+            options::Apply::Live => {}
         }
         let results = self.supervisor.push(&volume, generation).await;
         let missing: Vec<String> = results

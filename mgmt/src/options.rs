@@ -38,6 +38,9 @@ pub enum Apply {
     Live,
     /// Read when the brick starts; running bricks keep the old value until restarted.
     Restart,
+    /// Read by `kiln mount` when it mounts; mounted clients keep the old value until
+    /// remounted.
+    Mount,
 }
 
 impl Apply {
@@ -46,6 +49,7 @@ impl Apply {
         match self {
             Apply::Live => "live",
             Apply::Restart => "restart",
+            Apply::Mount => "mount",
         }
     }
 }
@@ -101,6 +105,44 @@ pub const OPTIONS: &[OptionDef] = &[
         default: "1048576",
         apply: Apply::Restart,
         help: "GFID entries cached per brick",
+    },
+    OptionDef {
+        key: "performance.attr-timeout-ms",
+        kind: ValueKind::Integer {
+            min: 0,
+            max: 3_600_000,
+        },
+        default: "1000",
+        apply: Apply::Mount,
+        help: "how long a mount's kernel caches file attributes, in milliseconds",
+    },
+    OptionDef {
+        key: "performance.entry-timeout-ms",
+        kind: ValueKind::Integer {
+            min: 0,
+            max: 3_600_000,
+        },
+        default: "1000",
+        apply: Apply::Mount,
+        help: "how long a mount's kernel caches a name's lookup, in milliseconds",
+    },
+    OptionDef {
+        key: "performance.negative-timeout-ms",
+        kind: ValueKind::Integer {
+            min: 0,
+            max: 3_600_000,
+        },
+        default: "1000",
+        apply: Apply::Mount,
+        help: "how long a mount's kernel caches that a name does not exist, in milliseconds",
+    },
+    OptionDef {
+        key: "performance.writeback-cache",
+        kind: ValueKind::Bool,
+        default: "off",
+        apply: Apply::Mount,
+        help: "a mount's kernel gathers small writes in its page cache (flushed on close, \
+               fsync and memory pressure) instead of sending each one",
     },
     OptionDef {
         key: "server.engine",

@@ -116,7 +116,7 @@ pub(crate) fn run(global: &Global, command: FileCommand) -> ExitCode {
     })
 }
 
-async fn connect(global: &Global) -> Result<Volume, Error> {
+pub(crate) async fn connect(global: &Global) -> Result<Volume, Error> {
     let mut options =
         ConnectOptions::from_tls_dir(global.brick_addr, &global.tls_dir, &global.client)?;
     if let Some(name) = &global.server_name {

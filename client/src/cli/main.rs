@@ -5,12 +5,14 @@
 //! kiln ca init                             create the cluster CA
 //! kiln cert issue --brick NAME [--host H]… | --client NAME
 //! kiln volume create|start|stop|delete|info|list|status|set|get|reset …   (via kiln-mgmtd)
+//! kiln mount VOLUME|HOST:PORT MOUNTPOINT [-o …] [-f]   kiln umount [-l] MOUNTPOINT
 //! kiln ls [-l] | stat | cat | put | get | mkdir [-p] | rm [-r] | mv | ln [-s] | xattr …
 //! ```
 //! File commands reach the brick at `--brick-addr` (`KILN_BRICK`) with the client certificate
 //! `--client` (`KILN_CLIENT`) from `--tls-dir` (`KILN_TLS_DIR`).
 
 mod files;
+mod mount;
 mod up;
 mod volume;
 
@@ -84,6 +86,10 @@ enum Command {
         #[command(subcommand)]
         command: volume::VolumeCommand,
     },
+    /// Mount a volume (FUSE); returns once mounted unless -f.
+    Mount(mount::MountArgs),
+    /// Unmount a Kiln mount.
+    Umount(mount::UmountArgs),
     #[command(flatten)]
     File(files::FileCommand),
 }
@@ -122,7 +128,14 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let cli = Cli::parse();
+    let cli = match mount_helper_args() {
+        Ok(Some(args)) => Cli::parse_from(args),
+        Ok(None) => Cli::parse(),
+        Err(e) => {
+            eprintln!("{e:#}");
+            return ExitCode::FAILURE;
+        }
+    };
     let result = match cli.command {
         Command::Up { data_dir, listen } => up::run(&data_dir, listen),
         Command::Ca(CaCommand::Init) => pki::init_ca(&cli.global.tls_dir)
@@ -150,6 +163,8 @@ fn main() -> ExitCode {
                 .map_err(anyhow::Error::from)
         }
         Command::Volume { json, command } => volume::run(&cli.global.socket, json, command),
+        Command::Mount(args) => mount::run(&cli.global, args),
+        Command::Umount(args) => mount::umount(&args),
         Command::File(command) => return files::run(&cli.global, command),
     };
     match result {
@@ -158,6 +173,21 @@ fn main() -> ExitCode {
             eprintln!("kiln: {e:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// When run as `mount.kiln` (a link to `kiln`, which mount(8) runs for `-t kiln`), the
+/// `kiln mount` arguments it stands for; a fake mount (`-f`) exits at once.
+fn mount_helper_args() -> anyhow::Result<Option<Vec<String>>> {
+    let mut args = std::env::args();
+    let name = args.next().unwrap_or_default();
+    if !name.ends_with("mount.kiln") {
+        return Ok(None);
+    }
+    let rest: Vec<String> = args.collect();
+    match mount::helper_args(&rest)? {
+        Some(args) => Ok(Some(args)),
+        None => std::process::exit(0),
     }
 }
 

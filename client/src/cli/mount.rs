@@ -1,0 +1,440 @@
+//! `kiln mount`, `kiln umount`, and `mount.kiln` (the helper `mount -t kiln` and
+//! `/etc/fstab` run).
+//!
+//! ```text
+//! kiln mount VOLUME|HOST:PORT MOUNTPOINT [-o opt[,opt…]] [-f]
+//! mount -t kiln VOLUME MOUNTPOINT -o tls-dir=/var/lib/kiln/tls,client=alice
+//! kiln umount [-l] MOUNTPOINT
+//! ```
+//! A volume name is looked up in `kiln-mgmtd` (its brick and its `performance.*` options); a
+//! brick address is mounted directly. Without `-f` the command returns once the volume is
+//! mounted and a background process serves it, logging to `--log-file`.
+
+use std::io::{BufRead as _, BufReader, Write as _};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::Args;
+use kiln_client::mount::{self, MountOptions};
+use kiln_mgmt::protocol::{Request, Response};
+use kiln_mgmt::volume::VolumeState;
+
+use crate::Global;
+
+/// What a background mount logs to unless told otherwise.
+const DEFAULT_LOG_FILE: &str = "/var/log/kiln/mount.log";
+/// The line a background mount's server prints when the mount is up.
+const READY: &str = "kiln-mount-ready";
+/// How often the server looks whether it was unmounted from outside.
+const UNMOUNT_POLL: Duration = Duration::from_millis(200);
+
+#[derive(Args)]
+pub(crate) struct MountArgs {
+    /// A volume of kiln-mgmtd, or a brick's HOST:PORT.
+    source: String,
+    /// An existing directory.
+    mountpoint: PathBuf,
+    /// Comma-separated options: attr-timeout-ms=N, entry-timeout-ms=N,
+    /// negative-timeout-ms=N, writeback-cache[=on|off], default-permissions[=on|off], ro, rw,
+    /// suid, dev (both off by default), noexec, noatime; tls-dir=DIR, client=NAME, server-name=NAME,
+    /// socket=PATH, log-file=PATH. fstab-only options (defaults, _netdev, nofail, x-…) are
+    /// ignored.
+    #[arg(short = 'o', value_delimiter = ',')]
+    options: Vec<String>,
+    /// Serve in the foreground (logging to stderr) until unmounted or signalled.
+    #[arg(short = 'f', long)]
+    foreground: bool,
+    /// Where a background mount logs.
+    #[arg(long, default_value = DEFAULT_LOG_FILE)]
+    log_file: PathBuf,
+    /// Internal: this process is the background server of a mount.
+    #[arg(long, hide = true)]
+    serve_background: bool,
+}
+
+#[derive(Args)]
+pub(crate) struct UmountArgs {
+    /// Detach now even if files are open; the mount ends when they are closed.
+    #[arg(short = 'l', long)]
+    lazy: bool,
+    mountpoint: PathBuf,
+}
+
+/// `kiln mount`.
+pub(crate) fn run(global: &Global, mut args: MountArgs) -> anyhow::Result<()> {
+    let mut global = global.clone();
+    let mut options = MountOptions {
+        fsname: args.source.clone(),
+        ..MountOptions::default()
+    };
+    let mut overrides = Vec::new();
+    for item in std::mem::take(&mut args.options) {
+        let (key, value) = match item.split_once('=') {
+            Some((k, v)) => (k.to_owned(), Some(v.to_owned())),
+            None => (item.clone(), None),
+        };
+        let need =
+            |v: Option<String>| v.with_context(|| format!("mount option {key} needs a value"));
+        match key.as_str() {
+            "tls-dir" => global.tls_dir = need(value)?.into(),
+            "client" => global.client = need(value)?,
+            "server-name" => global.server_name = Some(need(value)?),
+            "socket" => global.socket = need(value)?.into(),
+            "log-file" => args.log_file = need(value)?.into(),
+            "" => {}
+            _ => {
+                // Checked now, so a typo fails before anything starts.
+                options.set(&key, value.as_deref())?;
+                overrides.push((key, value));
+            }
+        }
+    }
+    if !args.foreground && !args.serve_background {
+        return start_background(&global, &args, &overrides);
+    }
+    if args.serve_background {
+        // Leave the caller's session so its end does not take the mount down.
+        let _ = rustix::process::setsid();
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("kiln-mount")
+        .enable_all()
+        .build()
+        .context("cannot start the runtime")?;
+    let result = runtime.block_on(serve(&global, &args, options, &overrides));
+    if let Err(e) = &result
+        && args.serve_background
+    {
+        // The waiting `kiln mount` prints it.
+        println!("{e:#}");
+    }
+    result
+}
+
+/// Mounts and serves until unmounted from outside or told to stop.
+async fn serve(
+    global: &Global,
+    args: &MountArgs,
+    mut options: MountOptions,
+    overrides: &[(String, Option<String>)],
+) -> anyhow::Result<()> {
+    let mountpoint = &args.mountpoint;
+    check_mountpoint(mountpoint)?;
+    let brick_addr = match args.source.parse::<SocketAddr>() {
+        Ok(addr) => addr,
+        Err(_) => {
+            let (addr, volume_options) = resolve_volume(global, &args.source)?;
+            // The volume's settings, then this mount's own on top.
+            for (key, value) in volume_options {
+                options.set(&key, Some(&value))?;
+            }
+            for (key, value) in overrides {
+                options.set(key, value.as_deref())?;
+            }
+            addr
+        }
+    };
+    let mut connect_to = global.clone();
+    connect_to.brick_addr = brick_addr;
+    let volume = crate::files::connect(&connect_to)
+        .await
+        .with_context(|| format!("cannot mount {}", args.source))?;
+    let mounted = mount::mount(
+        tokio::runtime::Handle::current(),
+        volume.clone(),
+        mountpoint,
+        options,
+    )
+    .with_context(|| format!("cannot mount on {}", mountpoint.display()))?;
+    tracing::info!(source = %args.source, mountpoint = %mounted.mountpoint().display(), "mounted");
+    if args.serve_background {
+        println!("{READY}");
+        let _ = std::io::stdout().flush();
+        if let Ok(null) = std::fs::File::create("/dev/null") {
+            let _ = rustix::stdio::dup2_stdout(&null);
+        }
+    }
+    let stop = wait_for_stop(&mounted).await;
+    tracing::info!(reason = stop, "unmounting");
+    let result = tokio::task::spawn_blocking(move || mounted.unmount())
+        .await
+        .context("the unmount task failed")?;
+    volume.close().await;
+    result.context("unmount")
+}
+
+/// Waits for SIGTERM, SIGINT or SIGHUP, or for the mount to be taken away from outside.
+async fn wait_for_stop(mounted: &mount::Mounted) -> &'static str {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int), Ok(mut hup)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::hangup()),
+    ) else {
+        tracing::error!("cannot watch signals; serving until unmounted");
+        while !mounted.is_finished() {
+            tokio::time::sleep(UNMOUNT_POLL).await;
+        }
+        return "unmounted";
+    };
+    loop {
+        tokio::select! {
+            _ = term.recv() => return "SIGTERM",
+            _ = int.recv() => return "SIGINT",
+            _ = hup.recv() => return "SIGHUP",
+            () = tokio::time::sleep(UNMOUNT_POLL) => {
+                if mounted.is_finished() {
+                    return "unmounted";
+                }
+            }
+        }
+    }
+}
+
+/// Starts this command again as a background server and waits until it has mounted (or
+/// failed, which it reports).
+fn start_background(
+    global: &Global,
+    args: &MountArgs,
+    overrides: &[(String, Option<String>)],
+) -> anyhow::Result<()> {
+    if let Some(dir) = args.log_file.parent() {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("cannot create the log directory {}", dir.display()))?;
+    }
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&args.log_file)
+        .with_context(|| format!("cannot open the log file {}", args.log_file.display()))?;
+    let mut command = Command::new(std::env::current_exe().context("cannot find kiln itself")?);
+    command
+        .arg("--tls-dir")
+        .arg(&global.tls_dir)
+        .arg("--client")
+        .arg(&global.client)
+        .arg("--socket")
+        .arg(&global.socket)
+        .arg("--brick-addr")
+        .arg(global.brick_addr.to_string());
+    if let Some(name) = &global.server_name {
+        command.arg("--server-name").arg(name);
+    }
+    command
+        .arg("mount")
+        .arg(&args.source)
+        .arg(&args.mountpoint)
+        .arg("--serve-background")
+        .arg("--log-file")
+        .arg(&args.log_file);
+    for (key, value) in overrides {
+        command.arg("-o").arg(match value {
+            Some(v) => format!("{key}={v}"),
+            None => key.clone(),
+        });
+    }
+    let mut child = command
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(log)
+        .spawn()
+        .context("cannot start the mount's background server")?;
+    let stdout = child.stdout.take().context("no pipe to the server")?;
+    let mut said = Vec::new();
+    for line in BufReader::new(stdout).lines() {
+        let line = line.unwrap_or_default();
+        if line == READY {
+            return Ok(());
+        }
+        said.push(line);
+    }
+    let status = child.wait().context("the mount's server")?;
+    match said.is_empty() {
+        true => bail!(
+            "the mount's server exited ({status}) before mounting; see {}",
+            args.log_file.display()
+        ),
+        false => bail!("{}", said.join("\n")),
+    }
+}
+
+/// Refuses a mount point that is missing, not a directory, or already a Kiln mount.
+fn check_mountpoint(mountpoint: &Path) -> anyhow::Result<()> {
+    let meta = std::fs::metadata(mountpoint)
+        .with_context(|| format!("mount point {}", mountpoint.display()))?;
+    if !meta.is_dir() {
+        bail!("mount point {} is not a directory", mountpoint.display());
+    }
+    let canonical = mountpoint.canonicalize()?;
+    if kiln_mounts()?.contains(&canonical) {
+        bail!("{} is already a Kiln mount", mountpoint.display());
+    }
+    Ok(())
+}
+
+/// The brick address and `performance.*` settings of volume `name`, from kiln-mgmtd.
+fn resolve_volume(
+    global: &Global,
+    name: &str,
+) -> anyhow::Result<(SocketAddr, Vec<(String, String)>)> {
+    let request = Request::VolumeInfo {
+        name: Some(name.to_owned()),
+    };
+    let volume = match crate::volume::call(&global.socket, &request)? {
+        Response::Volumes { volumes, .. } => volumes
+            .into_iter()
+            .next()
+            .with_context(|| format!("no volume {name}"))?,
+        Response::Error { message } => bail!("{message}"),
+        other => bail!("kiln-mgmtd answered {other:?}"),
+    };
+    if volume.state != VolumeState::Started {
+        bail!(
+            "volume {name} is {}; `kiln volume start {name}` first",
+            volume.state
+        );
+    }
+    let [brick] = volume.bricks.as_slice() else {
+        bail!(
+            "volume {name} has {} bricks; this kiln mounts one-brick volumes (distribution over \
+             bricks is not built yet)",
+            volume.bricks.len()
+        );
+    };
+    let addr = SocketAddr::new(global.brick_addr.ip(), brick.port);
+    let options = volume
+        .options
+        .iter()
+        .filter_map(|(k, v)| Some((k.strip_prefix("performance.")?.to_owned(), v.clone())))
+        .collect();
+    Ok((addr, options))
+}
+
+/// `kiln umount`.
+pub(crate) fn umount(args: &UmountArgs) -> anyhow::Result<()> {
+    use rustix::mount::{UnmountFlags, unmount};
+    let path = args
+        .mountpoint
+        .canonicalize()
+        .with_context(|| format!("{}", args.mountpoint.display()))?;
+    if !kiln_mounts()?.contains(&path) {
+        bail!("{} is not a Kiln mount", args.mountpoint.display());
+    }
+    let flags = match args.lazy {
+        true => UnmountFlags::DETACH,
+        false => UnmountFlags::empty(),
+    };
+    match unmount(&path, flags) {
+        Ok(()) => Ok(()),
+        Err(rustix::io::Errno::BUSY) => bail!(
+            "cannot unmount {}: target is busy (files or directories on it are in use; \
+             `kiln umount --lazy` detaches it now and ends it when they are closed)",
+            args.mountpoint.display()
+        ),
+        Err(e) => Err(e).with_context(|| format!("cannot unmount {}", args.mountpoint.display())),
+    }
+}
+
+/// Mount points of `fuse.kiln` file systems, from `/proc/self/mountinfo`.
+fn kiln_mounts() -> anyhow::Result<Vec<PathBuf>> {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").context("/proc/self/mountinfo")?;
+    Ok(info
+        .lines()
+        .filter_map(|line| {
+            let (left, right) = line.split_once(" - ")?;
+            let fstype = right.split(' ').next()?;
+            let point = left.split(' ').nth(4)?;
+            (fstype == "fuse.kiln").then(|| PathBuf::from(unescape_mountinfo(point)))
+        })
+        .collect())
+}
+
+/// Mountinfo writes space, tab, newline and backslash as `\ooo`.
+fn unescape_mountinfo(field: &str) -> String {
+    let bytes = field.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let octal = bytes.get(i + 1..i + 4).and_then(|d| {
+            std::str::from_utf8(d)
+                .ok()
+                .and_then(|d| u8::from_str_radix(d, 8).ok())
+        });
+        match (bytes[i], octal) {
+            (b'\\', Some(byte)) => {
+                out.push(byte);
+                i += 4;
+            }
+            (b, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The arguments of `mount.kiln SPEC DIR [-sfnv] [-N NS] [-o OPTS] [-t TYPE]`, as mount(8)
+/// passes them, turned into `kiln mount SPEC DIR -o OPTS`; `None` for a fake mount (`-f`).
+pub(crate) fn helper_args(args: &[String]) -> anyhow::Result<Option<Vec<String>>> {
+    let mut positional = Vec::new();
+    let mut options = None;
+    let mut it = args.iter();
+    while let Some(arg) = it.next() {
+        match arg.as_str() {
+            "-o" => options = Some(it.next().context("-o needs options")?.clone()),
+            "-t" | "-N" => {
+                it.next();
+            }
+            "-f" => return Ok(None),
+            // sloppy, no mtab, verbose: nothing to do for a FUSE mount.
+            "-s" | "-n" | "-v" => {}
+            a if a.starts_with('-') => bail!("mount.kiln: unknown flag {a}"),
+            a => positional.push(a.to_owned()),
+        }
+    }
+    let [source, mountpoint] = positional.as_slice() else {
+        bail!("usage: mount.kiln VOLUME|HOST:PORT MOUNTPOINT [-o OPTIONS]");
+    };
+    let mut out = vec![
+        "kiln".to_owned(),
+        "mount".to_owned(),
+        source.clone(),
+        mountpoint.clone(),
+    ];
+    if let Some(options) = options {
+        out.push("-o".to_owned());
+        out.push(options);
+    }
+    Ok(Some(out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mountinfo_escapes_are_undone() {
+        assert_eq!(unescape_mountinfo(r"/mnt/a\040b\134c"), r"/mnt/a b\c");
+        assert_eq!(unescape_mountinfo("/plain"), "/plain");
+        assert_eq!(unescape_mountinfo(r"/odd\04"), r"/odd\04");
+    }
+
+    #[test]
+    fn helper_arguments_become_a_mount_command() {
+        let args: Vec<String> = ["vol", "/mnt/v", "-n", "-o", "rw,client=alice", "-t", "kiln"]
+            .map(String::from)
+            .into();
+        assert_eq!(
+            helper_args(&args).expect("valid").expect("not fake"),
+            ["kiln", "mount", "vol", "/mnt/v", "-o", "rw,client=alice"]
+        );
+        assert_eq!(helper_args(&["-f".to_owned()]).expect("valid"), None);
+        assert!(helper_args(&["only-one".to_owned()]).is_err());
+        assert!(helper_args(&["a".into(), "b".into(), "-x".into()]).is_err());
+    }
+}

@@ -1,0 +1,233 @@
+//! The mount's inode table: FUSE node ids for GFIDs, with the kernel's lookup counts.
+//!
+//! A node id is the GFID's low 64 bits (as GlusterFS's FUSE bridge does), so `st_ino` stays
+//! the same across remounts and hard links share one; the root is node 1. Two live GFIDs that
+//! would share an id (or one that would be 0 or 1) get the next free id instead.
+//!
+//! Every reply that hands the kernel an entry (LOOKUP, CREATE, MKNOD, MKDIR, SYMLINK, LINK,
+//! each READDIRPLUS entry) counts one lookup; FORGET gives counts back, and a node whose
+//! count reaches zero is dropped. The count is taken before the reply is sent, so a FORGET
+//! can never arrive for a lookup the table has not counted.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Instant;
+
+use kiln_wire::Gfid;
+
+/// The root directory's node id (`FUSE_ROOT_ID`).
+pub(crate) const ROOT_INO: u64 = 1;
+
+#[derive(Debug)]
+pub(crate) struct Inodes {
+    map: Mutex<Map>,
+}
+
+#[derive(Debug, Default)]
+struct Map {
+    by_ino: HashMap<u64, Node>,
+    by_gfid: HashMap<Gfid, u64>,
+}
+
+#[derive(Debug)]
+struct Node {
+    gfid: Gfid,
+    /// Lookups the kernel holds; the root's is never counted down to zero.
+    nlookup: u64,
+    /// A POSIX lock was taken on this file through the mount, so a FLUSH (a close) must reach
+    /// the brick to drop the closer's locks.
+    locked: bool,
+    /// Until then the file is known to have no `security.*` xattrs: this mount created it
+    /// and has set none since.
+    bare_until: Option<Instant>,
+}
+
+impl Inodes {
+    pub(crate) fn new() -> Inodes {
+        let mut map = Map::default();
+        map.by_ino.insert(
+            ROOT_INO,
+            Node {
+                gfid: Gfid::ROOT,
+                nlookup: 1,
+                locked: false,
+                bare_until: None,
+            },
+        );
+        map.by_gfid.insert(Gfid::ROOT, ROOT_INO);
+        Inodes {
+            map: Mutex::new(map),
+        }
+    }
+
+    /// The GFID of node `ino`, if the kernel may still use it.
+    pub(crate) fn gfid(&self, ino: u64) -> Option<Gfid> {
+        self.lock().by_ino.get(&ino).map(|n| n.gfid)
+    }
+
+    /// Counts one lookup of `gfid` and returns its node id.
+    pub(crate) fn remember(&self, gfid: Gfid) -> u64 {
+        let mut map = self.lock();
+        if let Some(&ino) = map.by_gfid.get(&gfid) {
+            if let Some(node) = map.by_ino.get_mut(&ino) {
+                node.nlookup += 1;
+            }
+            return ino;
+        }
+        let mut ino = preferred_ino(gfid);
+        while ino <= ROOT_INO || map.by_ino.contains_key(&ino) {
+            ino = ino.wrapping_add(1);
+        }
+        map.by_ino.insert(
+            ino,
+            Node {
+                gfid,
+                nlookup: 1,
+                locked: false,
+                bare_until: None,
+            },
+        );
+        map.by_gfid.insert(gfid, ino);
+        ino
+    }
+
+    /// Gives back `n` lookups of `ino`; the node goes when none are left.
+    pub(crate) fn forget(&self, ino: u64, n: u64) {
+        let mut map = self.lock();
+        let Some(node) = map.by_ino.get_mut(&ino) else {
+            return;
+        };
+        node.nlookup = node.nlookup.saturating_sub(n);
+        if node.nlookup == 0 && ino != ROOT_INO {
+            let gfid = node.gfid;
+            map.by_ino.remove(&ino);
+            map.by_gfid.remove(&gfid);
+        }
+    }
+
+    /// Marks `ino` as having had a POSIX lock taken through the mount.
+    pub(crate) fn mark_locked(&self, ino: u64) {
+        if let Some(node) = self.lock().by_ino.get_mut(&ino) {
+            node.locked = true;
+        }
+    }
+
+    pub(crate) fn is_locked(&self, ino: u64) -> bool {
+        self.lock().by_ino.get(&ino).is_some_and(|n| n.locked)
+    }
+
+    /// Records that `ino`, just created by this mount, has no `security.*` xattrs until
+    /// `until` (the kernel asks for `security.capability` before each write and chown).
+    pub(crate) fn mark_bare(&self, ino: u64, until: Instant) {
+        if let Some(node) = self.lock().by_ino.get_mut(&ino) {
+            node.bare_until = Some(until);
+        }
+    }
+
+    /// Forgets that `ino` has no `security.*` xattrs (one is being set).
+    pub(crate) fn clear_bare(&self, ino: u64) {
+        if let Some(node) = self.lock().by_ino.get_mut(&ino) {
+            node.bare_until = None;
+        }
+    }
+
+    /// Whether `ino` is known to have no `security.*` xattrs now.
+    pub(crate) fn is_bare(&self, ino: u64) -> bool {
+        self.lock()
+            .by_ino
+            .get(&ino)
+            .and_then(|n| n.bare_until)
+            .is_some_and(|until| Instant::now() < until)
+    }
+
+    /// Nodes the kernel holds (the root included).
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.lock().by_ino.len()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Map> {
+        // A panic while holding the lock leaves the map consistent (every update is one step).
+        self.map
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+/// The node id a GFID gets unless it is taken: its low 64 bits.
+fn preferred_ino(gfid: Gfid) -> u64 {
+    let bytes = gfid.as_bytes();
+    let mut low = [0; 8];
+    low.copy_from_slice(&bytes[8..]);
+    u64::from_be_bytes(low)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gfid(low: u64, high: u64) -> Gfid {
+        let mut bytes = [0; 16];
+        bytes[..8].copy_from_slice(&high.to_be_bytes());
+        bytes[8..].copy_from_slice(&low.to_be_bytes());
+        Gfid::from_bytes(bytes).expect("a non-null gfid")
+    }
+
+    #[test]
+    fn lookups_are_counted_and_forgotten() {
+        let inodes = Inodes::new();
+        let g = gfid(77, 5);
+        let ino = inodes.remember(g);
+        assert_eq!(ino, 77);
+        assert_eq!(inodes.remember(g), 77);
+        inodes.forget(ino, 1);
+        assert_eq!(inodes.gfid(ino), Some(g));
+        inodes.forget(ino, 1);
+        assert_eq!(inodes.gfid(ino), None);
+        assert_eq!(inodes.len(), 1);
+    }
+
+    #[test]
+    fn colliding_and_reserved_ids_move_on() {
+        let inodes = Inodes::new();
+        let (a, b) = (gfid(9, 1), gfid(9, 2));
+        assert_eq!(inodes.remember(a), 9);
+        assert_eq!(inodes.remember(b), 10);
+        assert_eq!(inodes.gfid(9), Some(a));
+        assert_eq!(inodes.gfid(10), Some(b));
+        assert_eq!(inodes.remember(gfid(1, 3)), 2);
+        assert_eq!(inodes.remember(gfid(0, 4)), 3);
+    }
+
+    #[test]
+    fn the_root_is_never_dropped() {
+        let inodes = Inodes::new();
+        inodes.forget(ROOT_INO, 100);
+        assert_eq!(inodes.gfid(ROOT_INO), Some(Gfid::ROOT));
+        assert_eq!(inodes.remember(Gfid::ROOT), ROOT_INO);
+    }
+
+    #[test]
+    fn lock_marks_live_with_the_node() {
+        let inodes = Inodes::new();
+        let ino = inodes.remember(gfid(42, 1));
+        assert!(!inodes.is_locked(ino));
+        inodes.mark_locked(ino);
+        assert!(inodes.is_locked(ino));
+        inodes.forget(ino, 1);
+        assert!(!inodes.is_locked(ino));
+    }
+
+    #[test]
+    fn bareness_expires_and_is_cleared() {
+        let inodes = Inodes::new();
+        let ino = inodes.remember(gfid(43, 1));
+        assert!(!inodes.is_bare(ino));
+        inodes.mark_bare(ino, Instant::now() + std::time::Duration::from_secs(60));
+        assert!(inodes.is_bare(ino));
+        inodes.clear_bare(ino);
+        assert!(!inodes.is_bare(ino));
+        inodes.mark_bare(ino, Instant::now());
+        assert!(!inodes.is_bare(ino));
+    }
+}

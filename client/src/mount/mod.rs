@@ -1,0 +1,251 @@
+//! A volume as a local file system: the FUSE mount behind `kiln mount`.
+//!
+//! [`mount`] mounts a connected [`Volume`] with fuser's pure-Rust mount (no libfuse); the
+//! kernel's requests are served by [`fs`] on the caller's tokio runtime. The mount's type is
+//! `fuse.kiln`, so `mount -t kiln` finds the `mount.kiln` helper and `umount` works as usual.
+
+mod fs;
+mod inodes;
+
+use std::ffi::CString;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use fuser::{Config, SessionACL};
+use rustix::mount::{MountFlags, UnmountFlags, unmount};
+
+use crate::Volume;
+
+/// How a volume is mounted: the kernel's cache lifetimes and the usual mount flags.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MountOptions {
+    /// The source shown in `/proc/mounts` (the volume name or brick address).
+    pub fsname: String,
+    /// How long the kernel trusts cached attributes.
+    pub attr_timeout: Duration,
+    /// How long the kernel trusts a cached name lookup.
+    pub entry_timeout: Duration,
+    /// How long the kernel trusts that a name does not exist (zero: not cached).
+    pub negative_timeout: Duration,
+    /// The kernel gathers writes in its page cache and sends them in large batches.
+    pub writeback_cache: bool,
+    /// The kernel also checks permissions itself, from cached attributes, before asking the
+    /// brick. Off by default: the brick checks every fop as the caller, and the kernel's check
+    /// costs a GETATTR of each directory a create or unlink has just changed.
+    pub default_permissions: bool,
+    pub read_only: bool,
+    /// Honour set-user-id bits (off: `nosuid`, as FUSE mounts default to).
+    pub suid: bool,
+    /// Honour device files (off: `nodev`).
+    pub dev: bool,
+    pub noexec: bool,
+    pub noatime: bool,
+}
+
+impl Default for MountOptions {
+    fn default() -> MountOptions {
+        MountOptions {
+            fsname: "kiln".to_owned(),
+            attr_timeout: Duration::from_secs(1),
+            entry_timeout: Duration::from_secs(1),
+            negative_timeout: Duration::from_secs(1),
+            writeback_cache: false,
+            default_permissions: false,
+            read_only: false,
+            suid: false,
+            dev: false,
+            noexec: false,
+            noatime: false,
+        }
+    }
+}
+
+/// A mount option that is unknown or has a bad value.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum OptionError {
+    #[error("unknown mount option '{0}'")]
+    Unknown(String),
+    #[error("mount option '{key}': {why}")]
+    BadValue { key: String, why: String },
+}
+
+/// Options `mount(8)` and `/etc/fstab` pass that only matter to them.
+const IGNORED: &[&str] = &[
+    "defaults",
+    "auto",
+    "noauto",
+    "user",
+    "nouser",
+    "users",
+    "_netdev",
+    "nofail",
+    "relatime",
+    "strictatime",
+    "async",
+    "exec",
+    "atime",
+];
+
+impl MountOptions {
+    /// Applies one `key` or `key=value` from a `-o` list. The cache settings are also the
+    /// volume's `performance.*` options, without the prefix.
+    pub fn set(&mut self, key: &str, value: Option<&str>) -> Result<(), OptionError> {
+        let flag = |on: &mut bool| -> Result<(), OptionError> {
+            *on = match value {
+                None | Some("on" | "true" | "yes" | "1") => true,
+                Some("off" | "false" | "no" | "0") => false,
+                Some(v) => return Err(bad(key, format!("'{v}' is not on or off"))),
+            };
+            Ok(())
+        };
+        match key {
+            "attr-timeout-ms" => self.attr_timeout = millis(key, value)?,
+            "entry-timeout-ms" => self.entry_timeout = millis(key, value)?,
+            "negative-timeout-ms" => self.negative_timeout = millis(key, value)?,
+            "writeback-cache" => flag(&mut self.writeback_cache)?,
+            "default-permissions" => flag(&mut self.default_permissions)?,
+            "ro" => flag(&mut self.read_only)?,
+            "rw" => self.read_only = false,
+            "suid" => flag(&mut self.suid)?,
+            "nosuid" => self.suid = false,
+            "dev" => flag(&mut self.dev)?,
+            "nodev" => self.dev = false,
+            "noexec" => flag(&mut self.noexec)?,
+            "noatime" => flag(&mut self.noatime)?,
+            k if IGNORED.contains(&k) || k.starts_with("x-") => {}
+            k => return Err(OptionError::Unknown(k.to_owned())),
+        }
+        Ok(())
+    }
+
+    /// The mount(2) flags.
+    fn flags(&self) -> MountFlags {
+        let mut flags = MountFlags::empty();
+        for (on, flag) in [
+            (self.read_only, MountFlags::RDONLY),
+            (!self.suid, MountFlags::NOSUID),
+            (!self.dev, MountFlags::NODEV),
+            (self.noexec, MountFlags::NOEXEC),
+            (self.noatime, MountFlags::NOATIME),
+        ] {
+            if on {
+                flags |= flag;
+            }
+        }
+        flags
+    }
+}
+
+fn bad(key: &str, why: String) -> OptionError {
+    OptionError::BadValue {
+        key: key.to_owned(),
+        why,
+    }
+}
+
+fn millis(key: &str, value: Option<&str>) -> Result<Duration, OptionError> {
+    let value = value.ok_or_else(|| bad(key, "needs a number of milliseconds".into()))?;
+    value
+        .parse()
+        .map(Duration::from_millis)
+        .map_err(|_| bad(key, format!("'{value}' is not a number of milliseconds")))
+}
+
+/// A mounted volume. Dropping it unmounts.
+#[derive(Debug)]
+pub struct Mounted {
+    session: fuser::BackgroundSession,
+    mountpoint: PathBuf,
+}
+
+/// Mounts `volume` on `mountpoint`; requests are served on `runtime`.
+///
+/// The mount(2) call is made here rather than by fuser, which would unmount the path again
+/// when its session ends — by then possibly a new mount on the same directory.
+pub fn mount(
+    runtime: tokio::runtime::Handle,
+    volume: Volume,
+    mountpoint: &Path,
+    options: MountOptions,
+) -> io::Result<Mounted> {
+    let mountpoint = mountpoint.canonicalize()?;
+    let meta = std::fs::metadata(&mountpoint)?;
+    if !meta.is_dir() {
+        return Err(io::Error::from_raw_os_error(libc::ENOTDIR));
+    }
+    let device = rustix::fs::open(
+        "/dev/fuse",
+        rustix::fs::OFlags::RDWR | rustix::fs::OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    )?;
+    // A shared file system: every local user reaches it (allow_other), and the brick checks
+    // each caller's permissions.
+    let mut data = format!(
+        "fd={},rootmode={:o},user_id=0,group_id=0,allow_other",
+        device.as_raw_fd(),
+        meta.mode() & libc::S_IFMT
+    );
+    if options.default_permissions {
+        data.push_str(",default_permissions");
+    }
+    let data = CString::new(data).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    rustix::mount::mount(
+        options.fsname.as_str(),
+        &mountpoint,
+        "fuse.kiln",
+        options.flags(),
+        data.as_c_str(),
+    )?;
+    let mut config = Config::default();
+    config.n_threads = Some(1);
+    let fs = fs::KilnFs::new(runtime, volume, options);
+    let session = fuser::Session::from_fd(fs, device, SessionACL::All, config)
+        .and_then(fuser::Session::spawn);
+    match session {
+        Ok(session) => Ok(Mounted {
+            session,
+            mountpoint,
+        }),
+        Err(e) => {
+            let _ = unmount(&mountpoint, UnmountFlags::DETACH);
+            Err(e)
+        }
+    }
+}
+
+impl Mounted {
+    pub fn mountpoint(&self) -> &Path {
+        &self.mountpoint
+    }
+
+    /// The kernel ended the session: the file system was unmounted from outside
+    /// (`umount`, `kiln umount`).
+    pub fn is_finished(&self) -> bool {
+        self.session.guard.is_finished()
+    }
+
+    /// Unmounts and waits for the session to end. When the mount is busy, it is detached
+    /// from the tree at once (new opens fail), and this waits until the files open on it are
+    /// closed, so their writes still reach the brick.
+    pub fn unmount(self) -> io::Result<()> {
+        if !self.is_finished() {
+            match unmount(&self.mountpoint, UnmountFlags::empty()) {
+                Ok(()) => {}
+                Err(rustix::io::Errno::BUSY) => {
+                    tracing::warn!(
+                        mountpoint = %self.mountpoint.display(),
+                        "mount point busy: detached; serving open files until they are closed"
+                    );
+                    unmount(&self.mountpoint, UnmountFlags::DETACH)?;
+                }
+                // Already gone (unmounted from outside meanwhile).
+                Err(rustix::io::Errno::INVAL) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        self.session.join()
+    }
+}

@@ -1,0 +1,211 @@
+//! A real brick and a real `kiln mount` of it, for the FUSE tests.
+#![allow(
+    dead_code,
+    unreachable_pub,
+    reason = "each test file uses a different part"
+)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::common::{Brickd, Cluster, bin};
+
+/// How long a mount may take to appear or go.
+const MOUNT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A brick, and `kiln mount -f` of it on a fresh directory.
+pub struct Mounted {
+    pub cluster: Cluster,
+    pub brickd: Option<Brickd>,
+    pub mountpoint: PathBuf,
+    pub server: Option<Child>,
+    pub log: PathBuf,
+}
+
+impl Mounted {
+    /// Starts a brick and mounts it in the foreground with `options` (`-o`).
+    pub fn new(options: &[&str]) -> Mounted {
+        let cluster = Cluster::new();
+        let brickd = cluster.start("127.0.0.1:0", &[]);
+        let mountpoint = cluster.dir.path().join("mnt");
+        std::fs::create_dir(&mountpoint).expect("mountpoint");
+        let log = cluster.dir.path().join("mount.log");
+        let mut mounted = Mounted {
+            cluster,
+            brickd: Some(brickd),
+            mountpoint,
+            server: None,
+            log,
+        };
+        mounted.mount(options);
+        mounted
+    }
+
+    pub fn addr(&self) -> String {
+        self.brickd.as_ref().expect("brick running").addr.to_string()
+    }
+
+    /// `kiln --tls-dir … --client alice` plus `args`.
+    pub fn kiln(&self) -> Command {
+        let mut command = Command::new(bin("kiln"));
+        command
+            .arg("--tls-dir")
+            .arg(&self.cluster.tls)
+            .args(["--client", "alice"]);
+        command
+    }
+
+    /// Runs `kiln mount -f` and waits until the mount is there.
+    pub fn mount(&mut self, options: &[&str]) {
+        let mut command = self.kiln();
+        command
+            .arg("mount")
+            .arg(self.addr())
+            .arg(&self.mountpoint)
+            .arg("-f");
+        for o in options {
+            command.args(["-o", o]);
+        }
+        let server = command
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&self.log).expect("log"))
+            .spawn()
+            .expect("kiln mount");
+        self.server = Some(server);
+        self.wait_mounted(true);
+    }
+
+    /// Waits (bounded) until the mount point is (or is not) a Kiln mount.
+    pub fn wait_mounted(&mut self, want: bool) {
+        let deadline = Instant::now() + MOUNT_TIMEOUT;
+        while is_kiln_mount(&self.mountpoint) != want {
+            if let Some(server) = &mut self.server
+                && let Ok(Some(status)) = server.try_wait()
+                && want
+            {
+                panic!("kiln mount exited ({status}):\n{}", self.logs());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "mount {} not {}:\n{}",
+                self.mountpoint.display(),
+                if want { "up" } else { "gone" },
+                self.logs()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn logs(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// A path inside the mount.
+    pub fn path(&self, rel: &str) -> PathBuf {
+        self.mountpoint.join(rel)
+    }
+
+    /// The brick directory's copy of `rel` (to check what reached the brick).
+    pub fn on_brick(&self, rel: &str) -> PathBuf {
+        self.cluster.brick.join(rel)
+    }
+
+    /// Unmounts with `kiln umount` and waits for the server to exit 0.
+    pub fn unmount(&mut self) {
+        let out = self
+            .kiln()
+            .arg("umount")
+            .arg(&self.mountpoint)
+            .output()
+            .expect("kiln umount");
+        assert!(out.status.success(), "umount: {}", text(&out));
+        self.wait_server_exit();
+    }
+
+    /// Waits (bounded) for the mount's server to exit, and checks it exited 0.
+    pub fn wait_server_exit(&mut self) {
+        let mut server = self.server.take().expect("server");
+        let deadline = Instant::now() + MOUNT_TIMEOUT;
+        loop {
+            if let Some(status) = server.try_wait().expect("wait") {
+                assert!(status.success(), "kiln mount exited {status}:\n{}", self.logs());
+                return;
+            }
+            assert!(Instant::now() < deadline, "kiln mount did not exit:\n{}", self.logs());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        if is_kiln_mount(&self.mountpoint) {
+            let _ = rustix::mount::unmount(&self.mountpoint, rustix::mount::UnmountFlags::DETACH);
+        }
+        if let Some(mut server) = self.server.take() {
+            let _ = server.kill();
+            let _ = server.wait();
+        }
+    }
+}
+
+/// Whether `path` is the mount point of a `fuse.kiln` file system.
+pub fn is_kiln_mount(path: &Path) -> bool {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let want = path.to_string_lossy().replace(' ', "\\040");
+    info.lines().any(|line| {
+        let Some((left, right)) = line.split_once(" - ") else {
+            return false;
+        };
+        left.split(' ').nth(4) == Some(want.as_str()) && right.starts_with("fuse.kiln ")
+    })
+}
+
+/// Runs a shell command line (in `dir`), returning its output.
+pub fn sh(dir: &Path, script: &str) -> Output {
+    Command::new("sh")
+        .arg("-c")
+        .arg(script)
+        .current_dir(dir)
+        .output()
+        .expect("sh")
+}
+
+/// Runs a shell command line and panics with its output when it fails.
+pub fn sh_ok(dir: &Path, script: &str) -> String {
+    let out = sh(dir, script);
+    assert!(out.status.success(), "`{script}` failed:\n{}", text(&out));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+pub fn text(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// A test tool installed by `scripts/test-tools` (pjdfstest, fsx) into `target/tools/bin`, or
+/// found on PATH.
+pub fn tool(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable");
+    let target = exe
+        .ancestors()
+        .nth(3)
+        .expect("target/<profile>/deps/<exe>");
+    let local = target.join("tools").join("bin").join(name);
+    if local.exists() {
+        return local;
+    }
+    let on_path = std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .map(|dir| dir.join(name))
+        .find(|p| p.exists());
+    on_path.unwrap_or_else(|| {
+        panic!("{name} is not installed: run scripts/test-tools (./scripts/test does)")
+    })
+}
