@@ -140,6 +140,9 @@ fn to_code(e: rustix::io::Errno) -> ErrorCode {
 impl Engine {
     /// Starts the workers for an open brick.
     pub fn start(brick: &Arc<Brick>, config: &EngineConfig) -> std::io::Result<Engine> {
+        // Fops apply their caller's umask themselves (`mode & !umask`); the process's own
+        // must not mask again (it is shared by every thread, so this is the one place).
+        rustix::process::umask(rustix::fs::Mode::empty());
         let (workers, kind) = match config.kind {
             EngineKind::Uring => match start_uring(brick, config) {
                 Ok(workers) => (workers, EngineKind::Uring),

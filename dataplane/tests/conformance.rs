@@ -12,6 +12,7 @@ per_engine!(
     create_write_read_release,
     put_small_files_and_retry,
     mkdir_readdir_readdirp,
+    modes_are_masked_by_the_callers_umask_only,
     errno_cases,
     rename_cases,
     permissions_are_the_kernels,
@@ -398,6 +399,28 @@ fn rename_cases(kind: EngineKind) {
     assert_eq!(fresh.stat(c).expect("c").file_type, FileType::Directory);
     assert_eq!(fresh.lookup(deep, "leaf").expect("still reachable").size, 4);
     h.assert_consistent();
+}
+
+fn modes_are_masked_by_the_callers_umask_only(kind: EngineKind) {
+    // The brick process's own umask (022 in most shells) must not mask again.
+    let h = Harness::new(kind);
+    let open = h
+        .mkdir_as(&root(), Gfid::ROOT, "open", 0o777)
+        .expect("mkdir");
+    assert_eq!(h.stat(open).expect("stat").mode.bits(), 0o777);
+    let gfid = h.gfid();
+    h.call(
+        &root(),
+        Mkdir {
+            parent: Gfid::ROOT,
+            name: name("masked"),
+            gfid,
+            mode: mode(0o777),
+            umask: mode(0o027),
+        },
+    )
+    .expect("mkdir");
+    assert_eq!(h.stat(gfid).expect("stat").mode.bits(), 0o750);
 }
 
 fn permissions_are_the_kernels(kind: EngineKind) {

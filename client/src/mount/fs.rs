@@ -68,6 +68,7 @@ struct Shared {
 #[derive(Debug)]
 struct Open {
     fd: Fd,
+    ino: u64,
     /// Directories only: entries fetched but not yet given to the kernel.
     listing: tokio::sync::Mutex<Listing>,
 }
@@ -214,13 +215,7 @@ impl fuser::Filesystem for KilnFs {
         self.spawn(
             reply,
             async move {
-                let iatt = match fh.and_then(|fh| s.open(fh).ok()) {
-                    Some(open) => attr_of(
-                        v.call_fd(&open.fd, |fd| kiln_wire::Fstat { fd }.into())
-                            .await,
-                    )?,
-                    None => attr_of(v.call(kiln_wire::Stat { gfid: s.gfid(ino)? }).await)?,
-                };
+                let iatt = s.stat(&v, ino.0, fh).await?;
                 Ok(s.attr(ino.0, &iatt))
             },
             |reply, (attr, ttl)| reply.attr(&ttl, &attr),
@@ -257,27 +252,7 @@ impl fuser::Filesystem for KilnFs {
         self.spawn(
             reply,
             async move {
-                let open = fh.and_then(|fh| s.open(fh).ok());
-                let iatt = match (&open, attr.is_empty()) {
-                    // Only a ctime change was asked (the kernel does that after some
-                    // writes); the brick's ctime is its own.
-                    (Some(open), true) => attr_of(
-                        v.call_fd(&open.fd, |fd| kiln_wire::Fstat { fd }.into())
-                            .await,
-                    )?,
-                    (None, true) => attr_of(v.call(kiln_wire::Stat { gfid: s.gfid(ino)? }).await)?,
-                    (Some(open), false) => attr_of(
-                        v.call_fd(&open.fd, |fd| kiln_wire::Fsetattr { fd, attr }.into())
-                            .await,
-                    )?,
-                    (None, false) => attr_of(
-                        v.call(kiln_wire::Setattr {
-                            gfid: s.gfid(ino)?,
-                            attr,
-                        })
-                        .await,
-                    )?,
-                };
+                let iatt = s.setattr(&v, ino.0, fh, attr).await?;
                 Ok(s.attr(ino.0, &iatt))
             },
             |reply, (attr, ttl)| reply.attr(&ttl, &attr),
@@ -494,7 +469,7 @@ impl fuser::Filesystem for KilnFs {
                     other => other,
                 }
                 .map_err(errno)?;
-                Ok(s.add_open(fd))
+                Ok(s.add_open(fd, ino.0))
             },
             |reply, fh| reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE),
         );
@@ -622,7 +597,7 @@ impl fuser::Filesystem for KilnFs {
             reply,
             async move {
                 let fd = v.opendir(s.gfid(ino)?).await.map_err(errno)?;
-                Ok(s.add_open(fd))
+                Ok(s.add_open(fd, ino.0))
             },
             |reply, fh| reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE),
         );
@@ -901,7 +876,7 @@ impl fuser::Filesystem for KilnFs {
                 let (fd, created) = v.create(create).await.map_err(errno)?;
                 let (attr, ttl) = s.entry(&created.iatt);
                 s.inodes.mark_bare(attr.ino.0, Instant::now() + ttl.attr);
-                let fh = s.add_open(fd);
+                let fh = s.add_open(fd, attr.ino.0);
                 Ok((attr, ttl, fh))
             },
             |reply, (attr, ttl, fh)| {
@@ -1150,10 +1125,11 @@ impl Shared {
         }
     }
 
-    fn add_open(&self, fd: Fd) -> u64 {
+    fn add_open(&self, fd: Fd, ino: u64) -> u64 {
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
         let open = Arc::new(Open {
             fd,
+            ino,
             listing: tokio::sync::Mutex::new(Listing::default()),
         });
         self.files_lock().insert(fh, open);
@@ -1162,6 +1138,70 @@ impl Shared {
 
     fn open(&self, fh: FileHandle) -> Result<Arc<Open>> {
         self.files_lock().get(&fh.0).cloned().ok_or(Errno::EBADF)
+    }
+
+    /// Any handle open on node `ino`.
+    fn open_of(&self, ino: u64) -> Option<Arc<Open>> {
+        self.files_lock().values().find(|o| o.ino == ino).cloned()
+    }
+
+    /// The attributes of node `ino`: through handle `fh` when the kernel names one, else by
+    /// GFID; a file with no name left (unlinked while open) is reached through a handle.
+    async fn stat(&self, v: &Volume, ino: u64, fh: Option<FileHandle>) -> Result<Iatt> {
+        let fstat = |open: Arc<Open>| async move {
+            attr_of(
+                v.call_fd(&open.fd, |fd| kiln_wire::Fstat { fd }.into())
+                    .await,
+            )
+        };
+        if let Some(open) = fh.and_then(|fh| self.open(fh).ok()) {
+            return fstat(open).await;
+        }
+        let gfid = self.inodes.gfid(ino).ok_or(Errno::ESTALE)?;
+        match v.call(kiln_wire::Stat { gfid }).await {
+            Err(Error::Fop(ErrorCode::Stale | ErrorCode::NoEnt)) if self.open_of(ino).is_some() => {
+                fstat(self.open_of(ino).ok_or(Errno::ESTALE)?).await
+            }
+            reply => attr_of(reply),
+        }
+    }
+
+    /// Changes the attributes of node `ino`. A size change through a handle is
+    /// ftruncate(2): the handle's write access allows it, whatever the file's mode says.
+    async fn setattr(
+        &self,
+        v: &Volume,
+        ino: u64,
+        fh: Option<FileHandle>,
+        mut attr: SetAttr,
+    ) -> Result<Iatt> {
+        let open = fh.and_then(|fh| self.open(fh).ok());
+        let mut truncated = None;
+        if let (Some(open), Some(size)) = (&open, attr.size) {
+            let reply = v
+                .call_fd(&open.fd, |fd| kiln_wire::Ftruncate { fd, size }.into())
+                .await;
+            truncated = Some(attr_of(reply)?);
+            attr.size = None;
+        }
+        if attr.is_empty() {
+            // Nothing else, or only a ctime change (the brick keeps its own ctime).
+            return match truncated {
+                Some(iatt) => Ok(iatt),
+                None => self.stat(v, ino, fh).await,
+            };
+        }
+        let reply = match &open {
+            Some(open) => {
+                v.call_fd(&open.fd, |fd| kiln_wire::Fsetattr { fd, attr }.into())
+                    .await
+            }
+            None => {
+                let gfid = self.inodes.gfid(ino).ok_or(Errno::ESTALE)?;
+                v.call(kiln_wire::Setattr { gfid, attr }).await
+            }
+        };
+        attr_of(reply)
     }
 
     fn take_open(&self, fh: FileHandle) -> Option<Arc<Open>> {
@@ -1402,7 +1442,7 @@ fn negative_attr() -> FileAttr {
 fn attr_of(reply: std::result::Result<FopReply, Error>) -> Result<Iatt> {
     match reply.map_err(errno)? {
         FopReply::Stat(r) | FopReply::Fstat(r) => Ok(r.iatt),
-        FopReply::Setattr(r) | FopReply::Fsetattr(r) => Ok(r.post),
+        FopReply::Setattr(r) | FopReply::Fsetattr(r) | FopReply::Ftruncate(r) => Ok(r.post),
         other => Err(unexpected(&other)),
     }
 }

@@ -33,8 +33,8 @@ pub struct MountOptions {
     /// The kernel gathers writes in its page cache and sends them in large batches.
     pub writeback_cache: bool,
     /// The kernel also checks permissions itself, from cached attributes, before asking the
-    /// brick. Off by default: the brick checks every fop as the caller, and the kernel's check
-    /// costs a GETATTR of each directory a create or unlink has just changed.
+    /// brick (which checks every fop again as the caller). On by default: without it, a path
+    /// walk through cached entries would skip the search-permission check of each directory.
     pub default_permissions: bool,
     pub read_only: bool,
     /// Honour set-user-id bits (off: `nosuid`, as FUSE mounts default to).
@@ -53,7 +53,7 @@ impl Default for MountOptions {
             entry_timeout: Duration::from_secs(1),
             negative_timeout: Duration::from_secs(1),
             writeback_cache: false,
-            default_permissions: false,
+            default_permissions: true,
             read_only: false,
             suid: false,
             dev: false,
