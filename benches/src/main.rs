@@ -4,6 +4,8 @@
 //! kiln-bench engine [--files N] [--dirs N] [--depths 1,16,256] [--loop-fs-mib M] [--json]
 //! kiln-bench net [--files N] [--concurrency 1,16,128] [--pings N] [--bulk-mib M] [--json]
 //! kiln-bench mgmt [--sets N] [--tasks N] [--loop-fs-mib M] [--json]
+//! kiln-bench mount [--files N] [--dirs N] [--linux-source auto|off|PATH]
+//!                  [--targets local,bindfs,kiln,glusterfs] [--mount-options O,...] [--json]
 //! ```
 
 use std::path::PathBuf;
@@ -11,6 +13,7 @@ use std::path::PathBuf;
 use clap::{Parser, Subcommand};
 use kiln_bench::engine::{self, EngineBench};
 use kiln_bench::mgmt::{self, MgmtBench};
+use kiln_bench::mount::{self, MountBench, Target};
 use kiln_bench::net::{self, NetBench};
 use kiln_bench::report::{Reporter, environment};
 use kiln_bench::scratch::Scratch;
@@ -111,6 +114,45 @@ enum Workload {
         #[arg(long, default_value_t = 16)]
         tasks: usize,
     },
+    /// A tree of many small files untarred, `find`-stat'ed, `ls -lR`'d, read and removed on
+    /// the local directory, a bindfs passthrough FUSE mount, the Kiln mount and a GlusterFS
+    /// mount (where set up), all on the scratch disk.
+    Mount {
+        /// Files of a generated tree (default 80000; giving it or --dirs generates the tree
+        /// even when linux-source is installed).
+        #[arg(long)]
+        files: Option<usize>,
+        /// Directories of a generated tree (default 5000).
+        #[arg(long)]
+        dirs: Option<usize>,
+        /// `auto`: Debian's linux-source tarball (/usr/src/linux-source-*.tar.*) when
+        /// installed, else a generated tree; `off`: always generate; or a tarball's path.
+        #[arg(long, default_value = "auto")]
+        linux_source: String,
+        /// Seed of the generated tree.
+        #[arg(long, default_value_t = mount::DEFAULT_SEED)]
+        seed: u64,
+        /// Targets to measure (default: every one available; the others are skipped with a
+        /// note).
+        #[arg(long, value_enum, value_delimiter = ',')]
+        targets: Option<Vec<Target>>,
+        /// `-o` options of `kiln mount`, comma-separated (e.g. writeback-cache=on,
+        /// attr-timeout-ms=1000).
+        #[arg(long, value_delimiter = ',')]
+        mount_options: Vec<String>,
+        /// `-o` options of bindfs, comma-separated.
+        #[arg(long, value_delimiter = ',')]
+        bindfs_options: Vec<String>,
+        /// An existing GlusterFS volume to mount as the glusterfs target (SERVER:/VOLUME).
+        #[arg(long)]
+        glusterfs_volume: Option<String>,
+        /// Do not drop the kernel's caches before each phase.
+        #[arg(long)]
+        keep_caches: bool,
+        /// Longest run of one phase's command, in seconds.
+        #[arg(long, default_value_t = 3600)]
+        phase_timeout_s: u64,
+    },
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -190,6 +232,29 @@ fn main() -> anyhow::Result<()> {
         }
         Workload::Mgmt { sets, tasks } => {
             mgmt::run(&MgmtBench { sets, tasks }, &scratch, &mut out)?;
+        }
+        Workload::Mount {
+            files,
+            dirs,
+            linux_source,
+            seed,
+            targets,
+            mount_options,
+            bindfs_options,
+            glusterfs_volume,
+            keep_caches,
+            phase_timeout_s,
+        } => {
+            let bench = MountBench {
+                tree: mount::tree_source(files, dirs, seed, &linux_source)?,
+                targets: targets.unwrap_or_else(|| Target::ALL.to_vec()),
+                mount_options,
+                bindfs_options,
+                glusterfs_volume,
+                drop_caches: !keep_caches,
+                phase_timeout: std::time::Duration::from_secs(phase_timeout_s),
+            };
+            mount::run(&bench, &scratch, &mut out)?;
         }
     }
     Ok(())

@@ -220,3 +220,82 @@ fn mgmt_workload_runs_and_reports_every_target() {
         "{started}"
     );
 }
+
+#[test]
+fn mount_workload_runs_and_reports_every_phase() {
+    // The Kiln target mounts FUSE and the phases drop the kernel's caches: root only.
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("skipped: kiln-bench mount needs root (FUSE mounts, drop_caches)");
+        return;
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_kiln-bench"))
+        .args([
+            "mount",
+            "--files",
+            "200",
+            "--dirs",
+            "20",
+            "--targets",
+            "local,kiln",
+            "--json",
+        ])
+        .output()
+        .expect("run kiln-bench");
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("JSON Lines"))
+        .collect();
+    assert!(lines[0].get("environment").is_some());
+    let tree = lines
+        .iter()
+        .find_map(|l| l.get("tree"))
+        .expect("the tree note");
+    assert_eq!(tree["files"], 200, "{tree}");
+    assert_eq!(tree["dirs"], 20, "{tree}");
+    let records: Vec<&serde_json::Value> = lines
+        .iter()
+        .filter(|l| l.get("workload").is_some())
+        .collect();
+    let positive = |v: &serde_json::Value| v.as_f64().is_some_and(|x| x > 0.0);
+    for workload in [
+        "mount.untar",
+        "mount.stat",
+        "mount.ls_lR",
+        "mount.read",
+        "mount.rm",
+    ] {
+        for (target, reference) in [("local", "local"), ("kiln", "local")] {
+            let r = records
+                .iter()
+                .find(|r| {
+                    r["workload"] == workload
+                        && r["target"] == target
+                        && r["reference"] == reference
+                })
+                .unwrap_or_else(|| panic!("no {workload} result for {target} against {reference}"));
+            assert!(positive(&r["ratio"]), "{r}");
+            assert!(positive(&r["ops_per_s"]), "{r}");
+            assert!(positive(&r["params"]["seconds"]), "{r}");
+        }
+    }
+    // Every phase is summarized, and the Kiln mount and its brick stopped cleanly.
+    let summaries = lines
+        .iter()
+        .filter_map(|l| l.get("mount_summary"))
+        .filter(|s| positive(&s["kiln_over_local"]))
+        .count();
+    assert_eq!(summaries, 5);
+    let stop = lines
+        .iter()
+        .filter_map(|l| l.get("mount_stop"))
+        .find(|s| s["target"] == "kiln")
+        .expect("the kiln stop note");
+    assert_eq!(stop["unmount"]["status"], "exit status: 0", "{stop}");
+    assert_eq!(stop["brickd"]["sigkill"], false, "{stop}");
+}

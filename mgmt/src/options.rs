@@ -117,6 +117,14 @@ pub const OPTIONS: &[OptionDef] = &[
         help: "how long a mount's kernel caches file attributes, in milliseconds",
     },
     OptionDef {
+        key: "performance.deferred-create",
+        kind: ValueKind::Bool,
+        default: "on",
+        apply: Apply::Mount,
+        help: "a mount sends a small new file as one PUT at its first close (a refused create \
+               then fails the close) instead of a CREATE, WRITEs and SETATTRs",
+    },
+    OptionDef {
         key: "performance.entry-timeout-ms",
         kind: ValueKind::Integer {
             min: 0,

@@ -36,6 +36,7 @@ use tokio::runtime::Handle;
 
 use super::MountOptions;
 use super::inodes::Inodes;
+use super::pending::{ParentAttr, Pending, PendingCreates};
 use crate::path::new_gfid;
 use crate::{Error, Fd, Volume};
 
@@ -62,13 +63,18 @@ struct Shared {
     inodes: Inodes,
     files: Mutex<HashMap<u64, Arc<Open>>>,
     next_fh: AtomicU64,
+    pending: PendingCreates,
 }
 
 /// An open file or directory behind a FUSE file handle.
 #[derive(Debug)]
 struct Open {
-    fd: Fd,
+    /// Set at open, or on first use for a deferred create (once it is on the brick).
+    fd: tokio::sync::OnceCell<Fd>,
     ino: u64,
+    /// How to open the file on the brick when the fd is made late.
+    access: AccessMode,
+    flags: OpenFlags,
     /// Directories only: entries fetched but not yet given to the kernel.
     listing: tokio::sync::Mutex<Listing>,
 }
@@ -94,6 +100,7 @@ impl KilnFs {
                 inodes: Inodes::new(),
                 files: Mutex::new(HashMap::new()),
                 next_fh: AtomicU64::new(1),
+                pending: PendingCreates::default(),
             }),
         }
     }
@@ -190,6 +197,9 @@ impl fuser::Filesystem for KilnFs {
                     parent: s.gfid(parent)?,
                     name: name?,
                 };
+                if let Some(iatt) = s.pending.find(lookup.parent, &lookup.name).await {
+                    return Ok(Some(s.entry(&iatt)));
+                }
                 match v.call(lookup).await {
                     Ok(FopReply::Lookup(r)) => Ok(Some(s.entry(&r.iatt))),
                     Ok(other) => Err(unexpected(&other)),
@@ -253,7 +263,9 @@ impl fuser::Filesystem for KilnFs {
             reply,
             async move {
                 let iatt = s.setattr(&v, ino.0, fh, attr).await?;
-                Ok(s.attr(ino.0, &iatt))
+                let (attr, ttl) = s.attr(ino.0, &iatt);
+                let deferred = s.pending.get(ino.0).is_some();
+                Ok((attr, if deferred { Duration::ZERO } else { ttl }))
             },
             |reply, (attr, ttl)| reply.attr(&ttl, &attr),
         );
@@ -264,6 +276,7 @@ impl fuser::Filesystem for KilnFs {
         self.spawn(
             reply,
             async move {
+                s.settle(&v, ino.0).await?;
                 match v.call(kiln_wire::Readlink { gfid: s.gfid(ino)? }).await {
                     Ok(FopReply::Readlink(r)) => Ok(r.target.into_bytes()),
                     Ok(other) => Err(unexpected(&other)),
@@ -296,6 +309,7 @@ impl fuser::Filesystem for KilnFs {
                     Some(FileType::BlockDevice) => NodeType::BlockDevice,
                     _ => return Err(Errno::EINVAL),
                 };
+                s.settle_dir(&v, None).await;
                 let mknod = kiln_wire::Mknod {
                     parent: s.gfid(parent)?,
                     name: name?,
@@ -324,6 +338,7 @@ impl fuser::Filesystem for KilnFs {
         self.spawn(
             reply,
             async move {
+                s.settle_dir(&v, None).await;
                 let mkdir = kiln_wire::Mkdir {
                     parent: s.gfid(parent)?,
                     name: name?,
@@ -342,6 +357,7 @@ impl fuser::Filesystem for KilnFs {
         self.spawn(
             reply,
             async move {
+                s.settle_dir(&v, None).await;
                 let unlink = kiln_wire::Unlink {
                     parent: s.gfid(parent)?,
                     name: name?,
@@ -357,6 +373,7 @@ impl fuser::Filesystem for KilnFs {
         self.spawn(
             reply,
             async move {
+                s.settle_dir(&v, None).await;
                 let rmdir = kiln_wire::Rmdir {
                     parent: s.gfid(parent)?,
                     name: name?,
@@ -381,6 +398,7 @@ impl fuser::Filesystem for KilnFs {
         self.spawn(
             reply,
             async move {
+                s.settle_dir(&v, None).await;
                 let symlink = kiln_wire::Symlink {
                     parent: s.gfid(parent)?,
                     name: name?,
@@ -417,6 +435,7 @@ impl fuser::Filesystem for KilnFs {
                 } else {
                     return Err(Errno::EINVAL);
                 };
+                s.settle_dir(&v, None).await;
                 let rename = kiln_wire::Rename {
                     old_parent: s.gfid(parent)?,
                     old_name: old_name?,
@@ -442,6 +461,7 @@ impl fuser::Filesystem for KilnFs {
         self.spawn(
             reply,
             async move {
+                s.settle_dir(&v, None).await;
                 let link = kiln_wire::Link {
                     gfid: s.gfid(ino)?,
                     new_parent: s.gfid(newparent)?,
@@ -459,6 +479,7 @@ impl fuser::Filesystem for KilnFs {
             reply,
             async move {
                 let gfid = s.gfid(ino)?;
+                s.settle(&v, ino.0).await?;
                 let (access, open_flags) = s.open_mode(flags.0);
                 let fd = match v.open(gfid, access, open_flags).await {
                     // The writeback cache reads pages of write-only files; a caller allowed
@@ -469,7 +490,7 @@ impl fuser::Filesystem for KilnFs {
                     other => other,
                 }
                 .map_err(errno)?;
-                Ok(s.add_open(fd, ino.0))
+                Ok(s.add_open(Some(fd), ino.0, access, open_flags))
             },
             |reply, fh| reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE),
         );
@@ -492,7 +513,14 @@ impl fuser::Filesystem for KilnFs {
             async move {
                 let open = s.open(fh)?;
                 let size = size.min(IO_SIZE_MAX_BYTES as u32);
-                v.read(&open.fd, offset, size).await.map_err(errno)
+                if let Some(slot) = s.pending.get(open.ino)
+                    && let Some(pending) = slot.lock().await.as_ref()
+                {
+                    return Ok(pending.read(offset, size));
+                }
+                v.read(s.fd(&v, &open).await?, offset, size)
+                    .await
+                    .map_err(errno)
             },
             |reply, data| reply.data(&data),
         );
@@ -517,7 +545,15 @@ impl fuser::Filesystem for KilnFs {
             async move {
                 let open = s.open(fh)?;
                 let len = u32::try_from(data.len()).map_err(|_| Errno::EINVAL)?;
-                v.write(&open.fd, offset, data).await.map_err(errno)?;
+                if let Some(slot) = s.pending.get(open.ino)
+                    && let Some(pending) = slot.lock().await.as_mut()
+                    && pending.write(offset, &data)
+                {
+                    return Ok(len);
+                }
+                v.write(s.fd(&v, &open).await?, offset, data)
+                    .await
+                    .map_err(errno)?;
                 Ok(len)
             },
             |reply, len| reply.written(len),
@@ -533,8 +569,10 @@ impl fuser::Filesystem for KilnFs {
         reply: ReplyEmpty,
     ) {
         // Writes are acknowledged by the brick before the kernel hears of them, so a close
-        // has nothing to push; it only matters to the closer's POSIX locks.
-        if !self.shared.inodes.is_locked(ino.0) {
+        // pushes nothing but a deferred create; otherwise it matters only to the closer's
+        // POSIX locks.
+        let locked = self.shared.inodes.is_locked(ino.0);
+        if !locked && self.shared.pending.is_empty() {
             reply.ok();
             return;
         }
@@ -542,13 +580,18 @@ impl fuser::Filesystem for KilnFs {
         self.spawn(
             reply,
             async move {
+                // The first close sends a deferred create; a refusal is this close's error.
+                s.settle(&v, ino.0).await?;
+                if let Some(errno) = s.pending.take_failure(ino.0) {
+                    return Err(Errno::from_i32(errno));
+                }
+                if !locked {
+                    return Ok(());
+                }
                 let open = s.open(fh)?;
-                v.call_fd(&open.fd, |fd| {
-                    kiln_wire::Flush {
-                        fd,
-                        lock_owner: lock_owner.0,
-                    }
-                    .into()
+                let lock_owner = lock_owner.0;
+                v.call_fd(s.fd(&v, &open).await?, |fd| {
+                    kiln_wire::Flush { fd, lock_owner }.into()
                 })
                 .await
                 .map(drop)
@@ -585,7 +628,9 @@ impl fuser::Filesystem for KilnFs {
             reply,
             async move {
                 let open = s.open(fh)?;
-                v.fsync(&open.fd, datasync).await.map_err(errno)
+                v.fsync(s.fd(&v, &open).await?, datasync)
+                    .await
+                    .map_err(errno)
             },
             |reply, ()| reply.ok(),
         );
@@ -596,8 +641,11 @@ impl fuser::Filesystem for KilnFs {
         self.spawn(
             reply,
             async move {
-                let fd = v.opendir(s.gfid(ino)?).await.map_err(errno)?;
-                Ok(s.add_open(fd, ino.0))
+                let gfid = s.gfid(ino)?;
+                // A listing shows the files created here that are still deferred.
+                s.settle_dir(&v, Some(gfid)).await;
+                let fd = v.opendir(gfid).await.map_err(errno)?;
+                Ok(s.add_open(Some(fd), ino.0, AccessMode::ReadOnly, OpenFlags::empty()))
             },
             |reply, fh| reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE),
         );
@@ -687,10 +735,12 @@ impl fuser::Filesystem for KilnFs {
             reply,
             async move {
                 let open = s.open(fh)?;
-                v.call_fd(&open.fd, |fd| kiln_wire::Fsyncdir { fd, datasync }.into())
-                    .await
-                    .map(drop)
-                    .map_err(errno)
+                v.call_fd(s.fd(&v, &open).await?, |fd| {
+                    kiln_wire::Fsyncdir { fd, datasync }.into()
+                })
+                .await
+                .map(drop)
+                .map_err(errno)
             },
             |reply, ()| reply.ok(),
         );
@@ -733,9 +783,7 @@ impl fuser::Filesystem for KilnFs {
         _position: u32,
         reply: ReplyEmpty,
     ) {
-        if name.as_bytes().starts_with(SECURITY_PREFIX) {
-            self.shared.inodes.clear_bare(ino.0);
-        }
+        self.shared.inodes.forget_xattr(ino.0, name.as_bytes());
         let (s, v, name) = (self.shared(), self.volume(req), xattr_name(name));
         let value = XattrValue::new(Bytes::copy_from_slice(value))
             .map_err(|_| Errno::from_i32(libc::E2BIG));
@@ -748,6 +796,7 @@ impl fuser::Filesystem for KilnFs {
                     libc::XATTR_REPLACE => XattrSetMode::Replace,
                     _ => return Err(Errno::EINVAL),
                 };
+                s.settle(&v, ino.0).await?;
                 let set = kiln_wire::Setxattr {
                     gfid: s.gfid(ino)?,
                     name: name?,
@@ -761,7 +810,7 @@ impl fuser::Filesystem for KilnFs {
     }
 
     fn getxattr(&self, req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
-        if name.as_bytes().starts_with(SECURITY_PREFIX) && self.shared.inodes.is_bare(ino.0) {
+        if self.shared.inodes.xattr_is_absent(ino.0, name.as_bytes()) {
             reply.error(Errno::NO_XATTR);
             return;
         }
@@ -769,13 +818,20 @@ impl fuser::Filesystem for KilnFs {
         self.spawn(
             reply,
             async move {
+                let name = name?;
+                s.settle(&v, ino.0).await?;
                 let get = kiln_wire::Getxattr {
                     gfid: s.gfid(ino)?,
-                    name: name?,
+                    name: name.clone(),
                 };
                 match v.call(get).await {
                     Ok(FopReply::Getxattr(r)) => Ok(r.value.into_bytes()),
                     Ok(other) => Err(unexpected(&other)),
+                    Err(Error::Fop(ErrorCode::NoData)) => {
+                        let until = Instant::now() + s.options.attr_timeout;
+                        s.inodes.note_absent_xattr(ino.0, name.as_bytes(), until);
+                        Err(Errno::NO_XATTR)
+                    }
                     Err(e) => Err(errno(e)),
                 }
             },
@@ -788,6 +844,7 @@ impl fuser::Filesystem for KilnFs {
         self.spawn(
             reply,
             async move {
+                s.settle(&v, ino.0).await?;
                 match v.call(kiln_wire::Listxattr { gfid: s.gfid(ino)? }).await {
                     Ok(FopReply::Listxattr(r)) => {
                         Ok(r.entries.iter().fold(Vec::new(), |mut list, name| {
@@ -809,6 +866,7 @@ impl fuser::Filesystem for KilnFs {
         self.spawn(
             reply,
             async move {
+                s.settle(&v, ino.0).await?;
                 let remove = kiln_wire::Removexattr {
                     gfid: s.gfid(ino)?,
                     name: name?,
@@ -834,6 +892,7 @@ impl fuser::Filesystem for KilnFs {
                         bits = bits | bit;
                     }
                 }
+                s.settle(&v, ino.0).await?;
                 let access = kiln_wire::Access {
                     gfid: s.gfid(ino)?,
                     mask: bits,
@@ -873,10 +932,43 @@ impl fuser::Filesystem for KilnFs {
                     mode: Mode::from_st_mode(mode),
                     umask: Mode::from_st_mode(umask),
                 };
-                let (fd, created) = v.create(create).await.map_err(errno)?;
-                let (attr, ttl) = s.entry(&created.iatt);
+                let synchronous =
+                    OpenFlags::SYNC.bits() | OpenFlags::DSYNC.bits() | OpenFlags::DIRECT.bits();
+                let parent_attr = s
+                    .inodes
+                    .dir_attr(parent.0)
+                    .filter(|p| p.allows_create(v.creds()));
+                let (iatt, fd) = match parent_attr {
+                    Some(parent_attr)
+                        if s.options.deferred_create
+                            && requested_access(flags) == AccessMode::WriteOnly
+                            && open_flags.bits() & synchronous == 0 =>
+                    {
+                        let pending = Pending::new(create, parent_attr, v.creds().clone());
+                        let iatt = pending.iatt();
+                        (iatt, Err(pending))
+                    }
+                    _ => {
+                        let (fd, created) = v.create(create).await.map_err(errno)?;
+                        (created.iatt, Ok(fd))
+                    }
+                };
+                let (attr, mut ttl) = s.entry(&iatt);
                 s.inodes.mark_bare(attr.ino.0, Instant::now() + ttl.attr);
-                let fh = s.add_open(fd, attr.ino.0);
+                let fd = match fd {
+                    Ok(fd) => Some(fd),
+                    Err(pending) => {
+                        s.pending.insert(attr.ino.0, pending);
+                        // The kernel asks again (and a stat sends the file) rather than keep
+                        // times the brick will not have.
+                        ttl.attr = Duration::ZERO;
+                        None
+                    }
+                };
+                // A late open must not truncate what the PUT wrote.
+                let reopen = OpenFlags::from_bits(open_flags.bits() & !OpenFlags::TRUNC.bits())
+                    .unwrap_or(OpenFlags::empty());
+                let fh = s.add_open(fd, attr.ino.0, access, reopen);
                 Ok((attr, ttl, fh))
             },
             |reply, (attr, ttl, fh)| {
@@ -909,7 +1001,9 @@ impl fuser::Filesystem for KilnFs {
             async move {
                 let open = s.open(fh)?;
                 let lock = wire_lock(typ, start, end, pid, lock_owner)?;
-                v.lk(&open.fd, LockCmd::Get, lock).await.map_err(errno)
+                v.lk(s.fd(&v, &open).await?, LockCmd::Get, lock)
+                    .await
+                    .map_err(errno)
             },
             |reply, lock| {
                 let typ = match lock.kind {
@@ -951,7 +1045,10 @@ impl fuser::Filesystem for KilnFs {
                 } else {
                     LockCmd::Set
                 };
-                v.lk(&open.fd, cmd, lock).await.map(drop).map_err(errno)
+                v.lk(s.fd(&v, &open).await?, cmd, lock)
+                    .await
+                    .map(drop)
+                    .map_err(errno)
             },
             |reply, ()| reply.ok(),
         );
@@ -1005,7 +1102,10 @@ impl fuser::Filesystem for KilnFs {
                 if !supported {
                     return Err(Errno::from_i32(libc::EOPNOTSUPP));
                 }
-                v.call_fd(&open.fd, fop).await.map(drop).map_err(errno)
+                v.call_fd(s.fd(&v, &open).await?, fop)
+                    .await
+                    .map(drop)
+                    .map_err(errno)
             },
             |reply, ()| reply.ok(),
         );
@@ -1032,7 +1132,9 @@ impl fuser::Filesystem for KilnFs {
                 };
                 let offset = u64::try_from(offset).map_err(|_| Errno::ENXIO)?;
                 match v
-                    .call_fd(&open.fd, |fd| kiln_wire::Seek { fd, offset, what }.into())
+                    .call_fd(s.fd(&v, &open).await?, |fd| {
+                        kiln_wire::Seek { fd, offset, what }.into()
+                    })
                     .await
                 {
                     Ok(FopReply::Seek(r)) => i64::try_from(r.offset).map_err(|_| Errno::ENXIO),
@@ -1057,10 +1159,15 @@ impl KilnFs {
         let Some(open) = self.shared.take_open(fh) else {
             return;
         };
-        let v = self.volume(req);
+        let (s, v) = (self.shared(), self.volume(req));
         self.runtime.spawn(async move {
+            // Normally the close (FLUSH) has sent a deferred create already.
+            if s.settle(&v, open.ino).await.is_ok() {
+                s.pending.take_failure(open.ino);
+            }
             if let Ok(open) = Arc::try_unwrap(open)
-                && let Err(e) = v.release(open.fd).await
+                && let Some(fd) = open.fd.into_inner()
+                && let Err(e) = v.release(fd).await
             {
                 tracing::debug!(error = %e, "release failed; the fd goes with the session");
             }
@@ -1074,9 +1181,6 @@ struct Ttl {
     attr: Duration,
     entry: Duration,
 }
-
-/// The xattr namespace the kernel asks about before writes and chowns.
-const SECURITY_PREFIX: &[u8] = b"security.";
 
 /// Node generations never change: node ids are derived from GFIDs, which are never reused.
 const GEN: Generation = Generation(0);
@@ -1095,13 +1199,28 @@ impl Shared {
 
     /// `iatt` as the attributes of node `ino`.
     fn attr(&self, ino: u64, iatt: &Iatt) -> (FileAttr, Duration) {
+        self.note_dir(ino, iatt);
         (file_attr(ino, iatt), self.options.attr_timeout)
     }
 
     /// An entry handed to the kernel: counts a lookup of its node.
     fn entry(&self, iatt: &Iatt) -> (FileAttr, Ttl) {
         let ino = self.inodes.remember(iatt.gfid);
+        self.note_dir(ino, iatt);
         (file_attr(ino, iatt), self.ttl())
+    }
+
+    /// Keeps a directory's permission bits and owner for deciding deferred creates in it.
+    fn note_dir(&self, ino: u64, iatt: &Iatt) {
+        if iatt.file_type == FileType::Directory {
+            let attr = ParentAttr {
+                mode: iatt.mode.bits(),
+                uid: iatt.uid,
+                gid: iatt.gid,
+            };
+            let until = Instant::now() + self.options.attr_timeout;
+            self.inodes.note_dir(ino, attr, until);
+        }
     }
 
     /// The node id of `gfid` for a plain READDIR entry (which is not a lookup).
@@ -1125,11 +1244,13 @@ impl Shared {
         }
     }
 
-    fn add_open(&self, fd: Fd, ino: u64) -> u64 {
+    fn add_open(&self, fd: Option<Fd>, ino: u64, access: AccessMode, flags: OpenFlags) -> u64 {
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
         let open = Arc::new(Open {
-            fd,
+            fd: tokio::sync::OnceCell::new_with(fd),
             ino,
+            access,
+            flags,
             listing: tokio::sync::Mutex::new(Listing::default()),
         });
         self.files_lock().insert(fh, open);
@@ -1138,6 +1259,64 @@ impl Shared {
 
     fn open(&self, fh: FileHandle) -> Result<Arc<Open>> {
         self.files_lock().get(&fh.0).cloned().ok_or(Errno::EBADF)
+    }
+
+    /// The brick fd behind `open`, made on first use for a deferred create (which sends the
+    /// create first).
+    async fn fd<'a>(&self, v: &Volume, open: &'a Open) -> Result<&'a Fd> {
+        if let Some(fd) = open.fd.get() {
+            return Ok(fd);
+        }
+        self.settle(v, open.ino).await?;
+        self.late_fd(open).await
+    }
+
+    /// Opens the brick fd of a handle made by a deferred create, once the file is there. It
+    /// opens as root: the create already granted the handle its access, whatever the mode
+    /// given to the file says (a file created 0444 and written through its create fd).
+    async fn late_fd<'a>(&self, open: &'a Open) -> Result<&'a Fd> {
+        open.fd
+            .get_or_try_init(|| async {
+                let gfid = self.inodes.gfid(open.ino).ok_or(Errno::ESTALE)?;
+                let root = self.volume.with_creds(Creds::root());
+                root.open(gfid, open.access, open.flags)
+                    .await
+                    .map_err(errno)
+            })
+            .await
+    }
+
+    /// Sends node `ino`'s deferred create to the brick, if it has one still waiting, and
+    /// gives the handles open on it their brick fds (so they outlive an unlink).
+    async fn settle(&self, v: &Volume, ino: u64) -> Result<()> {
+        if self.pending.is_empty() {
+            return Ok(());
+        }
+        if self.pending.settle(v, ino).await.map_err(errno)?.is_some() {
+            let opens: Vec<_> = self
+                .files_lock()
+                .values()
+                .filter(|o| o.ino == ino)
+                .cloned()
+                .collect();
+            for open in opens {
+                if let Err(e) = self.late_fd(&open).await {
+                    tracing::warn!(?e, "cannot open a settled create");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends the deferred creates in directory `parent` (every one when `None`) before a fop
+    /// that must see them on the brick. A refusal is kept for the file's close to report.
+    async fn settle_dir(&self, v: &Volume, parent: Option<Gfid>) {
+        if self.pending.is_empty() {
+            return;
+        }
+        for ino in self.pending.in_dir(parent).await {
+            let _ = self.settle(v, ino).await;
+        }
     }
 
     /// Any handle open on node `ino`.
@@ -1150,10 +1329,14 @@ impl Shared {
     async fn stat(&self, v: &Volume, ino: u64, fh: Option<FileHandle>) -> Result<Iatt> {
         let fstat = |open: Arc<Open>| async move {
             attr_of(
-                v.call_fd(&open.fd, |fd| kiln_wire::Fstat { fd }.into())
-                    .await,
+                v.call_fd(self.fd(v, &open).await?, |fd| {
+                    kiln_wire::Fstat { fd }.into()
+                })
+                .await,
             )
         };
+        // A stat sends a deferred create: from then on the brick's times are the file's.
+        self.settle(v, ino).await?;
         if let Some(open) = fh.and_then(|fh| self.open(fh).ok()) {
             return fstat(open).await;
         }
@@ -1175,11 +1358,20 @@ impl Shared {
         fh: Option<FileHandle>,
         mut attr: SetAttr,
     ) -> Result<Iatt> {
+        if let Some(slot) = self.pending.get(ino)
+            && let Some(pending) = slot.lock().await.as_mut()
+            && pending.setattr(v.creds(), attr)
+        {
+            return Ok(pending.iatt());
+        }
+        self.settle(v, ino).await?;
         let open = fh.and_then(|fh| self.open(fh).ok());
         let mut truncated = None;
         if let (Some(open), Some(size)) = (&open, attr.size) {
             let reply = v
-                .call_fd(&open.fd, |fd| kiln_wire::Ftruncate { fd, size }.into())
+                .call_fd(self.fd(v, open).await?, |fd| {
+                    kiln_wire::Ftruncate { fd, size }.into()
+                })
                 .await;
             truncated = Some(attr_of(reply)?);
             attr.size = None;
@@ -1193,8 +1385,10 @@ impl Shared {
         }
         let reply = match &open {
             Some(open) => {
-                v.call_fd(&open.fd, |fd| kiln_wire::Fsetattr { fd, attr }.into())
-                    .await
+                v.call_fd(self.fd(v, open).await?, |fd| {
+                    kiln_wire::Fsetattr { fd, attr }.into()
+                })
+                .await
             }
             None => {
                 let gfid = self.inodes.gfid(ino).ok_or(Errno::ESTALE)?;
@@ -1256,7 +1450,7 @@ impl Shared {
             if listing.from != offset || (listing.entries.is_empty() && !listing.eof) {
                 let size = ReaddirSize::new(READDIR_FETCH_BYTES).ok_or(Errno::EINVAL)?;
                 let reply = v
-                    .call_fd(&open.fd, |fd| {
+                    .call_fd(self.fd(v, &open).await?, |fd| {
                         kiln_wire::Readdirp { fd, offset, size }.into()
                     })
                     .await;

@@ -15,6 +15,8 @@ use std::time::Instant;
 
 use kiln_wire::Gfid;
 
+use super::pending::ParentAttr;
+
 /// The root directory's node id (`FUSE_ROOT_ID`).
 pub(crate) const ROOT_INO: u64 = 1;
 
@@ -40,6 +42,11 @@ struct Node {
     /// Until then the file is known to have no `security.*` xattrs: this mount created it
     /// and has set none since.
     bare_until: Option<Instant>,
+    /// Extended attributes the brick said the object does not have, each until a time
+    /// (`ls -l` asks two of every file it lists).
+    absent_xattrs: Vec<(Box<[u8]>, Instant)>,
+    /// A directory's permission bits and owner, as last seen, until a time.
+    dir_attr: Option<(ParentAttr, Instant)>,
 }
 
 impl Inodes {
@@ -52,6 +59,8 @@ impl Inodes {
                 nlookup: 1,
                 locked: false,
                 bare_until: None,
+                absent_xattrs: Vec::new(),
+                dir_attr: None,
             },
         );
         map.by_gfid.insert(Gfid::ROOT, ROOT_INO);
@@ -85,6 +94,8 @@ impl Inodes {
                 nlookup: 1,
                 locked: false,
                 bare_until: None,
+                absent_xattrs: Vec::new(),
+                dir_attr: None,
             },
         );
         map.by_gfid.insert(gfid, ino);
@@ -124,20 +135,50 @@ impl Inodes {
         }
     }
 
-    /// Forgets that `ino` has no `security.*` xattrs (one is being set).
-    pub(crate) fn clear_bare(&self, ino: u64) {
+    /// Records directory `ino`'s permission bits and owner, trusted until `until`.
+    pub(crate) fn note_dir(&self, ino: u64, attr: ParentAttr, until: Instant) {
         if let Some(node) = self.lock().by_ino.get_mut(&ino) {
-            node.bare_until = None;
+            node.dir_attr = Some((attr, until));
         }
     }
 
-    /// Whether `ino` is known to have no `security.*` xattrs now.
-    pub(crate) fn is_bare(&self, ino: u64) -> bool {
+    /// Directory `ino`'s permission bits and owner, if seen recently enough.
+    pub(crate) fn dir_attr(&self, ino: u64) -> Option<ParentAttr> {
+        let now = Instant::now();
         self.lock()
             .by_ino
             .get(&ino)
-            .and_then(|n| n.bare_until)
-            .is_some_and(|until| Instant::now() < until)
+            .and_then(|n| n.dir_attr)
+            .and_then(|(attr, until)| (now < until).then_some(attr))
+    }
+
+    /// Records that `ino` has no xattr `name` until `until`.
+    pub(crate) fn note_absent_xattr(&self, ino: u64, name: &[u8], until: Instant) {
+        if let Some(node) = self.lock().by_ino.get_mut(&ino) {
+            node.absent_xattrs.retain(|(n, _)| **n != *name);
+            node.absent_xattrs.push((name.into(), until));
+        }
+    }
+
+    /// Forgets what is known of `ino`'s xattr `name` (it is being set).
+    pub(crate) fn forget_xattr(&self, ino: u64, name: &[u8]) {
+        if let Some(node) = self.lock().by_ino.get_mut(&ino) {
+            node.absent_xattrs.retain(|(n, _)| **n != *name);
+            if name.starts_with(b"security.") {
+                node.bare_until = None;
+            }
+        }
+    }
+
+    /// Whether `ino` is known to have no xattr `name` now.
+    pub(crate) fn xattr_is_absent(&self, ino: u64, name: &[u8]) -> bool {
+        let now = Instant::now();
+        self.lock().by_ino.get(&ino).is_some_and(|n| {
+            (name.starts_with(b"security.") && n.bare_until.is_some_and(|until| now < until))
+                || n.absent_xattrs
+                    .iter()
+                    .any(|(absent, until)| **absent == *name && now < *until)
+        })
     }
 
     /// Nodes the kernel holds (the root included).
@@ -219,15 +260,22 @@ mod tests {
     }
 
     #[test]
-    fn bareness_expires_and_is_cleared() {
+    fn absent_xattrs_expire_and_are_forgotten_when_set() {
         let inodes = Inodes::new();
         let ino = inodes.remember(gfid(43, 1));
-        assert!(!inodes.is_bare(ino));
-        inodes.mark_bare(ino, Instant::now() + std::time::Duration::from_secs(60));
-        assert!(inodes.is_bare(ino));
-        inodes.clear_bare(ino);
-        assert!(!inodes.is_bare(ino));
-        inodes.mark_bare(ino, Instant::now());
-        assert!(!inodes.is_bare(ino));
+        let later = Instant::now() + std::time::Duration::from_secs(60);
+        let caps = b"security.capability";
+        assert!(!inodes.xattr_is_absent(ino, caps));
+        inodes.mark_bare(ino, later);
+        assert!(inodes.xattr_is_absent(ino, caps));
+        assert!(!inodes.xattr_is_absent(ino, b"user.x"));
+        inodes.forget_xattr(ino, b"security.selinux");
+        assert!(!inodes.xattr_is_absent(ino, caps));
+        inodes.note_absent_xattr(ino, b"user.x", later);
+        assert!(inodes.xattr_is_absent(ino, b"user.x"));
+        inodes.forget_xattr(ino, b"user.x");
+        assert!(!inodes.xattr_is_absent(ino, b"user.x"));
+        inodes.note_absent_xattr(ino, b"user.y", Instant::now());
+        assert!(!inodes.xattr_is_absent(ino, b"user.y"));
     }
 }

@@ -6,6 +6,7 @@
 
 mod fs;
 mod inodes;
+mod pending;
 
 use std::ffi::CString;
 use std::io;
@@ -32,6 +33,9 @@ pub struct MountOptions {
     pub negative_timeout: Duration,
     /// The kernel gathers writes in its page cache and sends them in large batches.
     pub writeback_cache: bool,
+    /// Small new files are sent as one PUT at their first close instead of a CREATE, WRITEs
+    /// and SETATTRs; the brick's refusal of the create then fails the close.
+    pub deferred_create: bool,
     /// The kernel also checks permissions itself, from cached attributes, before asking the
     /// brick (which checks every fop again as the caller). On by default: without it, a path
     /// walk through cached entries would skip the search-permission check of each directory.
@@ -53,6 +57,7 @@ impl Default for MountOptions {
             entry_timeout: Duration::from_secs(1),
             negative_timeout: Duration::from_secs(1),
             writeback_cache: false,
+            deferred_create: true,
             default_permissions: true,
             read_only: false,
             suid: false,
@@ -106,6 +111,7 @@ impl MountOptions {
             "entry-timeout-ms" => self.entry_timeout = millis(key, value)?,
             "negative-timeout-ms" => self.negative_timeout = millis(key, value)?,
             "writeback-cache" => flag(&mut self.writeback_cache)?,
+            "deferred-create" => flag(&mut self.deferred_create)?,
             "default-permissions" => flag(&mut self.default_permissions)?,
             "ro" => flag(&mut self.read_only)?,
             "rw" => self.read_only = false,

@@ -43,7 +43,11 @@ impl Mounted {
     }
 
     pub fn addr(&self) -> String {
-        self.brickd.as_ref().expect("brick running").addr.to_string()
+        self.brickd
+            .as_ref()
+            .expect("brick running")
+            .addr
+            .to_string()
     }
 
     /// `kiln --tls-dir … --client alice` plus `args`.
@@ -130,10 +134,18 @@ impl Mounted {
         let deadline = Instant::now() + MOUNT_TIMEOUT;
         loop {
             if let Some(status) = server.try_wait().expect("wait") {
-                assert!(status.success(), "kiln mount exited {status}:\n{}", self.logs());
+                assert!(
+                    status.success(),
+                    "kiln mount exited {status}:\n{}",
+                    self.logs()
+                );
                 return;
             }
-            assert!(Instant::now() < deadline, "kiln mount did not exit:\n{}", self.logs());
+            assert!(
+                Instant::now() < deadline,
+                "kiln mount did not exit:\n{}",
+                self.logs()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -192,10 +204,7 @@ pub fn text(out: &Output) -> String {
 /// found on PATH.
 pub fn tool(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("test executable");
-    let target = exe
-        .ancestors()
-        .nth(3)
-        .expect("target/<profile>/deps/<exe>");
+    let target = exe.ancestors().nth(3).expect("target/<profile>/deps/<exe>");
     let local = target.join("tools").join("bin").join(name);
     if local.exists() {
         return local;

@@ -1,0 +1,885 @@
+//! `kiln mount` end to end: a real brick, a real FUSE mount, and real programs on it. Runs
+//! as root (FUSE, `allow_other`, acting as other users).
+
+mod common;
+mod mount_common;
+
+use std::fs;
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use mount_common::{Mounted, is_kiln_mount, sh, sh_ok, text, tool};
+
+/// Long cache lifetimes: a correct answer must not depend on them running out.
+const LONG_CACHES: &[&str] = &[
+    "attr-timeout-ms=60000",
+    "entry-timeout-ms=60000",
+    "negative-timeout-ms=60000",
+];
+
+fn write(path: &Path, data: &[u8]) {
+    fs::write(path, data).unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
+}
+
+fn errno_of<T: std::fmt::Debug>(r: std::io::Result<T>) -> i32 {
+    r.expect_err("should fail")
+        .raw_os_error()
+        .expect("an errno")
+}
+
+#[test]
+fn files_directories_and_links_behave_like_a_local_file_system() {
+    let m = Mounted::new(&[]);
+    let f = m.path("f");
+    write(&f, b"hello");
+    assert_eq!(fs::read(&f).expect("read"), b"hello");
+    assert_eq!(fs::read(m.on_brick("f")).expect("on the brick"), b"hello");
+    let mut append = fs::OpenOptions::new().append(true).open(&f).expect("open");
+    append.write_all(b", world").expect("append");
+    drop(append);
+    assert_eq!(fs::read(&f).expect("read"), b"hello, world");
+
+    // Directories.
+    fs::create_dir(m.path("d")).expect("mkdir");
+    write(&m.path("d/inner"), b"x");
+    assert_eq!(errno_of(fs::remove_dir(m.path("d"))), libc::ENOTEMPTY);
+    assert_eq!(errno_of(fs::create_dir(m.path("d"))), libc::EEXIST);
+    assert_eq!(
+        errno_of(fs::File::create_new(m.path("d/inner"))),
+        libc::EEXIST
+    );
+    let long = "n".repeat(256);
+    assert_eq!(errno_of(fs::write(m.path(&long), b"")), libc::ENAMETOOLONG);
+    let mut names: Vec<String> = fs::read_dir(m.mountpoint.clone())
+        .expect("readdir")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["d", "f"], ".glusterfs stays hidden");
+
+    // Symbolic and hard links.
+    std::os::unix::fs::symlink("f", m.path("s")).expect("symlink");
+    assert_eq!(
+        fs::read_link(m.path("s")).expect("readlink"),
+        Path::new("f")
+    );
+    assert_eq!(
+        fs::read(m.path("s")).expect("through the link"),
+        b"hello, world"
+    );
+    fs::hard_link(&f, m.path("h")).expect("link");
+    let (a, b) = (
+        fs::metadata(&f).expect("stat"),
+        fs::metadata(m.path("h")).expect("stat"),
+    );
+    assert_eq!(a.ino(), b.ino(), "hard links share an inode number");
+    assert_eq!((a.nlink(), b.nlink()), (2, 2));
+
+    // Renames: plain, RENAME_NOREPLACE, RENAME_EXCHANGE.
+    fs::rename(m.path("h"), m.path("h2")).expect("rename");
+    write(&m.path("other"), b"other");
+    let at = |p: &str| m.path(p);
+    let noreplace = rustix::fs::renameat_with(
+        rustix::fs::CWD,
+        at("h2").as_path(),
+        rustix::fs::CWD,
+        at("other").as_path(),
+        rustix::fs::RenameFlags::NOREPLACE,
+    );
+    assert_eq!(noreplace, Err(rustix::io::Errno::EXIST));
+    rustix::fs::renameat_with(
+        rustix::fs::CWD,
+        at("h2").as_path(),
+        rustix::fs::CWD,
+        at("other").as_path(),
+        rustix::fs::RenameFlags::EXCHANGE,
+    )
+    .expect("exchange");
+    assert_eq!(fs::read(m.path("h2")).expect("read"), b"other");
+    assert_eq!(fs::read(m.path("other")).expect("read"), b"hello, world");
+
+    // Unlinked while open: still readable and writable through the fd.
+    let mut open = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(m.path("h2"))
+        .expect("open");
+    fs::remove_file(m.path("h2")).expect("unlink");
+    assert_eq!(open.metadata().expect("fstat").nlink(), 0);
+    open.write_all(b"!").expect("write after unlink");
+    let mut back = String::new();
+    open.seek(SeekFrom::Start(0)).expect("seek");
+    open.read_to_string(&mut back).expect("read after unlink");
+    assert_eq!(back, "!ther");
+
+    // A FIFO, and the file system's numbers.
+    rustix::fs::mknodat(
+        rustix::fs::CWD,
+        m.path("fifo").as_path(),
+        rustix::fs::FileType::Fifo,
+        rustix::fs::Mode::from_raw_mode(0o644),
+        0,
+    )
+    .expect("mkfifo");
+    assert!(
+        fs::symlink_metadata(m.path("fifo"))
+            .expect("stat")
+            .file_type()
+            .is_fifo_like()
+    );
+    let st = rustix::fs::statfs(m.mountpoint.as_path()).expect("statfs");
+    assert!(st.f_blocks > 0 && st.f_bsize > 0);
+}
+
+/// `is_fifo` without importing the extension trait under another name.
+trait FifoLike {
+    fn is_fifo_like(&self) -> bool;
+}
+impl FifoLike for fs::FileType {
+    fn is_fifo_like(&self) -> bool {
+        std::os::unix::fs::FileTypeExt::is_fifo(self)
+    }
+}
+
+#[test]
+fn attributes_xattrs_and_sparse_files() {
+    let m = Mounted::new(&[]);
+    let f = m.path("f");
+    write(&f, &[7; 10_000]);
+    let file = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&f)
+        .expect("open");
+
+    // chmod, chown, truncate.
+    fs::set_permissions(&f, fs::Permissions::from_mode(0o640)).expect("chmod");
+    std::os::unix::fs::chown(&f, Some(1234), Some(4321)).expect("chown");
+    file.set_len(100).expect("ftruncate");
+    let meta = fs::metadata(&f).expect("stat");
+    assert_eq!(meta.mode() & 0o7777, 0o640);
+    assert_eq!((meta.uid(), meta.gid(), meta.len()), (1234, 4321, 100));
+    let on_brick = fs::metadata(m.on_brick("f")).expect("brick stat");
+    assert_eq!((on_brick.uid(), on_brick.len()), (1234, 100));
+
+    // utimensat: an explicit mtime with UTIME_OMIT for atime, then UTIME_NOW.
+    let before = fs::metadata(&f).expect("stat");
+    let times = rustix::fs::Timestamps {
+        last_access: rustix::fs::Timespec {
+            tv_sec: 0,
+            tv_nsec: rustix::fs::UTIME_OMIT,
+        },
+        last_modification: rustix::fs::Timespec {
+            tv_sec: 1_000_000_000,
+            tv_nsec: 5,
+        },
+    };
+    rustix::fs::utimensat(
+        rustix::fs::CWD,
+        f.as_path(),
+        &times,
+        rustix::fs::AtFlags::empty(),
+    )
+    .expect("utimensat");
+    let after = fs::metadata(&f).expect("stat");
+    assert_eq!((after.mtime(), after.mtime_nsec()), (1_000_000_000, 5));
+    assert_eq!(
+        (after.atime(), after.atime_nsec()),
+        (before.atime(), before.atime_nsec()),
+        "UTIME_OMIT keeps atime"
+    );
+    let now = rustix::fs::Timestamps {
+        last_access: rustix::fs::Timespec {
+            tv_sec: 0,
+            tv_nsec: rustix::fs::UTIME_NOW,
+        },
+        last_modification: rustix::fs::Timespec {
+            tv_sec: 0,
+            tv_nsec: rustix::fs::UTIME_NOW,
+        },
+    };
+    rustix::fs::utimensat(
+        rustix::fs::CWD,
+        f.as_path(),
+        &now,
+        rustix::fs::AtFlags::empty(),
+    )
+    .expect("utimensat now");
+    assert!(fs::metadata(&f).expect("stat").mtime() > 1_000_000_000);
+
+    // Extended attributes.
+    rustix::fs::setxattr(
+        f.as_path(),
+        "user.colour",
+        b"blue",
+        rustix::fs::XattrFlags::CREATE,
+    )
+    .expect("setxattr");
+    assert_eq!(
+        rustix::fs::setxattr(
+            f.as_path(),
+            "user.colour",
+            b"red",
+            rustix::fs::XattrFlags::CREATE
+        ),
+        Err(rustix::io::Errno::EXIST)
+    );
+    let mut value = [0; 16];
+    let n = rustix::fs::getxattr(f.as_path(), "user.colour", &mut value).expect("getxattr");
+    assert_eq!(&value[..n], b"blue");
+    let mut list = [0; 256];
+    let n = rustix::fs::listxattr(f.as_path(), &mut list).expect("listxattr");
+    assert!(
+        list[..n]
+            .split(|&b| b == 0)
+            .any(|name| name == b"user.colour")
+    );
+    rustix::fs::removexattr(f.as_path(), "user.colour").expect("removexattr");
+    assert_eq!(
+        rustix::fs::getxattr(f.as_path(), "user.colour", &mut value),
+        Err(rustix::io::Errno::NODATA)
+    );
+
+    // fallocate, a punched hole, SEEK_DATA / SEEK_HOLE.
+    let sparse = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(m.path("sparse"))
+        .expect("create");
+    rustix::fs::fallocate(&sparse, rustix::fs::FallocateFlags::empty(), 0, 1 << 20)
+        .expect("fallocate");
+    assert_eq!(sparse.metadata().expect("fstat").len(), 1 << 20);
+    let data = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(m.path("holes"))
+        .expect("create");
+    (&data).write_all(&[1; 3 * 65536]).expect("write");
+    data.sync_all().expect("fsync");
+    rustix::fs::fallocate(
+        &data,
+        rustix::fs::FallocateFlags::PUNCH_HOLE | rustix::fs::FallocateFlags::KEEP_SIZE,
+        65536,
+        65536,
+    )
+    .expect("punch a hole");
+    assert_eq!(
+        data.metadata().expect("fstat").len(),
+        3 * 65536,
+        "size kept"
+    );
+    let hole = rustix::fs::seek(&data, rustix::fs::SeekFrom::Hole(0)).expect("SEEK_HOLE");
+    assert_eq!(hole, 65536);
+    let next = rustix::fs::seek(&data, rustix::fs::SeekFrom::Data(65536)).expect("SEEK_DATA");
+    assert_eq!(next, 131072);
+    let mut middle = vec![9; 16];
+    rustix::io::pread(&data, &mut middle, 70_000).expect("pread");
+    assert_eq!(middle, [0; 16], "the hole reads as zeros");
+}
+
+#[test]
+fn small_files_created_write_only_reach_the_brick_at_close() {
+    let m = Mounted::new(LONG_CACHES);
+    // Created, written, given mode, owner and times, closed: one PUT at the close.
+    let mut f = fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(m.path("small"))
+        .expect("create");
+    f.write_all(b"deferred").expect("write");
+    f.set_permissions(fs::Permissions::from_mode(0o600))
+        .expect("fchmod");
+    std::os::unix::fs::fchown(&f, Some(42), Some(43)).expect("fchown");
+    f.set_modified(std::time::UNIX_EPOCH + Duration::from_secs(1_000_000_000))
+        .expect("futimens");
+    // Seen by a listing before the close.
+    let listed: Vec<_> = fs::read_dir(&m.mountpoint)
+        .expect("readdir")
+        .map(|e| e.expect("entry").file_name())
+        .collect();
+    assert!(listed.iter().any(|n| n == "small"), "{listed:?}");
+    drop(f);
+    let meta = fs::metadata(m.on_brick("small")).expect("on the brick");
+    assert_eq!(fs::read(m.on_brick("small")).expect("read"), b"deferred");
+    assert_eq!(
+        (meta.mode() & 0o7777, meta.uid(), meta.gid(), meta.mtime()),
+        (0o600, 42, 43, 1_000_000_000)
+    );
+
+    // Truncating creates, a stat before the close, and files past the deferred limit.
+    for len in [0, 10, 300 * 1024, 2 << 20] {
+        let name = format!("sized-{len}");
+        let data: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+        let mut f = fs::File::create(m.path(&name)).expect("create");
+        f.write_all(&data).expect("write");
+        assert_eq!(fs::metadata(m.path(&name)).expect("stat").len(), len as u64);
+        drop(f);
+        assert_eq!(
+            fs::read(m.on_brick(&name)).expect("on the brick"),
+            data,
+            "{len}"
+        );
+    }
+
+    // Unlinked before its close: the fd still works.
+    let mut f = fs::File::create_new(m.path("gone")).expect("create");
+    f.write_all(b"x").expect("write");
+    fs::remove_file(m.path("gone")).expect("unlink");
+    f.write_all(b"y").expect("write after unlink");
+    drop(f);
+    assert_eq!(errno_of(fs::metadata(m.path("gone"))), libc::ENOENT);
+
+    // Another client takes the name first: the close reports the refused create.
+    let mut writer = Command::new("python3")
+        .args([
+            "-c",
+            "import os,sys\n\
+             fd=os.open(sys.argv[1], os.O_WRONLY|os.O_CREAT|os.O_EXCL, 0o644)\n\
+             os.write(fd, b'mine'); print('open', flush=True); sys.stdin.readline()\n\
+             try:\n    os.close(fd); print('closed')\n\
+             except OSError as e:\n    print('errno', e.errno)",
+        ])
+        .arg(m.path("raced"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("python3");
+    let mut out = std::io::BufReader::new(writer.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut out, &mut line).expect("writer");
+    assert_eq!(line.trim(), "open");
+    let local = m.cluster.dir.path().join("raced.txt");
+    write(&local, b"theirs");
+    let put = m
+        .kiln()
+        .args(["--brick-addr", &m.addr(), "put"])
+        .arg(&local)
+        .arg("/raced")
+        .output()
+        .expect("kiln put");
+    assert!(put.status.success(), "{}", text(&put));
+    writer
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(b"go\n")
+        .expect("go");
+    line.clear();
+    std::io::BufRead::read_line(&mut out, &mut line).expect("writer");
+    assert_eq!(line.trim(), format!("errno {}", libc::EEXIST));
+    writer.wait().expect("writer exits");
+    assert_eq!(fs::read(m.on_brick("raced")).expect("brick"), b"theirs");
+}
+
+#[test]
+fn cached_attributes_follow_links_renames_and_setattr() {
+    // Caches that never expire during the test: every answer below comes from precise
+    // invalidation, not from a timeout.
+    let m = Mounted::new(LONG_CACHES);
+    let f = m.path("f");
+    write(&f, b"data");
+    let first = fs::metadata(&f).expect("stat");
+    assert_eq!(first.nlink(), 1);
+    std::thread::sleep(Duration::from_millis(20));
+
+    // A new name: both names show two links and the new ctime.
+    fs::hard_link(&f, m.path("g")).expect("link");
+    let (a, b) = (
+        fs::metadata(&f).expect("stat"),
+        fs::metadata(m.path("g")).expect("stat"),
+    );
+    assert_eq!((a.nlink(), b.nlink()), (2, 2));
+    assert!(a.ctime_nsec() != first.ctime_nsec() || a.ctime() != first.ctime());
+
+    // One name goes: the other shows one link.
+    fs::remove_file(m.path("g")).expect("unlink");
+    assert_eq!(fs::metadata(&f).expect("stat").nlink(), 1);
+
+    // Rename over a file that is open: the replaced file has no links left.
+    write(&m.path("victim"), b"old");
+    let victim = fs::File::open(m.path("victim")).expect("open");
+    fs::rename(&f, m.path("victim")).expect("rename over");
+    assert_eq!(victim.metadata().expect("fstat").nlink(), 0);
+    assert_eq!(fs::read(m.path("victim")).expect("read"), b"data");
+    assert_eq!(errno_of(fs::metadata(&f)), libc::ENOENT);
+
+    // chmod and a write through another path are seen at once.
+    fs::set_permissions(m.path("victim"), fs::Permissions::from_mode(0o600)).expect("chmod");
+    assert_eq!(
+        fs::metadata(m.path("victim")).expect("stat").mode() & 0o777,
+        0o600
+    );
+    fs::OpenOptions::new()
+        .append(true)
+        .open(m.path("victim"))
+        .expect("open")
+        .write_all(b"+more")
+        .expect("append");
+    assert_eq!(fs::metadata(m.path("victim")).expect("stat").len(), 9);
+
+    // A negative entry is replaced by this mount's own create; a directory's link count
+    // follows its subdirectories.
+    assert_eq!(errno_of(fs::metadata(m.path("later"))), libc::ENOENT);
+    write(&m.path("later"), b"now");
+    assert_eq!(fs::read(m.path("later")).expect("read"), b"now");
+    fs::create_dir(m.path("p")).expect("mkdir");
+    let before = fs::metadata(m.path("p")).expect("stat").nlink();
+    fs::create_dir(m.path("p/q")).expect("mkdir");
+    assert_eq!(fs::metadata(m.path("p")).expect("stat").nlink(), before + 1);
+    fs::remove_dir(m.path("p/q")).expect("rmdir");
+    assert_eq!(fs::metadata(m.path("p")).expect("stat").nlink(), before);
+
+    // The kernel forgets inodes under memory pressure; lookups come back and still work.
+    fs::write("/proc/sys/vm/drop_caches", b"2").expect("drop caches");
+    assert_eq!(fs::read(m.path("victim")).expect("read"), b"data+more");
+}
+
+#[test]
+fn another_clients_changes_show_once_the_timeouts_pass() {
+    let m = Mounted::new(&[
+        "attr-timeout-ms=200",
+        "entry-timeout-ms=200",
+        "negative-timeout-ms=200",
+    ]);
+    assert_eq!(errno_of(fs::metadata(m.path("theirs"))), libc::ENOENT);
+    let local = m.cluster.dir.path().join("theirs.txt");
+    write(&local, b"from another client");
+    let out = m
+        .kiln()
+        .args(["--brick-addr", &m.addr(), "put"])
+        .arg(&local)
+        .arg("/theirs")
+        .output()
+        .expect("kiln put");
+    assert!(out.status.success(), "{}", text(&out));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while fs::metadata(m.path("theirs")).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "the other client's file never showed"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(
+        fs::read(m.path("theirs")).expect("read"),
+        b"from another client"
+    );
+}
+
+/// Runs `script` with `sh -c` as uid/gid 65534 (`nobody`) with extra groups `groups`.
+fn as_nobody(dir: &Path, groups: &str, script: &str) -> std::process::Output {
+    let mut command = Command::new("setpriv");
+    command.args(["--reuid=65534", "--regid=65534"]);
+    match groups {
+        "" => command.arg("--clear-groups"),
+        g => command.arg(format!("--groups={g}")),
+    };
+    command
+        .args(["sh", "-c", script])
+        .current_dir(dir)
+        .output()
+        .expect("setpriv")
+}
+
+#[test]
+fn permissions_are_checked_as_the_caller() {
+    let m = Mounted::new(&[]);
+    let root_dir = m.path("root-only");
+    fs::create_dir(&root_dir).expect("mkdir");
+    fs::set_permissions(&root_dir, fs::Permissions::from_mode(0o755)).expect("chmod");
+    let denied = as_nobody(&m.mountpoint, "", "echo x > root-only/mine");
+    assert!(!denied.status.success(), "{}", text(&denied));
+    assert!(
+        text(&denied).contains("Permission denied"),
+        "{}",
+        text(&denied)
+    );
+
+    let open_dir = m.path("open");
+    fs::create_dir(&open_dir).expect("mkdir");
+    fs::set_permissions(&open_dir, fs::Permissions::from_mode(0o777)).expect("chmod");
+    let made = as_nobody(&m.mountpoint, "", "echo x > open/mine && mkdir open/sub");
+    assert!(made.status.success(), "{}", text(&made));
+    let brick_meta = fs::metadata(m.on_brick("open/mine")).expect("on the brick");
+    assert_eq!((brick_meta.uid(), brick_meta.gid()), (65534, 65534));
+
+    // A group-readable file: readable through a supplementary group, not without it.
+    let secret = m.path("open/group-secret");
+    write(&secret, b"for group 4242");
+    std::os::unix::fs::chown(&secret, Some(0), Some(4242)).expect("chown");
+    fs::set_permissions(&secret, fs::Permissions::from_mode(0o640)).expect("chmod");
+    let without = as_nobody(&m.mountpoint, "", "cat open/group-secret");
+    assert!(!without.status.success(), "{}", text(&without));
+    let with = as_nobody(&m.mountpoint, "4242", "cat open/group-secret");
+    assert!(with.status.success(), "{}", text(&with));
+    assert_eq!(with.stdout, b"for group 4242");
+}
+
+#[test]
+fn posix_locks_exclude_other_processes_until_close() {
+    let m = Mounted::new(&[]);
+    write(&m.path("lockfile"), b"");
+    // A holder takes a write lock and keeps it until its stdin closes.
+    let mut holder = Command::new("python3")
+        .args([
+            "-c",
+            "import fcntl,sys; f=open(sys.argv[1],'r+'); fcntl.lockf(f, fcntl.LOCK_EX); \
+             print('locked', flush=True); sys.stdin.read()",
+        ])
+        .arg(m.path("lockfile"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("python3");
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(holder.stdout.take().expect("stdout")),
+        &mut line,
+    )
+    .expect("holder");
+    assert_eq!(line.trim(), "locked");
+    let try_lock =
+        "import fcntl,sys; f=open(sys.argv[1],'r+'); fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)";
+    let busy = Command::new("python3")
+        .args(["-c", try_lock])
+        .arg(m.path("lockfile"))
+        .output()
+        .expect("python3");
+    assert!(
+        !busy.status.success(),
+        "the second lock must fail while held"
+    );
+    drop(holder.stdin.take());
+    holder.wait().expect("holder exits");
+    let free = Command::new("python3")
+        .args(["-c", try_lock])
+        .arg(m.path("lockfile"))
+        .output()
+        .expect("python3");
+    assert!(free.status.success(), "{}", text(&free));
+}
+
+#[test]
+fn pjdfstest_passes_with_caches_on() {
+    let m = Mounted::new(&[]);
+    let work = m.path("pjd");
+    fs::create_dir(&work).expect("mkdir");
+    let other_fs = tempfile::tempdir().expect("tempdir");
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/posix/pjdfstest.toml");
+    let out = Command::new(tool("pjdfstest"))
+        .arg("-c")
+        .arg(&config)
+        .arg("-p")
+        .arg(&work)
+        .arg("-s")
+        .arg(other_fs.path())
+        .output()
+        .expect("pjdfstest");
+    let report = text(&out);
+    let summary = report
+        .lines()
+        .find(|l| l.starts_with("Summary:"))
+        .unwrap_or("no summary");
+    println!("pjdfstest: {summary}");
+    assert!(out.status.success(), "pjdfstest failed:\n{report}");
+    assert!(summary.starts_with("Summary: 0 failed"), "{summary}");
+}
+
+#[test]
+fn fsx_finds_no_corruption_with_or_without_the_writeback_cache() {
+    for (writeback, seed) in [("off", "1"), ("on", "2")] {
+        let m = Mounted::new(&[&format!("writeback-cache={writeback}")]);
+        let config = m.cluster.dir.path().join("fsx.toml");
+        write(&config, FSX_CONFIG.as_bytes());
+        let saved = tempfile::tempdir().expect("tempdir");
+        let out = Command::new(tool("fsx"))
+            .arg("-f")
+            .arg(&config)
+            .args(["-N", "5000", "-S", seed, "-P"])
+            .arg(saved.path())
+            .arg(m.path("fsx.dat"))
+            .output()
+            .expect("fsx");
+        assert!(
+            out.status.success() && text(&out).contains("All operations completed A-OK!"),
+            "fsx (writeback-cache={writeback}, seed {seed}):\n{}",
+            text(&out)
+        );
+    }
+}
+
+/// Every operation fsx has, reads and writes through mmap included.
+const FSX_CONFIG: &str = "flen = 262144
+[opsize]
+max = 65536
+[weights]
+read = 10
+write = 10
+mapread = 10
+mapwrite = 10
+truncate = 1
+close_open = 1
+invalidate = 1
+fsync = 1
+fdatasync = 1
+posix_fallocate = 1
+punch_hole = 1
+copy_file_range = 1
+sendfile = 1
+posix_fadvise = 1
+";
+
+/// Writes a tree of `files` small files (sizes 0 to 8 KiB, 50 per directory) under `root`.
+fn small_file_tree(root: &Path, files: usize) {
+    let mut state: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut next = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    for i in 0..files {
+        let dir = root.join(format!("d{:03}/e{:02}", i / 500, (i / 50) % 10));
+        if i % 50 == 0 {
+            fs::create_dir_all(&dir).expect("mkdir");
+        }
+        let len = usize::try_from(next() % 8192).expect("small");
+        let byte = u8::try_from(i % 251).expect("small");
+        write(&dir.join(format!("f{i}")), &vec![byte; len]);
+    }
+}
+
+#[test]
+fn tar_git_and_rsync_work_on_the_mount() {
+    let m = Mounted::new(&[]);
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let source = scratch.path().join("tree");
+    small_file_tree(&source, 20_000);
+    let tarball = scratch.path().join("tree.tar");
+    sh_ok(
+        scratch.path(),
+        &format!("tar -C {} -cf {} .", source.display(), tarball.display()),
+    );
+
+    // tar extracts 20 000 small files; diff finds every byte and name.
+    fs::create_dir(m.path("untar")).expect("mkdir");
+    let started = Instant::now();
+    sh_ok(
+        &m.mountpoint,
+        &format!("tar -C untar -xf {}", tarball.display()),
+    );
+    println!("untar of 20000 files: {:?}", started.elapsed());
+    sh_ok(
+        &m.mountpoint,
+        &format!("diff -r {} untar", source.display()),
+    );
+
+    // git: a repository, a commit, and a full consistency check (of 500 of the files).
+    sh_ok(
+        &m.mountpoint,
+        "mkdir repo && cd repo && git init -q && cp -r ../untar/d000 . && \
+         git add -A && git -c user.name=k -c user.email=k@example.invalid commit -qm one && \
+         git fsck --full --strict && git status --porcelain | wc -l | grep -qx 0",
+    );
+
+    // rsync in and out again (1000 of the files), preserving modes, times and links.
+    let back = scratch.path().join("back");
+    sh_ok(
+        &m.mountpoint,
+        &format!(
+            "ln -s e01 {src}/link && rsync -a {src}/ rsynced/ && rsync -a rsynced/ {back}/ && \
+             diff -r {src} {back} && test -L {back}/link",
+            src = source.join("d001").display(),
+            back = back.display()
+        ),
+    );
+
+    // rm -rf of everything leaves the brick empty (but for its own .glusterfs).
+    sh_ok(&m.mountpoint, "rm -rf untar repo rsynced");
+    let left: Vec<_> = fs::read_dir(&m.cluster.brick)
+        .expect("brick")
+        .map(|e| e.expect("entry").file_name())
+        .filter(|n| n != ".glusterfs")
+        .collect();
+    assert!(left.is_empty(), "left on the brick: {left:?}");
+}
+
+#[test]
+fn a_brick_restart_fails_calls_with_eio_then_new_ones_work() {
+    let mut m = Mounted::new(&["attr-timeout-ms=0", "entry-timeout-ms=0"]);
+    write(&m.path("kept"), b"durable");
+    let addr = m.addr();
+    m.brickd.take().expect("brick").kill9();
+    let down = fs::read(m.path("kept"));
+    assert_eq!(
+        errno_of(down),
+        libc::EIO,
+        "a call with no brick fails with EIO"
+    );
+    m.brickd = Some(m.cluster.start(&addr, &[]));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match fs::read(m.path("kept")) {
+            Ok(data) => {
+                assert_eq!(data, b"durable");
+                break;
+            }
+            Err(e) => assert!(Instant::now() < deadline, "still failing: {e}"),
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    write(&m.path("new"), b"after the restart");
+    assert_eq!(
+        fs::read(m.on_brick("new")).expect("on the brick"),
+        b"after the restart"
+    );
+}
+
+#[test]
+fn bad_mounts_fail_with_a_clear_message() {
+    let m = Mounted::new(&[]);
+    let elsewhere = m.cluster.dir.path().join("elsewhere");
+    fs::create_dir(&elsewhere).expect("mkdir");
+    let run = |args: &[&str], mountpoint: &Path| {
+        m.kiln()
+            .arg("mount")
+            .arg(m.addr())
+            .arg(mountpoint)
+            .arg("-f")
+            .args(args)
+            .output()
+            .expect("kiln mount")
+    };
+    let cases: [(&[&str], &Path, &str); 4] = [
+        (&[], m.mountpoint.as_path(), "already a Kiln mount"),
+        (
+            &[],
+            &m.cluster.dir.path().join("missing"),
+            "No such file or directory",
+        ),
+        (
+            &["-o", "colour=blue"],
+            &elsewhere,
+            "unknown mount option 'colour'",
+        ),
+        (&["-o", "client=mallory"], &elsewhere, "client-mallory.crt"),
+    ];
+    for (args, mountpoint, message) in cases {
+        let out = run(args, mountpoint);
+        assert!(!out.status.success(), "{args:?} mounted");
+        assert!(text(&out).contains(message), "{args:?}: {}", text(&out));
+        assert!(!is_kiln_mount(&elsewhere));
+    }
+
+    // A certificate from another CA: the brick refuses it during the handshake.
+    let rogue = m.cluster.dir.path().join("rogue-tls");
+    kiln_mgmt::pki::init_ca(&rogue).expect("ca");
+    kiln_mgmt::pki::issue(&rogue, &kiln_mgmt::pki::Role::Client, "alice", 1).expect("cert");
+    let out = Command::new(common::bin("kiln"))
+        .arg("--tls-dir")
+        .arg(&rogue)
+        .args(["--client", "alice", "mount", &m.addr()])
+        .arg(&elsewhere)
+        .arg("-f")
+        .output()
+        .expect("kiln mount");
+    assert!(!out.status.success());
+    assert!(text(&out).contains("cannot mount"), "{}", text(&out));
+    assert!(!is_kiln_mount(&elsewhere));
+}
+
+#[test]
+fn unmounting_a_busy_mount_is_refused_and_sigterm_waits_for_open_files() {
+    let mut m = Mounted::new(&[]);
+    let mut open = fs::File::create(m.path("busy")).expect("create");
+    let refused = m
+        .kiln()
+        .arg("umount")
+        .arg(&m.mountpoint)
+        .output()
+        .expect("kiln umount");
+    assert!(!refused.status.success());
+    assert!(
+        text(&refused).contains("target is busy"),
+        "{}",
+        text(&refused)
+    );
+
+    // SIGTERM detaches the mount at once; the open file still works until it is closed,
+    // and then the server exits 0.
+    let pid = rustix::process::Pid::from_raw(
+        i32::try_from(m.server.as_ref().expect("server").id()).expect("pid"),
+    )
+    .expect("pid");
+    rustix::process::kill_process(pid, rustix::process::Signal::TERM).expect("kill");
+    m.wait_mounted(false);
+    open.write_all(b"written after the detach").expect("write");
+    open.sync_all().expect("fsync");
+    drop(open);
+    m.wait_server_exit();
+    assert_eq!(
+        fs::read(m.on_brick("busy")).expect("on the brick"),
+        b"written after the detach"
+    );
+}
+
+#[test]
+fn background_mounts_and_the_mount_helper() {
+    let mut m = Mounted::new(&[]);
+    m.unmount();
+    assert!(!is_kiln_mount(&m.mountpoint));
+
+    // `mount.kiln` is what mount(8) runs for `-t kiln` (and for /etc/fstab lines).
+    let helper_dir = m.cluster.dir.path().join("sbin");
+    fs::create_dir(&helper_dir).expect("mkdir");
+    let helper = helper_dir.join("mount.kiln");
+    std::os::unix::fs::symlink(common::bin("kiln"), &helper).expect("symlink");
+    let log = m.cluster.dir.path().join("helper.log");
+    let options = format!(
+        "rw,_netdev,tls-dir={},client=alice,log-file={},attr-timeout-ms=500",
+        m.cluster.tls.display(),
+        log.display()
+    );
+    let out = Command::new(&helper)
+        .arg(m.addr())
+        .arg(&m.mountpoint)
+        .args(["-o", &options])
+        .output()
+        .expect("mount.kiln");
+    assert!(out.status.success(), "mount.kiln: {}", text(&out));
+    assert!(
+        is_kiln_mount(&m.mountpoint),
+        "the helper returns once mounted"
+    );
+    write(&m.path("via-helper"), b"ok");
+    assert_eq!(fs::read(m.on_brick("via-helper")).expect("brick"), b"ok");
+
+    // The system's umount ends it; the background server then exits.
+    let out = sh(
+        &m.mountpoint.join(".."),
+        &format!("umount {}", m.mountpoint.display()),
+    );
+    assert!(out.status.success(), "umount: {}", text(&out));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while is_kiln_mount(&m.mountpoint) {
+        assert!(Instant::now() < deadline, "still mounted");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let bad = Command::new(&helper)
+        .arg(m.addr())
+        .arg(&m.mountpoint)
+        .args(["-o", "bogus-option"])
+        .output()
+        .expect("mount.kiln");
+    assert!(!bad.status.success());
+    assert!(
+        text(&bad).contains("unknown mount option 'bogus-option'"),
+        "{}",
+        text(&bad)
+    );
+}
