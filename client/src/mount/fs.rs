@@ -123,6 +123,59 @@ impl KilnFs {
     fn shared(&self) -> Arc<Shared> {
         self.shared.clone()
     }
+
+    /// Runs the fop `build` makes as the caller of `req`, after sending the deferred creates
+    /// it must see, and answers "done".
+    fn run_done(
+        &self,
+        req: &Request,
+        reply: ReplyEmpty,
+        settle: Settle,
+        build: impl FnOnce(&Shared) -> Result<FopRequest> + Send + 'static,
+    ) {
+        let (s, v) = (self.shared(), self.volume(req));
+        self.spawn(
+            reply,
+            async move {
+                match settle {
+                    Settle::Node(ino) => s.settle(&v, ino).await?,
+                    Settle::All => s.settle_dir(&v, None).await,
+                }
+                let fop = build(&s)?;
+                v.call(fop).await.map(drop).map_err(errno)
+            },
+            |reply, ()| reply.ok(),
+        );
+    }
+
+    /// Runs the fop `build` makes (one that makes a name: MKNOD, MKDIR, SYMLINK, LINK) as the
+    /// caller of `req` and answers with the new entry.
+    fn make_entry(
+        &self,
+        req: &Request,
+        reply: ReplyEntry,
+        build: impl FnOnce(&Shared) -> Result<FopRequest> + Send + 'static,
+    ) {
+        let (s, v) = (self.shared(), self.volume(req));
+        self.spawn(
+            reply,
+            async move {
+                s.settle_dir(&v, None).await;
+                let fop = build(&s)?;
+                s.new_entry(v.call(fop).await)
+            },
+            reply_entry,
+        );
+    }
+}
+
+/// Which deferred creates a fop must find on the brick.
+#[derive(Debug, Clone, Copy)]
+enum Settle {
+    /// The node's own (it reads or changes the file).
+    Node(u64),
+    /// All of them (it changes a directory, where a deferred name could be involved).
+    All,
 }
 
 /// The error half of every fuser reply type.
@@ -297,32 +350,27 @@ impl fuser::Filesystem for KilnFs {
         rdev: u32,
         reply: ReplyEntry,
     ) {
-        let (s, v, name) = (self.shared(), self.volume(req), name_of(name));
-        self.spawn(
-            reply,
-            async move {
-                let node_type = match FileType::from_mode_bits(mode) {
-                    Some(FileType::Regular) => NodeType::Regular,
-                    Some(FileType::Fifo) => NodeType::Fifo,
-                    Some(FileType::Socket) => NodeType::Socket,
-                    Some(FileType::CharDevice) => NodeType::CharDevice,
-                    Some(FileType::BlockDevice) => NodeType::BlockDevice,
-                    _ => return Err(Errno::EINVAL),
-                };
-                s.settle_dir(&v, None).await;
-                let mknod = kiln_wire::Mknod {
-                    parent: s.gfid(parent)?,
-                    name: name?,
-                    gfid: new_gfid(),
-                    node_type,
-                    mode: Mode::from_st_mode(mode),
-                    umask: Mode::from_st_mode(umask),
-                    rdev: u64::from(rdev),
-                };
-                s.new_entry(v.call(mknod).await)
-            },
-            reply_entry,
-        );
+        let name = name_of(name);
+        self.make_entry(req, reply, move |s| {
+            let node_type = match FileType::from_mode_bits(mode) {
+                Some(FileType::Regular) => NodeType::Regular,
+                Some(FileType::Fifo) => NodeType::Fifo,
+                Some(FileType::Socket) => NodeType::Socket,
+                Some(FileType::CharDevice) => NodeType::CharDevice,
+                Some(FileType::BlockDevice) => NodeType::BlockDevice,
+                _ => return Err(Errno::EINVAL),
+            };
+            Ok(kiln_wire::Mknod {
+                parent: s.gfid(parent)?,
+                name: name?,
+                gfid: new_gfid(),
+                node_type,
+                mode: Mode::from_st_mode(mode),
+                umask: Mode::from_st_mode(umask),
+                rdev: u64::from(rdev),
+            }
+            .into())
+        });
     }
 
     fn mkdir(
@@ -334,54 +382,39 @@ impl fuser::Filesystem for KilnFs {
         umask: u32,
         reply: ReplyEntry,
     ) {
-        let (s, v, name) = (self.shared(), self.volume(req), name_of(name));
-        self.spawn(
-            reply,
-            async move {
-                s.settle_dir(&v, None).await;
-                let mkdir = kiln_wire::Mkdir {
-                    parent: s.gfid(parent)?,
-                    name: name?,
-                    gfid: new_gfid(),
-                    mode: Mode::from_st_mode(mode),
-                    umask: Mode::from_st_mode(umask),
-                };
-                s.new_entry(v.call(mkdir).await)
-            },
-            reply_entry,
-        );
+        let name = name_of(name);
+        self.make_entry(req, reply, move |s| {
+            Ok(kiln_wire::Mkdir {
+                parent: s.gfid(parent)?,
+                name: name?,
+                gfid: new_gfid(),
+                mode: Mode::from_st_mode(mode),
+                umask: Mode::from_st_mode(umask),
+            }
+            .into())
+        });
     }
 
     fn unlink(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        let (s, v, name) = (self.shared(), self.volume(req), name_of(name));
-        self.spawn(
-            reply,
-            async move {
-                s.settle_dir(&v, None).await;
-                let unlink = kiln_wire::Unlink {
-                    parent: s.gfid(parent)?,
-                    name: name?,
-                };
-                v.call(unlink).await.map(drop).map_err(errno)
-            },
-            |reply, ()| reply.ok(),
-        );
+        let name = name_of(name);
+        self.run_done(req, reply, Settle::All, move |s| {
+            Ok(kiln_wire::Unlink {
+                parent: s.gfid(parent)?,
+                name: name?,
+            }
+            .into())
+        });
     }
 
     fn rmdir(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        let (s, v, name) = (self.shared(), self.volume(req), name_of(name));
-        self.spawn(
-            reply,
-            async move {
-                s.settle_dir(&v, None).await;
-                let rmdir = kiln_wire::Rmdir {
-                    parent: s.gfid(parent)?,
-                    name: name?,
-                };
-                v.call(rmdir).await.map(drop).map_err(errno)
-            },
-            |reply, ()| reply.ok(),
-        );
+        let name = name_of(name);
+        self.run_done(req, reply, Settle::All, move |s| {
+            Ok(kiln_wire::Rmdir {
+                parent: s.gfid(parent)?,
+                name: name?,
+            }
+            .into())
+        });
     }
 
     fn symlink(
@@ -392,23 +425,18 @@ impl fuser::Filesystem for KilnFs {
         target: &Path,
         reply: ReplyEntry,
     ) {
-        let (s, v, name) = (self.shared(), self.volume(req), name_of(link_name));
+        let name = name_of(link_name);
         let target = SymlinkTarget::new(Bytes::copy_from_slice(target.as_os_str().as_bytes()))
             .map_err(|e| Errno::from_i32(e.errno()));
-        self.spawn(
-            reply,
-            async move {
-                s.settle_dir(&v, None).await;
-                let symlink = kiln_wire::Symlink {
-                    parent: s.gfid(parent)?,
-                    name: name?,
-                    gfid: new_gfid(),
-                    target: target?,
-                };
-                s.new_entry(v.call(symlink).await)
-            },
-            reply_entry,
-        );
+        self.make_entry(req, reply, move |s| {
+            Ok(kiln_wire::Symlink {
+                parent: s.gfid(parent)?,
+                name: name?,
+                gfid: new_gfid(),
+                target: target?,
+            }
+            .into())
+        });
     }
 
     fn rename(
@@ -421,32 +449,26 @@ impl fuser::Filesystem for KilnFs {
         flags: RenameFlags,
         reply: ReplyEmpty,
     ) {
-        let (s, v) = (self.shared(), self.volume(req));
         let (old_name, new_name) = (name_of(name), name_of(newname));
-        self.spawn(
-            reply,
-            async move {
-                let mode = if flags.is_empty() {
-                    RenameMode::Replace
-                } else if flags == RenameFlags::RENAME_NOREPLACE {
-                    RenameMode::NoReplace
-                } else if flags == RenameFlags::RENAME_EXCHANGE {
-                    RenameMode::Exchange
-                } else {
-                    return Err(Errno::EINVAL);
-                };
-                s.settle_dir(&v, None).await;
-                let rename = kiln_wire::Rename {
-                    old_parent: s.gfid(parent)?,
-                    old_name: old_name?,
-                    new_parent: s.gfid(newparent)?,
-                    new_name: new_name?,
-                    mode,
-                };
-                v.call(rename).await.map(drop).map_err(errno)
-            },
-            |reply, ()| reply.ok(),
-        );
+        self.run_done(req, reply, Settle::All, move |s| {
+            let mode = if flags.is_empty() {
+                RenameMode::Replace
+            } else if flags == RenameFlags::RENAME_NOREPLACE {
+                RenameMode::NoReplace
+            } else if flags == RenameFlags::RENAME_EXCHANGE {
+                RenameMode::Exchange
+            } else {
+                return Err(Errno::EINVAL);
+            };
+            Ok(kiln_wire::Rename {
+                old_parent: s.gfid(parent)?,
+                old_name: old_name?,
+                new_parent: s.gfid(newparent)?,
+                new_name: new_name?,
+                mode,
+            }
+            .into())
+        });
     }
 
     fn link(
@@ -457,20 +479,15 @@ impl fuser::Filesystem for KilnFs {
         newname: &OsStr,
         reply: ReplyEntry,
     ) {
-        let (s, v, name) = (self.shared(), self.volume(req), name_of(newname));
-        self.spawn(
-            reply,
-            async move {
-                s.settle_dir(&v, None).await;
-                let link = kiln_wire::Link {
-                    gfid: s.gfid(ino)?,
-                    new_parent: s.gfid(newparent)?,
-                    new_name: name?,
-                };
-                s.new_entry(v.call(link).await)
-            },
-            reply_entry,
-        );
+        let name = name_of(newname);
+        self.make_entry(req, reply, move |s| {
+            Ok(kiln_wire::Link {
+                gfid: s.gfid(ino)?,
+                new_parent: s.gfid(newparent)?,
+                new_name: name?,
+            }
+            .into())
+        });
     }
 
     fn open(&self, req: &Request, ino: INodeNo, flags: FuseOpenFlags, reply: ReplyOpen) {
@@ -784,29 +801,24 @@ impl fuser::Filesystem for KilnFs {
         reply: ReplyEmpty,
     ) {
         self.shared.inodes.forget_xattr(ino.0, name.as_bytes());
-        let (s, v, name) = (self.shared(), self.volume(req), xattr_name(name));
+        let name = xattr_name(name);
         let value = XattrValue::new(Bytes::copy_from_slice(value))
             .map_err(|_| Errno::from_i32(libc::E2BIG));
-        self.spawn(
-            reply,
-            async move {
-                let mode = match flags {
-                    0 => XattrSetMode::Upsert,
-                    libc::XATTR_CREATE => XattrSetMode::Create,
-                    libc::XATTR_REPLACE => XattrSetMode::Replace,
-                    _ => return Err(Errno::EINVAL),
-                };
-                s.settle(&v, ino.0).await?;
-                let set = kiln_wire::Setxattr {
-                    gfid: s.gfid(ino)?,
-                    name: name?,
-                    value: value?,
-                    mode,
-                };
-                v.call(set).await.map(drop).map_err(errno)
-            },
-            |reply, ()| reply.ok(),
-        );
+        self.run_done(req, reply, Settle::Node(ino.0), move |s| {
+            let mode = match flags {
+                0 => XattrSetMode::Upsert,
+                libc::XATTR_CREATE => XattrSetMode::Create,
+                libc::XATTR_REPLACE => XattrSetMode::Replace,
+                _ => return Err(Errno::EINVAL),
+            };
+            Ok(kiln_wire::Setxattr {
+                gfid: s.gfid(ino)?,
+                name: name?,
+                value: value?,
+                mode,
+            }
+            .into())
+        });
     }
 
     fn getxattr(&self, req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
@@ -862,45 +874,34 @@ impl fuser::Filesystem for KilnFs {
     }
 
     fn removexattr(&self, req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        let (s, v, name) = (self.shared(), self.volume(req), xattr_name(name));
-        self.spawn(
-            reply,
-            async move {
-                s.settle(&v, ino.0).await?;
-                let remove = kiln_wire::Removexattr {
-                    gfid: s.gfid(ino)?,
-                    name: name?,
-                };
-                v.call(remove).await.map(drop).map_err(errno)
-            },
-            |reply, ()| reply.ok(),
-        );
+        let name = xattr_name(name);
+        self.run_done(req, reply, Settle::Node(ino.0), move |s| {
+            Ok(kiln_wire::Removexattr {
+                gfid: s.gfid(ino)?,
+                name: name?,
+            }
+            .into())
+        });
     }
 
     fn access(&self, req: &Request, ino: INodeNo, mask: AccessFlags, reply: ReplyEmpty) {
-        let (s, v) = (self.shared(), self.volume(req));
-        self.spawn(
-            reply,
-            async move {
-                let mut bits = AccessMask::empty();
-                for (flag, bit) in [
-                    (AccessFlags::R_OK, AccessMask::READ),
-                    (AccessFlags::W_OK, AccessMask::WRITE),
-                    (AccessFlags::X_OK, AccessMask::EXECUTE),
-                ] {
-                    if mask.contains(flag) {
-                        bits = bits | bit;
-                    }
+        self.run_done(req, reply, Settle::Node(ino.0), move |s| {
+            let mut bits = AccessMask::empty();
+            for (flag, bit) in [
+                (AccessFlags::R_OK, AccessMask::READ),
+                (AccessFlags::W_OK, AccessMask::WRITE),
+                (AccessFlags::X_OK, AccessMask::EXECUTE),
+            ] {
+                if mask.contains(flag) {
+                    bits = bits | bit;
                 }
-                s.settle(&v, ino.0).await?;
-                let access = kiln_wire::Access {
-                    gfid: s.gfid(ino)?,
-                    mask: bits,
-                };
-                v.call(access).await.map(drop).map_err(errno)
-            },
-            |reply, ()| reply.ok(),
-        );
+            }
+            Ok(kiln_wire::Access {
+                gfid: s.gfid(ino)?,
+                mask: bits,
+            }
+            .into())
+        });
     }
 
     fn create(
