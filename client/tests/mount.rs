@@ -6,7 +6,7 @@ mod mount_common;
 
 use std::fs;
 use std::io::{Read, Seek, SeekFrom, Write};
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -280,6 +280,20 @@ fn attributes_xattrs_and_sparse_files() {
     let mut middle = vec![9; 16];
     rustix::io::pread(&data, &mut middle, 70_000).expect("pread");
     assert_eq!(middle, [0; 16], "the hole reads as zeros");
+
+    // O_DIRECT bypasses the page cache; any buffer will do.
+    let mut direct = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(m.path("direct"))
+        .expect("open O_DIRECT");
+    direct.write_all(&[5; 3000]).expect("direct write");
+    direct.seek(SeekFrom::Start(0)).expect("seek");
+    let mut back = Vec::new();
+    direct.read_to_end(&mut back).expect("direct read");
+    assert_eq!(back, [5; 3000]);
 }
 
 #[test]

@@ -509,7 +509,7 @@ impl fuser::Filesystem for KilnFs {
                 .map_err(errno)?;
                 Ok(s.add_open(Some(fd), ino.0, access, open_flags))
             },
-            |reply, fh| reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE),
+            move |reply, fh| reply.opened(FileHandle(fh), fopen_flags(flags.0)),
         );
     }
 
@@ -933,8 +933,7 @@ impl fuser::Filesystem for KilnFs {
                     mode: Mode::from_st_mode(mode),
                     umask: Mode::from_st_mode(umask),
                 };
-                let synchronous =
-                    OpenFlags::SYNC.bits() | OpenFlags::DSYNC.bits() | OpenFlags::DIRECT.bits();
+                let synchronous = OpenFlags::SYNC.bits() | OpenFlags::DSYNC.bits();
                 let parent_attr = s
                     .inodes
                     .dir_attr(parent.0)
@@ -943,6 +942,7 @@ impl fuser::Filesystem for KilnFs {
                     Some(parent_attr)
                         if s.options.deferred_create
                             && requested_access(flags) == AccessMode::WriteOnly
+                            && flags & libc::O_DIRECT == 0
                             && open_flags.bits() & synchronous == 0 =>
                     {
                         let pending = Pending::new(create, parent_attr, v.creds().clone());
@@ -972,14 +972,8 @@ impl fuser::Filesystem for KilnFs {
                 let fh = s.add_open(fd, attr.ino.0, access, reopen);
                 Ok((attr, ttl, fh))
             },
-            |reply, (attr, ttl, fh)| {
-                reply.created(
-                    &ttl.entry,
-                    &attr,
-                    GEN,
-                    FileHandle(fh),
-                    FopenFlags::FOPEN_KEEP_CACHE,
-                );
+            move |reply, (attr, ttl, fh)| {
+                reply.created(&ttl.entry, &attr, GEN, FileHandle(fh), fopen_flags(flags));
             },
         );
     }
@@ -1416,7 +1410,6 @@ impl Shared {
             (libc::O_TRUNC, OpenFlags::TRUNC),
             (libc::O_SYNC, OpenFlags::SYNC),
             (libc::O_DSYNC, OpenFlags::DSYNC),
-            (libc::O_DIRECT, OpenFlags::DIRECT),
             (libc::O_NOATIME, OpenFlags::NOATIME),
         ] {
             if flags & bit == bit {
@@ -1525,6 +1518,18 @@ fn supplementary_groups(pid: u32) -> Groups {
         .take(GROUPS_MAX)
         .collect();
     Groups::new(groups).unwrap_or_default()
+}
+
+/// How the kernel should treat a file opened with `flags`: O_DIRECT bypasses its page cache
+/// (the brick's own cache still serves it: the brick cannot honour O_DIRECT's alignment
+/// rules for buffers it did not allocate, and O_DIRECT promises no durability anyway); other
+/// opens keep what is cached, which the kernel drops when the file's mtime or size changes.
+fn fopen_flags(flags: i32) -> FopenFlags {
+    if flags & libc::O_DIRECT != 0 {
+        FopenFlags::FOPEN_DIRECT_IO
+    } else {
+        FopenFlags::FOPEN_KEEP_CACHE
+    }
 }
 
 fn requested_access(flags: i32) -> AccessMode {
