@@ -589,7 +589,7 @@ impl fuser::Filesystem for KilnFs {
         // pushes nothing but a deferred create; otherwise it matters only to the closer's
         // POSIX locks.
         let locked = self.shared.inodes.is_locked(ino.0);
-        if !locked && self.shared.pending.is_empty() {
+        if !locked && self.shared.pending.is_idle() {
             reply.ok();
             return;
         }

@@ -260,6 +260,16 @@ impl PendingCreates {
         self.lock().is_empty()
     }
 
+    /// Nothing deferred and no refusal waiting for a close to report it.
+    pub(crate) fn is_idle(&self) -> bool {
+        self.is_empty()
+            && self
+                .failed
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .is_empty()
+    }
+
     /// The attributes of the deferred file `name` in `parent`, if there is one.
     pub(crate) async fn find(&self, parent: Gfid, name: &Name) -> Option<Iatt> {
         if self.is_empty() {
