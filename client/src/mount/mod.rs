@@ -1,8 +1,9 @@
 //! A volume as a local file system: the FUSE mount behind `kiln mount`.
 //!
-//! [`mount`] mounts a connected [`Volume`] with fuser's pure-Rust mount (no libfuse); the
-//! kernel's requests are served by [`fs`] on the caller's tokio runtime. The mount's type is
-//! `fuse.kiln`, so `mount -t kiln` finds the `mount.kiln` helper and `umount` works as usual.
+//! [`mount`] opens `/dev/fuse`, mounts a connected [`Volume`] with mount(2) (no libfuse, no
+//! fusermount) and serves the kernel's requests with fuser's protocol code ([`fs`]) on the
+//! caller's tokio runtime. The mount's type is `fuse.kiln`, so `mount -t kiln` finds the
+//! `mount.kiln` helper and `umount` works as usual.
 
 mod fs;
 mod inodes;
@@ -253,5 +254,41 @@ impl Mounted {
             }
         }
         self.session.join()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_parse_and_refuse_what_they_do_not_know() {
+        let mut o = MountOptions::default();
+        o.set("attr-timeout-ms", Some("250")).expect("valid");
+        o.set("writeback-cache", None).expect("valid");
+        o.set("deferred-create", Some("off")).expect("valid");
+        o.set("ro", None).expect("valid");
+        for fstab_only in ["defaults", "_netdev", "nofail", "x-systemd.automount"] {
+            o.set(fstab_only, None).expect("ignored");
+        }
+        assert_eq!(o.attr_timeout, Duration::from_millis(250));
+        assert!(o.writeback_cache && !o.deferred_create && o.read_only);
+        assert!(o.flags().contains(MountFlags::RDONLY | MountFlags::NOSUID));
+        assert_eq!(
+            o.set("colour", Some("blue")),
+            Err(OptionError::Unknown("colour".into()))
+        );
+        assert!(matches!(
+            o.set("entry-timeout-ms", Some("soon")),
+            Err(OptionError::BadValue { .. })
+        ));
+        assert!(matches!(
+            o.set("negative-timeout-ms", None),
+            Err(OptionError::BadValue { .. })
+        ));
+        assert!(matches!(
+            o.set("writeback-cache", Some("maybe")),
+            Err(OptionError::BadValue { .. })
+        ));
     }
 }
