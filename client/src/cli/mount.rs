@@ -164,7 +164,9 @@ async fn serve(
     let result = tokio::task::spawn_blocking(move || mounted.unmount())
         .await
         .context("the unmount task failed")?;
+    tracing::info!(result = ?result, "the FUSE session ended");
     volume.close().await;
+    tracing::info!("disconnected from the brick");
     result.context("unmount")
 }
 
