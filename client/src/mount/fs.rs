@@ -6,8 +6,9 @@
 //! flight at once and the client pipelines them over QUIC. The task sends the reply.
 //!
 //! Every fop runs as the caller (uid, gid, supplementary groups, pid), so the brick checks
-//! permissions as a local file system would; `default_permissions` only adds the kernel's
-//! own check in front.
+//! permissions as a local file system would; `default_permissions` adds the kernel's own
+//! check in front. A small write-only create may be answered here and sent later as one PUT
+//! ([`super::pending`]); every fop that must find such a file on the brick sends it first.
 
 use std::collections::{HashMap, VecDeque};
 use std::ffi::OsStr;
