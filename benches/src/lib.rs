@@ -11,5 +11,6 @@ pub mod engine;
 pub mod mgmt;
 pub mod mount;
 pub mod net;
+pub mod process;
 pub mod report;
 pub mod scratch;

@@ -56,10 +56,11 @@ use hdrhistogram::Histogram;
 use kiln_mgmt::options;
 use kiln_mgmt::store::{Store, StoreOptions, StoreStats};
 use kiln_mgmt::volume::{BRICK_PORT_BASE, Brick, Change, Cluster, Volume, VolumeState};
-use rustix::process::{Pid, PidfdFlags, Signal};
+use rustix::process::{Pid, Signal};
 use serde_json::json;
 use tokio::task::JoinSet;
 
+use crate::process::{log_tail, pid_of, wait_exit};
 use crate::report::{Record, Reporter};
 use crate::scratch::Scratch;
 
@@ -97,8 +98,6 @@ const POLL_INTERVAL: Duration = Duration::from_millis(50);
 const SOCKET_PATH_MAX_BYTES: usize = 107;
 /// Attempts at finding a free port.
 const PORT_TRIES: usize = 50;
-/// Bytes of `kiln-mgmtd`'s log quoted in an error.
-const LOG_TAIL_BYTES: u64 = 2048;
 
 fn histogram() -> anyhow::Result<Histogram<u64>> {
     Ok(Histogram::new(3)?)
@@ -442,32 +441,6 @@ struct Ran {
     elapsed: Duration,
 }
 
-fn pid_of(child: &Child) -> anyhow::Result<Pid> {
-    i32::try_from(child.id())
-        .ok()
-        .and_then(Pid::from_raw)
-        .context("child process id")
-}
-
-/// Waits until `child` exits (without reaping it) or `timeout` passes; true if it exited.
-fn wait_exit(child: &Child, timeout: Duration) -> anyhow::Result<bool> {
-    use rustix::event::{PollFd, PollFlags, Timespec};
-    let pidfd =
-        rustix::process::pidfd_open(pid_of(child)?, PidfdFlags::empty()).context("pidfd_open")?;
-    let deadline = Instant::now() + timeout;
-    loop {
-        let left = Timespec::try_from(deadline.saturating_duration_since(Instant::now()))?;
-        let mut fds = [PollFd::new(&pidfd, PollFlags::IN)];
-        match rustix::event::poll(&mut fds, Some(&left)) {
-            Ok(0) => return Ok(false),
-            Ok(_) => return Ok(true),
-            // A signal: poll again for what is left (0 once the deadline has passed).
-            Err(rustix::io::Errno::INTR) => continue,
-            Err(e) => return Err(e).context("poll on a pidfd"),
-        }
-    }
-}
-
 /// Runs `cmd` to its end, killing it after `timeout`.
 fn run_bounded(cmd: &mut Command, timeout: Duration) -> anyhow::Result<Ran> {
     cmd.stdin(Stdio::null())
@@ -477,9 +450,9 @@ fn run_bounded(cmd: &mut Command, timeout: Duration) -> anyhow::Result<Ran> {
     let mut child = cmd
         .spawn()
         .with_context(|| format!("cannot run {:?}", cmd.get_program()))?;
-    if !wait_exit(&child, timeout)? {
+    if !wait_exit(&child, timeout, || false)? {
         let _ = child.kill();
-        let _ = wait_exit(&child, KILL_TIMEOUT);
+        let _ = wait_exit(&child, KILL_TIMEOUT, || false);
         let _ = child.try_wait();
         bail!("{cmd:?} did not finish in {timeout:?}");
     }
@@ -500,19 +473,6 @@ fn run_bounded(cmd: &mut Command, timeout: Duration) -> anyhow::Result<Ran> {
         stderr,
         elapsed,
     })
-}
-
-/// The last bytes of a log file, for an error message.
-fn log_tail(path: &Path) -> String {
-    use std::io::{Seek as _, SeekFrom};
-    let Ok(mut file) = std::fs::File::open(path) else {
-        return String::new();
-    };
-    let len = file.metadata().map_or(0, |m| m.len());
-    let _ = file.seek(SeekFrom::Start(len.saturating_sub(LOG_TAIL_BYTES)));
-    let mut bytes = Vec::new();
-    let _ = file.take(LOG_TAIL_BYTES).read_to_end(&mut bytes);
-    String::from_utf8_lossy(&bytes).trim().to_owned()
 }
 
 /// A UDP port on 127.0.0.1 that was free (for UDP and TCP, as a brick binds both) just now.
@@ -647,10 +607,10 @@ impl Mgmtd {
         rustix::process::kill_process(pid_of(&child)?, Signal::TERM)
             .context("cannot send SIGTERM to kiln-mgmtd")?;
         let mut killed = false;
-        if !wait_exit(&child, STOP_TIMEOUT)? {
+        if !wait_exit(&child, STOP_TIMEOUT, || false)? {
             killed = true;
             let _ = child.kill();
-            wait_exit(&child, KILL_TIMEOUT)?;
+            wait_exit(&child, KILL_TIMEOUT, || false)?;
         }
         let status = child.try_wait()?;
         Ok(Stopped {

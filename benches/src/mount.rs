@@ -64,9 +64,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use kiln_mgmt::pki::{self, Role};
-use rustix::process::{Pid, PidfdFlags, Signal};
+use rustix::process::Signal;
 use serde_json::json;
 
+use crate::process::{log_tail, pid_of, wait_exit};
 use crate::report::{Record, Reporter};
 use crate::scratch::Scratch;
 
@@ -169,8 +170,6 @@ const KILL_TIMEOUT: Duration = Duration::from_secs(5);
 const POLL_INTERVAL: Duration = Duration::from_millis(20);
 /// Longest single wait on a child before the stop flag is looked at again.
 const WAIT_SLICE: Duration = Duration::from_millis(100);
-/// Bytes of a log quoted in an error.
-const LOG_TAIL_BYTES: u64 = 2048;
 /// Buffer for reading a phase's output.
 const READ_BUFFER_BYTES: usize = 1 << 20;
 
@@ -824,36 +823,6 @@ fn run_bounded(
     Ok(())
 }
 
-fn pid_of(child: &Child) -> anyhow::Result<Pid> {
-    i32::try_from(child.id())
-        .ok()
-        .and_then(Pid::from_raw)
-        .context("child process id")
-}
-
-/// Waits until `child` exits (without reaping it) or `timeout` passes; true if it exited.
-/// With `honour_stop`, gives up early (false) once the stop flag is set.
-fn wait_exit(child: &Child, timeout: Duration, honour_stop: bool) -> anyhow::Result<bool> {
-    use rustix::event::{PollFd, PollFlags, Timespec};
-    let pidfd =
-        rustix::process::pidfd_open(pid_of(child)?, PidfdFlags::empty()).context("pidfd_open")?;
-    let deadline = Instant::now() + timeout;
-    loop {
-        if honour_stop && stopping() {
-            return Ok(false);
-        }
-        let left = deadline.saturating_duration_since(Instant::now());
-        let slice = Timespec::try_from(left.min(WAIT_SLICE))?;
-        let mut fds = [PollFd::new(&pidfd, PollFlags::IN)];
-        match rustix::event::poll(&mut fds, Some(&slice)) {
-            Ok(0) if left.is_zero() => return Ok(false),
-            Ok(0) | Err(rustix::io::Errno::INTR) => continue,
-            Ok(_) => return Ok(true),
-            Err(e) => return Err(e).context("poll on a pidfd"),
-        }
-    }
-}
-
 /// Waits for `child` to exit and reaps it; kills it after `timeout` (or once the stop flag is
 /// set, with `honour_stop`) and fails.
 fn wait_child(
@@ -861,11 +830,11 @@ fn wait_child(
     timeout: Duration,
     honour_stop: bool,
 ) -> anyhow::Result<ExitStatus> {
-    if wait_exit(child, timeout, honour_stop)? {
+    if wait_exit(child, timeout, || honour_stop && stopping())? {
         return Ok(child.wait()?);
     }
     let _ = child.kill();
-    let _ = wait_exit(child, KILL_TIMEOUT, false);
+    let _ = wait_exit(child, KILL_TIMEOUT, || false);
     let _ = child.try_wait();
     check_stop()?;
     bail!("did not finish within {timeout:?}; killed")
@@ -883,19 +852,6 @@ fn interrupted(status: ExitStatus) -> anyhow::Result<()> {
         std::thread::sleep(WAIT_SLICE);
     }
     check_stop()
-}
-
-/// The last bytes of a log file, for an error message.
-fn log_tail(path: &Path) -> String {
-    use std::io::{Seek as _, SeekFrom};
-    let Ok(mut file) = std::fs::File::open(path) else {
-        return String::new();
-    };
-    let len = file.metadata().map_or(0, |m| m.len());
-    let _ = file.seek(SeekFrom::Start(len.saturating_sub(LOG_TAIL_BYTES)));
-    let mut bytes = Vec::new();
-    let _ = file.take(LOG_TAIL_BYTES).read_to_end(&mut bytes);
-    String::from_utf8_lossy(&bytes).trim().to_owned()
 }
 
 /// Sets the stop flag on SIGINT, SIGTERM or SIGHUP, from a thread of its own, so a run cut
@@ -996,7 +952,7 @@ impl Daemon {
         let Some(child) = self.child.as_mut() else {
             bail!("{} is not running", self.name);
         };
-        if !wait_exit(child, timeout, false)? {
+        if !wait_exit(child, timeout, || false)? {
             return Ok(None);
         }
         let status = child.wait()?;
@@ -1019,7 +975,7 @@ impl Daemon {
         }
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
-            let _ = wait_exit(&child, KILL_TIMEOUT, false);
+            let _ = wait_exit(&child, KILL_TIMEOUT, || false);
             let _ = child.try_wait();
         }
         Ok((None, true))
