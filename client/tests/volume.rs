@@ -101,6 +101,25 @@ impl Mgmtd {
     }
 }
 
+impl Mgmtd {
+    /// Waits (bounded) until every brick of `volume` answers on its control socket.
+    fn healthy(&self, volume: &str) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let json = self.ok(&["volume", "--json", "status", volume]);
+            let v: serde_json::Value = serde_json::from_str(&json).expect("json");
+            if v["bricks"]
+                .as_array()
+                .is_some_and(|b| b.iter().all(|b| b["health"] == "ok"))
+            {
+                return;
+            }
+            assert!(Instant::now() < deadline, "bricks not healthy: {json}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
 impl Drop for Mgmtd {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -427,4 +446,182 @@ fn a_torn_store_tail_is_dropped_and_reported() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(err.lines().count(), 1, "{err}");
     assert!(err.contains("cannot reach kiln-mgmtd"), "{err}");
+}
+
+/// One `GET /metrics` from a brick's Prometheus endpoint, parsed as Prometheus text.
+fn scrape(addr: &str) -> prometheus_parse::Scrape {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr).expect("connect to metrics");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    write!(stream, "GET /metrics HTTP/1.1\r\nHost: {addr}\r\n\r\n").expect("request");
+    let mut reply = String::new();
+    stream.read_to_string(&mut reply).expect("reply");
+    let (head, body) = reply.split_once("\r\n\r\n").expect("an HTTP reply");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(head.contains("text/plain; version=0.0.4"), "{head}");
+    let lines = body.lines().map(|l| Ok(l.to_owned()));
+    prometheus_parse::Scrape::parse(lines).expect("Prometheus text")
+}
+
+fn sample(scrape: &prometheus_parse::Scrape, metric: &str, label: (&str, &str)) -> f64 {
+    let found = scrape.samples.iter().find(|s| {
+        s.metric == metric && (label.0.is_empty() || s.labels.get(label.0) == Some(label.1))
+    });
+    match found.map(|s| &s.value) {
+        Some(prometheus_parse::Value::Counter(v) | prometheus_parse::Value::Gauge(v)) => *v,
+        other => panic!("{metric}{{{}={}}}: {other:?}", label.0, label.1),
+    }
+}
+
+#[test]
+fn profile_metrics_and_statedump_match_the_fops_issued() {
+    use kiln_client::{ConnectOptions, Volume};
+    use kiln_wire::{Gfid, Name};
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let m = Mgmtd::start(dir.path());
+    let brick = dir.path().join("brick");
+    m.ok(&[
+        "volume",
+        "create",
+        "prof",
+        brick.to_str().expect("utf-8"),
+        "--port",
+        "47300",
+    ]);
+    let metrics = "127.0.0.1:47310";
+    m.ok(&[
+        "volume",
+        "set",
+        "prof",
+        "diagnostics.metrics-listen",
+        metrics,
+    ]);
+    let said = m.fails(&["volume", "profile", "prof", "info"]);
+    assert!(said.contains("not started"), "{said}");
+    m.ok(&["volume", "start", "prof"]);
+    m.healthy("prof");
+    let info = m.ok(&["volume", "profile", "prof", "info"]);
+    assert!(info.contains("Counting off, timing off"), "{info}");
+
+    m.ok(&["volume", "profile", "prof", "start"]);
+    let options = ConnectOptions::from_tls_dir(
+        "127.0.0.1:47300".parse().expect("addr"),
+        &m.state.join("tls"),
+        "admin",
+    )
+    .expect("TLS material");
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let v = runtime.block_on(async {
+        let v = Volume::connect(options).await.expect("connect");
+        let missing = Name::new("missing").expect("name");
+        for _ in 0..5 {
+            assert!(v.lookup(Gfid::ROOT, &missing).await.is_err());
+        }
+        for _ in 0..4 {
+            v.stat(Gfid::ROOT).await.expect("stat");
+        }
+        for i in 0..2 {
+            let name = Name::new(format!("f{i}")).expect("name");
+            let data = bytes::Bytes::from(vec![7u8; 1000]);
+            v.put_at(Gfid::ROOT, name, data, 0o644).await.expect("put");
+        }
+        v
+    });
+
+    // `kiln volume profile info`: exactly the fops issued, timed.
+    let json = m.ok(&["volume", "--json", "profile", "prof", "info"]);
+    let answer: serde_json::Value = serde_json::from_str(&json).expect("json");
+    let report = &answer["bricks"][0]["report"];
+    assert_eq!(report["counting"], true, "{json}");
+    let fops = report["fops"].as_array().expect("fops");
+    let fop = |name: &str| {
+        fops.iter()
+            .find(|f| f["fop"] == name)
+            .unwrap_or_else(|| panic!("no {name} in {json}"))
+    };
+    assert_eq!(fops.len(), 3, "only LOOKUP, STAT and PUT ran: {json}");
+    assert_eq!(fop("LOOKUP")["calls"], 5);
+    assert_eq!(fop("LOOKUP")["errors"], 5);
+    assert_eq!(fop("STAT")["calls"], 4);
+    assert_eq!(fop("PUT")["calls"], 2);
+    assert_eq!(fop("PUT")["bytes"], 2000);
+    assert_eq!(fop("PUT")["intents"], 2, "each create commits one intent");
+    assert!(
+        fop("PUT")["steps"].as_u64().is_some_and(|s| s >= 2),
+        "{json}"
+    );
+    assert_eq!(fop("STAT")["latency"]["count"], 4);
+    assert!(
+        fop("STAT")["latency"]["p99_us"]
+            .as_f64()
+            .is_some_and(|p| p > 0.0)
+    );
+    assert_eq!(report["errors"]["ENOENT"], 5);
+    let table = m.ok(&["volume", "profile", "prof", "info"]);
+    assert!(
+        table.contains("LOOKUP") && table.contains("p99 µs"),
+        "{table}"
+    );
+    assert!(table.contains("errors: ENOENT 5"), "{table}");
+
+    // The Prometheus endpoint says the same, and holds gauges of the brick's tables.
+    let scrape = scrape(metrics);
+    assert_eq!(
+        sample(&scrape, "kiln_fop_calls_total", ("fop", "STAT")),
+        4.0
+    );
+    assert_eq!(
+        sample(&scrape, "kiln_fop_bytes_total", ("fop", "PUT")),
+        2000.0
+    );
+    assert_eq!(
+        sample(&scrape, "kiln_errors_total", ("errno", "ENOENT")),
+        5.0
+    );
+    assert_eq!(sample(&scrape, "kiln_sessions", ("", "")), 1.0);
+    assert!(sample(&scrape, "kiln_cache_capacity", ("cache", "gfid")) > 0.0);
+    let histogram = scrape
+        .samples
+        .iter()
+        .find(|s| s.metric == "kiln_fop_latency_seconds" && s.labels.get("fop") == Some("STAT"));
+    match histogram.map(|s| &s.value) {
+        Some(prometheus_parse::Value::Histogram(buckets)) => {
+            assert_eq!(buckets.last().map(|b| b.count), Some(4.0), "{buckets:?}");
+        }
+        other => panic!("no STAT latency histogram: {other:?}"),
+    }
+
+    // The state dump: this client's session, the brick's settings, every option.
+    let dump: serde_json::Value =
+        serde_json::from_str(&m.ok(&["volume", "statedump", "prof"])).expect("json");
+    let brick_dump = &dump[0]["report"];
+    assert_eq!(brick_dump["connections"][0]["client"], "admin", "{dump}");
+    assert_eq!(brick_dump["connections"].as_array().map(Vec::len), Some(1));
+    assert_eq!(
+        brick_dump["volume_options"]["diagnostics.metrics-listen"],
+        metrics
+    );
+    assert_eq!(
+        brick_dump["live_options"]["diagnostics.count-fop-hits"],
+        "on"
+    );
+    assert!(brick_dump["engine"]["gfid_cache"]["capacity"].as_u64() > Some(0));
+    assert!(brick_dump["generation"].as_u64() > Some(0));
+
+    // Stop keeps the numbers; a fop after it is not counted.
+    m.ok(&["volume", "profile", "prof", "stop"]);
+    runtime.block_on(async { v.stat(Gfid::ROOT).await.expect("stat") });
+    let info = m.ok(&["volume", "--json", "profile", "prof", "info"]);
+    let answer: serde_json::Value = serde_json::from_str(&info).expect("json");
+    let stat = answer["bricks"][0]["report"]["fops"]
+        .as_array()
+        .and_then(|f| f.iter().find(|f| f["fop"] == "STAT").cloned())
+        .expect("STAT");
+    assert_eq!(stat["calls"], 4, "{info}");
 }

@@ -3,6 +3,7 @@
 //! Both are LRUs (the `lru` crate: a hash map over an intrusive list, O(1) insert, lookup and
 //! eviction) with a size fixed at start-up, in entries.
 
+use std::hash::Hash;
 use std::num::NonZeroUsize;
 
 use kiln_wire::{Gfid, Timespec};
@@ -28,28 +29,41 @@ impl InodeKey {
 
 /// inode → GFID, so a LOOKUP or READDIRP entry costs one `statx` instead of a `statx` plus a
 /// `getxattr`. Sized by `network.inode-lru-limit`.
-#[derive(Debug)]
-pub struct GfidCache {
-    map: LruCache<InodeKey, Gfid>,
-    hits: u64,
-    misses: u64,
-}
+pub type GfidCache = CountedLru<InodeKey, Gfid>;
+
+/// GFID → open `O_PATH` fd of that directory. An fd keeps naming its directory across
+/// renames, so entries are dropped only on eviction and RMDIR. Sized by
+/// `storage.dirfd-cache-entries`.
+pub type DirCache = CountedLru<Gfid, DirFd>;
 
 /// Bytes one [`GfidCache`] entry costs: key and value plus the LRU's links and hash slot.
 pub const GFID_CACHE_ENTRY_BYTES: usize =
     size_of::<InodeKey>() + size_of::<Gfid>() + 2 * size_of::<usize>() + 2 * size_of::<usize>();
 
-impl GfidCache {
-    pub fn new(entries: NonZeroUsize) -> GfidCache {
-        GfidCache {
+/// An LRU that counts its hits and misses.
+pub struct CountedLru<K, V> {
+    map: LruCache<K, V>,
+    hits: u64,
+    misses: u64,
+}
+
+impl<K: Hash + Eq, V: Clone> std::fmt::Debug for CountedLru<K, V> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.state().fmt(f)
+    }
+}
+
+impl<K: Hash + Eq, V: Clone> CountedLru<K, V> {
+    pub fn new(entries: NonZeroUsize) -> CountedLru<K, V> {
+        CountedLru {
             map: LruCache::new(entries),
             hits: 0,
             misses: 0,
         }
     }
 
-    pub fn get(&mut self, key: &InodeKey) -> Option<Gfid> {
-        let found = self.map.get(key).copied();
+    pub fn get(&mut self, key: &K) -> Option<V> {
+        let found = self.map.get(key).cloned();
         match found {
             Some(_) => self.hits += 1,
             None => self.misses += 1,
@@ -57,8 +71,12 @@ impl GfidCache {
         found
     }
 
-    pub fn insert(&mut self, key: InodeKey, gfid: Gfid) {
-        self.map.put(key, gfid);
+    pub fn insert(&mut self, key: K, value: V) {
+        self.map.put(key, value);
+    }
+
+    pub fn remove(&mut self, key: &K) {
+        self.map.pop(key);
     }
 
     pub fn len(&self) -> usize {
@@ -69,45 +87,32 @@ impl GfidCache {
         self.map.is_empty()
     }
 
-    /// (hits, misses) since start.
-    pub fn stats(&self) -> (u64, u64) {
-        (self.hits, self.misses)
-    }
-}
-
-/// GFID → open `O_PATH` fd of that directory. An fd keeps naming its directory across
-/// renames, so entries are dropped only on eviction and RMDIR. Sized by
-/// `storage.dirfd-cache-entries`.
-#[derive(Debug)]
-pub struct DirCache {
-    map: LruCache<Gfid, DirFd>,
-}
-
-impl DirCache {
-    pub fn new(entries: NonZeroUsize) -> DirCache {
-        DirCache {
-            map: LruCache::new(entries),
+    /// Entries, capacity, hits and misses since start.
+    pub fn state(&self) -> CacheState {
+        CacheState {
+            entries: self.map.len(),
+            capacity: self.map.cap().get(),
+            hits: self.hits,
+            misses: self.misses,
         }
     }
+}
 
-    pub fn get(&mut self, gfid: &Gfid) -> Option<DirFd> {
-        self.map.get(gfid).cloned()
-    }
+/// A cache's size and use since start, summed over workers in a state dump.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct CacheState {
+    pub entries: usize,
+    pub capacity: usize,
+    pub hits: u64,
+    pub misses: u64,
+}
 
-    pub fn insert(&mut self, gfid: Gfid, dir: DirFd) {
-        self.map.put(gfid, dir);
-    }
-
-    pub fn remove(&mut self, gfid: &Gfid) {
-        self.map.pop(gfid);
-    }
-
-    pub fn len(&self) -> usize {
-        self.map.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
+impl std::ops::AddAssign for CacheState {
+    fn add_assign(&mut self, other: CacheState) {
+        self.entries += other.entries;
+        self.capacity += other.capacity;
+        self.hits += other.hits;
+        self.misses += other.misses;
     }
 }
 
@@ -128,7 +133,7 @@ mod tests {
         assert_eq!(c.len(), 2);
         assert_eq!(c.get(&key(1)), None);
         assert_eq!(c.get(&key(3)), Some(Gfid::ROOT));
-        assert_eq!(c.stats(), (1, 1));
+        assert_eq!((c.state().hits, c.state().misses), (1, 1));
         const _: () = assert!(GFID_CACHE_ENTRY_BYTES <= 256);
     }
 }

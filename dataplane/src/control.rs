@@ -1,11 +1,15 @@
-//! The brick's control socket: `kiln-mgmtd` pushes live options here (one JSON line in, one
-//! out, per connection) and learns which configuration generation the brick runs.
+//! The brick's control socket: `kiln-mgmtd` pushes live options here, reads the per-fop
+//! profile and asks for a state dump (one JSON line in, one out, per connection).
 //!
 //! ```text
-//! → {"generation":7,"options":{"auth.allow":"alice,bob","network.inflight-max":"128"}}
+//! → {"generation":7,"options":{"auth.allow":"alice,bob","network.inflight-max":"128",…}}
 //! ← {"generation":7}            or   {"error":"…"}
 //! → {"status":true}             (a health probe: changes nothing)
 //! ← {"generation":7}
+//! → {"profile":true}
+//! ← {"generation":7,"profile":{…}}           (kiln_dataplane::profile::ProfileReport)
+//! → {"statedump":true}
+//! ← {"generation":7,"statedump":{…}}
 //! ```
 //! Options the brick cannot change while running are not sent: they take effect when
 //! kiln-mgmtd restarts it.
@@ -14,7 +18,9 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use anyhow::Context as _;
+use kiln_dataplane::Engine;
 use kiln_dataplane::server::{AuthAllow, Server};
+use serde_json::json;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
 
@@ -31,14 +37,26 @@ pub(crate) fn bind(path: &Path) -> anyhow::Result<UnixListener> {
     Ok(listener)
 }
 
+/// What the control socket reads and changes.
+pub(crate) struct Brick {
+    pub(crate) server: Server,
+    pub(crate) engine: Engine,
+    /// The configuration generation the brick runs.
+    pub(crate) generation: u64,
+    /// What the brick was started with and the live options it runs, for the state dump.
+    pub(crate) settings: serde_json::Value,
+    pub(crate) live: BTreeMap<String, String>,
+    pub(crate) started: std::time::Instant,
+}
+
 #[derive(serde::Deserialize)]
 struct Push {
     generation: u64,
     options: BTreeMap<String, String>,
 }
 
-/// Answers one push; `generation` is what the brick runs, updated when the push applies.
-pub(crate) async fn serve(stream: UnixStream, server: &mut Server, generation: &mut u64) {
+/// Answers one request.
+pub(crate) async fn serve(stream: UnixStream, brick: &mut Brick) {
     let (read, mut write) = stream.into_split();
     let mut line = String::new();
     let answer = match BufReader::new(read)
@@ -46,30 +64,72 @@ pub(crate) async fn serve(stream: UnixStream, server: &mut Server, generation: &
         .read_line(&mut line)
         .await
     {
-        Ok(_) if is_status_probe(&line) => serde_json::json!({ "generation": *generation }),
-        Ok(_) => match apply(&line, server) {
-            Ok(applied) => {
-                *generation = applied;
-                tracing::info!(generation = applied, "live options applied");
-                serde_json::json!({ "generation": applied })
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "live options refused");
-                serde_json::json!({ "error": format!("{e:#}") })
-            }
-        },
-        Err(e) => serde_json::json!({ "error": e.to_string() }),
+        Ok(_) => answer(&line, brick).await,
+        Err(e) => json!({ "error": e.to_string() }),
     };
     let mut out = answer.to_string().into_bytes();
     out.push(b'\n');
     let _ = write.write_all(&out).await;
 }
 
-fn is_status_probe(line: &str) -> bool {
-    serde_json::from_str::<serde_json::Value>(line).is_ok_and(|v| v["status"] == true)
+async fn answer(line: &str, brick: &mut Brick) -> serde_json::Value {
+    let request: serde_json::Value = serde_json::from_str(line).unwrap_or_default();
+    let generation = brick.generation;
+    if request["status"] == true {
+        return json!({ "generation": generation });
+    }
+    if request["profile"] == true {
+        return json!({ "generation": generation, "profile": brick.engine.profile().report() });
+    }
+    if request["statedump"] == true {
+        return json!({ "generation": generation, "statedump": statedump(brick).await });
+    }
+    match apply(line, brick) {
+        Ok(applied) => {
+            brick.generation = applied;
+            tracing::info!(generation = applied, "live options applied");
+            json!({ "generation": applied })
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "live options refused");
+            json!({ "error": format!("{e:#}") })
+        }
+    }
 }
 
-fn apply(line: &str, server: &mut Server) -> anyhow::Result<u64> {
+async fn statedump(brick: &Brick) -> serde_json::Value {
+    let engine = brick.engine.state().await;
+    json!({
+        "pid": std::process::id(),
+        "uptime_s": brick.started.elapsed().as_secs(),
+        "generation": brick.generation,
+        "settings": brick.settings,
+        "live_options": brick.live,
+        "listen": brick.server.local_addr(),
+        "connections": brick.server.connections().list(),
+        "engine": {
+            "kind": format!("{:?}", brick.engine.kind()).to_lowercase(),
+            "workers": brick.engine.workers(),
+            "open_fds": engine.open_fds(),
+            "fd_tables": engine.fd_tables,
+            "gfid_cache": engine.gfid_cache,
+            "dirfd_cache": engine.dirfd_cache,
+            "ring": engine.ring,
+        },
+        "profile": brick.engine.profile().report(),
+    })
+}
+
+/// `on`/`off` as the option table writes booleans.
+pub(crate) fn switch(options: &BTreeMap<String, String>, key: &str) -> anyhow::Result<bool> {
+    match options.get(key).map(String::as_str) {
+        None | Some("off") => Ok(false),
+        Some("on") => Ok(true),
+        Some(other) => anyhow::bail!("{key}: '{other}' is neither on nor off"),
+    }
+}
+
+fn apply(line: &str, brick: &mut Brick) -> anyhow::Result<u64> {
     let push: Push = serde_json::from_str(line).context("bad push")?;
     let auth_allow = match push.options.get("auth.allow") {
         Some(list) => AuthAllow::parse(list).context("auth.allow")?,
@@ -82,6 +142,10 @@ fn apply(line: &str, server: &mut Server) -> anyhow::Result<u64> {
     if !(1..=4096).contains(&inflight_max) {
         anyhow::bail!("network.inflight-max {inflight_max} is outside 1..=4096");
     }
-    server.reconfigure(auth_allow, inflight_max)?;
+    let counting = switch(&push.options, "diagnostics.count-fop-hits")?;
+    let timing = switch(&push.options, "diagnostics.latency-measurement")?;
+    brick.server.reconfigure(auth_allow, inflight_max)?;
+    brick.engine.profile().set(counting, timing);
+    brick.live = push.options;
     Ok(push.generation)
 }

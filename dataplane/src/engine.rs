@@ -9,6 +9,7 @@
 //!
 //! [`Session::call`] is the API the server uses: a fop in, a reply out, from any thread.
 
+use std::collections::BTreeMap;
 use std::rc::Rc;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -17,9 +18,11 @@ use kiln_wire::{Creds, ErrorCode, FopReply, FopRequest};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::brick::Brick;
+use crate::cache::CacheState;
 use crate::exec::blocking::BlockingExec;
 use crate::exec::uring::{BlockingPool, RingConfig, RingStats, UringExec};
 use crate::fops::{BrickState, CrashPoint, Fops, FopsConfig, SessionId};
+use crate::profile::Profile;
 use crate::step::{Op, Step};
 
 /// Which executor runs the fops (`server.engine`).
@@ -66,8 +69,8 @@ enum Request {
     EndSession {
         session: SessionId,
     },
-    Stats {
-        reply: oneshot::Sender<RingStats>,
+    State {
+        reply: oneshot::Sender<EngineState>,
     },
     CrashPoint {
         point: Option<CrashPoint>,
@@ -112,6 +115,31 @@ struct Inner {
     workers: Vec<mpsc::Sender<Request>>,
     next_session: AtomicU64,
     kind: EngineKind,
+    shared: Arc<BrickState>,
+}
+
+/// The engine's sessions, fd tables, caches and ring counters: one worker's, or summed over
+/// the workers by [`Engine::state`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct EngineState {
+    /// Open fds of each session, by session id.
+    pub fd_tables: BTreeMap<SessionId, usize>,
+    pub gfid_cache: CacheState,
+    pub dirfd_cache: CacheState,
+    pub ring: RingStats,
+}
+
+impl EngineState {
+    pub fn open_fds(&self) -> usize {
+        self.fd_tables.values().sum()
+    }
+
+    fn add(&mut self, other: EngineState) {
+        self.fd_tables.extend(other.fd_tables);
+        self.gfid_cache += other.gfid_cache;
+        self.dirfd_cache += other.dirfd_cache;
+        self.ring += other.ring;
+    }
 }
 
 impl std::fmt::Debug for Request {
@@ -143,24 +171,32 @@ impl Engine {
         // Fops apply their caller's umask themselves (`mode & !umask`); the process's own
         // must not mask again (it is shared by every thread, so this is the one place).
         rustix::process::umask(rustix::fs::Mode::empty());
+        let shared = Arc::new(BrickState::default());
         let (workers, kind) = match config.kind {
-            EngineKind::Uring => match start_uring(brick, config) {
+            EngineKind::Uring => match start_uring(brick, &shared, config) {
                 Ok(workers) => (workers, EngineKind::Uring),
                 // io_uring disabled (`kernel.io_uring_disabled`), filtered by seccomp, too old
                 // for the features used, or short of locked memory: serve with the blocking
                 // engine rather than not at all.
                 Err(e) => {
                     tracing::warn!(error = %e, "io_uring is unavailable; using the blocking engine");
-                    (start_blocking(brick, config)?, EngineKind::Blocking)
+                    (
+                        start_blocking(brick, &shared, config)?,
+                        EngineKind::Blocking,
+                    )
                 }
             },
-            EngineKind::Blocking => (start_blocking(brick, config)?, EngineKind::Blocking),
+            EngineKind::Blocking => (
+                start_blocking(brick, &shared, config)?,
+                EngineKind::Blocking,
+            ),
         };
         Ok(Engine {
             inner: Arc::new(Inner {
                 workers,
                 next_session: AtomicU64::new(1),
                 kind,
+                shared,
             }),
         })
     }
@@ -204,19 +240,26 @@ impl Engine {
 
     /// Ring counters summed over the workers (zero for the blocking engine).
     pub async fn ring_stats(&self) -> RingStats {
-        let mut total = RingStats::default();
+        self.state().await.ring
+    }
+
+    /// Sessions, fd tables, caches and ring counters, summed over the workers.
+    pub async fn state(&self) -> EngineState {
+        let mut total = EngineState::default();
         for w in &self.inner.workers {
             let (tx, rx) = oneshot::channel();
-            if w.send(Request::Stats { reply: tx }).await.is_ok()
+            if w.send(Request::State { reply: tx }).await.is_ok()
                 && let Ok(s) = rx.await
             {
-                total.enters += s.enters;
-                total.sqes += s.sqes;
-                total.chains += s.chains;
-                total.pool_jobs += s.pool_jobs;
+                total.add(s);
             }
         }
         total
+    }
+
+    /// The brick's per-fop profile, shared by every worker.
+    pub fn profile(&self) -> &Profile {
+        &self.inner.shared.profile
     }
 
     /// Arms a crash point on every worker (crash-injection tests).
@@ -269,10 +312,10 @@ impl Drop for Session {
 
 fn start_uring(
     brick: &Arc<Brick>,
+    shared: &Arc<BrickState>,
     config: &EngineConfig,
 ) -> std::io::Result<Vec<mpsc::Sender<Request>>> {
     let pool = BlockingPool::new(config.ring.blocking_threads, config.ring.blocking_queue_max)?;
-    let shared = Arc::new(BrickState::default());
     let mut senders = Vec::new();
     for i in 0..config.workers.max(1) {
         let (tx, rx) = mpsc::channel(config.queue_max.max(1));
@@ -334,8 +377,10 @@ async fn serve_uring(fops: Rc<Fops<UringExec>>, mut rx: mpsc::Receiver<Request>)
                 tokio::task::spawn_local(async move { local.end_session(session).await });
             }
             Request::Run(job) => job(LocalEngine { fops: fops.clone() }),
-            Request::Stats { reply } => {
-                let _ = reply.send(fops.exec().stats());
+            Request::State { reply } => {
+                let mut state = fops.state();
+                state.ring = fops.exec().stats();
+                let _ = reply.send(state);
             }
             Request::CrashPoint { point, done } => {
                 fops.set_crash_point(point);
@@ -347,11 +392,12 @@ async fn serve_uring(fops: Rc<Fops<UringExec>>, mut rx: mpsc::Receiver<Request>)
 
 fn start_blocking(
     brick: &Arc<Brick>,
+    shared: &Arc<BrickState>,
     config: &EngineConfig,
 ) -> std::io::Result<Vec<mpsc::Sender<Request>>> {
     let fops = Arc::new(Fops::new(
         brick.clone(),
-        Arc::default(),
+        shared.clone(),
         BlockingExec,
         config.fops.clone(),
     ));
@@ -366,8 +412,8 @@ fn start_blocking(
             let _ = reply.send(block_on(fops.call(session, &creds, fop)).map_err(to_code));
         }
         Request::EndSession { session } => drop(fops.end_session(session)),
-        Request::Stats { reply } => {
-            let _ = reply.send(RingStats::default());
+        Request::State { reply } => {
+            let _ = reply.send(fops.state());
         }
         Request::CrashPoint { point, done } => {
             fops.set_crash_point(point);

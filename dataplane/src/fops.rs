@@ -20,9 +20,12 @@ use rustix::io::Errno;
 
 use crate::brick::{Brick, GFID_XATTR};
 use crate::cache::{DirCache, GfidCache, InodeKey};
+use crate::engine::EngineState;
 use crate::exec::Exec;
+use crate::exec::uring::RingStats;
 use crate::fdtable::{FdTable, OpenFile, OpenKind};
 use crate::locks::LockTable;
+use crate::profile::{self, Profile};
 use crate::step::{DirFd, Done, FileRef, Op, Stat, Step, StepResult, cstr, proc_path};
 
 /// Identifies one client session on a brick.
@@ -73,6 +76,8 @@ pub struct Fops<E> {
 /// for the same files) and the poisoned flag.
 #[derive(Debug, Default)]
 pub struct BrickState {
+    /// Per-fop counters and histograms (`diagnostics.*`).
+    pub profile: Profile,
     locks: Mutex<LockTable>,
     /// Set by an fsync error: data may be lost, so writes are refused until restart.
     poisoned: AtomicBool,
@@ -163,6 +168,20 @@ impl<E: Exec> Fops<E> {
         *lock(&self.crash_point) = point;
     }
 
+    /// Sessions, fd tables and caches of this worker (the ring counters are the engine's).
+    pub fn state(&self) -> EngineState {
+        let fd_tables = lock(&self.sessions)
+            .iter()
+            .filter_map(|(&id, table)| Some((id, table.as_ref()?.len())))
+            .collect();
+        EngineState {
+            fd_tables,
+            gfid_cache: lock(&self.gfids).state(),
+            dirfd_cache: lock(&self.dirs).state(),
+            ring: RingStats::default(),
+        }
+    }
+
     /// Ends a session: its fds are released and its locks dropped. Returns the files the
     /// caller must close through the executor (direct descriptors).
     pub fn end_session(&self, session: SessionId) -> Vec<FileRef> {
@@ -185,8 +204,16 @@ impl<E: Exec> Fops<E> {
             .collect()
     }
 
-    /// Executes one fop for `session` as `creds`.
+    /// Executes one fop for `session` as `creds`, recorded in the brick's profile.
     pub async fn call(&self, session: SessionId, creds: &Creds, fop: FopRequest) -> R<FopReply> {
+        let (code, bytes) = (fop.code(), profile::request_bytes(&fop));
+        self.shared
+            .profile
+            .measure(code, bytes, self.execute(session, creds, fop))
+            .await
+    }
+
+    async fn execute(&self, session: SessionId, creds: &Creds, fop: FopRequest) -> R<FopReply> {
         use FopReply as A;
         use FopRequest as Q;
         Ok(match fop {
@@ -408,6 +435,7 @@ impl<E: Exec> Fops<E> {
     }
 
     async fn run(&self, steps: Vec<Step>) -> Vec<StepResult> {
+        profile::charge(|c| c.steps += steps.len() as u64);
         self.exec.run(steps).await
     }
 
@@ -589,6 +617,7 @@ impl<E: Exec> Fops<E> {
             let _ = self.run(steps).await;
             return Err(Errno::IO);
         }
+        profile::charge(|c| c.intents += 1);
         Ok(self.run(steps).await)
     }
 

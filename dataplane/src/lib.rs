@@ -17,10 +17,12 @@ pub mod exec;
 pub mod fdtable;
 pub mod fops;
 pub mod locks;
+pub mod metrics;
+pub mod profile;
 pub mod recovery;
 pub mod server;
 pub mod step;
 
 pub use brick::{Brick, BrickError};
-pub use engine::{Engine, EngineConfig, EngineKind, Session};
+pub use engine::{Engine, EngineConfig, EngineKind, EngineState, Session};
 pub use fops::{CrashPoint, FopsConfig, SessionId};

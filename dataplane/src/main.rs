@@ -10,6 +10,7 @@
 //!                                   until SIGTERM or SIGINT
 //! ```
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -19,7 +20,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::{Parser, Subcommand, ValueEnum};
 use kiln_dataplane::server::{AuthAllow, Server, ServerConfig};
-use kiln_dataplane::{Brick, Engine, EngineConfig, EngineKind, recovery};
+use kiln_dataplane::{Brick, Engine, EngineConfig, EngineKind, metrics, recovery};
 use kiln_mgmt::pki;
 
 mod control;
@@ -93,6 +94,17 @@ struct ServeArgs {
     /// The configuration generation these arguments come from (reported back on pushes).
     #[arg(long, default_value_t = 0)]
     generation: u64,
+    /// Count calls per fop from the start (diagnostics.count-fop-hits; switched live by
+    /// pushes on the control socket).
+    #[arg(long)]
+    count_fop_hits: bool,
+    /// Time every fop from the start (diagnostics.latency-measurement).
+    #[arg(long)]
+    latency_measurement: bool,
+    /// Serve Prometheus metrics over HTTP at this TCP address (diagnostics.metrics-listen);
+    /// off when not given.
+    #[arg(long)]
+    metrics_listen: Option<SocketAddr>,
     /// Stop (as on SIGTERM) when the parent process dies: set by kiln-mgmtd, so a brick never
     /// outlives its supervisor and a restarted supervisor starts it afresh.
     #[arg(long)]
@@ -210,6 +222,20 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         engine_config.fops.dirfd_cache_entries = n;
     }
     let engine = Engine::start(&brick, &engine_config)?;
+    engine
+        .profile()
+        .set(args.count_fop_hits, args.latency_measurement);
+    let settings = serde_json::json!({
+        "brick": brick.path,
+        "brick_id": brick.id.to_string(),
+        "engine": format!("{:?}", engine.kind()).to_lowercase(),
+        "workers": engine.workers(),
+        "gfid_cache_entries": engine_config.fops.gfid_cache_entries,
+        "dirfd_cache_entries": engine_config.fops.dirfd_cache_entries,
+        "inflight_max": args.inflight_max,
+        "auth_allow": args.auth_allow,
+        "metrics_listen": args.metrics_listen,
+    });
 
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -227,9 +253,19 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
             dir.file_name()
                 .map_or("kiln".into(), |n| n.to_string_lossy().into_owned())
         });
-        let mut server = Server::start(&engine, brick.id, config).await?;
+        let server = Server::start(&engine, brick.id, config).await?;
         // Scripts and tests read the address from this line (the port may have been 0).
         println!("listening on {}", server.local_addr());
+        if let Some(addr) = args.metrics_listen {
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot serve metrics on {addr}"))?;
+            let local = listener.local_addr()?;
+            println!("metrics on http://{local}/metrics");
+            tracing::info!(%local, "serving Prometheus metrics");
+            let connections = server.connections().clone();
+            tokio::spawn(metrics::serve(listener, engine.clone(), connections));
+        }
 
         use tokio::signal::unix::{SignalKind, signal};
         let mut term = signal(SignalKind::terminate())?;
@@ -238,20 +274,28 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
             Some(path) => Some(control::bind(path)?),
             None => None,
         };
-        let mut generation = args.generation;
+        let mut brick = control::Brick {
+            server,
+            engine: engine.clone(),
+            generation: args.generation,
+            settings,
+            live: BTreeMap::new(),
+            started: std::time::Instant::now(),
+        };
         loop {
             tokio::select! {
                 _ = term.recv() => break,
                 _ = int.recv() => break,
                 Some(accepted) = async { Some(control.as_ref()?.accept().await) } => {
                     if let Ok((stream, _)) = accepted {
-                        control::serve(stream, &mut server, &mut generation).await;
+                        control::serve(stream, &mut brick).await;
                     }
                 }
             }
         }
         tracing::info!("shutting down: draining calls in flight");
-        server
+        brick
+            .server
             .shutdown(Duration::from_secs(args.shutdown_grace_secs))
             .await;
         tracing::info!("stopped");

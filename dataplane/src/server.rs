@@ -15,9 +15,10 @@
 //! * **Shutdown.** [`Server::shutdown`] stops accepting, lets every call in flight finish and
 //!   reply, ends the sessions and closes connections with a reason.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::rc::Rc;
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
 use kiln_mgmt::pki::{self, Identity};
@@ -131,6 +132,7 @@ pub struct Server {
     config: ServerConfig,
     endpoints: Vec<quinn::Endpoint>,
     live: Arc<RwLock<Live>>,
+    connections: Connections,
     shutdown: watch::Sender<Option<Duration>>,
     stopped: Vec<oneshot::Receiver<()>>,
     _port_guard: Option<rustix::fd::OwnedFd>,
@@ -140,7 +142,44 @@ pub struct Server {
 struct Context {
     backend: Backend,
     live: Arc<RwLock<Live>>,
+    connections: Connections,
     shutdown: watch::Receiver<Option<Duration>>,
+}
+
+/// The connected clients of every endpoint, by session. Cheap to clone; clones share it.
+#[derive(Debug, Clone, Default)]
+pub struct Connections(Arc<Mutex<BTreeMap<SessionId, ConnectionInfo>>>);
+
+impl Connections {
+    /// The clients connected now, by session.
+    pub fn list(&self) -> Vec<ConnectionInfo> {
+        self.lock().values().cloned().collect()
+    }
+
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn lock(&self) -> MutexGuard<'_, BTreeMap<SessionId, ConnectionInfo>> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// A connected client, as a state dump shows it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ConnectionInfo {
+    pub session: SessionId,
+    /// The client's certificate name.
+    pub client: String,
+    pub remote: SocketAddr,
+    /// When the session opened, in seconds since the Unix epoch.
+    pub since_unix_s: u64,
 }
 
 /// What [`Server::reconfigure`] changes while serving; read by each new connection.
@@ -180,6 +219,13 @@ impl SessionHandle {
         match self {
             SessionHandle::Local(local, id) => local.call(*id, &creds, fop).await,
             SessionHandle::Remote(session) => session.call(creds, fop).await,
+        }
+    }
+
+    fn id(&self) -> SessionId {
+        match self {
+            SessionHandle::Local(_, id) => *id,
+            SessionHandle::Remote(session) => session.id(),
         }
     }
 
@@ -241,6 +287,7 @@ impl Server {
             auth_allow: config.auth_allow.clone(),
             hello,
         }));
+        let connections = Connections::default();
         let (shutdown, shutdown_rx) = watch::channel(None);
         let mut stopped = Vec::with_capacity(endpoints);
         let mut handles = Vec::with_capacity(endpoints);
@@ -249,8 +296,12 @@ impl Server {
             let (done, stopped_rx) = oneshot::channel();
             stopped.push(stopped_rx);
             let job = {
-                let (server_config, live, shutdown) =
-                    (server_config.clone(), live.clone(), shutdown_rx.clone());
+                let (server_config, live, connections, shutdown) = (
+                    server_config.clone(),
+                    live.clone(),
+                    connections.clone(),
+                    shutdown_rx.clone(),
+                );
                 // Runs on the thread that will drive the endpoint, inside its runtime.
                 move |backend: Backend| {
                     let endpoint = match endpoint(server_config, socket) {
@@ -264,6 +315,7 @@ impl Server {
                     let context = Rc::new(Context {
                         backend,
                         live,
+                        connections,
                         shutdown,
                     });
                     tokio::task::spawn_local(async move {
@@ -304,10 +356,16 @@ impl Server {
             config,
             endpoints: handles,
             live,
+            connections,
             shutdown,
             stopped,
             _port_guard: port_guard,
         })
+    }
+
+    /// The clients connected now.
+    pub fn connections(&self) -> &Connections {
+        &self.connections
     }
 
     pub fn local_addr(&self) -> SocketAddr {
@@ -469,6 +527,17 @@ async fn serve_connection(incoming: quinn::Incoming, context: Rc<Context>) {
     tracing::debug!(%remote, %client, "session open");
 
     let session = Rc::new(context.backend.session());
+    let since_unix_s = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let id = session.id();
+    let info = ConnectionInfo {
+        session: id,
+        client: client.clone(),
+        remote,
+        since_unix_s,
+    };
+    context.connections.lock().insert(id, info);
     let mut shutdown = context.shutdown.clone();
     let mut calls = JoinSet::new();
     let grace = loop {
@@ -495,6 +564,7 @@ async fn serve_connection(incoming: quinn::Incoming, context: Rc<Context>) {
         calls.abort_all();
         while calls.join_next().await.is_some() {}
     }
+    context.connections.lock().remove(&id);
     match Rc::try_unwrap(session) {
         Ok(session) => session.end().await,
         Err(_) => tracing::error!(%remote, %client, "session still referenced; not ended"),

@@ -18,10 +18,16 @@ use tokio::net::{UnixListener, UnixStream};
 
 use crate::options;
 use crate::pki::{self, Role};
-use crate::protocol::{LINE_MAX_BYTES, OptionValue, Request, Response};
+use crate::protocol::{LINE_MAX_BYTES, OptionValue, ProfileAction, Request, Response};
 use crate::store::{CommitError, Store, StoreOptions};
 use crate::supervisor::{CurrentConfig, Launch, NOT_IMPLEMENTED_BY_BRICK, Supervisor};
 use crate::volume::{BRICK_PORT_BASE, Brick, Change, Cluster, ConfigError, Volume, VolumeState};
+
+/// The options `kiln volume profile VOL start|stop` switches.
+const PROFILE_OPTIONS: [&str; 2] = [
+    "diagnostics.count-fop-hits",
+    "diagnostics.latency-measurement",
+];
 
 /// The client certificate made for the local administrator.
 pub const ADMIN_CLIENT: &str = "admin";
@@ -301,6 +307,57 @@ impl Daemon {
                     generation,
                     format!("{what} reset to the default on volume {name}{note}"),
                 )
+            }
+            Request::VolumeProfile { name, action } => {
+                let volume = self.volume(&name)?;
+                if volume.state != VolumeState::Started {
+                    anyhow::bail!("volume {name} is not started");
+                }
+                let generation = match action {
+                    ProfileAction::Info => self.store.read(|_, generation| generation),
+                    ProfileAction::Start | ProfileAction::Stop => {
+                        let value = if action == ProfileAction::Start {
+                            "on"
+                        } else {
+                            "off"
+                        };
+                        let mut generation = 0;
+                        for key in PROFILE_OPTIONS {
+                            generation = self
+                                .commit(Change::Set {
+                                    volume: name.clone(),
+                                    key: key.to_owned(),
+                                    value: value.to_owned(),
+                                })
+                                .await?;
+                        }
+                        self.supervisor.push(&self.volume(&name)?, generation).await;
+                        generation
+                    }
+                };
+                Response::BrickReports {
+                    generation,
+                    bricks: self.supervisor.query(&volume, "profile").await,
+                }
+            }
+            Request::VolumeStatedump { name } => {
+                let volume = self.volume(&name)?;
+                let mut bricks = self.supervisor.query(&volume, "statedump").await;
+                // Beside what each brick runs: every option of the volume as configured now.
+                let configured: serde_json::Map<String, serde_json::Value> = options::OPTIONS
+                    .iter()
+                    .map(|o| {
+                        let value = options::effective(&volume.options, o.key);
+                        (o.key.to_owned(), value.into())
+                    })
+                    .collect();
+                for report in bricks.iter_mut().filter_map(|b| b.report.as_mut()) {
+                    report["volume_options"] = configured.clone().into();
+                }
+                Response::BrickReports {
+                    generation: self.store.read(|_, generation| generation),
+                    bricks,
+                }
             }
         })
     }

@@ -29,6 +29,8 @@ pub enum ValueKind {
     Choice(&'static [&'static str]),
     /// `*` (everyone) or a comma-separated list of identity names ([`pki::check_name`]).
     NameList,
+    /// `off`, or a TCP address `IP:PORT` to listen on.
+    Listen,
 }
 
 /// When a changed value takes effect on a running brick.
@@ -88,6 +90,14 @@ pub const OPTIONS: &[OptionDef] = &[
         default: "off",
         apply: Apply::Live,
         help: "per-fop latency histograms",
+    },
+    OptionDef {
+        key: "diagnostics.metrics-listen",
+        kind: ValueKind::Listen,
+        default: "off",
+        apply: Apply::Restart,
+        help: "serve Prometheus metrics at http://IP:PORT/metrics (a volume's later bricks \
+               take the following ports); off: no endpoint",
     },
     OptionDef {
         key: "network.inflight-max",
@@ -304,6 +314,11 @@ impl OptionDef {
                 .find(|c| c.eq_ignore_ascii_case(v))
                 .map(|&c| c.to_owned()),
             ValueKind::NameList => parse_names(v),
+            ValueKind::Listen if v.eq_ignore_ascii_case("off") => Some("off".to_owned()),
+            ValueKind::Listen => v
+                .parse::<std::net::SocketAddr>()
+                .ok()
+                .map(|a| a.to_string()),
         };
         parsed.ok_or_else(|| OptionError::BadValue {
             key: self.key.to_owned(),
@@ -323,6 +338,7 @@ impl OptionDef {
                  or '-', not starting with '.'",
                 pki::IDENTITY_NAME_MAX_BYTES
             ),
+            ValueKind::Listen => "off or IP:PORT (e.g. 127.0.0.1:9713, [::1]:9713)".to_owned(),
         }
     }
 
@@ -333,6 +349,7 @@ impl OptionDef {
             ValueKind::Integer { min, max } => format!("{min}..{max}"),
             ValueKind::Choice(choices) => choices.join("|"),
             ValueKind::NameList => "*|name,...".to_owned(),
+            ValueKind::Listen => "off|ip:port".to_owned(),
         }
     }
 }

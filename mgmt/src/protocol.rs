@@ -51,6 +51,27 @@ pub enum Request {
         name: String,
         key: Option<String>,
     },
+    /// `kiln volume profile`: switch the bricks' per-fop profile on or off, or read it.
+    VolumeProfile {
+        name: String,
+        action: ProfileAction,
+    },
+    /// `kiln volume statedump`: every running brick's state as JSON.
+    VolumeStatedump {
+        name: String,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ProfileAction {
+    /// `diagnostics.count-fop-hits` and `diagnostics.latency-measurement` on (counters start
+    /// from zero).
+    Start,
+    /// Both off; the numbers so far stay readable.
+    Stop,
+    /// Each brick's profile.
+    Info,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -71,6 +92,11 @@ pub enum Response {
     Status {
         bricks: Vec<BrickStatus>,
     },
+    /// One answer per brick (profile, state dump).
+    BrickReports {
+        generation: u64,
+        bricks: Vec<BrickReport>,
+    },
     Error {
         message: String,
     },
@@ -82,6 +108,17 @@ pub struct OptionValue {
     pub value: String,
     /// Set explicitly on the volume, or the default.
     pub set: bool,
+}
+
+/// A brick's answer to a query: `report` as the brick sent it, or why there is none.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BrickReport {
+    pub brick: String,
+    pub path: PathBuf,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub report: Option<serde_json::Value>,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub error: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -98,4 +135,49 @@ pub struct BrickStatus {
     /// `ok` when the running brick answers on its control socket, else why not; `-` when it
     /// is not running.
     pub health: String,
+}
+
+/// One fop's line of a profile.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FopProfile {
+    pub fop: String,
+    pub calls: u64,
+    pub errors: u64,
+    pub bytes: u64,
+    /// Executor steps (one syscall's worth each) of the fop's chains.
+    pub steps: u64,
+    /// Of those, submitted to io_uring.
+    pub sqes: u64,
+    /// Calls run on the blocking pool.
+    pub pool_jobs: u64,
+    pub intents: u64,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub latency: Option<LatencySummary>,
+}
+
+/// A latency histogram summed up, in microseconds.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LatencySummary {
+    pub count: u64,
+    pub avg_us: f64,
+    pub min_us: f64,
+    pub max_us: f64,
+    pub p50_us: f64,
+    pub p90_us: f64,
+    pub p99_us: f64,
+    pub p999_us: f64,
+}
+
+/// A brick's profile as `kiln volume profile VOL info` shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ProfileReport {
+    pub counting: bool,
+    pub timing: bool,
+    /// Seconds since counting (timing) was last switched on.
+    pub counting_for_s: f64,
+    pub timing_for_s: f64,
+    /// Fops with at least one call, in table order.
+    pub fops: Vec<FopProfile>,
+    /// Failed fops by errno name.
+    pub errors: std::collections::BTreeMap<String, u64>,
 }

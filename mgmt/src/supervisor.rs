@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
 use crate::options;
-use crate::protocol::BrickStatus;
+use crate::protocol::{BrickReport, BrickStatus};
 use crate::volume::{Brick, Volume};
 
 /// First wait before restarting a brick that exited.
@@ -57,11 +57,7 @@ pub struct Launch {
 pub type CurrentConfig = Arc<dyn Fn(&str) -> Option<(Volume, u64)> + Send + Sync>;
 
 /// Options in the table that this version of the brick stores but does not act on yet.
-pub const NOT_IMPLEMENTED_BY_BRICK: &[&str] = &[
-    "diagnostics.count-fop-hits",
-    "diagnostics.latency-measurement",
-    "storage.fsync-policy",
-];
+pub const NOT_IMPLEMENTED_BY_BRICK: &[&str] = &["storage.fsync-policy"];
 
 /// How long a health probe of one brick may take.
 pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(1);
@@ -218,6 +214,37 @@ impl Supervisor {
         status
     }
 
+    /// Asks every running brick of `volume` for `what` (`profile` or `statedump`) on its
+    /// control socket.
+    pub async fn query(&self, volume: &Volume, what: &str) -> Vec<BrickReport> {
+        let request = serde_json::json!({ what: true });
+        let status = self.status(volume);
+        let mut reports = Vec::with_capacity(status.len());
+        for (i, brick) in status.into_iter().enumerate() {
+            let socket = self
+                .launch
+                .run_dir
+                .join(format!("{}.sock", Brick::name(&volume.name, i)));
+            let answer = match brick.pid {
+                None => Err(format!("not running ({})", brick.state)),
+                Some(_) => tokio::time::timeout(PUSH_TIMEOUT, ask(&socket, &request))
+                    .await
+                    .unwrap_or_else(|_| Err("no answer in time".to_owned())),
+            };
+            let (report, error) = match answer {
+                Ok(mut a) => (Some(a[what].take()), None),
+                Err(e) => (None, Some(e)),
+            };
+            reports.push(BrickReport {
+                brick: Brick::name(&volume.name, i),
+                path: brick.path,
+                report,
+                error,
+            });
+        }
+        reports
+    }
+
     /// Pushes the live options of `volume` at `generation` to its running bricks. Returns,
     /// per brick, the generation it now runs or why it did not take the push.
     pub async fn push(
@@ -258,14 +285,25 @@ impl Supervisor {
     }
 }
 
-/// One push over a brick's control socket.
+/// One push over a brick's control socket: the generation it runs.
 async fn push_one(socket: &std::path::Path, push: &serde_json::Value) -> Result<u64, String> {
+    let answer = ask(socket, push).await?;
+    answer["generation"]
+        .as_u64()
+        .ok_or_else(|| format!("bad answer {answer}"))
+}
+
+/// One request over a brick's control socket: its answer, or the error it gave.
+async fn ask(
+    socket: &std::path::Path,
+    request: &serde_json::Value,
+) -> Result<serde_json::Value, String> {
     use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
     let stream = tokio::net::UnixStream::connect(socket)
         .await
         .map_err(|e| format!("not reachable ({e})"))?;
     let (read, mut write) = stream.into_split();
-    let mut line = push.to_string().into_bytes();
+    let mut line = request.to_string().into_bytes();
     line.push(b'\n');
     write.write_all(&line).await.map_err(|e| e.to_string())?;
     let mut answer = String::new();
@@ -274,10 +312,9 @@ async fn push_one(socket: &std::path::Path, push: &serde_json::Value) -> Result<
         .await
         .map_err(|e| e.to_string())?;
     let answer: serde_json::Value = serde_json::from_str(&answer).map_err(|e| e.to_string())?;
-    match (answer["generation"].as_u64(), answer["error"].as_str()) {
-        (Some(g), _) => Ok(g),
-        (None, Some(e)) => Err(e.to_owned()),
-        _ => Err(format!("bad answer {answer}")),
+    match answer["error"].as_str() {
+        Some(e) => Err(e.to_owned()),
+        None => Ok(answer),
     }
 }
 
@@ -320,6 +357,19 @@ fn brick_args(launch: &Launch, volume: &Volume, index: usize, generation: u64) -
     let workers = option("server.event-threads");
     if workers != "0" {
         args.extend(["--workers".to_owned(), workers]);
+    }
+    for (key, flag) in [
+        ("diagnostics.count-fop-hits", "--count-fop-hits"),
+        ("diagnostics.latency-measurement", "--latency-measurement"),
+    ] {
+        if option(key) == "on" {
+            args.push(flag.to_owned());
+        }
+    }
+    if let Ok(mut metrics) = option("diagnostics.metrics-listen").parse::<std::net::SocketAddr>() {
+        let index = u16::try_from(index).unwrap_or(u16::MAX);
+        metrics.set_port(metrics.port().saturating_add(index));
+        args.extend(["--metrics-listen".to_owned(), metrics.to_string()]);
     }
     args
 }

@@ -47,6 +47,11 @@ macro_rules! error_codes {
                 }
             }
 
+            /// This code's position in [`ErrorCode::ALL`], for tables indexed by error.
+            pub fn index(self) -> usize {
+                ErrorCode::ALL.iter().position(|&c| c == self).unwrap_or(0)
+            }
+
             /// The errno's symbolic name, e.g. `"ENOENT"`.
             pub fn errno_name(self) -> &'static str {
                 match self {

@@ -276,6 +276,21 @@ macro_rules! fops {
                 }
             }
 
+            /// This fop's position in [`FopCode::ALL`], for tables indexed by fop.
+            pub fn index(self) -> usize {
+                // Built at compile time; a code of 256 or more fails the build here.
+                const BY_CODE: [u8; 256] = {
+                    let mut table = [u8::MAX; 256];
+                    let mut i = 0;
+                    while i < FopCode::ALL.len() {
+                        table[FopCode::ALL[i] as usize] = i as u8;
+                        i += 1;
+                    }
+                    table
+                };
+                BY_CODE[self as usize] as usize
+            }
+
             /// The GlusterFS-style upper-case name, e.g. `"LOOKUP"`.
             pub fn name(self) -> &'static str {
                 match self {
@@ -423,6 +438,9 @@ mod tests {
             assert_eq!(FopCode::from_u16(code as u16), Some(code));
         }
         assert_eq!(FopCode::ALL.len(), 42);
+        for (i, &code) in FopCode::ALL.iter().enumerate() {
+            assert_eq!(code.index(), i);
+        }
         assert_eq!(FopCode::from_u16(0), None);
         assert_eq!(FopCode::from_u16(56), None);
     }

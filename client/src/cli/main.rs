@@ -5,7 +5,9 @@
 //! kiln ca init                             create the cluster CA
 //! kiln cert issue --brick NAME [--host H]… | --client NAME
 //! kiln volume create|start|stop|delete|info|list|status|set|get|reset …   (via kiln-mgmtd)
+//! kiln volume profile NAME start|info|stop   kiln volume statedump NAME
 //! kiln mount VOLUME|HOST:PORT MOUNTPOINT [-o …] [-f]   kiln umount [-l] MOUNTPOINT
+//! kiln bench WORKLOAD [options]            the `kiln-bench` workloads
 //! kiln ls [-l] | stat | cat | put | get | mkdir [-p] | rm [-r] | mv | ln [-s] | xattr …
 //! ```
 //! File commands reach the brick at `--brick-addr` (`KILN_BRICK`) with the client certificate
@@ -90,6 +92,12 @@ enum Command {
     Mount(mount::MountArgs),
     /// Unmount a Kiln mount.
     Umount(mount::UmountArgs),
+    /// Kiln's workloads with references and ratios (runs `kiln-bench`; `kiln bench --help`).
+    #[command(disable_help_flag = true)]
+    Bench {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<std::ffi::OsString>,
+    },
     #[command(flatten)]
     File(files::FileCommand),
 }
@@ -165,6 +173,7 @@ fn main() -> ExitCode {
         Command::Volume { json, command } => volume::run(&cli.global.socket, json, command),
         Command::Mount(args) => mount::run(&cli.global, args),
         Command::Umount(args) => mount::umount(&args),
+        Command::Bench { args } => up::exec_sibling("kiln-bench", &args),
         Command::File(command) => return files::run(&cli.global, command),
     };
     match result {

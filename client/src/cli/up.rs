@@ -169,6 +169,13 @@ fn wait_for_signal(mgmtd: &mut std::process::Child) -> anyhow::Result<()> {
 }
 
 /// A workspace binary, or a message saying how to build it.
+/// Replaces this process with `name` (beside `kiln` or in PATH) run with `args`.
+pub(crate) fn exec_sibling(name: &str, args: &[std::ffi::OsString]) -> anyhow::Result<()> {
+    use std::os::unix::process::CommandExt as _;
+    let error = Command::new(sibling_binary(name)?).args(args).exec();
+    Err(error).with_context(|| format!("cannot run {name}"))
+}
+
 fn sibling_binary(name: &str) -> anyhow::Result<PathBuf> {
     kiln_mgmt::supervisor::find_binary(name).with_context(|| {
         format!("{name} not found beside kiln or in PATH; build it with `cargo build --release`")

@@ -8,7 +8,10 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, bail};
 use clap::Subcommand;
 use kiln_mgmt::options;
-use kiln_mgmt::protocol::{LINE_MAX_BYTES, Request, Response};
+use kiln_mgmt::protocol::{
+    BrickReport, LINE_MAX_BYTES, ProfileAction, ProfileReport, Request, Response,
+};
+use serde::Deserialize as _;
 
 #[derive(Subcommand)]
 pub(crate) enum VolumeCommand {
@@ -47,6 +50,23 @@ pub(crate) enum VolumeCommand {
     },
     /// Put an option, or `all`, back to its default.
     Reset { name: String, key: String },
+    /// Per-fop profile of the bricks: `start` switches counters and latency histograms on
+    /// (from zero), `info` prints calls, errors and latency per fop, `stop` switches them off.
+    Profile {
+        name: String,
+        #[arg(value_enum)]
+        action: ProfileArg,
+    },
+    /// Every running brick's state as JSON: connections, fd tables, caches, ring counters,
+    /// profile, the options it runs and the configuration generation.
+    Statedump { name: String },
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub(crate) enum ProfileArg {
+    Start,
+    Info,
+    Stop,
 }
 
 pub(crate) fn run(socket: &Path, json: bool, command: VolumeCommand) -> anyhow::Result<()> {
@@ -79,7 +99,17 @@ pub(crate) fn run(socket: &Path, json: bool, command: VolumeCommand) -> anyhow::
             name,
             key: all(key),
         },
+        VolumeCommand::Profile { name, action } => Request::VolumeProfile {
+            name,
+            action: match action {
+                ProfileArg::Start => ProfileAction::Start,
+                ProfileArg::Info => ProfileAction::Info,
+                ProfileArg::Stop => ProfileAction::Stop,
+            },
+        },
+        VolumeCommand::Statedump { name } => Request::VolumeStatedump { name },
     };
+    let statedump = matches!(&request, Request::VolumeStatedump { .. });
     let list_only = matches!(&request, Request::VolumeInfo { name: None });
     let response = call(socket, &request)?;
     if json {
@@ -88,6 +118,10 @@ pub(crate) fn run(socket: &Path, json: bool, command: VolumeCommand) -> anyhow::
             Response::Error { message } => bail!("{message}"),
             _ => Ok(()),
         };
+    }
+    if statedump && let Response::BrickReports { bricks, .. } = &response {
+        println!("{}", serde_json::to_string_pretty(bricks)?);
+        return Ok(());
     }
     print(response, list_only)
 }
@@ -167,6 +201,85 @@ fn print(response: Response, list_only: bool) -> anyhow::Result<()> {
                 );
             }
         }
+        Response::BrickReports { bricks, .. } => {
+            for (i, b) in bricks.iter().enumerate() {
+                if i > 0 {
+                    println!();
+                }
+                print_profile(b)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One brick's profile as a table, GlusterFS's `volume profile info` in spirit.
+fn print_profile(b: &BrickReport) -> anyhow::Result<()> {
+    println!("Brick: {} ({})", b.brick, b.path.display());
+    let report = match (&b.report, &b.error) {
+        (Some(report), _) => ProfileReport::deserialize(report)
+            .context("the brick sent a profile this kiln does not understand")?,
+        (None, error) => {
+            println!("  no profile: {}", error.as_deref().unwrap_or("no answer"));
+            return Ok(());
+        }
+    };
+    let on_off = |on: bool, for_s: f64| match on {
+        true => format!("on for {for_s:.1} s"),
+        false => "off".to_owned(),
+    };
+    println!(
+        "Counting {}, timing {}",
+        on_off(report.counting, report.counting_for_s),
+        on_off(report.timing, report.timing_for_s)
+    );
+    if report.fops.is_empty() {
+        println!("  no fops recorded (start with `kiln volume profile NAME start`)");
+        return Ok(());
+    }
+    println!(
+        "  {:<13} {:>10} {:>8} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>9} {:>12}",
+        "fop",
+        "calls",
+        "errors",
+        "avg µs",
+        "min µs",
+        "max µs",
+        "p50 µs",
+        "p99 µs",
+        "steps/call",
+        "sqes/call",
+        "bytes"
+    );
+    for f in &report.fops {
+        let us = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{v:.1}"));
+        let l = f.latency.as_ref();
+        let per_call = |n: u64| match f.calls {
+            0 => "-".to_owned(),
+            calls => format!("{:.2}", n as f64 / calls as f64),
+        };
+        println!(
+            "  {:<13} {:>10} {:>8} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>9} {:>12}",
+            f.fop,
+            f.calls,
+            f.errors,
+            us(l.map(|l| l.avg_us)),
+            us(l.map(|l| l.min_us)),
+            us(l.map(|l| l.max_us)),
+            us(l.map(|l| l.p50_us)),
+            us(l.map(|l| l.p99_us)),
+            per_call(f.steps),
+            per_call(f.sqes),
+            f.bytes
+        );
+    }
+    if !report.errors.is_empty() {
+        let errors: Vec<String> = report
+            .errors
+            .iter()
+            .map(|(e, n)| format!("{e} {n}"))
+            .collect();
+        println!("  errors: {}", errors.join(", "));
     }
     Ok(())
 }

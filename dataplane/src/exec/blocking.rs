@@ -23,6 +23,7 @@ impl Exec for BlockingExec {
     }
 
     async fn blocking<T: Send + 'static>(&self, work: impl FnOnce() -> T + Send + 'static) -> T {
+        crate::profile::charge(|c| c.pool_jobs += 1);
         work()
     }
 }

@@ -117,12 +117,24 @@ struct ChainSlot {
 }
 
 /// Counters for benchmarks and state dumps.
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct RingStats {
+    /// `io_uring_enter` calls.
     pub enters: u64,
     pub sqes: u64,
+    /// Linked chains (one per [`Exec::run`] that reached the ring).
     pub chains: u64,
+    /// Calls run on the blocking pool.
     pub pool_jobs: u64,
+}
+
+impl std::ops::AddAssign for RingStats {
+    fn add_assign(&mut self, other: RingStats) {
+        self.enters += other.enters;
+        self.sqes += other.sqes;
+        self.chains += other.chains;
+        self.pool_jobs += other.pool_jobs;
+    }
 }
 
 /// A caller's identity as the kernel sees it: uid, gid, supplementary groups.
@@ -434,6 +446,7 @@ impl UringExec {
             s.sqes += n as u64;
             s.chains += 1;
         });
+        crate::profile::charge(|c| c.sqes += n as u64);
         self.schedule_submit();
         let (steps, bufs, fixed, results) = ChainWait {
             state: self.state.clone(),
@@ -900,6 +913,7 @@ impl Exec for UringExec {
                     super::blocking::run_step(step)
                 } else {
                     self.bump(|s| s.pool_jobs += 1);
+                    crate::profile::charge(|c| c.pool_jobs += 1);
                     self.pool.run(move || super::blocking::run_step(step)).await
                 };
                 (vec![result], vec![barrier])
@@ -920,6 +934,7 @@ impl Exec for UringExec {
 
     async fn blocking<T: Send + 'static>(&self, work: impl FnOnce() -> T + Send + 'static) -> T {
         self.bump(|s| s.pool_jobs += 1);
+        crate::profile::charge(|c| c.pool_jobs += 1);
         self.pool.run(work).await
     }
 }
