@@ -37,6 +37,9 @@ pub struct FopsConfig {
     pub gfid_cache_entries: NonZeroUsize,
     pub dirfd_cache_entries: NonZeroUsize,
     pub open_files_per_client_max: usize,
+    /// `storage.fsync-policy write-through`: every WRITE and PUT is synced (`fdatasync`, in
+    /// the same chain) before it is acknowledged.
+    pub write_through: bool,
 }
 
 impl Default for FopsConfig {
@@ -45,6 +48,7 @@ impl Default for FopsConfig {
             gfid_cache_entries: NonZeroUsize::new(1 << 20).unwrap_or(NonZeroUsize::MIN),
             dirfd_cache_entries: NonZeroUsize::new(4096).unwrap_or(NonZeroUsize::MIN),
             open_files_per_client_max: 16_384,
+            write_through: false,
         }
     }
 }
@@ -782,6 +786,12 @@ impl<E: Exec> Fops<E> {
                 data: data.clone(),
             };
             steps.push(Step::caller(write, creds));
+            if self.config.write_through {
+                steps.push(Step::brick(Op::Fsync {
+                    file: FileRef::Chain,
+                    datasync: true,
+                }));
+            }
         }
         let handle_index = steps.len();
         steps.push(Step::brick(match kind {
@@ -993,7 +1003,7 @@ impl<E: Exec> Fops<E> {
                 mode: 0,
                 fixed: true,
             };
-            let steps = vec![
+            let mut steps = vec![
                 Step::caller(open, creds),
                 Step::caller(
                     Op::Write {
@@ -1003,6 +1013,14 @@ impl<E: Exec> Fops<E> {
                     },
                     creds,
                 ),
+            ];
+            if self.config.write_through {
+                steps.push(Step::brick(Op::Fsync {
+                    file: FileRef::Chain,
+                    datasync: true,
+                }));
+            }
+            steps.extend([
                 Step::brick(Op::Statx {
                     dir: self.brick.handle_dir(&r.gfid).clone(),
                     name: Brick::handle_name(&r.gfid),
@@ -1011,11 +1029,10 @@ impl<E: Exec> Fops<E> {
                 Step::brick(Op::Close {
                     file: FileRef::Chain,
                 }),
-            ];
-            let mut results = self.run(steps).await.into_iter();
-            let (open, write) = (results.next(), results.next());
-            let (stat, close) = (results.next(), results.next());
-            for step in [open, write, close] {
+            ]);
+            let mut results = self.run(steps).await;
+            let (close, stat) = (results.pop(), results.pop());
+            for step in results.into_iter().map(Some).chain([close]) {
                 step.unwrap_or(Err(Errno::IO))?;
             }
             entry.iatt = iatt(&stat_of(stat.unwrap_or(Err(Errno::IO)))?, r.gfid);
@@ -1471,21 +1488,38 @@ impl<E: Exec> Fops<E> {
             offset: r.offset,
             data,
         };
-        self.change(gfid, file, Step::caller(write, creds)).await
+        let mut steps = vec![Step::caller(write, creds)];
+        if self.config.write_through {
+            steps.push(Step::brick(Op::Fsync {
+                file: file.clone(),
+                datasync: true,
+            }));
+        }
+        self.change(gfid, file, steps).await
     }
 
-    /// Runs `step` between two `fstat`s of `file`, in one chain. Data changes run as the
+    /// Runs `change` between two `fstat`s of `file`, in one chain. Data changes run as the
     /// caller, so the kernel clears set-id bits and enforces quotas and reserved blocks as it
-    /// would for the caller's own write.
-    async fn change(&self, gfid: Gfid, file: FileRef, step: Step) -> R<AttrChange> {
-        let steps = vec![
-            Step::brick(Op::Fstat { file: file.clone() }),
-            step,
-            Step::brick(Op::Fstat { file }),
-        ];
+    /// would for the caller's own write. A failed fsync among them poisons the brick.
+    async fn change(&self, gfid: Gfid, file: FileRef, change: Vec<Step>) -> R<AttrChange> {
+        let syncs: Vec<bool> = change
+            .iter()
+            .map(|s| matches!(s.op, Op::Fsync { .. }))
+            .collect();
+        let mut steps = Vec::with_capacity(change.len() + 2);
+        steps.push(Step::brick(Op::Fstat { file: file.clone() }));
+        steps.extend(change);
+        steps.push(Step::brick(Op::Fstat { file }));
         let mut out = self.run(steps).await.into_iter();
         let pre = stat_of(out.next().unwrap_or(Err(Errno::IO)))?;
-        out.next().unwrap_or(Err(Errno::IO))?;
+        for sync in syncs {
+            let result = out.next().unwrap_or(Err(Errno::IO));
+            if sync {
+                self.poison_on_fsync_error(result)?;
+            } else {
+                result?;
+            }
+        }
         let post = stat_of(out.next().unwrap_or(Err(Errno::IO)))?;
         Ok(AttrChange {
             pre: iatt(&pre, gfid),
@@ -1499,8 +1533,7 @@ impl<E: Exec> Fops<E> {
             file: file.clone(),
             datasync,
         });
-        let result = self.change(gfid, file, fsync).await;
-        self.poison_on_fsync_error(result)
+        self.change(gfid, file, vec![fsync]).await
     }
 
     /// An fsync error means acknowledged data may be gone; retrying could report success
@@ -1572,7 +1605,7 @@ impl<E: Exec> Fops<E> {
             offset,
             len,
         };
-        self.change(gfid, file, Step::caller(fallocate, creds))
+        self.change(gfid, file, vec![Step::caller(fallocate, creds)])
             .await
     }
 

@@ -94,6 +94,10 @@ struct ServeArgs {
     /// The configuration generation these arguments come from (reported back on pushes).
     #[arg(long, default_value_t = 0)]
     generation: u64,
+    /// When written data is durable (storage.fsync-policy): when clients fsync, or before
+    /// every WRITE and PUT is acknowledged.
+    #[arg(long, value_enum, default_value_t = FsyncPolicy::AsRequested)]
+    fsync_policy: FsyncPolicy,
     /// Count calls per fop from the start (diagnostics.count-fop-hits; switched live by
     /// pushes on the control socket).
     #[arg(long)]
@@ -109,6 +113,12 @@ struct ServeArgs {
     /// outlives its supervisor and a restarted supervisor starts it afresh.
     #[arg(long)]
     die_with_parent: bool,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum FsyncPolicy {
+    AsRequested,
+    WriteThrough,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -221,6 +231,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     {
         engine_config.fops.dirfd_cache_entries = n;
     }
+    engine_config.fops.write_through = matches!(args.fsync_policy, FsyncPolicy::WriteThrough);
     let engine = Engine::start(&brick, &engine_config)?;
     engine
         .profile()
@@ -233,6 +244,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         "gfid_cache_entries": engine_config.fops.gfid_cache_entries,
         "dirfd_cache_entries": engine_config.fops.dirfd_cache_entries,
         "inflight_max": args.inflight_max,
+        "write_through": engine_config.fops.write_through,
         "auth_allow": args.auth_allow,
         "metrics_listen": args.metrics_listen,
     });

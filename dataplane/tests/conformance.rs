@@ -29,6 +29,7 @@ per_engine!(
     serves_a_glusterfs_brick,
     reused_gfid_is_refused,
     writes_run_as_the_caller,
+    write_through_syncs_every_write,
 );
 
 fn create_write_read_release(kind: EngineKind) {
@@ -1444,4 +1445,32 @@ fn writes_run_as_the_caller(kind: EngineKind) {
         0o777,
         "set-uid must not survive an unprivileged write"
     );
+}
+
+/// `storage.fsync-policy write-through`: WRITE and PUT carry an fdatasync in their chain
+/// (the profile's step counts show it), and the data is there.
+fn write_through_syncs_every_write(kind: EngineKind) {
+    let steps = |write_through: bool| {
+        let fops = FopsConfig {
+            write_through,
+            ..FopsConfig::default()
+        };
+        let h = Harness::with(kind, fops);
+        h.engine.profile().set(true, false);
+        let f = h.put(Gfid::ROOT, "log", b"first").expect("put");
+        let fd = h.open_as(&root(), f, AccessMode::WriteOnly).expect("open");
+        let data = Payload::new(Bytes::from_static(b"second")).expect("small");
+        let write = Write {
+            fd,
+            offset: 5,
+            data,
+        };
+        h.call(&root(), write).expect("write");
+        assert_eq!(h.read_all(f).expect("read"), b"firstsecond");
+        let report = h.engine.profile().report();
+        let of = |fop: &str| report.fops.iter().find(|p| p.fop == fop).map(|p| p.steps);
+        (of("PUT").expect("PUT"), of("WRITE").expect("WRITE"))
+    };
+    let (put, write) = steps(false);
+    assert_eq!(steps(true), (put + 1, write + 1), "one fdatasync more each");
 }

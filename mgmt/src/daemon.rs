@@ -20,7 +20,7 @@ use crate::options;
 use crate::pki::{self, Role};
 use crate::protocol::{LINE_MAX_BYTES, OptionValue, ProfileAction, Request, Response};
 use crate::store::{CommitError, Store, StoreOptions};
-use crate::supervisor::{CurrentConfig, Launch, NOT_IMPLEMENTED_BY_BRICK, Supervisor};
+use crate::supervisor::{CurrentConfig, Launch, Supervisor};
 use crate::volume::{BRICK_PORT_BASE, Brick, Change, Cluster, ConfigError, Volume, VolumeState};
 
 /// The options `kiln volume profile VOL start|stop` switches.
@@ -263,12 +263,7 @@ impl Daemon {
                     })
                     .await?;
                 let apply = options::find(&key)?.apply;
-                let mut note = self.apply_to_bricks(&name, generation, apply).await?;
-                if NOT_IMPLEMENTED_BY_BRICK.contains(&key.as_str()) {
-                    note.push_str(
-                        "; note: this brick version stores this option but does not act on it yet",
-                    );
-                }
+                let note = self.apply_to_bricks(&name, generation, apply).await?;
                 done(
                     generation,
                     format!("{key} = {value} on volume {name}{note}"),

@@ -11,6 +11,12 @@
 //! server.engine                    --engine
 //! server.event-threads             --workers (0: flag omitted, one per core)
 //! network.inflight-max             --inflight-max
+//! network.inode-lru-limit          --gfid-cache-entries
+//! storage.dirfd-cache-entries      --dirfd-cache-entries
+//! storage.fsync-policy             --fsync-policy
+//! diagnostics.count-fop-hits       --count-fop-hits (when on)
+//! diagnostics.latency-measurement  --latency-measurement (when on)
+//! diagnostics.metrics-listen       --metrics-listen (when not off; brick i gets port + i)
 //! ```
 
 use std::collections::BTreeMap;

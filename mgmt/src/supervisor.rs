@@ -56,9 +56,6 @@ pub struct Launch {
 /// restarted brick runs what was committed last.
 pub type CurrentConfig = Arc<dyn Fn(&str) -> Option<(Volume, u64)> + Send + Sync>;
 
-/// Options in the table that this version of the brick stores but does not act on yet.
-pub const NOT_IMPLEMENTED_BY_BRICK: &[&str] = &["storage.fsync-policy"];
-
 /// How long a health probe of one brick may take.
 pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(1);
 /// How long a live push to one brick may take.
@@ -344,6 +341,8 @@ fn brick_args(launch: &Launch, volume: &Volume, index: usize, generation: u64) -
         option("network.inode-lru-limit"),
         "--dirfd-cache-entries".to_owned(),
         option("storage.dirfd-cache-entries"),
+        "--fsync-policy".to_owned(),
+        option("storage.fsync-policy"),
         "--control".to_owned(),
         launch
             .run_dir
