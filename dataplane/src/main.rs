@@ -76,6 +76,9 @@ struct ServeArgs {
     /// Directory fds held open (storage.dirfd-cache-entries).
     #[arg(long)]
     dirfd_cache_entries: Option<usize>,
+    /// Submission queue entries of each worker's ring (server.ring-entries).
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(16..=32_768))]
+    ring_entries: u32,
     /// Calls in flight per connection (network.inflight-max).
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=4096))]
     inflight_max: u32,
@@ -231,6 +234,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     {
         engine_config.fops.dirfd_cache_entries = n;
     }
+    engine_config.ring.ring_entries = args.ring_entries;
     engine_config.fops.write_through = matches!(args.fsync_policy, FsyncPolicy::WriteThrough);
     let engine = Engine::start(&brick, &engine_config)?;
     engine
@@ -241,6 +245,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         "brick_id": brick.id.to_string(),
         "engine": format!("{:?}", engine.kind()).to_lowercase(),
         "workers": engine.workers(),
+        "ring_entries": args.ring_entries,
         "gfid_cache_entries": engine_config.fops.gfid_cache_entries,
         "dirfd_cache_entries": engine_config.fops.dirfd_cache_entries,
         "inflight_max": args.inflight_max,

@@ -12,6 +12,7 @@
 //! server.event-threads             --workers (0: flag omitted, one per core)
 //! network.inflight-max             --inflight-max
 //! network.inode-lru-limit          --gfid-cache-entries
+//! server.ring-entries              --ring-entries
 //! storage.dirfd-cache-entries      --dirfd-cache-entries
 //! storage.fsync-policy             --fsync-policy
 //! diagnostics.count-fop-hits       --count-fop-hits (when on)
@@ -181,6 +182,16 @@ pub const OPTIONS: &[OptionDef] = &[
         default: "0",
         apply: Apply::Restart,
         help: "brick worker threads (0: one per core)",
+    },
+    OptionDef {
+        key: "server.ring-entries",
+        kind: ValueKind::Integer {
+            min: 16,
+            max: 32_768,
+        },
+        default: "1024",
+        apply: Apply::Restart,
+        help: "submission queue entries of each worker's io_uring (rounded up to a power of two)",
     },
     OptionDef {
         key: "storage.dirfd-cache-entries",

@@ -343,6 +343,8 @@ fn brick_args(launch: &Launch, volume: &Volume, index: usize, generation: u64) -
         option("storage.dirfd-cache-entries"),
         "--fsync-policy".to_owned(),
         option("storage.fsync-policy"),
+        "--ring-entries".to_owned(),
+        option("server.ring-entries"),
         "--control".to_owned(),
         launch
             .run_dir
