@@ -262,3 +262,28 @@ fn kiln_up_serves_a_volume_from_a_directory() {
         b"served\n"
     );
 }
+
+#[test]
+fn a_metrics_address_in_use_stops_the_brick_with_a_clear_error() {
+    let cluster = Cluster::new();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = taken.local_addr().expect("addr").to_string();
+    let out = Command::new(bin("kiln-brickd"))
+        .arg("serve")
+        .arg(&cluster.brick)
+        .args(["--listen", "127.0.0.1:0", "--name", "b", "--tls-dir"])
+        .arg(&cluster.tls)
+        .args(["--metrics-listen", &addr])
+        .output()
+        .expect("run kiln-brickd");
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!("cannot serve metrics on {addr}")),
+        "{err}"
+    );
+    assert!(
+        !String::from_utf8_lossy(&out.stdout).contains("listening on"),
+        "nothing is served"
+    );
+}

@@ -270,16 +270,21 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
             dir.file_name()
                 .map_or("kiln".into(), |n| n.to_string_lossy().into_owned())
         });
+        // Bound first: a brick that cannot serve what it was asked to does not serve at all.
+        let metrics = match args.metrics_listen {
+            Some(addr) => Some(
+                tokio::net::TcpListener::bind(addr)
+                    .await
+                    .with_context(|| format!("cannot serve metrics on {addr}"))?,
+            ),
+            None => None,
+        };
         let server = Server::start(&engine, brick.id, config).await?;
         // Scripts and tests read the address from this line (the port may have been 0).
         println!("listening on {}", server.local_addr());
-        if let Some(addr) = args.metrics_listen {
-            let listener = tokio::net::TcpListener::bind(addr)
-                .await
-                .with_context(|| format!("cannot serve metrics on {addr}"))?;
+        if let Some(listener) = metrics {
             let local = listener.local_addr()?;
-            println!("metrics on http://{local}/metrics");
-            tracing::info!(%local, "serving Prometheus metrics");
+            tracing::info!(%local, "serving Prometheus metrics at /metrics");
             let connections = server.connections().clone();
             tokio::spawn(metrics::serve(listener, engine.clone(), connections));
         }

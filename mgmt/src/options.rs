@@ -583,6 +583,30 @@ mod tests {
     }
 
     #[test]
+    fn listen_addresses_are_canonical_and_bad_ones_refused() {
+        let opt = def("diagnostics.metrics-listen");
+        assert_eq!(opt.parse(" OFF ").expect("valid"), "off");
+        assert_eq!(
+            opt.parse("127.0.0.1:9713").expect("valid"),
+            "127.0.0.1:9713"
+        );
+        assert_eq!(opt.parse("[::1]:09713").expect("valid"), "[::1]:9713");
+        for bad in [
+            "",
+            "9713",
+            "localhost:9713",
+            "127.0.0.1",
+            "127.0.0.1:99999",
+            "on",
+        ] {
+            assert!(
+                bad_value("diagnostics.metrics-listen", bad).contains("off or IP:PORT"),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
     fn bools_accept_common_spellings() {
         let opt = def("diagnostics.latency-measurement");
         for on in ["on", "ON", "true", "True", "yes", "YES", "1", " on "] {
