@@ -12,12 +12,12 @@ use std::time::Instant;
 use anyhow::Context;
 use bytes::Bytes;
 use hdrhistogram::Histogram;
-use kiln_dataplane::engine::{Engine, EngineConfig, EngineKind};
-use kiln_dataplane::{Brick, FopsConfig};
+use kiln_dataplane::engine::{Engine, EngineKind};
 use kiln_wire::*;
 use serde_json::json;
 
-use crate::report::{Record, Reporter};
+use crate::bricks::{kind_name, start_engine};
+use crate::report::{Record, Reporter, micros};
 use crate::scratch::Scratch;
 
 /// What to run.
@@ -223,37 +223,6 @@ async fn engine_phase(
     Ok(files as f64 / start.elapsed().as_secs_f64())
 }
 
-fn start_engine(
-    path: &std::path::Path,
-    kind: EngineKind,
-    depth: usize,
-    open_max: usize,
-) -> anyhow::Result<(Arc<Brick>, Engine)> {
-    Brick::format(path)?;
-    let brick = Arc::new(Brick::open(path)?);
-    let mut config = EngineConfig {
-        kind,
-        fops: FopsConfig {
-            open_files_per_client_max: open_max,
-            ..FopsConfig::default()
-        },
-        ..EngineConfig::default()
-    };
-    if kind == EngineKind::Blocking {
-        // The reference thread pool gets one thread per fop in flight (capped).
-        config.workers = depth.clamp(2, 64);
-    }
-    let engine = Engine::start(&brick, &config)?;
-    Ok((brick, engine))
-}
-
-fn kind_name(kind: EngineKind) -> &'static str {
-    match kind {
-        EngineKind::Uring => "uring",
-        EngineKind::Blocking => "blocking",
-    }
-}
-
 /// Runs the whole benchmark, printing records as they are measured.
 pub fn run(
     bench: &EngineBench,
@@ -276,18 +245,13 @@ pub fn run(
     for phase in PHASES {
         let ops = std_phase(&std_dir, phase, bench.files, bench.dirs, &data)?;
         reference.insert(phase, ops);
-        let r = Record {
-            workload: format!("engine.{phase}"),
-            target: "std_loop".into(),
-            params: json!({ "files": bench.files, "dirs": bench.dirs, "depth": 1 }),
-            ops_per_s: Some(ops),
-            mib_per_s: None,
-            p50_us: None,
-            p99_us: None,
-            enters_per_op: None,
-            reference: "std_loop".into(),
-            ratio: 1.0,
-        };
+        let mut r = Record::new(
+            &format!("engine.{phase}"),
+            "std_loop",
+            json!({ "files": bench.files, "dirs": bench.dirs, "depth": 1 }),
+            "std_loop",
+        );
+        r.ops_per_s = Some(ops);
         out.print(&r);
         records.push(r);
     }
@@ -331,18 +295,15 @@ pub fn run(
                 let after = rt.block_on(engine.ring_stats());
                 let enters = (kind == EngineKind::Uring)
                     .then(|| (after.enters - before.enters) as f64 / bench.files as f64);
-                let r = Record {
-                    workload: format!("engine.{phase}"),
-                    target: kind_name(kind).into(),
-                    params: json!({ "files": bench.files, "dirs": bench.dirs, "depth": depth }),
-                    ops_per_s: Some(ops),
-                    mib_per_s: None,
-                    p50_us: None,
-                    p99_us: None,
-                    enters_per_op: enters,
-                    reference: "std_loop".into(),
-                    ratio: ops / reference[phase],
-                };
+                let mut r = Record::new(
+                    &format!("engine.{phase}"),
+                    kind_name(kind),
+                    json!({ "files": bench.files, "dirs": bench.dirs, "depth": depth }),
+                    "std_loop",
+                );
+                r.ops_per_s = Some(ops);
+                r.enters_per_op = enters;
+                r.ratio = ops / reference[phase];
                 out.print(&r);
                 records.push(r);
             }
@@ -362,10 +323,6 @@ fn held_counts(bench: &EngineBench) -> anyhow::Result<Vec<usize>> {
         .iter()
         .map(|&n| if n == 0 || n > max { max } else { n })
         .collect())
-}
-
-fn micros(h: &Histogram<u64>, q: f64) -> f64 {
-    h.value_at_quantile(q) as f64 / 1000.0
 }
 
 /// p50/p99 of one more open (and its release) while `held` files stay open.
@@ -506,19 +463,15 @@ fn sweep_record(
 ) -> Record {
     let p50 = micros(h, 0.5);
     let first = *base.entry(target).or_insert(p50);
-    let r = Record {
-        workload: "engine.open_latency".into(),
-        target: target.into(),
-        params: json!({ "held_open": held }),
-        ops_per_s: None,
-        mib_per_s: None,
-        p50_us: Some(p50),
-        p99_us: Some(micros(h, 0.99)),
-        enters_per_op: None,
-        // Against the same target with the fewest files held: 1.0 means flat.
-        reference: format!("{target} at the smallest held_open"),
-        ratio: first / p50,
-    };
+    // Against the same target with the fewest files held: 1.0 means flat.
+    let mut r = Record::new(
+        "engine.open_latency",
+        target,
+        json!({ "held_open": held }),
+        &format!("{target} at the smallest held_open"),
+    );
+    r.set_latency(h);
+    r.ratio = first / p50;
     out.print(&r);
     r
 }

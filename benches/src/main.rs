@@ -165,7 +165,11 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let scratch = Scratch::new(cli.scratch.as_deref(), cli.loop_fs_mib)?;
     let mut out = Reporter::new(cli.json);
-    let env = environment(&scratch.fs);
+    let seed = match &cli.workload {
+        Workload::Mount { seed, .. } => Some(*seed),
+        _ => None,
+    };
+    let env = environment(&scratch.fs, seed);
     if cli.json {
         println!("{}", serde_json::json!({ "environment": env }));
     } else {

@@ -91,7 +91,8 @@ impl Drop for Scratch {
     }
 }
 
-fn fs_type(path: &Path) -> String {
+/// The type of the file system `path` is on, by name where known.
+pub fn fs_type(path: &Path) -> String {
     match rustix::fs::statfs(path) {
         Ok(s) => match s.f_type {
             0xEF53 => "ext4".into(),
