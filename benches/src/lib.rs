@@ -18,3 +18,4 @@ pub mod progress;
 pub mod report;
 pub mod rng;
 pub mod scratch;
+pub mod smallfile;

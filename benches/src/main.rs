@@ -6,7 +6,13 @@
 //! kiln-bench mgmt [--sets N] [--tasks N] [--loop-fs-mib M] [--json]
 //! kiln-bench mount [--files N] [--dirs N] [--linux-source auto|off|PATH]
 //!                  [--targets local,bindfs,kiln,glusterfs] [--mount-options O,...] [--json]
+//! kiln-bench smallfile [--ops create,stat,read,...] [--targets local,engine,volume,kiln-mount,path=DIR]
+//!                  [--threads N] [--files N] [--file-bytes B] [--fanout N] [--fsync] [--seed S]
+//!                  [--plot FILE.svg|FILE.png] [--json]
 //! ```
+//!
+//! Every workload takes `--json`, `--scratch DIR` and, as root, `--loop-fs-mib M` (a fresh
+//! ext4 in a loop image). A progress bar is drawn on stderr when it is a terminal.
 
 use std::path::PathBuf;
 
@@ -17,6 +23,7 @@ use kiln_bench::mount::{self, MountBench, Target};
 use kiln_bench::net::{self, NetBench};
 use kiln_bench::report::{Reporter, environment};
 use kiln_bench::scratch::Scratch;
+use kiln_bench::smallfile::{self, Op, SmallfileBench, TargetSpec};
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -153,6 +160,41 @@ enum Workload {
         #[arg(long, default_value_t = 3600)]
         phase_timeout_s: u64,
     },
+    /// Small-file operations in the spirit of the `smallfile` tool (create, stat, read,
+    /// append, chmod, xattrs, listings, rename, delete, mkdir, rmdir), each on every target:
+    /// plain syscalls on the scratch directory or any mount, the engine called directly, the
+    /// brick over QUIC, a Kiln FUSE mount. Ratios against the first target.
+    Smallfile {
+        /// Operations, in order (an op whose precondition is missing gets it set up first,
+        /// unmeasured).
+        #[arg(long, value_enum, value_delimiter = ',', default_values_t = Op::SEQUENCE)]
+        ops: Vec<Op>,
+        /// local, engine, volume, kiln-mount or path=DIR; the first is the reference.
+        #[arg(long, value_delimiter = ',', default_value = "local,engine,volume")]
+        targets: Vec<TargetSpec>,
+        /// Workers at once (OS threads on syscall targets, tasks on engine and volume).
+        #[arg(long, default_value_t = 4)]
+        threads: usize,
+        /// Files per thread.
+        #[arg(long, default_value_t = 5000)]
+        files: usize,
+        #[arg(long, default_value_t = 4096)]
+        file_bytes: usize,
+        /// Files per directory (directories are made as needed).
+        #[arg(long, default_value_t = 100)]
+        fanout: usize,
+        /// fsync every create and append before closing (PUT with O_SYNC on the brick).
+        #[arg(long)]
+        fsync: bool,
+        #[arg(long, default_value_t = smallfile::DEFAULT_SEED)]
+        seed: u64,
+        /// `-o` options of `kiln mount` for the kiln-mount target.
+        #[arg(long, value_delimiter = ',')]
+        mount_options: Vec<String>,
+        /// Draw ops/s per op and target into this .svg or .png.
+        #[arg(long)]
+        plot: Option<PathBuf>,
+    },
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -166,7 +208,7 @@ fn main() -> anyhow::Result<()> {
     let scratch = Scratch::new(cli.scratch.as_deref(), cli.loop_fs_mib)?;
     let mut out = Reporter::new(cli.json);
     let seed = match &cli.workload {
-        Workload::Mount { seed, .. } => Some(*seed),
+        Workload::Mount { seed, .. } | Workload::Smallfile { seed, .. } => Some(*seed),
         _ => None,
     };
     let env = environment(&scratch.fs, seed);
@@ -259,6 +301,32 @@ fn main() -> anyhow::Result<()> {
                 phase_timeout: std::time::Duration::from_secs(phase_timeout_s),
             };
             mount::run(&bench, &scratch, &mut out)?;
+        }
+        Workload::Smallfile {
+            ops,
+            targets,
+            threads,
+            files,
+            file_bytes,
+            fanout,
+            fsync,
+            seed,
+            mount_options,
+            plot,
+        } => {
+            let bench = SmallfileBench {
+                ops,
+                targets,
+                threads,
+                files,
+                file_bytes,
+                fanout,
+                fsync,
+                seed,
+                mount_options,
+                plot,
+            };
+            smallfile::run(&bench, &scratch, &mut out)?;
         }
     }
     Ok(())
