@@ -17,6 +17,8 @@ use kiln_dataplane::{Brick, FopsConfig, SessionId};
 use kiln_mgmt::pki::{self, Role};
 use kiln_wire::{Creds, FopReply, FopRequest, Gfid};
 
+use crate::rng::Rng;
+
 /// The client identity's name.
 const CLIENT_NAME: &str = "bench";
 const BRICK_NAME: &str = "bench-brick";
@@ -247,6 +249,12 @@ where
         }
         Ok(results)
     })
+}
+
+/// A GFID drawn from `seed`'s stream `stream` (a version-4 UUID, so never null).
+pub fn seeded_gfid(seed: u64, stream: u64) -> Gfid {
+    Gfid::from_bytes(Rng::stream(seed, stream).uuid_bytes())
+        .unwrap_or_else(|| unreachable!("a version-4 UUID is never all zeros"))
 }
 
 /// The GFID of a reply that made or found an object.

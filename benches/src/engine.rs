@@ -4,7 +4,8 @@
 //! Phases, each over `files` files spread across `dirs` directories: create (PUT: create +
 //! 4 KiB write + close), stat (LOOKUP by name), open/close (OPEN + RELEASE), unlink — at each
 //! queue depth (fops in flight), for the io_uring engine and the blocking engine. Then an
-//! open-latency sweep: p50/p99 of one more open while N files are already held open.
+//! open-latency sweep: p50/p99 of one more open while N files are already held open (the
+//! sweep of `kiln-bench openfds`, for std::fs and both engines).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -16,7 +17,9 @@ use kiln_dataplane::engine::{Engine, EngineKind};
 use kiln_wire::*;
 use serde_json::json;
 
-use crate::bricks::{kind_name, start_engine};
+use crate::bricks::{Destination, kind_name, start_engine};
+use crate::openfds;
+use crate::progress::Progress;
 use crate::report::{Record, Reporter, micros};
 use crate::scratch::Scratch;
 
@@ -33,8 +36,6 @@ pub struct EngineBench {
 }
 
 const PHASES: [&str; 4] = ["create", "stat", "open_close", "unlink"];
-/// Fds the brick and the benchmark need besides the held-open files.
-const FD_HEADROOM: usize = 700;
 
 fn name(i: usize) -> Name {
     Name::new(format!("f{i:07}")).unwrap_or_else(|_| unreachable!("short ascii name"))
@@ -309,149 +310,63 @@ pub fn run(
             }
         }
     }
-    records.extend(open_sweep(bench, scratch, out, &rt, &local, &data)?);
+    records.extend(open_sweep(bench, scratch, out, &rt)?);
     Ok(records)
 }
 
-fn held_counts(bench: &EngineBench) -> anyhow::Result<Vec<usize>> {
-    let (soft, _) = rustix::process::getrlimit(rustix::process::Resource::Nofile)
-        .current
-        .map_or((1024, 0), |c| (c as usize, 0));
-    let max = soft.saturating_sub(FD_HEADROOM).max(10);
-    Ok(bench
-        .open_sweep
-        .iter()
-        .map(|&n| if n == 0 || n > max { max } else { n })
-        .collect())
-}
-
-/// p50/p99 of one more open (and its release) while `held` files stay open.
+/// p50/p99 of one more open (its release untimed) while `held` files stay open, through
+/// the shared sweep of `kiln-bench openfds`.
 fn open_sweep(
     bench: &EngineBench,
     scratch: &Scratch,
     out: &mut Reporter,
     rt: &tokio::runtime::Runtime,
-    local: &tokio::task::LocalSet,
-    data: &Bytes,
 ) -> anyhow::Result<Vec<Record>> {
-    let counts = held_counts(bench)?;
-    let max = counts.iter().copied().max().unwrap_or(10);
+    let max = openfds::held_max();
+    // 0 (and anything above the limit) stands for "as many as the process may hold".
+    let asked: Vec<usize> = bench
+        .open_sweep
+        .iter()
+        .map(|&n| if n == 0 || n > max { max } else { n })
+        .collect();
+    let counts = openfds::counts(&asked, max);
+    let files = counts.last().copied().unwrap_or(0) + 1;
     let mut records = Vec::new();
     let mut base_p50: std::collections::HashMap<&str, f64> = std::collections::HashMap::new();
+    let quiet = Progress::hidden();
 
-    // std: hold N plain files, time File::open of another.
     let dir = scratch.path().join("std-open");
-    std::fs::create_dir_all(&dir)?;
-    for i in 0..=max {
-        std::fs::write(dir.join(format!("f{i}")), &data[..16])?;
-    }
-    for &held in &counts {
-        let keep: Vec<std::fs::File> = (0..held)
-            .map(|i| std::fs::File::open(dir.join(format!("f{i}"))))
-            .collect::<Result<_, _>>()?;
-        let mut h = Histogram::<u64>::new(3)?;
-        for _ in 0..bench.open_samples {
-            let start = Instant::now();
-            let f = std::fs::File::open(dir.join(format!("f{max}")))?;
-            h.record(start.elapsed().as_nanos() as u64)?;
-            drop(f);
-        }
-        drop(keep);
-        records.push(sweep_record("std_loop", held, &h, &mut base_p50, out));
+    openfds::make_local_files(&dir, files, &quiet)?;
+    let std_results = openfds::local_sweep(&dir, &counts, bench.open_samples, &quiet)?;
+    for (&held, point) in counts.iter().zip(&std_results) {
+        records.push(sweep_record(
+            "std_loop",
+            held,
+            &point.latency,
+            &mut base_p50,
+            out,
+        ));
     }
 
     for kind in [EngineKind::Blocking, EngineKind::Uring] {
         let path = scratch.path().join(format!("{}-open", kind_name(kind)));
-        let (_brick, engine) = start_engine(&path, kind, 2, max + 16)?;
-        let ids: Vec<Gfid> = (0..=max).map(|i| gfid(i, 0x0e)).collect();
-        let session = engine.session();
-        local.block_on(rt, async {
-            for (i, g) in ids.iter().enumerate() {
-                let put = fop_for("create", i, &[Gfid::ROOT], &data.slice(..16), &ids);
-                let _ = g;
-                session
-                    .call(root(), put)
-                    .await
-                    .map_err(|e| anyhow::anyhow!("put: {e}"))?;
-            }
-            Ok::<_, anyhow::Error>(())
-        })?;
-        let ids = Arc::new(ids);
-        for &held in &counts {
-            let h = match kind {
-                EngineKind::Uring => {
-                    let (tx, rx) = tokio::sync::oneshot::channel();
-                    let (ids, samples, session) =
-                        (ids.clone(), bench.open_samples, engine.session_id());
-                    rt.block_on(engine.run_on_worker(0, move |local| {
-                        tokio::task::spawn_local(async move {
-                            let result = measure_open(held, samples, &ids, |fop| {
-                                let local = local.clone();
-                                async move { local.call(session, &root(), fop).await }
-                            })
-                            .await;
-                            local.end_session(session).await;
-                            let _ = tx.send(result);
-                        });
-                    }))
-                    .map_err(|e| anyhow::anyhow!("run on worker: {e}"))?;
-                    rt.block_on(rx)??
-                }
-                EngineKind::Blocking => {
-                    let session = engine.session();
-                    local.block_on(
-                        rt,
-                        measure_open(held, bench.open_samples, &ids, |fop| {
-                            session.call(root(), fop)
-                        }),
-                    )?
-                }
-            };
-            records.push(sweep_record(kind_name(kind), held, &h, &mut base_p50, out));
+        let (_brick, engine) = start_engine(&path, kind, 2, files + 16)?;
+        let destination = Destination::Engine(&engine);
+        let gfids = openfds::make_brick_files(rt, destination, files, &quiet)?;
+        let results =
+            openfds::brick_sweep(rt, destination, gfids, &counts, bench.open_samples, &quiet)?;
+        for (&held, point) in counts.iter().zip(&results) {
+            let target = kind_name(kind);
+            records.push(sweep_record(
+                target,
+                held,
+                &point.latency,
+                &mut base_p50,
+                out,
+            ));
         }
     }
     Ok(records)
-}
-
-/// Holds `held` files open, then times `samples` opens (each released) of one more file.
-async fn measure_open<F, Fut>(
-    held: usize,
-    samples: usize,
-    ids: &[Gfid],
-    call: F,
-) -> anyhow::Result<Histogram<u64>>
-where
-    F: Fn(FopRequest) -> Fut,
-    Fut: Future<Output = Result<FopReply, ErrorCode>>,
-{
-    let open = |gfid| {
-        Open {
-            gfid,
-            access: AccessMode::ReadOnly,
-            flags: OpenFlags::empty(),
-        }
-        .into()
-    };
-    for (i, g) in ids.iter().take(held).enumerate() {
-        match call(open(*g)).await {
-            Ok(FopReply::Open(_)) => {}
-            other => anyhow::bail!("holding file {i}: {other:?}"),
-        }
-    }
-    let last = *ids.last().ok_or_else(|| anyhow::anyhow!("no files"))?;
-    let mut h = Histogram::<u64>::new(3)?;
-    for _ in 0..samples {
-        let start = Instant::now();
-        let reply = call(open(last)).await;
-        h.record(start.elapsed().as_nanos() as u64)?;
-        let Ok(FopReply::Open(o)) = reply else {
-            anyhow::bail!("open: {reply:?}")
-        };
-        call(Release { fd: o.fd }.into())
-            .await
-            .map_err(|e| anyhow::anyhow!("release: {e}"))?;
-    }
-    Ok(h)
 }
 
 fn sweep_record(

@@ -12,6 +12,7 @@ pub mod engine;
 pub mod mgmt;
 pub mod mount;
 pub mod net;
+pub mod openfds;
 pub mod plot;
 pub mod process;
 pub mod progress;

@@ -9,6 +9,8 @@
 //! kiln-bench smallfile [--ops create,stat,read,...] [--targets local,engine,volume,kiln-mount,path=DIR]
 //!                  [--threads N] [--files N] [--file-bytes B] [--fanout N] [--fsync] [--seed S]
 //!                  [--plot FILE.svg|FILE.png] [--json]
+//! kiln-bench openfds [--held 0,10,100,...] [--max-held N] [--samples N]
+//!                  [--targets local,engine,volume] [--plot FILE.svg|FILE.png] [--json]
 //! ```
 //!
 //! Every workload takes `--json`, `--scratch DIR` and, as root, `--loop-fs-mib M` (a fresh
@@ -21,6 +23,7 @@ use kiln_bench::engine::{self, EngineBench};
 use kiln_bench::mgmt::{self, MgmtBench};
 use kiln_bench::mount::{self, MountBench, Target};
 use kiln_bench::net::{self, NetBench};
+use kiln_bench::openfds::{self, OpenTarget, OpenfdsBench};
 use kiln_bench::report::{Reporter, environment};
 use kiln_bench::scratch::Scratch;
 use kiln_bench::smallfile::{self, Op, SmallfileBench, TargetSpec};
@@ -195,6 +198,24 @@ enum Workload {
         #[arg(long)]
         plot: Option<PathBuf>,
     },
+    /// Latency of one more open while N files are held open, N swept up to the open-file
+    /// limit (raised to the hard limit first): plain files, the engine, the brick over QUIC.
+    Openfds {
+        /// Files held open at each point (the largest the limit allows is always added).
+        #[arg(long, value_delimiter = ',', default_values_t = openfds::DEFAULT_HELD)]
+        held: Vec<usize>,
+        /// Hold at most this many (default: RLIMIT_NOFILE less the brick's headroom).
+        #[arg(long)]
+        max_held: Option<usize>,
+        /// Opens timed at each point.
+        #[arg(long, default_value_t = 2000)]
+        samples: usize,
+        #[arg(long, value_enum, value_delimiter = ',', default_values_t = [OpenTarget::Local, OpenTarget::Engine, OpenTarget::Volume])]
+        targets: Vec<OpenTarget>,
+        /// Draw p50 and p99 against N into this .svg or .png.
+        #[arg(long)]
+        plot: Option<PathBuf>,
+    },
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -327,6 +348,22 @@ fn main() -> anyhow::Result<()> {
                 plot,
             };
             smallfile::run(&bench, &scratch, &mut out)?;
+        }
+        Workload::Openfds {
+            held,
+            max_held,
+            samples,
+            targets,
+            plot,
+        } => {
+            let bench = OpenfdsBench {
+                held,
+                max_held,
+                samples,
+                targets,
+                plot,
+            };
+            openfds::run(&bench, &scratch, &mut out)?;
         }
     }
     Ok(())

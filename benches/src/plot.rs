@@ -122,6 +122,12 @@ fn log_range(values: impl Iterator<Item = f64>) -> std::ops::Range<f64> {
     (lo / 1.5)..(hi * 1.5)
 }
 
+/// A vertical log range with room for the legend above the data (a quarter of the span
+/// more), so no line or bar runs under it.
+fn with_legend_room(range: std::ops::Range<f64>) -> std::ops::Range<f64> {
+    range.start..range.end * (range.end / range.start).powf(0.25)
+}
+
 /// `v` in few characters: 1k, 20k, 1.5M.
 pub fn short(v: f64) -> String {
     let trim = |x: f64, unit: &str| {
@@ -159,7 +165,7 @@ fn draw_lines<DB: DrawingBackend>(
     for (area, panel) in areas.iter().zip(&chart.panels) {
         let points = || panel.series.iter().flat_map(|s| s.points.iter().copied());
         let x = log_range(points().map(|p| p.0));
-        let y = log_range(points().map(|p| p.1));
+        let y = with_legend_room(log_range(points().map(|p| p.1)));
         let mut c = ChartBuilder::on(area)
             .caption(&panel.title, (FONT, 17).into_font())
             .margin(12)
@@ -211,7 +217,7 @@ fn draw_bars<DB: DrawingBackend>(
         .series
         .iter()
         .flat_map(|(_, v)| v.iter().flatten().copied());
-    let y = log_range(values);
+    let y = with_legend_room(log_range(values));
     let floor = y.start;
     let mut c = ChartBuilder::on(root)
         .caption(&chart.title, (FONT, 22).into_font())

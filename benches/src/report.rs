@@ -61,6 +61,18 @@ impl Record {
     }
 }
 
+/// A ratio with two decimals, or three significant digits when it is below 0.1 (0.004 is
+/// not 0.00).
+fn ratio_text(ratio: f64) -> String {
+    match ratio.abs() {
+        r if r >= 0.1 || r == 0.0 => format!("{ratio:.2}"),
+        r => {
+            let decimals = (2.0 - r.log10().floor()).clamp(0.0, 12.0) as usize;
+            format!("{ratio:.decimals$}")
+        }
+    }
+}
+
 /// An empty latency histogram (nanoseconds, 3 significant digits, growing as needed).
 pub fn histogram() -> anyhow::Result<Histogram<u64>> {
     Ok(Histogram::new(3)?)
@@ -121,7 +133,7 @@ impl Reporter {
                 .join(" ")
         });
         println!(
-            "{:<20} {:<13} {:<36} {:>10} {:>8} {:>9} {:>9} {:>9} {:>9} {:>8} {:>7.2}x  {}",
+            "{:<20} {:<13} {:<36} {:>10} {:>8} {:>9} {:>9} {:>9} {:>9} {:>8} {:>7}x  {}",
             r.workload,
             r.target,
             params,
@@ -132,7 +144,7 @@ impl Reporter {
             opt(r.p99_us, 1),
             opt(r.p999_us, 1),
             opt(r.enters_per_op, 2),
-            r.ratio,
+            ratio_text(r.ratio),
             r.reference
         );
     }
@@ -182,6 +194,15 @@ mod tests {
         let ps = [r.p50_us, r.p90_us, r.p99_us, r.p999_us].map(|p| p.expect("set"));
         assert!(ps.windows(2).all(|w| w[0] < w[1]), "{ps:?}");
         assert_eq!(nanos(Duration::ZERO), 1);
+    }
+
+    #[test]
+    fn small_ratios_keep_three_digits() {
+        assert_eq!(ratio_text(1.0), "1.00");
+        assert_eq!(ratio_text(0.25), "0.25");
+        assert_eq!(ratio_text(0.0312), "0.0312");
+        assert_eq!(ratio_text(0.004_56), "0.00456");
+        assert_eq!(ratio_text(0.0), "0.00");
     }
 
     #[test]

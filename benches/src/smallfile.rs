@@ -66,12 +66,11 @@ use kiln_wire::quic::UDP_PAYLOAD_MAX_BYTES;
 use kiln_wire::*;
 use serde_json::json;
 
-use crate::bricks::{Caller, Destination, Served, kind_name, run_tasks, start_engine};
+use crate::bricks::{Caller, Destination, Served, kind_name, run_tasks, seeded_gfid, start_engine};
 use crate::mount::KilnMount;
 use crate::plot::{self, BarChart};
 use crate::progress::Progress;
 use crate::report::{Record, Reporter, histogram, nanos};
-use crate::rng::Rng;
 use crate::scratch::{Scratch, fs_type};
 
 /// What to run.
@@ -332,12 +331,6 @@ impl Layout {
     fn gfid(&self, kind: Kind, t: usize, i: usize) -> Gfid {
         seeded_gfid(self.seed, (kind as u64) << 56 | (t as u64) << 32 | i as u64)
     }
-}
-
-/// A GFID drawn from `seed`'s stream `stream` (a version-4 UUID, so never null).
-pub fn seeded_gfid(seed: u64, stream: u64) -> Gfid {
-    Gfid::from_bytes(Rng::stream(seed, stream).uuid_bytes())
-        .unwrap_or_else(|| unreachable!("a version-4 UUID is never all zeros"))
 }
 
 /// One measured (or set-up) pass of an op over every thread's files.

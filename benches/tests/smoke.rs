@@ -477,3 +477,56 @@ fn smallfile_sets_up_missing_preconditions_unmeasured() {
     // The first target listed is the reference.
     assert!(records.iter().all(|r| r["reference"] == "engine"));
 }
+
+#[test]
+fn openfds_workload_sweeps_every_target_up_to_the_cap() {
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("skipped: kiln-bench openfds needs root (bricks)");
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let plot = dir.path().join("openfds.png");
+    let lines = run_json(&[
+        "openfds",
+        "--held",
+        "0,10,100,5000",
+        "--max-held",
+        "150",
+        "--samples",
+        "50",
+        "--plot",
+        plot.to_str().expect("utf-8 path"),
+    ]);
+    let note = lines
+        .iter()
+        .find_map(|l| l.get("openfds"))
+        .expect("the openfds note");
+    // The soft limit was raised to the hard one; 5000 is above the cap and dropped.
+    let hard = rustix::process::getrlimit(rustix::process::Resource::Nofile).maximum;
+    assert_eq!(note["rlimit_nofile"]["now"].as_u64(), hard, "{note}");
+    assert_eq!(note["held"], serde_json::json!([0, 10, 100, 150]), "{note}");
+    let records = records(&lines);
+    for target in ["local", "engine", "volume"] {
+        for held in [0, 10, 100, 150] {
+            let r = records
+                .iter()
+                .find(|r| r["target"] == target && r["params"]["held_open"] == held)
+                .unwrap_or_else(|| panic!("no openfds result for {target} at {held}"));
+            assert_eq!(r["workload"], "openfds");
+            assert_eq!(r["reference"], "local", "{r}");
+            assert!(r["ratio"].as_f64().is_some_and(|x| x > 0.0), "{r}");
+            assert!(r["ops_per_s"].as_f64().is_some_and(|x| x > 0.0), "{r}");
+            assert_latencies(r);
+        }
+    }
+    assert_eq!(records.len(), 12);
+    let flatness = lines
+        .iter()
+        .find_map(|l| l.get("openfds_flatness"))
+        .expect("the flatness note");
+    for target in ["local", "engine", "volume"] {
+        let growth = &flatness[target]["p50_at_max_over_p50_at_min"];
+        assert!(growth.as_f64().is_some_and(|x| x > 0.0), "{flatness}");
+    }
+    assert_plot(&plot);
+}
