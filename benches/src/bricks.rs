@@ -256,12 +256,3 @@ pub fn seeded_gfid(seed: u64, stream: u64) -> Gfid {
     Gfid::from_bytes(Rng::stream(seed, stream).uuid_bytes())
         .unwrap_or_else(|| unreachable!("a version-4 UUID is never all zeros"))
 }
-
-/// The GFID of a reply that made or found an object.
-pub fn gfid_of(reply: &FopReply) -> anyhow::Result<Gfid> {
-    match reply {
-        FopReply::Lookup(r) => Ok(r.iatt.gfid),
-        FopReply::Mkdir(r) | FopReply::Put(r) | FopReply::Mknod(r) => Ok(r.iatt.gfid),
-        other => anyhow::bail!("no GFID in a {} reply", other.code().name()),
-    }
-}

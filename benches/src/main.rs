@@ -11,15 +11,19 @@
 //!                  [--plot FILE.svg|FILE.png] [--json]
 //! kiln-bench openfds [--held 0,10,100,...] [--max-held N] [--samples N]
 //!                  [--targets local,engine,volume] [--plot FILE.svg|FILE.png] [--json]
+//! kiln-bench lookup-scale [--max-entries 2M] [--checkpoints 1k,10k,100k,1M,2M] [--samples N]
+//!                  [--fanout N] [--depth N] [--seed S] [--plot FILE.svg|FILE.png] [--json]
 //! ```
 //!
 //! Every workload takes `--json`, `--scratch DIR` and, as root, `--loop-fs-mib M` (a fresh
-//! ext4 in a loop image). A progress bar is drawn on stderr when it is a terminal.
+//! ext4 in a loop image; `--loop-fs-inodes N` for millions of files). A progress bar is
+//! drawn on stderr when it is a terminal.
 
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
 use kiln_bench::engine::{self, EngineBench};
+use kiln_bench::lookup_scale::{self, LookupScaleBench};
 use kiln_bench::mgmt::{self, MgmtBench};
 use kiln_bench::mount::{self, MountBench, Target};
 use kiln_bench::net::{self, NetBench};
@@ -50,6 +54,9 @@ struct Cli {
     /// shared root file system).
     #[arg(long, global = true)]
     loop_fs_mib: Option<u64>,
+    /// Inodes of the loop ext4 (`mkfs.ext4 -N`), for millions of small files.
+    #[arg(long, global = true)]
+    loop_fs_inodes: Option<u64>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -216,6 +223,31 @@ enum Workload {
         #[arg(long)]
         plot: Option<PathBuf>,
     },
+    /// LOOKUP latency by name and by GFID, cold and warm, as the brick's handle index grows
+    /// to millions of entries, against fstatat on the same file system.
+    LookupScale {
+        /// Entries (files) on the brick at the end; accepts k and M (2M).
+        #[arg(long, value_parser = lookup_scale::parse_count, default_value = "2M")]
+        max_entries: usize,
+        /// Entry counts to measure at (the maximum is always added).
+        #[arg(long, value_parser = lookup_scale::parse_count, value_delimiter = ',',
+              default_value = "1k,10k,100k,1M,2M")]
+        checkpoints: Vec<usize>,
+        /// Random files looked up at each checkpoint, each way.
+        #[arg(long, default_value_t = 1000)]
+        samples: usize,
+        /// Files per directory.
+        #[arg(long, default_value_t = 1000)]
+        fanout: usize,
+        /// MKNODs in flight while filling the brick.
+        #[arg(long, default_value_t = 64)]
+        depth: usize,
+        #[arg(long, default_value_t = lookup_scale::DEFAULT_SEED)]
+        seed: u64,
+        /// Draw p50 against the entry count into this .svg or .png.
+        #[arg(long)]
+        plot: Option<PathBuf>,
+    },
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -226,10 +258,12 @@ enum EngineArg {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    let scratch = Scratch::new(cli.scratch.as_deref(), cli.loop_fs_mib)?;
+    let scratch = Scratch::new(cli.scratch.as_deref(), cli.loop_fs_mib, cli.loop_fs_inodes)?;
     let mut out = Reporter::new(cli.json);
     let seed = match &cli.workload {
-        Workload::Mount { seed, .. } | Workload::Smallfile { seed, .. } => Some(*seed),
+        Workload::Mount { seed, .. }
+        | Workload::Smallfile { seed, .. }
+        | Workload::LookupScale { seed, .. } => Some(*seed),
         _ => None,
     };
     let env = environment(&scratch.fs, seed);
@@ -364,6 +398,26 @@ fn main() -> anyhow::Result<()> {
                 plot,
             };
             openfds::run(&bench, &scratch, &mut out)?;
+        }
+        Workload::LookupScale {
+            max_entries,
+            checkpoints,
+            samples,
+            fanout,
+            depth,
+            seed,
+            plot,
+        } => {
+            let bench = LookupScaleBench {
+                max_entries,
+                checkpoints,
+                samples,
+                fanout,
+                depth,
+                seed,
+                plot,
+            };
+            lookup_scale::run(&bench, &scratch, &mut out)?;
         }
     }
     Ok(())

@@ -70,7 +70,7 @@ use serde_json::json;
 use crate::process::{log_tail, pid_of, wait_exit};
 use crate::report::{Record, Reporter};
 use crate::rng::Rng;
-use crate::scratch::Scratch;
+use crate::scratch::{Scratch, drop_caches, sync_file_systems};
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -594,15 +594,11 @@ impl Caches {
 
     /// Syncs the file systems of `paths` and, if asked and allowed, drops the caches.
     fn drop_before(&mut self, paths: &[&Path], out: &mut Reporter) {
-        for path in paths {
-            if let Ok(dir) = std::fs::File::open(path) {
-                let _ = rustix::fs::syncfs(&dir);
-            }
-        }
+        sync_file_systems(paths);
         if !self.drop || self.failed.is_some() {
             return;
         }
-        if let Err(e) = std::fs::write("/proc/sys/vm/drop_caches", "3") {
+        if let Err(e) = drop_caches() {
             self.failed = Some(e.to_string());
             out.note("caches", &json!(self.describe()));
         }

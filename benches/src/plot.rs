@@ -142,8 +142,21 @@ pub fn short(v: f64) -> String {
     }
 }
 
+/// Series colors that stand out on white (matplotlib's "tab10").
+const PALETTE: [(u8, u8, u8); 8] = [
+    (31, 119, 180),
+    (255, 127, 14),
+    (44, 160, 44),
+    (214, 39, 40),
+    (148, 103, 189),
+    (140, 86, 75),
+    (227, 119, 194),
+    (127, 127, 127),
+];
+
 fn color(i: usize) -> RGBAColor {
-    Palette99::pick(i).to_rgba()
+    let (r, g, b) = PALETTE[i % PALETTE.len()];
+    RGBColor(r, g, b).to_rgba()
 }
 
 fn draw_lines<DB: DrawingBackend>(

@@ -530,3 +530,89 @@ fn openfds_workload_sweeps_every_target_up_to_the_cap() {
     }
     assert_plot(&plot);
 }
+
+#[test]
+fn lookup_scale_workload_reports_every_checkpoint_cold_and_warm() {
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("skipped: kiln-bench lookup-scale needs root (bricks, drop_caches)");
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let plot = dir.path().join("lookup.svg");
+    let lines = run_json(&[
+        "lookup-scale",
+        "--max-entries",
+        "2k",
+        "--checkpoints",
+        "500,5M",
+        "--samples",
+        "40",
+        "--fanout",
+        "100",
+        "--seed",
+        "7",
+        "--plot",
+        plot.to_str().expect("utf-8 path"),
+    ]);
+    assert_eq!(lines[0]["environment"]["seed"], 7);
+    let note = lines
+        .iter()
+        .find_map(|l| l.get("lookup_scale"))
+        .expect("the lookup_scale note");
+    assert_eq!(
+        note["checkpoints"],
+        serde_json::json!([500, 2000]),
+        "{note}"
+    );
+    // Filling reports each segment: 500 files, then 1500 more.
+    let filled: Vec<u64> = lines
+        .iter()
+        .filter_map(|l| l.get("lookup_scale_populate"))
+        .filter_map(|p| p["made"].as_u64())
+        .collect();
+    assert_eq!(filled, [500, 1500]);
+    let records = records(&lines);
+    for entries in [500, 2000] {
+        for target in ["local", "engine"] {
+            for by in ["name", "gfid"] {
+                for cache in ["cold", "warm"] {
+                    let r = records
+                        .iter()
+                        .find(|r| {
+                            let p = &r["params"];
+                            r["target"] == target
+                                && p["entries"] == entries
+                                && p["by"] == by
+                                && p["cache"] == cache
+                        })
+                        .unwrap_or_else(|| {
+                            panic!("no {target} lookup by {by} ({cache}) at {entries}")
+                        });
+                    assert_eq!(r["workload"], "lookup-scale");
+                    assert_eq!(r["reference"], "local", "{r}");
+                    assert!(r["ratio"].as_f64().is_some_and(|x| x > 0.0), "{r}");
+                    assert_eq!(r["params"]["samples"], 40, "{r}");
+                    assert_latencies(r);
+                }
+            }
+        }
+    }
+    assert_eq!(records.len(), 16);
+    assert_plot(&plot);
+}
+
+#[test]
+fn lookup_scale_refuses_a_file_system_without_the_inodes() {
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("skipped: kiln-bench lookup-scale needs root");
+        return;
+    }
+    // A 64 MiB ext4 has 16 384 inodes: far too few for a million entries.
+    let out = Command::new(env!("CARGO_BIN_EXE_kiln-bench"))
+        .args(["lookup-scale", "--max-entries", "1M", "--loop-fs-mib", "64"])
+        .output()
+        .expect("run kiln-bench");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--loop-fs-inodes"), "{stderr}");
+}
