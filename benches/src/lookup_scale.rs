@@ -61,7 +61,8 @@ pub struct LookupScaleBench {
     /// MKNODs in flight while filling.
     pub depth: usize,
     pub seed: u64,
-    pub plot: Option<PathBuf>,
+    /// Plot files to draw (.svg or .png each).
+    pub plots: Vec<PathBuf>,
 }
 
 pub const DEFAULT_MAX_ENTRIES: usize = 2_000_000;
@@ -155,7 +156,7 @@ pub fn run(
     scratch: &Scratch,
     out: &mut Reporter,
 ) -> anyhow::Result<Vec<Record>> {
-    if let Some(path) = &bench.plot {
+    for path in &bench.plots {
         plot::check_path(path)?;
     }
     if !rustix::process::geteuid().is_root() {
@@ -279,7 +280,7 @@ pub fn run(
         }
     }
     progress.finish();
-    if let Some(path) = &bench.plot {
+    if !bench.plots.is_empty() {
         let panel = |by: By, title: &str| Panel {
             title: title.into(),
             series: curves
@@ -301,8 +302,10 @@ pub fn run(
                 panel(By::Gfid, "by GFID (the handle)"),
             ],
         };
-        plot::lines(path, &chart)?;
-        out.note("plot", &json!(path.display().to_string()));
+        for path in &bench.plots {
+            plot::lines(path, &chart)?;
+            out.note("plot", &json!(path.display().to_string()));
+        }
     }
     Ok(records)
 }

@@ -201,9 +201,9 @@ enum Workload {
         /// `-o` options of `kiln mount` for the kiln-mount target.
         #[arg(long, value_delimiter = ',')]
         mount_options: Vec<String>,
-        /// Draw ops/s per op and target into this .svg or .png.
+        /// Draw ops/s per op and target into this .svg or .png (may be given again).
         #[arg(long)]
-        plot: Option<PathBuf>,
+        plot: Vec<PathBuf>,
     },
     /// Latency of one more open while N files are held open, N swept up to the open-file
     /// limit (raised to the hard limit first): plain files, the engine, the brick over QUIC.
@@ -219,9 +219,9 @@ enum Workload {
         samples: usize,
         #[arg(long, value_enum, value_delimiter = ',', default_values_t = [OpenTarget::Local, OpenTarget::Engine, OpenTarget::Volume])]
         targets: Vec<OpenTarget>,
-        /// Draw p50 and p99 against N into this .svg or .png.
+        /// Draw p50 and p99 against N into this .svg or .png (may be given again).
         #[arg(long)]
-        plot: Option<PathBuf>,
+        plot: Vec<PathBuf>,
     },
     /// LOOKUP latency by name and by GFID, cold and warm, as the brick's handle index grows
     /// to millions of entries, against fstatat on the same file system.
@@ -244,9 +244,9 @@ enum Workload {
         depth: usize,
         #[arg(long, default_value_t = lookup_scale::DEFAULT_SEED)]
         seed: u64,
-        /// Draw p50 against the entry count into this .svg or .png.
+        /// Draw p50 against the entry count into this .svg or .png (may be given again).
         #[arg(long)]
-        plot: Option<PathBuf>,
+        plot: Vec<PathBuf>,
     },
 }
 
@@ -379,7 +379,7 @@ fn main() -> anyhow::Result<()> {
                 fsync,
                 seed,
                 mount_options,
-                plot,
+                plots: plot,
             };
             smallfile::run(&bench, &scratch, &mut out)?;
         }
@@ -395,7 +395,7 @@ fn main() -> anyhow::Result<()> {
                 max_held,
                 samples,
                 targets,
-                plot,
+                plots: plot,
             };
             openfds::run(&bench, &scratch, &mut out)?;
         }
@@ -415,7 +415,7 @@ fn main() -> anyhow::Result<()> {
                 fanout,
                 depth,
                 seed,
-                plot,
+                plots: plot,
             };
             lookup_scale::run(&bench, &scratch, &mut out)?;
         }

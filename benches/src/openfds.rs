@@ -52,7 +52,8 @@ pub struct OpenfdsBench {
     pub max_held: Option<usize>,
     pub samples: usize,
     pub targets: Vec<OpenTarget>,
-    pub plot: Option<PathBuf>,
+    /// Plot files to draw (.svg or .png each).
+    pub plots: Vec<PathBuf>,
 }
 
 /// Where files are held and opened.
@@ -311,7 +312,7 @@ pub fn run(
     scratch: &Scratch,
     out: &mut Reporter,
 ) -> anyhow::Result<Vec<Record>> {
-    if let Some(path) = &bench.plot {
+    for path in &bench.plots {
         plot::check_path(path)?;
     }
     let mut targets = bench.targets.clone();
@@ -438,7 +439,7 @@ pub fn run(
         );
     }
     out.note("openfds_flatness", &serde_json::Value::Object(flatness));
-    if let Some(path) = &bench.plot {
+    for path in &bench.plots {
         draw(path, &counts, &measured, samples)?;
         out.note("plot", &json!(path.display().to_string()));
     }

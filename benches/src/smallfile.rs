@@ -90,7 +90,8 @@ pub struct SmallfileBench {
     pub seed: u64,
     /// `-o` options of `kiln mount` for the `kiln-mount` target.
     pub mount_options: Vec<String>,
-    pub plot: Option<PathBuf>,
+    /// Plot files to draw (.svg or .png each).
+    pub plots: Vec<PathBuf>,
 }
 
 /// One smallfile operation.
@@ -356,7 +357,7 @@ pub fn run(
     if bench.ops.is_empty() || bench.targets.is_empty() {
         bail!("--ops and --targets must name at least one each");
     }
-    if let Some(path) = &bench.plot {
+    for path in &bench.plots {
         plot::check_path(path)?;
     }
     let (threads, files, fanout) = (
@@ -443,7 +444,7 @@ pub fn run(
         bars.push((name, rates.into_iter().map(Some).collect()));
     }
     progress.finish();
-    if let Some(path) = &bench.plot {
+    if !bench.plots.is_empty() {
         let chart = BarChart {
             title: format!(
                 "smallfile: {threads} threads x {files} files of {} B, fanout {fanout}{}",
@@ -458,8 +459,10 @@ pub fn run(
                 .collect(),
             series: bars,
         };
-        plot::bars(path, &chart)?;
-        out.note("plot", &json!(path.display().to_string()));
+        for path in &bench.plots {
+            plot::bars(path, &chart)?;
+            out.note("plot", &json!(path.display().to_string()));
+        }
     }
     Ok(records)
 }

@@ -538,7 +538,7 @@ fn lookup_scale_workload_reports_every_checkpoint_cold_and_warm() {
         return;
     }
     let dir = tempfile::tempdir().expect("tempdir");
-    let plot = dir.path().join("lookup.svg");
+    let (plot, png) = (dir.path().join("lookup.svg"), dir.path().join("lookup.png"));
     let lines = run_json(&[
         "lookup-scale",
         "--max-entries",
@@ -553,6 +553,8 @@ fn lookup_scale_workload_reports_every_checkpoint_cold_and_warm() {
         "7",
         "--plot",
         plot.to_str().expect("utf-8 path"),
+        "--plot",
+        png.to_str().expect("utf-8 path"),
     ]);
     assert_eq!(lines[0]["environment"]["seed"], 7);
     let note = lines
@@ -599,6 +601,7 @@ fn lookup_scale_workload_reports_every_checkpoint_cold_and_warm() {
     }
     assert_eq!(records.len(), 16);
     assert_plot(&plot);
+    assert_plot(&png);
 }
 
 #[test]
