@@ -4,7 +4,8 @@
 //! Phases, each over `files` files spread across `dirs` directories: create (PUT: create +
 //! 4 KiB write + close), stat (LOOKUP by name), open/close (OPEN + RELEASE), unlink — at each
 //! queue depth (fops in flight), for the io_uring engine and the blocking engine. Then an
-//! open-latency sweep: p50/p99 of one more open while N files are already held open.
+//! open-latency sweep: p50/p99 of one more open while N files are already held open (the
+//! sweep of `kiln-bench openfds`, for std::fs and both engines).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -12,12 +13,14 @@ use std::time::Instant;
 use anyhow::Context;
 use bytes::Bytes;
 use hdrhistogram::Histogram;
-use kiln_dataplane::engine::{Engine, EngineConfig, EngineKind};
-use kiln_dataplane::{Brick, FopsConfig};
+use kiln_dataplane::engine::{Engine, EngineKind};
 use kiln_wire::*;
 use serde_json::json;
 
-use crate::report::{Record, Reporter};
+use crate::bricks::{Destination, kind_name, start_engine};
+use crate::openfds;
+use crate::progress::Progress;
+use crate::report::{Record, Reporter, micros};
 use crate::scratch::Scratch;
 
 /// What to run.
@@ -33,8 +36,6 @@ pub struct EngineBench {
 }
 
 const PHASES: [&str; 4] = ["create", "stat", "open_close", "unlink"];
-/// Fds the brick and the benchmark need besides the held-open files.
-const FD_HEADROOM: usize = 700;
 
 fn name(i: usize) -> Name {
     Name::new(format!("f{i:07}")).unwrap_or_else(|_| unreachable!("short ascii name"))
@@ -223,37 +224,6 @@ async fn engine_phase(
     Ok(files as f64 / start.elapsed().as_secs_f64())
 }
 
-fn start_engine(
-    path: &std::path::Path,
-    kind: EngineKind,
-    depth: usize,
-    open_max: usize,
-) -> anyhow::Result<(Arc<Brick>, Engine)> {
-    Brick::format(path)?;
-    let brick = Arc::new(Brick::open(path)?);
-    let mut config = EngineConfig {
-        kind,
-        fops: FopsConfig {
-            open_files_per_client_max: open_max,
-            ..FopsConfig::default()
-        },
-        ..EngineConfig::default()
-    };
-    if kind == EngineKind::Blocking {
-        // The reference thread pool gets one thread per fop in flight (capped).
-        config.workers = depth.clamp(2, 64);
-    }
-    let engine = Engine::start(&brick, &config)?;
-    Ok((brick, engine))
-}
-
-fn kind_name(kind: EngineKind) -> &'static str {
-    match kind {
-        EngineKind::Uring => "uring",
-        EngineKind::Blocking => "blocking",
-    }
-}
-
 /// Runs the whole benchmark, printing records as they are measured.
 pub fn run(
     bench: &EngineBench,
@@ -276,18 +246,13 @@ pub fn run(
     for phase in PHASES {
         let ops = std_phase(&std_dir, phase, bench.files, bench.dirs, &data)?;
         reference.insert(phase, ops);
-        let r = Record {
-            workload: format!("engine.{phase}"),
-            target: "std_loop".into(),
-            params: json!({ "files": bench.files, "dirs": bench.dirs, "depth": 1 }),
-            ops_per_s: Some(ops),
-            mib_per_s: None,
-            p50_us: None,
-            p99_us: None,
-            enters_per_op: None,
-            reference: "std_loop".into(),
-            ratio: 1.0,
-        };
+        let mut r = Record::new(
+            &format!("engine.{phase}"),
+            "std_loop",
+            json!({ "files": bench.files, "dirs": bench.dirs, "depth": 1 }),
+            "std_loop",
+        );
+        r.ops_per_s = Some(ops);
         out.print(&r);
         records.push(r);
     }
@@ -331,170 +296,77 @@ pub fn run(
                 let after = rt.block_on(engine.ring_stats());
                 let enters = (kind == EngineKind::Uring)
                     .then(|| (after.enters - before.enters) as f64 / bench.files as f64);
-                let r = Record {
-                    workload: format!("engine.{phase}"),
-                    target: kind_name(kind).into(),
-                    params: json!({ "files": bench.files, "dirs": bench.dirs, "depth": depth }),
-                    ops_per_s: Some(ops),
-                    mib_per_s: None,
-                    p50_us: None,
-                    p99_us: None,
-                    enters_per_op: enters,
-                    reference: "std_loop".into(),
-                    ratio: ops / reference[phase],
-                };
+                let mut r = Record::new(
+                    &format!("engine.{phase}"),
+                    kind_name(kind),
+                    json!({ "files": bench.files, "dirs": bench.dirs, "depth": depth }),
+                    "std_loop",
+                );
+                r.ops_per_s = Some(ops);
+                r.enters_per_op = enters;
+                r.ratio = ops / reference[phase];
                 out.print(&r);
                 records.push(r);
             }
         }
     }
-    records.extend(open_sweep(bench, scratch, out, &rt, &local, &data)?);
+    records.extend(open_sweep(bench, scratch, out, &rt)?);
     Ok(records)
 }
 
-fn held_counts(bench: &EngineBench) -> anyhow::Result<Vec<usize>> {
-    let (soft, _) = rustix::process::getrlimit(rustix::process::Resource::Nofile)
-        .current
-        .map_or((1024, 0), |c| (c as usize, 0));
-    let max = soft.saturating_sub(FD_HEADROOM).max(10);
-    Ok(bench
-        .open_sweep
-        .iter()
-        .map(|&n| if n == 0 || n > max { max } else { n })
-        .collect())
-}
-
-fn micros(h: &Histogram<u64>, q: f64) -> f64 {
-    h.value_at_quantile(q) as f64 / 1000.0
-}
-
-/// p50/p99 of one more open (and its release) while `held` files stay open.
+/// p50/p99 of one more open (its release untimed) while `held` files stay open, through
+/// the shared sweep of `kiln-bench openfds`.
 fn open_sweep(
     bench: &EngineBench,
     scratch: &Scratch,
     out: &mut Reporter,
     rt: &tokio::runtime::Runtime,
-    local: &tokio::task::LocalSet,
-    data: &Bytes,
 ) -> anyhow::Result<Vec<Record>> {
-    let counts = held_counts(bench)?;
-    let max = counts.iter().copied().max().unwrap_or(10);
+    let max = openfds::held_max();
+    // 0 (and anything above the limit) stands for "as many as the process may hold".
+    let asked: Vec<usize> = bench
+        .open_sweep
+        .iter()
+        .map(|&n| if n == 0 || n > max { max } else { n })
+        .collect();
+    let counts = openfds::counts(&asked, max);
+    let files = counts.last().copied().unwrap_or(0) + 1;
     let mut records = Vec::new();
     let mut base_p50: std::collections::HashMap<&str, f64> = std::collections::HashMap::new();
+    let quiet = Progress::hidden();
 
-    // std: hold N plain files, time File::open of another.
     let dir = scratch.path().join("std-open");
-    std::fs::create_dir_all(&dir)?;
-    for i in 0..=max {
-        std::fs::write(dir.join(format!("f{i}")), &data[..16])?;
-    }
-    for &held in &counts {
-        let keep: Vec<std::fs::File> = (0..held)
-            .map(|i| std::fs::File::open(dir.join(format!("f{i}"))))
-            .collect::<Result<_, _>>()?;
-        let mut h = Histogram::<u64>::new(3)?;
-        for _ in 0..bench.open_samples {
-            let start = Instant::now();
-            let f = std::fs::File::open(dir.join(format!("f{max}")))?;
-            h.record(start.elapsed().as_nanos() as u64)?;
-            drop(f);
-        }
-        drop(keep);
-        records.push(sweep_record("std_loop", held, &h, &mut base_p50, out));
+    openfds::make_local_files(&dir, files, &quiet)?;
+    let std_results = openfds::local_sweep(&dir, &counts, bench.open_samples, &quiet)?;
+    for (&held, point) in counts.iter().zip(&std_results) {
+        records.push(sweep_record(
+            "std_loop",
+            held,
+            &point.latency,
+            &mut base_p50,
+            out,
+        ));
     }
 
     for kind in [EngineKind::Blocking, EngineKind::Uring] {
         let path = scratch.path().join(format!("{}-open", kind_name(kind)));
-        let (_brick, engine) = start_engine(&path, kind, 2, max + 16)?;
-        let ids: Vec<Gfid> = (0..=max).map(|i| gfid(i, 0x0e)).collect();
-        let session = engine.session();
-        local.block_on(rt, async {
-            for (i, g) in ids.iter().enumerate() {
-                let put = fop_for("create", i, &[Gfid::ROOT], &data.slice(..16), &ids);
-                let _ = g;
-                session
-                    .call(root(), put)
-                    .await
-                    .map_err(|e| anyhow::anyhow!("put: {e}"))?;
-            }
-            Ok::<_, anyhow::Error>(())
-        })?;
-        let ids = Arc::new(ids);
-        for &held in &counts {
-            let h = match kind {
-                EngineKind::Uring => {
-                    let (tx, rx) = tokio::sync::oneshot::channel();
-                    let (ids, samples, session) =
-                        (ids.clone(), bench.open_samples, engine.session_id());
-                    rt.block_on(engine.run_on_worker(0, move |local| {
-                        tokio::task::spawn_local(async move {
-                            let result = measure_open(held, samples, &ids, |fop| {
-                                let local = local.clone();
-                                async move { local.call(session, &root(), fop).await }
-                            })
-                            .await;
-                            local.end_session(session).await;
-                            let _ = tx.send(result);
-                        });
-                    }))
-                    .map_err(|e| anyhow::anyhow!("run on worker: {e}"))?;
-                    rt.block_on(rx)??
-                }
-                EngineKind::Blocking => {
-                    let session = engine.session();
-                    local.block_on(
-                        rt,
-                        measure_open(held, bench.open_samples, &ids, |fop| {
-                            session.call(root(), fop)
-                        }),
-                    )?
-                }
-            };
-            records.push(sweep_record(kind_name(kind), held, &h, &mut base_p50, out));
+        let (_brick, engine) = start_engine(&path, kind, 2, files + 16)?;
+        let destination = Destination::Engine(&engine);
+        let gfids = openfds::make_brick_files(rt, destination, files, &quiet)?;
+        let results =
+            openfds::brick_sweep(rt, destination, gfids, &counts, bench.open_samples, &quiet)?;
+        for (&held, point) in counts.iter().zip(&results) {
+            let target = kind_name(kind);
+            records.push(sweep_record(
+                target,
+                held,
+                &point.latency,
+                &mut base_p50,
+                out,
+            ));
         }
     }
     Ok(records)
-}
-
-/// Holds `held` files open, then times `samples` opens (each released) of one more file.
-async fn measure_open<F, Fut>(
-    held: usize,
-    samples: usize,
-    ids: &[Gfid],
-    call: F,
-) -> anyhow::Result<Histogram<u64>>
-where
-    F: Fn(FopRequest) -> Fut,
-    Fut: Future<Output = Result<FopReply, ErrorCode>>,
-{
-    let open = |gfid| {
-        Open {
-            gfid,
-            access: AccessMode::ReadOnly,
-            flags: OpenFlags::empty(),
-        }
-        .into()
-    };
-    for (i, g) in ids.iter().take(held).enumerate() {
-        match call(open(*g)).await {
-            Ok(FopReply::Open(_)) => {}
-            other => anyhow::bail!("holding file {i}: {other:?}"),
-        }
-    }
-    let last = *ids.last().ok_or_else(|| anyhow::anyhow!("no files"))?;
-    let mut h = Histogram::<u64>::new(3)?;
-    for _ in 0..samples {
-        let start = Instant::now();
-        let reply = call(open(last)).await;
-        h.record(start.elapsed().as_nanos() as u64)?;
-        let Ok(FopReply::Open(o)) = reply else {
-            anyhow::bail!("open: {reply:?}")
-        };
-        call(Release { fd: o.fd }.into())
-            .await
-            .map_err(|e| anyhow::anyhow!("release: {e}"))?;
-    }
-    Ok(h)
 }
 
 fn sweep_record(
@@ -506,19 +378,15 @@ fn sweep_record(
 ) -> Record {
     let p50 = micros(h, 0.5);
     let first = *base.entry(target).or_insert(p50);
-    let r = Record {
-        workload: "engine.open_latency".into(),
-        target: target.into(),
-        params: json!({ "held_open": held }),
-        ops_per_s: None,
-        mib_per_s: None,
-        p50_us: Some(p50),
-        p99_us: Some(micros(h, 0.99)),
-        enters_per_op: None,
-        // Against the same target with the fewest files held: 1.0 means flat.
-        reference: format!("{target} at the smallest held_open"),
-        ratio: first / p50,
-    };
+    // Against the same target with the fewest files held: 1.0 means flat.
+    let mut r = Record::new(
+        "engine.open_latency",
+        target,
+        json!({ "held_open": held }),
+        &format!("{target} at the smallest held_open"),
+    );
+    r.set_latency(h);
+    r.ratio = first / p50;
     out.print(&r);
     r
 }

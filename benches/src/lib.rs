@@ -7,10 +7,17 @@
 //! Not a test suite: nothing here asserts timings. The wire codec's micro-benchmark lives in
 //! `wire/benches/codec.rs`.
 
+pub mod bricks;
 pub mod engine;
+pub mod lookup_scale;
 pub mod mgmt;
 pub mod mount;
 pub mod net;
+pub mod openfds;
+pub mod plot;
 pub mod process;
+pub mod progress;
 pub mod report;
+pub mod rng;
 pub mod scratch;
+pub mod smallfile;

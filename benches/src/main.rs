@@ -6,17 +6,31 @@
 //! kiln-bench mgmt [--sets N] [--tasks N] [--loop-fs-mib M] [--json]
 //! kiln-bench mount [--files N] [--dirs N] [--linux-source auto|off|PATH]
 //!                  [--targets local,bindfs,kiln,glusterfs] [--mount-options O,...] [--json]
+//! kiln-bench smallfile [--ops create,stat,read,...] [--targets local,engine,volume,kiln-mount,path=DIR]
+//!                  [--threads N] [--files N] [--file-bytes B] [--fanout N] [--fsync] [--seed S]
+//!                  [--plot FILE.svg|FILE.png] [--json]
+//! kiln-bench openfds [--held 0,10,100,...] [--max-held N] [--samples N]
+//!                  [--targets local,engine,volume] [--plot FILE.svg|FILE.png] [--json]
+//! kiln-bench lookup-scale [--max-entries 2M] [--checkpoints 1k,10k,100k,1M,2M] [--samples N]
+//!                  [--fanout N] [--depth N] [--seed S] [--plot FILE.svg|FILE.png] [--json]
 //! ```
+//!
+//! Every workload takes `--json`, `--scratch DIR` and, as root, `--loop-fs-mib M` (a fresh
+//! ext4 in a loop image; `--loop-fs-inodes N` for millions of files). A progress bar is
+//! drawn on stderr when it is a terminal.
 
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
 use kiln_bench::engine::{self, EngineBench};
+use kiln_bench::lookup_scale::{self, LookupScaleBench};
 use kiln_bench::mgmt::{self, MgmtBench};
 use kiln_bench::mount::{self, MountBench, Target};
 use kiln_bench::net::{self, NetBench};
+use kiln_bench::openfds::{self, OpenTarget, OpenfdsBench};
 use kiln_bench::report::{Reporter, environment};
 use kiln_bench::scratch::Scratch;
+use kiln_bench::smallfile::{self, Op, SmallfileBench, TargetSpec};
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -40,6 +54,9 @@ struct Cli {
     /// shared root file system).
     #[arg(long, global = true)]
     loop_fs_mib: Option<u64>,
+    /// Inodes of the loop ext4 (`mkfs.ext4 -N`), for millions of small files.
+    #[arg(long, global = true)]
+    loop_fs_inodes: Option<u64>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -153,6 +170,84 @@ enum Workload {
         #[arg(long, default_value_t = 3600)]
         phase_timeout_s: u64,
     },
+    /// Small-file operations in the spirit of the `smallfile` tool (create, stat, read,
+    /// append, chmod, xattrs, listings, rename, delete, mkdir, rmdir), each on every target:
+    /// plain syscalls on the scratch directory or any mount, the engine called directly, the
+    /// brick over QUIC, a Kiln FUSE mount. Ratios against the first target.
+    Smallfile {
+        /// Operations, in order (an op whose precondition is missing gets it set up first,
+        /// unmeasured).
+        #[arg(long, value_enum, value_delimiter = ',', default_values_t = Op::SEQUENCE)]
+        ops: Vec<Op>,
+        /// local, engine, volume, kiln-mount or path=DIR; the first is the reference.
+        #[arg(long, value_delimiter = ',', default_value = "local,engine,volume")]
+        targets: Vec<TargetSpec>,
+        /// Workers at once (OS threads on syscall targets, tasks on engine and volume).
+        #[arg(long, default_value_t = 4)]
+        threads: usize,
+        /// Files per thread.
+        #[arg(long, default_value_t = 5000)]
+        files: usize,
+        #[arg(long, default_value_t = 4096)]
+        file_bytes: usize,
+        /// Files per directory (directories are made as needed).
+        #[arg(long, default_value_t = 100)]
+        fanout: usize,
+        /// fsync every create and append before closing (PUT with O_SYNC on the brick).
+        #[arg(long)]
+        fsync: bool,
+        #[arg(long, default_value_t = smallfile::DEFAULT_SEED)]
+        seed: u64,
+        /// `-o` options of `kiln mount` for the kiln-mount target.
+        #[arg(long, value_delimiter = ',')]
+        mount_options: Vec<String>,
+        /// Draw ops/s per op and target into this .svg or .png (may be given again).
+        #[arg(long)]
+        plot: Vec<PathBuf>,
+    },
+    /// Latency of one more open while N files are held open, N swept up to the open-file
+    /// limit (raised to the hard limit first): plain files, the engine, the brick over QUIC.
+    Openfds {
+        /// Files held open at each point (the largest the limit allows is always added).
+        #[arg(long, value_delimiter = ',', default_values_t = openfds::DEFAULT_HELD)]
+        held: Vec<usize>,
+        /// Hold at most this many (default: RLIMIT_NOFILE less the brick's headroom).
+        #[arg(long)]
+        max_held: Option<usize>,
+        /// Opens timed at each point.
+        #[arg(long, default_value_t = 2000)]
+        samples: usize,
+        #[arg(long, value_enum, value_delimiter = ',', default_values_t = [OpenTarget::Local, OpenTarget::Engine, OpenTarget::Volume])]
+        targets: Vec<OpenTarget>,
+        /// Draw p50 and p99 against N into this .svg or .png (may be given again).
+        #[arg(long)]
+        plot: Vec<PathBuf>,
+    },
+    /// LOOKUP latency by name and by GFID, cold and warm, as the brick's handle index grows
+    /// to millions of entries, against fstatat on the same file system.
+    LookupScale {
+        /// Entries (files) on the brick at the end; accepts k and M (2M).
+        #[arg(long, value_parser = lookup_scale::parse_count, default_value = "2M")]
+        max_entries: usize,
+        /// Entry counts to measure at (the maximum is always added).
+        #[arg(long, value_parser = lookup_scale::parse_count, value_delimiter = ',',
+              default_value = "1k,10k,100k,1M,2M")]
+        checkpoints: Vec<usize>,
+        /// Random files looked up at each checkpoint, each way.
+        #[arg(long, default_value_t = 1000)]
+        samples: usize,
+        /// Files per directory.
+        #[arg(long, default_value_t = 1000)]
+        fanout: usize,
+        /// MKNODs in flight while filling the brick.
+        #[arg(long, default_value_t = 64)]
+        depth: usize,
+        #[arg(long, default_value_t = lookup_scale::DEFAULT_SEED)]
+        seed: u64,
+        /// Draw p50 against the entry count into this .svg or .png (may be given again).
+        #[arg(long)]
+        plot: Vec<PathBuf>,
+    },
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -163,9 +258,15 @@ enum EngineArg {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    let scratch = Scratch::new(cli.scratch.as_deref(), cli.loop_fs_mib)?;
+    let scratch = Scratch::new(cli.scratch.as_deref(), cli.loop_fs_mib, cli.loop_fs_inodes)?;
     let mut out = Reporter::new(cli.json);
-    let env = environment(&scratch.fs);
+    let seed = match &cli.workload {
+        Workload::Mount { seed, .. }
+        | Workload::Smallfile { seed, .. }
+        | Workload::LookupScale { seed, .. } => Some(*seed),
+        _ => None,
+    };
+    let env = environment(&scratch.fs, seed);
     if cli.json {
         println!("{}", serde_json::json!({ "environment": env }));
     } else {
@@ -255,6 +356,68 @@ fn main() -> anyhow::Result<()> {
                 phase_timeout: std::time::Duration::from_secs(phase_timeout_s),
             };
             mount::run(&bench, &scratch, &mut out)?;
+        }
+        Workload::Smallfile {
+            ops,
+            targets,
+            threads,
+            files,
+            file_bytes,
+            fanout,
+            fsync,
+            seed,
+            mount_options,
+            plot,
+        } => {
+            let bench = SmallfileBench {
+                ops,
+                targets,
+                threads,
+                files,
+                file_bytes,
+                fanout,
+                fsync,
+                seed,
+                mount_options,
+                plots: plot,
+            };
+            smallfile::run(&bench, &scratch, &mut out)?;
+        }
+        Workload::Openfds {
+            held,
+            max_held,
+            samples,
+            targets,
+            plot,
+        } => {
+            let bench = OpenfdsBench {
+                held,
+                max_held,
+                samples,
+                targets,
+                plots: plot,
+            };
+            openfds::run(&bench, &scratch, &mut out)?;
+        }
+        Workload::LookupScale {
+            max_entries,
+            checkpoints,
+            samples,
+            fanout,
+            depth,
+            seed,
+            plot,
+        } => {
+            let bench = LookupScaleBench {
+                max_entries,
+                checkpoints,
+                samples,
+                fanout,
+                depth,
+                seed,
+                plots: plot,
+            };
+            lookup_scale::run(&bench, &scratch, &mut out)?;
         }
     }
     Ok(())

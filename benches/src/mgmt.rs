@@ -61,7 +61,7 @@ use serde_json::json;
 use tokio::task::JoinSet;
 
 use crate::process::{log_tail, pid_of, wait_exit};
-use crate::report::{Record, Reporter};
+use crate::report::{Record, Reporter, histogram, micros, nanos};
 use crate::scratch::Scratch;
 
 /// What to run.
@@ -99,18 +99,6 @@ const SOCKET_PATH_MAX_BYTES: usize = 107;
 /// Attempts at finding a free port.
 const PORT_TRIES: usize = 50;
 
-fn histogram() -> anyhow::Result<Histogram<u64>> {
-    Ok(Histogram::new(3)?)
-}
-
-fn micros(h: &Histogram<u64>, q: f64) -> f64 {
-    h.value_at_quantile(q) as f64 / 1000.0
-}
-
-fn nanos(d: Duration) -> u64 {
-    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
-}
-
 /// Operations before measuring (cold caches, first file creation), not recorded.
 fn warmup(n: usize) -> usize {
     (n / 10).clamp(1, 20)
@@ -130,19 +118,11 @@ fn latency_record(
     h: &Histogram<u64>,
     floor_p50: f64,
 ) -> Record {
-    let p50 = micros(h, 0.5);
-    Record {
-        workload: workload.into(),
-        target: target.into(),
-        params,
-        ops_per_s: Some(rate),
-        mib_per_s: None,
-        p50_us: Some(p50),
-        p99_us: Some(micros(h, 0.99)),
-        enters_per_op: None,
-        reference: REFERENCE.into(),
-        ratio: floor_p50 / p50,
-    }
+    let mut r = Record::new(workload, target, params, REFERENCE);
+    r.ops_per_s = Some(rate);
+    r.set_latency(h);
+    r.ratio = floor_p50 / micros(h, 0.5);
+    r
 }
 
 /// Runs the whole benchmark, printing records as they are measured.
@@ -256,7 +236,7 @@ fn fsync_floor(dir: &Path, n: usize) -> anyhow::Result<(f64, Histogram<u64>)> {
     for _ in 0..n {
         let t = Instant::now();
         replace().with_context(|| format!("replacing {}", target.display()))?;
-        h.record(nanos(t.elapsed()).max(1))?;
+        h.record(nanos(t.elapsed()))?;
     }
     Ok((n as f64 / start.elapsed().as_secs_f64(), h))
 }
@@ -330,7 +310,7 @@ async fn store_sequential(
     let start = Instant::now();
     for i in warm..warm + n {
         let elapsed = timed_commit(&store, set_change(i)?).await?;
-        h.record(nanos(elapsed).max(1))?;
+        h.record(nanos(elapsed))?;
     }
     let rate = n as f64 / start.elapsed().as_secs_f64();
     Ok((rate, h, stats_since(store.stats(), before)))
@@ -358,7 +338,7 @@ async fn store_group(
             let mut h = histogram()?;
             for i in (k..n).step_by(tasks) {
                 let elapsed = timed_commit(&store, set_change(warm + i)?).await?;
-                h.record(nanos(elapsed).max(1))?;
+                h.record(nanos(elapsed))?;
             }
             anyhow::Ok(h)
         });
@@ -669,7 +649,7 @@ fn cli_sets(m: &Mgmtd, n: usize, next: &mut usize) -> anyhow::Result<(f64, Histo
         let v = value(*next);
         *next += 1;
         let ran = m.ok(&["volume", "set", VOLUME_NAME, KEY, &v])?;
-        h.record(nanos(ran.elapsed).max(1))?;
+        h.record(nanos(ran.elapsed))?;
         applied += usize::from(applied_live(&ran));
     }
     Ok((n as f64 / start.elapsed().as_secs_f64(), h, applied))

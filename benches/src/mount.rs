@@ -69,7 +69,8 @@ use serde_json::json;
 
 use crate::process::{log_tail, pid_of, wait_exit};
 use crate::report::{Record, Reporter};
-use crate::scratch::Scratch;
+use crate::rng::Rng;
+use crate::scratch::{Scratch, drop_caches, sync_file_systems};
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -438,36 +439,6 @@ fn prepare_tree(
     Ok(tree)
 }
 
-/// SplitMix64: small, seedable, good enough for shapes and sizes.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [0, 1).
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
-
-    /// Uniform in 0..n (n > 0).
-    fn below(&mut self, n: usize) -> usize {
-        (self.unit() * n as f64) as usize % n.max(1)
-    }
-
-    /// A standard normal sample (Box–Muller).
-    fn normal(&mut self) -> f64 {
-        let u1 = 1.0 - self.unit();
-        let u2 = self.unit();
-        (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
-    }
-}
-
 /// A generated file's size: log-normal around the median, capped.
 fn file_size(rng: &mut Rng) -> usize {
     let size = FILE_BYTES_MEDIAN * (FILE_BYTES_SIGMA * rng.normal()).exp();
@@ -481,7 +452,7 @@ const EXTENSIONS: [&str; 6] = [".c", ".h", ".c", ".h", ".S", ".txt"];
 /// directories before it (chosen as `i·u²`, so near the top), files land in random
 /// directories. Every choice comes from `shape.seed`.
 fn generate(shape: TreeShape, dir: &Path) -> anyhow::Result<()> {
-    let mut rng = Rng(shape.seed);
+    let mut rng = Rng::new(shape.seed);
     let dirs = shape.dirs.max(1);
     let mut paths: Vec<PathBuf> = Vec::with_capacity(dirs);
     let top = dir.join(TREE_TOP);
@@ -623,15 +594,11 @@ impl Caches {
 
     /// Syncs the file systems of `paths` and, if asked and allowed, drops the caches.
     fn drop_before(&mut self, paths: &[&Path], out: &mut Reporter) {
-        for path in paths {
-            if let Ok(dir) = std::fs::File::open(path) {
-                let _ = rustix::fs::syncfs(&dir);
-            }
-        }
+        sync_file_systems(paths);
         if !self.drop || self.failed.is_some() {
             return;
         }
-        if let Err(e) = std::fs::write("/proc/sys/vm/drop_caches", "3") {
+        if let Err(e) = drop_caches() {
             self.failed = Some(e.to_string());
             out.note("caches", &json!(self.describe()));
         }
@@ -1152,7 +1119,7 @@ impl Place {
                 place.detail = json!({ "bindfs": version("bindfs"), "options": bench.bindfs_options.join(","),
                                        "backing": src.display().to_string() });
             }
-            Target::Kiln => place.start_kiln(bench, &dir, logs)?,
+            Target::Kiln => place.start_kiln(&bench.mount_options, &dir, logs)?,
             Target::Glusterfs => {
                 let volume = bench.glusterfs_volume.as_deref().unwrap_or_default();
                 let (server, volume_id) = volume.split_once(":/").with_context(|| {
@@ -1190,7 +1157,12 @@ impl Place {
     }
 
     /// A fresh brick, `kiln-brickd serve` on loopback, and `kiln mount -f` of it.
-    fn start_kiln(&mut self, bench: &MountBench, dir: &Path, logs: &Path) -> anyhow::Result<()> {
+    fn start_kiln(
+        &mut self,
+        mount_options: &[String],
+        dir: &Path,
+        logs: &Path,
+    ) -> anyhow::Result<()> {
         let bins = Bins::beside_this_executable()?;
         let tls = dir.join("tls");
         pki::init_ca(&tls).context("cluster CA")?;
@@ -1256,7 +1228,7 @@ impl Place {
             .arg(addr.to_string())
             .arg(&mnt)
             .arg("-f");
-        for option in &bench.mount_options {
+        for option in mount_options {
             cmd.arg("-o").arg(option);
         }
         cmd.stdout(Stdio::null());
@@ -1274,7 +1246,7 @@ impl Place {
         self.detail = json!({
             "brick": brick.display().to_string(),
             "brickd": addr.to_string(),
-            "mount_options": bench.mount_options.join(","),
+            "mount_options": mount_options.join(","),
             "binaries": bins.kiln.parent().map(|p| p.display().to_string()),
         });
         Ok(())
@@ -1306,6 +1278,49 @@ impl Place {
                 );
             }
         }
+        Ok(note)
+    }
+}
+
+/// A Kiln FUSE mount of a fresh brick for the other workloads (`smallfile --targets
+/// kiln-mount`): `kiln-brickd serve` and `kiln mount -f` started exactly as the `kiln` target
+/// here starts them, logs in `DIR/logs`. [`KilnMount::finish`] unmounts it and stops both,
+/// failing unless they exit cleanly; dropping it unmounts and stops them anyway.
+#[derive(Debug)]
+pub struct KilnMount {
+    place: Place,
+}
+
+impl KilnMount {
+    pub fn start(dir: &Path, mount_options: &[String]) -> anyhow::Result<KilnMount> {
+        if !Path::new("/dev/fuse").exists() {
+            bail!("/dev/fuse is missing (no FUSE in this kernel or container)");
+        }
+        // Mount tables list canonical paths.
+        let dir = dir.canonicalize()?;
+        let logs = dir.join("logs");
+        std::fs::create_dir_all(&logs)?;
+        let mut place = Place {
+            target: Target::Kiln,
+            base: dir.clone(),
+            mount: None,
+            brickd: None,
+            detail: json!({}),
+        };
+        place.start_kiln(mount_options, &dir, &logs)?;
+        Ok(KilnMount { place })
+    }
+
+    /// The mount point.
+    pub fn path(&self) -> &Path {
+        &self.place.base
+    }
+
+    /// Unmounts, stops the servers and says how they ended.
+    pub fn finish(self) -> anyhow::Result<serde_json::Value> {
+        let detail = self.place.detail.clone();
+        let mut note = self.place.finish()?;
+        note["detail"] = detail;
         Ok(note)
     }
 }
@@ -1352,19 +1367,16 @@ fn phase_records(
     seconds: &BTreeMap<(Phase, Target), f64>,
 ) -> Vec<Record> {
     let secs = measured.seconds.max(1e-9);
-    let row = |reference: Target, ratio: f64| Record {
-        workload: phase.workload().into(),
-        target: target.name().into(),
-        params: json!({ "files": tree.files, "dirs": tree.dirs, "seconds": round(measured.seconds) }),
-        ops_per_s: Some(tree.files as f64 / secs),
-        mib_per_s: measured
+    let row = |reference: Target, ratio: f64| {
+        let params =
+            json!({ "files": tree.files, "dirs": tree.dirs, "seconds": round(measured.seconds) });
+        let mut r = Record::new(phase.workload(), target.name(), params, reference.name());
+        r.ops_per_s = Some(tree.files as f64 / secs);
+        r.mib_per_s = measured
             .stream_bytes
-            .map(|b| b as f64 / (1u64 << 20) as f64 / secs),
-        p50_us: None,
-        p99_us: None,
-        enters_per_op: None,
-        reference: reference.name().into(),
-        ratio,
+            .map(|b| b as f64 / (1u64 << 20) as f64 / secs);
+        r.ratio = ratio;
+        r
     };
     let rows: Vec<Record> = references(target)
         .iter()
@@ -1430,23 +1442,13 @@ mod tests {
 
     #[test]
     fn generated_sizes_have_the_asked_median_and_a_tail() {
-        let mut rng = Rng(DEFAULT_SEED);
+        let mut rng = Rng::new(DEFAULT_SEED);
         let mut sizes: Vec<usize> = (0..20_000).map(|_| file_size(&mut rng)).collect();
         sizes.sort_unstable();
         let median = sizes[sizes.len() / 2];
         assert!((3500..4700).contains(&median), "median {median}");
         assert!(sizes[sizes.len() * 99 / 100] > 50_000, "no tail");
         assert!(sizes.iter().all(|&s| s <= FILE_BYTES_MAX));
-    }
-
-    #[test]
-    fn the_same_seed_makes_the_same_choices() {
-        let (mut a, mut b) = (Rng(7), Rng(7));
-        for _ in 0..100 {
-            assert_eq!(a.next(), b.next());
-        }
-        let mut r = Rng(1);
-        assert!((0..10_000).all(|_| r.below(16) < 16));
     }
 
     #[test]

@@ -46,11 +46,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use bytes::Bytes;
 use hdrhistogram::Histogram;
-use kiln_client::{ConnectOptions, Volume};
-use kiln_dataplane::Brick;
-use kiln_dataplane::engine::{Engine, EngineConfig, EngineKind, Session};
-use kiln_dataplane::server::{Server, ServerConfig};
-use kiln_mgmt::pki::{self, Role};
+use kiln_client::Volume;
+use kiln_dataplane::engine::{EngineConfig, EngineKind, Session};
+use kiln_dataplane::server::Server;
 use kiln_wire::limits::IO_SIZE_MAX_BYTES;
 use kiln_wire::quic::UDP_PAYLOAD_MAX_BYTES;
 use kiln_wire::*;
@@ -58,7 +56,8 @@ use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::task::JoinSet;
 
-use crate::report::{Record, Reporter};
+use crate::bricks::{Served, kind_name};
+use crate::report::{Record, Reporter, histogram, micros, nanos};
 use crate::scratch::Scratch;
 
 /// What to run.
@@ -95,21 +94,6 @@ const UDP_PAYLOAD_MIN_BYTES: u16 = 1200;
 const ACCEPT_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long the servers get to drain at the end.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
-/// The client identity's name.
-const CLIENT_NAME: &str = "bench";
-const BRICK_NAME: &str = "bench-brick";
-
-fn histogram() -> anyhow::Result<Histogram<u64>> {
-    Ok(Histogram::new(3)?)
-}
-
-fn micros(h: &Histogram<u64>, q: f64) -> f64 {
-    h.value_at_quantile(q) as f64 / 1000.0
-}
-
-fn nanos(d: Duration) -> u64 {
-    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
-}
 
 /// A latency histogram shared by the tasks of one phase (one lock per operation, so memory
 /// stays one histogram whatever the concurrency).
@@ -118,7 +102,7 @@ type SharedHistogram = Arc<Mutex<Histogram<u64>>>;
 fn record_into(h: &SharedHistogram, elapsed: Duration) -> anyhow::Result<()> {
     h.lock()
         .map_err(|_| anyhow::anyhow!("histogram lock poisoned"))?
-        .record(nanos(elapsed).max(1))?;
+        .record(nanos(elapsed))?;
     Ok(())
 }
 
@@ -129,35 +113,8 @@ fn take(h: SharedHistogram) -> anyhow::Result<Histogram<u64>> {
         .map_err(|_| anyhow::anyhow!("histogram lock poisoned"))
 }
 
-/// Sets `r`'s p50 and p99 from the latency histogram `h`.
-fn set_latency(r: &mut Record, h: &Histogram<u64>) {
-    (r.p50_us, r.p99_us) = (Some(micros(h, 0.5)), Some(micros(h, 0.99)));
-}
-
-fn record(workload: &str, target: &str, params: serde_json::Value, reference: &str) -> Record {
-    Record {
-        workload: workload.into(),
-        target: target.into(),
-        params,
-        ops_per_s: None,
-        mib_per_s: None,
-        p50_us: None,
-        p99_us: None,
-        enters_per_op: None,
-        reference: reference.into(),
-        ratio: 1.0,
-    }
-}
-
 fn file_name(i: usize) -> anyhow::Result<Name> {
     Ok(Name::new(format!("f{i:07}"))?)
-}
-
-fn kind_name(kind: EngineKind) -> &'static str {
-    match kind {
-        EngineKind::Uring => "uring",
-        EngineKind::Blocking => "blocking",
-    }
 }
 
 fn client_runtime(threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
@@ -210,70 +167,17 @@ fn note_udp(out: &mut Reporter, phase: &str, before: Option<&Vec<(String, i64)>>
     }
 }
 
-/// The brick, its engine and where its TLS material lives.
-struct Setup {
-    brick: Arc<Brick>,
-    engine: Engine,
-    tls_dir: tempfile::TempDir,
-    brick_identity: pki::Identity,
-    endpoints: usize,
-}
-
-fn setup(bench: &NetBench, scratch: &Scratch) -> anyhow::Result<Setup> {
-    let tls_dir = tempfile::tempdir_in(scratch.path())?;
-    pki::init_ca(tls_dir.path()).context("cluster CA")?;
-    let brick_role = Role::Brick {
-        hosts: vec!["127.0.0.1".into(), "localhost".into()],
-    };
-    let brick_files =
-        pki::issue(tls_dir.path(), &brick_role, BRICK_NAME, 1).context("brick certificate")?;
-    pki::issue(tls_dir.path(), &Role::Client, CLIENT_NAME, 1).context("client certificate")?;
-    let brick_identity = pki::load_identity(&pki::ca_files(tls_dir.path()).cert, &brick_files)
-        .context("brick identity")?;
-
-    let brick_dir = scratch.path().join("brick");
-    Brick::format(&brick_dir)?;
-    let brick = Arc::new(Brick::open(&brick_dir)?);
+fn setup(bench: &NetBench, scratch: &Scratch) -> anyhow::Result<Served> {
     let config = EngineConfig {
         kind: bench.engine,
         ..EngineConfig::default()
     };
-    let engine = Engine::start(&brick, &config)?;
-    Ok(Setup {
-        brick,
-        engine,
-        tls_dir,
-        brick_identity,
-        endpoints: bench.endpoints,
-    })
-}
-
-/// The bench client's options for the server at `addr`, UDP payloads capped at `udp_payload`.
-fn client_options(
-    setup: &Setup,
-    addr: SocketAddr,
-    udp_payload: u16,
-) -> anyhow::Result<ConnectOptions> {
-    let mut options = ConnectOptions::from_tls_dir(addr, setup.tls_dir.path(), CLIENT_NAME)?;
-    options.udp_payload_max_bytes = udp_payload;
-    Ok(options)
-}
-
-/// Starts a server on a new port with UDP payloads capped at `udp_payload`, and connects a
-/// client to it with the same cap. Run inside the client runtime.
-async fn serve_and_connect(setup: &Setup, udp_payload: u16) -> anyhow::Result<(Server, Volume)> {
-    let listen: SocketAddr = "127.0.0.1:0".parse()?;
-    let mut config = ServerConfig::new(listen, setup.brick_identity.clone());
-    config.volume = "bench".into();
-    config.udp_payload_max_bytes = udp_payload;
-    if setup.endpoints > 0 {
-        config.endpoints = setup.endpoints;
-    }
-    let server = Server::start(&setup.engine, setup.brick.id, config).await?;
-    let volume = Volume::connect(client_options(setup, server.local_addr(), udp_payload)?)
-        .await
-        .with_context(|| format!("connecting to {}", server.local_addr()))?;
-    Ok((server, volume))
+    Served::start(
+        &scratch.path().join("brick"),
+        &scratch.path(),
+        &config,
+        bench.endpoints,
+    )
 }
 
 /// Runs the whole benchmark, printing records as they are measured.
@@ -291,7 +195,7 @@ pub fn run(bench: &NetBench, scratch: &Scratch, out: &mut Reporter) -> anyhow::R
     }
     let setup = setup(bench, scratch)?;
     let rt = client_runtime(bench.client_threads)?;
-    let (server, volume) = rt.block_on(serve_and_connect(&setup, bench.udp_payload))?;
+    let (server, volume) = rt.block_on(setup.serve_and_connect(bench.udp_payload))?;
     let ping_frame = Message::Request(Request {
         id: 1,
         call: Call::Ping(Ping { nonce: 1 }),
@@ -323,7 +227,7 @@ pub fn run(bench: &NetBench, scratch: &Scratch, out: &mut Reporter) -> anyhow::R
     // them over the brick's endpoints.
     let mut volumes = vec![volume.clone()];
     for _ in 1..bench.connections.max(1) {
-        let options = client_options(&setup, server.local_addr(), bench.udp_payload)?;
+        let options = setup.client_options(server.local_addr(), bench.udp_payload)?;
         volumes.push(rt.block_on(Volume::connect(options))?);
     }
     let volumes = Arc::new(volumes);
@@ -375,7 +279,7 @@ where
 fn create(
     bench: &NetBench,
     scratch: &Scratch,
-    setup: &Setup,
+    setup: &Served,
     rt: &tokio::runtime::Runtime,
     volumes: &Arc<Vec<Volume>>,
     out: &mut Reporter,
@@ -403,12 +307,12 @@ fn create(
             .join(format!("f{i:07}"));
         let t = Instant::now();
         std::fs::File::create(&path)?.write_all(&data)?;
-        h.record(nanos(t.elapsed()).max(1))?;
+        h.record(nanos(t.elapsed()))?;
     }
     let std_rate = bench.files as f64 / start.elapsed().as_secs_f64();
-    let mut r = record("net.create", "std_loop", params(1), "std_loop");
+    let mut r = Record::new("net.create", "std_loop", params(1), "std_loop");
     r.ops_per_s = Some(std_rate);
-    set_latency(&mut r, &h);
+    r.set_latency(&h);
     out.print(&r);
     records.push(r);
 
@@ -433,14 +337,14 @@ fn create(
             put,
         ))?;
         drop(session);
-        let mut r = record(
+        let mut r = Record::new(
             "net.create",
             "engine_direct",
             params(concurrency),
             "std_loop",
         );
         r.ops_per_s = Some(direct_rate);
-        set_latency(&mut r, &h);
+        r.set_latency(&h);
         r.ratio = direct_rate / std_rate;
         out.print(&r);
         records.push(r);
@@ -475,9 +379,9 @@ fn create(
             &format!("net.create quic concurrency={concurrency}"),
             udp.as_ref(),
         );
-        let mut r = record("net.create", "quic", params(concurrency), "std_loop");
+        let mut r = Record::new("net.create", "quic", params(concurrency), "std_loop");
         r.ops_per_s = Some(quic_rate);
-        set_latency(&mut r, &h);
+        r.set_latency(&h);
         r.ratio = quic_rate / std_rate;
         out.print(&r);
         records.push(r.clone());
@@ -627,7 +531,7 @@ fn ping(
             stream.write_all(&buf).await?;
             stream.read_exact(&mut buf).await?;
             if i >= warm {
-                h.record(nanos(t.elapsed()).max(1))?;
+                h.record(nanos(t.elapsed()))?;
             }
         }
         anyhow::Ok((pings as f64 / start.elapsed().as_secs_f64(), h))
@@ -635,13 +539,14 @@ fn ping(
     join_peer(peer)?;
     let tcp_p50 = micros(&tcp, 0.5);
     let mut records = Vec::new();
-    let mut r = record(
+    let mut r = Record::new(
         "net.ping",
         "tcp",
         json!({ "pings": pings, "bytes": TCP_PING_BYTES, "nodelay": true }),
         "tcp",
     );
-    (r.ops_per_s, r.p50_us, r.p99_us) = (Some(tcp_rate), Some(tcp_p50), Some(micros(&tcp, 0.99)));
+    r.ops_per_s = Some(tcp_rate);
+    r.set_latency(&tcp);
     out.print(&r);
     records.push(r);
 
@@ -656,21 +561,21 @@ fn ping(
             let t = Instant::now();
             volume.ping().await.with_context(|| format!("PING {i}"))?;
             if i >= warm {
-                h.record(nanos(t.elapsed()).max(1))?;
+                h.record(nanos(t.elapsed()))?;
             }
         }
         anyhow::Ok((pings as f64 / start.elapsed().as_secs_f64(), h))
     })?;
     note_udp(out, "net.ping quic", udp.as_ref());
-    let mut r = record(
+    let mut r = Record::new(
         "net.ping",
         "quic",
         json!({ "pings": pings, "frame_bytes": frame_bytes }),
         "tcp",
     );
-    let p50 = micros(&quic, 0.5);
-    (r.ops_per_s, r.p50_us, r.p99_us) = (Some(quic_rate), Some(p50), Some(micros(&quic, 0.99)));
-    r.ratio = tcp_p50 / p50;
+    r.ops_per_s = Some(quic_rate);
+    r.set_latency(&quic);
+    r.ratio = tcp_p50 / micros(&quic, 0.5);
     out.print(&r);
     records.push(r);
     Ok(records)
@@ -692,7 +597,7 @@ const BULK_PATTERNS: usize = 4;
 /// (c) bulk: TCP copy, then QUIC write + read once per UDP payload cap.
 fn bulk(
     bench: &NetBench,
-    setup: &Setup,
+    setup: &Served,
     rt: &tokio::runtime::Runtime,
     first: (Server, Volume),
     out: &mut Reporter,
@@ -730,7 +635,7 @@ fn bulk(
         anyhow::Ok(mib as f64 / start.elapsed().as_secs_f64())
     })?;
     join_peer(peer)?;
-    let mut r = record(
+    let mut r = Record::new(
         "net.bulk",
         "tcp",
         json!({ "mib": mib, "request_kib": BULK_REQUEST_BYTES / 1024 }),
@@ -749,7 +654,7 @@ fn bulk(
     });
     let chunks: Arc<Vec<Bytes>> = Arc::new((0..BULK_PATTERNS).map(bulk_chunk).collect());
     for &udp_payload in &bench.bulk_udp_payloads {
-        let (server, volume) = rt.block_on(serve_and_connect(setup, udp_payload))?;
+        let (server, volume) = rt.block_on(setup.serve_and_connect(udp_payload))?;
         let params = json!({ "mib": mib, "request_kib": BULK_REQUEST_BYTES / 1024,
                              "inflight": bench.bulk_inflight.max(1), "udp_payload": udp_payload });
         let path = format!("/bulk-{udp_payload}");
@@ -785,9 +690,9 @@ fn bulk(
             }
             anyhow::Ok(())
         })?;
-        let mut r = record("net.bulk_write", "quic", params.clone(), "tcp");
+        let mut r = Record::new("net.bulk_write", "quic", params.clone(), "tcp");
         r.mib_per_s = Some(write_rate);
-        set_latency(&mut r, &h);
+        r.set_latency(&h);
         r.ratio = write_rate / tcp_rate;
         out.print(&r);
         records.push(r);
@@ -822,9 +727,9 @@ fn bulk(
             volume.remove_all(&path).await?;
             anyhow::Ok(())
         })?;
-        let mut r = record("net.bulk_read", "quic", params, "tcp");
+        let mut r = Record::new("net.bulk_read", "quic", params, "tcp");
         r.mib_per_s = Some(read_rate);
-        set_latency(&mut r, &h);
+        r.set_latency(&h);
         r.ratio = read_rate / tcp_rate;
         out.print(&r);
         records.push(r);
@@ -856,7 +761,7 @@ where
         if tasks.len() >= inflight
             && let Some(done) = tasks.join_next().await
         {
-            h.record(nanos(done??).max(1))?;
+            h.record(nanos(done??))?;
         }
         let request = io(i);
         tasks.spawn(async move {
@@ -866,7 +771,7 @@ where
         });
     }
     while let Some(done) = tasks.join_next().await {
-        h.record(nanos(done??).max(1))?;
+        h.record(nanos(done??))?;
     }
     Ok((mib as f64 / start.elapsed().as_secs_f64(), h))
 }

@@ -32,13 +32,21 @@ fn run(cmd: &str, args: &[&str]) -> anyhow::Result<()> {
 
 impl Scratch {
     /// `under`: where to make the directory (default: the system temp dir). `loop_mib`: when
-    /// set, mount a fresh ext4 of that size there first.
-    pub fn new(under: Option<&Path>, loop_mib: Option<u64>) -> anyhow::Result<Scratch> {
+    /// set, mount a fresh ext4 of that size there first, with `loop_inodes` inodes when given
+    /// (mkfs's default is one per 16 KiB: too few for millions of small files).
+    pub fn new(
+        under: Option<&Path>,
+        loop_mib: Option<u64>,
+        loop_inodes: Option<u64>,
+    ) -> anyhow::Result<Scratch> {
         let dir = match under {
             Some(p) => tempfile::tempdir_in(p)?,
             None => tempfile::tempdir()?,
         };
         let Some(mib) = loop_mib else {
+            if loop_inodes.is_some() {
+                bail!("--loop-fs-inodes needs --loop-fs-mib");
+            }
             return Ok(Scratch {
                 fs: fs_type(dir.path()),
                 dir,
@@ -57,10 +65,20 @@ impl Scratch {
             image.to_string_lossy().into_owned(),
             mnt.to_string_lossy().into_owned(),
         );
-        run("mkfs.ext4", &["-q", "-F", "-E", "nodiscard", &image_s])?;
+        let inodes = loop_inodes.map(|n| n.to_string());
+        let mut mkfs = vec!["-q", "-F", "-E", "nodiscard"];
+        if let Some(n) = &inodes {
+            mkfs.extend(["-N", n]);
+        }
+        mkfs.push(&image_s);
+        run("mkfs.ext4", &mkfs)?;
         run("mount", &["-o", "loop", &image_s, &mnt_s])?;
+        let fs = match loop_inodes {
+            Some(n) => format!("ext4 (fresh loop image, {mib} MiB, {n} inodes asked)"),
+            None => format!("ext4 (fresh loop image, {mib} MiB)"),
+        };
         Ok(Scratch {
-            fs: "ext4 (fresh loop image)".into(),
+            fs,
             dir,
             mounted: true,
         })
@@ -91,7 +109,8 @@ impl Drop for Scratch {
     }
 }
 
-fn fs_type(path: &Path) -> String {
+/// The type of the file system `path` is on, by name where known.
+pub fn fs_type(path: &Path) -> String {
     match rustix::fs::statfs(path) {
         Ok(s) => match s.f_type {
             0xEF53 => "ext4".into(),
@@ -102,4 +121,20 @@ fn fs_type(path: &Path) -> String {
         },
         Err(_) => "unknown".into(),
     }
+}
+
+/// Writes out the dirty data and metadata of the file systems holding `paths` (`syncfs`), so
+/// that dropping the caches afterwards drops everything they cache.
+pub fn sync_file_systems(paths: &[&Path]) {
+    for path in paths {
+        if let Ok(dir) = std::fs::File::open(path) {
+            let _ = rustix::fs::syncfs(&dir);
+        }
+    }
+}
+
+/// Drops the kernel's clean page, dentry and inode caches (`echo 3 >
+/// /proc/sys/vm/drop_caches`; root only). Whatever is still dirty stays: sync first.
+pub fn drop_caches() -> std::io::Result<()> {
+    std::fs::write("/proc/sys/vm/drop_caches", "3")
 }

@@ -1,0 +1,258 @@
+//! The bricks the workloads measure, set up one way for all of them: a fresh brick with its
+//! engine; the same brick served over QUIC in this process (mutual TLS material from
+//! `kiln_mgmt::pki`, a client [`Volume`] connected to it); and [`Caller`], which sends one
+//! fop sequence to either, so a workload writes its fops once for the `engine` and `volume`
+//! targets.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::rc::Rc;
+use std::sync::Arc;
+
+use anyhow::Context;
+use kiln_client::{ConnectOptions, Volume};
+use kiln_dataplane::engine::{Engine, EngineConfig, EngineKind, LocalEngine, Session};
+use kiln_dataplane::server::{Server, ServerConfig};
+use kiln_dataplane::{Brick, FopsConfig, SessionId};
+use kiln_mgmt::pki::{self, Role};
+use kiln_wire::{Creds, FopReply, FopRequest, Gfid};
+
+use crate::rng::Rng;
+
+/// The client identity's name.
+const CLIENT_NAME: &str = "bench";
+const BRICK_NAME: &str = "bench-brick";
+
+/// Formats `path` as a brick, opens it and starts an engine of `kind` on it. The blocking
+/// engine gets one pool thread per fop in flight (`depth`, capped); `open_max` bounds the
+/// files one session may hold open.
+pub fn start_engine(
+    path: &Path,
+    kind: EngineKind,
+    depth: usize,
+    open_max: usize,
+) -> anyhow::Result<(Arc<Brick>, Engine)> {
+    Brick::format(path)?;
+    let mut config = EngineConfig {
+        kind,
+        fops: FopsConfig {
+            open_files_per_client_max: open_max,
+            ..FopsConfig::default()
+        },
+        ..EngineConfig::default()
+    };
+    if kind == EngineKind::Blocking {
+        // The reference thread pool gets one thread per fop in flight (capped).
+        config.workers = depth.clamp(2, 64);
+    }
+    open_engine(path, &config)
+}
+
+/// Opens an existing brick and starts a fresh engine on it (empty caches and fd tables).
+pub fn open_engine(path: &Path, config: &EngineConfig) -> anyhow::Result<(Arc<Brick>, Engine)> {
+    let brick = Arc::new(Brick::open(path)?);
+    let engine = Engine::start(&brick, config)?;
+    Ok((brick, engine))
+}
+
+pub fn kind_name(kind: EngineKind) -> &'static str {
+    match kind {
+        EngineKind::Uring => "uring",
+        EngineKind::Blocking => "blocking",
+    }
+}
+
+/// A brick with its engine, ready to be served over QUIC: its TLS material (a throwaway CA,
+/// a brick certificate for `127.0.0.1`/`localhost`, a client certificate) in a directory of
+/// its own.
+#[derive(Debug)]
+pub struct Served {
+    pub brick: Arc<Brick>,
+    pub engine: Engine,
+    tls_dir: tempfile::TempDir,
+    brick_identity: pki::Identity,
+    /// Ring workers that run a QUIC endpoint (0 = every worker).
+    endpoints: usize,
+}
+
+impl Served {
+    /// A fresh brick in `brick_dir` (TLS material beside it, in `tls_under`) with an engine
+    /// of `config`.
+    pub fn start(
+        brick_dir: &Path,
+        tls_under: &Path,
+        config: &EngineConfig,
+        endpoints: usize,
+    ) -> anyhow::Result<Served> {
+        let tls_dir = tempfile::tempdir_in(tls_under)?;
+        pki::init_ca(tls_dir.path()).context("cluster CA")?;
+        let brick_role = Role::Brick {
+            hosts: vec!["127.0.0.1".into(), "localhost".into()],
+        };
+        let brick_files =
+            pki::issue(tls_dir.path(), &brick_role, BRICK_NAME, 1).context("brick certificate")?;
+        pki::issue(tls_dir.path(), &Role::Client, CLIENT_NAME, 1).context("client certificate")?;
+        let brick_identity = pki::load_identity(&pki::ca_files(tls_dir.path()).cert, &brick_files)
+            .context("brick identity")?;
+        Brick::format(brick_dir)?;
+        let (brick, engine) = open_engine(brick_dir, config)?;
+        Ok(Served {
+            brick,
+            engine,
+            tls_dir,
+            brick_identity,
+            endpoints,
+        })
+    }
+
+    /// The bench client's options for the server at `addr`, UDP payloads capped at
+    /// `udp_payload`.
+    pub fn client_options(
+        &self,
+        addr: SocketAddr,
+        udp_payload: u16,
+    ) -> anyhow::Result<ConnectOptions> {
+        let mut options = ConnectOptions::from_tls_dir(addr, self.tls_dir.path(), CLIENT_NAME)?;
+        options.udp_payload_max_bytes = udp_payload;
+        Ok(options)
+    }
+
+    /// Starts a server on a new port with UDP payloads capped at `udp_payload`, and connects
+    /// a client to it with the same cap. Run inside the client runtime.
+    pub async fn serve_and_connect(&self, udp_payload: u16) -> anyhow::Result<(Server, Volume)> {
+        let listen: SocketAddr = "127.0.0.1:0".parse()?;
+        let mut config = ServerConfig::new(listen, self.brick_identity.clone());
+        config.volume = "bench".into();
+        config.udp_payload_max_bytes = udp_payload;
+        if self.endpoints > 0 {
+            config.endpoints = self.endpoints;
+        }
+        let server = Server::start(&self.engine, self.brick.id, config).await?;
+        let volume = Volume::connect(self.client_options(server.local_addr(), udp_payload)?)
+            .await
+            .with_context(|| format!("connecting to {}", server.local_addr()))?;
+        Ok((server, volume))
+    }
+}
+
+/// Where one task's fops go: the io_uring engine from one of its ring workers (no channel,
+/// no thread switch, the way the QUIC server calls it), an engine session from this thread
+/// (the blocking engine), or the client over QUIC. Fops run as root.
+#[derive(Debug, Clone)]
+pub enum Caller {
+    Worker {
+        local: LocalEngine,
+        session: SessionId,
+    },
+    Session(Rc<Session>),
+    Volume(Volume),
+}
+
+impl Caller {
+    pub async fn call(&self, fop: impl Into<FopRequest>) -> anyhow::Result<FopReply> {
+        let fop = fop.into();
+        let code = fop.code();
+        let reply = match self {
+            Caller::Worker { local, session } => local
+                .call(*session, &Creds::root(), fop)
+                .await
+                .map_err(|e| anyhow::anyhow!("{e}")),
+            Caller::Session(session) => session
+                .call(Creds::root(), fop)
+                .await
+                .map_err(|e| anyhow::anyhow!("{e}")),
+            Caller::Volume(volume) => volume.call(fop).await.map_err(anyhow::Error::from),
+        };
+        reply.with_context(|| code.name())
+    }
+}
+
+/// What a group of tasks sends its fops to.
+#[derive(Debug, Clone, Copy)]
+pub enum Destination<'a> {
+    Engine(&'a Engine),
+    Volume(&'a Volume),
+}
+
+/// Runs `tasks` tasks at once, task `t` as `job(t, caller)`, and returns their results in
+/// task order. On the io_uring engine task `t` runs on ring worker `t mod workers` with a
+/// session of its own (ended when the task ends); on the blocking engine each task gets a
+/// session and runs on `rt` on this thread; over QUIC the tasks share the volume's one
+/// connection and run on `rt` on this thread.
+pub fn run_tasks<T, F, Fut>(
+    rt: &tokio::runtime::Runtime,
+    destination: Destination<'_>,
+    tasks: usize,
+    job: F,
+) -> anyhow::Result<Vec<T>>
+where
+    T: Send + 'static,
+    F: Fn(usize, Caller) -> Fut + Clone + Send + 'static,
+    Fut: Future<Output = anyhow::Result<T>> + 'static,
+{
+    match destination {
+        Destination::Engine(engine) if engine.kind() == EngineKind::Uring => {
+            let mut done = Vec::with_capacity(tasks);
+            for t in 0..tasks {
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                let (job, session) = (job.clone(), engine.session_id());
+                rt.block_on(engine.run_on_worker(t % engine.workers(), move |local| {
+                    tokio::task::spawn_local(async move {
+                        let caller = Caller::Worker {
+                            local: local.clone(),
+                            session,
+                        };
+                        let result = job(t, caller).await;
+                        local.end_session(session).await;
+                        let _ = tx.send(result);
+                    });
+                }))
+                .map_err(|e| anyhow::anyhow!("run on a ring worker: {e}"))?;
+                done.push(rx);
+            }
+            rt.block_on(async {
+                let mut results = Vec::with_capacity(tasks);
+                for rx in done {
+                    results.push(rx.await.context("a task on a ring worker died")??);
+                }
+                Ok(results)
+            })
+        }
+        Destination::Engine(engine) => local_tasks(rt, tasks, job, || {
+            Caller::Session(Rc::new(engine.session()))
+        }),
+        Destination::Volume(volume) => {
+            local_tasks(rt, tasks, job, || Caller::Volume(volume.clone()))
+        }
+    }
+}
+
+fn local_tasks<T, F, Fut>(
+    rt: &tokio::runtime::Runtime,
+    tasks: usize,
+    job: F,
+    caller: impl Fn() -> Caller,
+) -> anyhow::Result<Vec<T>>
+where
+    F: Fn(usize, Caller) -> Fut,
+    Fut: Future<Output = anyhow::Result<T>> + 'static,
+    T: 'static,
+{
+    let local = tokio::task::LocalSet::new();
+    local.block_on(rt, async {
+        let handles: Vec<_> = (0..tasks)
+            .map(|t| tokio::task::spawn_local(job(t, caller())))
+            .collect();
+        let mut results = Vec::with_capacity(tasks);
+        for handle in handles {
+            results.push(handle.await??);
+        }
+        Ok(results)
+    })
+}
+
+/// A GFID drawn from `seed`'s stream `stream` (a version-4 UUID, so never null).
+pub fn seeded_gfid(seed: u64, stream: u64) -> Gfid {
+    Gfid::from_bytes(Rng::stream(seed, stream).uuid_bytes())
+        .unwrap_or_else(|| unreachable!("a version-4 UUID is never all zeros"))
+}
