@@ -256,3 +256,101 @@ pub fn seeded_gfid(seed: u64, stream: u64) -> Gfid {
     Gfid::from_bytes(Rng::stream(seed, stream).uuid_bytes())
         .unwrap_or_else(|| unreachable!("a version-4 UUID is never all zeros"))
 }
+
+/// Brick options of `kiln volume set` that kiln-bench applies to the bricks it starts itself
+/// (`--vary`), each value checked by the option table as `kiln volume set` checks it.
+pub const VARIABLE_OPTIONS: [&str; 6] = [
+    "network.inode-lru-limit",
+    "server.engine",
+    "server.event-threads",
+    "server.ring-entries",
+    "storage.dirfd-cache-entries",
+    "storage.fsync-policy",
+];
+
+/// One value of a brick option (`--vary KEY=V1,V2,…` gives one per value).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BrickOption {
+    pub key: &'static str,
+    /// In the option table's canonical form.
+    pub value: String,
+}
+
+impl BrickOption {
+    /// `KEY=V1,V2,…` → one option per value.
+    pub fn parse_vary(spec: &str) -> anyhow::Result<Vec<BrickOption>> {
+        let (key, values) = spec
+            .split_once('=')
+            .context("--vary takes KEY=VALUE,VALUE,…")?;
+        let def = kiln_mgmt::options::find(key.trim())?;
+        let key = VARIABLE_OPTIONS
+            .into_iter()
+            .find(|k| *k == def.key)
+            .with_context(|| {
+                format!(
+                    "--vary: {} is not an option of the bricks kiln-bench starts; one of {}",
+                    def.key,
+                    VARIABLE_OPTIONS.join(", ")
+                )
+            })?;
+        values
+            .split(',')
+            .map(|v| {
+                let value = def.parse(v)?;
+                Ok(BrickOption { key, value })
+            })
+            .collect()
+    }
+
+    /// Sets this option in `config`, as `kiln-brickd` would from its flags.
+    pub fn apply(&self, config: &mut EngineConfig) -> anyhow::Result<()> {
+        let number = || self.value.parse::<usize>().context(self.key);
+        let entries = || std::num::NonZeroUsize::new(number()?).context("must not be 0");
+        match self.key {
+            "network.inode-lru-limit" => config.fops.gfid_cache_entries = entries()?,
+            "storage.dirfd-cache-entries" => config.fops.dirfd_cache_entries = entries()?,
+            "server.event-threads" if self.value == "0" => {}
+            "server.event-threads" => config.workers = number()?,
+            "server.ring-entries" => config.ring.ring_entries = u32::try_from(number()?)?,
+            "server.engine" if self.value == "blocking" => config.kind = EngineKind::Blocking,
+            "server.engine" => config.kind = EngineKind::Uring,
+            "storage.fsync-policy" => config.fops.write_through = self.value == "write-through",
+            other => anyhow::bail!("{other} cannot be applied here"),
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Display for BrickOption {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}={}", self.key, self.value)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_variable_option_applies() {
+        let mut config = EngineConfig::default();
+        for (key, value) in [
+            ("network.inode-lru-limit", "2048"),
+            ("server.engine", "blocking"),
+            ("server.event-threads", "3"),
+            ("server.ring-entries", "64"),
+            ("storage.dirfd-cache-entries", "32"),
+            ("storage.fsync-policy", "write-through"),
+        ] {
+            let options = BrickOption::parse_vary(&format!("{key}={value}")).expect(key);
+            options[0].apply(&mut config).expect(key);
+        }
+        assert_eq!(config.fops.gfid_cache_entries.get(), 2048);
+        assert_eq!(config.kind, EngineKind::Blocking);
+        assert_eq!(config.workers, 3);
+        assert_eq!(config.ring.ring_entries, 64);
+        assert_eq!(config.fops.dirfd_cache_entries.get(), 32);
+        assert!(config.fops.write_through);
+        assert_eq!(VARIABLE_OPTIONS.len(), 6, "each one is applied above");
+    }
+}

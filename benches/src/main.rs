@@ -22,6 +22,7 @@
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
+use kiln_bench::bricks::BrickOption;
 use kiln_bench::engine::{self, EngineBench};
 use kiln_bench::lookup_scale::{self, LookupScaleBench};
 use kiln_bench::mgmt::{self, MgmtBench};
@@ -201,6 +202,11 @@ enum Workload {
         /// `-o` options of `kiln mount` for the kiln-mount target.
         #[arg(long, value_delimiter = ',')]
         mount_options: Vec<String>,
+        /// KEY=V1,V2,…: run the engine and volume targets once per value of this brick
+        /// option (server.event-threads, server.ring-entries, server.engine,
+        /// storage.fsync-policy, storage.dirfd-cache-entries, network.inode-lru-limit).
+        #[arg(long)]
+        vary: Option<String>,
         /// Draw ops/s per op and target into this .svg or .png (may be given again).
         #[arg(long)]
         plot: Vec<PathBuf>,
@@ -367,8 +373,13 @@ fn main() -> anyhow::Result<()> {
             fsync,
             seed,
             mount_options,
+            vary,
             plot,
         } => {
+            let vary = match vary {
+                Some(spec) => BrickOption::parse_vary(&spec)?,
+                None => Vec::new(),
+            };
             let bench = SmallfileBench {
                 ops,
                 targets,
@@ -379,6 +390,7 @@ fn main() -> anyhow::Result<()> {
                 fsync,
                 seed,
                 mount_options,
+                vary,
                 plots: plot,
             };
             smallfile::run(&bench, &scratch, &mut out)?;

@@ -59,14 +59,16 @@ use bytes::Bytes;
 use hdrhistogram::Histogram;
 use kiln_client::Volume;
 use kiln_dataplane::Brick;
-use kiln_dataplane::engine::{Engine, EngineConfig, EngineKind};
+use kiln_dataplane::engine::{Engine, EngineConfig};
 use kiln_dataplane::server::Server;
 use kiln_wire::limits::IO_SIZE_MAX_BYTES;
 use kiln_wire::quic::UDP_PAYLOAD_MAX_BYTES;
 use kiln_wire::*;
 use serde_json::json;
 
-use crate::bricks::{Caller, Destination, Served, kind_name, run_tasks, seeded_gfid, start_engine};
+use crate::bricks::{
+    BrickOption, Caller, Destination, Served, kind_name, open_engine, run_tasks, seeded_gfid,
+};
 use crate::mount::KilnMount;
 use crate::plot::{self, BarChart};
 use crate::progress::Progress;
@@ -90,6 +92,8 @@ pub struct SmallfileBench {
     pub seed: u64,
     /// `-o` options of `kiln mount` for the `kiln-mount` target.
     pub mount_options: Vec<String>,
+    /// Values of one brick option: the `engine` and `volume` targets run once per value.
+    pub vary: Vec<BrickOption>,
     /// Plot files to draw (.svg or .png each).
     pub plots: Vec<PathBuf>,
 }
@@ -396,19 +400,25 @@ pub fn run(
         }),
     );
     let measured = steps.iter().filter(|s| s.measured).count();
+    let runs = expand(&bench.targets, &bench.vary);
+    let reference_name = runs[0].0.clone();
     let progress = Progress::new(
         "smallfile",
-        (bench.targets.len() * steps.len() * threads * files) as u64,
+        (runs.len() * steps.len() * threads * files) as u64,
     );
     let root = scratch.path().join("smallfile");
     std::fs::create_dir_all(&root)?;
     let mut records = Vec::new();
     let mut reference: Vec<f64> = Vec::with_capacity(measured);
     let mut bars: Vec<(String, Vec<Option<f64>>)> = Vec::new();
-    for spec in &bench.targets {
-        let name = spec.name();
+    for (n, (name, spec, option)) in runs.iter().enumerate() {
         progress.set_message(format!("{name}: setting up"));
-        let mut runner = start(spec, bench, &layout, threads, &root, scratch)?;
+        let mut config = EngineConfig::default();
+        if let Some(option) = option {
+            option.apply(&mut config)?;
+        }
+        let dir = root.join(format!("{n}-{}", spec.name().replace('/', "_")));
+        let mut runner = start(spec, bench, &layout, threads, &dir, &config, scratch)?;
         let mut rates = Vec::with_capacity(measured);
         for step in &steps {
             progress.set_message(format!("{name}: {}", describe(step)));
@@ -422,11 +432,11 @@ pub fn run(
             let rate = (threads * files) as f64 / pass.elapsed.as_secs_f64().max(1e-9);
             let mut r = Record::new(
                 &format!("smallfile.{}", step.op.name()),
-                &name,
+                name,
                 json!({ "threads": threads, "files": files, "file_bytes": bench.file_bytes,
                         "fanout": fanout, "fsync": bench.fsync,
                         "latency_per": if step.op.per_directory() { "directory" } else { "file" } }),
-                &bench.targets[0].name(),
+                &reference_name,
             );
             r.ops_per_s = Some(rate);
             r.set_latency(&pass.latency);
@@ -441,7 +451,7 @@ pub fn run(
         if reference.is_empty() {
             reference = rates.clone();
         }
-        bars.push((name, rates.into_iter().map(Some).collect()));
+        bars.push((name.clone(), rates.into_iter().map(Some).collect()));
     }
     progress.finish();
     if !bench.plots.is_empty() {
@@ -467,17 +477,39 @@ pub fn run(
     Ok(records)
 }
 
+/// The runs: each target once, and the `engine` and `volume` targets once per value of the
+/// varied option, named `engine[KEY=VALUE]`.
+fn expand(
+    targets: &[TargetSpec],
+    vary: &[BrickOption],
+) -> Vec<(String, TargetSpec, Option<BrickOption>)> {
+    let mut runs = Vec::new();
+    for spec in targets {
+        if vary.is_empty() || !matches!(spec, TargetSpec::Engine | TargetSpec::Volume) {
+            runs.push((spec.name(), spec.clone(), None));
+            continue;
+        }
+        for option in vary {
+            let name = format!("{}[{option}]", spec.name());
+            runs.push((name, spec.clone(), Some(option.clone())));
+        }
+    }
+    runs
+}
+
 fn start(
     spec: &TargetSpec,
     bench: &SmallfileBench,
     layout: &Layout,
     threads: usize,
-    root: &Path,
+    dir: &Path,
+    config: &EngineConfig,
     scratch: &Scratch,
 ) -> anyhow::Result<Box<dyn Runner>> {
     let fresh = |name: &str| -> anyhow::Result<PathBuf> {
-        let dir = root.join(name);
-        std::fs::create_dir(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+        let dir = dir.join(name);
+        std::fs::create_dir_all(&dir)
+            .with_context(|| format!("cannot create {}", dir.display()))?;
         Ok(dir)
     };
     Ok(match spec {
@@ -511,12 +543,14 @@ fn start(
         }
         TargetSpec::Engine => Box::new(Fops::start_engine(
             &fresh("engine")?.join("brick"),
+            config,
             layout,
             threads,
             bench.fsync,
         )?),
         TargetSpec::Volume => Box::new(Fops::start_volume(
             &fresh("volume")?,
+            config,
             scratch,
             layout,
             threads,
@@ -787,11 +821,13 @@ struct Fops {
 impl Fops {
     fn start_engine(
         brick_dir: &Path,
+        config: &EngineConfig,
         layout: &Layout,
         threads: usize,
         fsync: bool,
     ) -> anyhow::Result<Fops> {
-        let (brick, engine) = start_engine(brick_dir, EngineKind::Uring, threads, usize::MAX)?;
+        Brick::format(brick_dir)?;
+        let (brick, engine) = open_engine(brick_dir, config)?;
         Fops::new(
             client_runtime()?,
             engine,
@@ -805,17 +841,13 @@ impl Fops {
 
     fn start_volume(
         dir: &Path,
+        config: &EngineConfig,
         scratch: &Scratch,
         layout: &Layout,
         threads: usize,
         fsync: bool,
     ) -> anyhow::Result<Fops> {
-        let served = Served::start(
-            &dir.join("brick"),
-            &scratch.path(),
-            &EngineConfig::default(),
-            0,
-        )?;
+        let served = Served::start(&dir.join("brick"), &scratch.path(), config, 0)?;
         // The client's connection is driven by the runtime it was made on: every later call
         // runs on the same one.
         let rt = client_runtime()?;

@@ -619,3 +619,69 @@ fn lookup_scale_refuses_a_file_system_without_the_inodes() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("--loop-fs-inodes"), "{stderr}");
 }
+
+#[test]
+fn smallfile_varies_a_brick_option_per_run() {
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("skipped: kiln-bench smallfile needs root (bricks)");
+        return;
+    }
+    let lines = run_json(&[
+        "smallfile",
+        "--ops",
+        "create",
+        "--targets",
+        "engine,volume",
+        "--threads",
+        "2",
+        "--files",
+        "10",
+        "--vary",
+        "storage.fsync-policy=as-requested,WRITE-THROUGH",
+    ]);
+    let records = records(&lines);
+    let names: Vec<&str> = records
+        .iter()
+        .filter_map(|r| r["target"].as_str())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "engine[storage.fsync-policy=as-requested]",
+            "engine[storage.fsync-policy=write-through]",
+            "volume[storage.fsync-policy=as-requested]",
+            "volume[storage.fsync-policy=write-through]",
+        ],
+        "one run per value, in canonical form"
+    );
+    assert!(
+        records
+            .iter()
+            .all(|r| r["reference"] == "engine[storage.fsync-policy=as-requested]")
+    );
+    for r in &records {
+        assert_latencies(r);
+    }
+
+    // Options the bench cannot apply, and bad values, are refused as `kiln volume set` would.
+    for (vary, says) in [
+        (
+            "auth.allow=bob",
+            "not an option of the bricks kiln-bench starts",
+        ),
+        ("server.event-threads=1,99", "an integer from 0 to 64"),
+        (
+            "server.evnt-threads=1",
+            "did you mean 'server.event-threads'",
+        ),
+        ("server.engine", "KEY=VALUE"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kiln-bench"))
+            .args(["smallfile", "--targets", "engine", "--vary", vary])
+            .output()
+            .expect("run kiln-bench");
+        assert!(!out.status.success(), "{vary}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(says), "{vary}: {err}");
+    }
+}
