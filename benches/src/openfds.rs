@@ -18,7 +18,8 @@
 //! * `volume` — the same through a [`kiln_client::Volume`] over QUIC with mutual TLS to a
 //!   brick served in this process; the N files are held by the client's one connection.
 //!
-//! Every file is empty and made before the sweep (PUT on the bricks). Results per N:
+//! Every file is empty, made before the sweep (PUT on the bricks) and removed after it.
+//! Results per N:
 //! p50/p90/p99/p99.9 of the open, `ops_per_s` = opens (with their closes) per second, and
 //! `ratio` = local's p50 ÷ this p50 at the same N. An `openfds_flatness` note gives each
 //! target's p50 and p99 at the largest N over those at the smallest (1.0 is flat).
@@ -397,6 +398,11 @@ pub fn run(
                 results?
             }
         };
+        // Each target's files go once it is measured: at the limit, three targets' files and
+        // the bricks' handle directories together overflow a small loop file system's inodes.
+        progress.set_message(format!("{}: removing its files", target.name()));
+        std::fs::remove_dir_all(&dir)
+            .with_context(|| format!("cannot remove {}", dir.display()))?;
         let reference = measured
             .iter()
             .find(|(t, _)| *t == OpenTarget::Local)

@@ -117,6 +117,7 @@ pub fn fs_type(path: &Path) -> String {
             0x5846_5342 => "xfs".into(),
             0x0102_1994 => "tmpfs".into(),
             0x9123_683E => "btrfs".into(),
+            0x6573_5546 => "fuse".into(),
             other => format!("fs type {other:#x}"),
         },
         Err(_) => "unknown".into(),

@@ -421,6 +421,7 @@ fn smallfile_workload_runs_every_op_on_every_target() {
         .find(|n| n["target"] == "kiln-mount")
         .expect("the kiln-mount stop note");
     assert_eq!(mount["stopped"]["brickd"]["sigkill"], false, "{mount}");
+    assert_eq!(mount["fs"], "fuse", "{mount}");
 }
 
 #[test]
