@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use kiln_wire::{BrickId, Gfid};
-use rustix::fs::{AtFlags, Mode, OFlags, XattrFlags};
+use rustix::fs::{AtFlags, Mode, OFlags, StatxFlags, XattrFlags};
 use rustix::io::Errno;
 
 use crate::step::DirFd;
@@ -257,10 +257,22 @@ impl Brick {
             return Ok(());
         }
         let name = format!("{yy:02x}");
-        mkdir_exist_ok(self.handle_dir(gfid).as_fd(), &name, HANDLE_DIR_MODE)?;
+        let dir = self.handle_dir(gfid);
+        // Looked at first, so a read-only fop that meets a ready directory writes nothing.
+        let mode = match rustix::fs::statx(dir, &name, AtFlags::SYMLINK_NOFOLLOW, StatxFlags::MODE)
+        {
+            Ok(st) => Some(u32::from(st.stx_mode) & 0o7777),
+            Err(Errno::NOENT) => None,
+            Err(e) => return Err(e),
+        };
+        if mode.is_none() {
+            mkdir_exist_ok(dir.as_fd(), &name, HANDLE_DIR_MODE)?;
+        }
         // GlusterFS makes them 0700; callers need search permission (see HANDLE_DIR_MODE).
-        let mode = Mode::from_raw_mode(HANDLE_DIR_MODE);
-        rustix::fs::chmodat(self.handle_dir(gfid), &name, mode, AtFlags::empty())?;
+        if mode != Some(HANDLE_DIR_MODE) {
+            let mode = Mode::from_raw_mode(HANDLE_DIR_MODE);
+            rustix::fs::chmodat(dir, &name, mode, AtFlags::empty())?;
+        }
         word.fetch_or(1 << (bit % 64), Ordering::Relaxed);
         Ok(())
     }

@@ -30,6 +30,7 @@ per_engine!(
     reused_gfid_is_refused,
     writes_run_as_the_caller,
     write_through_syncs_every_write,
+    a_lookup_on_a_fresh_engine_writes_nothing,
 );
 
 fn create_write_read_release(kind: EngineKind) {
@@ -1473,4 +1474,26 @@ fn write_through_syncs_every_write(kind: EngineKind) {
     };
     let (put, write) = steps(false);
     assert_eq!(steps(true), (put + 1, write + 1), "one fdatasync more each");
+}
+
+/// LOOKUP is read-only on disk: a fresh engine (empty caches) that meets a file's handle
+/// directory for the first time does not touch it.
+fn a_lookup_on_a_fresh_engine_writes_nothing(kind: EngineKind) {
+    use std::os::unix::fs::MetadataExt as _;
+    let h = Harness::new(kind);
+    let f = h.put(Gfid::ROOT, "quiet", b"x").expect("put");
+    let path = h.path();
+    let b = f.as_bytes();
+    let yy = path.join(format!(".glusterfs/{:02x}/{:02x}", b[0], b[1]));
+    let Harness { dir, .. } = h;
+    let before = std::fs::metadata(&yy).expect("handle dir");
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    let h = Harness::reopen(dir, &path, kind, FopsConfig::default());
+    assert_eq!(h.lookup(Gfid::ROOT, "quiet").expect("lookup").gfid, f);
+    let after = std::fs::metadata(&yy).expect("handle dir");
+    assert_eq!(
+        (after.ctime(), after.ctime_nsec(), after.mode()),
+        (before.ctime(), before.ctime_nsec(), before.mode()),
+        "the handle directory was written by a LOOKUP"
+    );
 }
