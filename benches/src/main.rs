@@ -8,7 +8,7 @@
 //!                  [--targets local,bindfs,kiln,glusterfs] [--mount-options O,...] [--json]
 //! kiln-bench smallfile [--ops create,stat,read,...] [--targets local,engine,volume,kiln-mount,path=DIR]
 //!                  [--threads N] [--files N] [--file-bytes B] [--fanout N] [--fsync] [--seed S]
-//!                  [--plot FILE.svg|FILE.png] [--json]
+//!                  [--vary KEY=V1,V2,...] [--plot FILE.svg|FILE.png] [--json]
 //! kiln-bench openfds [--held 0,10,100,...] [--max-held N] [--samples N]
 //!                  [--targets local,engine,volume] [--plot FILE.svg|FILE.png] [--json]
 //! kiln-bench lookup-scale [--max-entries 2M] [--checkpoints 1k,10k,100k,1M,2M] [--samples N]

@@ -287,3 +287,44 @@ fn a_metrics_address_in_use_stops_the_brick_with_a_clear_error() {
         "nothing is served"
     );
 }
+
+#[test]
+fn kiln_bench_runs_the_bench_workloads() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = Command::new(bin("kiln"))
+        .args([
+            "bench",
+            "smallfile",
+            "--targets",
+            "local",
+            "--ops",
+            "create,stat",
+        ])
+        .args(["--threads", "1", "--files", "5", "--json", "--scratch"])
+        .arg(dir.path())
+        .output()
+        .expect("run kiln bench");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let workloads: Vec<String> = stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| v["workload"].as_str().map(str::to_owned))
+        .collect();
+    assert_eq!(
+        workloads,
+        ["smallfile.create", "smallfile.stat"],
+        "{stdout}"
+    );
+    // Its arguments are kiln-bench's, errors included.
+    let out = Command::new(bin("kiln"))
+        .args(["bench", "no-such-workload"])
+        .output()
+        .expect("run kiln bench");
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("kiln-bench"));
+}
