@@ -25,6 +25,8 @@ use crate::server::Connections;
 pub const REQUEST_HEAD_MAX_BYTES: usize = 8 * 1024;
 /// How long a scraper may take to send its request.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+/// Pause after a failed accept.
+const ACCEPT_RETRY: Duration = Duration::from_millis(100);
 /// Upper bounds of the latency histogram's buckets, in seconds: 1 µs to 10 s.
 pub const LATENCY_BUCKETS_S: &[f64] = &[
     1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
@@ -34,8 +36,14 @@ pub const LATENCY_BUCKETS_S: &[f64] = &[
 /// Serves `GET /metrics` on `listener` until the task is dropped.
 pub async fn serve(listener: TcpListener, engine: Engine, connections: Connections) {
     loop {
-        let Ok((stream, _)) = listener.accept().await else {
-            continue;
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            // Out of fds, most likely: let some close instead of spinning.
+            Err(e) => {
+                tracing::warn!(error = %e, "metrics: cannot accept");
+                tokio::time::sleep(ACCEPT_RETRY).await;
+                continue;
+            }
         };
         let (engine, connections) = (engine.clone(), connections.clone());
         tokio::spawn(async move {
