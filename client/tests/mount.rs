@@ -325,6 +325,18 @@ fn small_files_created_write_only_reach_the_brick_at_close() {
         (0o600, 42, 43, 1_000_000_000)
     );
 
+    // A duplicate of the create's fd outlives the close that sent the PUT, and an unlink
+    // after it: the mount gives it a brick fd before the unlink, not at every close.
+    let mut first = fs::File::create(m.path("dup")).expect("create");
+    first.write_all(b"one").expect("write");
+    let mut second = first.try_clone().expect("dup");
+    drop(first);
+    assert_eq!(fs::read(m.on_brick("dup")).expect("on the brick"), b"one");
+    fs::remove_file(m.path("dup")).expect("unlink");
+    second.write_all(b" two").expect("write after the unlink");
+    assert_eq!(second.metadata().expect("fstat").len(), 7);
+    drop(second);
+
     // Truncating creates, a stat before the close, and files past the deferred limit.
     for len in [0, 10, 300 * 1024, 2 << 20] {
         let name = format!("sized-{len}");

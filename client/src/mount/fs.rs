@@ -140,7 +140,10 @@ impl KilnFs {
             async move {
                 match settle {
                     Settle::Node(ino) => s.settle(&v, ino).await?,
-                    Settle::All => s.settle_dir(&v, None).await,
+                    Settle::All => {
+                        s.settle_dir(&v, None).await;
+                        s.anchor_handles().await;
+                    }
                 }
                 let fop = build(&s)?;
                 v.call(fop).await.map(drop).map_err(errno)
@@ -175,7 +178,8 @@ impl KilnFs {
 enum Settle {
     /// The node's own (it reads or changes the file).
     Node(u64),
-    /// All of them (it changes a directory, where a deferred name could be involved).
+    /// All of them, and every open handle gets its brick fd (it changes a directory, where
+    /// a deferred name could be involved, and may remove a file still open).
     All,
 }
 
@@ -1282,26 +1286,39 @@ impl Shared {
             .await
     }
 
-    /// Sends node `ino`'s deferred create to the brick, if it has one still waiting, and
-    /// gives the handles open on it their brick fds (so they outlive an unlink).
+    /// Sends node `ino`'s deferred create to the brick, if it has one still waiting. The
+    /// handles open on it get their brick fds on first use, or from [`Shared::anchor_handles`]
+    /// before a fop that could remove the file: most are about to be released (a create's
+    /// PUT is sent at its close), and opening them now would cost two round trips per file.
     async fn settle(&self, v: &Volume, ino: u64) -> Result<()> {
         if self.pending.is_empty() {
             return Ok(());
         }
-        if self.pending.settle(v, ino).await.map_err(errno)?.is_some() {
-            let opens: Vec<_> = self
-                .files_lock()
-                .values()
-                .filter(|o| o.ino == ino)
-                .cloned()
-                .collect();
-            for open in opens {
-                if let Err(e) = self.late_fd(&open).await {
-                    tracing::warn!(?e, "cannot open a settled create");
-                }
+        self.pending.settle(v, ino).await.map_err(errno)?;
+        Ok(())
+    }
+
+    /// Gives every open handle still without a brick fd (one of a settled deferred create)
+    /// its fd, before a fop that may remove a name: an open file must outlive an unlink, and
+    /// a handle opened later by GFID would find the file gone.
+    async fn anchor_handles(&self) {
+        // Creates made since the caller settled them stay deferred: their files are not on
+        // the brick to be removed.
+        let waiting = match self.pending.is_empty() {
+            true => Vec::new(),
+            false => self.pending.in_dir(None).await,
+        };
+        let opens: Vec<_> = self
+            .files_lock()
+            .values()
+            .filter(|o| o.fd.get().is_none() && !waiting.contains(&o.ino))
+            .cloned()
+            .collect();
+        for open in opens {
+            if let Err(e) = self.late_fd(&open).await {
+                tracing::warn!(?e, "cannot open a settled create");
             }
         }
-        Ok(())
     }
 
     /// Sends the deferred creates in directory `parent` (every one when `None`) before a fop
