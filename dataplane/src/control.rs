@@ -37,8 +37,8 @@ pub(crate) fn bind(path: &Path) -> anyhow::Result<UnixListener> {
     Ok(listener)
 }
 
-/// What the control socket reads and changes.
-pub(crate) struct Brick {
+/// The running brick, as the control socket reads and changes it.
+pub(crate) struct Running {
     pub(crate) server: Server,
     pub(crate) engine: Engine,
     /// The configuration generation the brick runs.
@@ -56,7 +56,7 @@ struct Push {
 }
 
 /// Answers one request.
-pub(crate) async fn serve(stream: UnixStream, brick: &mut Brick) {
+pub(crate) async fn serve(stream: UnixStream, running: &mut Running) {
     let (read, mut write) = stream.into_split();
     let mut line = String::new();
     let answer = match BufReader::new(read)
@@ -64,7 +64,7 @@ pub(crate) async fn serve(stream: UnixStream, brick: &mut Brick) {
         .read_line(&mut line)
         .await
     {
-        Ok(_) => answer(&line, brick).await,
+        Ok(_) => answer(&line, running).await,
         Err(e) => json!({ "error": e.to_string() }),
     };
     let mut out = answer.to_string().into_bytes();
@@ -72,21 +72,21 @@ pub(crate) async fn serve(stream: UnixStream, brick: &mut Brick) {
     let _ = write.write_all(&out).await;
 }
 
-async fn answer(line: &str, brick: &mut Brick) -> serde_json::Value {
+async fn answer(line: &str, running: &mut Running) -> serde_json::Value {
     let request: serde_json::Value = serde_json::from_str(line).unwrap_or_default();
-    let generation = brick.generation;
+    let generation = running.generation;
     if request["status"] == true {
         return json!({ "generation": generation });
     }
     if request["profile"] == true {
-        return json!({ "generation": generation, "profile": brick.engine.profile().report() });
+        return json!({ "generation": generation, "profile": running.engine.profile().report() });
     }
     if request["statedump"] == true {
-        return json!({ "generation": generation, "statedump": statedump(brick).await });
+        return json!({ "generation": generation, "statedump": statedump(running).await });
     }
-    match apply(line, brick) {
+    match apply(line, running) {
         Ok(applied) => {
-            brick.generation = applied;
+            running.generation = applied;
             tracing::info!(generation = applied, "live options applied");
             json!({ "generation": applied })
         }
@@ -97,26 +97,26 @@ async fn answer(line: &str, brick: &mut Brick) -> serde_json::Value {
     }
 }
 
-async fn statedump(brick: &Brick) -> serde_json::Value {
-    let engine = brick.engine.state().await;
+async fn statedump(running: &Running) -> serde_json::Value {
+    let engine = running.engine.state().await;
     json!({
         "pid": std::process::id(),
-        "uptime_s": brick.started.elapsed().as_secs(),
-        "generation": brick.generation,
-        "settings": brick.settings,
-        "live_options": brick.live,
-        "listen": brick.server.local_addr(),
-        "connections": brick.server.connections().list(),
+        "uptime_s": running.started.elapsed().as_secs(),
+        "generation": running.generation,
+        "settings": running.settings,
+        "live_options": running.live,
+        "listen": running.server.local_addr(),
+        "connections": running.server.connections().list(),
         "engine": {
-            "kind": format!("{:?}", brick.engine.kind()).to_lowercase(),
-            "workers": brick.engine.workers(),
+            "kind": format!("{:?}", running.engine.kind()).to_lowercase(),
+            "workers": running.engine.workers(),
             "open_fds": engine.open_fds(),
             "fd_tables": engine.fd_tables,
             "gfid_cache": engine.gfid_cache,
             "dirfd_cache": engine.dirfd_cache,
             "ring": engine.ring,
         },
-        "profile": brick.engine.profile().report(),
+        "profile": running.engine.profile().report(),
     })
 }
 
@@ -129,7 +129,7 @@ pub(crate) fn switch(options: &BTreeMap<String, String>, key: &str) -> anyhow::R
     }
 }
 
-fn apply(line: &str, brick: &mut Brick) -> anyhow::Result<u64> {
+fn apply(line: &str, running: &mut Running) -> anyhow::Result<u64> {
     let push: Push = serde_json::from_str(line).context("bad push")?;
     let auth_allow = match push.options.get("auth.allow") {
         Some(list) => AuthAllow::parse(list).context("auth.allow")?,
@@ -144,8 +144,8 @@ fn apply(line: &str, brick: &mut Brick) -> anyhow::Result<u64> {
     }
     let counting = switch(&push.options, "diagnostics.count-fop-hits")?;
     let timing = switch(&push.options, "diagnostics.latency-measurement")?;
-    brick.server.reconfigure(auth_allow, inflight_max)?;
-    brick.engine.profile().set(counting, timing);
-    brick.live = push.options;
+    running.server.reconfigure(auth_allow, inflight_max)?;
+    running.engine.profile().set(counting, timing);
+    running.live = push.options;
     Ok(push.generation)
 }

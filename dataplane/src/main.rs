@@ -168,6 +168,11 @@ fn check(dir: &std::path::Path, repair: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A boolean as the option table writes it.
+fn on_off(on: bool) -> String {
+    if on { "on" } else { "off" }.to_owned()
+}
+
 /// An exclusive lock on the brick's `.glusterfs/kiln-brickd.lock`, held while serving.
 fn lock_brick(brick: &Brick) -> anyhow::Result<std::fs::File> {
     let path = brick.path.join(".glusterfs/kiln-brickd.lock");
@@ -296,12 +301,26 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
             Some(path) => Some(control::bind(path)?),
             None => None,
         };
-        let mut brick = control::Brick {
+        let mut running = control::Running {
             server,
             engine: engine.clone(),
             generation: args.generation,
             settings,
-            live: BTreeMap::new(),
+            live: BTreeMap::from([
+                ("auth.allow".to_owned(), args.auth_allow.clone()),
+                (
+                    "network.inflight-max".to_owned(),
+                    args.inflight_max.to_string(),
+                ),
+                (
+                    "diagnostics.count-fop-hits".to_owned(),
+                    on_off(args.count_fop_hits),
+                ),
+                (
+                    "diagnostics.latency-measurement".to_owned(),
+                    on_off(args.latency_measurement),
+                ),
+            ]),
             started: std::time::Instant::now(),
         };
         loop {
@@ -310,13 +329,13 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 _ = int.recv() => break,
                 Some(accepted) = async { Some(control.as_ref()?.accept().await) } => {
                     if let Ok((stream, _)) = accepted {
-                        control::serve(stream, &mut brick).await;
+                        control::serve(stream, &mut running).await;
                     }
                 }
             }
         }
         tracing::info!("shutting down: draining calls in flight");
-        brick
+        running
             .server
             .shutdown(Duration::from_secs(args.shutdown_grace_secs))
             .await;
