@@ -337,6 +337,18 @@ fn small_files_created_write_only_reach_the_brick_at_close() {
     assert_eq!(second.metadata().expect("fstat").len(), 7);
     drop(second);
 
+    // A read-only open is made on the brick at first use; an unlink in between gives it
+    // its brick fd first, so the open file still reads (from the brick: caches dropped).
+    fs::write(m.path("lazy"), b"read me later").expect("write");
+    let mut lazy = fs::File::open(m.path("lazy")).expect("open");
+    fs::remove_file(m.path("lazy")).expect("unlink");
+    fs::write("/proc/sys/vm/drop_caches", b"1").expect("drop caches");
+    let mut later = String::new();
+    lazy.read_to_string(&mut later)
+        .expect("read after the unlink");
+    assert_eq!(later, "read me later");
+    drop(lazy);
+
     // Truncating creates, a stat before the close, and files past the deferred limit.
     for len in [0, 10, 300 * 1024, 2 << 20] {
         let name = format!("sized-{len}");

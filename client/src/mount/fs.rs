@@ -73,9 +73,10 @@ struct Open {
     /// Set at open, or on first use for a deferred create (once it is on the brick).
     fd: tokio::sync::OnceCell<Fd>,
     ino: u64,
-    /// How to open the file on the brick when the fd is made late.
+    /// How, and as whom, to open the file on the brick when the fd is made late.
     access: AccessMode,
     flags: OpenFlags,
+    late_creds: Creds,
     /// Directories only: entries fetched but not yet given to the kernel.
     listing: tokio::sync::Mutex<Listing>,
 }
@@ -503,6 +504,9 @@ impl fuser::Filesystem for KilnFs {
                 let gfid = s.gfid(ino)?;
                 s.settle(&v, ino.0).await?;
                 let (access, open_flags) = s.open_mode(flags.0);
+                if s.opens_late(access, open_flags) {
+                    return Ok(s.add_open(None, ino.0, access, open_flags, v.creds()));
+                }
                 let fd = match v.open(gfid, access, open_flags).await {
                     // The writeback cache reads pages of write-only files; a caller allowed
                     // only to write gets what it asked for.
@@ -512,7 +516,7 @@ impl fuser::Filesystem for KilnFs {
                     other => other,
                 }
                 .map_err(errno)?;
-                Ok(s.add_open(Some(fd), ino.0, access, open_flags))
+                Ok(s.add_open(Some(fd), ino.0, access, open_flags, v.creds()))
             },
             move |reply, fh| reply.opened(FileHandle(fh), fopen_flags(flags.0)),
         );
@@ -667,7 +671,8 @@ impl fuser::Filesystem for KilnFs {
                 // A listing shows the files created here that are still deferred.
                 s.settle_dir(&v, Some(gfid)).await;
                 let fd = v.opendir(gfid).await.map_err(errno)?;
-                Ok(s.add_open(Some(fd), ino.0, AccessMode::ReadOnly, OpenFlags::empty()))
+                let (access, flags) = (AccessMode::ReadOnly, OpenFlags::empty());
+                Ok(s.add_open(Some(fd), ino.0, access, flags, v.creds()))
             },
             |reply, fh| reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE),
         );
@@ -974,7 +979,9 @@ impl fuser::Filesystem for KilnFs {
                 // A late open must not truncate what the PUT wrote.
                 let reopen = OpenFlags::from_bits(open_flags.bits() & !OpenFlags::TRUNC.bits())
                     .unwrap_or(OpenFlags::empty());
-                let fh = s.add_open(fd, attr.ino.0, access, reopen);
+                // A deferred create's handle is opened late as root: the create granted it
+                // its access, whatever mode the file was given.
+                let fh = s.add_open(fd, attr.ino.0, access, reopen, &Creds::root());
                 Ok((attr, ttl, fh))
             },
             move |reply, (attr, ttl, fh)| {
@@ -1244,13 +1251,21 @@ impl Shared {
         }
     }
 
-    fn add_open(&self, fd: Option<Fd>, ino: u64, access: AccessMode, flags: OpenFlags) -> u64 {
+    fn add_open(
+        &self,
+        fd: Option<Fd>,
+        ino: u64,
+        access: AccessMode,
+        flags: OpenFlags,
+        late_creds: &Creds,
+    ) -> u64 {
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
         let open = Arc::new(Open {
             fd: tokio::sync::OnceCell::new_with(fd),
             ino,
             access,
             flags,
+            late_creds: late_creds.clone(),
             listing: tokio::sync::Mutex::new(Listing::default()),
         });
         self.files_lock().insert(fh, open);
@@ -1271,15 +1286,16 @@ impl Shared {
         self.late_fd(open).await
     }
 
-    /// Opens the brick fd of a handle made by a deferred create, once the file is there. It
-    /// opens as root: the create already granted the handle its access, whatever the mode
-    /// given to the file says (a file created 0444 and written through its create fd).
+    /// Opens the brick fd of a handle opened late: a deferred create's, once the file is
+    /// there (as root: the create already granted the handle its access, whatever the mode
+    /// given to the file says), or a read-only open's at its first use (as its opener).
     async fn late_fd<'a>(&self, open: &'a Open) -> Result<&'a Fd> {
         open.fd
             .get_or_try_init(|| async {
                 let gfid = self.inodes.gfid(open.ino).ok_or(Errno::ESTALE)?;
-                let root = self.volume.with_creds(Creds::root());
-                root.open(gfid, open.access, open.flags)
+                let opener = self.volume.with_creds(open.late_creds.clone());
+                opener
+                    .open(gfid, open.access, open.flags)
                     .await
                     .map_err(errno)
             })
@@ -1420,6 +1436,15 @@ impl Shared {
     }
 
     /// The access mode and flags an open with kernel `flags` asks the brick for.
+    /// Whether an open is answered at once and made on the brick at the handle's first use
+    /// (GlusterFS's open-behind): a plain read-only open, when the kernel has checked the
+    /// caller's permission itself (`default_permissions`). A read served from the kernel's
+    /// page cache then costs the brick nothing, and a file removed by another client in
+    /// between fails the first read (ESTALE) instead of the open.
+    fn opens_late(&self, access: AccessMode, flags: OpenFlags) -> bool {
+        self.options.default_permissions && access == AccessMode::ReadOnly && flags.bits() == 0
+    }
+
     fn open_mode(&self, flags: i32) -> (AccessMode, OpenFlags) {
         let mut access = requested_access(flags);
         let mut wire = OpenFlags::empty();
