@@ -625,3 +625,28 @@ fn profile_metrics_and_statedump_match_the_fops_issued() {
         .expect("STAT");
     assert_eq!(stat["calls"], 4, "{info}");
 }
+
+#[test]
+fn a_live_change_made_while_a_brick_starts_reaches_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let m = Mgmtd::start(dir.path());
+    let brick = dir.path().join("brick");
+    let path = brick.to_str().expect("utf-8");
+    m.ok(&["volume", "create", "early", path, "--port", "47600"]);
+    m.ok(&["volume", "start", "early"]);
+    // Committed at once, before the brick's control socket listens: the push finds none.
+    m.ok(&["volume", "set", "early", "diagnostics.count-fop-hits", "on"]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let json = m.ok(&["volume", "--json", "profile", "early", "info"]);
+        let answer: serde_json::Value = serde_json::from_str(&json).expect("json");
+        if answer["bricks"][0]["report"]["counting"] == true {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the brick never got the change: {json}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

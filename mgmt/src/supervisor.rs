@@ -60,6 +60,11 @@ pub type CurrentConfig = Arc<dyn Fn(&str) -> Option<(Volume, u64)> + Send + Sync
 pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(1);
 /// How long a live push to one brick may take.
 pub const PUSH_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a started brick may take to answer on its control socket before a catch-up
+/// push is given up (it then gets the change at its next start).
+const CATCH_UP_WAIT: Duration = Duration::from_secs(30);
+/// How often a starting brick's control socket is tried.
+const CATCH_UP_POLL: Duration = Duration::from_millis(50);
 
 pub struct Supervisor {
     launch: Launch,
@@ -249,19 +254,7 @@ impl Supervisor {
         volume: &Volume,
         generation: u64,
     ) -> Vec<(String, Result<u64, String>)> {
-        let live: serde_json::Map<String, serde_json::Value> = options::OPTIONS
-            .iter()
-            .filter(|o| o.apply == options::Apply::Live)
-            .map(|o| {
-                (
-                    o.key.to_owned(),
-                    options::effective(&volume.options, o.key)
-                        .to_string()
-                        .into(),
-                )
-            })
-            .collect();
-        let push = serde_json::json!({ "generation": generation, "options": live });
+        let push = live_push(volume, generation);
         let mut results = Vec::new();
         for i in 0..volume.bricks.len() {
             let name = Brick::name(&volume.name, i);
@@ -279,6 +272,49 @@ impl Supervisor {
             results.push((name, result));
         }
         results
+    }
+}
+
+/// The push of `volume`'s live options at `generation`.
+fn live_push(volume: &Volume, generation: u64) -> serde_json::Value {
+    let live: serde_json::Map<String, serde_json::Value> = options::OPTIONS
+        .iter()
+        .filter(|o| o.apply == options::Apply::Live)
+        .map(|o| {
+            let value = options::effective(&volume.options, o.key);
+            (o.key.to_owned(), value.into())
+        })
+        .collect();
+    serde_json::json!({ "generation": generation, "options": live })
+}
+
+/// Brings a brick that has just started up to date: a live change committed while it was
+/// starting (after its arguments were made, before its control socket listened, so the
+/// change's push found no socket) is pushed once the socket answers.
+async fn catch_up(
+    socket: PathBuf,
+    current: CurrentConfig,
+    volume: String,
+    started_at: u64,
+    run: Arc<Mutex<Run>>,
+) {
+    let probe = serde_json::json!({ "status": true });
+    let deadline = Instant::now() + CATCH_UP_WAIT;
+    while ask(&socket, &probe).await.is_err() {
+        if Instant::now() >= deadline {
+            return;
+        }
+        tokio::time::sleep(CATCH_UP_POLL).await;
+    }
+    let Some((config, generation)) = current(&volume) else {
+        return;
+    };
+    if generation == started_at {
+        return;
+    }
+    let push = live_push(&config, generation);
+    if let Ok(Ok(applied)) = tokio::time::timeout(PUSH_TIMEOUT, push_one(&socket, &push)).await {
+        update(&run, |r| r.generation = applied);
     }
 }
 
@@ -416,16 +452,30 @@ async fn watch_brick(
                     r.generation = generation;
                 });
                 tracing::info!(brick = %name, pid, "brick started");
-                tokio::select! {
-                    exit = child.wait() => {
-                        let how = exit.map_or_else(|e| e.to_string(), |s| s.to_string());
-                        tracing::warn!(brick = %name, %how, ?backoff, "brick exited; restarting");
-                    }
-                    () = stop_requested(&mut stopped) => {
-                        terminate(&mut child).await;
-                        update(&run, |r| { r.pid = None; r.state = "stopped"; });
-                        tracing::info!(brick = %name, "brick stopped");
-                        return;
+                let socket = launch.run_dir.join(format!("{name}.sock"));
+                let catch_up = catch_up(
+                    socket,
+                    current.clone(),
+                    volume.clone(),
+                    generation,
+                    run.clone(),
+                );
+                tokio::pin!(catch_up);
+                let mut caught_up = false;
+                loop {
+                    tokio::select! {
+                        exit = child.wait() => {
+                            let how = exit.map_or_else(|e| e.to_string(), |s| s.to_string());
+                            tracing::warn!(brick = %name, %how, ?backoff, "brick exited; restarting");
+                            break;
+                        }
+                        () = stop_requested(&mut stopped) => {
+                            terminate(&mut child).await;
+                            update(&run, |r| { r.pid = None; r.state = "stopped"; });
+                            tracing::info!(brick = %name, "brick stopped");
+                            return;
+                        }
+                        () = &mut catch_up, if !caught_up => caught_up = true,
                     }
                 }
             }
