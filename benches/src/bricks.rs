@@ -55,13 +55,6 @@ pub fn open_engine(path: &Path, config: &EngineConfig) -> anyhow::Result<(Arc<Br
     Ok((brick, engine))
 }
 
-pub fn kind_name(kind: EngineKind) -> &'static str {
-    match kind {
-        EngineKind::Uring => "uring",
-        EngineKind::Blocking => "blocking",
-    }
-}
-
 /// A brick with its engine, ready to be served over QUIC: its TLS material (a throwaway CA,
 /// a brick certificate for `127.0.0.1`/`localhost`, a client certificate) in a directory of
 /// its own.

@@ -17,7 +17,7 @@ use kiln_dataplane::engine::{Engine, EngineKind};
 use kiln_wire::*;
 use serde_json::json;
 
-use crate::bricks::{Destination, kind_name, start_engine};
+use crate::bricks::{Destination, start_engine};
 use crate::openfds;
 use crate::progress::Progress;
 use crate::report::{Record, Reporter, micros};
@@ -259,7 +259,7 @@ pub fn run(
 
     for &depth in &bench.depths {
         for kind in [EngineKind::Blocking, EngineKind::Uring] {
-            let path = scratch.path().join(format!("{}-q{depth}", kind_name(kind)));
+            let path = scratch.path().join(format!("{}-q{depth}", kind.name()));
             let (_brick, engine) = start_engine(&path, kind, depth, bench.files + 16)?;
             let dirs: Vec<Gfid> = (0..bench.dirs).map(|d| gfid(d, 0xd1)).collect();
             let ids: Arc<Vec<Gfid>> = Arc::new((0..bench.files).map(|i| gfid(i, 0xf1)).collect());
@@ -298,7 +298,7 @@ pub fn run(
                     .then(|| (after.enters - before.enters) as f64 / bench.files as f64);
                 let mut r = Record::new(
                     &format!("engine.{phase}"),
-                    kind_name(kind),
+                    kind.name(),
                     json!({ "files": bench.files, "dirs": bench.dirs, "depth": depth }),
                     "std_loop",
                 );
@@ -349,14 +349,14 @@ fn open_sweep(
     }
 
     for kind in [EngineKind::Blocking, EngineKind::Uring] {
-        let path = scratch.path().join(format!("{}-open", kind_name(kind)));
+        let path = scratch.path().join(format!("{}-open", kind.name()));
         let (_brick, engine) = start_engine(&path, kind, 2, files + 16)?;
         let destination = Destination::Engine(&engine);
         let gfids = openfds::make_brick_files(rt, destination, files, &quiet)?;
         let results =
             openfds::brick_sweep(rt, destination, gfids, &counts, bench.open_samples, &quiet)?;
         for (&held, point) in counts.iter().zip(&results) {
-            let target = kind_name(kind);
+            let target = kind.name();
             records.push(sweep_record(
                 target,
                 held,

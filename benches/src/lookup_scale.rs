@@ -72,8 +72,6 @@ pub const DEFAULT_SEED: u64 = 0x6c6f_6f6b;
 const HANDLE_DIRS: u64 = 65_536;
 /// Inodes kept free beyond the estimate (intent records, scratch files).
 const INODES_SPARE: u64 = 10_000;
-/// Progress is reported every this many entries made.
-const PROGRESS_STEP: usize = 1024;
 
 /// How a file is found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -376,7 +374,6 @@ fn fill(
     run_tasks(rt, Destination::Engine(engine), tasks, move |k, caller| {
         let (range, progress) = (range.clone(), progress.clone());
         async move {
-            let mut made = 0usize;
             for i in (range.start + k..range.end).step_by(tasks) {
                 let mknod = Mknod {
                     parent: layout.dir_gfid(layout.dir(i)),
@@ -391,12 +388,8 @@ fn fill(
                     .call(mknod)
                     .await
                     .with_context(|| format!("file {i}"))?;
-                made += 1;
-                if made.is_multiple_of(PROGRESS_STEP) {
-                    progress.inc(PROGRESS_STEP as u64);
-                }
+                progress.inc(1);
             }
-            progress.inc((made % PROGRESS_STEP) as u64);
             Ok(())
         }
     })?;

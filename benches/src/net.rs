@@ -56,7 +56,7 @@ use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::task::JoinSet;
 
-use crate::bricks::{Served, kind_name};
+use crate::bricks::Served;
 use crate::report::{Record, Reporter, histogram, micros, nanos};
 use crate::scratch::Scratch;
 
@@ -205,7 +205,7 @@ pub fn run(bench: &NetBench, scratch: &Scratch, out: &mut Reporter) -> anyhow::R
     out.note(
         "net",
         &json!({
-            "engine": kind_name(setup.engine.kind()),
+            "engine": setup.engine.kind().name(),
             "engine_workers": setup.engine.workers(),
             "endpoints": match bench.endpoints {
                 0 => setup.engine.workers(),

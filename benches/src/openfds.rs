@@ -81,8 +81,6 @@ pub const DEFAULT_HELD: [usize; 7] = [0, 10, 100, 1000, 10_000, 100_000, 1_000_0
 pub const FD_HEADROOM: usize = 700;
 /// Tasks making the files on a brick.
 const PUT_TASKS: usize = 16;
-/// Progress is reported every this many files made or opened.
-const PROGRESS_STEP: usize = 256;
 /// The GFIDs of the files (no random choice is made: a fixed seed).
 const GFID_SEED: u64 = 0x6f70_656e;
 
@@ -141,11 +139,8 @@ pub fn make_local_files(dir: &Path, files: usize, progress: &Progress) -> anyhow
     std::fs::create_dir_all(dir)?;
     for i in 0..files {
         std::fs::File::create(dir.join(format!("f{i}")))?;
-        if (i + 1).is_multiple_of(PROGRESS_STEP) {
-            progress.inc(PROGRESS_STEP as u64);
-        }
+        progress.inc(1);
     }
-    progress.inc((files % PROGRESS_STEP) as u64);
     Ok(())
 }
 
@@ -169,9 +164,7 @@ pub fn local_sweep(
                 std::fs::File::open(&path)
                     .with_context(|| format!("holding {} files open", held.len() + 1))?,
             );
-            if held.len().is_multiple_of(PROGRESS_STEP) {
-                progress.inc(PROGRESS_STEP as u64);
-            }
+            progress.inc(1);
         }
         let mut h = histogram()?;
         let start = Instant::now();
@@ -209,7 +202,6 @@ pub fn make_brick_files(
     run_tasks(rt, destination, tasks, move |k, caller| {
         let (ids, progress) = (ids.clone(), progress_tasks.clone());
         async move {
-            let mut made = 0usize;
             for i in (k..ids.len()).step_by(tasks) {
                 let put = Put {
                     parent: Gfid::ROOT,
@@ -225,12 +217,8 @@ pub fn make_brick_files(
                     .call(put)
                     .await
                     .with_context(|| format!("file {i}"))?;
-                made += 1;
-                if made.is_multiple_of(PROGRESS_STEP) {
-                    progress.inc(PROGRESS_STEP as u64);
-                }
+                progress.inc(1);
             }
-            progress.inc((made % PROGRESS_STEP) as u64);
             Ok(())
         }
     })?;
@@ -285,9 +273,7 @@ async fn sweep_task(
                 .await
                 .with_context(|| format!("holding {} files open", held + 1))?;
             held += 1;
-            if held.is_multiple_of(PROGRESS_STEP) {
-                progress.inc(PROGRESS_STEP as u64);
-            }
+            progress.inc(1);
         }
         let mut h = histogram()?;
         let start = Instant::now();

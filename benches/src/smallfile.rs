@@ -67,7 +67,7 @@ use kiln_wire::*;
 use serde_json::json;
 
 use crate::bricks::{
-    BrickOption, Caller, Destination, Served, kind_name, open_engine, run_tasks, seeded_gfid,
+    BrickOption, Caller, Destination, Served, open_engine, run_tasks, seeded_gfid,
 };
 use crate::mount::KilnMount;
 use crate::plot::{self, BarChart};
@@ -1201,7 +1201,7 @@ impl Runner for Fops {
         } = *self;
         let note = json!({
             "target": match served { Some(_) => "volume", None => "engine" },
-            "engine": kind_name(engine.kind()), "engine_workers": engine.workers(),
+            "engine": engine.kind().name(), "engine_workers": engine.workers(),
         });
         if let Some((server, volume)) = served {
             rt.block_on(async {

@@ -108,7 +108,7 @@ async fn statedump(running: &Running) -> serde_json::Value {
         "listen": running.server.local_addr(),
         "connections": running.server.connections().list(),
         "engine": {
-            "kind": format!("{:?}", running.engine.kind()).to_lowercase(),
+            "kind": running.engine.kind().name(),
             "workers": running.engine.workers(),
             "open_fds": engine.open_fds(),
             "fd_tables": engine.fd_tables,

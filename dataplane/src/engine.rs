@@ -32,6 +32,16 @@ pub enum EngineKind {
     Blocking,
 }
 
+impl EngineKind {
+    /// The `server.engine` value: `uring` or `blocking`.
+    pub fn name(self) -> &'static str {
+        match self {
+            EngineKind::Uring => "uring",
+            EngineKind::Blocking => "blocking",
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
     pub kind: EngineKind,

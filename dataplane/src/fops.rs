@@ -210,9 +210,12 @@ impl<E: Exec> Fops<E> {
 
     /// Executes one fop for `session` as `creds`, recorded in the brick's profile.
     pub async fn call(&self, session: SessionId, creds: &Creds, fop: FopRequest) -> R<FopReply> {
+        let profile = &self.shared.profile;
+        if !profile.is_on() {
+            return self.execute(session, creds, fop).await;
+        }
         let (code, bytes) = (fop.code(), profile::request_bytes(&fop));
-        self.shared
-            .profile
+        profile
             .measure(code, bytes, self.execute(session, creds, fop))
             .await
     }

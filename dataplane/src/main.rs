@@ -248,8 +248,6 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let settings = serde_json::json!({
         "brick": brick.path,
         "brick_id": brick.id.to_string(),
-        "engine": format!("{:?}", engine.kind()).to_lowercase(),
-        "workers": engine.workers(),
         "ring_entries": args.ring_entries,
         "gfid_cache_entries": engine_config.fops.gfid_cache_entries,
         "dirfd_cache_entries": engine_config.fops.dirfd_cache_entries,
