@@ -190,6 +190,7 @@ where
                 let (tx, rx) = tokio::sync::oneshot::channel();
                 let (job, session) = (job.clone(), engine.session_id());
                 rt.block_on(engine.run_on_worker(t % engine.workers(), move |local| {
+                    let local = local.clone();
                     tokio::task::spawn_local(async move {
                         let caller = Caller::Worker {
                             local: local.clone(),

@@ -134,6 +134,7 @@ async fn uring_phase(
         let (tx, rx) = tokio::sync::oneshot::channel::<anyhow::Result<()>>();
         engine
             .run_on_worker(w, move |local| {
+                let local = local.clone();
                 tokio::task::spawn_local(async move {
                     let mut set = tokio::task::JoinSet::new();
                     for (k, session) in tasks {

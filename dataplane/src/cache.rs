@@ -9,7 +9,7 @@ use std::num::NonZeroUsize;
 use kiln_wire::{Gfid, Timespec};
 use lru::LruCache;
 
-use crate::step::{DirFd, Stat};
+use crate::op::{DirFd, Stat};
 
 /// Identifies an inode across reuse of inode numbers: the number plus its birth time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -1,13 +1,15 @@
-//! The engine: worker threads that execute fops for client sessions.
+//! The engine: executes fops for client sessions on the brick's [`Workers`].
 //!
-//! * `uring`: one worker thread per core by default, each with its own ring and tokio
-//!   current-thread runtime; a session is pinned to one worker, whose fd table, caches and
-//!   ring it uses without locks shared with other workers. Many fops of a session are in
-//!   flight at once, each a task on the worker.
+//! * `uring`: one worker per core by default, each with its own ring, fops, fd tables and
+//!   caches (the GFID and directory-fd cache limits are per worker); a session is pinned to one
+//!   worker. Many fops of a session are in flight at once, each a task on its worker.
 //! * `blocking`: a pool of threads making ordinary syscalls, sharing one set of tables. It is
 //!   the reference the ring is measured against and the fallback where io_uring is disabled.
+//!   Its one worker thread runs the network; fops go to the pool.
 //!
-//! [`Session::call`] is the API the server uses: a fop in, a reply out, from any thread.
+//! Code on a worker thread (the QUIC server's connections) calls fops through that worker's
+//! [`LocalEngine`] with no channel and no thread switch ([`Engine::run_on_worker`]); callers on
+//! other threads use a [`Session`].
 
 use std::collections::BTreeMap;
 use std::rc::Rc;
@@ -15,15 +17,18 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use kiln_wire::{Creds, ErrorCode, FopReply, FopRequest};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
 use crate::brick::Brick;
 use crate::cache::CacheState;
 use crate::exec::blocking::BlockingExec;
-use crate::exec::uring::{BlockingPool, RingConfig, RingStats, UringExec};
-use crate::fops::{BrickState, CrashPoint, Fops, FopsConfig, SessionId};
+use crate::exec::pool::BlockingPool;
+use crate::exec::uring::{RingConfig, RingStats, UringExec};
+use crate::fdtable::SessionId;
+use crate::fops::{BrickState, CrashPoint, Fops, FopsConfig, FopsState};
+use crate::op::{self, Step};
 use crate::profile::Profile;
-use crate::step::{Op, Step};
+use crate::workers::Workers;
 
 /// Which executor runs the fops (`server.engine`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,7 +50,8 @@ impl EngineKind {
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
     pub kind: EngineKind,
-    /// Worker threads (`server.event-threads`); the ring engine's default is one per core.
+    /// Threads (`server.event-threads`): ring workers, or the blocking engine's pool; the
+    /// default is one per core.
     pub workers: usize,
     /// Requests queued per worker before callers wait (backpressure, not an unbounded queue).
     pub queue_max: usize,
@@ -65,39 +71,20 @@ impl Default for EngineConfig {
     }
 }
 
-#[allow(
-    clippy::large_enum_variant,
-    reason = "requests are moved once into a channel"
-)]
-enum Request {
-    Fop {
-        session: SessionId,
-        creds: Creds,
-        fop: FopRequest,
-        reply: oneshot::Sender<Result<FopReply, ErrorCode>>,
-    },
-    EndSession {
-        session: SessionId,
-    },
-    State {
-        reply: oneshot::Sender<EngineState>,
-    },
-    CrashPoint {
-        point: Option<CrashPoint>,
-        done: oneshot::Sender<()>,
-    },
-    Run(WorkerJob),
+/// The engine as seen from inside one worker thread: fops are called directly, with no
+/// channel and no thread switch on the io_uring engine (the blocking engine hands each fop
+/// to its pool).
+#[derive(Debug, Clone)]
+pub enum LocalEngine {
+    Ring(Rc<Fops<UringExec>>),
+    Blocking(BlockingEngine),
 }
 
-/// A job run on a ring worker's own thread (see [`Engine::run_on_worker`]).
-type WorkerJob = Box<dyn FnOnce(LocalEngine) + Send>;
-
-/// The engine as seen from inside one ring worker's thread: fops are called directly, with no
-/// channel and no thread switch. This is how a server running its connections on the worker
-/// threads uses the engine; [`Session`] is for callers on other threads.
+/// The blocking engine's shared fops and the pool that runs them.
 #[derive(Debug, Clone)]
-pub struct LocalEngine {
-    fops: Rc<Fops<UringExec>>,
+pub struct BlockingEngine {
+    fops: Arc<Fops<BlockingExec>>,
+    pool: BlockingPool,
 }
 
 impl LocalEngine {
@@ -108,24 +95,55 @@ impl LocalEngine {
         creds: &Creds,
         fop: FopRequest,
     ) -> Result<FopReply, ErrorCode> {
-        self.fops.call(session, creds, fop).await.map_err(to_code)
+        match self {
+            LocalEngine::Ring(fops) => fops.call(session, creds, fop).await.map_err(to_code),
+            LocalEngine::Blocking(engine) => engine.call(session, creds.clone(), fop).await,
+        }
     }
 
     /// Ends a session: closes its files and drops its locks.
     pub async fn end_session(&self, session: SessionId) {
-        for file in self.fops.end_session(session) {
-            let _ = crate::exec::Exec::run(self.fops.exec(), vec![Step::brick(Op::Close { file })])
-                .await;
+        match self {
+            LocalEngine::Ring(fops) => {
+                for file in fops.end_session(session) {
+                    let close = Step::brick(op::Close { file });
+                    let _ = crate::exec::Exec::run(fops.exec(), vec![close]).await;
+                }
+            }
+            // Plain fds close when the last reference goes.
+            LocalEngine::Blocking(engine) => drop(engine.fops.end_session(session)),
+        }
+    }
+
+    fn state(&self) -> EngineState {
+        match self {
+            LocalEngine::Ring(fops) => EngineState::new(fops.state(), fops.exec().stats()),
+            LocalEngine::Blocking(engine) => {
+                EngineState::new(engine.fops.state(), RingStats::default())
+            }
+        }
+    }
+
+    fn set_crash_point(&self, point: Option<CrashPoint>) {
+        match self {
+            LocalEngine::Ring(fops) => fops.set_crash_point(point),
+            LocalEngine::Blocking(engine) => engine.fops.set_crash_point(point),
         }
     }
 }
 
-#[derive(Debug)]
-struct Inner {
-    workers: Vec<mpsc::Sender<Request>>,
-    next_session: AtomicU64,
-    kind: EngineKind,
-    shared: Arc<BrickState>,
+impl BlockingEngine {
+    async fn call(
+        &self,
+        session: SessionId,
+        creds: Creds,
+        fop: FopRequest,
+    ) -> Result<FopReply, ErrorCode> {
+        let fops = self.fops.clone();
+        self.pool
+            .run(move || block_on(fops.call(session, &creds, fop)).map_err(to_code))
+            .await
+    }
 }
 
 /// The engine's sessions, fd tables, caches and ring counters: one worker's, or summed over
@@ -140,6 +158,15 @@ pub struct EngineState {
 }
 
 impl EngineState {
+    fn new(fops: FopsState, ring: RingStats) -> EngineState {
+        EngineState {
+            fd_tables: fops.fd_tables,
+            gfid_cache: fops.gfid_cache,
+            dirfd_cache: fops.dirfd_cache,
+            ring,
+        }
+    }
+
     pub fn open_fds(&self) -> usize {
         self.fd_tables.values().sum()
     }
@@ -152,23 +179,28 @@ impl EngineState {
     }
 }
 
-impl std::fmt::Debug for Request {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Request")
-    }
-}
-
-/// A running engine. Cheap to clone; stops when the last clone and session are gone.
+/// A running engine. Cheap to clone; its threads stop when the last clone and session are
+/// gone.
 #[derive(Debug, Clone)]
 pub struct Engine {
     inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    workers: Workers<LocalEngine>,
+    /// The blocking engine's fops, reached from any thread without a worker hop.
+    blocking: Option<BlockingEngine>,
+    next_session: AtomicU64,
+    kind: EngineKind,
+    shared: Arc<BrickState>,
 }
 
 /// One client's session: its own fd table on the brick, released when it is dropped.
 #[derive(Debug)]
 pub struct Session {
     id: SessionId,
-    worker: mpsc::Sender<Request>,
+    engine: Engine,
 }
 
 fn to_code(e: rustix::io::Errno) -> ErrorCode {
@@ -182,28 +214,27 @@ impl Engine {
         // must not mask again (it is shared by every thread, so this is the one place).
         rustix::process::umask(rustix::fs::Mode::empty());
         let shared = Arc::new(BrickState::default());
-        let (workers, kind) = match config.kind {
+        let (workers, blocking, kind) = match config.kind {
             EngineKind::Uring => match start_uring(brick, &shared, config) {
-                Ok(workers) => (workers, EngineKind::Uring),
+                Ok(workers) => (workers, None, EngineKind::Uring),
                 // io_uring disabled (`kernel.io_uring_disabled`), filtered by seccomp, too old
                 // for the features used, or short of locked memory: serve with the blocking
                 // engine rather than not at all.
                 Err(e) => {
                     tracing::warn!(error = %e, "io_uring is unavailable; using the blocking engine");
-                    (
-                        start_blocking(brick, &shared, config)?,
-                        EngineKind::Blocking,
-                    )
+                    let (workers, engine) = start_blocking(brick, &shared, config)?;
+                    (workers, Some(engine), EngineKind::Blocking)
                 }
             },
-            EngineKind::Blocking => (
-                start_blocking(brick, &shared, config)?,
-                EngineKind::Blocking,
-            ),
+            EngineKind::Blocking => {
+                let (workers, engine) = start_blocking(brick, &shared, config)?;
+                (workers, Some(engine), EngineKind::Blocking)
+            }
         };
         Ok(Engine {
             inner: Arc::new(Inner {
                 workers,
+                blocking,
                 next_session: AtomicU64::new(1),
                 kind,
                 shared,
@@ -215,7 +246,7 @@ impl Engine {
         self.inner.kind
     }
 
-    /// Worker threads (each with its own ring on the io_uring engine).
+    /// Worker threads: the ring workers, or the blocking engine's one network thread.
     pub fn workers(&self) -> usize {
         self.inner.workers.len()
     }
@@ -225,27 +256,26 @@ impl Engine {
         self.inner.next_session.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Runs `job` on ring worker `worker`'s thread with that worker's [`LocalEngine`]; the job
-    /// may spawn local tasks there. ENOSYS on the blocking engine, which has no such threads.
+    /// Runs `job` on worker `worker`'s thread with that worker's [`LocalEngine`]; the job may
+    /// spawn local tasks there.
     pub async fn run_on_worker(
         &self,
         worker: usize,
-        job: impl FnOnce(LocalEngine) + Send + 'static,
+        job: impl FnOnce(&LocalEngine) + Send + 'static,
     ) -> Result<(), ErrorCode> {
-        if self.inner.kind != EngineKind::Uring {
-            return Err(ErrorCode::NoSys);
-        }
-        let tx = self.inner.workers.get(worker).ok_or(ErrorCode::Inval)?;
-        tx.send(Request::Run(Box::new(job)))
+        self.inner
+            .workers
+            .send(worker, job)
             .await
             .map_err(|_| ErrorCode::NotConnected)
     }
 
     /// Opens a session, pinned to one worker (round robin).
     pub fn session(&self) -> Session {
-        let id = self.inner.next_session.fetch_add(1, Ordering::Relaxed);
-        let worker = self.inner.workers[(id as usize) % self.inner.workers.len()].clone();
-        Session { id, worker }
+        Session {
+            id: self.session_id(),
+            engine: self.clone(),
+        }
     }
 
     /// Ring counters summed over the workers (zero for the blocking engine).
@@ -255,10 +285,14 @@ impl Engine {
 
     /// Sessions, fd tables, caches and ring counters, summed over the workers.
     pub async fn state(&self) -> EngineState {
+        if let Some(engine) = &self.inner.blocking {
+            return LocalEngine::Blocking(engine.clone()).state();
+        }
         let mut total = EngineState::default();
-        for w in &self.inner.workers {
+        for worker in 0..self.workers() {
             let (tx, rx) = oneshot::channel();
-            if w.send(Request::State { reply: tx }).await.is_ok()
+            let job = move |local: &LocalEngine| drop(tx.send(local.state()));
+            if self.inner.workers.send(worker, job).await.is_ok()
                 && let Ok(s) = rx.await
             {
                 total.add(s);
@@ -274,12 +308,21 @@ impl Engine {
 
     /// Arms a crash point on every worker (crash-injection tests).
     pub async fn set_crash_point(&self, point: Option<CrashPoint>) {
-        for w in &self.inner.workers {
+        for worker in 0..self.workers() {
             let (done, applied) = oneshot::channel();
-            if w.send(Request::CrashPoint { point, done }).await.is_ok() {
+            let job = move |local: &LocalEngine| {
+                local.set_crash_point(point);
+                let _ = done.send(());
+            };
+            if self.inner.workers.send(worker, job).await.is_ok() {
                 let _ = applied.await;
             }
         }
+    }
+
+    /// The worker a session is pinned to.
+    fn worker_of(&self, session: SessionId) -> usize {
+        (session as usize) % self.workers()
     }
 }
 
@@ -290,15 +333,21 @@ impl Session {
 
     /// Executes one fop as `creds`. Many calls of one session may be in flight at once.
     pub async fn call(&self, creds: Creds, fop: FopRequest) -> Result<FopReply, ErrorCode> {
+        let inner = &self.engine.inner;
+        if let Some(engine) = &inner.blocking {
+            return engine.call(self.id, creds, fop).await;
+        }
         let (tx, rx) = oneshot::channel();
-        let request = Request::Fop {
-            session: self.id,
-            creds,
-            fop,
-            reply: tx,
+        let session = self.id;
+        let job = move |local: &LocalEngine| {
+            let local = local.clone();
+            tokio::task::spawn_local(async move {
+                let _ = tx.send(local.call(session, &creds, fop).await);
+            });
         };
-        self.worker
-            .send(request)
+        inner
+            .workers
+            .send(self.engine.worker_of(session), job)
             .await
             .map_err(|_| ErrorCode::NotConnected)?;
         rx.await.map_err(|_| ErrorCode::Io)?
@@ -307,16 +356,19 @@ impl Session {
 
 impl Drop for Session {
     fn drop(&mut self) {
-        // A full queue must not lose the release: fall back to a blocking-free spawn.
-        if let Err(mpsc::error::TrySendError::Full(req)) = self
-            .worker
-            .try_send(Request::EndSession { session: self.id })
-        {
-            let worker = self.worker.clone();
-            std::thread::spawn(move || {
-                let _ = worker.blocking_send(req);
-            });
+        let session = self.id;
+        let inner = &self.engine.inner;
+        if let Some(engine) = &inner.blocking {
+            drop(engine.fops.end_session(session));
+            return;
         }
+        // A full queue must not lose the release.
+        inner
+            .workers
+            .send_detached(self.engine.worker_of(session), move |local| {
+                let local = local.clone();
+                tokio::task::spawn_local(async move { local.end_session(session).await });
+            });
     }
 }
 
@@ -324,117 +376,37 @@ fn start_uring(
     brick: &Arc<Brick>,
     shared: &Arc<BrickState>,
     config: &EngineConfig,
-) -> std::io::Result<Vec<mpsc::Sender<Request>>> {
+) -> std::io::Result<Workers<LocalEngine>> {
     let pool = BlockingPool::new(config.ring.blocking_threads, config.ring.blocking_queue_max)?;
-    let mut senders = Vec::new();
-    for i in 0..config.workers.max(1) {
-        let (tx, rx) = mpsc::channel(config.queue_max.max(1));
-        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
-        let (brick, config, pool, shared) =
-            (brick.clone(), config.clone(), pool.clone(), shared.clone());
-        std::thread::Builder::new()
-            .name(format!("kiln-worker-{i}"))
-            .spawn(move || {
-                let runtime = match tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                {
-                    Ok(rt) => rt,
-                    Err(e) => {
-                        let _ = ready_tx.send(Err(e));
-                        return;
-                    }
-                };
-                let local = tokio::task::LocalSet::new();
-                local.block_on(&runtime, async move {
-                    let exec = match UringExec::new(&config.ring, pool) {
-                        Ok(exec) => exec,
-                        Err(e) => {
-                            let _ = ready_tx.send(Err(e));
-                            return;
-                        }
-                    };
-                    let _ = ready_tx.send(Ok(()));
-                    let fops = Rc::new(Fops::new(brick, shared, exec, config.fops.clone()));
-                    serve_uring(fops, rx).await;
-                });
-            })?;
-        ready_rx
-            .recv()
-            .map_err(|_| std::io::Error::other("worker thread died at start"))??;
-        senders.push(tx);
-    }
-    Ok(senders)
-}
-
-async fn serve_uring(fops: Rc<Fops<UringExec>>, mut rx: mpsc::Receiver<Request>) {
-    while let Some(request) = rx.recv().await {
-        match request {
-            Request::Fop {
-                session,
-                creds,
-                fop,
-                reply,
-            } => {
-                let fops = fops.clone();
-                tokio::task::spawn_local(async move {
-                    let result = fops.call(session, &creds, fop).await.map_err(to_code);
-                    let _ = reply.send(result);
-                });
-            }
-            Request::EndSession { session } => {
-                let local = LocalEngine { fops: fops.clone() };
-                tokio::task::spawn_local(async move { local.end_session(session).await });
-            }
-            Request::Run(job) => job(LocalEngine { fops: fops.clone() }),
-            Request::State { reply } => {
-                let mut state = fops.state();
-                state.ring = fops.exec().stats();
-                let _ = reply.send(state);
-            }
-            Request::CrashPoint { point, done } => {
-                fops.set_crash_point(point);
-                let _ = done.send(());
-            }
-        }
-    }
+    let (brick, shared, config) = (brick.clone(), shared.clone(), config.clone());
+    let init = move |_worker: usize| {
+        let exec = UringExec::new(&config.ring, pool.clone())?;
+        let fops = Fops::new(brick.clone(), shared.clone(), exec, config.fops.clone());
+        Ok(LocalEngine::Ring(Rc::new(fops)))
+    };
+    Workers::start("kiln-worker", config.workers, config.queue_max, init)
 }
 
 fn start_blocking(
     brick: &Arc<Brick>,
     shared: &Arc<BrickState>,
     config: &EngineConfig,
-) -> std::io::Result<Vec<mpsc::Sender<Request>>> {
-    let fops = Arc::new(Fops::new(
+) -> std::io::Result<(Workers<LocalEngine>, BlockingEngine)> {
+    let fops = Fops::new(
         brick.clone(),
         shared.clone(),
         BlockingExec,
         config.fops.clone(),
-    ));
-    let (tx, rx) = mpsc::channel::<Request>(config.queue_max.max(1));
-    let serve = move |request: Request| match request {
-        Request::Fop {
-            session,
-            creds,
-            fop,
-            reply,
-        } => {
-            let _ = reply.send(block_on(fops.call(session, &creds, fop)).map_err(to_code));
-        }
-        Request::EndSession { session } => drop(fops.end_session(session)),
-        Request::State { reply } => {
-            let _ = reply.send(fops.state());
-        }
-        Request::CrashPoint { point, done } => {
-            fops.set_crash_point(point);
-            let _ = done.send(());
-        }
-        // Only ring workers run jobs (`run_on_worker` refuses this engine).
-        Request::Run(_) => {}
+    );
+    let engine = BlockingEngine {
+        fops: Arc::new(fops),
+        pool: BlockingPool::named("kiln-blocking-worker", config.workers, config.queue_max)?,
     };
-    crate::exec::spawn_queue_threads("kiln-blocking-worker", config.workers, rx, serve)?;
-    // One queue shared by all threads: every session reaches every thread.
-    Ok(vec![tx])
+    // One thread runs the network; the pool runs the fops.
+    let local = engine.clone();
+    let init = move |_| Ok(LocalEngine::Blocking(local.clone()));
+    let workers = Workers::start("kiln-net", 1, config.queue_max, init)?;
+    Ok((workers, engine))
 }
 
 /// Drives a future of the blocking executor, whose every await is already complete.

@@ -8,7 +8,10 @@
 use kiln_wire::{FdId, Gfid};
 use rustix::io::Errno;
 
-use crate::step::{DirFd, FileRef};
+use crate::op::{DirFd, FileRef};
+
+/// Identifies one client session on a brick (one connection).
+pub type SessionId = u64;
 
 /// What a session holds open.
 #[derive(Debug, Clone)]

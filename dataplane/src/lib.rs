@@ -1,10 +1,12 @@
 //! The Kiln brick: serves fops on one brick directory.
 //!
 //! It owns the GlusterFS-compatible on-disk layout (`trusted.gfid` xattrs, `.glusterfs/XX/YY`
-//! handles, see [`brick`]), the fop semantics written once ([`fops`]) over two executors — the
-//! io_uring engine and the blocking engine ([`exec`]) — the per-client fd tables, the GFID and
-//! directory-fd caches, start-up repair and the check command ([`recovery`]). It is the only
-//! crate with `unsafe` code, fenced in the ring module (`exec::uring`).
+//! handles, see [`brick`]), the fop semantics written once ([`fops`]) over the single-name
+//! system calls they are made of ([`op`]) and two executors — the io_uring engine and the
+//! blocking engine ([`exec`]) — running on the brick's worker threads ([`workers`], driven by
+//! [`engine`]), the per-client fd tables, the GFID and directory-fd caches, start-up repair and
+//! the check command ([`recovery`]), and the QUIC server ([`server`]). It is the only crate
+//! with `unsafe` code, fenced in the ring module (`exec::uring::ring`).
 //!
 //! It is not the protocol (that is `kiln-wire`), not configuration storage (that is
 //! `kiln-mgmt`), and not a client.
@@ -18,11 +20,13 @@ pub mod fdtable;
 pub mod fops;
 pub mod locks;
 pub mod metrics;
+pub mod op;
 pub mod profile;
 pub mod recovery;
 pub mod server;
-pub mod step;
+pub mod workers;
 
 pub use brick::{Brick, BrickError};
-pub use engine::{Engine, EngineConfig, EngineKind, EngineState, Session};
-pub use fops::{CrashPoint, FopsConfig, SessionId};
+pub use engine::{Engine, EngineConfig, EngineKind, EngineState, LocalEngine, Session};
+pub use fdtable::SessionId;
+pub use fops::{CrashPoint, FopsConfig};

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use kiln_wire::{Gfid, Lock, LockCmd, LockKind};
 use rustix::io::Errno;
 
-use crate::fops::SessionId;
+use crate::fdtable::SessionId;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Held {

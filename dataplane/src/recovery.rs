@@ -24,9 +24,10 @@ use kiln_wire::Gfid;
 use rustix::fs::{AtFlags, Mode, OFlags, StatxFlags};
 use rustix::io::Errno;
 
-use crate::brick::{Brick, GFID_XATTR, GLUSTERFS_DIR};
-use crate::fops::{open_dir_by_gfid, read_gfid};
-use crate::step::{DirFd, cstr, proc_path};
+use crate::brick::intent::{self, RecordKind, names_in, parse_record};
+use crate::brick::layout::{open_dir_by_gfid, read_gfid};
+use crate::brick::{Brick, GFID_XATTR, GLUSTERFS_DIR, new_gfid};
+use crate::op::{DirFd, cstr, proc_path};
 
 /// What start-up repair did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -35,26 +36,6 @@ pub struct RepairReport {
     pub completed: usize,
     /// Fops whose commit had not happened: their early steps were undone.
     pub rolled_back: usize,
-}
-
-fn names_in(dir: &DirFd) -> Result<Vec<Vec<u8>>, Errno> {
-    let fd = rustix::fs::openat(
-        dir,
-        c".",
-        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
-        Mode::empty(),
-    )?;
-    let mut buf = vec![std::mem::MaybeUninit::<u8>::uninit(); 64 * 1024];
-    let mut raw = rustix::fs::RawDir::new(fd.as_fd(), &mut buf);
-    let mut names = Vec::new();
-    while let Some(entry) = raw.next() {
-        let entry = entry?;
-        let name = entry.file_name().to_bytes();
-        if name != b"." && name != b".." {
-            names.push(name.to_vec());
-        }
-    }
-    Ok(names)
 }
 
 fn lstat(dir: impl AsFd, name: &CString) -> Result<rustix::fs::Statx, Errno> {
@@ -121,30 +102,67 @@ fn dir_at_target(brick: &Brick, target: &[u8], gfid: &Gfid) -> bool {
     matches!(read_gfid(&proc_path(&parent_dir, &cstr(&name))), Ok(Some(g)) if g == *gfid)
 }
 
+/// A record's name and, when Kiln made it, what it says.
+type Record = (Vec<u8>, Option<(RecordKind, Gfid)>);
+
 /// Settles every intent record left by fops a crash interrupted. Runs before the engine
 /// starts, so nothing races with it.
 pub fn repair(brick: &Brick) -> Result<RepairReport, Errno> {
     let mut report = RepairReport::default();
-    let pending = &brick.pending;
-    // Directory moves first, so every parent a `new-` or `del-` record names resolves through
-    // its final handle. A move inside a moved directory resolves only once the outer one is
-    // installed, so moves are settled in passes while they make progress; the rest did not
-    // happen. Then removals, then creates.
-    let mut records = names_in(pending)?;
-    let mut moves: Vec<(Vec<u8>, Gfid)> = Vec::new();
-    records.retain(|r| match parse_record(&String::from_utf8_lossy(r)) {
-        Some(("mv", gfid)) => {
-            moves.push((r.clone(), gfid));
-            false
+    // Directory moves first, so every parent a `new` or `del` record names resolves through
+    // its final handle; then removals, then creates.
+    let mut records: Vec<Record> = names_in(&brick.pending)?
+        .into_iter()
+        .map(|r| {
+            let parsed = parse_record(&r);
+            (r, parsed)
+        })
+        .collect();
+    let moves = records
+        .iter()
+        .filter_map(|(r, p)| match p {
+            Some((RecordKind::Mv, gfid)) => Some((r.clone(), *gfid)),
+            _ => None,
+        })
+        .collect();
+    settle_moves(brick, moves, &mut report)?;
+    records.retain(|(_, p)| !matches!(p, Some((RecordKind::Mv, _))));
+    records.sort_by_key(|(_, p)| !matches!(p, Some((RecordKind::Del, _))));
+    for (record, parsed) in records {
+        let record_c = cstr(&record);
+        let text = String::from_utf8_lossy(&record).into_owned();
+        let completed = match parsed {
+            Some((RecordKind::New, gfid)) => settle_new(brick, &record_c, &gfid)?,
+            Some((RecordKind::Del, gfid)) => settle_del(brick, &record_c, &gfid)?,
+            _ => {
+                tracing::warn!(record = %text, "unknown intent record removed");
+                remove_record(brick, &record_c)?;
+                continue;
+            }
+        };
+        tracing::info!(record = %text, completed, "settled an interrupted fop");
+        match completed {
+            true => report.completed += 1,
+            false => report.rolled_back += 1,
         }
-        _ => true,
-    });
+    }
+    Ok(report)
+}
+
+/// Settles directory renames. A move inside a moved directory resolves only once the outer one
+/// is installed, so moves are settled in passes while they make progress; the rest did not
+/// happen.
+fn settle_moves(
+    brick: &Brick,
+    mut moves: Vec<(Vec<u8>, Gfid)>,
+    report: &mut RepairReport,
+) -> Result<(), Errno> {
     loop {
         let before = moves.len();
         let mut left = Vec::new();
         for (record, gfid) in moves {
             let record_c = cstr(&record);
-            let target = rustix::fs::readlinkat(pending, &*record_c, Vec::new())?;
+            let target = rustix::fs::readlinkat(&brick.pending, &*record_c, Vec::new())?;
             if dir_at_target(brick, target.as_bytes(), &gfid) {
                 install_or_drop(brick, &record_c, &gfid, true)?;
                 tracing::info!(record = %String::from_utf8_lossy(&record), "settled an interrupted rename");
@@ -162,71 +180,21 @@ pub fn repair(brick: &Brick) -> Result<RepairReport, Errno> {
         install_or_drop(brick, &cstr(&record), &gfid, false)?;
         report.rolled_back += 1;
     }
-    records.sort_by_key(|r| match r.split(|&b| b == b'-').next() {
-        Some(b"del") => 0,
-        _ => 1,
-    });
-    for record in records {
-        let record_c = cstr(&record);
-        let text = String::from_utf8_lossy(&record).into_owned();
-        let Some((kind, gfid)) = parse_record(&text) else {
-            tracing::warn!(record = %text, "unknown intent record removed");
-            ignore_missing(rustix::fs::unlinkat(pending, &*record_c, AtFlags::empty()))?;
-            continue;
-        };
-        let completed = match kind {
-            "new" => settle_new(brick, &record_c, &gfid)?,
-            "del" => settle_del(brick, &record_c, &gfid)?,
-            _ => {
-                ignore_missing(rustix::fs::unlinkat(pending, &*record_c, AtFlags::empty()))?;
-                false
-            }
-        };
-        tracing::info!(record = %text, completed, "settled an interrupted fop");
-        if completed {
-            report.completed += 1;
-        } else {
-            report.rolled_back += 1;
-        }
-    }
-    Ok(report)
+    Ok(())
 }
 
-/// Splits `<kind>-<gfid>-<nonce>`.
-fn parse_record(name: &str) -> Option<(&str, Gfid)> {
-    let (kind, rest) = name.split_once('-')?;
-    Some((kind, rest.get(..36)?.parse().ok()?))
-}
-
-/// Whether a create of `parent/name` is in flight (its `new-` record exists): the object
-/// there has no GFID yet because it is being made, not because it was copied in.
-pub fn create_in_flight(brick: &Brick, parent: &Gfid, name: &[u8]) -> Result<bool, Errno> {
-    let mut target = parent.to_string().into_bytes();
-    target.push(b'/');
-    target.extend_from_slice(name);
-    for record in names_in(&brick.pending)? {
-        if record.starts_with(b"new-") {
-            let found =
-                rustix::fs::readlinkat(&brick.pending, cstr(&record).as_c_str(), Vec::new());
-            if found.is_ok_and(|t| t.as_bytes() == target.as_slice()) {
-                return Ok(true);
-            }
-        }
-    }
-    Ok(false)
+fn remove_record(brick: &Brick, record: &CString) -> Result<(), Errno> {
+    ignore_missing(rustix::fs::unlinkat(
+        &brick.pending,
+        &**record,
+        AtFlags::empty(),
+    ))
 }
 
 fn settle_new(brick: &Brick, record: &CString, gfid: &Gfid) -> Result<bool, Errno> {
-    let pending = &brick.pending;
-    let target = rustix::fs::readlinkat(pending, &**record, Vec::new())?.into_bytes();
-    let parsed = target.iter().position(|&b| b == b'/').and_then(|at| {
-        let parent: Gfid = std::str::from_utf8(&target[..at]).ok()?.parse().ok()?;
-        Some((parent, target[at + 1..].to_vec()))
-    });
-    let remove_record =
-        || ignore_missing(rustix::fs::unlinkat(pending, &**record, AtFlags::empty()));
-    let Some((parent, name)) = parsed else {
-        remove_record()?;
+    let target = rustix::fs::readlinkat(&brick.pending, &**record, Vec::new())?;
+    let Some((parent, name)) = intent::parse_new_target(target.as_bytes()) else {
+        remove_record(brick, record)?;
         return Ok(false);
     };
     let name_c = cstr(&name);
@@ -237,7 +205,7 @@ fn settle_new(brick: &Brick, record: &CString, gfid: &Gfid) -> Result<bool, Errn
     let Some((parent_dir, st)) = object else {
         // Not committed: nothing carries the name; remove a handle the fop may have made.
         remove_orphan_handle(brick, gfid)?;
-        remove_record()?;
+        remove_record(brick, record)?;
         return Ok(false);
     };
     let path = proc_path(&parent_dir, &name_c);
@@ -259,7 +227,7 @@ fn settle_new(brick: &Brick, record: &CString, gfid: &Gfid) -> Result<bool, Errn
         // The name belonged to another object (the create failed with EEXIST).
         remove_orphan_handle(brick, gfid)?;
     }
-    remove_record()?;
+    remove_record(brick, record)?;
     Ok(committed)
 }
 
@@ -396,8 +364,7 @@ pub fn check(brick: &Brick, repair_found: bool) -> Result<CheckReport, Errno> {
                     report.missing_gfid += 1;
                     repair_found
                         .then(|| {
-                            let g = Gfid::from_bytes(crate::brick::random_uuid_bytes())
-                                .ok_or(Errno::IO)?;
+                            let g = new_gfid();
                             rustix::fs::lsetxattr(
                                 &*path,
                                 GFID_XATTR,

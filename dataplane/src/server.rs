@@ -24,22 +24,28 @@ use std::time::Duration;
 use kiln_mgmt::pki::{self, Identity};
 use kiln_wire::quic::{self, CloseCode, StreamCode};
 use kiln_wire::{
-    BrickId, Call, CallCode, Capabilities, Creds, ErrorCode, FopReply, FopRequest, HelloReply,
-    Label, Limits, Message, Outcome, PROTOCOL_VERSION, Reply, Request,
+    BrickId, Call, CallCode, Capabilities, ErrorCode, HelloReply, Label, Limits, Message, Outcome,
+    PROTOCOL_VERSION, Reply, Request,
 };
 use quinn::crypto::rustls::QuicServerConfig;
 use rustls::server::WebPkiClientVerifier;
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinSet;
 
-use crate::engine::{Engine, EngineKind, LocalEngine, Session};
-use crate::fops::SessionId;
+use crate::engine::{Engine, LocalEngine};
+use crate::fdtable::SessionId;
 
 /// How long a new connection may take to send its HELLO.
 pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long calls of a connection that is gone may still run before they are dropped and the
 /// session's files and locks released.
 pub const ORPHAN_CALL_GRACE: Duration = Duration::from_secs(30);
+
+/// One connection's session on its worker's engine.
+struct SessionHandle {
+    local: LocalEngine,
+    id: SessionId,
+}
 
 /// Client names allowed on this brick (`auth.allow`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -140,7 +146,8 @@ pub struct Server {
 
 /// What every connection of one endpoint shares.
 struct Context {
-    backend: Backend,
+    engine: Engine,
+    local: LocalEngine,
     live: Arc<RwLock<Live>>,
     connections: Connections,
     shutdown: watch::Receiver<Option<Duration>>,
@@ -189,54 +196,6 @@ struct Live {
     hello: HelloReply,
 }
 
-/// How an endpoint reaches the engine.
-enum Backend {
-    /// On a ring worker's own thread: direct calls.
-    Local(Engine, LocalEngine),
-    /// From the `kiln-net` thread into the blocking engine's pool.
-    Remote(Engine),
-}
-
-/// One connection's session on the engine.
-enum SessionHandle {
-    Local(LocalEngine, SessionId),
-    Remote(Session),
-}
-
-impl Backend {
-    fn session(&self) -> SessionHandle {
-        match self {
-            Backend::Local(engine, local) => {
-                SessionHandle::Local(local.clone(), engine.session_id())
-            }
-            Backend::Remote(engine) => SessionHandle::Remote(engine.session()),
-        }
-    }
-}
-
-impl SessionHandle {
-    async fn call(&self, creds: Creds, fop: FopRequest) -> Result<FopReply, ErrorCode> {
-        match self {
-            SessionHandle::Local(local, id) => local.call(*id, &creds, fop).await,
-            SessionHandle::Remote(session) => session.call(creds, fop).await,
-        }
-    }
-
-    fn id(&self) -> SessionId {
-        match self {
-            SessionHandle::Local(_, id) => *id,
-            SessionHandle::Remote(session) => session.id(),
-        }
-    }
-
-    async fn end(self) {
-        match self {
-            SessionHandle::Local(local, id) => local.end_session(id).await,
-            SessionHandle::Remote(session) => drop(session),
-        }
-    }
-}
-
 impl Server {
     /// Binds the endpoints and starts serving `engine` for `brick_id`.
     pub async fn start(
@@ -255,10 +214,8 @@ impl Server {
                 ..Limits::protocol()
             },
         };
-        let endpoints = match engine.kind() {
-            EngineKind::Uring => config.endpoints.clamp(1, engine.workers()),
-            EngineKind::Blocking => 1,
-        };
+        // Each worker thread runs at most one endpoint (the blocking engine has one).
+        let endpoints = config.endpoints.clamp(1, engine.workers());
         // The first socket picks the port when asked for port 0; the others share it.
         // `SO_REUSEPORT` would also let another root process join the group and take a share
         // of the clients, so the port is claimed for this process by a bound TCP socket on the
@@ -295,49 +252,39 @@ impl Server {
             let (ready, started) = oneshot::channel();
             let (done, stopped_rx) = oneshot::channel();
             stopped.push(stopped_rx);
-            let job = {
-                let (server_config, live, connections, shutdown) = (
-                    server_config.clone(),
-                    live.clone(),
-                    connections.clone(),
-                    shutdown_rx.clone(),
-                );
-                // Runs on the thread that will drive the endpoint, inside its runtime.
-                move |backend: Backend| {
-                    let endpoint = match endpoint(server_config, socket) {
-                        Ok(endpoint) => endpoint,
-                        Err(e) => {
-                            let _ = ready.send(Err(e));
-                            return;
-                        }
-                    };
-                    let _ = ready.send(Ok(endpoint.clone()));
-                    let context = Rc::new(Context {
-                        backend,
-                        live,
-                        connections,
-                        shutdown,
-                    });
-                    tokio::task::spawn_local(async move {
-                        serve_endpoint(endpoint, context).await;
-                        let _ = done.send(());
-                    });
-                }
+            let (server_config, live, connections, shutdown) = (
+                server_config.clone(),
+                live.clone(),
+                connections.clone(),
+                shutdown_rx.clone(),
+            );
+            let engine_handle = engine.clone();
+            // Runs on the worker thread that will drive the endpoint, inside its runtime.
+            let job = move |local: &LocalEngine| {
+                let endpoint = match endpoint(server_config, socket) {
+                    Ok(endpoint) => endpoint,
+                    Err(e) => {
+                        let _ = ready.send(Err(e));
+                        return;
+                    }
+                };
+                let _ = ready.send(Ok(endpoint.clone()));
+                let context = Rc::new(Context {
+                    engine: engine_handle,
+                    local: local.clone(),
+                    live,
+                    connections,
+                    shutdown,
+                });
+                tokio::task::spawn_local(async move {
+                    serve_endpoint(endpoint, context).await;
+                    let _ = done.send(());
+                });
             };
-            match engine.kind() {
-                EngineKind::Uring => {
-                    let backend = engine.clone();
-                    engine
-                        .run_on_worker(worker, move |local| job(Backend::Local(backend, local)))
-                        .await
-                        .map_err(ServerError::Engine)?;
-                }
-                EngineKind::Blocking => {
-                    let engine = engine.clone();
-                    spawn_net_thread(move || job(Backend::Remote(engine)))
-                        .map_err(ServerError::Thread)?;
-                }
-            }
+            engine
+                .run_on_worker(worker, job)
+                .await
+                .map_err(ServerError::Engine)?;
             handles.push(
                 started
                     .await
@@ -415,21 +362,6 @@ fn claim_port(addr: SocketAddr) -> std::io::Result<rustix::fd::OwnedFd> {
     let fd = rustix::net::socket(family, SocketType::STREAM, None)?;
     rustix::net::bind(&fd, &addr)?;
     Ok(fd)
-}
-
-/// Runs `job` on a new thread with a current-thread runtime, until its local tasks end.
-fn spawn_net_thread(job: impl FnOnce() + Send + 'static) -> std::io::Result<()> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    std::thread::Builder::new()
-        .name("kiln-net".into())
-        .spawn(move || {
-            let local = tokio::task::LocalSet::new();
-            local.spawn_local(async move { job() });
-            runtime.block_on(local);
-        })?;
-    Ok(())
 }
 
 fn quinn_config(config: &ServerConfig) -> Result<quinn::ServerConfig, ServerError> {
@@ -526,11 +458,14 @@ async fn serve_connection(incoming: quinn::Incoming, context: Rc<Context>) {
     }
     tracing::debug!(%remote, %client, "session open");
 
-    let session = Rc::new(context.backend.session());
+    let session = Rc::new(SessionHandle {
+        local: context.local.clone(),
+        id: context.engine.session_id(),
+    });
     let since_unix_s = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
-    let id = session.id();
+    let id = session.id;
     let info = ConnectionInfo {
         session: id,
         client: client.clone(),
@@ -566,7 +501,7 @@ async fn serve_connection(incoming: quinn::Incoming, context: Rc<Context>) {
     }
     context.connections.lock().remove(&id);
     match Rc::try_unwrap(session) {
-        Ok(session) => session.end().await,
+        Ok(session) => session.local.end_session(session.id).await,
         Err(_) => tracing::error!(%remote, %client, "session still referenced; not ended"),
     }
     if grace.is_some() {
@@ -657,7 +592,7 @@ async fn serve_call(
     let outcome = match request.call {
         Call::Fop { creds, fop } => {
             let code = CallCode::Fop(fop.code());
-            match session.call(creds, fop).await {
+            match session.local.call(session.id, &creds, fop).await {
                 Ok(reply) => Outcome::Fop(reply),
                 Err(error) => Outcome::Error { call: code, error },
             }

@@ -95,7 +95,7 @@ impl Harness {
     pub fn gfid(&self) -> Gfid {
         let n = self.next_gfid.get();
         self.next_gfid.set(n + 1);
-        let mut b = kiln_dataplane::brick::random_uuid_bytes();
+        let mut b = *kiln_dataplane::brick::new_gfid().as_bytes();
         b[8..16].copy_from_slice(&n.to_be_bytes());
         Gfid::from_bytes(b).expect("non-null")
     }

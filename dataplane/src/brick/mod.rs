@@ -9,7 +9,11 @@
 //! ```
 //!
 //! The brick root, `.glusterfs`, the pending directory and the 256 `.glusterfs/XX` directories
-//! are opened once, `O_PATH`, and every name operation is relative to one of them.
+//! are opened once, `O_PATH`, and every name operation is relative to one of them. GFIDs are
+//! resolved on this layout by [`layout`]; interrupted namespace fops are named by [`intent`].
+
+pub mod intent;
+pub mod layout;
 
 use std::ffi::CString;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -20,7 +24,7 @@ use kiln_wire::{BrickId, Gfid};
 use rustix::fs::{AtFlags, Mode, OFlags, StatxFlags, XattrFlags};
 use rustix::io::Errno;
 
-use crate::step::DirFd;
+use crate::op::DirFd;
 
 /// The xattr holding an object's GFID (16 raw bytes), as in GlusterFS.
 pub const GFID_XATTR: &str = "trusted.gfid";
@@ -131,7 +135,7 @@ impl Brick {
             Mode::empty(),
         )
         .map_err(&err)?;
-        let id = BrickId(random_uuid_bytes());
+        let id = BrickId(uuid::Uuid::new_v4().into_bytes());
         let proc_path = fd_path(root.as_fd());
         rustix::fs::setxattr(
             &proc_path,
@@ -179,7 +183,7 @@ impl Brick {
                 let new =
                     match rustix::fs::getxattr(&proc_path, GLUSTER_VOLUME_ID_XATTR, &mut vol[..]) {
                         Ok(16) => vol,
-                        _ => random_uuid_bytes(),
+                        _ => uuid::Uuid::new_v4().into_bytes(),
                     };
                 rustix::fs::setxattr(&proc_path, BRICK_ID_XATTR, &new, XattrFlags::empty())
                     .map_err(&err)?;
@@ -319,13 +323,11 @@ fn require_root() -> Result<(), BrickError> {
     }
 }
 
-/// 16 random bytes shaped as a version-4 UUID, from the kernel's random pool.
-pub fn random_uuid_bytes() -> [u8; 16] {
-    let mut b = [0u8; 16];
-    let _ = rustix::rand::getrandom(&mut b, rustix::rand::GetRandomFlags::empty());
-    b[6] = (b[6] & 0x0f) | 0x40;
-    b[8] = (b[8] & 0x3f) | 0x80;
-    b
+/// A new random GFID (a version-4 UUID, never the null one).
+pub fn new_gfid() -> Gfid {
+    let bytes = uuid::Uuid::new_v4().into_bytes();
+    // A v4 UUID has its version bits set, so it is never null.
+    Gfid::from_bytes(bytes).unwrap_or(Gfid::ROOT)
 }
 
 #[cfg(test)]

@@ -1,0 +1,208 @@
+//! Inode attributes: LOOKUP, STAT, ACCESS, READLINK, SETATTR (and TRUNCATE), STATFS.
+
+use std::ffi::CString;
+
+use kiln_wire::{
+    AccessMask, AttrChange, AttrReply, Creds, FsStats, Gfid, LookupReply, Name, ReadlinkReply,
+    SetAttr, StatfsReply, SymlinkTarget, TimeSet,
+};
+use rustix::fs::{AtFlags, Mode as FsMode, OFlags};
+use rustix::io::Errno;
+
+use super::chain::Chain;
+use super::{Fops, R, iatt};
+use crate::brick::Brick;
+use crate::creds::ActAs;
+use crate::exec::Exec;
+use crate::op::{self, DirFd, Stat, Step, cstr, proc_path};
+
+impl<E: Exec> Fops<E> {
+    pub(super) async fn lookup(&self, creds: &Creds, parent: &Gfid, name: &Name) -> R<LookupReply> {
+        Self::check_entry(parent, name)?;
+        let dir = self.dir(parent).await?;
+        let mut chain = Chain::new();
+        let stat = chain.push::<Stat>(Step::caller(
+            op::Statx::of(&dir, &cstr(name.as_bytes())),
+            creds,
+        ));
+        let parent_stat = chain.push::<Stat>(Step::brick(op::Fstat::dir(&dir)));
+        let mut results = self.run(chain).await;
+        let (stat, parent_stat) = (results.take(stat)?, results.take(parent_stat)?);
+        let gfid = self.gfid_at(parent, &dir, name.as_bytes(), &stat).await?;
+        Ok(LookupReply {
+            iatt: iatt(&stat, gfid),
+            parent: iatt(&parent_stat, *parent),
+        })
+    }
+
+    pub(super) async fn stat(&self, gfid: &Gfid) -> R<AttrReply> {
+        Ok(AttrReply {
+            iatt: iatt(&self.stat_gfid(gfid).await?, *gfid),
+        })
+    }
+
+    pub(super) async fn access(
+        &self,
+        creds: &Creds,
+        gfid: &Gfid,
+        mask: AccessMask,
+    ) -> R<kiln_wire::Done> {
+        let (dir, name) = self.object_path(gfid).await?;
+        let creds = creds.clone();
+        self.exec
+            .blocking(move || {
+                let _as = ActAs::new(&creds)?;
+                let mut access = rustix::fs::Access::EXISTS;
+                for (bit, a) in [
+                    (AccessMask::READ, rustix::fs::Access::READ_OK),
+                    (AccessMask::WRITE, rustix::fs::Access::WRITE_OK),
+                    (AccessMask::EXECUTE, rustix::fs::Access::EXEC_OK),
+                ] {
+                    if mask.contains(bit) {
+                        access |= a;
+                    }
+                }
+                // A directory is checked as "." of its own fd: faccessat2 refuses
+                // AT_EMPTY_PATH with AT_EACCESS on these kernels (EINVAL).
+                if name.is_empty() {
+                    rustix::fs::accessat(&dir, c".", access, AtFlags::EACCESS)
+                } else {
+                    let flags = AtFlags::EACCESS | AtFlags::SYMLINK_NOFOLLOW;
+                    rustix::fs::accessat(&dir, &*name, access, flags)
+                }
+            })
+            .await?;
+        Ok(kiln_wire::Done {})
+    }
+
+    pub(super) async fn readlink(&self, gfid: &Gfid) -> R<ReadlinkReply> {
+        let stat = self.stat_gfid(gfid).await?;
+        if !stat.is_symlink() {
+            return Err(Errno::INVAL);
+        }
+        let dir = self.brick.handle_dir(gfid).clone();
+        let name = Brick::handle_name(gfid);
+        let target = self
+            .exec
+            .blocking(move || rustix::fs::readlinkat(&dir, &*name, Vec::new()))
+            .await?;
+        let target = SymlinkTarget::new(target.into_bytes()).map_err(|_| Errno::NAMETOOLONG)?;
+        Ok(ReadlinkReply {
+            target,
+            iatt: iatt(&stat, *gfid),
+        })
+    }
+
+    pub(super) async fn statfs(&self, gfid: &Gfid) -> R<StatfsReply> {
+        // The object must exist; any fd on the brick's file system answers for it.
+        self.stat_gfid(gfid).await?;
+        let root = self.brick.root.clone();
+        self.exec
+            .blocking(move || {
+                let s = rustix::fs::fstatvfs(&root)?;
+                Ok(StatfsReply {
+                    stats: FsStats {
+                        bsize: s.f_bsize,
+                        frsize: s.f_frsize,
+                        blocks: s.f_blocks,
+                        bfree: s.f_bfree,
+                        bavail: s.f_bavail,
+                        files: s.f_files,
+                        ffree: s.f_ffree,
+                        favail: s.f_favail,
+                        fsid: s.f_fsid,
+                        flags: s.f_flag.bits(),
+                        namemax: s.f_namemax,
+                    },
+                })
+            })
+            .await
+    }
+
+    pub(super) async fn truncate(&self, creds: &Creds, gfid: &Gfid, size: u64) -> R<AttrChange> {
+        let attr = SetAttr {
+            size: Some(size),
+            ..SetAttr::default()
+        };
+        self.setattr(creds, gfid, attr).await
+    }
+
+    pub(super) async fn setattr(&self, creds: &Creds, gfid: &Gfid, attr: SetAttr) -> R<AttrChange> {
+        let pre = self.stat_gfid(gfid).await?;
+        if pre.is_symlink() && attr.mode.is_some() {
+            return Err(Errno::OPNOTSUPP);
+        }
+        if pre.is_symlink() && attr.size.is_some() {
+            return Err(Errno::INVAL);
+        }
+        if pre.is_dir() && attr.size.is_some() {
+            return Err(Errno::ISDIR);
+        }
+        let (dir, name) = self.object_path(gfid).await?;
+        let creds = creds.clone();
+        self.exec
+            .blocking(move || apply_setattr(&creds, &dir, &name, &attr))
+            .await?;
+        let post = self.stat_gfid(gfid).await?;
+        Ok(AttrChange {
+            pre: iatt(&pre, *gfid),
+            post: iatt(&post, *gfid),
+        })
+    }
+}
+
+/// SETATTR's system calls, as the caller, in the order that keeps explicit values: size,
+/// owner (which clears set-id bits), mode, then times.
+fn apply_setattr(creds: &Creds, dir: &DirFd, name: &CString, attr: &SetAttr) -> R<()> {
+    let _as = ActAs::new(creds)?;
+    // A directory is reached through its own fd (empty name), anything else through its
+    // handle without following it.
+    let path = proc_path(dir, name);
+    let nofollow = if name.is_empty() {
+        AtFlags::empty()
+    } else {
+        AtFlags::SYMLINK_NOFOLLOW
+    };
+    if let Some(size) = attr.size {
+        let file = rustix::fs::open(
+            &*path,
+            OFlags::WRONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::NONBLOCK,
+            FsMode::empty(),
+        )?;
+        rustix::fs::ftruncate(&file, size)?;
+    }
+    if attr.uid.is_some() || attr.gid.is_some() {
+        let uid = attr.uid.map(rustix::process::Uid::from_raw);
+        let gid = attr.gid.map(rustix::process::Gid::from_raw);
+        rustix::fs::chownat(rustix::fs::CWD, &*path, uid, gid, nofollow)?;
+    }
+    if let Some(mode) = attr.mode {
+        rustix::fs::chmod(&*path, FsMode::from_raw_mode(mode.bits()))?;
+    }
+    if attr.atime.is_some() || attr.mtime.is_some() {
+        let times = rustix::fs::Timestamps {
+            last_access: timespec(attr.atime),
+            last_modification: timespec(attr.mtime),
+        };
+        rustix::fs::utimensat(rustix::fs::CWD, &*path, &times, nofollow)?;
+    }
+    Ok(())
+}
+
+/// A time to set as `utimensat` takes it: unchanged, now, or a value.
+fn timespec(t: Option<TimeSet>) -> rustix::fs::Timespec {
+    match t {
+        None => rustix::fs::Timespec {
+            tv_sec: 0,
+            tv_nsec: rustix::fs::UTIME_OMIT,
+        },
+        Some(TimeSet::Now) => rustix::fs::Timespec {
+            tv_sec: 0,
+            tv_nsec: rustix::fs::UTIME_NOW,
+        },
+        Some(TimeSet::At(t)) => rustix::fs::Timespec {
+            tv_sec: t.sec(),
+            tv_nsec: i64::from(t.nsec()),
+        },
+    }
+}

@@ -1,0 +1,200 @@
+//! Directories: OPENDIR, READDIR, READDIRP, FSYNCDIR. io_uring has no getdents: listings are
+//! read on the blocking pool; READDIRP's entry stats run inline.
+
+use std::os::fd::AsFd;
+use std::sync::{Arc, Mutex};
+
+use kiln_wire::{
+    Creds, DirEntry, DirEntryPlus, FdId, FileType, Gfid, Name, OpenReply, ReaddirReply,
+    ReaddirpReply,
+};
+use rustix::io::Errno;
+
+use super::{Fops, R, iatt, lock};
+use crate::brick::GLUSTERFS_DIR;
+use crate::exec::Exec;
+use crate::fdtable::{OpenFile, OpenKind, SessionId};
+use crate::op::{self, DirFd, FileRef, Stat, Step, cstr};
+
+/// Reply bytes a READDIR entry costs besides its name.
+const READDIR_ENTRY_BYTES: usize = 24;
+/// Reply bytes a READDIRP entry costs besides its name (its attributes included).
+const READDIRP_ENTRY_BYTES: usize = 140;
+
+impl<E: Exec> Fops<E> {
+    pub(super) async fn opendir(
+        &self,
+        session: SessionId,
+        creds: &Creds,
+        gfid: &Gfid,
+    ) -> R<OpenReply> {
+        let dir = self.dir(gfid).await?;
+        let open = op::Open {
+            dir,
+            name: cstr(b"."),
+            flags: libc::O_RDONLY | libc::O_DIRECTORY,
+            mode: 0,
+            fixed: false,
+        };
+        let FileRef::Fd(dir) = self.run_one(Step::caller(open, creds)).await? else {
+            return Err(op::invariant("a plain open gave a direct descriptor"));
+        };
+        let stream = Arc::new(Mutex::new(()));
+        let fd = self.insert_open(
+            session,
+            OpenFile {
+                gfid: *gfid,
+                kind: OpenKind::Dir { dir, stream },
+            },
+        )?;
+        Ok(OpenReply { fd })
+    }
+
+    fn dir_fd(&self, session: SessionId, fd: FdId) -> R<(Gfid, DirFd, Arc<Mutex<()>>)> {
+        match self.open_file(session, fd)? {
+            OpenFile {
+                gfid,
+                kind: OpenKind::Dir { dir, stream },
+            } => Ok((gfid, dir, stream)),
+            _ => Err(Errno::NOTDIR),
+        }
+    }
+
+    pub(super) async fn fsyncdir(
+        &self,
+        session: SessionId,
+        fd: FdId,
+        datasync: bool,
+    ) -> R<kiln_wire::Done> {
+        let (_, dir, _) = self.dir_fd(session, fd)?;
+        let fsync = op::Fsync {
+            file: FileRef::Fd(dir),
+            datasync,
+        };
+        let result = self.run1(Step::brick(fsync)).await.map(drop);
+        self.poison_on_fsync_error(result)?;
+        Ok(kiln_wire::Done {})
+    }
+
+    pub(super) async fn readdir(
+        &self,
+        session: SessionId,
+        fd: FdId,
+        offset: u64,
+        size: u32,
+    ) -> R<ReaddirReply> {
+        let (gfid, dir, stream) = self.dir_fd(session, fd)?;
+        let (size, root) = (size as usize, gfid.is_root());
+        let (names, eof) = self
+            .exec
+            .blocking(move || read_dir(&dir, &stream, root, offset, size, READDIR_ENTRY_BYTES))
+            .await?;
+        let entries = names
+            .into_iter()
+            .filter_map(|e| {
+                Some(DirEntry {
+                    offset: e.cookie,
+                    ino: e.ino,
+                    file_type: e.file_type.unwrap_or(FileType::Regular),
+                    name: Name::new(e.name).ok()?,
+                })
+            })
+            .collect();
+        Ok(ReaddirReply { entries, eof })
+    }
+
+    pub(super) async fn readdirp(
+        &self,
+        session: SessionId,
+        fd: FdId,
+        offset: u64,
+        size: u32,
+    ) -> R<ReaddirpReply> {
+        let (gfid, dir, stream) = self.dir_fd(session, fd)?;
+        let (listing, size, root) = (dir.clone(), size as usize, gfid.is_root());
+        let (names, eof) = self
+            .exec
+            .blocking(move || read_dir(&listing, &stream, root, offset, size, READDIRP_ENTRY_BYTES))
+            .await?;
+        // Stat each entry on its own: one that vanished meanwhile must not cancel the rest.
+        let mut entries = Vec::with_capacity(names.len());
+        for e in names {
+            let step = Step::brick(op::Statx::of(&dir, &cstr(&e.name)));
+            let Ok(stat) = self.run_one::<Stat>(step).await else {
+                continue;
+            };
+            let Ok(name) = Name::new(e.name) else {
+                continue;
+            };
+            let Ok(g) = self.gfid_at(&gfid, &dir, name.as_bytes(), &stat).await else {
+                continue;
+            };
+            entries.push(DirEntryPlus {
+                offset: e.cookie,
+                name,
+                iatt: iatt(&stat, g),
+            });
+        }
+        Ok(ReaddirpReply { entries, eof })
+    }
+}
+
+/// One directory entry read by `getdents64`.
+#[derive(Debug)]
+pub(crate) struct RawEntry {
+    pub name: Vec<u8>,
+    pub ino: u64,
+    pub cookie: u64,
+    pub file_type: Option<FileType>,
+}
+
+/// Reads entries of `dir` from cookie `offset` until about `size` bytes of reply (each entry
+/// costs its name plus `per_entry` bytes), hiding `.`, `..` and, in the root, `.glusterfs`.
+/// Returns the entries and whether the end was reached.
+pub(crate) fn read_dir(
+    dir: &DirFd,
+    stream: &Mutex<()>,
+    is_root: bool,
+    offset: u64,
+    size: usize,
+    per_entry: usize,
+) -> R<(Vec<RawEntry>, bool)> {
+    use std::mem::MaybeUninit;
+    // The fd's position is shared: one READDIR at a time seeks and reads it.
+    let _stream = lock(stream);
+    rustix::fs::seek(dir, rustix::fs::SeekFrom::Start(offset))?;
+    let mut buf = vec![MaybeUninit::<u8>::uninit(); 32 * 1024];
+    let mut raw = rustix::fs::RawDir::new(dir.as_fd(), &mut buf);
+    let mut out = Vec::new();
+    let mut used = 0;
+    while let Some(entry) = raw.next() {
+        let entry = entry?;
+        let name = entry.file_name().to_bytes();
+        if name == b"." || name == b".." || (is_root && name == GLUSTERFS_DIR.as_bytes()) {
+            continue;
+        }
+        let cost = name.len() + per_entry;
+        if used + cost > size && !out.is_empty() {
+            // Stop before this entry; the caller continues from the previous cookie.
+            return Ok((out, false));
+        }
+        used += cost;
+        let file_type = match entry.file_type() {
+            rustix::fs::FileType::RegularFile => Some(FileType::Regular),
+            rustix::fs::FileType::Directory => Some(FileType::Directory),
+            rustix::fs::FileType::Symlink => Some(FileType::Symlink),
+            rustix::fs::FileType::Fifo => Some(FileType::Fifo),
+            rustix::fs::FileType::Socket => Some(FileType::Socket),
+            rustix::fs::FileType::CharacterDevice => Some(FileType::CharDevice),
+            rustix::fs::FileType::BlockDevice => Some(FileType::BlockDevice),
+            _ => None,
+        };
+        out.push(RawEntry {
+            name: name.to_vec(),
+            ino: entry.ino(),
+            cookie: entry.next_entry_cookie(),
+            file_type,
+        });
+    }
+    Ok((out, true))
+}

@@ -1,0 +1,295 @@
+//! Fop semantics, written once for every executor: each fop resolves its GFIDs to held
+//! directory fds ([`resolve`]), builds a [`chain::Chain`] of single-name steps, runs it, and
+//! turns the results into the reply a local Linux file system would give, errno included.
+//!
+//! One module per family: [`attr`] (lookup, stat, access, readlink, setattr, statfs),
+//! [`namespace`] (create, mkdir, mknod, symlink, put, link, unlink, rmdir, rename — with the
+//! intent protocol of `docs/disk-layout.md`), [`files`] (open, read, write, fsync, fallocate,
+//! seek, locks, release), [`dirs`] (opendir, readdir, readdirp) and [`xattr`].
+
+mod attr;
+mod chain;
+mod dirs;
+mod files;
+mod namespace;
+mod resolve;
+mod xattr;
+
+use std::collections::{BTreeMap, HashMap};
+use std::num::NonZeroUsize;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use kiln_wire::*;
+use rustix::io::Errno;
+
+use self::chain::{Chain, FromDone, Results};
+use crate::brick::Brick;
+use crate::cache::{CacheState, DirCache, GfidCache};
+use crate::exec::Exec;
+use crate::fdtable::{FdTable, OpenKind, SessionId};
+use crate::locks::LockTable;
+use crate::op::{FileRef, Stat, Step, StepResult};
+use crate::profile::{self, Profile};
+
+/// Sizes of the tables of one set of fops, in entries.
+#[derive(Debug, Clone)]
+pub struct FopsConfig {
+    /// inode → GFID entries (`network.inode-lru-limit`), per worker.
+    pub gfid_cache_entries: NonZeroUsize,
+    /// Directory fds held open (`storage.dirfd-cache-entries`), per worker.
+    pub dirfd_cache_entries: NonZeroUsize,
+    pub open_files_per_client_max: usize,
+    /// `storage.fsync-policy write-through`: every WRITE and PUT is synced (`fdatasync`, in
+    /// the same chain) before it is acknowledged.
+    pub write_through: bool,
+}
+
+impl Default for FopsConfig {
+    fn default() -> Self {
+        FopsConfig {
+            gfid_cache_entries: NonZeroUsize::new(1 << 20).unwrap_or(NonZeroUsize::MIN),
+            dirfd_cache_entries: NonZeroUsize::new(4096).unwrap_or(NonZeroUsize::MIN),
+            open_files_per_client_max: 16_384,
+            write_through: false,
+        }
+    }
+}
+
+/// A test hook: stop the named fop after this many steps of its chain, as if the brick had
+/// been killed there (no rollback, no cleanup).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CrashPoint {
+    pub fop: FopCode,
+    pub after_steps: usize,
+}
+
+/// The fop implementation over one executor: one per ring worker, or one for the whole
+/// blocking engine.
+#[derive(Debug)]
+pub struct Fops<E> {
+    brick: Arc<Brick>,
+    exec: E,
+    config: FopsConfig,
+    gfids: Mutex<GfidCache>,
+    dirs: Mutex<DirCache>,
+    /// Each session's fd table; `None` once the session ended, so a fop still in flight
+    /// cannot open a file for it that nobody would ever release.
+    sessions: Mutex<HashMap<SessionId, Option<FdTable>>>,
+    shared: Arc<BrickState>,
+    crash_point: Mutex<Option<CrashPoint>>,
+}
+
+/// What every worker of a brick shares: the profile, POSIX locks (clients on different
+/// workers contend for the same files) and the poisoned flag.
+#[derive(Debug, Default)]
+pub struct BrickState {
+    /// Per-fop counters and histograms (`diagnostics.*`).
+    pub profile: Profile,
+    locks: Mutex<LockTable>,
+    /// Set by an fsync error: data may be lost, so writes are refused until restart.
+    poisoned: AtomicBool,
+}
+
+/// The sessions and caches of one [`Fops`], for state dumps.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FopsState {
+    /// Open fds of each session, by session id.
+    pub fd_tables: BTreeMap<SessionId, usize>,
+    pub gfid_cache: CacheState,
+    pub dirfd_cache: CacheState,
+}
+
+type R<T> = Result<T, Errno>;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A poisoned lock only means another fop panicked; the tables stay consistent because
+    // every update is a single insert or remove.
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The attributes a client sees: a non-directory's handle is a hard link the client never
+/// sees, so it is not counted.
+pub fn iatt(stat: &Stat, gfid: Gfid) -> Iatt {
+    let mut iatt = stat.to_iatt(gfid);
+    if !stat.is_dir() && stat.nlink >= 2 {
+        iatt.nlink -= 1;
+    }
+    iatt
+}
+
+impl<E: Exec> Fops<E> {
+    pub fn new(brick: Arc<Brick>, shared: Arc<BrickState>, exec: E, config: FopsConfig) -> Fops<E> {
+        Fops {
+            gfids: Mutex::new(GfidCache::new(config.gfid_cache_entries)),
+            dirs: Mutex::new(DirCache::new(config.dirfd_cache_entries)),
+            sessions: Mutex::new(HashMap::new()),
+            shared,
+            crash_point: Mutex::new(None),
+            brick,
+            exec,
+            config,
+        }
+    }
+
+    pub fn exec(&self) -> &E {
+        &self.exec
+    }
+
+    /// Arms (or clears) the crash hook; for crash-injection tests.
+    pub fn set_crash_point(&self, point: Option<CrashPoint>) {
+        *lock(&self.crash_point) = point;
+    }
+
+    /// Sessions, fd tables and caches.
+    pub fn state(&self) -> FopsState {
+        let fd_tables = lock(&self.sessions)
+            .iter()
+            .filter_map(|(&id, table)| Some((id, table.as_ref()?.len())))
+            .collect();
+        FopsState {
+            fd_tables,
+            gfid_cache: lock(&self.gfids).state(),
+            dirfd_cache: lock(&self.dirs).state(),
+        }
+    }
+
+    /// Ends a session: its fds are released and its locks dropped. Returns the files the
+    /// caller must close through the executor (direct descriptors).
+    pub fn end_session(&self, session: SessionId) -> Vec<FileRef> {
+        // Under the sessions guard (lock order: sessions, then locks), so no LK can slip a lock
+        // in between the tombstone and the release.
+        let mut sessions = lock(&self.sessions);
+        let ended = sessions.insert(session, None);
+        lock(&self.shared.locks).release_session(session);
+        drop(sessions);
+        let Some(Some(mut table)) = ended else {
+            return Vec::new();
+        };
+        table
+            .drain()
+            .into_iter()
+            .filter_map(|f| match f.kind {
+                OpenKind::File { file, .. } => Some(file),
+                OpenKind::Dir { .. } => None,
+            })
+            .collect()
+    }
+
+    /// Executes one fop for `session` as `creds`, recorded in the brick's profile.
+    pub async fn call(&self, session: SessionId, creds: &Creds, fop: FopRequest) -> R<FopReply> {
+        let profile = &self.shared.profile;
+        if !profile.is_on() {
+            return self.execute(session, creds, fop).await;
+        }
+        let (code, bytes) = (fop.code(), profile::request_bytes(&fop));
+        profile
+            .measure(code, bytes, self.execute(session, creds, fop))
+            .await
+    }
+
+    async fn execute(&self, session: SessionId, creds: &Creds, fop: FopRequest) -> R<FopReply> {
+        use FopReply as A;
+        use FopRequest as Q;
+        Ok(match fop {
+            Q::Lookup(r) => A::Lookup(self.lookup(creds, &r.parent, &r.name).await?),
+            Q::Stat(r) => A::Stat(self.stat(&r.gfid).await?),
+            Q::Access(r) => A::Access(self.access(creds, &r.gfid, r.mask).await?),
+            Q::Readlink(r) => A::Readlink(self.readlink(&r.gfid).await?),
+            Q::Statfs(r) => A::Statfs(self.statfs(&r.gfid).await?),
+            Q::Setattr(r) => A::Setattr(self.setattr(creds, &r.gfid, r.attr).await?),
+            Q::Truncate(r) => A::Truncate(self.truncate(creds, &r.gfid, r.size).await?),
+            Q::Mknod(r) => A::Mknod(self.mknod(creds, r).await?),
+            Q::Mkdir(r) => A::Mkdir(self.mkdir(creds, r).await?),
+            Q::Symlink(r) => A::Symlink(self.symlink(creds, r).await?),
+            Q::Create(r) => A::Create(self.create(session, creds, r).await?),
+            Q::Put(r) => A::Put(self.put(creds, r).await?),
+            Q::Unlink(r) => A::Unlink(self.unlink(creds, &r.parent, &r.name).await?),
+            Q::Rmdir(r) => A::Rmdir(self.rmdir(creds, &r.parent, &r.name).await?),
+            Q::Rename(r) => A::Rename(self.rename(creds, r).await?),
+            Q::Link(r) => A::Link(self.link(creds, r).await?),
+            Q::Setxattr(r) => A::Setxattr(self.setxattr(creds, &r.gfid, &r).await?),
+            Q::Removexattr(r) => A::Removexattr(self.removexattr(creds, &r.gfid, &r.name).await?),
+            Q::Getxattr(r) => A::Getxattr(self.getxattr(creds, &r.gfid, &r.name).await?),
+            Q::Listxattr(r) => A::Listxattr(self.listxattr(creds, &r.gfid).await?),
+            Q::Open(r) => A::Open(
+                self.open(session, creds, &r.gfid, r.access, r.flags)
+                    .await?,
+            ),
+            Q::Opendir(r) => A::Opendir(self.opendir(session, creds, &r.gfid).await?),
+            fd_fop => self.execute_on_fd(session, creds, fd_fop).await?,
+        })
+    }
+
+    /// The fops that name an open fd of the session.
+    async fn execute_on_fd(&self, s: SessionId, creds: &Creds, fop: FopRequest) -> R<FopReply> {
+        use FopReply as A;
+        use FopRequest as Q;
+        Ok(match fop {
+            Q::Fstat(r) => A::Fstat(self.fstat(s, r.fd).await?),
+            Q::Read(r) => A::Read(self.read(s, r).await?),
+            Q::Write(r) => A::Write(self.write(s, creds, r).await?),
+            Q::Flush(r) => A::Flush(self.flush(s, r.fd, r.lock_owner)?),
+            Q::Fsync(r) => A::Fsync(self.fsync(s, r.fd, r.datasync).await?),
+            Q::Release(r) => A::Release(self.release(s, r.fd, false).await?),
+            Q::Readdir(r) => A::Readdir(self.readdir(s, r.fd, r.offset, r.size.get()).await?),
+            Q::Readdirp(r) => A::Readdirp(self.readdirp(s, r.fd, r.offset, r.size.get()).await?),
+            Q::Releasedir(r) => A::Releasedir(self.release(s, r.fd, true).await?),
+            Q::Fsyncdir(r) => A::Fsyncdir(self.fsyncdir(s, r.fd, r.datasync).await?),
+            Q::Fsetxattr(r) => {
+                let gfid = self.open_file(s, r.fd)?.gfid;
+                A::Fsetxattr(self.fsetxattr(creds, &gfid, &r).await?)
+            }
+            Q::Fgetxattr(r) => {
+                let gfid = self.open_file(s, r.fd)?.gfid;
+                A::Fgetxattr(self.getxattr(creds, &gfid, &r.name).await?)
+            }
+            Q::Fremovexattr(r) => {
+                let gfid = self.open_file(s, r.fd)?.gfid;
+                A::Fremovexattr(self.removexattr(creds, &gfid, &r.name).await?)
+            }
+            Q::Fsetattr(r) => {
+                let gfid = self.open_file(s, r.fd)?.gfid;
+                A::Fsetattr(self.setattr(creds, &gfid, r.attr).await?)
+            }
+            Q::Ftruncate(r) => A::Ftruncate(self.ftruncate(s, r.fd, r.size).await?),
+            Q::Fallocate(r) => A::Fallocate(self.fallocate(s, creds, r.fd, r.into()).await?),
+            Q::Discard(r) => A::Discard(self.fallocate(s, creds, r.fd, r.into()).await?),
+            Q::Zerofill(r) => A::Zerofill(self.fallocate(s, creds, r.fd, r.into()).await?),
+            Q::Seek(r) => A::Seek(self.seek(s, r).await?),
+            Q::Lk(r) => A::Lk(self.lk(s, r).await?),
+            other => {
+                return Err(crate::op::invariant(&format!(
+                    "{:?} is no fd fop",
+                    other.code()
+                )));
+            }
+        })
+    }
+
+    // ---- running chains ----
+
+    /// Runs a chain; its results are read back by the handles [`Chain::push`] gave.
+    async fn run(&self, chain: Chain) -> Results {
+        let steps = chain.len();
+        profile::charge(|c| c.steps += steps as u64);
+        Results::new(self.exec.run(chain.into_steps()).await, steps)
+    }
+
+    /// Runs one step.
+    async fn run1(&self, step: Step) -> StepResult {
+        profile::charge(|c| c.steps += 1);
+        let mut results = self.exec.run(vec![step]).await;
+        debug_assert_eq!(results.len(), 1, "an executor lost a result");
+        results
+            .pop()
+            .unwrap_or_else(|| Err(crate::op::invariant("an executor lost a result")))
+    }
+
+    /// Runs one step and reads its result as a `T`.
+    async fn run_one<T: FromDone>(&self, step: Step) -> R<T> {
+        let mut chain = Chain::new();
+        let at = chain.push::<T>(step);
+        self.run(chain).await.take(at)
+    }
+}

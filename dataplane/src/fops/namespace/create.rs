@@ -1,0 +1,531 @@
+//! Making names: CREATE, PUT, MKDIR, MKNOD, SYMLINK, and LINK of an existing object.
+
+use std::ffi::CString;
+
+use bytes::Bytes;
+use kiln_wire::{
+    AccessMode, Create, CreateReply, Creds, EntryReply, FileType, FopCode, Gfid, Link, LookupReply,
+    Mkdir, Mknod, Name, OpenFlags, Put, Symlink,
+};
+use rustix::io::Errno;
+
+use super::super::chain::{At, Chain, Results};
+use super::super::{Fops, R, iatt};
+use crate::brick::Brick;
+use crate::brick::GFID_XATTR;
+use crate::brick::intent::{self, RecordKind, record_name};
+use crate::exec::Exec;
+use crate::fdtable::SessionId;
+use crate::op::{self, DirFd, FileRef, Stat, Step, cstr};
+
+/// What a new entry is.
+#[derive(Debug, Clone)]
+enum NewKind {
+    File {
+        flags: i32,
+        mode: u32,
+        data: Option<Bytes>,
+        keep_open: bool,
+    },
+    Dir {
+        mode: u32,
+    },
+    Node {
+        mode: u32,
+        rdev: u64,
+    },
+    Symlink {
+        target: CString,
+    },
+}
+
+impl NewKind {
+    /// Whether the chain opens the new object (to set its GFID through the fd).
+    fn opens(&self) -> bool {
+        matches!(self, NewKind::File { .. } | NewKind::Dir { .. })
+    }
+
+    fn keeps_open(&self) -> bool {
+        matches!(
+            self,
+            NewKind::File {
+                keep_open: true,
+                ..
+            }
+        )
+    }
+}
+
+/// Where a new entry goes and who it is.
+#[derive(Debug)]
+struct NewEntry {
+    parent: Gfid,
+    dir: DirFd,
+    name: CString,
+    gfid: Gfid,
+    record: CString,
+}
+
+/// The steps of an entry chain whose results the fop reads back.
+#[derive(Debug)]
+struct EntrySteps {
+    pre: At<Stat>,
+    record: At<()>,
+    /// The caller's create: the commit point.
+    commit: At<()>,
+    /// The new object opened (a file's create itself, or a directory's GFID open).
+    opened: Option<At<FileRef>>,
+    handle: At<()>,
+    close: Option<At<()>>,
+    stat: At<Stat>,
+    post: At<Stat>,
+}
+
+impl<E: Exec> Fops<E> {
+    pub(in crate::fops) async fn mknod(&self, creds: &Creds, r: Mknod) -> R<EntryReply> {
+        let mode = FileType::from(r.node_type).to_mode_bits() | (r.mode.bits() & !r.umask.bits());
+        let kind = NewKind::Node { mode, rdev: r.rdev };
+        let made = self.make_entry(FopCode::Mknod, creds, &r.parent, &r.name, r.gfid, kind);
+        Ok(made.await?.0)
+    }
+
+    pub(in crate::fops) async fn mkdir(&self, creds: &Creds, r: Mkdir) -> R<EntryReply> {
+        let kind = NewKind::Dir {
+            mode: r.mode.bits() & !r.umask.bits(),
+        };
+        let made = self.make_entry(FopCode::Mkdir, creds, &r.parent, &r.name, r.gfid, kind);
+        Ok(made.await?.0)
+    }
+
+    pub(in crate::fops) async fn symlink(&self, creds: &Creds, r: Symlink) -> R<EntryReply> {
+        let kind = NewKind::Symlink {
+            target: cstr(r.target.as_bytes()),
+        };
+        let made = self.make_entry(FopCode::Symlink, creds, &r.parent, &r.name, r.gfid, kind);
+        Ok(made.await?.0)
+    }
+
+    /// Creates `parent/name` with identity `gfid`: intent record → caller's create (commit) →
+    /// GFID xattr → data → handle → stat → record removed, in one chain.
+    async fn make_entry(
+        &self,
+        fop: FopCode,
+        creds: &Creds,
+        parent: &Gfid,
+        name: &Name,
+        gfid: Gfid,
+        kind: NewKind,
+    ) -> R<(EntryReply, Option<FileRef>)> {
+        Self::check_entry(parent, name)?;
+        let dir = self.dir(parent).await?;
+        self.brick.ensure_handle_parent(&gfid)?;
+        // A GFID already in use: a retry of this create (same name), or a client reusing an
+        // identity (EEXIST, and nothing of the other object is touched).
+        let taken = op::Statx::of(self.brick.handle_dir(&gfid), &Brick::handle_name(&gfid));
+        if self.run1(Step::brick(taken)).await.is_ok() {
+            let same = self.same_entry(creds, parent, name, gfid).await;
+            return same.ok().flatten().map(|e| (e, None)).ok_or(Errno::EXIST);
+        }
+        let entry = NewEntry {
+            parent: *parent,
+            dir,
+            name: cstr(name.as_bytes()),
+            gfid,
+            record: record_name(RecordKind::New, &gfid),
+        };
+        let (chain, steps) = self.entry_chain(creds, &entry, &kind);
+        let mut results = self.run_namespace(fop, chain).await?;
+        if let Some(e) = results.error(steps.commit) {
+            if results.ok(steps.record) {
+                self.unlink_quietly(&self.brick.pending, &entry.record, false)
+                    .await;
+            }
+            // A retry of a create that already happened carries the same GFID.
+            if e == Errno::EXIST
+                && let Some(reply) = self.same_entry(creds, parent, name, gfid).await?
+            {
+                return Ok((reply, None));
+            }
+            return Err(e);
+        }
+        let opened = steps.opened.and_then(|at| results.take(at).ok());
+        if let Some(e) = results.first_error() {
+            self.undo_entry(&entry, &kind, &steps, &results, opened)
+                .await;
+            return Err(e);
+        }
+        let (pre, stat, post) = (
+            results.take(steps.pre)?,
+            results.take(steps.stat)?,
+            results.take(steps.post)?,
+        );
+        self.remember_gfid(&stat, gfid);
+        let reply = EntryReply {
+            iatt: iatt(&stat, gfid),
+            pre_parent: iatt(&pre, *parent),
+            post_parent: iatt(&post, *parent),
+        };
+        Ok((reply, opened.filter(|_| kind.keeps_open())))
+    }
+
+    /// The chain that makes `entry`.
+    fn entry_chain(&self, creds: &Creds, entry: &NewEntry, kind: &NewKind) -> (Chain, EntrySteps) {
+        let (dir, name) = (&entry.dir, &entry.name);
+        let mut chain = Chain::new();
+        let pre = chain.push(Step::brick(op::Fstat::dir(dir)));
+        let record = chain.push(Step::brick(op::Symlink {
+            target: cstr(&intent::new_target(&entry.parent, name.as_bytes())),
+            dir: self.brick.pending.clone(),
+            name: entry.record.clone(),
+        }));
+        let (commit, opened) = push_commit(&mut chain, creds, dir, name, kind);
+        let xattr = cstr(GFID_XATTR.as_bytes());
+        let (value, create) = (entry.gfid.as_bytes().to_vec(), libc::XATTR_CREATE);
+        chain.push::<()>(Step::brick(match kind.opens() {
+            true => op::Op::from(op::FSetXattr {
+                file: FileRef::Chain,
+                name: xattr,
+                value,
+                flags: create,
+            }),
+            false => op::Op::from(op::SetXattrAt {
+                dir: dir.clone(),
+                name: name.clone(),
+                xattr,
+                value,
+                flags: create,
+            }),
+        }));
+        if let NewKind::File {
+            data: Some(data), ..
+        } = kind
+        {
+            self.push_data(&mut chain, creds, data.clone());
+        }
+        let handle = chain.push(self.handle_step(entry, kind));
+        let close = (kind.opens() && !kind.keeps_open()).then(|| {
+            chain.push(Step::brick(op::Close {
+                file: FileRef::Chain,
+            }))
+        });
+        chain.push::<()>(Step::brick(op::Unlink {
+            dir: self.brick.pending.clone(),
+            name: entry.record.clone(),
+            dir_flag: false,
+        }));
+        // Stats last: by name (a direct descriptor cannot be statx'ed), and at the end of the
+        // chain, where the ring executor runs them inline.
+        let stat = chain.push(Step::brick(op::Statx::of(dir, name)));
+        let post = chain.push(Step::brick(op::Fstat::dir(dir)));
+        let steps = EntrySteps {
+            pre,
+            record,
+            commit,
+            opened,
+            handle,
+            close,
+            stat,
+            post,
+        };
+        (chain, steps)
+    }
+
+    /// The new object's handle: a hard link, or for a directory a symlink to its name.
+    fn handle_step(&self, entry: &NewEntry, kind: &NewKind) -> Step {
+        let (handle_dir, handle) = (
+            self.brick.handle_dir(&entry.gfid).clone(),
+            Brick::handle_name(&entry.gfid),
+        );
+        Step::brick(match kind {
+            NewKind::Dir { .. } => op::Op::from(op::Symlink {
+                target: cstr(&Brick::dir_handle_target(
+                    &entry.parent,
+                    entry.name.as_bytes(),
+                )),
+                dir: handle_dir,
+                name: handle,
+            }),
+            _ => op::Op::from(op::Link {
+                old_dir: entry.dir.clone(),
+                old_name: entry.name.clone(),
+                new_dir: handle_dir,
+                new_name: handle,
+            }),
+        })
+    }
+
+    /// Writes `data` at 0 into the chain's file, as the caller (synced under write-through).
+    fn push_data(&self, chain: &mut Chain, creds: &Creds, data: Bytes) {
+        let write = op::Write {
+            file: FileRef::Chain,
+            offset: 0,
+            data,
+        };
+        chain.push::<()>(Step::caller(write, creds));
+        if self.config.write_through {
+            chain.push::<()>(Step::brick(op::Fsync {
+                file: FileRef::Chain,
+                datasync: true,
+            }));
+        }
+    }
+
+    /// A step around the commit failed (e.g. ENOSPC for the record or the xattr): undo what
+    /// this chain made, and only that, newest first.
+    async fn undo_entry(
+        &self,
+        entry: &NewEntry,
+        kind: &NewKind,
+        steps: &EntrySteps,
+        results: &Results,
+        opened: Option<FileRef>,
+    ) {
+        let closed = steps.close.is_some_and(|at| results.ok(at));
+        if let Some(file) = opened.filter(|_| !closed) {
+            let _ = self.run1(Step::brick(op::Close { file })).await;
+        }
+        if results.ok(steps.handle) {
+            let handle_dir = self.brick.handle_dir(&entry.gfid).clone();
+            self.unlink_quietly(&handle_dir, &Brick::handle_name(&entry.gfid), false)
+                .await;
+        }
+        let is_dir = matches!(kind, NewKind::Dir { .. });
+        self.unlink_quietly(&entry.dir, &entry.name, is_dir).await;
+        if results.ok(steps.record) {
+            self.unlink_quietly(&self.brick.pending, &entry.record, false)
+                .await;
+        }
+    }
+
+    /// The reply to a create that already happened (a retry with the same GFID), or `None`
+    /// when the name holds another object.
+    async fn same_entry(
+        &self,
+        creds: &Creds,
+        parent: &Gfid,
+        name: &Name,
+        gfid: Gfid,
+    ) -> R<Option<EntryReply>> {
+        let existing = self.lookup(creds, parent, name).await?;
+        Ok((existing.iatt.gfid == gfid).then(|| retried_reply(existing)))
+    }
+
+    pub(in crate::fops) async fn create(
+        &self,
+        session: SessionId,
+        creds: &Creds,
+        r: Create,
+    ) -> R<CreateReply> {
+        let flags = r.access.to_libc() | (r.flags.to_libc() & !libc::O_EXCL);
+        let kind = NewKind::File {
+            flags,
+            mode: r.mode.bits() & !r.umask.bits(),
+            data: None,
+            keep_open: true,
+        };
+        let made = self
+            .make_entry(FopCode::Create, creds, &r.parent, &r.name, r.gfid, kind)
+            .await;
+        let (entry, file) = match made {
+            Ok(done) => done,
+            // Without O_EXCL, CREATE of an existing name opens it, like open(O_CREAT).
+            Err(Errno::EXIST) if !r.flags.contains(OpenFlags::EXCL) => {
+                return self.open_existing(session, creds, &r).await;
+            }
+            Err(e) => return Err(e),
+        };
+        let fd = match file {
+            Some(file) => {
+                let writable = r.access != AccessMode::ReadOnly;
+                self.keep_open(session, entry.iatt.gfid, file, writable)
+                    .await?
+            }
+            // A retried create: open what the first attempt made.
+            None => {
+                self.open(session, creds, &entry.iatt.gfid, r.access, r.flags)
+                    .await?
+                    .fd
+            }
+        };
+        Ok(CreateReply {
+            fd,
+            iatt: entry.iatt,
+            pre_parent: entry.pre_parent,
+            post_parent: entry.post_parent,
+        })
+    }
+
+    /// CREATE without O_EXCL of a name that exists: opens it.
+    async fn open_existing(&self, session: SessionId, creds: &Creds, r: &Create) -> R<CreateReply> {
+        let found = self.lookup(creds, &r.parent, &r.name).await?;
+        let fd = self
+            .open(session, creds, &found.iatt.gfid, r.access, r.flags)
+            .await?
+            .fd;
+        Ok(CreateReply {
+            fd,
+            iatt: found.iatt,
+            pre_parent: found.parent.clone(),
+            post_parent: found.parent,
+        })
+    }
+
+    pub(in crate::fops) async fn put(&self, creds: &Creds, r: Put) -> R<EntryReply> {
+        if self.is_poisoned() {
+            return Err(Errno::IO);
+        }
+        let flags = libc::O_WRONLY | r.flags.to_libc() & !libc::O_EXCL;
+        let data = Some(r.data.clone().into_bytes()).filter(|d| !d.is_empty());
+        let kind = NewKind::File {
+            flags,
+            mode: r.mode.bits() & !r.umask.bits(),
+            data,
+            keep_open: false,
+        };
+        let (mut entry, file) = self
+            .make_entry(FopCode::Put, creds, &r.parent, &r.name, r.gfid, kind)
+            .await?;
+        debug_assert!(file.is_none(), "a PUT keeps no file open");
+        if entry.iatt.size != r.data.len() as u64 {
+            // A retried PUT found the file made by the first attempt: write the data again.
+            entry.iatt = self
+                .rewrite(creds, &r.gfid, r.data.clone().into_bytes())
+                .await?;
+        }
+        if !r.attr.is_empty() {
+            entry.iatt = self.setattr(creds, &r.gfid, r.attr).await?.post;
+        }
+        Ok(entry)
+    }
+
+    /// Replaces the content of file `gfid` by `data`, as the caller.
+    async fn rewrite(&self, creds: &Creds, gfid: &Gfid, data: Bytes) -> R<kiln_wire::Iatt> {
+        let (handle_dir, handle) = (self.brick.handle_dir(gfid), Brick::handle_name(gfid));
+        let mut chain = Chain::new();
+        let open = chain.push::<FileRef>(Step::caller(
+            op::Open {
+                dir: handle_dir.clone(),
+                name: handle.clone(),
+                flags: libc::O_WRONLY | libc::O_TRUNC,
+                mode: 0,
+                fixed: true,
+            },
+            creds,
+        ));
+        self.push_data(&mut chain, creds, data);
+        let stat = chain.push::<Stat>(Step::brick(op::Statx::of(handle_dir, &handle)));
+        let close = chain.push::<()>(Step::brick(op::Close {
+            file: FileRef::Chain,
+        }));
+        let mut results = self.run(chain).await;
+        results.take(open)?;
+        results.take(close)?;
+        if let Some(e) = results.first_error() {
+            return Err(e);
+        }
+        Ok(iatt(&results.take(stat)?, *gfid))
+    }
+
+    pub(in crate::fops) async fn link(&self, creds: &Creds, r: Link) -> R<EntryReply> {
+        Self::check_entry(&r.new_parent, &r.new_name)?;
+        if self.stat_gfid(&r.gfid).await?.is_dir() {
+            return Err(Errno::PERM);
+        }
+        let dir = self.dir(&r.new_parent).await?;
+        let new = cstr(r.new_name.as_bytes());
+        let mut chain = Chain::new();
+        let pre = chain.push::<Stat>(Step::brick(op::Fstat::dir(&dir)));
+        let link = op::Link {
+            old_dir: self.brick.handle_dir(&r.gfid).clone(),
+            old_name: Brick::handle_name(&r.gfid),
+            new_dir: dir.clone(),
+            new_name: new.clone(),
+        };
+        let linked = chain.push::<()>(Step::caller(link, creds));
+        let stat = chain.push::<Stat>(Step::brick(op::Statx::of(&dir, &new)));
+        let post = chain.push::<Stat>(Step::brick(op::Fstat::dir(&dir)));
+        let mut results = self.run_namespace(FopCode::Link, chain).await?;
+        let pre = results.take(pre)?;
+        results.take(linked)?;
+        Ok(EntryReply {
+            iatt: iatt(&results.take(stat)?, r.gfid),
+            pre_parent: iatt(&pre, r.new_parent),
+            post_parent: iatt(&results.take(post)?, r.new_parent),
+        })
+    }
+}
+
+/// Pushes the caller's create of `dir/name` (the chain's barrier) and, for files and
+/// directories, the open that sets the GFID through an fd.
+fn push_commit(
+    chain: &mut Chain,
+    creds: &Creds,
+    dir: &DirFd,
+    name: &CString,
+    kind: &NewKind,
+) -> (At<()>, Option<At<FileRef>>) {
+    let (dir, name) = (dir.clone(), name.clone());
+    match kind {
+        NewKind::File {
+            flags,
+            mode,
+            keep_open,
+            ..
+        } => {
+            // A file that stays open is a plain fd (see `op::open`); one closed in the chain
+            // is a direct descriptor.
+            let open = op::Open {
+                dir,
+                name,
+                flags: flags | libc::O_CREAT | libc::O_EXCL,
+                mode: *mode,
+                fixed: !keep_open,
+            };
+            let opened = chain.push::<FileRef>(Step::caller(open, creds).barrier());
+            (opened.erased(), Some(opened))
+        }
+        NewKind::Dir { mode } => {
+            let mkdir = op::Mkdir {
+                dir: dir.clone(),
+                name: name.clone(),
+                mode: *mode,
+            };
+            let commit = chain.push(Step::caller(mkdir, creds).barrier());
+            let open = op::Open {
+                dir,
+                name,
+                flags: libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW,
+                mode: 0,
+                fixed: true,
+            };
+            (commit, Some(chain.push(Step::brick(open))))
+        }
+        NewKind::Node { mode, rdev } => {
+            let mknod = op::Mknod {
+                dir,
+                name,
+                mode: *mode,
+                rdev: *rdev,
+            };
+            (chain.push(Step::caller(mknod, creds).barrier()), None)
+        }
+        NewKind::Symlink { target } => {
+            let symlink = op::Symlink {
+                target: target.clone(),
+                dir,
+                name,
+            };
+            (chain.push(Step::caller(symlink, creds).barrier()), None)
+        }
+    }
+}
+
+/// The reply to a create that already happened: the object as it is now.
+fn retried_reply(existing: LookupReply) -> EntryReply {
+    let parent = existing.parent;
+    EntryReply {
+        iatt: existing.iatt,
+        pre_parent: parent.clone(),
+        post_parent: parent,
+    }
+}

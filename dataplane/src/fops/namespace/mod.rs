@@ -1,0 +1,75 @@
+//! Namespace fops and their intent protocol (`docs/disk-layout.md`, `crate::brick::intent`):
+//! an intent record first, then the caller-visible step that commits (the chain's barrier),
+//! then the housekeeping (GFID xattr, handle), then the record goes — all one chain. A crash
+//! anywhere leaves a record that start-up repair settles.
+//!
+//! [`create`]: CREATE, PUT, MKDIR, MKNOD, SYMLINK and LINK. [`remove`]: UNLINK and RMDIR, and
+//! what a removal does to the handle afterwards. [`rename`]: RENAME.
+
+mod create;
+mod remove;
+mod rename;
+
+use std::ffi::CString;
+
+use kiln_wire::{FopCode, Gfid};
+use rustix::io::Errno;
+
+use super::chain::{Chain, Results};
+use super::{Fops, R, lock};
+use crate::brick::Brick;
+use crate::exec::Exec;
+use crate::op::{self, DirFd, Step};
+use crate::profile;
+
+impl<E: Exec> Fops<E> {
+    fn crash_point_for(&self, fop: FopCode) -> Option<usize> {
+        lock(&self.crash_point)
+            .filter(|p| p.fop == fop)
+            .map(|p| p.after_steps)
+    }
+
+    /// Runs a namespace chain, or — when a crash point is armed for `fop` — only its first
+    /// steps, reporting EIO as a killed brick would (no rollback).
+    async fn run_namespace(&self, fop: FopCode, mut chain: Chain) -> R<Results> {
+        if let Some(n) = self.crash_point_for(fop) {
+            chain.truncate(n);
+            let _ = self.run(chain).await;
+            return Err(Errno::IO);
+        }
+        profile::charge(|c| c.intents += 1);
+        Ok(self.run(chain).await)
+    }
+
+    /// Removes `dir/name`, ignoring the result: undoing a step of a fop that already failed.
+    async fn unlink_quietly(&self, dir: &DirFd, name: &CString, dir_flag: bool) {
+        let unlink = op::Unlink {
+            dir: dir.clone(),
+            name: name.clone(),
+            dir_flag,
+        };
+        let _ = self.run1(Step::brick(unlink)).await;
+    }
+
+    /// A step that renames `gfid`'s handle into the pending directory as `record`.
+    fn park_handle(&self, gfid: &Gfid, record: &CString) -> Step {
+        Step::brick(op::Rename {
+            old_dir: self.brick.handle_dir(gfid).clone(),
+            old_name: Brick::handle_name(gfid),
+            new_dir: self.brick.pending.clone(),
+            new_name: record.clone(),
+            flags: 0,
+        })
+    }
+
+    /// A step that renames `record` from the pending directory into place as `gfid`'s handle.
+    fn install_handle(&self, gfid: &Gfid, record: &CString) -> Step {
+        Step::brick(op::Rename {
+            old_dir: self.brick.pending.clone(),
+            old_name: record.clone(),
+            new_dir: self.brick.handle_dir(gfid).clone(),
+            new_name: Brick::handle_name(gfid),
+            flags: 0,
+        })
+    }
+}

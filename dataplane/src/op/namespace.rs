@@ -1,0 +1,171 @@
+//! Name operations relative to held directory fds: `mkdirat`, `mknodat`, `symlinkat`,
+//! `linkat`, `renameat2`, `unlinkat`. io_uring has no `mknodat`: MKNOD runs on the pool.
+
+use std::ffi::CString;
+
+use io_uring::{opcode, squeue, types};
+use rustix::fs::{AtFlags, Mode, RenameFlags};
+
+use super::{Buf, DirFd, RingOp, StepResult, raw, value};
+
+#[derive(Debug)]
+pub struct Mkdir {
+    pub dir: DirFd,
+    pub name: CString,
+    pub mode: u32,
+}
+
+/// `mknodat`; `mode` carries the file type bits.
+#[derive(Debug)]
+pub struct Mknod {
+    pub dir: DirFd,
+    pub name: CString,
+    pub mode: u32,
+    pub rdev: u64,
+}
+
+/// `symlinkat(target, dir, name)`.
+#[derive(Debug)]
+pub struct Symlink {
+    pub target: CString,
+    pub dir: DirFd,
+    pub name: CString,
+}
+
+#[derive(Debug)]
+pub struct Link {
+    pub old_dir: DirFd,
+    pub old_name: CString,
+    pub new_dir: DirFd,
+    pub new_name: CString,
+}
+
+/// `renameat2` with `RENAME_*` flags.
+#[derive(Debug)]
+pub struct Rename {
+    pub old_dir: DirFd,
+    pub old_name: CString,
+    pub new_dir: DirFd,
+    pub new_name: CString,
+    pub flags: u32,
+}
+
+/// `unlinkat`, with `AT_REMOVEDIR` when `dir_flag`.
+#[derive(Debug)]
+pub struct Unlink {
+    pub dir: DirFd,
+    pub name: CString,
+    pub dir_flag: bool,
+}
+
+impl RingOp for Mkdir {
+    const OPCODE: Option<(u8, &'static str)> = Some((opcode::MkDirAt::CODE, "mkdirat"));
+
+    fn sqe(&self, _buf: &mut Buf, _slot: Option<u32>) -> squeue::Entry {
+        opcode::MkDirAt::new(types::Fd(raw(&self.dir)), self.name.as_ptr())
+            .mode(self.mode)
+            .build()
+    }
+
+    fn blocking(self) -> StepResult {
+        value(rustix::fs::mkdirat(
+            &self.dir,
+            &*self.name,
+            Mode::from_raw_mode(self.mode),
+        ))
+    }
+}
+
+impl RingOp for Mknod {
+    const OPCODE: Option<(u8, &'static str)> = None;
+
+    fn sqe(&self, _buf: &mut Buf, _slot: Option<u32>) -> squeue::Entry {
+        super::invariant("mknod has no io_uring opcode");
+        opcode::Nop::new().build()
+    }
+
+    fn blocking(self) -> StepResult {
+        let kind = rustix::fs::FileType::from_raw_mode(self.mode);
+        let perm = Mode::from_raw_mode(self.mode & 0o7777);
+        value(rustix::fs::mknodat(
+            &self.dir,
+            &*self.name,
+            kind,
+            perm,
+            self.rdev,
+        ))
+    }
+}
+
+impl RingOp for Symlink {
+    const OPCODE: Option<(u8, &'static str)> = Some((opcode::SymlinkAt::CODE, "symlinkat"));
+
+    fn sqe(&self, _buf: &mut Buf, _slot: Option<u32>) -> squeue::Entry {
+        let dir = types::Fd(raw(&self.dir));
+        opcode::SymlinkAt::new(dir, self.target.as_ptr(), self.name.as_ptr()).build()
+    }
+
+    fn blocking(self) -> StepResult {
+        value(rustix::fs::symlinkat(&*self.target, &self.dir, &*self.name))
+    }
+}
+
+impl RingOp for Link {
+    const OPCODE: Option<(u8, &'static str)> = Some((opcode::LinkAt::CODE, "linkat"));
+
+    fn sqe(&self, _buf: &mut Buf, _slot: Option<u32>) -> squeue::Entry {
+        let (old, new) = (types::Fd(raw(&self.old_dir)), types::Fd(raw(&self.new_dir)));
+        opcode::LinkAt::new(old, self.old_name.as_ptr(), new, self.new_name.as_ptr()).build()
+    }
+
+    fn blocking(self) -> StepResult {
+        value(rustix::fs::linkat(
+            &self.old_dir,
+            &*self.old_name,
+            &self.new_dir,
+            &*self.new_name,
+            AtFlags::empty(),
+        ))
+    }
+}
+
+impl RingOp for Rename {
+    const OPCODE: Option<(u8, &'static str)> = Some((opcode::RenameAt::CODE, "renameat"));
+
+    fn sqe(&self, _buf: &mut Buf, _slot: Option<u32>) -> squeue::Entry {
+        let (old, new) = (types::Fd(raw(&self.old_dir)), types::Fd(raw(&self.new_dir)));
+        opcode::RenameAt::new(old, self.old_name.as_ptr(), new, self.new_name.as_ptr())
+            .flags(self.flags)
+            .build()
+    }
+
+    fn blocking(self) -> StepResult {
+        value(rustix::fs::renameat_with(
+            &self.old_dir,
+            &*self.old_name,
+            &self.new_dir,
+            &*self.new_name,
+            RenameFlags::from_bits_retain(self.flags),
+        ))
+    }
+}
+
+impl RingOp for Unlink {
+    const OPCODE: Option<(u8, &'static str)> = Some((opcode::UnlinkAt::CODE, "unlinkat"));
+
+    fn sqe(&self, _buf: &mut Buf, _slot: Option<u32>) -> squeue::Entry {
+        let flags = if self.dir_flag { libc::AT_REMOVEDIR } else { 0 };
+        opcode::UnlinkAt::new(types::Fd(raw(&self.dir)), self.name.as_ptr())
+            .flags(flags)
+            .build()
+    }
+
+    fn blocking(self) -> StepResult {
+        let flags = if self.dir_flag {
+            AtFlags::REMOVEDIR
+        } else {
+            AtFlags::empty()
+        };
+        value(rustix::fs::unlinkat(&self.dir, &*self.name, flags))
+    }
+}
