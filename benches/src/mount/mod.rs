@@ -428,7 +428,7 @@ fn phase_records(
         r.mib_per_s = measured
             .stream_bytes
             .map(|b| b as f64 / (1u64 << 20) as f64 / secs);
-        r.ratio = ratio;
+        r.ratio = Some(ratio);
         r
     };
     let rows: Vec<Record> = references(target)

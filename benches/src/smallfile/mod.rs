@@ -247,8 +247,13 @@ pub fn run(
             );
             r.ops_per_s = Some(rate);
             r.set_latency(&pass.latency);
+            // The first run is the reference: its own rates are not known before it ends.
             let index = rates.len();
-            r.ratio = rate / reference.get(index).copied().unwrap_or(rate);
+            r.ratio = Some(
+                reference
+                    .get(index)
+                    .map_or(1.0, |reference| rate / reference),
+            );
             rates.push(rate);
             progress.print(out, &r);
             records.push(r);
