@@ -254,6 +254,8 @@ pub fn run(
             "std_loop",
         );
         r.ops_per_s = Some(ops);
+        // The reference's own row.
+        r.ratio = Some(1.0);
         out.print(&r);
         records.push(r);
     }
@@ -305,7 +307,7 @@ pub fn run(
                 );
                 r.ops_per_s = Some(ops);
                 r.enters_per_op = enters;
-                r.ratio = ops / reference[phase];
+                r.ratio = Some(ops / reference[phase]);
                 out.print(&r);
                 records.push(r);
             }
@@ -387,7 +389,7 @@ fn sweep_record(
         &format!("{target} at the smallest held_open"),
     );
     r.set_latency(h);
-    r.ratio = first / p50;
+    r.ratio = Some(first / p50);
     out.print(&r);
     r
 }

@@ -256,9 +256,13 @@ pub fn run(
                         .iter()
                         .rev()
                         .find(|x: &&Record| x.target == "local" && x.params == r.params);
-                    r.ratio = reference
-                        .and_then(|x| x.p50_us)
-                        .map_or(1.0, |p50| p50 / micros(&h, 0.5));
+                    // Local is measured first at every checkpoint: it is its own reference.
+                    r.ratio = match target {
+                        "local" => Some(1.0),
+                        _ => reference
+                            .and_then(|x| x.p50_us)
+                            .map(|p50| p50 / micros(&h, 0.5)),
+                    };
                     let name = format!("{target} {cache}");
                     let at = (point as f64, micros(&h, 0.5));
                     match curves.iter_mut().find(|(b, s)| *b == by && s.name == name) {

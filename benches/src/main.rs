@@ -31,7 +31,7 @@ use kiln_bench::net::{self, NetBench};
 use kiln_bench::openfds::{self, OpenTarget, OpenfdsBench};
 use kiln_bench::report::{Reporter, environment};
 use kiln_bench::scratch::Scratch;
-use kiln_bench::smallfile::{self, Op, SmallfileBench, TargetSpec};
+use kiln_bench::smallfile::{self, SmallfileBench, SmallfileOp, TargetSpec};
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -178,8 +178,8 @@ enum Workload {
     Smallfile {
         /// Operations, in order (an op whose precondition is missing gets it set up first,
         /// unmeasured).
-        #[arg(long, value_enum, value_delimiter = ',', default_values_t = Op::SEQUENCE)]
-        ops: Vec<Op>,
+        #[arg(long, value_enum, value_delimiter = ',', default_values_t = SmallfileOp::SEQUENCE)]
+        ops: Vec<SmallfileOp>,
         /// local, engine, volume, kiln-mount or path=DIR; the first is the reference.
         #[arg(long, value_delimiter = ',', default_value = "local,engine,volume")]
         targets: Vec<TargetSpec>,

@@ -121,7 +121,7 @@ fn latency_record(
     let mut r = Record::new(workload, target, params, REFERENCE);
     r.ops_per_s = Some(rate);
     r.set_latency(h);
-    r.ratio = floor_p50 / micros(h, 0.5);
+    r.ratio = Some(floor_p50 / micros(h, 0.5));
     r
 }
 
@@ -163,7 +163,7 @@ pub fn run(
         &floor,
         floor_p50,
     );
-    r.ratio = 1.0;
+    r.ratio = Some(1.0);
     out.print(&r);
     records.push(r);
 
@@ -204,7 +204,7 @@ pub fn run(
         floor_p50,
     );
     // A grouped commit waits at least one fdatasync; what beats the floor is throughput.
-    r.ratio = rate * floor_p50 / 1e6;
+    r.ratio = Some(rate * floor_p50 / 1e6);
     out.print(&r);
     records.push(r);
     drop(rt);

@@ -313,6 +313,7 @@ fn create(
     let mut r = Record::new("net.create", "std_loop", params(1), "std_loop");
     r.ops_per_s = Some(std_rate);
     r.set_latency(&h);
+    r.ratio = Some(1.0);
     out.print(&r);
     records.push(r);
 
@@ -345,7 +346,7 @@ fn create(
         );
         r.ops_per_s = Some(direct_rate);
         r.set_latency(&h);
-        r.ratio = direct_rate / std_rate;
+        r.ratio = Some(direct_rate / std_rate);
         out.print(&r);
         records.push(r);
 
@@ -382,11 +383,11 @@ fn create(
         let mut r = Record::new("net.create", "quic", params(concurrency), "std_loop");
         r.ops_per_s = Some(quic_rate);
         r.set_latency(&h);
-        r.ratio = quic_rate / std_rate;
+        r.ratio = Some(quic_rate / std_rate);
         out.print(&r);
         records.push(r.clone());
         r.reference = "engine_direct".into();
-        r.ratio = quic_rate / direct_rate;
+        r.ratio = Some(quic_rate / direct_rate);
         out.print(&r);
         records.push(r);
     }
@@ -547,6 +548,7 @@ fn ping(
     );
     r.ops_per_s = Some(tcp_rate);
     r.set_latency(&tcp);
+    r.ratio = Some(1.0);
     out.print(&r);
     records.push(r);
 
@@ -575,7 +577,7 @@ fn ping(
     );
     r.ops_per_s = Some(quic_rate);
     r.set_latency(&quic);
-    r.ratio = tcp_p50 / micros(&quic, 0.5);
+    r.ratio = Some(tcp_p50 / micros(&quic, 0.5));
     out.print(&r);
     records.push(r);
     Ok(records)
@@ -642,6 +644,7 @@ fn bulk(
         "tcp",
     );
     r.mib_per_s = Some(tcp_rate);
+    r.ratio = Some(1.0);
     out.print(&r);
     records.push(r);
 
@@ -693,7 +696,7 @@ fn bulk(
         let mut r = Record::new("net.bulk_write", "quic", params.clone(), "tcp");
         r.mib_per_s = Some(write_rate);
         r.set_latency(&h);
-        r.ratio = write_rate / tcp_rate;
+        r.ratio = Some(write_rate / tcp_rate);
         out.print(&r);
         records.push(r);
 
@@ -730,7 +733,7 @@ fn bulk(
         let mut r = Record::new("net.bulk_read", "quic", params, "tcp");
         r.mib_per_s = Some(read_rate);
         r.set_latency(&h);
-        r.ratio = read_rate / tcp_rate;
+        r.ratio = Some(read_rate / tcp_rate);
         out.print(&r);
         records.push(r);
 

@@ -406,9 +406,10 @@ pub fn run(
             );
             r.ops_per_s = Some(point.opens_per_s);
             r.set_latency(&point.latency);
-            r.ratio = reference.map_or(1.0, |reference| {
+            // Without a local sweep (yet) the target is its own reference.
+            r.ratio = Some(reference.map_or(1.0, |reference| {
                 micros(&reference[i].latency, 0.5) / micros(&point.latency, 0.5)
-            });
+            }));
             progress.print(out, &r);
             records.push(r);
         }

@@ -1,17 +1,40 @@
-//! Child processes the workloads start: waiting on them with a bound, and quoting their logs.
+//! Child processes the workloads start: commands run to their end with a bound (and timed),
+//! the stop flag that SIGINT, SIGTERM or SIGHUP set so a run cut short still cleans up,
+//! waiting on children, finding executables, and quoting their logs.
 
 use std::io::Read as _;
-use std::path::Path;
-use std::process::Child;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
+use anyhow::{Context, bail};
 use rustix::process::{Pid, PidfdFlags};
 
 /// Bytes of a log quoted in an error.
 const LOG_TAIL_BYTES: u64 = 2048;
-/// Longest single poll before `give_up` is asked again.
-const WAIT_SLICE: Duration = Duration::from_millis(100);
+/// Longest single poll before `give_up` (or the stop flag) is asked again.
+pub const WAIT_SLICE: Duration = Duration::from_millis(100);
+/// How long a process may take to go after SIGKILL.
+pub const KILL_TIMEOUT: Duration = Duration::from_secs(5);
+/// Buffer for reading a command's output.
+const READ_BUFFER_BYTES: usize = 1 << 20;
+
+/// Set once SIGINT, SIGTERM or SIGHUP arrived: the run stops at its next poll.
+static STOP: AtomicBool = AtomicBool::new(false);
+
+/// Whether the run is being stopped ([`watch_signals`]).
+pub fn stopping() -> bool {
+    STOP.load(Ordering::Relaxed)
+}
+
+/// Fails once the run is being stopped.
+pub fn check_stop() -> anyhow::Result<()> {
+    if stopping() {
+        bail!("interrupted by a signal; cleaning up");
+    }
+    Ok(())
+}
 
 pub fn pid_of(child: &Child) -> anyhow::Result<Pid> {
     i32::try_from(child.id())
@@ -59,4 +82,190 @@ pub fn log_tail(path: &Path) -> String {
     let mut bytes = Vec::new();
     let _ = file.take(LOG_TAIL_BYTES).read_to_end(&mut bytes);
     String::from_utf8_lossy(&bytes).trim().to_owned()
+}
+
+/// What a command's standard output is used for ([`run_timed`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sink {
+    Null,
+    CountLines,
+    CountBytes,
+}
+
+/// Runs `cmd` to its end, bounded by `timeout` and the stop flag; standard error goes to
+/// `log`. Returns the time from spawn to exit (and the end of its output) and the count
+/// `sink` asks for.
+pub fn run_timed(
+    cmd: &mut Command,
+    sink: Sink,
+    log: &Path,
+    timeout: Duration,
+) -> anyhow::Result<(Duration, u64)> {
+    let log_file =
+        std::fs::File::create(log).with_context(|| format!("cannot create {}", log.display()))?;
+    cmd.stdin(Stdio::null()).stderr(log_file);
+    cmd.stdout(match sink {
+        Sink::Null => Stdio::null(),
+        Sink::CountLines | Sink::CountBytes => Stdio::piped(),
+    });
+    let start = Instant::now();
+    let mut child = cmd
+        .spawn()
+        .with_context(|| format!("cannot run {:?}", cmd.get_program()))?;
+    // The output is read on a thread of its own so this one can watch the clock and the stop
+    // flag (and kill the command, which ends the output).
+    let reader = child.stdout.take().map(|mut stdout| {
+        std::thread::spawn(move || -> std::io::Result<u64> {
+            let mut buf = vec![0u8; READ_BUFFER_BYTES];
+            let mut count = 0u64;
+            loop {
+                match stdout.read(&mut buf) {
+                    Ok(0) => return Ok(count),
+                    Ok(n) => {
+                        count += match sink {
+                            Sink::CountLines => {
+                                buf[..n].iter().filter(|&&b| b == b'\n').count() as u64
+                            }
+                            _ => n as u64,
+                        };
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(e),
+                }
+            }
+        })
+    });
+    let status = wait_child(&mut child, timeout, true);
+    let count = match reader {
+        Some(r) => r
+            .join()
+            .map_err(|_| anyhow::anyhow!("the output reader panicked"))??,
+        None => 0,
+    };
+    let elapsed = start.elapsed();
+    let status = status.with_context(|| format!("{cmd:?}"))?;
+    if !status.success() {
+        interrupted(status)?;
+        bail!("{cmd:?} failed ({status}):\n{}", log_tail(log));
+    }
+    Ok((elapsed, count))
+}
+
+/// Runs a preparation or housekeeping command to its end, its output into `stdout` (or
+/// nowhere) and its errors appended to `log`.
+pub fn run_bounded(
+    cmd: &mut Command,
+    stdout: Option<std::fs::File>,
+    log: &Path,
+    timeout: Duration,
+) -> anyhow::Result<()> {
+    let log_file = std::fs::File::options()
+        .create(true)
+        .append(true)
+        .open(log)
+        .with_context(|| format!("cannot open {}", log.display()))?;
+    cmd.stdin(Stdio::null())
+        .stdout(stdout.map_or_else(Stdio::null, Stdio::from))
+        .stderr(log_file)
+        .env("LC_ALL", "C");
+    let mut child = cmd
+        .spawn()
+        .with_context(|| format!("cannot run {:?}", cmd.get_program()))?;
+    let status = wait_child(&mut child, timeout, true).with_context(|| format!("{cmd:?}"))?;
+    if !status.success() {
+        interrupted(status)?;
+        bail!("{cmd:?} failed ({status}):\n{}", log_tail(log));
+    }
+    Ok(())
+}
+
+/// Waits for `child` to exit and reaps it; kills it after `timeout` (or once the stop flag is
+/// set, with `honour_stop`) and fails.
+pub fn wait_child(
+    child: &mut Child,
+    timeout: Duration,
+    honour_stop: bool,
+) -> anyhow::Result<ExitStatus> {
+    if wait_exit(child, timeout, || honour_stop && stopping())? {
+        return Ok(child.wait()?);
+    }
+    let _ = child.kill();
+    let _ = wait_exit(child, KILL_TIMEOUT, || false);
+    let _ = child.try_wait();
+    check_stop()?;
+    bail!("did not finish within {timeout:?}; killed")
+}
+
+/// Fails as interrupted if `status` is a command's death by the signal that is stopping this
+/// run: one sent to the whole process group (Ctrl-C, `timeout`) reaches the command too,
+/// maybe a moment before the watcher thread sets the flag.
+pub fn interrupted(status: ExitStatus) -> anyhow::Result<()> {
+    use std::os::unix::process::ExitStatusExt;
+    let by_stop_signal = status
+        .signal()
+        .is_some_and(|s| [libc::SIGINT, libc::SIGTERM, libc::SIGHUP].contains(&s));
+    if by_stop_signal {
+        std::thread::sleep(WAIT_SLICE);
+    }
+    check_stop()
+}
+
+/// Sets the stop flag on SIGINT, SIGTERM or SIGHUP, from a thread of its own, so a run cut
+/// short (Ctrl-C, `timeout`) still unmounts and stops what it started.
+pub fn watch_signals() -> anyhow::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    // Registered before this returns, so no signal slips through before the thread runs.
+    let (mut term, mut int, mut hup) = rt.block_on(async {
+        anyhow::Ok((
+            signal(SignalKind::terminate())?,
+            signal(SignalKind::interrupt())?,
+            signal(SignalKind::hangup())?,
+        ))
+    })?;
+    std::thread::Builder::new()
+        .name("kiln-bench-signals".into())
+        .spawn(move || {
+            rt.block_on(async {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = int.recv() => {}
+                    _ = hup.recv() => {}
+                }
+            });
+            STOP.store(true, Ordering::Relaxed);
+        })?;
+    Ok(())
+}
+
+/// An executable on PATH.
+pub fn which(name: &str) -> Option<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(name))
+        .find(|p| {
+            std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        })
+}
+
+/// The first line of `NAME --version`.
+pub fn version(name: &str) -> String {
+    Command::new(name)
+        .arg("--version")
+        .stdin(Stdio::null())
+        .output()
+        .ok()
+        .map(|o| {
+            let text = [o.stdout, o.stderr].concat();
+            String::from_utf8_lossy(&text)
+                .lines()
+                .next()
+                .unwrap_or_default()
+                .trim()
+                .to_owned()
+        })
+        .unwrap_or_default()
 }

@@ -8,7 +8,9 @@ use serde::Serialize;
 
 /// One (workload, target, parameters) result. `ratio` is this target's throughput divided by
 /// the reference's (operations or bytes per second), so above 1 is faster; for a latency it is
-/// the reference's p50 divided by this p50, so above 1 is faster too.
+/// the reference's p50 divided by this p50, so above 1 is faster too. A ratio the workload did
+/// not compute stays `None` (`"ratio": null`), so it can never pass for a measured 1; the
+/// reference's own row sets 1 itself.
 #[derive(Debug, Clone, Serialize)]
 pub struct Record {
     pub workload: String,
@@ -30,11 +32,11 @@ pub struct Record {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub enters_per_op: Option<f64>,
     pub reference: String,
-    pub ratio: f64,
+    pub ratio: Option<f64>,
 }
 
 impl Record {
-    /// A record with no measurement yet and a ratio of 1 (its own reference until set).
+    /// A record with no measurement and no ratio yet.
     pub fn new(workload: &str, target: &str, params: serde_json::Value, reference: &str) -> Record {
         Record {
             workload: workload.into(),
@@ -48,7 +50,7 @@ impl Record {
             p999_us: None,
             enters_per_op: None,
             reference: reference.into(),
-            ratio: 1.0,
+            ratio: None,
         }
     }
 
@@ -62,8 +64,11 @@ impl Record {
 }
 
 /// A ratio with two decimals, or three significant digits when it is below 0.1 (0.004 is
-/// not 0.00).
-fn ratio_text(ratio: f64) -> String {
+/// not 0.00); `-` when there is none.
+fn ratio_text(ratio: Option<f64>) -> String {
+    let Some(ratio) = ratio else {
+        return "-".to_owned();
+    };
     match ratio.abs() {
         r if r >= 0.1 || r == 0.0 => format!("{ratio:.2}"),
         r => {
@@ -198,20 +203,29 @@ mod tests {
 
     #[test]
     fn small_ratios_keep_three_digits() {
-        assert_eq!(ratio_text(1.0), "1.00");
-        assert_eq!(ratio_text(0.25), "0.25");
-        assert_eq!(ratio_text(0.0312), "0.0312");
-        assert_eq!(ratio_text(0.004_56), "0.00456");
-        assert_eq!(ratio_text(0.0), "0.00");
+        assert_eq!(ratio_text(Some(1.0)), "1.00");
+        assert_eq!(ratio_text(Some(0.25)), "0.25");
+        assert_eq!(ratio_text(Some(0.0312)), "0.0312");
+        assert_eq!(ratio_text(Some(0.004_56)), "0.00456");
+        assert_eq!(ratio_text(Some(0.0)), "0.00");
+        assert_eq!(ratio_text(None), "-");
     }
 
     #[test]
     fn absent_fields_are_left_out_of_the_json() {
-        let r = Record::new("w", "t", serde_json::json!({}), "t");
+        let mut r = Record::new("w", "t", serde_json::json!({}), "t");
+        r.ratio = Some(1.0);
         let text = serde_json::to_string(&r).expect("json");
         assert!(
             !text.contains("p90_us") && text.contains("\"ratio\":1.0"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn a_ratio_not_computed_is_null_not_one() {
+        let r = Record::new("w", "t", serde_json::json!({}), "u");
+        let json: serde_json::Value = serde_json::to_value(&r).expect("json");
+        assert_eq!(json.get("ratio"), Some(&serde_json::Value::Null), "{json}");
     }
 }

@@ -7,6 +7,7 @@
 
 pub mod error;
 pub mod mount;
+pub mod mountinfo;
 pub mod path;
 pub mod volume;
 

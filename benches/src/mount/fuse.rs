@@ -1,0 +1,489 @@
+//! The FUSE mounts `kiln-bench mount` measures and their lifecycle: the servers behind them
+//! (`bindfs`, `glusterfs`, `kiln mount` with its `kiln-brickd`), waiting for a mount to show
+//! in the mount table, unmounting, and stopping every server with a bound; [`KilnMount`]
+//! lends the Kiln target to the other workloads.
+
+use std::io::{BufRead as _, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use kiln_client::mountinfo;
+use kiln_mgmt::pki::{self, Role};
+use rustix::process::Signal;
+use serde_json::json;
+
+use super::{MountBench, Target};
+use crate::process::{
+    KILL_TIMEOUT, WAIT_SLICE, check_stop, log_tail, pid_of, run_bounded, version, wait_exit,
+};
+
+/// Name of the client and brick certificates of the Kiln target.
+const CLIENT_NAME: &str = "admin";
+const BRICK_NAME: &str = "b";
+/// Longest short command (format, umount, version).
+const COMMAND_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long a mount may take to appear, and its server to exit after the unmount.
+const MOUNT_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long `kiln-brickd` may take to print its address.
+const LISTEN_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a server may take to stop after SIGTERM (the brick drains for up to 10 s).
+const STOP_TIMEOUT: Duration = Duration::from_secs(30);
+/// Pause between polls of a mount table or the stop flag.
+const POLL_INTERVAL: Duration = Duration::from_millis(20);
+
+/// The executables the Kiln target runs, from beside kiln-bench.
+#[derive(Debug)]
+pub(super) struct Bins {
+    kiln: PathBuf,
+    brickd: PathBuf,
+}
+
+impl Bins {
+    pub(super) fn beside_this_executable() -> anyhow::Result<Bins> {
+        let exe = std::env::current_exe().context("cannot find the kiln-bench executable")?;
+        let find = |name: &str| {
+            let path = exe.with_file_name(name);
+            if !path.is_file() {
+                bail!(
+                    "{} is missing: the kiln target runs the kiln and kiln-brickd built beside \
+                     kiln-bench; build them with `cargo build --release --bins` (or `cargo build \
+                     --bins` for a debug kiln-bench)",
+                    path.display()
+                );
+            }
+            Ok(path)
+        };
+        Ok(Bins {
+            kiln: find("kiln")?,
+            brickd: find("kiln-brickd")?,
+        })
+    }
+}
+
+/// A server process, stopped (SIGTERM, bounded wait, SIGKILL) when dropped.
+#[derive(Debug)]
+struct Daemon {
+    name: &'static str,
+    child: Option<Child>,
+    log: PathBuf,
+}
+
+impl Daemon {
+    fn spawn(name: &'static str, cmd: &mut Command, log: &Path) -> anyhow::Result<Daemon> {
+        let log_file = std::fs::File::options()
+            .create(true)
+            .append(true)
+            .open(log)
+            .with_context(|| format!("cannot open {}", log.display()))?;
+        let child = cmd
+            .stdin(Stdio::null())
+            .stderr(log_file)
+            .spawn()
+            .with_context(|| format!("cannot run {name}"))?;
+        Ok(Daemon {
+            name,
+            child: Some(child),
+            log: log.to_owned(),
+        })
+    }
+
+    /// Its exit status if it has exited.
+    fn exited(&mut self) -> Option<ExitStatus> {
+        self.child
+            .as_mut()
+            .and_then(|c| c.try_wait().ok().flatten())
+    }
+
+    /// Waits (bounded) for it to exit by itself; its status, or None if it did not.
+    fn wait(&mut self, timeout: Duration) -> anyhow::Result<Option<ExitStatus>> {
+        let Some(child) = self.child.as_mut() else {
+            bail!("{} is not running", self.name);
+        };
+        if !wait_exit(child, timeout, || false)? {
+            return Ok(None);
+        }
+        let status = child.wait()?;
+        self.child = None;
+        Ok(Some(status))
+    }
+
+    /// SIGTERM, a bounded wait, then SIGKILL. Returns its status and whether it was killed.
+    fn stop(&mut self) -> anyhow::Result<(Option<ExitStatus>, bool)> {
+        let Some(child) = self.child.as_mut() else {
+            bail!("{} is not running", self.name);
+        };
+        if let Ok(Some(status)) = child.try_wait() {
+            self.child = None;
+            return Ok((Some(status), false));
+        }
+        let _ = rustix::process::kill_process(pid_of(child)?, Signal::TERM);
+        if let Some(status) = self.wait(STOP_TIMEOUT)? {
+            return Ok((Some(status), false));
+        }
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = wait_exit(&child, KILL_TIMEOUT, || false);
+            let _ = child.try_wait();
+        }
+        Ok((None, true))
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if self.child.is_some() {
+            let _ = self.stop();
+        }
+    }
+}
+
+/// Whether a file system of type `fstype` is mounted exactly on `point` (canonical).
+fn is_mounted(point: &Path, fstype: &str) -> bool {
+    mountinfo::read_self().is_ok_and(|mounts| mounts.iter().any(|m| m.is_at(point, fstype)))
+}
+
+/// A FUSE mount served by a foreground process: unmounted (lazily if need be) and its
+/// server stopped when dropped.
+#[derive(Debug)]
+struct FuseMount {
+    point: PathBuf,
+    fstype: &'static str,
+    server: Daemon,
+    /// The command that unmounts it (`kiln umount`), or None for umount(2).
+    unmount_cmd: Option<Command>,
+}
+
+impl FuseMount {
+    /// Waits (bounded) until the mount is there; fails if its server exits first.
+    fn wait_mounted(&mut self) -> anyhow::Result<()> {
+        let deadline = Instant::now() + MOUNT_TIMEOUT;
+        while !is_mounted(&self.point, self.fstype) {
+            check_stop()?;
+            if let Some(status) = self.server.exited() {
+                bail!(
+                    "{} exited ({status}) before mounting {}:\n{}",
+                    self.server.name,
+                    self.point.display(),
+                    log_tail(&self.server.log)
+                );
+            }
+            if Instant::now() >= deadline {
+                bail!(
+                    "no {} mount on {} after {MOUNT_TIMEOUT:?}:\n{}",
+                    self.fstype,
+                    self.point.display(),
+                    log_tail(&self.server.log)
+                );
+            }
+            std::thread::sleep(POLL_INTERVAL);
+        }
+        Ok(())
+    }
+
+    /// Unmounts, then waits for the server to exit by itself; fails unless it exits 0.
+    fn finish(&mut self) -> anyhow::Result<serde_json::Value> {
+        let start = Instant::now();
+        match self.unmount_cmd.as_mut() {
+            Some(cmd) => {
+                let log = self.server.log.clone();
+                run_bounded(cmd, None, &log, COMMAND_TIMEOUT)
+                    .with_context(|| format!("unmounting {}", self.point.display()))?;
+            }
+            None => rustix::mount::unmount(&self.point, rustix::mount::UnmountFlags::empty())
+                .with_context(|| format!("cannot unmount {}", self.point.display()))?,
+        }
+        let status = self.server.wait(MOUNT_TIMEOUT)?;
+        let Some(status) = status else {
+            bail!(
+                "{} did not exit within {MOUNT_TIMEOUT:?} of the unmount:\n{}",
+                self.server.name,
+                log_tail(&self.server.log)
+            );
+        };
+        // GlusterFS's FUSE client ends itself with status 15 (its SIGTERM path) on every
+        // unmount, clean or not.
+        let glusterfs_done = self.fstype == "fuse.glusterfs" && status.code() == Some(15);
+        if !status.success() && !glusterfs_done {
+            bail!(
+                "{} exited {status} after the unmount:\n{}",
+                self.server.name,
+                log_tail(&self.server.log)
+            );
+        }
+        Ok(
+            json!({ "server": self.server.name, "status": status.to_string(),
+                   "ms": start.elapsed().as_millis() }),
+        )
+    }
+}
+
+impl Drop for FuseMount {
+    fn drop(&mut self) {
+        if is_mounted(&self.point, self.fstype) {
+            // Something failed: detach it now (it ends when nothing holds it), then the
+            // server's guard stops the server.
+            let _ = rustix::mount::unmount(&self.point, rustix::mount::UnmountFlags::DETACH);
+        }
+    }
+}
+
+/// A target ready for the phases: the directory they work in, and what serves it.
+#[derive(Debug)]
+pub(super) struct Place {
+    target: Target,
+    /// The directory `t/` is made in.
+    pub(super) base: PathBuf,
+    /// The mount (dropped before `brickd`: fields drop in order).
+    mount: Option<FuseMount>,
+    /// The Kiln target's brick server.
+    brickd: Option<Daemon>,
+    detail: serde_json::Value,
+}
+
+impl Place {
+    pub(super) fn start(
+        bench: &MountBench,
+        target: Target,
+        root: &Path,
+        logs: &Path,
+    ) -> anyhow::Result<Place> {
+        let dir = root.join(target.name());
+        std::fs::create_dir(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+        let mut place = Place {
+            target,
+            base: dir.clone(),
+            mount: None,
+            brickd: None,
+            detail: json!({}),
+        };
+        match target {
+            Target::Local => {}
+            Target::Bindfs => {
+                let (src, mnt) = (dir.join("src"), dir.join("mnt"));
+                std::fs::create_dir(&src)?;
+                std::fs::create_dir(&mnt)?;
+                let mut cmd = Command::new("bindfs");
+                cmd.arg("-f");
+                if !bench.bindfs_options.is_empty() {
+                    cmd.arg("-o").arg(bench.bindfs_options.join(","));
+                }
+                cmd.arg(&src).arg(&mnt).stdout(Stdio::null());
+                let server = Daemon::spawn("bindfs", &mut cmd, &logs.join("bindfs.log"))?;
+                let mount = place.mount.insert(FuseMount {
+                    point: mnt.clone(),
+                    fstype: "fuse",
+                    server,
+                    unmount_cmd: None,
+                });
+                mount.wait_mounted()?;
+                place.base = mnt;
+                place.detail = json!({ "bindfs": version("bindfs"), "options": bench.bindfs_options.join(","),
+                                       "backing": src.display().to_string() });
+            }
+            Target::Kiln => place.start_kiln(&bench.mount_options, &dir, logs)?,
+            Target::Glusterfs => {
+                let volume = bench.glusterfs_volume.as_deref().unwrap_or_default();
+                let (server, volume_id) = volume.split_once(":/").with_context(|| {
+                    format!("--glusterfs-volume {volume}: expected SERVER:/VOLUME")
+                })?;
+                let mnt = dir.join("mnt");
+                std::fs::create_dir(&mnt)?;
+                let mut cmd = Command::new("glusterfs");
+                cmd.arg("-N")
+                    .arg(format!("--volfile-server={server}"))
+                    .arg(format!("--volfile-id={volume_id}"))
+                    .arg(format!(
+                        "--log-file={}",
+                        logs.join("glusterfs-client.log").display()
+                    ))
+                    .arg(&mnt)
+                    .stdout(Stdio::null());
+                let daemon = Daemon::spawn("glusterfs", &mut cmd, &logs.join("glusterfs.log"))?;
+                let mount = place.mount.insert(FuseMount {
+                    point: mnt.clone(),
+                    fstype: "fuse.glusterfs",
+                    server: daemon,
+                    unmount_cmd: None,
+                });
+                mount.wait_mounted()?;
+                // The volume may hold other things: work in a fresh directory of its own.
+                let base = mnt.join(format!("kiln-bench-{}", std::process::id()));
+                std::fs::create_dir(&base)
+                    .with_context(|| format!("cannot create {}", base.display()))?;
+                place.base = base;
+                place.detail = json!({ "glusterfs": version("glusterfs"), "volume": volume });
+            }
+        }
+        Ok(place)
+    }
+
+    /// A fresh brick, `kiln-brickd serve` on loopback, and `kiln mount -f` of it.
+    fn start_kiln(
+        &mut self,
+        mount_options: &[String],
+        dir: &Path,
+        logs: &Path,
+    ) -> anyhow::Result<()> {
+        let bins = Bins::beside_this_executable()?;
+        let tls = dir.join("tls");
+        pki::init_ca(&tls).context("cluster CA")?;
+        let brick_role = Role::Brick {
+            hosts: vec!["127.0.0.1".into(), "localhost".into()],
+        };
+        pki::issue(&tls, &brick_role, BRICK_NAME, 1).context("brick certificate")?;
+        pki::issue(&tls, &Role::Client, CLIENT_NAME, 1).context("client certificate")?;
+        let brick = dir.join("brick");
+        std::fs::create_dir(&brick)?;
+        let brick_log = logs.join("kiln-brickd.log");
+        run_bounded(
+            Command::new(&bins.brickd).arg("format").arg(&brick),
+            None,
+            &brick_log,
+            COMMAND_TIMEOUT,
+        )?;
+
+        let mut cmd = Command::new(&bins.brickd);
+        cmd.arg("serve")
+            .arg(&brick)
+            .args(["--listen", "127.0.0.1:0", "--name", BRICK_NAME, "--tls-dir"])
+            .arg(&tls)
+            .stdout(Stdio::piped());
+        let mut brickd = Daemon::spawn("kiln-brickd", &mut cmd, &brick_log)?;
+        let stdout = brickd
+            .child
+            .as_mut()
+            .and_then(|c| c.stdout.take())
+            .context("no pipe from kiln-brickd")?;
+        // The first line is the address; the rest of its output is drained (there is none
+        // so far) so the brick never blocks on a full pipe.
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut lines = BufReader::new(stdout).lines();
+            let _ = tx.send(lines.next().and_then(Result::ok));
+            for _ in lines {}
+        });
+        let deadline = Instant::now() + LISTEN_TIMEOUT;
+        let line = loop {
+            check_stop()?;
+            match rx.recv_timeout(WAIT_SLICE) {
+                Ok(line) => break line.unwrap_or_default(),
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) if Instant::now() < deadline => {}
+                Err(_) => break String::new(),
+            }
+        };
+        let addr = line.trim().strip_prefix("listening on ").with_context(|| {
+            format!(
+                "kiln-brickd did not start ({line:?}):\n{}",
+                log_tail(&brick_log)
+            )
+        })?;
+        let addr: std::net::SocketAddr = addr.parse().context("kiln-brickd's address")?;
+        self.brickd = Some(brickd);
+
+        let mnt = dir.join("mnt");
+        std::fs::create_dir(&mnt)?;
+        let mut cmd = Command::new(&bins.kiln);
+        cmd.arg("--tls-dir")
+            .arg(&tls)
+            .args(["--client", CLIENT_NAME, "mount"])
+            .arg(addr.to_string())
+            .arg(&mnt)
+            .arg("-f");
+        for option in mount_options {
+            cmd.arg("-o").arg(option);
+        }
+        cmd.stdout(Stdio::null());
+        let server = Daemon::spawn("kiln mount", &mut cmd, &logs.join("kiln-mount.log"))?;
+        let mut unmount = Command::new(&bins.kiln);
+        unmount.arg("umount").arg(&mnt);
+        let mount = self.mount.insert(FuseMount {
+            point: mnt.clone(),
+            fstype: "fuse.kiln",
+            server,
+            unmount_cmd: Some(unmount),
+        });
+        mount.wait_mounted()?;
+        self.base = mnt;
+        self.detail = json!({
+            "brick": brick.display().to_string(),
+            "brickd": addr.to_string(),
+            "mount_options": mount_options.join(","),
+            "binaries": bins.kiln.parent().map(|p| p.display().to_string()),
+        });
+        Ok(())
+    }
+
+    pub(super) fn describe(&self) -> serde_json::Value {
+        json!({ "target": self.target.name(), "dir": self.base.display().to_string(),
+                "detail": self.detail })
+    }
+
+    /// Unmounts and stops everything; fails unless every server exited 0.
+    pub(super) fn finish(mut self) -> anyhow::Result<serde_json::Value> {
+        let mut note = json!({ "target": self.target.name() });
+        if self.target == Target::Glusterfs {
+            // Remove the work directory (empty after rm) before the unmount.
+            let _ = std::fs::remove_dir(&self.base);
+        }
+        if let Some(mount) = self.mount.as_mut() {
+            note["unmount"] = mount.finish()?;
+        }
+        if let Some(brickd) = self.brickd.as_mut() {
+            let (status, killed) = brickd.stop()?;
+            note["brickd"] = json!({ "status": status.map(|s| s.to_string()), "sigkill": killed });
+            if killed || !status.is_some_and(|s| s.success()) {
+                bail!(
+                    "kiln-brickd did not stop cleanly on SIGTERM (status {status:?}, SIGKILL \
+                     needed: {killed}):\n{}",
+                    log_tail(&brickd.log)
+                );
+            }
+        }
+        Ok(note)
+    }
+}
+
+/// A Kiln FUSE mount of a fresh brick for the other workloads (`smallfile --targets
+/// kiln-mount`): `kiln-brickd serve` and `kiln mount -f` started exactly as the `kiln` target
+/// here starts them, logs in `DIR/logs`. [`KilnMount::finish`] unmounts it and stops both,
+/// failing unless they exit cleanly; dropping it unmounts and stops them anyway.
+#[derive(Debug)]
+pub struct KilnMount {
+    place: Place,
+}
+
+impl KilnMount {
+    pub fn start(dir: &Path, mount_options: &[String]) -> anyhow::Result<KilnMount> {
+        if !Path::new("/dev/fuse").exists() {
+            bail!("/dev/fuse is missing (no FUSE in this kernel or container)");
+        }
+        // Mount tables list canonical paths.
+        let dir = dir.canonicalize()?;
+        let logs = dir.join("logs");
+        std::fs::create_dir_all(&logs)?;
+        let mut place = Place {
+            target: Target::Kiln,
+            base: dir.clone(),
+            mount: None,
+            brickd: None,
+            detail: json!({}),
+        };
+        place.start_kiln(mount_options, &dir, &logs)?;
+        Ok(KilnMount { place })
+    }
+
+    /// The mount point.
+    pub fn path(&self) -> &Path {
+        &self.place.base
+    }
+
+    /// Unmounts, stops the servers and says how they ended.
+    pub fn finish(self) -> anyhow::Result<serde_json::Value> {
+        let detail = self.place.detail.clone();
+        let mut note = self.place.finish()?;
+        note["detail"] = detail;
+        Ok(note)
+    }
+}
