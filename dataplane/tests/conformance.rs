@@ -3,6 +3,8 @@
 
 mod common;
 
+use std::os::unix::fs::MetadataExt as _;
+
 use bytes::Bytes;
 use common::*;
 use kiln_dataplane::{EngineKind, FopsConfig};
@@ -31,6 +33,9 @@ per_engine!(
     writes_run_as_the_caller,
     write_through_syncs_every_write,
     a_lookup_on_a_fresh_engine_writes_nothing,
+    a_retried_create_must_match_the_type,
+    setattr_never_follows_or_truncates_special_files,
+    owners_reach_their_unsearchable_directories,
 );
 
 fn create_write_read_release(kind: EngineKind) {
@@ -1496,4 +1501,266 @@ fn a_lookup_on_a_fresh_engine_writes_nothing(kind: EngineKind) {
         (before.ctime(), before.ctime_nsec(), before.mode()),
         "the handle directory was written by a LOOKUP"
     );
+}
+
+/// A PUT, CREATE or MKDIR that names an existing object by name and GFID is a retry only
+/// when the object is of the type it makes: a PUT over a symlink must not write through it,
+/// nor open a FIFO or a device.
+fn a_retried_create_must_match_the_type(kind: EngineKind) {
+    let h = Harness::new(kind);
+    let outside = h.dir.path().join("outside.txt");
+    std::fs::write(&outside, b"precious").expect("outside file");
+    let symlink_gfid = h.gfid();
+    let target = SymlinkTarget::new(outside.to_string_lossy().into_owned()).expect("valid");
+    let symlink = Symlink {
+        parent: Gfid::ROOT,
+        name: name("x"),
+        gfid: symlink_gfid,
+        target,
+    };
+    h.call(&root(), symlink).expect("symlink");
+    let fifo_gfid = h.gfid();
+    let fifo = Mknod {
+        parent: Gfid::ROOT,
+        name: name("fifo"),
+        gfid: fifo_gfid,
+        node_type: NodeType::Fifo,
+        mode: mode(0o666),
+        umask: mode(0),
+        rdev: 0,
+    };
+    h.call(&root(), fifo).expect("mknod");
+    for (n, gfid) in [("x", symlink_gfid), ("fifo", fifo_gfid)] {
+        let put = Put {
+            parent: Gfid::ROOT,
+            name: name(n),
+            gfid,
+            mode: mode(0o644),
+            umask: mode(0),
+            flags: OpenFlags::empty(),
+            data: Payload::new(Bytes::from_static(b"pwned")).expect("small"),
+            attr: SetAttr::default(),
+        };
+        assert_eq!(h.call(&root(), put).err(), Some(ErrorCode::Exist), "{n}");
+        let create = Create {
+            parent: Gfid::ROOT,
+            name: name(n),
+            gfid,
+            access: AccessMode::WriteOnly,
+            flags: OpenFlags::TRUNC,
+            mode: mode(0o644),
+            umask: mode(0),
+        };
+        assert!(h.call(&root(), create).is_err(), "{n}: a create over it");
+        let mkdir = Mkdir {
+            parent: Gfid::ROOT,
+            name: name(n),
+            gfid,
+            mode: mode(0o755),
+            umask: mode(0),
+        };
+        assert_eq!(h.call(&root(), mkdir).err(), Some(ErrorCode::Exist), "{n}");
+    }
+    assert_eq!(std::fs::read(&outside).expect("read"), b"precious");
+    assert_eq!(
+        h.lookup(Gfid::ROOT, "fifo").expect("lookup").file_type,
+        FileType::Fifo
+    );
+    // A true retry still succeeds.
+    let again = Symlink {
+        parent: Gfid::ROOT,
+        name: name("x"),
+        gfid: symlink_gfid,
+        target: SymlinkTarget::new(outside.to_string_lossy().into_owned()).expect("valid"),
+    };
+    h.call(&root(), again).expect("a retried symlink");
+    h.assert_consistent();
+}
+
+/// SETATTR's size only truncates regular files; a symlink is never followed by chmod, chown
+/// or utimes.
+fn setattr_never_follows_or_truncates_special_files(kind: EngineKind) {
+    let h = Harness::new(kind);
+    let outside = h.dir.path().join("outside.txt");
+    std::fs::write(&outside, b"precious").expect("outside file");
+    let before = std::fs::metadata(&outside).expect("stat");
+    let link = h.gfid();
+    let target = SymlinkTarget::new(outside.to_string_lossy().into_owned()).expect("valid");
+    let symlink = Symlink {
+        parent: Gfid::ROOT,
+        name: name("x"),
+        gfid: link,
+        target,
+    };
+    h.call(&root(), symlink).expect("symlink");
+    let fifo = h.gfid();
+    let mknod = Mknod {
+        parent: Gfid::ROOT,
+        name: name("fifo"),
+        gfid: fifo,
+        node_type: NodeType::Fifo,
+        mode: mode(0o666),
+        umask: mode(0),
+        rdev: 0,
+    };
+    h.call(&root(), mknod).expect("mknod");
+    let size = |size| SetAttr {
+        size: Some(size),
+        ..SetAttr::default()
+    };
+    for gfid in [link, fifo] {
+        assert_eq!(
+            h.call(
+                &root(),
+                Setattr {
+                    gfid,
+                    attr: size(0)
+                }
+            )
+            .err(),
+            Some(ErrorCode::Inval)
+        );
+    }
+    let own = SetAttr {
+        uid: Some(1234),
+        gid: Some(1234),
+        mtime: Some(TimeSet::At(Timespec::new(1_000_000, 0).expect("valid"))),
+        ..SetAttr::default()
+    };
+    let FopReply::Setattr(changed) = h
+        .call(
+            &root(),
+            Setattr {
+                gfid: link,
+                attr: own,
+            },
+        )
+        .expect("lchown and lutimes")
+    else {
+        panic!()
+    };
+    assert_eq!(changed.post.uid, 1234, "the symlink itself changed");
+    assert_eq!(changed.post.mtime.sec(), 1_000_000);
+    let after = std::fs::metadata(&outside).expect("stat");
+    assert_eq!(
+        (after.len(), after.modified().ok(), after.uid()),
+        (before.len(), before.modified().ok(), before.uid()),
+        "the target outside the brick is untouched"
+    );
+    h.assert_consistent();
+}
+
+/// A directory's owner can list, chmod, chown, read xattrs of and check access to a
+/// directory whose mode lacks the owner's search bit (0600), as on a local file system.
+fn owners_reach_their_unsearchable_directories(kind: EngineKind) {
+    let h = Harness::new(kind);
+    let alice = user(4242);
+    let dir = h.mkdir_as(&root(), Gfid::ROOT, "d", 0o777).expect("mkdir");
+    let chown = SetAttr {
+        uid: Some(alice.uid),
+        gid: Some(alice.gid),
+        ..SetAttr::default()
+    };
+    h.call(
+        &root(),
+        Setattr {
+            gfid: dir,
+            attr: chown,
+        },
+    )
+    .expect("chown to alice");
+    for bits in [0o600, 0o477, 0o177] {
+        let chmod = SetAttr {
+            mode: Some(mode(bits)),
+            ..SetAttr::default()
+        };
+        h.call(
+            &alice,
+            Setattr {
+                gfid: dir,
+                attr: chmod,
+            },
+        )
+        .unwrap_or_else(|e| panic!("chmod {bits:o} by the owner: {e:?}"));
+    }
+    let chmod = |bits| SetAttr {
+        mode: Some(mode(bits)),
+        ..SetAttr::default()
+    };
+    h.call(
+        &alice,
+        Setattr {
+            gfid: dir,
+            attr: chmod(0o600),
+        },
+    )
+    .expect("chmod 0600");
+    let FopReply::Opendir(o) = h
+        .call(&alice, Opendir { gfid: dir })
+        .expect("the owner opens a 0600 directory for reading")
+    else {
+        panic!()
+    };
+    h.call(&alice, Releasedir { fd: o.fd }).expect("releasedir");
+    let same_owner = SetAttr {
+        uid: Some(alice.uid),
+        ..SetAttr::default()
+    };
+    h.call(
+        &alice,
+        Setattr {
+            gfid: dir,
+            attr: same_owner,
+        },
+    )
+    .expect("chown to oneself");
+    h.call(
+        &alice,
+        Access {
+            gfid: dir,
+            mask: AccessMask::READ | AccessMask::WRITE,
+        },
+    )
+    .expect("access rw");
+    assert_eq!(
+        h.call(
+            &alice,
+            Access {
+                gfid: dir,
+                mask: AccessMask::EXECUTE,
+            },
+        )
+        .err(),
+        Some(ErrorCode::Access)
+    );
+    let xname = XattrName::new(&b"user.note"[..]).expect("valid");
+    let set = Setxattr {
+        gfid: dir,
+        name: xname.clone(),
+        value: XattrValue::new(&b"v"[..]).expect("small"),
+        mode: XattrSetMode::Upsert,
+    };
+    h.call(&alice, set).expect("setxattr by the owner");
+    h.call(
+        &alice,
+        Getxattr {
+            gfid: dir,
+            name: xname,
+        },
+    )
+    .expect("getxattr by the owner");
+    // Another user still gets nothing.
+    assert_eq!(
+        h.call(&user(4343), Opendir { gfid: dir }).err(),
+        Some(ErrorCode::Access)
+    );
+    h.call(
+        &root(),
+        Setattr {
+            gfid: dir,
+            attr: chmod(0o755),
+        },
+    )
+    .expect("chmod back");
+    h.assert_consistent();
 }

@@ -1,7 +1,5 @@
 //! Inode attributes: LOOKUP, STAT, ACCESS, READLINK, SETATTR (and TRUNCATE), STATFS.
 
-use std::ffi::CString;
-
 use kiln_wire::{
     AccessMask, AttrChange, AttrReply, Creds, FsStats, Gfid, LookupReply, Name, ReadlinkReply,
     SetAttr, StatfsReply, SymlinkTarget, TimeSet,
@@ -10,11 +8,12 @@ use rustix::fs::{AtFlags, Mode as FsMode, OFlags};
 use rustix::io::Errno;
 
 use super::chain::Chain;
+use super::resolve::fd_path;
 use super::{Fops, R, iatt};
 use crate::brick::Brick;
 use crate::creds::ActAs;
 use crate::exec::Exec;
-use crate::op::{self, DirFd, Stat, Step, cstr, proc_path};
+use crate::op::{self, DirFd, Stat, Step, cstr};
 
 impl<E: Exec> Fops<E> {
     pub(super) async fn lookup(&self, creds: &Creds, parent: &Gfid, name: &Name) -> R<LookupReply> {
@@ -47,29 +46,27 @@ impl<E: Exec> Fops<E> {
         gfid: &Gfid,
         mask: AccessMask,
     ) -> R<kiln_wire::Done> {
-        let (dir, name) = self.object_path(gfid).await?;
+        let object = self.object_path(gfid).await?;
         let creds = creds.clone();
+        let mut access = rustix::fs::Access::EXISTS;
+        for (bit, a) in [
+            (AccessMask::READ, rustix::fs::Access::READ_OK),
+            (AccessMask::WRITE, rustix::fs::Access::WRITE_OK),
+            (AccessMask::EXECUTE, rustix::fs::Access::EXEC_OK),
+        ] {
+            if mask.contains(bit) {
+                access |= a;
+            }
+        }
         self.exec
             .blocking(move || {
                 let _as = ActAs::new(&creds)?;
-                let mut access = rustix::fs::Access::EXISTS;
-                for (bit, a) in [
-                    (AccessMask::READ, rustix::fs::Access::READ_OK),
-                    (AccessMask::WRITE, rustix::fs::Access::WRITE_OK),
-                    (AccessMask::EXECUTE, rustix::fs::Access::EXEC_OK),
-                ] {
-                    if mask.contains(bit) {
-                        access |= a;
-                    }
-                }
-                // A directory is checked as "." of its own fd: faccessat2 refuses
-                // AT_EMPTY_PATH with AT_EACCESS on these kernels (EINVAL).
-                if name.is_empty() {
-                    rustix::fs::accessat(&dir, c".", access, AtFlags::EACCESS)
-                } else {
-                    let flags = AtFlags::EACCESS | AtFlags::SYMLINK_NOFOLLOW;
-                    rustix::fs::accessat(&dir, &*name, access, flags)
-                }
+                let (path, follow) = object.proc_path();
+                let nofollow = match follow {
+                    true => AtFlags::empty(),
+                    false => AtFlags::SYMLINK_NOFOLLOW,
+                };
+                rustix::fs::accessat(rustix::fs::CWD, &*path, access, AtFlags::EACCESS | nofollow)
             })
             .await?;
         Ok(kiln_wire::Done {})
@@ -127,23 +124,27 @@ impl<E: Exec> Fops<E> {
         self.setattr(creds, gfid, attr).await
     }
 
+    /// SETATTR on the pinned object: what the calls act on cannot change under them, and a
+    /// symlink is never followed.
     pub(super) async fn setattr(&self, creds: &Creds, gfid: &Gfid, attr: SetAttr) -> R<AttrChange> {
-        let pre = self.stat_gfid(gfid).await?;
+        let pinned = self.pin(gfid).await?;
+        let pre = pinned.stat;
         if pre.is_symlink() && attr.mode.is_some() {
             return Err(Errno::OPNOTSUPP);
         }
-        if pre.is_symlink() && attr.size.is_some() {
-            return Err(Errno::INVAL);
+        if attr.size.is_some() {
+            match () {
+                _ if pre.is_dir() => return Err(Errno::ISDIR),
+                // truncate(2) of anything but a regular file is EINVAL.
+                _ if !pre.is_regular() => return Err(Errno::INVAL),
+                _ => {}
+            }
         }
-        if pre.is_dir() && attr.size.is_some() {
-            return Err(Errno::ISDIR);
-        }
-        let (dir, name) = self.object_path(gfid).await?;
-        let creds = creds.clone();
+        let (creds, fd) = (creds.clone(), pinned.fd.clone());
         self.exec
-            .blocking(move || apply_setattr(&creds, &dir, &name, &attr))
+            .blocking(move || apply_setattr(&creds, &fd, &attr))
             .await?;
-        let post = self.stat_gfid(gfid).await?;
+        let post = self.fstat_dir(&pinned.fd).await?;
         Ok(AttrChange {
             pre: iatt(&pre, *gfid),
             post: iatt(&post, *gfid),
@@ -151,30 +152,22 @@ impl<E: Exec> Fops<E> {
     }
 }
 
-/// SETATTR's system calls, as the caller, in the order that keeps explicit values: size,
-/// owner (which clears set-id bits), mode, then times.
-fn apply_setattr(creds: &Creds, dir: &DirFd, name: &CString, attr: &SetAttr) -> R<()> {
+/// SETATTR's system calls on the pinned object `fd`, as the caller, in the order that keeps
+/// explicit values: size, owner (which clears set-id bits), mode, then times.
+fn apply_setattr(creds: &Creds, fd: &DirFd, attr: &SetAttr) -> R<()> {
     let _as = ActAs::new(creds)?;
-    // A directory is reached through its own fd (empty name), anything else through its
-    // handle without following it.
-    let path = proc_path(dir, name);
-    let nofollow = if name.is_empty() {
-        AtFlags::empty()
-    } else {
-        AtFlags::SYMLINK_NOFOLLOW
-    };
+    // `/proc/self/fd/N` ends at the pinned inode itself; it is followed only for calls that
+    // have no `AT_EMPTY_PATH` form, and only on objects checked not to be symlinks.
+    let path = fd_path(fd);
     if let Some(size) = attr.size {
-        let file = rustix::fs::open(
-            &*path,
-            OFlags::WRONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::NONBLOCK,
-            FsMode::empty(),
-        )?;
+        let flags = OFlags::WRONLY | OFlags::CLOEXEC | OFlags::NONBLOCK;
+        let file = rustix::fs::open(&*path, flags, FsMode::empty())?;
         rustix::fs::ftruncate(&file, size)?;
     }
     if attr.uid.is_some() || attr.gid.is_some() {
         let uid = attr.uid.map(rustix::process::Uid::from_raw);
         let gid = attr.gid.map(rustix::process::Gid::from_raw);
-        rustix::fs::chownat(rustix::fs::CWD, &*path, uid, gid, nofollow)?;
+        rustix::fs::chownat(fd, c"", uid, gid, AtFlags::EMPTY_PATH)?;
     }
     if let Some(mode) = attr.mode {
         rustix::fs::chmod(&*path, FsMode::from_raw_mode(mode.bits()))?;
@@ -184,7 +177,7 @@ fn apply_setattr(creds: &Creds, dir: &DirFd, name: &CString, attr: &SetAttr) -> 
             last_access: timespec(attr.atime),
             last_modification: timespec(attr.mtime),
         };
-        rustix::fs::utimensat(rustix::fs::CWD, &*path, &times, nofollow)?;
+        rustix::fs::utimensat(fd, c"", &times, AtFlags::EMPTY_PATH)?;
     }
     Ok(())
 }

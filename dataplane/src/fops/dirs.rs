@@ -10,6 +10,7 @@ use kiln_wire::{
 };
 use rustix::io::Errno;
 
+use super::resolve::fd_path;
 use super::{Fops, R, iatt, lock};
 use crate::brick::GLUSTERFS_DIR;
 use crate::exec::Exec;
@@ -28,10 +29,13 @@ impl<E: Exec> Fops<E> {
         creds: &Creds,
         gfid: &Gfid,
     ) -> R<OpenReply> {
+        // Through `/proc/self/fd/N` of the held fd, not `N/.`: opening a directory for reading
+        // needs read permission on it, not search permission (its owner may have taken that
+        // away, as with mode 0600).
         let dir = self.dir(gfid).await?;
         let open = op::Open {
+            name: fd_path(&dir),
             dir,
-            name: cstr(b"."),
             flags: libc::O_RDONLY | libc::O_DIRECTORY,
             mode: 0,
             fixed: false,

@@ -85,6 +85,8 @@ impl<E: Exec> Fops<E> {
             return Err(Errno::NXIO);
         }
         self.brick.ensure_handle_parent(gfid)?;
+        // Never through a symlink. (Not O_NONBLOCK: io_uring would then answer EAGAIN for data
+        // not in the page cache instead of waiting for it.)
         let flags = access.to_libc() | (flags.to_libc() & !libc::O_EXCL) | libc::O_NOFOLLOW;
         let open = op::Open {
             dir: self.brick.handle_dir(gfid).clone(),

@@ -13,7 +13,42 @@ use crate::brick::{Brick, GLUSTERFS_DIR};
 use crate::cache::InodeKey;
 use crate::exec::Exec;
 use crate::fdtable::{FdTable, OpenFile, SessionId};
-use crate::op::{self, DirFd, Stat, Step, cstr, proc_path};
+use crate::op::{self, DirFd, FileRef, Stat, Step, cstr, proc_path};
+
+/// How a path-only call (xattrs, access) reaches an object.
+#[derive(Debug, Clone)]
+pub(super) enum ObjectPath {
+    /// A directory, through `/proc/self/fd/N` of its held fd: the magic link is followed and
+    /// ends at the directory, with no lookup of `.` in it (which would need search permission
+    /// its owner may have taken away).
+    Dir(DirFd),
+    /// Anything else, through its handle in a held handle directory; a final symlink is not
+    /// followed.
+    Handle(DirFd, CString),
+}
+
+impl ObjectPath {
+    /// The path, and whether calls on it follow a final symlink.
+    pub(super) fn proc_path(&self) -> (CString, bool) {
+        match self {
+            ObjectPath::Dir(dir) => (fd_path(dir), true),
+            ObjectPath::Handle(dir, name) => (proc_path(dir, name), false),
+        }
+    }
+}
+
+/// An object held by an `O_PATH` fd of its own, and its attributes when it was pinned.
+#[derive(Debug)]
+pub(super) struct Pinned {
+    pub(super) fd: DirFd,
+    pub(super) stat: Stat,
+}
+
+/// `/proc/self/fd/N`: a path to the object `fd` holds (the magic link ends at it).
+pub(super) fn fd_path(fd: &DirFd) -> CString {
+    use std::os::fd::AsRawFd;
+    cstr(format!("/proc/self/fd/{}", fd.as_raw_fd()).as_bytes())
+}
 
 impl<E: Exec> Fops<E> {
     /// The held `O_PATH` fd of directory `gfid`, from the cache or opened by its handle.
@@ -89,30 +124,70 @@ impl<E: Exec> Fops<E> {
         }
         // A symlink handle is either a user's symlink (a hard link carrying the GFID) or a
         // directory's handle (a separate symlink with no GFID of its own).
+        match self.is_own_handle(gfid).await {
+            true => Ok(stat),
+            false => self.fstat_dir(&self.dir(gfid).await?).await,
+        }
+    }
+
+    /// A path that reaches the object `gfid` itself: a directory through its own held fd, no
+    /// search permission on it needed; anything else through its handle, never followed.
+    pub(super) async fn object_path(&self, gfid: &Gfid) -> R<ObjectPath> {
+        let stat = self.stat_gfid(gfid).await?;
+        if stat.is_dir() {
+            return Ok(ObjectPath::Dir(self.dir(gfid).await?));
+        }
+        self.brick.ensure_handle_parent(gfid)?;
+        Ok(ObjectPath::Handle(
+            self.brick.handle_dir(gfid).clone(),
+            Brick::handle_name(gfid),
+        ))
+    }
+
+    /// Holds the object `gfid` by an `O_PATH` fd of its own, with its attributes: calls made
+    /// through it reach this inode whatever happens to its names, and never what a symlink
+    /// points at.
+    pub(super) async fn pin(&self, gfid: &Gfid) -> R<Pinned> {
+        if gfid.is_root() || lock(&self.dirs).get(gfid).is_some() {
+            return self.pin_dir(gfid).await;
+        }
+        let open = op::Open {
+            dir: self.brick.handle_dir(gfid).clone(),
+            name: Brick::handle_name(gfid),
+            flags: libc::O_PATH | libc::O_NOFOLLOW,
+            mode: 0,
+            fixed: false,
+        };
+        let fd = match self.run_one::<FileRef>(Step::brick(open)).await {
+            Ok(FileRef::Fd(fd)) => fd,
+            Ok(_) => return Err(op::invariant("a plain open gave a direct descriptor")),
+            Err(Errno::NOENT | Errno::NOTDIR) => return Err(Errno::STALE),
+            Err(e) => return Err(e),
+        };
+        let stat = self.fstat_dir(&fd).await?;
+        if stat.is_symlink() && !self.is_own_handle(gfid).await {
+            // A directory's handle: a symlink with no GFID of its own.
+            return self.pin_dir(gfid).await;
+        }
+        Ok(Pinned { fd, stat })
+    }
+
+    async fn pin_dir(&self, gfid: &Gfid) -> R<Pinned> {
+        let fd = self.dir(gfid).await?;
+        let stat = self.fstat_dir(&fd).await?;
+        Ok(Pinned { fd, stat })
+    }
+
+    /// Whether `gfid`'s handle carries `gfid` itself (a file's or a user's symlink's hard
+    /// link), rather than being a directory's handle symlink.
+    async fn is_own_handle(&self, gfid: &Gfid) -> bool {
         let brick = self.brick.clone();
         let g = *gfid;
         let own = self
             .exec
             .blocking(move || read_gfid(&proc_path(brick.handle_dir(&g), &Brick::handle_name(&g))))
             .await;
-        match own {
-            Ok(Some(found)) if found == *gfid => Ok(stat),
-            _ => self.fstat_dir(&self.dir(gfid).await?).await,
-        }
-    }
-
-    /// A directory fd and name that reach the object `gfid` itself: its handle for
-    /// non-directories, the directory's own fd (and an empty name) for directories.
-    pub(super) async fn object_path(&self, gfid: &Gfid) -> R<(DirFd, CString)> {
-        let stat = self.stat_gfid(gfid).await?;
-        if stat.is_dir() {
-            return Ok((self.dir(gfid).await?, CString::default()));
-        }
-        self.brick.ensure_handle_parent(gfid)?;
-        Ok((
-            self.brick.handle_dir(gfid).clone(),
-            Brick::handle_name(gfid),
-        ))
+        own == Ok(Some(*gfid))
     }
 
     /// Refuses names a client may not use in the root: `.glusterfs` is the brick's own.

@@ -3,8 +3,6 @@
 //! The brick's own bookkeeping (`trusted.gfid`, `trusted.glusterfs.*`, `trusted.kiln.*`) can be
 //! read by clients but never changed.
 
-use std::ffi::CString;
-
 use bytes::Bytes;
 use kiln_wire::{
     Creds, Fsetxattr, Gfid, ListxattrReply, Setxattr, XattrName, XattrReply, XattrSetMode,
@@ -12,28 +10,28 @@ use kiln_wire::{
 };
 use rustix::io::Errno;
 
+use super::resolve::ObjectPath;
 use super::{Fops, R};
 use crate::brick::GFID_XATTR;
 use crate::creds::ActAs;
 use crate::exec::Exec;
-use crate::op::{DirFd, cstr, proc_path};
+use crate::op::cstr;
 
-/// Names clients may read but never change: the brick's own bookkeeping.
+/// Names clients may read but never change: the brick's own bookkeeping, and GlusterFS's
+/// replication changelog (a brick moved between GlusterFS and Kiln keeps its meaning).
 fn protected(name: &XattrName) -> bool {
     let n = name.as_bytes();
     n == GFID_XATTR.as_bytes()
         || n.starts_with(b"trusted.glusterfs.")
         || n.starts_with(b"trusted.kiln.")
+        || n.starts_with(b"trusted.afr.")
 }
 
 impl<E: Exec> Fops<E> {
-    /// The `/proc/self/fd/N/...` path an xattr call uses for `gfid`, with the directory fd
-    /// it goes through: the caller moves both into the blocking job, so fd N cannot be closed
-    /// and reused for another object before the call runs.
-    async fn xattr_path(&self, gfid: &Gfid) -> R<(DirFd, CString)> {
-        let (dir, name) = self.object_path(gfid).await?;
-        let path = proc_path(&dir, &name);
-        Ok((dir, path))
+    /// The path an xattr call uses for `gfid`. The caller moves it into the blocking job,
+    /// whose fd N it keeps open, so N cannot be reused for another object before the call.
+    async fn xattr_path(&self, gfid: &Gfid) -> R<ObjectPath> {
+        self.object_path(gfid).await
     }
 
     pub(super) async fn setxattr(
@@ -67,7 +65,7 @@ impl<E: Exec> Fops<E> {
         if protected(name) {
             return Err(Errno::PERM);
         }
-        let (dir, path) = self.xattr_path(gfid).await?;
+        let object = self.xattr_path(gfid).await?;
         let (creds, name, value) = (creds.clone(), cstr(name.as_bytes()), value.to_vec());
         let flags = match mode {
             XattrSetMode::Upsert => rustix::fs::XattrFlags::empty(),
@@ -76,9 +74,11 @@ impl<E: Exec> Fops<E> {
         };
         self.exec
             .blocking(move || {
-                let _held = dir;
                 let _as = ActAs::new(&creds)?;
-                rustix::fs::lsetxattr(&*path, &*name, &value, flags)
+                match object.proc_path() {
+                    (path, true) => rustix::fs::setxattr(&*path, &*name, &value, flags),
+                    (path, false) => rustix::fs::lsetxattr(&*path, &*name, &value, flags),
+                }
             })
             .await?;
         Ok(kiln_wire::Done {})
@@ -93,13 +93,15 @@ impl<E: Exec> Fops<E> {
         if protected(name) {
             return Err(Errno::PERM);
         }
-        let (dir, path) = self.xattr_path(gfid).await?;
+        let object = self.xattr_path(gfid).await?;
         let (creds, name) = (creds.clone(), cstr(name.as_bytes()));
         self.exec
             .blocking(move || {
-                let _held = dir;
                 let _as = ActAs::new(&creds)?;
-                rustix::fs::lremovexattr(&*path, &*name)
+                match object.proc_path() {
+                    (path, true) => rustix::fs::removexattr(&*path, &*name),
+                    (path, false) => rustix::fs::lremovexattr(&*path, &*name),
+                }
             })
             .await?;
         Ok(kiln_wire::Done {})
@@ -111,15 +113,17 @@ impl<E: Exec> Fops<E> {
         gfid: &Gfid,
         name: &XattrName,
     ) -> R<XattrReply> {
-        let (dir, path) = self.xattr_path(gfid).await?;
+        let object = self.xattr_path(gfid).await?;
         let (creds, name) = (creds.clone(), cstr(name.as_bytes()));
         let value = self
             .exec
             .blocking(move || {
-                let _held = dir;
                 let _as = ActAs::new(&creds)?;
                 let mut buf = vec![0u8; limits::XATTR_VALUE_LEN_MAX_BYTES];
-                let n = rustix::fs::lgetxattr(&*path, &*name, &mut buf[..])?;
+                let n = match object.proc_path() {
+                    (path, true) => rustix::fs::getxattr(&*path, &*name, &mut buf[..])?,
+                    (path, false) => rustix::fs::lgetxattr(&*path, &*name, &mut buf[..])?,
+                };
                 buf.truncate(n);
                 Ok::<_, Errno>(buf)
             })
@@ -130,15 +134,17 @@ impl<E: Exec> Fops<E> {
     }
 
     pub(super) async fn listxattr(&self, creds: &Creds, gfid: &Gfid) -> R<ListxattrReply> {
-        let (dir, path) = self.xattr_path(gfid).await?;
+        let object = self.xattr_path(gfid).await?;
         let creds = creds.clone();
         let list = self
             .exec
             .blocking(move || {
-                let _held = dir;
                 let _as = ActAs::new(&creds)?;
                 let mut buf = vec![0u8; limits::XATTR_VALUE_LEN_MAX_BYTES];
-                let n = rustix::fs::llistxattr(&*path, &mut buf[..])?;
+                let n = match object.proc_path() {
+                    (path, true) => rustix::fs::listxattr(&*path, &mut buf[..])?,
+                    (path, false) => rustix::fs::llistxattr(&*path, &mut buf[..])?,
+                };
                 buf.truncate(n);
                 Ok::<_, Errno>(buf)
             })

@@ -40,6 +40,16 @@ enum NewKind {
 }
 
 impl NewKind {
+    /// The type of object this makes: a retry is recognised only by an object of that type.
+    fn file_type(&self) -> Option<FileType> {
+        match self {
+            NewKind::File { .. } => Some(FileType::Regular),
+            NewKind::Dir { .. } => Some(FileType::Directory),
+            NewKind::Node { mode, .. } => FileType::from_mode_bits(*mode),
+            NewKind::Symlink { .. } => Some(FileType::Symlink),
+        }
+    }
+
     /// Whether the chain opens the new object (to set its GFID through the fd).
     fn opens(&self) -> bool {
         matches!(self, NewKind::File { .. } | NewKind::Dir { .. })
@@ -123,7 +133,7 @@ impl<E: Exec> Fops<E> {
         // identity (EEXIST, and nothing of the other object is touched).
         let taken = op::Statx::of(self.brick.handle_dir(&gfid), &Brick::handle_name(&gfid));
         if self.run1(Step::brick(taken)).await.is_ok() {
-            let same = self.same_entry(creds, parent, name, gfid).await;
+            let same = self.same_entry(creds, parent, name, gfid, &kind).await;
             return same.ok().flatten().map(|e| (e, None)).ok_or(Errno::EXIST);
         }
         let entry = NewEntry {
@@ -142,7 +152,7 @@ impl<E: Exec> Fops<E> {
             }
             // A retry of a create that already happened carries the same GFID.
             if e == Errno::EXIST
-                && let Some(reply) = self.same_entry(creds, parent, name, gfid).await?
+                && let Some(reply) = self.same_entry(creds, parent, name, gfid, &kind).await?
             {
                 return Ok((reply, None));
             }
@@ -297,17 +307,19 @@ impl<E: Exec> Fops<E> {
         }
     }
 
-    /// The reply to a create that already happened (a retry with the same GFID), or `None`
-    /// when the name holds another object.
+    /// The reply to a create that already happened (a retry with the same GFID and of the
+    /// same type), or `None` when the name holds another object.
     async fn same_entry(
         &self,
         creds: &Creds,
         parent: &Gfid,
         name: &Name,
         gfid: Gfid,
+        kind: &NewKind,
     ) -> R<Option<EntryReply>> {
         let existing = self.lookup(creds, parent, name).await?;
-        Ok((existing.iatt.gfid == gfid).then(|| retried_reply(existing)))
+        let same = existing.iatt.gfid == gfid && Some(existing.iatt.file_type) == kind.file_type();
+        Ok(same.then(|| retried_reply(existing)))
     }
 
     pub(in crate::fops) async fn create(
@@ -398,15 +410,22 @@ impl<E: Exec> Fops<E> {
         Ok(entry)
     }
 
-    /// Replaces the content of file `gfid` by `data`, as the caller.
+    /// Replaces the content of regular file `gfid` by `data`, as the caller. Never through a
+    /// symlink, never a device or FIFO.
     async fn rewrite(&self, creds: &Creds, gfid: &Gfid, data: Bytes) -> R<kiln_wire::Iatt> {
         let (handle_dir, handle) = (self.brick.handle_dir(gfid), Brick::handle_name(gfid));
+        let stat: Stat = self
+            .run_one(Step::brick(op::Statx::of(handle_dir, &handle)))
+            .await?;
+        if !stat.is_regular() {
+            return Err(Errno::EXIST);
+        }
         let mut chain = Chain::new();
         let open = chain.push::<FileRef>(Step::caller(
             op::Open {
                 dir: handle_dir.clone(),
                 name: handle.clone(),
-                flags: libc::O_WRONLY | libc::O_TRUNC,
+                flags: libc::O_WRONLY | libc::O_TRUNC | libc::O_NOFOLLOW,
                 mode: 0,
                 fixed: true,
             },
