@@ -188,9 +188,10 @@ where
             let mut done = Vec::with_capacity(tasks);
             for t in 0..tasks {
                 let (tx, rx) = tokio::sync::oneshot::channel();
-                let (job, session) = (job.clone(), engine.session_id());
+                let job = job.clone();
                 rt.block_on(engine.run_on_worker(t % engine.workers(), move |local| {
                     let local = local.clone();
+                    let session = local.open_session();
                     tokio::task::spawn_local(async move {
                         let caller = Caller::Worker {
                             local: local.clone(),

@@ -126,10 +126,7 @@ async fn uring_phase(
     let start = Instant::now();
     let mut finished = Vec::new();
     for w in 0..workers {
-        let tasks: Vec<(usize, u64)> = (0..depth)
-            .filter(|k| k % workers == w)
-            .map(|k| (k, engine.session_id()))
-            .collect();
+        let tasks: Vec<usize> = (0..depth).filter(|k| k % workers == w).collect();
         let (dirs, ids, data, phase) = (dirs.clone(), ids.clone(), data.clone(), phase.to_owned());
         let (tx, rx) = tokio::sync::oneshot::channel::<anyhow::Result<()>>();
         engine
@@ -137,7 +134,8 @@ async fn uring_phase(
                 let local = local.clone();
                 tokio::task::spawn_local(async move {
                     let mut set = tokio::task::JoinSet::new();
-                    for (k, session) in tasks {
+                    for k in tasks {
+                        let session = local.open_session();
                         let (local, dirs, ids, data, phase) = (
                             local.clone(),
                             dirs.clone(),

@@ -14,7 +14,6 @@
 use std::collections::BTreeMap;
 use std::rc::Rc;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use kiln_wire::{Creds, ErrorCode, FopReply, FopRequest};
 use tokio::sync::oneshot;
@@ -88,7 +87,15 @@ pub struct BlockingEngine {
 }
 
 impl LocalEngine {
-    /// Executes one fop for `session` (a [`Engine::session_id`]) as `creds`.
+    /// Opens a new session on this worker; end it with [`LocalEngine::end_session`].
+    pub fn open_session(&self) -> SessionId {
+        match self {
+            LocalEngine::Ring(fops) => fops.open_new_session(),
+            LocalEngine::Blocking(engine) => engine.fops.open_new_session(),
+        }
+    }
+
+    /// Executes one fop for `session` (from [`LocalEngine::open_session`]) as `creds`.
     pub async fn call(
         &self,
         session: SessionId,
@@ -98,6 +105,15 @@ impl LocalEngine {
         match self {
             LocalEngine::Ring(fops) => fops.call(session, creds, fop).await.map_err(to_code),
             LocalEngine::Blocking(engine) => engine.call(session, creds.clone(), fop).await,
+        }
+    }
+
+    /// Stops the session's lock waits (EINTR): its connection is gone, so nothing may keep it
+    /// from ending.
+    pub fn cancel_lock_waits(&self, session: SessionId) {
+        match self {
+            LocalEngine::Ring(fops) => fops.cancel_lock_waits(session),
+            LocalEngine::Blocking(engine) => engine.fops.cancel_lock_waits(session),
         }
     }
 
@@ -139,6 +155,11 @@ impl BlockingEngine {
         creds: Creds,
         fop: FopRequest,
     ) -> Result<FopReply, ErrorCode> {
+        if let FopRequest::Lk(_) = fop {
+            // LK makes no system call (the lock table is in memory): it runs, and a blocked
+            // F_SETLKW waits, on the calling task instead of holding a pool thread.
+            return self.fops.call(session, &creds, fop).await.map_err(to_code);
+        }
         let fops = self.fops.clone();
         self.pool
             .run(move || block_on(fops.call(session, &creds, fop)).map_err(to_code))
@@ -191,7 +212,6 @@ struct Inner {
     workers: Workers<LocalEngine>,
     /// The blocking engine's fops, reached from any thread without a worker hop.
     blocking: Option<BlockingEngine>,
-    next_session: AtomicU64,
     kind: EngineKind,
     shared: Arc<BrickState>,
 }
@@ -213,7 +233,7 @@ impl Engine {
         // Fops apply their caller's umask themselves (`mode & !umask`); the process's own
         // must not mask again (it is shared by every thread, so this is the one place).
         rustix::process::umask(rustix::fs::Mode::empty());
-        let shared = Arc::new(BrickState::default());
+        let shared = Arc::new(BrickState::new(config.fops.locks_per_client_max));
         let (workers, blocking, kind) = match config.kind {
             EngineKind::Uring => match start_uring(brick, &shared, config) {
                 Ok(workers) => (workers, None, EngineKind::Uring),
@@ -235,7 +255,6 @@ impl Engine {
             inner: Arc::new(Inner {
                 workers,
                 blocking,
-                next_session: AtomicU64::new(1),
                 kind,
                 shared,
             }),
@@ -249,11 +268,6 @@ impl Engine {
     /// Worker threads: the ring workers, or the blocking engine's one network thread.
     pub fn workers(&self) -> usize {
         self.inner.workers.len()
-    }
-
-    /// A new session id, for use with [`LocalEngine::call`].
-    pub fn session_id(&self) -> SessionId {
-        self.inner.next_session.fetch_add(1, Ordering::Relaxed)
     }
 
     /// Runs `job` on worker `worker`'s thread with that worker's [`LocalEngine`]; the job may
@@ -272,8 +286,21 @@ impl Engine {
 
     /// Opens a session, pinned to one worker (round robin).
     pub fn session(&self) -> Session {
+        let id = self.inner.shared.new_session_id();
+        match &self.inner.blocking {
+            Some(engine) => engine.fops.open_session(id),
+            // Queued before any call of the session: the worker's queue keeps order.
+            None => self
+                .inner
+                .workers
+                .send_detached(self.worker_of(id), move |local| {
+                    if let LocalEngine::Ring(fops) = local {
+                        fops.open_session(id);
+                    }
+                }),
+        }
         Session {
-            id: self.session_id(),
+            id,
             engine: self.clone(),
         }
     }
@@ -351,6 +378,23 @@ impl Session {
             .await
             .map_err(|_| ErrorCode::NotConnected)?;
         rx.await.map_err(|_| ErrorCode::Io)?
+    }
+}
+
+impl Session {
+    /// Stops the session's lock waits (they answer EINTR): for a caller about to end the
+    /// session while calls are still in flight.
+    pub fn cancel_lock_waits(&self) {
+        let session = self.id;
+        match &self.engine.inner.blocking {
+            Some(engine) => engine.fops.cancel_lock_waits(session),
+            None => self.engine.inner.workers.send_detached(
+                self.engine.worker_of(session),
+                move |local| {
+                    local.cancel_lock_waits(session);
+                },
+            ),
+        }
     }
 }
 

@@ -146,7 +146,8 @@ pub struct Server {
 
 /// What every connection of one endpoint shares.
 struct Context {
-    engine: Engine,
+    /// Held so the engine's workers (this endpoint's thread among them) outlive the endpoint.
+    _engine: Engine,
     local: LocalEngine,
     live: Arc<RwLock<Live>>,
     connections: Connections,
@@ -270,7 +271,7 @@ impl Server {
                 };
                 let _ = ready.send(Ok(endpoint.clone()));
                 let context = Rc::new(Context {
-                    engine: engine_handle,
+                    _engine: engine_handle,
                     local: local.clone(),
                     live,
                     connections,
@@ -460,7 +461,7 @@ async fn serve_connection(incoming: quinn::Incoming, context: Rc<Context>) {
 
     let session = Rc::new(SessionHandle {
         local: context.local.clone(),
-        id: context.engine.session_id(),
+        id: context.local.open_session(),
     });
     let since_unix_s = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -491,7 +492,9 @@ async fn serve_connection(incoming: quinn::Incoming, context: Rc<Context>) {
         }
     };
     // Calls in flight finish (and reply, if the client is still there) before the session's
-    // files are closed; a call still blocked after the grace period (a lock wait) is dropped.
+    // files are closed; lock waits stop at once, and a call still running after the grace
+    // period is dropped.
+    session.local.cancel_lock_waits(session.id);
     let drained = async { while calls.join_next().await.is_some() {} };
     let limit = grace.unwrap_or(ORPHAN_CALL_GRACE);
     if tokio::time::timeout(limit, drained).await.is_err() {

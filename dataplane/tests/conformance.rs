@@ -36,6 +36,8 @@ per_engine!(
     a_retried_create_must_match_the_type,
     setattr_never_follows_or_truncates_special_files,
     owners_reach_their_unsearchable_directories,
+    ftruncate_runs_as_the_caller_on_the_open_file,
+    lock_waits_hold_no_thread_and_end_with_their_session,
 );
 
 fn create_write_read_release(kind: EngineKind) {
@@ -1763,4 +1765,129 @@ fn owners_reach_their_unsearchable_directories(kind: EngineKind) {
     )
     .expect("chmod back");
     h.assert_consistent();
+}
+
+/// FTRUNCATE runs as the caller on the open file: the kernel clears set-uid as for the
+/// caller's own call, and a file unlinked meanwhile is still reached.
+fn ftruncate_runs_as_the_caller_on_the_open_file(kind: EngineKind) {
+    let h = Harness::new(kind);
+    let f = h.put(Gfid::ROOT, "tool", b"#!/bin/sh\n").expect("put");
+    let setuid = SetAttr {
+        mode: Some(mode(0o4777)),
+        ..SetAttr::default()
+    };
+    h.call(
+        &root(),
+        Setattr {
+            gfid: f,
+            attr: setuid,
+        },
+    )
+    .expect("chmod");
+    let bob = user(2000);
+    let fd = h
+        .open_as(&bob, f, AccessMode::WriteOnly)
+        .expect("world-writable");
+    let FopReply::Ftruncate(t) = h.call(&bob, Ftruncate { fd, size: 2 }).expect("ftruncate") else {
+        panic!()
+    };
+    assert_eq!(t.post.size, 2);
+    assert_eq!(t.post.mode.bits(), 0o777, "set-uid cleared as for bob");
+    h.unlink(Gfid::ROOT, "tool").expect("unlink");
+    let FopReply::Ftruncate(t) = h
+        .call(&bob, Ftruncate { fd, size: 0 })
+        .expect("an unlinked open file is still truncated")
+    else {
+        panic!()
+    };
+    assert_eq!(t.post.size, 0);
+}
+
+/// Blocked F_SETLKWs wait without holding a thread: more waiters than the engine has
+/// threads leave other fops served, each waiter gets the lock in turn, and a waiter whose
+/// session ends stops at once.
+fn lock_waits_hold_no_thread_and_end_with_their_session(kind: EngineKind) {
+    const WAITERS: usize = 24;
+    let h = Harness::new(kind);
+    let f = h.put(Gfid::ROOT, "f", b"").expect("put");
+    let holder = h.open(f, AccessMode::ReadWrite).expect("open");
+    fn lk(fd: FdId, cmd: LockCmd, kind: LockKind) -> Lk {
+        let lock = Lock {
+            kind,
+            start: 0,
+            len: 0,
+            pid: 1,
+            owner: 1,
+        };
+        Lk { fd, cmd, lock }
+    }
+    h.call(&root(), lk(holder, LockCmd::Set, LockKind::Write))
+        .expect("lock");
+    let waiters: Vec<_> = (0..WAITERS)
+        .map(|_| {
+            let session = std::sync::Arc::new(h.engine.session());
+            let FopReply::Open(o) = h
+                .call_as(
+                    &session,
+                    &root(),
+                    Open {
+                        gfid: f,
+                        access: AccessMode::ReadWrite,
+                        flags: OpenFlags::empty(),
+                    },
+                )
+                .expect("open")
+            else {
+                panic!()
+            };
+            let wait = session.clone();
+            let task = h.rt.spawn(async move {
+                let taken = wait
+                    .call(root(), lk(o.fd, LockCmd::SetWait, LockKind::Write).into())
+                    .await;
+                if taken.is_ok() {
+                    let unlock = lk(o.fd, LockCmd::Set, LockKind::Unlock);
+                    wait.call(root(), unlock.into()).await.expect("unlock");
+                }
+                taken.map(drop)
+            });
+            (session, task)
+        })
+        .collect();
+    // Let the waiters block, then check the brick still serves everything else.
+    h.rt.block_on(async { tokio::time::sleep(std::time::Duration::from_millis(200)).await });
+    for i in 0..8 {
+        h.put(Gfid::ROOT, &format!("other-{i}"), b"x")
+            .expect("served while locks wait");
+    }
+    assert_eq!(h.list(Gfid::ROOT).expect("readdir").len(), 9);
+    // One waiter's session ends: its wait stops without the lock being released.
+    let (ending, ending_task) = {
+        let mut waiters = waiters;
+        let last = waiters.pop().expect("a waiter");
+        (last, waiters)
+    };
+    let (session, task) = ending;
+    session.cancel_lock_waits();
+    let stopped = h
+        .rt
+        .block_on(async { tokio::time::timeout(std::time::Duration::from_secs(10), task).await });
+    assert!(
+        matches!(stopped, Ok(Ok(Err(ErrorCode::Intr)))),
+        "an ending session's wait stops: {stopped:?}"
+    );
+    drop(session);
+    // The holder unlocks: every other waiter gets the lock in turn.
+    h.call(&root(), lk(holder, LockCmd::Set, LockKind::Unlock))
+        .expect("unlock");
+    for (session, task) in ending_task {
+        let taken = h.rt.block_on(async {
+            tokio::time::timeout(std::time::Duration::from_secs(30), task).await
+        });
+        assert!(
+            matches!(taken, Ok(Ok(Ok(())))),
+            "a waiter got the lock: {taken:?}"
+        );
+        drop(session);
+    }
 }

@@ -7,8 +7,7 @@ use std::sync::atomic::Ordering;
 use bytes::Bytes;
 use kiln_wire::{
     AccessMode, AttrChange, AttrReply, Creds, Discard, Fallocate, FdId, Gfid, Lk, LkReply, LockCmd,
-    OpenFlags, OpenReply, Payload, Read, ReadReply, Seek, SeekReply, SeekWhat, SetAttr, Write,
-    Zerofill,
+    OpenFlags, OpenReply, Payload, Read, ReadReply, Seek, SeekReply, SeekWhat, Write, Zerofill,
 };
 use rustix::io::Errno;
 
@@ -257,10 +256,7 @@ impl<E: Exec> Fops<E> {
     ) -> R<kiln_wire::Done> {
         let open = {
             let mut sessions = lock(&self.sessions);
-            let table = sessions
-                .get_mut(&session)
-                .and_then(Option::as_mut)
-                .ok_or(Errno::BADF)?;
+            let table = sessions.get_mut(&session).ok_or(Errno::BADF)?;
             match (&table.get(fd)?.kind, dir) {
                 (OpenKind::Dir { .. }, false) => return Err(Errno::ISDIR),
                 (OpenKind::File { .. }, true) => return Err(Errno::NOTDIR),
@@ -278,6 +274,11 @@ impl<E: Exec> Fops<E> {
             self.run1(Step::brick(op::Close { file })).await?;
         }
         Ok(kiln_wire::Done {})
+    }
+
+    /// Stops the lock waits of `session`, which is ending (its connection is gone).
+    pub fn cancel_lock_waits(&self, session: SessionId) {
+        lock(&self.shared.locks).cancel_waits(session);
     }
 
     /// FLUSH: the closing lock owner's POSIX locks on the file go.
@@ -308,16 +309,25 @@ impl<E: Exec> Fops<E> {
             .await
     }
 
-    pub(super) async fn ftruncate(&self, session: SessionId, fd: FdId, size: u64) -> R<AttrChange> {
-        let open = self.open_file(session, fd)?;
-        if !matches!(open.kind, OpenKind::File { writable: true, .. }) {
+    /// FTRUNCATE on the open file, as the caller: the kernel clears set-id bits and checks
+    /// quotas as for the caller's own call, and an unlinked file is still reached.
+    pub(super) async fn ftruncate(
+        &self,
+        session: SessionId,
+        creds: &Creds,
+        fd: FdId,
+        size: u64,
+    ) -> R<AttrChange> {
+        let (gfid, file, writable) = self.file(session, fd)?;
+        if !writable {
             return Err(Errno::INVAL);
         }
-        let attr = SetAttr {
-            size: Some(size),
-            ..SetAttr::default()
+        let truncate = op::Ftruncate {
+            file: file.clone(),
+            len: size,
         };
-        self.setattr(&Creds::root(), &open.gfid, attr).await
+        self.change(gfid, file, vec![Step::caller(truncate, creds)])
+            .await
     }
 
     pub(super) async fn seek(&self, session: SessionId, r: Seek) -> R<SeekReply> {
@@ -351,31 +361,32 @@ impl<E: Exec> Fops<E> {
             .await
     }
 
+    /// LK. A blocking set (F_SETLKW) waits on the file's waiter queue, woken by every unlock
+    /// and release on the file; it holds no thread, and ends with EBADF when its fd is
+    /// released, or EINTR when its session is ending ([`Fops::cancel_lock_waits`]).
     pub(super) async fn lk(&self, session: SessionId, r: Lk) -> R<LkReply> {
         let (gfid, _, _) = self.file(session, r.fd)?;
-        // F_SETLKW waits in bounded slices so a lost holder cannot pin a worker forever.
-        const WAIT_SLICES: u32 = 6000;
-        for _ in 0..WAIT_SLICES {
+        loop {
             // Under the sessions guard: a waiter whose fd was released or whose session ended
             // meanwhile must not take a lock nobody would release.
-            let result = {
+            let wait = {
                 let sessions = lock(&self.sessions);
-                let table = sessions
-                    .get(&session)
-                    .and_then(Option::as_ref)
-                    .ok_or(Errno::BADF)?;
-                table.get(r.fd)?;
-                lock(&self.shared.locks).apply(session, gfid, r.cmd, &r.lock)
-            };
-            match (result, r.cmd) {
-                (Err(Errno::AGAIN), LockCmd::SetWait) => {
-                    self.exec
-                        .blocking(|| std::thread::sleep(std::time::Duration::from_millis(10)))
-                        .await;
+                sessions.get(&session).ok_or(Errno::BADF)?.get(r.fd)?;
+                let mut locks = lock(&self.shared.locks);
+                if locks.is_cancelled(session) {
+                    return Err(Errno::INTR);
                 }
-                (result, _) => return result.map(|lock| LkReply { lock }),
-            }
+                match (locks.apply(session, gfid, r.cmd, &r.lock), r.cmd) {
+                    (Err(Errno::AGAIN), LockCmd::SetWait) => {
+                        // Registered before the guards go, so no wake-up is lost in between.
+                        let mut wait = Box::pin(locks.waiter(gfid).notified_owned());
+                        wait.as_mut().enable();
+                        wait
+                    }
+                    (result, _) => return result.map(|lock| LkReply { lock }),
+                }
+            };
+            wait.await;
         }
-        Err(Errno::DEADLK)
     }
 }

@@ -17,7 +17,7 @@ mod xattr;
 
 use std::collections::{BTreeMap, HashMap};
 use std::num::NonZeroUsize;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use kiln_wire::*;
@@ -40,6 +40,8 @@ pub struct FopsConfig {
     /// Directory fds held open (`storage.dirfd-cache-entries`), per worker.
     pub dirfd_cache_entries: NonZeroUsize,
     pub open_files_per_client_max: usize,
+    /// POSIX lock ranges one session may hold; ENOLCK past it.
+    pub locks_per_client_max: usize,
     /// `storage.fsync-policy write-through`: every WRITE and PUT is synced (`fdatasync`, in
     /// the same chain) before it is acknowledged.
     pub write_through: bool,
@@ -51,6 +53,7 @@ impl Default for FopsConfig {
             gfid_cache_entries: NonZeroUsize::new(1 << 20).unwrap_or(NonZeroUsize::MIN),
             dirfd_cache_entries: NonZeroUsize::new(4096).unwrap_or(NonZeroUsize::MIN),
             open_files_per_client_max: 16_384,
+            locks_per_client_max: 4096,
             write_through: false,
         }
     }
@@ -73,22 +76,76 @@ pub struct Fops<E> {
     config: FopsConfig,
     gfids: Mutex<GfidCache>,
     dirs: Mutex<DirCache>,
-    /// Each session's fd table; `None` once the session ended, so a fop still in flight
-    /// cannot open a file for it that nobody would ever release.
-    sessions: Mutex<HashMap<SessionId, Option<FdTable>>>,
+    /// The fd table of each open session. A session is opened explicitly and removed when it
+    /// ends, so a fop still in flight for an ended session cannot open a file for it that
+    /// nobody would ever release (it gets EBADF), and nothing is left behind.
+    sessions: Mutex<HashMap<SessionId, FdTable>>,
     shared: Arc<BrickState>,
     crash_point: Mutex<Option<CrashPoint>>,
 }
 
-/// What every worker of a brick shares: the profile, POSIX locks (clients on different
-/// workers contend for the same files) and the poisoned flag.
-#[derive(Debug, Default)]
+/// What every worker of a brick shares: the profile, session ids, POSIX locks (clients on
+/// different workers contend for the same files), the GFIDs whose handles are parked in
+/// removal records, and the poisoned flag.
+#[derive(Debug)]
 pub struct BrickState {
     /// Per-fop counters and histograms (`diagnostics.*`).
     pub profile: Profile,
+    next_session: AtomicU64,
     locks: Mutex<LockTable>,
+    /// GFIDs whose handle removals have moved into records and may put back, with how many
+    /// removals hold each: a create must not take such a GFID meanwhile (two objects, one
+    /// GFID).
+    parked: Mutex<HashMap<Gfid, u32>>,
     /// Set by an fsync error: data may be lost, so writes are refused until restart.
     poisoned: AtomicBool,
+}
+
+impl BrickState {
+    /// Shared state for a brick whose clients may each hold `locks_per_client_max` locks.
+    pub fn new(locks_per_client_max: usize) -> BrickState {
+        BrickState {
+            profile: Profile::default(),
+            next_session: AtomicU64::new(1),
+            locks: Mutex::new(LockTable::new(locks_per_client_max)),
+            parked: Mutex::new(HashMap::new()),
+            poisoned: AtomicBool::new(false),
+        }
+    }
+
+    /// A new session id, unique on this brick.
+    pub fn new_session_id(&self) -> SessionId {
+        self.next_session.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Marks `gfid`'s handle as parked in a removal record until the guard goes.
+    fn park(&self, gfid: Gfid) -> Parked<'_> {
+        *lock(&self.parked).entry(gfid).or_insert(0) += 1;
+        Parked { state: self, gfid }
+    }
+
+    fn is_parked(&self, gfid: &Gfid) -> bool {
+        lock(&self.parked).contains_key(gfid)
+    }
+}
+
+/// A GFID whose handle is parked in a removal record, for as long as this lives.
+#[derive(Debug)]
+struct Parked<'a> {
+    state: &'a BrickState,
+    gfid: Gfid,
+}
+
+impl Drop for Parked<'_> {
+    fn drop(&mut self) {
+        let mut parked = lock(&self.state.parked);
+        if let Some(n) = parked.get_mut(&self.gfid) {
+            *n -= 1;
+            if *n == 0 {
+                parked.remove(&self.gfid);
+            }
+        }
+    }
 }
 
 /// The sessions and caches of one [`Fops`], for state dumps.
@@ -145,7 +202,7 @@ impl<E: Exec> Fops<E> {
     pub fn state(&self) -> FopsState {
         let fd_tables = lock(&self.sessions)
             .iter()
-            .filter_map(|(&id, table)| Some((id, table.as_ref()?.len())))
+            .map(|(&id, table)| (id, table.len()))
             .collect();
         FopsState {
             fd_tables,
@@ -154,16 +211,33 @@ impl<E: Exec> Fops<E> {
         }
     }
 
+    /// Opens a new session here and returns its id.
+    pub fn open_new_session(&self) -> SessionId {
+        let id = self.shared.new_session_id();
+        self.open_session(id);
+        id
+    }
+
+    /// Opens session `session` here: fops of it may open files from now on.
+    pub fn open_session(&self, session: SessionId) {
+        let table = FdTable::new(self.config.open_files_per_client_max);
+        let replaced = lock(&self.sessions).insert(session, table);
+        debug_assert!(replaced.is_none(), "session {session} opened twice");
+    }
+
     /// Ends a session: its fds are released and its locks dropped. Returns the files the
     /// caller must close through the executor (direct descriptors).
     pub fn end_session(&self, session: SessionId) -> Vec<FileRef> {
         // Under the sessions guard (lock order: sessions, then locks), so no LK can slip a lock
-        // in between the tombstone and the release.
+        // in between the removal and the release.
         let mut sessions = lock(&self.sessions);
-        let ended = sessions.insert(session, None);
-        lock(&self.shared.locks).release_session(session);
+        let ended = sessions.remove(&session);
+        let mut locks = lock(&self.shared.locks);
+        locks.cancel_waits(session);
+        locks.release_session(session);
+        drop(locks);
         drop(sessions);
-        let Some(Some(mut table)) = ended else {
+        let Some(mut table) = ended else {
             return Vec::new();
         };
         table
@@ -252,7 +326,7 @@ impl<E: Exec> Fops<E> {
                 let gfid = self.open_file(s, r.fd)?.gfid;
                 A::Fsetattr(self.setattr(creds, &gfid, r.attr).await?)
             }
-            Q::Ftruncate(r) => A::Ftruncate(self.ftruncate(s, r.fd, r.size).await?),
+            Q::Ftruncate(r) => A::Ftruncate(self.ftruncate(s, creds, r.fd, r.size).await?),
             Q::Fallocate(r) => A::Fallocate(self.fallocate(s, creds, r.fd, r.into()).await?),
             Q::Discard(r) => A::Discard(self.fallocate(s, creds, r.fd, r.into()).await?),
             Q::Zerofill(r) => A::Zerofill(self.fallocate(s, creds, r.fd, r.into()).await?),

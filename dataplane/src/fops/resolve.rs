@@ -12,7 +12,7 @@ use crate::brick::layout::{open_dir_by_gfid, read_gfid, read_or_heal_gfid};
 use crate::brick::{Brick, GLUSTERFS_DIR};
 use crate::cache::InodeKey;
 use crate::exec::Exec;
-use crate::fdtable::{FdTable, OpenFile, SessionId};
+use crate::fdtable::{OpenFile, SessionId};
 use crate::op::{self, DirFd, FileRef, Stat, Step, cstr, proc_path};
 
 /// How a path-only call (xattrs, access) reaches an object.
@@ -200,21 +200,13 @@ impl<E: Exec> Fops<E> {
 
     pub(super) fn open_file(&self, session: SessionId, fd: FdId) -> R<OpenFile> {
         let sessions = lock(&self.sessions);
-        sessions
-            .get(&session)
-            .and_then(Option::as_ref)
-            .ok_or(Errno::BADF)?
-            .get(fd)
-            .cloned()
+        sessions.get(&session).ok_or(Errno::BADF)?.get(fd).cloned()
     }
 
-    /// Adds an open file to the session's table; EBADF when the session has ended.
+    /// Adds an open file to the session's table; EBADF when the session is not open (it
+    /// ended while the fop ran), EMFILE at the session's limit.
     pub(super) fn insert_open(&self, session: SessionId, file: OpenFile) -> R<FdId> {
-        let limit = self.config.open_files_per_client_max;
         let mut sessions = lock(&self.sessions);
-        let table = sessions
-            .entry(session)
-            .or_insert_with(|| Some(FdTable::new(limit)));
-        table.as_mut().ok_or(Errno::BADF)?.insert(file)
+        sessions.get_mut(&session).ok_or(Errno::BADF)?.insert(file)
     }
 }

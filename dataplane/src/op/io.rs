@@ -1,4 +1,4 @@
-//! Data on open files: `pwrite`, `pread`, `fsync`/`fdatasync`, `fallocate`.
+//! Data on open files: `pwrite`, `pread`, `fsync`/`fdatasync`, `fallocate`, `ftruncate`.
 
 use bytes::Bytes;
 use io_uring::{opcode, squeue, types};
@@ -37,6 +37,13 @@ pub struct Fallocate {
     pub file: FileRef,
     pub mode: i32,
     pub offset: u64,
+    pub len: u64,
+}
+
+/// `ftruncate(file, len)` (io_uring has it since Linux 6.9; older kernels run it on the pool).
+#[derive(Debug)]
+pub struct Ftruncate {
+    pub file: FileRef,
     pub len: u64,
 }
 
@@ -187,6 +194,24 @@ impl RingOp for Fallocate {
             self.offset,
             self.len,
         ))
+    }
+
+    fn file_mut(&mut self) -> Option<&mut FileRef> {
+        Some(&mut self.file)
+    }
+}
+
+impl RingOp for Ftruncate {
+    const OPCODE: Option<(u8, &'static str)> = Some((opcode::Ftruncate::CODE, "ftruncate"));
+
+    fn sqe(&self, _buf: &mut Buf, slot: Option<u32>) -> squeue::Entry {
+        on_file!(super::target(&self.file, slot), |fd| {
+            opcode::Ftruncate::new(fd, self.len).build()
+        })
+    }
+
+    fn blocking(self) -> StepResult {
+        value(rustix::fs::ftruncate(plain(&self.file)?, self.len))
     }
 
     fn file_mut(&mut self) -> Option<&mut FileRef> {

@@ -33,7 +33,7 @@ use io_uring::squeue;
 use kiln_wire::{Creds, FileType, Gfid, Iatt, Mode, Timespec};
 use rustix::io::Errno;
 
-pub use io::{Fallocate, Fsync, Read, Write};
+pub use io::{Fallocate, Fsync, Ftruncate, Read, Write};
 pub use namespace::{Link, Mkdir, Mknod, Rename, Symlink, Unlink};
 pub use open::{Close, Open};
 pub use stat::{Fstat, Statx};
@@ -293,7 +293,7 @@ macro_rules! ops {
 
 ops!(
     Statx, Fstat, Open, Close, Mkdir, Mknod, Symlink, Link, Rename, Unlink, FSetXattr, SetXattrAt,
-    Write, Read, Fsync, Fallocate,
+    Write, Read, Fsync, Fallocate, Ftruncate,
 );
 
 const fn count_some(codes: &[Option<(u8, &str)>]) -> usize {

@@ -127,6 +127,10 @@ impl<E: Exec> Fops<E> {
         kind: NewKind,
     ) -> R<(EntryReply, Option<FileRef>)> {
         Self::check_entry(parent, name)?;
+        if self.shared.is_parked(&gfid) {
+            // Its object is being removed and may keep it.
+            return Err(Errno::EXIST);
+        }
         let dir = self.dir(parent).await?;
         self.brick.ensure_handle_parent(&gfid)?;
         // A GFID already in use: a retry of this create (same name), or a client reusing an

@@ -62,14 +62,16 @@ impl<E: Exec> Fops<E> {
         })
     }
 
-    /// A step that renames `record` from the pending directory into place as `gfid`'s handle.
-    fn install_handle(&self, gfid: &Gfid, record: &CString) -> Step {
+    /// A step that renames `record` from the pending directory into place as `gfid`'s handle,
+    /// replacing the one there when `replace` (a moved directory's new handle), else never
+    /// (a parked handle put back must not overwrite another).
+    fn install_handle(&self, gfid: &Gfid, record: &CString, replace: bool) -> Step {
         Step::brick(op::Rename {
             old_dir: self.brick.pending.clone(),
             old_name: record.clone(),
             new_dir: self.brick.handle_dir(gfid).clone(),
             new_name: Brick::handle_name(gfid),
-            flags: 0,
+            flags: if replace { 0 } else { libc::RENAME_NOREPLACE },
         })
     }
 }

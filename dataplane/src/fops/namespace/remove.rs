@@ -53,6 +53,7 @@ impl<E: Exec> Fops<E> {
             _ => {}
         }
         let gfid = self.gfid_at(parent, &dir, name.as_bytes(), &stat).await?;
+        let _parked = self.shared.park(gfid);
         // The handle moves into a record first; after the commit it comes back when names are
         // left (a file's other hard links) and goes otherwise (`settle_removed`).
         let record = record_name(RecordKind::Del, &gfid);
@@ -90,7 +91,11 @@ impl<E: Exec> Fops<E> {
 
     /// Moves a handle parked in `record` back into place (the removal did not happen).
     pub(super) async fn handle_back(&self, gfid: &Gfid, record: &CString) {
-        let _ = self.run1(self.install_handle(gfid, record)).await;
+        if let Err(e) = self.run1(self.install_handle(gfid, record, false)).await {
+            // Another handle took the place (parking keeps creates off the GFID, so only a
+            // hand-made one could): the record stays for `kiln-brickd check` to settle.
+            tracing::warn!(%gfid, error = %e, "a parked handle could not go back");
+        }
     }
 
     /// After a committed removal of one name of `gfid`, whose handle was parked in `record`:

@@ -72,6 +72,7 @@ impl<E: Exec> Fops<E> {
             new: cstr(r.new_name.as_bytes()),
         };
         let plan = self.plan_rename(creds, &r, &ends).await?;
+        let _parked = plan.victim.as_ref().map(|v| self.shared.park(v.gfid));
         let (chain, steps) = self.rename_chain(creds, &r, &ends, &plan);
         let mut results = self.run_namespace(FopCode::Rename, chain).await?;
         let victim = plan
@@ -205,7 +206,7 @@ impl<E: Exec> Fops<E> {
         };
         let commit = chain.push(Step::caller(rename, creds).barrier());
         for m in &plan.moved {
-            chain.push::<()>(self.install_handle(&m.gfid, &m.record));
+            chain.push::<()>(self.install_handle(&m.gfid, &m.record, true));
         }
         let stat = chain.push(Step::brick(op::Statx::of(&ends.dst_dir, &ends.new)));
         let post_old = chain.push(Step::brick(op::Fstat::dir(&ends.src_dir)));
