@@ -190,14 +190,70 @@ wire_struct! {
         /// Identifies the lock holder across fds (FUSE's lock owner).
         pub owner: u64,
     }
+}
 
-    /// Who is asking: every fop carries the caller's ids so the brick checks permissions as
-    /// the kernel would for that caller.
-    pub struct Creds {
-        pub uid: u32,
-        pub gid: u32,
-        pub groups: Groups,
-        pub pid: u32,
+/// The id that means "no id" to the kernel (`(uid_t)-1`): `setresuid(-1, …)` leaves an id
+/// unchanged, so a caller claiming it would keep the brick's own. Refused at decode.
+pub const NO_ID: u32 = u32::MAX;
+
+/// Who is asking: every fop carries the caller's ids so the brick checks permissions as the
+/// kernel would for that caller. Decoding refuses [`NO_ID`] for the uid, gid and any group.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Creds {
+    pub uid: u32,
+    pub gid: u32,
+    pub groups: Groups,
+    pub pid: u32,
+}
+
+impl Encode for Creds {
+    fn encode(&self, out: &mut Encoder) {
+        self.uid.encode(out);
+        self.gid.encode(out);
+        self.groups.encode(out);
+        self.pid.encode(out);
+    }
+}
+
+impl Decode for Creds {
+    const ENCODED_LEN_MIN: usize = 4 + 4 + Groups::ENCODED_LEN_MIN + 4;
+
+    fn decode(input: &mut Reader) -> Result<Self, DecodeError> {
+        let creds = Creds {
+            uid: u32::decode(input)?,
+            gid: u32::decode(input)?,
+            groups: Groups::decode(input)?,
+            pid: u32::decode(input)?,
+        };
+        let ids = [creds.uid, creds.gid];
+        if ids
+            .iter()
+            .chain(creds.groups.as_slice())
+            .any(|&id| id == NO_ID)
+        {
+            return Err(DecodeError::invalid("creds", "an id of -1 names no user"));
+        }
+        Ok(creds)
+    }
+}
+
+#[cfg(test)]
+impl proptest::arbitrary::Arbitrary for Creds {
+    type Parameters = ();
+    type Strategy = proptest::strategy::BoxedStrategy<Self>;
+    fn arbitrary_with((): ()) -> Self::Strategy {
+        use proptest::strategy::Strategy;
+        let id = 0..NO_ID;
+        let groups = proptest::collection::vec(0..NO_ID, 0..=GROUPS_MAX)
+            .prop_map(|g| Groups::new(g).unwrap_or_default());
+        (id.clone(), id, groups, proptest::arbitrary::any::<u32>())
+            .prop_map(|(uid, gid, groups, pid)| Creds {
+                uid,
+                gid,
+                groups,
+                pid,
+            })
+            .boxed()
     }
 }
 

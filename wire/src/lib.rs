@@ -43,7 +43,7 @@ pub use attr::{DirEntry, DirEntryPlus, FileType, FsStats, Iatt, Mode, SetAttr, T
 pub use codec::{Decode, DecodeError, Encode, Encoder, Reader};
 pub use errno::ErrorCode;
 pub use flags::{
-    AccessMask, AccessMode, Creds, Groups, Lock, LockCmd, LockKind, OpenFlags, RenameMode,
+    AccessMask, AccessMode, Creds, Groups, Lock, LockCmd, LockKind, NO_ID, OpenFlags, RenameMode,
     SeekWhat, XattrSetMode,
 };
 pub use fop::*;

@@ -187,7 +187,9 @@ pub async fn write_message(send: &mut SendStream, message: &Message) -> Result<(
 }
 
 /// Reads one frame from `recv`. The length is checked against the protocol limit before
-/// anything is allocated; a body that arrives in one QUIC chunk is kept without a copy.
+/// anything is allocated, and memory is taken only as bytes arrive (a peer that announces a
+/// 1 MiB body and sends one byte holds one byte); a body that arrives in one QUIC chunk is
+/// kept without a copy.
 pub async fn read_message(recv: &mut RecvStream) -> Result<Message, StreamError> {
     let mut head = [0u8; FRAME_HEADER_LEN_BYTES];
     read_exact(recv, &mut head).await?;
@@ -211,22 +213,24 @@ async fn read_body(recv: &mut RecvStream, len: usize) -> Result<Bytes, StreamErr
     if len == 0 {
         return Ok(Bytes::new());
     }
-    let first = recv
-        .read_chunk(len, true)
-        .await?
-        .ok_or(StreamError::Truncated)?
-        .bytes;
-    if first.len() == len {
-        return Ok(first);
-    }
-    let mut body = BytesMut::with_capacity(len);
-    body.extend_from_slice(&first);
-    while body.len() < len {
+    let mut chunks: Vec<Bytes> = Vec::new();
+    let mut received = 0;
+    while received < len {
         let chunk = recv
-            .read_chunk(len - body.len(), true)
+            .read_chunk(len - received, true)
             .await?
-            .ok_or(StreamError::Truncated)?;
-        body.extend_from_slice(&chunk.bytes);
+            .ok_or(StreamError::Truncated)?
+            .bytes;
+        received += chunk.len();
+        chunks.push(chunk);
+    }
+    if let [one] = chunks.as_slice() {
+        return Ok(one.clone());
+    }
+    // Every byte is here: one copy into a buffer of exactly that size.
+    let mut body = BytesMut::with_capacity(len);
+    for chunk in chunks {
+        body.extend_from_slice(&chunk);
     }
     Ok(body.freeze())
 }

@@ -8,7 +8,8 @@ use kiln_wire::limits::{
     FRAME_BODY_LEN_MAX_BYTES, FRAME_HEADER_LEN_BYTES, IO_SIZE_MAX_BYTES, XATTR_VALUE_LEN_MAX_BYTES,
 };
 use kiln_wire::{
-    DecodeError, Encode, Encoder, FopCode, FrameKind, Gfid, Header, Message, checksum,
+    Creds, DecodeError, Encode, Encoder, FopCode, FrameKind, Gfid, Groups, Header, Message,
+    checksum,
 };
 
 /// A frame with a valid header and checksums around an arbitrary body.
@@ -154,6 +155,43 @@ fn null_gfid_is_refused() {
             reason: "null gfid"
         })
     );
+}
+
+#[test]
+fn the_id_that_names_no_user_is_refused() {
+    let minus_one = |creds: Creds| {
+        let mut enc = Encoder::new();
+        creds.encode(&mut enc);
+        let body = [enc.into_chunks().concat(), lookup_args(b"a")].concat();
+        Message::decode_frame(frame(FrameKind::Request, FopCode::Lookup as u16, &body))
+    };
+    let refused = Err(DecodeError::Invalid {
+        what: "creds",
+        reason: "an id of -1 names no user",
+    });
+    let base = Creds {
+        uid: 1000,
+        gid: 1000,
+        groups: Groups::default(),
+        pid: 1,
+    };
+    assert!(minus_one(base.clone()).is_ok());
+    for bad in [
+        Creds {
+            uid: u32::MAX,
+            ..base.clone()
+        },
+        Creds {
+            gid: u32::MAX,
+            ..base.clone()
+        },
+        Creds {
+            groups: Groups::new(vec![10, u32::MAX]).expect("few"),
+            ..base.clone()
+        },
+    ] {
+        assert_eq!(minus_one(bad.clone()), refused, "{bad:?}");
+    }
 }
 
 #[test]
