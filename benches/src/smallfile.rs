@@ -41,7 +41,7 @@
 //! * `engine` — the io_uring engine called directly on a fresh brick in the scratch
 //!   directory: each worker is a task on a ring worker thread with a session of its own.
 //! * `volume` — a fresh brick served over QUIC with mutual TLS in this process, the workers
-//!   being tasks sharing one [`kiln_client::Volume`] connection.
+//!   being tasks sharing one [`kiln_client::BrickClient`] connection.
 //!
 //! Results, per op and target: `ops_per_s` = files per second over all threads (for
 //! `ls-l`/`readdir` too: entries listed per second), p50/p90/p99/p99.9 latency of one op
@@ -57,7 +57,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use bytes::Bytes;
 use hdrhistogram::Histogram;
-use kiln_client::Volume;
+use kiln_client::BrickClient;
 use kiln_dataplane::Brick;
 use kiln_dataplane::engine::{Engine, EngineConfig};
 use kiln_dataplane::server::Server;
@@ -811,7 +811,7 @@ struct Fops {
     /// The brick (kept open until the end).
     _brick: Arc<Brick>,
     /// Over QUIC: the server and the connected client.
-    served: Option<(Server, Volume)>,
+    served: Option<(Server, BrickClient)>,
     layout: Arc<Layout>,
     threads: usize,
     fsync: bool,
@@ -868,7 +868,7 @@ impl Fops {
         rt: tokio::runtime::Runtime,
         engine: Engine,
         brick: Arc<Brick>,
-        served: Option<(Server, Volume)>,
+        served: Option<(Server, BrickClient)>,
         layout: &Layout,
         threads: usize,
         fsync: bool,
