@@ -1,6 +1,6 @@
 //! The bricks the workloads measure, set up one way for all of them: a fresh brick with its
 //! engine; the same brick served over QUIC in this process (mutual TLS material from
-//! `kiln_mgmt::pki`, a client [`Volume`] connected to it); and [`Caller`], which sends one
+//! `kiln_mgmt::pki`, a [`BrickClient`] connected to it); and [`Caller`], which sends one
 //! fop sequence to either, so a workload writes its fops once for the `engine` and `volume`
 //! targets.
 
@@ -10,7 +10,7 @@ use std::rc::Rc;
 use std::sync::Arc;
 
 use anyhow::Context;
-use kiln_client::{ConnectOptions, Volume};
+use kiln_client::{BrickClient, ConnectOptions};
 use kiln_dataplane::engine::{Engine, EngineConfig, EngineKind, LocalEngine, Session};
 use kiln_dataplane::server::{Server, ServerConfig};
 use kiln_dataplane::{Brick, FopsConfig, SessionId};
@@ -112,7 +112,10 @@ impl Served {
 
     /// Starts a server on a new port with UDP payloads capped at `udp_payload`, and connects
     /// a client to it with the same cap. Run inside the client runtime.
-    pub async fn serve_and_connect(&self, udp_payload: u16) -> anyhow::Result<(Server, Volume)> {
+    pub async fn serve_and_connect(
+        &self,
+        udp_payload: u16,
+    ) -> anyhow::Result<(Server, BrickClient)> {
         let listen: SocketAddr = "127.0.0.1:0".parse()?;
         let mut config = ServerConfig::new(listen, self.brick_identity.clone());
         config.volume = "bench".into();
@@ -121,7 +124,7 @@ impl Served {
             config.endpoints = self.endpoints;
         }
         let server = Server::start(&self.engine, self.brick.id, config).await?;
-        let volume = Volume::connect(self.client_options(server.local_addr(), udp_payload)?)
+        let volume = BrickClient::connect(self.client_options(server.local_addr(), udp_payload)?)
             .await
             .with_context(|| format!("connecting to {}", server.local_addr()))?;
         Ok((server, volume))
@@ -138,7 +141,7 @@ pub enum Caller {
         session: SessionId,
     },
     Session(Rc<Session>),
-    Volume(Volume),
+    Volume(BrickClient),
 }
 
 impl Caller {
@@ -154,7 +157,10 @@ impl Caller {
                 .call(Creds::root(), fop)
                 .await
                 .map_err(|e| anyhow::anyhow!("{e}")),
-            Caller::Volume(volume) => volume.call(fop).await.map_err(anyhow::Error::from),
+            Caller::Volume(volume) => volume
+                .call_raw(&Creds::root(), fop)
+                .await
+                .map_err(anyhow::Error::from),
         };
         reply.with_context(|| code.name())
     }
@@ -164,7 +170,7 @@ impl Caller {
 #[derive(Debug, Clone, Copy)]
 pub enum Destination<'a> {
     Engine(&'a Engine),
-    Volume(&'a Volume),
+    Volume(&'a BrickClient),
 }
 
 /// Runs `tasks` tasks at once, task `t` as `job(t, caller)`, and returns their results in

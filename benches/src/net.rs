@@ -4,7 +4,7 @@
 //! Set-up: a fresh brick in the scratch directory served by the engine (io_uring by default)
 //! and [`Server`] on `127.0.0.1:0`, with mutual TLS material made by `kiln_mgmt::pki` (CA,
 //! brick certificate for `127.0.0.1`/`localhost`, client certificate `bench`). The brick's
-//! QUIC endpoints run on the engine's worker threads; the client ([`Volume`], one connection
+//! QUIC endpoints run on the engine's worker threads; the client ([`BrickClient`], one connection
 //! shared by every task) runs on its own tokio runtime — a current-thread runtime on the main
 //! thread unless `--client-threads` asks for a multi-thread one. The PUTs and PINGs share one
 //! connection, its UDP payload capped at `udp_payload` on both ends (default
@@ -13,12 +13,12 @@
 //! Workloads:
 //!
 //! * `net.create` — PUT of small files (create + write + close in one round trip,
-//!   [`Volume::put_at`]) into a few directories, `files` per concurrency level, by
+//!   [`Paths::put_at`]) into a few directories, `files` per concurrency level, by
 //!   `concurrency` tasks sharing the connection. References: `std_loop`, one thread doing
 //!   `File::create` + `write_all` of the same files on the same file system; and
 //!   `engine_direct`, the same PUTs at the same concurrency through one engine [`Session`]
 //!   from the client runtime (no network, no TLS, no codec). p50/p99 are per PUT.
-//! * `net.ping` — `ping` sequential PINGs ([`Volume::ping`]: one stream, one request frame,
+//! * `net.ping` — `ping` sequential PINGs ([`BrickClient::ping`]: one stream, one request frame,
 //!   one reply frame), against a 64-byte ping-pong on one TCP connection over loopback with
 //!   `TCP_NODELAY`, its far end on a thread of its own like the brick's endpoints.
 //!   `ratio` = TCP's p50 ÷ QUIC's p50, so above 1 means faster than TCP; 0.5 means a PING
@@ -46,7 +46,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use bytes::Bytes;
 use hdrhistogram::Histogram;
-use kiln_client::Volume;
+use kiln_client::{BrickClient, Layer, LayerExt, Paths};
 use kiln_dataplane::engine::{EngineConfig, EngineKind, Session};
 use kiln_dataplane::server::Server;
 use kiln_wire::limits::IO_SIZE_MAX_BYTES;
@@ -228,7 +228,7 @@ pub fn run(bench: &NetBench, scratch: &Scratch, out: &mut Reporter) -> anyhow::R
     let mut volumes = vec![volume.clone()];
     for _ in 1..bench.connections.max(1) {
         let options = setup.client_options(server.local_addr(), bench.udp_payload)?;
-        volumes.push(rt.block_on(Volume::connect(options))?);
+        volumes.push(rt.block_on(BrickClient::connect(options))?);
     }
     let volumes = Arc::new(volumes);
     records.extend(create(bench, scratch, &setup, &rt, &volumes, out)?);
@@ -281,7 +281,7 @@ fn create(
     scratch: &Scratch,
     setup: &Served,
     rt: &tokio::runtime::Runtime,
-    volumes: &Arc<Vec<Volume>>,
+    volumes: &Arc<Vec<BrickClient>>,
     out: &mut Reporter,
 ) -> anyhow::Result<Vec<Record>> {
     use std::io::Write as _;
@@ -355,7 +355,7 @@ fn create(
             let mut gfids = Vec::with_capacity(dirs);
             for d in 0..dirs {
                 let iatt = volume
-                    .mkdir_all(&format!("/quic-c{concurrency}/d{d}"), 0o755)
+                    .mkdir_all(&Creds::root(), &format!("/quic-c{concurrency}/d{d}"), 0o755)
                     .await?;
                 gfids.push(iatt.gfid);
             }
@@ -368,7 +368,9 @@ fn create(
             move |parent: Gfid, name: Name, data: Bytes| {
                 let volume = volumes[next.fetch_add(1, Ordering::Relaxed) % volumes.len()].clone();
                 async move {
-                    volume.put_at(parent, name, data, 0o644).await?;
+                    volume
+                        .put_at(&Creds::root(), parent, name, data, 0o644)
+                        .await?;
                     anyhow::Ok(())
                 }
             }
@@ -502,7 +504,7 @@ fn warmup(n: usize) -> usize {
 fn ping(
     bench: &NetBench,
     rt: &tokio::runtime::Runtime,
-    volume: &Volume,
+    volume: &BrickClient,
     frame_bytes: usize,
     out: &mut Reporter,
 ) -> anyhow::Result<Vec<Record>> {
@@ -601,7 +603,7 @@ fn bulk(
     bench: &NetBench,
     setup: &Served,
     rt: &tokio::runtime::Runtime,
-    first: (Server, Volume),
+    first: (Server, BrickClient),
     out: &mut Reporter,
 ) -> anyhow::Result<Vec<Record>> {
     let mib = bench.bulk_mib.max(1);
@@ -663,7 +665,7 @@ fn bulk(
         let path = format!("/bulk-{udp_payload}");
         let phase = |dir: &str| format!("net.bulk_{dir} quic udp_payload={udp_payload}");
 
-        let fd = Arc::new(rt.block_on(volume.create_file(&path, 0o644))?);
+        let fd = Arc::new(rt.block_on(volume.create_file(&Creds::root(), &path, 0o644))?);
         let gfid = fd.gfid();
         let udp = udp_counters();
         let (write_rate, h) = rt.block_on(bulk_io(mib, bench.bulk_inflight, {
@@ -676,7 +678,7 @@ fn bulk(
                 );
                 async move {
                     volume
-                        .write(&fd, (i * BULK_REQUEST_BYTES) as u64, chunk)
+                        .write(&Creds::root(), &fd, (i * BULK_REQUEST_BYTES) as u64, chunk)
                         .await
                         .with_context(|| format!("WRITE of MiB {i}"))?;
                     anyhow::Ok(())
@@ -686,8 +688,8 @@ fn bulk(
         note_udp(out, &phase("write"), udp.as_ref());
         let fd = Arc::try_unwrap(fd).map_err(|_| anyhow::anyhow!("bulk fd still shared"))?;
         rt.block_on(async {
-            volume.release(fd).await?;
-            let size = volume.stat(gfid).await?.size;
+            volume.release(&Creds::root(), fd).await?;
+            let size = volume.stat(&Creds::root(), gfid).await?.size;
             if size != total as u64 {
                 bail!("bulk file has {size} bytes, not {total}");
             }
@@ -700,8 +702,12 @@ fn bulk(
         out.print(&r);
         records.push(r);
 
-        let fd =
-            Arc::new(rt.block_on(volume.open(gfid, AccessMode::ReadOnly, OpenFlags::empty()))?);
+        let fd = Arc::new(rt.block_on(volume.open(
+            &Creds::root(),
+            gfid,
+            AccessMode::ReadOnly,
+            OpenFlags::empty(),
+        ))?);
         let udp = udp_counters();
         let (read_rate, h) = rt.block_on(bulk_io(mib, bench.bulk_inflight, {
             let (volume, fd, chunks) = (volume.clone(), fd.clone(), chunks.clone());
@@ -710,6 +716,7 @@ fn bulk(
                 async move {
                     let got = volume
                         .read(
+                            &Creds::root(),
                             &fd,
                             (i * BULK_REQUEST_BYTES) as u64,
                             BULK_REQUEST_BYTES as u32,
@@ -726,8 +733,8 @@ fn bulk(
         note_udp(out, &phase("read"), udp.as_ref());
         let fd = Arc::try_unwrap(fd).map_err(|_| anyhow::anyhow!("bulk fd still shared"))?;
         rt.block_on(async {
-            volume.release(fd).await?;
-            volume.remove_all(&path).await?;
+            volume.release(&Creds::root(), fd).await?;
+            volume.remove_all(&Creds::root(), &path).await?;
             anyhow::Ok(())
         })?;
         let mut r = Record::new("net.bulk_read", "quic", params, "tcp");

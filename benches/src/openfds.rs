@@ -15,7 +15,7 @@
 //!   same directory stay open (the kernel's fd table).
 //! * `engine` — OPEN (and RELEASE) by GFID through the io_uring engine, called on one of its
 //!   ring workers, while the same session holds N files open.
-//! * `volume` — the same through a [`kiln_client::Volume`] over QUIC with mutual TLS to a
+//! * `volume` — the same through a [`kiln_client::BrickClient`] over QUIC with mutual TLS to a
 //!   brick served in this process; the N files are held by the client's one connection.
 //!
 //! Every file is empty, made before the sweep (PUT on the bricks) and removed after it.

@@ -23,6 +23,10 @@ pub enum Error {
     /// The client's TLS material could not be loaded or used.
     #[error("TLS: {0}")]
     Tls(String),
+    /// A layer of the client stack was called against its contract (an fd fop through
+    /// `Layer::call`, say): a bug in the caller, never something the brick did.
+    #[error("client stack misuse: {0}")]
+    Misuse(String),
 }
 
 impl Error {
@@ -35,6 +39,7 @@ impl Error {
             Error::Refused(_) => libc::EACCES,
             Error::Protocol(_) => libc::EPROTO,
             Error::Tls(_) => libc::EACCES,
+            Error::Misuse(_) => libc::EINVAL,
         }
     }
 

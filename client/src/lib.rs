@@ -1,15 +1,21 @@
 //! The Kiln client: the async client library (what `libgfapi` is to GlusterFS) and the `kiln`
 //! command users type.
 //!
-//! [`Volume::connect`] opens a QUIC connection with mutual TLS to a brick; the fop API is
-//! GFID-based (like gfapi's handle API), with path helpers on top ([`path`]). It speaks to
-//! bricks only through `kiln-wire` messages and never links the brick's code.
+//! The client is a stack of layers that all implement one fop trait, [`Layer`], with the
+//! caller's credentials on every call. Today a stack is one [`BrickClient`]: a QUIC connection
+//! with mutual TLS to one brick ([`BrickClient::connect`]). The fop API is GFID-based (like
+//! gfapi's handle API), with typed helpers ([`LayerExt`]) and path helpers ([`Paths`]) on
+//! every layer, and the FUSE mount ([`mount`]) on top. It speaks to bricks only through
+//! `kiln-wire` messages and never links the brick's code.
 
+pub mod brick;
 pub mod error;
+pub mod layer;
 pub mod mount;
 pub mod mountinfo;
 pub mod path;
-pub mod volume;
 
+pub use brick::{BrickClient, ConnectOptions, Fd};
 pub use error::Error;
-pub use volume::{ConnectOptions, Fd, Volume};
+pub use layer::{FdFop, Layer, LayerExt};
+pub use path::Paths;

@@ -5,10 +5,10 @@ mod common;
 use bytes::Bytes;
 use common::{Cluster, runtime};
 use kiln_client::path::new_gfid;
-use kiln_client::{Error, Volume};
+use kiln_client::{BrickClient, Error, FdFop, Layer, LayerExt, Paths};
 use kiln_wire::{
-    AccessMask, AccessMode, ErrorCode, FileType, FopCode, FopReply, Gfid, Lock, LockCmd, LockKind,
-    Mode, Name, NodeType, OpenFlags, Payload, ReaddirSize, RenameMode, SeekWhat, SetAttr,
+    AccessMask, AccessMode, Creds, ErrorCode, FileType, FopCode, FopReply, Gfid, Lock, LockCmd,
+    LockKind, Mode, Name, NodeType, OpenFlags, Payload, ReaddirSize, RenameMode, SeekWhat, SetAttr,
     SymlinkTarget, XattrName, XattrSetMode, XattrValue,
 };
 
@@ -66,11 +66,12 @@ fn every_fop(engine: &str) {
     clippy::too_many_lines,
     reason = "one walk through the whole fop table"
 )]
-async fn exercise(v: &Volume, seen: &mut std::collections::BTreeSet<FopCode>) {
+async fn exercise(v: &BrickClient, seen: &mut std::collections::BTreeSet<FopCode>) {
+    let creds = Creds::root();
     macro_rules! call {
         ($variant:ident, $fop:expr) => {{
             seen.insert(FopCode::$variant);
-            match v.call(kiln_wire::$variant { ..$fop }).await {
+            match v.call(&creds, kiln_wire::$variant { ..$fop }.into()).await {
                 Ok(FopReply::$variant(r)) => r,
                 other => panic!("{}: {other:?}", stringify!($variant)),
             }
@@ -79,14 +80,14 @@ async fn exercise(v: &Volume, seen: &mut std::collections::BTreeSet<FopCode>) {
     macro_rules! call_fd {
         ($fd:expr, $variant:ident, |$id:ident| $fop:expr) => {{
             seen.insert(FopCode::$variant);
-            match v.call_fd($fd, |$id| $fop.into()).await {
+            match v.call_fd(&creds, $fd, FdFop::new(|$id| $fop.into())).await {
                 Ok(FopReply::$variant(r)) => r,
                 other => panic!("{}: {other:?}", stringify!($variant)),
             }
         }};
     }
 
-    let root = v.stat(Gfid::ROOT).await.expect("stat root");
+    let root = v.stat(&creds, Gfid::ROOT).await.expect("stat root");
     seen.insert(FopCode::Stat);
     assert_eq!(root.file_type, FileType::Directory);
 
@@ -113,21 +114,24 @@ async fn exercise(v: &Volume, seen: &mut std::collections::BTreeSet<FopCode>) {
     // CREATE, WRITE, FLUSH, FSYNC, FSTAT, READ, SEEK.
     seen.insert(FopCode::Create);
     let (fd, created) = v
-        .create(kiln_wire::Create {
-            parent: dir,
-            name: name("file"),
-            gfid: new_gfid(),
-            access: AccessMode::ReadWrite,
-            flags: OpenFlags::EXCL,
-            mode: mode(0o640),
-            umask: mode(0),
-        })
+        .create(
+            &creds,
+            kiln_wire::Create {
+                parent: dir,
+                name: name("file"),
+                gfid: new_gfid(),
+                access: AccessMode::ReadWrite,
+                flags: OpenFlags::EXCL,
+                mode: mode(0o640),
+                umask: mode(0),
+            },
+        )
         .await
         .expect("create");
     let file = created.iatt.gfid;
     seen.insert(FopCode::Write);
     let post = v
-        .write(&fd, 0, Bytes::from_static(b"hello, kiln"))
+        .write(&creds, &fd, 0, Bytes::from_static(b"hello, kiln"))
         .await
         .expect("write");
     assert_eq!(post.size, 11);
@@ -136,7 +140,10 @@ async fn exercise(v: &Volume, seen: &mut std::collections::BTreeSet<FopCode>) {
     let st = call_fd!(&fd, Fstat, |fd| kiln_wire::Fstat { fd });
     assert_eq!((st.iatt.size, st.iatt.mode.bits()), (11, 0o640));
     seen.insert(FopCode::Read);
-    assert_eq!(&v.read(&fd, 7, 100).await.expect("read")[..], b"kiln");
+    assert_eq!(
+        &v.read(&creds, &fd, 7, 100).await.expect("read")[..],
+        b"kiln"
+    );
     let sought = call_fd!(&fd, Seek, |fd| kiln_wire::Seek {
         fd,
         offset: 0,
@@ -153,15 +160,15 @@ async fn exercise(v: &Volume, seen: &mut std::collections::BTreeSet<FopCode>) {
         pid: 1,
         owner,
     };
-    v.lk(&fd, LockCmd::Set, lock(LockKind::Write, 7))
+    v.lk(&creds, &fd, LockCmd::Set, lock(LockKind::Write, 7))
         .await
         .expect("lock");
     let held = v
-        .lk(&fd, LockCmd::Get, lock(LockKind::Write, 8))
+        .lk(&creds, &fd, LockCmd::Get, lock(LockKind::Write, 8))
         .await
         .expect("test lock");
     assert_eq!((held.kind, held.owner), (LockKind::Write, 7));
-    v.lk(&fd, LockCmd::Set, lock(LockKind::Unlock, 7))
+    v.lk(&creds, &fd, LockCmd::Set, lock(LockKind::Unlock, 7))
         .await
         .expect("unlock");
 
@@ -217,16 +224,19 @@ async fn exercise(v: &Volume, seen: &mut std::collections::BTreeSet<FopCode>) {
     );
     assert_eq!(shrunk.post.size, 11);
     seen.insert(FopCode::Release);
-    v.release(fd).await.expect("release");
+    v.release(&creds, fd).await.expect("release");
 
     // OPEN of an existing file, by GFID.
     seen.insert(FopCode::Open);
     let ro = v
-        .open(file, AccessMode::ReadOnly, OpenFlags::empty())
+        .open(&creds, file, AccessMode::ReadOnly, OpenFlags::empty())
         .await
         .expect("open");
-    assert_eq!(&v.read(&ro, 0, 5).await.expect("read")[..], b"hello");
-    v.release(ro).await.expect("release");
+    assert_eq!(
+        &v.read(&creds, &ro, 0, 5).await.expect("read")[..],
+        b"hello"
+    );
+    v.release(&creds, ro).await.expect("release");
 
     call!(
         Access,
@@ -331,7 +341,7 @@ async fn exercise(v: &Volume, seen: &mut std::collections::BTreeSet<FopCode>) {
 
     // Directory reading.
     seen.insert(FopCode::Opendir);
-    let dfd = v.opendir(dir).await.expect("opendir");
+    let dfd = v.opendir(&creds, dir).await.expect("opendir");
     let size = ReaddirSize::new(64 * 1024).expect("size");
     let plain = call_fd!(&dfd, Readdir, |fd| kiln_wire::Readdir {
         fd,
@@ -356,7 +366,7 @@ async fn exercise(v: &Volume, seen: &mut std::collections::BTreeSet<FopCode>) {
         datasync: false
     });
     seen.insert(FopCode::Releasedir);
-    v.release(dfd).await.expect("releasedir");
+    v.release(&creds, dfd).await.expect("releasedir");
 
     // Namespace changes.
     call!(
@@ -399,13 +409,20 @@ async fn exercise(v: &Volume, seen: &mut std::collections::BTreeSet<FopCode>) {
     );
 
     // Errors come back as the errno a local file system gives.
-    let missing = v.lookup(dir, &name("nope")).await.expect_err("ENOENT");
+    let missing = v
+        .lookup(&creds, dir, &name("nope"))
+        .await
+        .expect_err("ENOENT");
     assert_eq!(code(&missing), ErrorCode::NoEnt);
     let not_empty = v
-        .call(kiln_wire::Rmdir {
-            parent: Gfid::ROOT,
-            name: name("dir"),
-        })
+        .call(
+            &creds,
+            kiln_wire::Rmdir {
+                parent: Gfid::ROOT,
+                name: name("dir"),
+            }
+            .into(),
+        )
         .await
         .expect_err("ENOTEMPTY");
     assert_eq!(code(&not_empty), ErrorCode::NotEmpty);
@@ -417,14 +434,19 @@ fn path_helpers_round_trip() {
     let brickd = cluster.start("127.0.0.1:0", &[]);
     runtime().block_on(async {
         let v = cluster.connect(brickd.addr, "alice").await;
-        v.mkdir_all("/a/b/c", 0o755).await.expect("mkdir -p");
-        v.mkdir_all("/a/b/c", 0o755).await.expect("mkdir -p again");
-        v.put("/a/b/c/one", Bytes::from_static(b"1"), 0o644)
+        let creds = Creds::root();
+        v.mkdir_all(&creds, "/a/b/c", 0o755)
+            .await
+            .expect("mkdir -p");
+        v.mkdir_all(&creds, "/a/b/c", 0o755)
+            .await
+            .expect("mkdir -p again");
+        v.put(&creds, "/a/b/c/one", Bytes::from_static(b"1"), 0o644)
             .await
             .expect("put");
         assert_eq!(
             code(
-                &v.put("/a/b/c/one", Bytes::from_static(b"x"), 0o644)
+                &v.put(&creds, "/a/b/c/one", Bytes::from_static(b"x"), 0o644)
                     .await
                     .expect_err("taken")
             ),
@@ -432,12 +454,15 @@ fn path_helpers_round_trip() {
         );
         // 2.5 MiB goes through CREATE and three WRITEs, and replaces what was there.
         let big: Vec<u8> = (0..2_621_440u32).map(|i| (i % 251) as u8).collect();
-        v.write_file("/a/b/c/one", Bytes::from(big.clone()), 0o600)
+        v.write_file(&creds, "/a/b/c/one", Bytes::from(big.clone()), 0o600)
             .await
             .expect("write_file");
-        assert_eq!(v.read_to_end("/a/b/c/one").await.expect("read"), big);
+        assert_eq!(
+            v.read_to_end(&creds, "/a/b/c/one").await.expect("read"),
+            big
+        );
         let walked: Vec<String> = v
-            .walk("/a")
+            .walk(&creds, "/a")
             .await
             .expect("walk")
             .into_iter()
@@ -445,12 +470,16 @@ fn path_helpers_round_trip() {
             .collect();
         assert_eq!(walked, ["/a", "/a/b", "/a/b/c", "/a/b/c/one"]);
         assert_eq!(
-            code(&v.resolve("/a/b/c/one/x").await.expect_err("ENOTDIR")),
+            code(
+                &v.resolve(&creds, "/a/b/c/one/x")
+                    .await
+                    .expect_err("ENOTDIR")
+            ),
             ErrorCode::NotDir
         );
-        v.remove_all("/a").await.expect("rm -r");
+        v.remove_all(&creds, "/a").await.expect("rm -r");
         assert_eq!(
-            code(&v.resolve("/a").await.expect_err("gone")),
+            code(&v.resolve(&creds, "/a").await.expect_err("gone")),
             ErrorCode::NoEnt
         );
         v.close().await;

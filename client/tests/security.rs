@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use common::{Cluster, runtime};
-use kiln_client::volume::quinn_config;
-use kiln_client::{ConnectOptions, Error, Volume};
+use kiln_client::brick::quinn_config;
+use kiln_client::{BrickClient, ConnectOptions, Error};
 use kiln_mgmt::pki::{self, Role};
 use kiln_wire::quic::{self, StreamCode};
 use kiln_wire::{
@@ -19,7 +19,7 @@ use kiln_wire::{
 
 /// Connects with `options` and expects to be kept out.
 async fn refused(options: ConnectOptions) -> Error {
-    match Volume::connect(options).await {
+    match BrickClient::connect(options).await {
         Ok(v) => match v.ping().await {
             Ok(()) => panic!("a client that should be refused got a call through"),
             Err(e) => e,

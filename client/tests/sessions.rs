@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::{Cluster, runtime};
-use kiln_client::{Error, Volume};
-use kiln_wire::{AccessMode, ErrorCode, Gfid, Lock, LockCmd, LockKind, OpenFlags};
+use kiln_client::{BrickClient, Error, Layer, LayerExt, Paths};
+use kiln_wire::{AccessMode, Creds, ErrorCode, Gfid, Lock, LockCmd, LockKind, OpenFlags};
 
 fn lock(kind: LockKind, owner: u64) -> Lock {
     Lock {
@@ -34,6 +34,7 @@ fn a_closed_session_releases_its_files_and_locks() {
     let cluster = Cluster::new();
     let brickd = cluster.start("127.0.0.1:0", &[]);
     let rt = runtime();
+    let creds = Creds::root();
     let (alice, bob) = rt.block_on(async {
         let alice = cluster.connect(brickd.addr, "alice").await;
         let bob = cluster.connect(brickd.addr, "bob").await;
@@ -44,25 +45,30 @@ fn a_closed_session_releases_its_files_and_locks() {
         let mut fds = Vec::new();
         for i in 0..50 {
             let iatt = alice
-                .put(&format!("/f{i}"), Bytes::from_static(b"x"), 0o644)
+                .put(&creds, &format!("/f{i}"), Bytes::from_static(b"x"), 0o644)
                 .await
                 .expect("put");
             let fd = alice
-                .open(iatt.gfid, AccessMode::ReadWrite, OpenFlags::empty())
+                .open(&creds, iatt.gfid, AccessMode::ReadWrite, OpenFlags::empty())
                 .await
                 .expect("open");
             fds.push(fd);
         }
         alice
-            .lk(&fds[0], LockCmd::Set, lock(LockKind::Write, 1))
+            .lk(&creds, &fds[0], LockCmd::Set, lock(LockKind::Write, 1))
             .await
             .expect("alice locks f0");
         let shared = bob
-            .open(fds[0].gfid(), AccessMode::ReadWrite, OpenFlags::empty())
+            .open(
+                &creds,
+                fds[0].gfid(),
+                AccessMode::ReadWrite,
+                OpenFlags::empty(),
+            )
             .await
             .expect("bob opens f0");
         let held = bob
-            .lk(&shared, LockCmd::Get, lock(LockKind::Write, 2))
+            .lk(&creds, &shared, LockCmd::Get, lock(LockKind::Write, 2))
             .await
             .expect("test");
         assert_eq!(held.kind, LockKind::Write, "bob sees alice's lock");
@@ -77,10 +83,10 @@ fn a_closed_session_releases_its_files_and_locks() {
     rt.block_on(alice.close());
     eventually("alice's files to close", || brickd.open_fds() <= before + 1);
     rt.block_on(async {
-        bob.lk(&shared, LockCmd::Set, lock(LockKind::Write, 2))
+        bob.lk(&creds, &shared, LockCmd::Set, lock(LockKind::Write, 2))
             .await
             .expect("alice's lock died with her session");
-        bob.release(shared).await.expect("release");
+        bob.release(&creds, shared).await.expect("release");
         bob.close().await;
     });
 }
@@ -96,19 +102,20 @@ fn a_hundred_clients_at_once() {
         for c in 0..CLIENTS {
             let options = cluster.options(brickd.addr, if c % 2 == 0 { "alice" } else { "bob" });
             tasks.spawn(async move {
-                let v = Volume::connect(options).await.expect("connect");
+                let v = BrickClient::connect(options).await.expect("connect");
+                let creds = Creds::root();
                 let dir = format!("/client{c}");
-                v.mkdir(&dir, 0o755).await.expect("mkdir");
+                v.mkdir(&creds, &dir, 0o755).await.expect("mkdir");
                 for f in 0..FILES {
                     let data = Bytes::from(format!("client {c} file {f}").repeat(f + 1));
-                    v.put(&format!("{dir}/f{f}"), data, 0o644)
+                    v.put(&creds, &format!("{dir}/f{f}"), data, 0o644)
                         .await
                         .expect("put");
                 }
                 v.mv_for_test(&format!("{dir}/f0"), &format!("{dir}/renamed"))
                     .await;
                 let mut names: Vec<String> = v
-                    .read_dir(v.resolve(&dir).await.expect("dir").gfid)
+                    .read_dir(&creds, v.resolve(&creds, &dir).await.expect("dir").gfid)
                     .await
                     .expect("readdir")
                     .into_iter()
@@ -120,12 +127,18 @@ fn a_hundred_clients_at_once() {
                 expected.sort();
                 assert_eq!(names, expected, "client {c}");
                 for f in 1..FILES {
-                    let got = v.read_to_end(&format!("{dir}/f{f}")).await.expect("read");
+                    let got = v
+                        .read_to_end(&creds, &format!("{dir}/f{f}"))
+                        .await
+                        .expect("read");
                     assert_eq!(got, format!("client {c} file {f}").repeat(f + 1).as_bytes());
                 }
-                let st = v.resolve(&format!("{dir}/renamed")).await.expect("stat");
+                let st = v
+                    .resolve(&creds, &format!("{dir}/renamed"))
+                    .await
+                    .expect("stat");
                 assert_eq!(st.size, format!("client {c} file 0").len() as u64);
-                v.remove_all(&dir).await.expect("rm -r");
+                v.remove_all(&creds, &dir).await.expect("rm -r");
                 v.close().await;
                 c
             });
@@ -150,19 +163,19 @@ trait MvForTest {
     async fn mv_for_test(&self, from: &str, to: &str);
 }
 
-impl MvForTest for Volume {
+impl MvForTest for BrickClient {
     async fn mv_for_test(&self, from: &str, to: &str) {
-        let (old_parent, old_name) = self.resolve_parent(from).await.expect("from");
-        let (new_parent, new_name) = self.resolve_parent(to).await.expect("to");
-        self.call(kiln_wire::Rename {
+        let creds = Creds::root();
+        let (old_parent, old_name) = self.resolve_parent(&creds, from).await.expect("from");
+        let (new_parent, new_name) = self.resolve_parent(&creds, to).await.expect("to");
+        let rename = kiln_wire::Rename {
             old_parent,
             old_name,
             new_parent,
             new_name,
             mode: kiln_wire::RenameMode::NoReplace,
-        })
-        .await
-        .expect("rename");
+        };
+        self.call(&creds, rename.into()).await.expect("rename");
     }
 }
 
@@ -176,30 +189,31 @@ fn a_killed_brick_keeps_what_was_fsynced_and_clients_carry_on() {
     // A short idle timeout, so the killed brick is noticed in seconds.
     let mut options = cluster.options(first.addr, "alice");
     options.idle_timeout = Duration::from_secs(3);
-    let v = rt.block_on(Volume::connect(options)).expect("connect");
+    let v = rt.block_on(BrickClient::connect(options)).expect("connect");
+    let creds = Creds::root();
     let chunk = |i: usize| Bytes::from(vec![(i % 251) as u8; CHUNK]);
 
     // Write and fsync chunk by chunk from a task; kill the brick while it runs.
     let (fd, locked_fd, gfid) = rt.block_on(async {
-        let fd = v.create_file("/log", 0o644).await.expect("create");
+        let fd = v.create_file(&creds, "/log", 0o644).await.expect("create");
         let gfid = fd.gfid();
         let locked = v
-            .open(gfid, AccessMode::ReadOnly, OpenFlags::empty())
+            .open(&creds, gfid, AccessMode::ReadOnly, OpenFlags::empty())
             .await
             .expect("open");
-        v.lk(&locked, LockCmd::Set, lock(LockKind::Read, 9))
+        v.lk(&creds, &locked, LockCmd::Set, lock(LockKind::Read, 9))
             .await
             .expect("lock");
         (fd, locked, gfid)
     });
     let fd = std::sync::Arc::new(fd);
     let writer = {
-        let (v, fd) = (v.clone(), fd.clone());
+        let (v, fd, creds) = (v.clone(), fd.clone(), creds.clone());
         rt.spawn(async move {
             let mut acked = 0;
             for i in 0..10_000 {
-                let written = v.write(&fd, (i * CHUNK) as u64, chunk(i)).await;
-                if let Err(e) = written.and(v.fsync(&fd, true).await) {
+                let written = v.write(&creds, &fd, (i * CHUNK) as u64, chunk(i)).await;
+                if let Err(e) = written.and(v.fsync(&creds, &fd, true).await) {
                     return (acked, e);
                 }
                 acked = i + 1;
@@ -217,13 +231,18 @@ fn a_killed_brick_keeps_what_was_fsynced_and_clients_carry_on() {
     );
 
     // While the brick is down, calls fail cleanly.
-    let down = rt.block_on(v.stat(Gfid::ROOT)).expect_err("brick is down");
+    let down = rt
+        .block_on(v.stat(&creds, Gfid::ROOT))
+        .expect_err("brick is down");
     assert!(matches!(down, Error::Connect { .. }), "{down:?}");
 
     let second = cluster.start(&addr, &[]);
     rt.block_on(async {
         // Everything acknowledged by fsync is there.
-        let content = v.read_to_end("/log").await.expect("read after restart");
+        let content = v
+            .read_to_end(&creds, "/log")
+            .await
+            .expect("read after restart");
         assert!(
             content.len() >= acked * CHUNK,
             "{} < {}",
@@ -240,19 +259,22 @@ fn a_killed_brick_keeps_what_was_fsynced_and_clients_carry_on() {
         }
         // The fd opened before the crash is opened again by its GFID and still writes the
         // same file; the one that held a lock is refused (its lock died with the brick).
-        v.write(&fd, 0, Bytes::from_static(b"again"))
+        v.write(&creds, &fd, 0, Bytes::from_static(b"again"))
             .await
             .expect("write through the reopened fd");
         assert_eq!(
-            v.read(&locked_fd, 0, 5)
+            v.read(&creds, &locked_fd, 0, 5)
                 .await
                 .expect_err("stale locked fd")
                 .code(),
             Some(ErrorCode::BadFd)
         );
-        let iatt = v.resolve("/log").await.expect("stat");
+        let iatt = v.resolve(&creds, "/log").await.expect("stat");
         assert_eq!(iatt.gfid, gfid);
-        assert_eq!(&v.read_to_end("/log").await.expect("read")[..5], b"again");
+        assert_eq!(
+            &v.read_to_end(&creds, "/log").await.expect("read")[..5],
+            b"again"
+        );
         v.close().await;
     });
     drop(second);
@@ -272,8 +294,11 @@ fn sigterm_lets_calls_in_flight_finish() {
             for i in 0..2000 {
                 let (v, finished) = (v.clone(), finished.clone());
                 tasks.spawn(async move {
+                    let creds = Creds::root();
                     let path = format!("/p{i}");
-                    let result = v.put(&path, Bytes::from(vec![7u8; 4096]), 0o644).await;
+                    let result = v
+                        .put(&creds, &path, Bytes::from(vec![7u8; 4096]), 0o644)
+                        .await;
                     finished.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     (i, result)
                 });
@@ -321,9 +346,15 @@ fn calls_beyond_the_inflight_limit_wait_instead_of_failing() {
         for i in 0..300 {
             let v = v.clone();
             tasks.spawn(async move {
-                v.put(&format!("/q{i}"), Bytes::from(vec![1u8; 1024]), 0o644)
-                    .await
-                    .map(|iatt| iatt.size)
+                let creds = Creds::root();
+                v.put(
+                    &creds,
+                    &format!("/q{i}"),
+                    Bytes::from(vec![1u8; 1024]),
+                    0o644,
+                )
+                .await
+                .map(|iatt| iatt.size)
             });
         }
         let mut done = 0;

@@ -477,8 +477,8 @@ fn sample(scrape: &prometheus_parse::Scrape, metric: &str, label: (&str, &str)) 
 
 #[test]
 fn profile_metrics_and_statedump_match_the_fops_issued() {
-    use kiln_client::{ConnectOptions, Volume};
-    use kiln_wire::{Gfid, Name};
+    use kiln_client::{BrickClient, ConnectOptions, LayerExt, Paths};
+    use kiln_wire::{Creds, Gfid, Name};
 
     let dir = tempfile::tempdir().expect("tempdir");
     let m = Mgmtd::start(dir.path());
@@ -517,19 +517,22 @@ fn profile_metrics_and_statedump_match_the_fops_issued() {
         .enable_all()
         .build()
         .expect("runtime");
+    let creds = Creds::root();
     let v = runtime.block_on(async {
-        let v = Volume::connect(options).await.expect("connect");
+        let v = BrickClient::connect(options).await.expect("connect");
         let missing = Name::new("missing").expect("name");
         for _ in 0..5 {
-            assert!(v.lookup(Gfid::ROOT, &missing).await.is_err());
+            assert!(v.lookup(&creds, Gfid::ROOT, &missing).await.is_err());
         }
         for _ in 0..4 {
-            v.stat(Gfid::ROOT).await.expect("stat");
+            v.stat(&creds, Gfid::ROOT).await.expect("stat");
         }
         for i in 0..2 {
             let name = Name::new(format!("f{i}")).expect("name");
             let data = bytes::Bytes::from(vec![7u8; 1000]);
-            v.put_at(Gfid::ROOT, name, data, 0o644).await.expect("put");
+            v.put_at(&creds, Gfid::ROOT, name, data, 0o644)
+                .await
+                .expect("put");
         }
         v
     });
@@ -616,7 +619,7 @@ fn profile_metrics_and_statedump_match_the_fops_issued() {
 
     // Stop keeps the numbers; a fop after it is not counted.
     m.ok(&["volume", "profile", "prof", "stop"]);
-    runtime.block_on(async { v.stat(Gfid::ROOT).await.expect("stat") });
+    runtime.block_on(async { v.stat(&creds, Gfid::ROOT).await.expect("stat") });
     let info = m.ok(&["volume", "--json", "profile", "prof", "info"]);
     let answer: serde_json::Value = serde_json::from_str(&info).expect("json");
     let stat = answer["bricks"][0]["report"]["fops"]

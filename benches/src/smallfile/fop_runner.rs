@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use bytes::Bytes;
 use hdrhistogram::Histogram;
-use kiln_client::Volume;
+use kiln_client::BrickClient;
 use kiln_dataplane::Brick;
 use kiln_dataplane::engine::{Engine, EngineConfig};
 use kiln_dataplane::server::Server;
@@ -36,7 +36,7 @@ pub(super) struct FopRunner {
     /// The brick (kept open until the end).
     _brick: Arc<Brick>,
     /// Over QUIC: the server and the connected client.
-    served: Option<(Server, Volume)>,
+    served: Option<(Server, BrickClient)>,
     layout: Arc<Layout>,
     threads: usize,
     fsync: bool,
@@ -93,7 +93,7 @@ impl FopRunner {
         rt: tokio::runtime::Runtime,
         engine: Engine,
         brick: Arc<Brick>,
-        served: Option<(Server, Volume)>,
+        served: Option<(Server, BrickClient)>,
         layout: &Layout,
         threads: usize,
         fsync: bool,

@@ -41,7 +41,7 @@
 //! * `engine` — the io_uring engine called directly on a fresh brick in the scratch
 //!   directory: each worker is a task on a ring worker thread with a session of its own.
 //! * `volume` — a fresh brick served over QUIC with mutual TLS in this process, the workers
-//!   being tasks sharing one [`kiln_client::Volume`] connection.
+//!   being tasks sharing one [`kiln_client::BrickClient`] connection.
 //!
 //! Results, per op and target: `ops_per_s` = files per second over all threads (for
 //! `ls-l`/`readdir` too: entries listed per second), p50/p90/p99/p99.9 latency of one op

@@ -1,6 +1,7 @@
-//! The file commands: coreutils-like verbs against one brick. Each failure prints one line
-//! the way coreutils does (`kiln: cannot stat 'x': No such file or directory`); the command
-//! goes on with its other operands and exits 1 if any failed.
+//! The file commands: coreutils-like verbs against one brick, as root (a client holding a
+//! cluster certificate is a trusted node). Each failure prints one line the way coreutils does
+//! (`kiln: cannot stat 'x': No such file or directory`); the command goes on with its other
+//! operands and exits 1 if any failed.
 
 use std::io::{Read as _, Write as _};
 use std::path::PathBuf;
@@ -9,10 +10,10 @@ use std::process::ExitCode;
 use bytes::Bytes;
 use clap::Subcommand;
 use kiln_client::path::{components, new_gfid};
-use kiln_client::{ConnectOptions, Error, Volume};
+use kiln_client::{BrickClient, ConnectOptions, Error, Layer, LayerExt, Paths};
 use kiln_wire::limits::IO_SIZE_MAX_BYTES;
 use kiln_wire::{
-    AccessMode, ErrorCode, FileType, FopReply, Iatt, OpenFlags, RenameMode, SymlinkTarget,
+    AccessMode, Creds, ErrorCode, FileType, FopReply, Iatt, OpenFlags, RenameMode, SymlinkTarget,
     Timespec, XattrName, XattrSetMode, XattrValue,
 };
 
@@ -116,13 +117,13 @@ pub(crate) fn run(global: &Global, command: FileCommand) -> ExitCode {
     })
 }
 
-pub(crate) async fn connect(global: &Global) -> Result<Volume, Error> {
+pub(crate) async fn connect(global: &Global) -> Result<BrickClient, Error> {
     let mut options =
         ConnectOptions::from_tls_dir(global.brick_addr, &global.tls_dir, &global.client)?;
     if let Some(name) = &global.server_name {
         options.server_name.clone_from(name);
     }
-    Volume::connect(options).await
+    BrickClient::connect(options).await
 }
 
 /// Prints `kiln: <what>: <error>` and counts one failure.
@@ -131,7 +132,7 @@ fn report(failures: &mut usize, what: &str, e: &Error) {
     *failures += 1;
 }
 
-async fn execute(v: &Volume, command: FileCommand) -> usize {
+async fn execute(v: &BrickClient, command: FileCommand) -> usize {
     let mut failures = 0;
     match command {
         FileCommand::Ls { long, paths } => {
@@ -144,7 +145,7 @@ async fn execute(v: &Volume, command: FileCommand) -> usize {
         }
         FileCommand::Stat { paths } => {
             for path in paths {
-                match v.resolve(&path).await {
+                match v.resolve(&Creds::root(), &path).await {
                     Ok(iatt) => print_stat(&path, &iatt),
                     Err(e) => report(&mut failures, &format!("cannot stat '{path}'"), &e),
                 }
@@ -175,8 +176,8 @@ async fn execute(v: &Volume, command: FileCommand) -> usize {
         FileCommand::Mkdir { parents, paths } => {
             for path in paths {
                 let made = match parents {
-                    true => v.mkdir_all(&path, 0o755).await,
-                    false => v.mkdir(&path, 0o755).await,
+                    true => v.mkdir_all(&Creds::root(), &path, 0o755).await,
+                    false => v.mkdir(&Creds::root(), &path, 0o755).await,
                 };
                 if let Err(e) = made {
                     report(
@@ -230,15 +231,15 @@ fn einval() -> Error {
     Error::Fop(ErrorCode::Inval)
 }
 
-async fn ls(v: &Volume, path: &str, long: bool, heading: bool) -> Result<(), Error> {
-    let iatt = v.resolve(path).await?;
+async fn ls(v: &BrickClient, path: &str, long: bool, heading: bool) -> Result<(), Error> {
+    let iatt = v.resolve(&Creds::root(), path).await?;
     let mut out = std::io::stdout().lock();
     if iatt.file_type != FileType::Directory {
         let name = path.trim_end_matches('/');
         let _ = writeln!(out, "{}", entry_line(name, &iatt, long));
         return Ok(());
     }
-    let mut entries = v.read_dir(iatt.gfid).await?;
+    let mut entries = v.read_dir(&Creds::root(), iatt.gfid).await?;
     entries.sort_by(|a, b| a.name.as_bytes().cmp(b.name.as_bytes()));
     if heading {
         let _ = writeln!(out, "{path}:");
@@ -355,8 +356,12 @@ fn print_stat(path: &str, iatt: &Iatt) {
 }
 
 /// Streams a remote file to `to` (standard output when `None`), 1 MiB per READ.
-async fn copy_out(v: &Volume, remote: &str, to: Option<&std::path::Path>) -> Result<(), Error> {
-    let iatt = v.resolve(remote).await?;
+async fn copy_out(
+    v: &BrickClient,
+    remote: &str,
+    to: Option<&std::path::Path>,
+) -> Result<(), Error> {
+    let iatt = v.resolve(&Creds::root(), remote).await?;
     if iatt.file_type == FileType::Directory {
         return Err(Error::Fop(ErrorCode::IsDir));
     }
@@ -368,12 +373,19 @@ async fn copy_out(v: &Volume, remote: &str, to: Option<&std::path::Path>) -> Res
         None => Box::new(std::io::stdout().lock()),
     };
     let fd = v
-        .open(iatt.gfid, AccessMode::ReadOnly, OpenFlags::empty())
+        .open(
+            &Creds::root(),
+            iatt.gfid,
+            AccessMode::ReadOnly,
+            OpenFlags::empty(),
+        )
         .await?;
     let mut offset = 0u64;
     let result = async {
         loop {
-            let chunk = v.read(&fd, offset, IO_SIZE_MAX_BYTES as u32).await?;
+            let chunk = v
+                .read(&Creds::root(), &fd, offset, IO_SIZE_MAX_BYTES as u32)
+                .await?;
             if chunk.is_empty() {
                 return out.flush().map_err(local_error);
             }
@@ -382,12 +394,12 @@ async fn copy_out(v: &Volume, remote: &str, to: Option<&std::path::Path>) -> Res
         }
     }
     .await;
-    let released = v.release(fd).await;
+    let released = v.release(&Creds::root(), fd).await;
     result.and(released)
 }
 
 /// Copies a local file in: one PUT when it fits in one request, else 1 MiB WRITEs.
-async fn copy_in(v: &Volume, local: &std::path::Path, remote: &str) -> Result<(), Error> {
+async fn copy_in(v: &BrickClient, local: &std::path::Path, remote: &str) -> Result<(), Error> {
     let local_error = |e: std::io::Error| {
         Error::Fop(ErrorCode::from_errno(e.raw_os_error().unwrap_or(libc::EIO)))
     };
@@ -397,7 +409,7 @@ async fn copy_in(v: &Volume, local: &std::path::Path, remote: &str) -> Result<()
         file.metadata().map_err(local_error)?.permissions().mode() & 0o7777
     };
     // An existing directory as the target means "into it", as cp does.
-    let remote = match v.resolve(remote).await {
+    let remote = match v.resolve(&Creds::root(), remote).await {
         Ok(iatt) if iatt.file_type == FileType::Directory => {
             let name = local.file_name().ok_or_else(einval)?.to_string_lossy();
             format!("{}/{name}", remote.trim_end_matches('/'))
@@ -408,15 +420,18 @@ async fn copy_in(v: &Volume, local: &std::path::Path, remote: &str) -> Result<()
     let n = read_full(&mut file, &mut first).map_err(local_error)?;
     first.truncate(n);
     if n < IO_SIZE_MAX_BYTES {
-        return v.write_file(&remote, Bytes::from(first), mode).await;
+        return v
+            .write_file(&Creds::root(), &remote, Bytes::from(first), mode)
+            .await;
     }
-    let fd = v.create_file(&remote, mode).await?;
+    let fd = v.create_file(&Creds::root(), &remote, mode).await?;
     let result = async {
         let mut offset = 0u64;
         let mut chunk = first;
         while !chunk.is_empty() {
             let len = chunk.len() as u64;
-            v.write(&fd, offset, Bytes::from(chunk)).await?;
+            v.write(&Creds::root(), &fd, offset, Bytes::from(chunk))
+                .await?;
             offset += len;
             let mut next = vec![0u8; IO_SIZE_MAX_BYTES];
             let n = read_full(&mut file, &mut next).map_err(local_error)?;
@@ -426,7 +441,7 @@ async fn copy_in(v: &Volume, local: &std::path::Path, remote: &str) -> Result<()
         Ok(())
     }
     .await;
-    let released = v.release(fd).await;
+    let released = v.release(&Creds::root(), fd).await;
     result.and(released)
 }
 
@@ -441,26 +456,28 @@ fn read_full(file: &mut std::fs::File, buf: &mut [u8]) -> std::io::Result<usize>
     Ok(filled)
 }
 
-async fn rm(v: &Volume, path: &str, recursive: bool) -> Result<(), Error> {
+async fn rm(v: &BrickClient, path: &str, recursive: bool) -> Result<(), Error> {
     if recursive {
         if components(path)?.is_empty() {
             return Err(Error::Fop(ErrorCode::Perm));
         }
-        return v.remove_all(path).await;
+        return v.remove_all(&Creds::root(), path).await;
     }
-    let (parent, name) = v.resolve_parent(path).await?;
-    let iatt = v.lookup(parent, &name).await?;
+    let (parent, name) = v.resolve_parent(&Creds::root(), path).await?;
+    let iatt = v.lookup(&Creds::root(), parent, &name).await?;
     if iatt.file_type == FileType::Directory {
         return Err(Error::Fop(ErrorCode::IsDir));
     }
-    v.call(kiln_wire::Unlink { parent, name }).await.map(drop)
+    v.call(&Creds::root(), kiln_wire::Unlink { parent, name }.into())
+        .await
+        .map(drop)
 }
 
-async fn mv(v: &Volume, source: &str, dest: &str) -> Result<(), Error> {
-    let (old_parent, old_name) = v.resolve_parent(source).await?;
-    let (new_parent, new_name) = match v.resolve(dest).await {
+async fn mv(v: &BrickClient, source: &str, dest: &str) -> Result<(), Error> {
+    let (old_parent, old_name) = v.resolve_parent(&Creds::root(), source).await?;
+    let (new_parent, new_name) = match v.resolve(&Creds::root(), dest).await {
         Ok(iatt) if iatt.file_type == FileType::Directory => (iatt.gfid, old_name.clone()),
-        _ => v.resolve_parent(dest).await?,
+        _ => v.resolve_parent(&Creds::root(), dest).await?,
     };
     let fop = kiln_wire::Rename {
         old_parent,
@@ -469,11 +486,11 @@ async fn mv(v: &Volume, source: &str, dest: &str) -> Result<(), Error> {
         new_name,
         mode: RenameMode::Replace,
     };
-    v.call(fop).await.map(drop)
+    v.call(&Creds::root(), fop.into()).await.map(drop)
 }
 
-async fn ln(v: &Volume, symbolic: bool, target: &str, link: &str) -> Result<(), Error> {
-    let (parent, name) = v.resolve_parent(link).await?;
+async fn ln(v: &BrickClient, symbolic: bool, target: &str, link: &str) -> Result<(), Error> {
+    let (parent, name) = v.resolve_parent(&Creds::root(), link).await?;
     let fop: kiln_wire::FopRequest = if symbolic {
         let target = SymlinkTarget::new(Bytes::copy_from_slice(target.as_bytes()))
             .map_err(|e| Error::Fop(ErrorCode::from_errno(e.errno())))?;
@@ -485,7 +502,7 @@ async fn ln(v: &Volume, symbolic: bool, target: &str, link: &str) -> Result<(), 
         }
         .into()
     } else {
-        let iatt = v.resolve(target).await?;
+        let iatt = v.resolve(&Creds::root(), target).await?;
         if iatt.file_type == FileType::Directory {
             return Err(Error::Fop(ErrorCode::Perm));
         }
@@ -496,10 +513,10 @@ async fn ln(v: &Volume, symbolic: bool, target: &str, link: &str) -> Result<(), 
         }
         .into()
     };
-    v.call(fop).await.map(drop)
+    v.call(&Creds::root(), fop).await.map(drop)
 }
 
-async fn xattr(v: &Volume, command: XattrCommand) -> Result<(), (String, Error)> {
+async fn xattr(v: &BrickClient, command: XattrCommand) -> Result<(), (String, Error)> {
     let name_of = |path: &str, name: &str| {
         XattrName::new(Bytes::copy_from_slice(name.as_bytes())).map_err(|e| {
             (
@@ -515,9 +532,16 @@ async fn xattr(v: &Volume, command: XattrCommand) -> Result<(), (String, Error)>
     match command {
         XattrCommand::Get { path, name } => {
             let xname = name_of(&path, &name)?;
-            let gfid = v.resolve(&path).await.map_err(at(&path))?.gfid;
+            let gfid = v
+                .resolve(&Creds::root(), &path)
+                .await
+                .map_err(at(&path))?
+                .gfid;
             let reply = v
-                .call(kiln_wire::Getxattr { gfid, name: xname })
+                .call(
+                    &Creds::root(),
+                    kiln_wire::Getxattr { gfid, name: xname }.into(),
+                )
                 .await
                 .map_err(at(&path))?;
             let FopReply::Getxattr(r) = reply else {
@@ -540,19 +564,29 @@ async fn xattr(v: &Volume, command: XattrCommand) -> Result<(), (String, Error)>
                     Error::Fop(ErrorCode::from_errno(e.errno())),
                 )
             })?;
-            let gfid = v.resolve(&path).await.map_err(at(&path))?.gfid;
+            let gfid = v
+                .resolve(&Creds::root(), &path)
+                .await
+                .map_err(at(&path))?
+                .gfid;
             let fop = kiln_wire::Setxattr {
                 gfid,
                 name: xname,
                 value,
                 mode: XattrSetMode::Upsert,
             };
-            v.call(fop).await.map_err(at(&path))?;
+            v.call(&Creds::root(), fop.into())
+                .await
+                .map_err(at(&path))?;
         }
         XattrCommand::List { path } => {
-            let gfid = v.resolve(&path).await.map_err(at(&path))?.gfid;
+            let gfid = v
+                .resolve(&Creds::root(), &path)
+                .await
+                .map_err(at(&path))?
+                .gfid;
             let reply = v
-                .call(kiln_wire::Listxattr { gfid })
+                .call(&Creds::root(), kiln_wire::Listxattr { gfid }.into())
                 .await
                 .map_err(at(&path))?;
             let FopReply::Listxattr(r) = reply else {
@@ -564,10 +598,17 @@ async fn xattr(v: &Volume, command: XattrCommand) -> Result<(), (String, Error)>
         }
         XattrCommand::Rm { path, name } => {
             let xname = name_of(&path, &name)?;
-            let gfid = v.resolve(&path).await.map_err(at(&path))?.gfid;
-            v.call(kiln_wire::Removexattr { gfid, name: xname })
+            let gfid = v
+                .resolve(&Creds::root(), &path)
                 .await
-                .map_err(at(&path))?;
+                .map_err(at(&path))?
+                .gfid;
+            v.call(
+                &Creds::root(),
+                kiln_wire::Removexattr { gfid, name: xname }.into(),
+            )
+            .await
+            .map_err(at(&path))?;
         }
     }
     Ok(())

@@ -141,12 +141,14 @@ async fn serve(
     };
     let mut connect_to = global.clone();
     connect_to.brick_addr = brick_addr;
-    let volume = crate::files::connect(&connect_to)
+    // The client stack this volume needs: one brick, so one brick client (a distribution
+    // layer over several brick clients goes here when volumes span bricks).
+    let brick = crate::files::connect(&connect_to)
         .await
         .with_context(|| format!("cannot mount {}", args.source))?;
     let mounted = mount::mount(
         tokio::runtime::Handle::current(),
-        volume.clone(),
+        brick.clone(),
         mountpoint,
         options,
     )
@@ -165,7 +167,7 @@ async fn serve(
         .await
         .context("the unmount task failed")?;
     tracing::info!(result = ?result, "the FUSE session ended");
-    volume.close().await;
+    brick.close().await;
     tracing::info!("disconnected from the brick");
     result.context("unmount")
 }

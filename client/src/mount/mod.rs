@@ -1,13 +1,23 @@
 //! A volume as a local file system: the FUSE mount behind `kiln mount`.
 //!
-//! [`mount`] opens `/dev/fuse`, mounts a connected [`Volume`] with mount(2) (no libfuse, no
-//! fusermount) and serves the kernel's requests with fuser's protocol code ([`fs`]) on the
+//! [`mount`] opens `/dev/fuse`, mounts a client stack (any [`Layer`]) with mount(2) (no
+//! libfuse, no fusermount) and serves the kernel's requests with fuser's protocol code on the
 //! caller's tokio runtime. The mount's type is `fuse.kiln`, so `mount -t kiln` finds the
 //! `mount.kiln` helper and `umount` works as usual.
+//!
+//! * `fs`: the `fuser::Filesystem` — each kernel request → a task → fops on the layer.
+//! * `shared`: what the tasks share, and the fops on nodes (lookup, stat, setattr, xattrs).
+//! * `handles`: open handles, open-behind and when a handle gets its fd below.
+//! * `pending`: small files created with one PUT at close.
+//! * `inodes`: node ids ↔ GFIDs with the kernel's lookup counts.
+//! * `convert`: FUSE ↔ wire types, the caller's credentials, errnos.
 
+mod convert;
 mod fs;
+mod handles;
 mod inodes;
 mod pending;
+mod shared;
 
 use std::ffi::CString;
 use std::io;
@@ -16,10 +26,10 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use fuser::{Config, SessionACL};
+use fuser::{Config, InitFlags, SessionACL};
 use rustix::mount::{MountFlags, UnmountFlags, unmount};
 
-use crate::Volume;
+use crate::Layer;
 
 /// How a volume is mounted: the kernel's cache lifetimes and the usual mount flags.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -128,6 +138,26 @@ impl MountOptions {
         Ok(())
     }
 
+    /// The FUSE features the mount asks the kernel for at INIT.
+    fn kernel_features(&self) -> InitFlags {
+        let mut wanted = InitFlags::FUSE_POSIX_LOCKS
+            | InitFlags::FUSE_ATOMIC_O_TRUNC
+            | InitFlags::FUSE_DO_READDIRPLUS
+            | InitFlags::FUSE_PARALLEL_DIROPS
+            | InitFlags::FUSE_AUTO_INVAL_DATA
+            | InitFlags::FUSE_CACHE_SYMLINKS
+            // The brick writes, truncates and chowns as the caller, so its own kernel clears
+            // set-id bits and capabilities; the FUSE kernel need not ask first (and with v2
+            // it stops asking for security.capability before every write).
+            | InitFlags::FUSE_HANDLE_KILLPRIV
+            | InitFlags::FUSE_HANDLE_KILLPRIV_V2
+            | InitFlags::FUSE_MAX_PAGES;
+        if self.writeback_cache {
+            wanted |= InitFlags::FUSE_WRITEBACK_CACHE;
+        }
+        wanted
+    }
+
     /// The mount(2) flags.
     fn flags(&self) -> MountFlags {
         let mut flags = MountFlags::empty();
@@ -168,13 +198,13 @@ pub struct Mounted {
     mountpoint: PathBuf,
 }
 
-/// Mounts `volume` on `mountpoint`; requests are served on `runtime`.
+/// Mounts the client stack `layer` on `mountpoint`; requests are served on `runtime`.
 ///
 /// The mount(2) call is made here rather than by fuser, which would unmount the path again
 /// when its session ends — by then possibly a new mount on the same directory.
-pub fn mount(
+pub fn mount<L: Layer>(
     runtime: tokio::runtime::Handle,
-    volume: Volume,
+    layer: L,
     mountpoint: &Path,
     options: MountOptions,
 ) -> io::Result<Mounted> {
@@ -208,7 +238,7 @@ pub fn mount(
     )?;
     let mut config = Config::default();
     config.n_threads = Some(1);
-    let fs = fs::KilnFs::new(runtime, volume, options);
+    let fs = fs::KilnFs::new(runtime, layer, options);
     let session = fuser::Session::from_fd(fs, device, SessionACL::All, config)
         .and_then(fuser::Session::spawn);
     match session {

@@ -22,7 +22,7 @@ use kiln_wire::{
     Timespec,
 };
 
-use crate::{Error, Volume};
+use crate::{Error, Layer};
 
 /// Bytes a deferred file may gather before it is sent and written through an fd instead.
 pub(crate) const DEFERRED_BYTES_MAX: usize = 256 * 1024;
@@ -208,7 +208,7 @@ impl Pending {
     }
 
     /// Sends the file to the brick as one PUT, as its creator.
-    async fn put(&self, v: &Volume) -> Result<Iatt, Error> {
+    async fn put(&self, layer: &impl Layer) -> Result<Iatt, Error> {
         let data = Payload::new(Bytes::copy_from_slice(&self.data))
             .map_err(|e| Error::Fop(kiln_wire::ErrorCode::from_errno(e.errno())))?;
         let put = kiln_wire::Put {
@@ -226,7 +226,7 @@ impl Pending {
             // Applied after the data, so times the caller set stand.
             attr: self.attr,
         };
-        match v.with_creds(self.creds.clone()).call(put).await? {
+        match layer.call(&self.creds, put.into()).await? {
             FopReply::Put(r) => Ok(r.iatt),
             other => Err(Error::Protocol(format!(
                 "a {} reply to PUT",
@@ -307,7 +307,7 @@ impl PendingCreates {
 
     /// Sends node `ino`'s file to the brick if it is still deferred; its attributes then.
     /// Once settled (or refused) the node is an ordinary one.
-    pub(crate) async fn settle(&self, v: &Volume, ino: u64) -> Result<Option<Iatt>, Error> {
+    pub(crate) async fn settle(&self, layer: &impl Layer, ino: u64) -> Result<Option<Iatt>, Error> {
         let Some(slot) = self.get(ino) else {
             return Ok(None);
         };
@@ -315,7 +315,7 @@ impl PendingCreates {
         let Some(pending) = slot.take() else {
             return Ok(None);
         };
-        let result = pending.put(v).await;
+        let result = pending.put(layer).await;
         self.lock().remove(&ino);
         if let Err(e) = &result {
             tracing::warn!(name = ?pending.name, error = %e, "a deferred create failed");

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kiln_client::{ConnectOptions, Volume};
+use kiln_client::{BrickClient, ConnectOptions};
 use kiln_mgmt::pki::{self, Role};
 
 /// A binary of this workspace, built beside the test executable by `cargo test`.
@@ -103,8 +103,8 @@ impl Cluster {
         ConnectOptions::from_tls_dir(addr, &self.tls, client).expect("client identity")
     }
 
-    pub async fn connect(&self, addr: SocketAddr, client: &str) -> Volume {
-        Volume::connect(self.options(addr, client))
+    pub async fn connect(&self, addr: SocketAddr, client: &str) -> BrickClient {
+        BrickClient::connect(self.options(addr, client))
             .await
             .expect("connect")
     }

@@ -1,30 +1,33 @@
-//! A connection to one brick, and the fop API on top of it (GFID-based, like gfapi's handle
-//! API).
+//! The brick client: one QUIC connection to one brick, the bottom [`Layer`] of every client
+//! stack (what GlusterFS's protocol/client translator is).
 //!
-//! * Any number of tasks call through one [`Volume`] at once; each call is its own QUIC
-//!   stream, and the brick's stream credit bounds how many are in flight.
+//! * Any number of tasks call through one [`BrickClient`] at once, each with its own
+//!   credentials; each call is its own QUIC stream, and the brick's stream credit bounds how
+//!   many are in flight.
 //! * When the connection breaks, the call in flight fails with [`Error::Disconnected`] (it may
 //!   or may not have run), and the next call reconnects and says HELLO again.
-//! * An [`Fd`] opened before a reconnect is opened again by its GFID on first use, with the
-//!   same access mode (never `TRUNC` or `EXCL` again). When that is not possible — the file
-//!   is gone, or the fd held POSIX locks, which died with the old session — it fails with
-//!   EBADF; it never reaches another file, because the GFID names the file.
+//! * An [`Fd`] belongs to the client, not to a connection: one opened before a reconnect is
+//!   opened again by its GFID on first use, with the same access mode (never `TRUNC` or
+//!   `EXCL` again), as whoever uses it first. When that is not possible — the file is gone,
+//!   or the fd held POSIX locks, which died with the old session — it fails with EBADF; it
+//!   never reaches another file, because the GFID names the file.
 
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use bytes::Bytes;
 use kiln_mgmt::pki::{self, Identity, Role};
 use kiln_wire::quic::{self, CloseCode};
 use kiln_wire::{
-    AccessMode, Call, Capabilities, Creds, ErrorCode, FdId, FopReply, FopRequest, Gfid, Hello,
-    HelloReply, Label, Message, OpenFlags, Outcome, PROTOCOL_VERSION, Reply, Request,
+    AccessMode, Call, Capabilities, Creds, EntryReply, ErrorCode, FdId, FopCode, FopReply,
+    FopRequest, Gfid, Hello, HelloReply, Label, LockCmd, LockKind, Message, OpenFlags, Outcome,
+    PROTOCOL_VERSION, Reply, Request,
 };
 use quinn::crypto::rustls::QuicClientConfig;
 
 use crate::error::Error;
+use crate::layer::{FdFop, Layer};
 
 /// Where a brick is and who this client is.
 #[derive(Debug, Clone)]
@@ -35,8 +38,6 @@ pub struct ConnectOptions {
     pub identity: Identity,
     /// The client's name (the common name of its certificate).
     pub client_name: String,
-    /// The caller identity fops run as, unless [`Volume::with_creds`] says otherwise.
-    pub creds: Creds,
     /// Largest UDP payload sent or accepted.
     pub udp_payload_max_bytes: u16,
     /// A brick silent this long is gone: calls in flight and connection attempts fail.
@@ -45,7 +46,7 @@ pub struct ConnectOptions {
 
 impl ConnectOptions {
     /// Options for client `client_name` with the CA and certificate in `tls_dir` (as
-    /// `kiln ca init` and `kiln cert issue --client` write them), acting as root.
+    /// `kiln ca init` and `kiln cert issue --client` write them).
     pub fn from_tls_dir(
         addr: SocketAddr,
         tls_dir: &Path,
@@ -59,22 +60,25 @@ impl ConnectOptions {
             server_name: addr.ip().to_string(),
             identity,
             client_name: client_name.to_owned(),
-            creds: Creds::root(),
             udp_payload_max_bytes: quic::UDP_PAYLOAD_MAX_BYTES,
             idle_timeout: quic::IDLE_TIMEOUT,
         })
     }
 }
 
-/// A handle on a brick. Cheap to clone; clones share the connection.
+/// A client of one brick. Cheap to clone; clones share the connection.
 #[derive(Debug, Clone)]
-pub struct Volume {
+pub struct BrickClient {
     inner: Arc<Inner>,
-    creds: Creds,
 }
+
+/// Tells brick clients apart, so an [`Fd`] is only used by the client that opened it.
+static CLIENT_IDS: AtomicU64 = AtomicU64::new(1);
 
 #[derive(Debug)]
 struct Inner {
+    /// Process-unique; every [`Fd`] this client makes carries it.
+    id: u64,
     options: ConnectOptions,
     endpoint: quinn::Endpoint,
     client_config: quinn::ClientConfig,
@@ -85,7 +89,7 @@ struct Inner {
     next_request: AtomicU64,
 }
 
-/// One connection; `epoch` counts connections made by this volume.
+/// One connection; `epoch` counts connections made by this client.
 #[derive(Debug, Clone)]
 struct Conn {
     connection: quinn::Connection,
@@ -99,10 +103,13 @@ struct Live {
     hello: HelloReply,
 }
 
-/// An open file or directory. Release it with [`Volume::release`]; one that is dropped is
-/// released when the connection ends.
+/// An open file or directory on a brick, valid across reconnects (see the module docs).
+/// Release it with [`Layer::release`]; one that is dropped is released when the connection
+/// ends.
 #[derive(Debug)]
 pub struct Fd {
+    /// The [`BrickClient`] that opened it.
+    client: u64,
     gfid: Gfid,
     kind: FdKind,
     /// (connection epoch, the brick's id for it in that connection's session)
@@ -125,9 +132,9 @@ impl Fd {
     }
 }
 
-impl Volume {
+impl BrickClient {
     /// Connects to the brick and says HELLO.
-    pub async fn connect(options: ConnectOptions) -> Result<Volume, Error> {
+    pub async fn connect(options: ConnectOptions) -> Result<BrickClient, Error> {
         let client_config = quinn_config(&options)?;
         let bind: SocketAddr = match options.addr {
             SocketAddr::V4(_) => "0.0.0.0:0",
@@ -143,9 +150,9 @@ impl Volume {
             Arc::new(quinn::TokioRuntime),
         )
         .map_err(|e| connect_error(&options, e))?;
-        let volume = Volume {
-            creds: options.creds.clone(),
+        let client = BrickClient {
             inner: Arc::new(Inner {
+                id: CLIENT_IDS.fetch_add(1, Ordering::Relaxed),
                 options,
                 endpoint,
                 client_config,
@@ -155,20 +162,8 @@ impl Volume {
                 next_request: AtomicU64::new(1),
             }),
         };
-        volume.live().await?;
-        Ok(volume)
-    }
-
-    /// This handle acting as `creds` (FUSE callers, tools that act as a user).
-    pub fn with_creds(&self, creds: Creds) -> Volume {
-        Volume {
-            inner: self.inner.clone(),
-            creds,
-        }
-    }
-
-    pub fn creds(&self) -> &Creds {
-        &self.creds
+        client.live().await?;
+        Ok(client)
     }
 
     /// What the brick said at HELLO on the current connection.
@@ -187,29 +182,24 @@ impl Volume {
         self.inner.endpoint.wait_idle().await;
     }
 
-    /// Runs one fop as this handle's creds. Fops that name an fd should go through the
-    /// typed methods or [`Volume::call_fd`], which keep fds valid across reconnects.
-    pub async fn call(&self, fop: impl Into<FopRequest>) -> Result<FopReply, Error> {
+    /// Sends any fop as it is, fd ids and all, as `creds`: for tools that drive the brick's
+    /// sessions directly (benchmarks comparing with the engine). An fd id from an OPEN sent
+    /// this way is the current connection's and dies with it; the [`Layer`] methods keep fds
+    /// valid across reconnects.
+    pub async fn call_raw(&self, creds: &Creds, fop: FopRequest) -> Result<FopReply, Error> {
         let live = self.live().await?;
-        self.call_on(&live, fop.into()).await
+        self.call_on(&live, creds, fop).await
     }
 
-    /// Runs a fop built from `fd`'s current id, opening `fd` again first if the connection it
-    /// was opened on is gone.
-    pub async fn call_fd(
+    async fn call_on(
         &self,
-        fd: &Fd,
-        fop: impl FnOnce(FdId) -> FopRequest,
+        live: &Live,
+        creds: &Creds,
+        fop: FopRequest,
     ) -> Result<FopReply, Error> {
-        let live = self.live().await?;
-        let id = self.fd_id(&live, fd).await?;
-        self.call_on(&live, fop(id)).await
-    }
-
-    async fn call_on(&self, live: &Live, fop: FopRequest) -> Result<FopReply, Error> {
         let code = fop.code();
         let call = Call::Fop {
-            creds: self.creds.clone(),
+            creds: creds.clone(),
             fop,
         };
         match self.round_trip(&live.conn, call).await? {
@@ -371,9 +361,12 @@ impl Volume {
         }
     }
 
-    /// `fd`'s id on `live`'s session, opening it again there if it was opened on an older
-    /// connection.
-    async fn fd_id(&self, live: &Live, fd: &Fd) -> Result<FdId, Error> {
+    /// `fd`'s id on `live`'s session, opening it again there (as `creds`) if it was opened on
+    /// an older connection.
+    async fn fd_id(&self, live: &Live, creds: &Creds, fd: &Fd) -> Result<FdId, Error> {
+        if fd.client != self.inner.id {
+            return Err(Error::Fop(ErrorCode::BadFd));
+        }
         let (epoch, id) = *fd.state.lock().map_err(|_| Error::Fop(ErrorCode::BadFd))?;
         if epoch == live.conn.epoch {
             return Ok(id);
@@ -392,7 +385,7 @@ impl Volume {
             }
             FdKind::Dir => FopRequest::Opendir(kiln_wire::Opendir { gfid: fd.gfid }),
         };
-        let id = match self.call_on(live, reopen).await {
+        let id = match self.call_on(live, creds, reopen).await {
             Ok(FopReply::Open(r) | FopReply::Opendir(r)) => r.fd,
             Ok(_) => return Err(Error::Protocol("bad reopen reply".into())),
             Err(Error::Fop(_)) => return Err(Error::Fop(ErrorCode::BadFd)),
@@ -404,18 +397,39 @@ impl Volume {
         Ok(id)
     }
 
-    fn new_fd(live: &Live, gfid: Gfid, kind: FdKind, id: FdId) -> Fd {
+    fn new_fd(&self, live: &Live, gfid: Gfid, kind: FdKind, id: FdId) -> Fd {
         Fd {
+            client: self.inner.id,
             gfid,
             kind,
             state: Mutex::new((live.conn.epoch, id)),
             locked: AtomicBool::new(false),
         }
     }
+}
 
-    /// Opens file `gfid`.
-    pub async fn open(
+/// The bottom of the stack: each fop goes to the brick over the current connection (made
+/// again first if it broke), with the fd ids of that connection's session.
+impl Layer for BrickClient {
+    type Fd = Fd;
+
+    async fn call(&self, creds: &Creds, fop: FopRequest) -> Result<FopReply, Error> {
+        let opens = matches!(
+            fop.code(),
+            FopCode::Open | FopCode::Create | FopCode::Opendir
+        );
+        if opens || fop.fd().is_some() {
+            return Err(Error::Misuse(format!(
+                "{} through Layer::call, which takes fops that name no fd and open nothing",
+                fop.code().name()
+            )));
+        }
+        self.call_raw(creds, fop).await
+    }
+
+    async fn open(
         &self,
+        creds: &Creds,
         gfid: Gfid,
         access: AccessMode,
         flags: OpenFlags,
@@ -426,49 +440,75 @@ impl Volume {
             access,
             flags,
         };
-        match self.call_on(&live, fop.into()).await? {
-            FopReply::Open(r) => Ok(Self::new_fd(
-                &live,
-                gfid,
-                FdKind::File { access, flags },
-                r.fd,
-            )),
+        match self.call_on(&live, creds, fop.into()).await? {
+            FopReply::Open(r) => Ok(self.new_fd(&live, gfid, FdKind::File { access, flags }, r.fd)),
             _ => Err(unexpected("OPEN")),
         }
     }
 
-    /// Creates `name` in `parent` with a new GFID and opens it.
-    pub async fn create(
+    async fn create(
         &self,
+        creds: &Creds,
         create: kiln_wire::Create,
-    ) -> Result<(Fd, kiln_wire::CreateReply), Error> {
+    ) -> Result<(Fd, EntryReply), Error> {
         let live = self.live().await?;
         let (gfid, access, flags) = (create.gfid, create.access, create.flags);
-        match self.call_on(&live, create.into()).await? {
-            FopReply::Create(r) => Ok((
-                Self::new_fd(&live, gfid, FdKind::File { access, flags }, r.fd),
-                r,
-            )),
+        match self.call_on(&live, creds, create.into()).await? {
+            FopReply::Create(r) => {
+                let fd = self.new_fd(&live, gfid, FdKind::File { access, flags }, r.fd);
+                let entry = EntryReply {
+                    iatt: r.iatt,
+                    pre_parent: r.pre_parent,
+                    post_parent: r.post_parent,
+                };
+                Ok((fd, entry))
+            }
             _ => Err(unexpected("CREATE")),
         }
     }
 
-    /// Opens directory `gfid` for reading.
-    pub async fn opendir(&self, gfid: Gfid) -> Result<Fd, Error> {
+    async fn opendir(&self, creds: &Creds, gfid: Gfid) -> Result<Fd, Error> {
         let live = self.live().await?;
-        match self
-            .call_on(&live, kiln_wire::Opendir { gfid }.into())
-            .await?
-        {
-            FopReply::Opendir(r) => Ok(Self::new_fd(&live, gfid, FdKind::Dir, r.fd)),
+        let fop = kiln_wire::Opendir { gfid };
+        match self.call_on(&live, creds, fop.into()).await? {
+            FopReply::Opendir(r) => Ok(self.new_fd(&live, gfid, FdKind::Dir, r.fd)),
             _ => Err(unexpected("OPENDIR")),
         }
     }
 
-    /// Releases `fd` on the brick (RELEASE or RELEASEDIR). An fd of an older connection
-    /// died with it and needs nothing.
-    pub async fn release(&self, fd: Fd) -> Result<(), Error> {
+    /// Opens `fd` again first if the connection it was opened on is gone. An fd that takes a
+    /// POSIX lock is marked: locks are not carried over a reconnect, so after one it fails
+    /// with EBADF.
+    async fn call_fd(&self, creds: &Creds, fd: &Fd, fop: FdFop) -> Result<FopReply, Error> {
+        if matches!(fop.code(), FopCode::Release | FopCode::Releasedir) {
+            return Err(Error::Misuse(format!(
+                "{} through Layer::call_fd; Layer::release ends an fd",
+                fop.code().name()
+            )));
+        }
+        let takes_lock = matches!(
+            fop.request(),
+            FopRequest::Lk(lk) if lk.cmd != LockCmd::Get && lk.lock.kind != LockKind::Unlock
+        );
+        let code = fop.code();
         let live = self.live().await?;
+        let id = self.fd_id(&live, creds, fd).await?;
+        let request = fop
+            .on(id)
+            .ok_or_else(|| Error::Misuse(format!("{} names no fd", code.name())))?;
+        let reply = self.call_on(&live, creds, request).await?;
+        if takes_lock {
+            fd.locked.store(true, Ordering::Relaxed);
+        }
+        Ok(reply)
+    }
+
+    /// An fd of an older connection died with it and needs nothing.
+    async fn release(&self, creds: &Creds, fd: Fd) -> Result<(), Error> {
+        let live = self.live().await?;
+        if fd.client != self.inner.id {
+            return Err(Error::Fop(ErrorCode::BadFd));
+        }
         let (epoch, id) = *fd.state.lock().map_err(|_| Error::Fop(ErrorCode::BadFd))?;
         if epoch != live.conn.epoch {
             return Ok(());
@@ -477,65 +517,9 @@ impl Volume {
             FdKind::File { .. } => FopRequest::Release(kiln_wire::Release { fd: id }),
             FdKind::Dir => FopRequest::Releasedir(kiln_wire::Releasedir { fd: id }),
         };
-        self.call_on(&live, fop).await.map(drop)
-    }
-
-    /// Reads up to `size` bytes at `offset`; fewer at the end of the file.
-    pub async fn read(&self, fd: &Fd, offset: u64, size: u32) -> Result<Bytes, Error> {
-        let size = kiln_wire::ReadSize::new(size).ok_or(Error::Fop(ErrorCode::Inval))?;
-        match self
-            .call_fd(fd, |fd| kiln_wire::Read { fd, offset, size }.into())
-            .await?
-        {
-            FopReply::Read(r) => Ok(r.data.into_bytes()),
-            _ => Err(unexpected("READ")),
-        }
-    }
-
-    /// Writes `data` (at most 1 MiB) at `offset`.
-    pub async fn write(&self, fd: &Fd, offset: u64, data: Bytes) -> Result<kiln_wire::Iatt, Error> {
-        let data = kiln_wire::Payload::new(data)
-            .map_err(|e| Error::Fop(ErrorCode::from_errno(e.errno())))?;
-        match self
-            .call_fd(fd, |fd| kiln_wire::Write { fd, offset, data }.into())
-            .await?
-        {
-            FopReply::Write(r) => Ok(r.post),
-            _ => Err(unexpected("WRITE")),
-        }
-    }
-
-    /// Flushes `fd`'s data (and with `datasync == false`, its metadata) to stable storage.
-    pub async fn fsync(&self, fd: &Fd, datasync: bool) -> Result<(), Error> {
-        self.call_fd(fd, |fd| kiln_wire::Fsync { fd, datasync }.into())
-            .await
-            .map(drop)
-    }
-
-    /// A POSIX record lock operation on `fd`. Locks are not carried over a reconnect: an fd
-    /// that took one fails with EBADF after the connection is lost.
-    pub async fn lk(
-        &self,
-        fd: &Fd,
-        cmd: kiln_wire::LockCmd,
-        lock: kiln_wire::Lock,
-    ) -> Result<kiln_wire::Lock, Error> {
-        let taking = cmd != kiln_wire::LockCmd::Get && lock.kind != kiln_wire::LockKind::Unlock;
-        match self
-            .call_fd(fd, |fd| kiln_wire::Lk { fd, cmd, lock }.into())
-            .await?
-        {
-            FopReply::Lk(r) => {
-                if taking {
-                    fd.locked.store(true, Ordering::Relaxed);
-                }
-                Ok(r.lock)
-            }
-            _ => Err(unexpected("LK")),
-        }
+        self.call_on(&live, creds, fop).await.map(drop)
     }
 }
-
 fn unexpected(fop: &str) -> Error {
     Error::Protocol(format!("unexpected reply to {fop}"))
 }

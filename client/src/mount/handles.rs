@@ -1,0 +1,460 @@
+//! Open handles: what stands behind each FUSE file handle, and when it gets its fd on the
+//! layer below.
+//!
+//! A handle gets its fd at open, or later:
+//!
+//! * **Open-behind** (GlusterFS's name): a plain read-only open is answered at once and
+//!   opened below, as its opener, at the handle's first use ([`Shared::late_fd`]) — a read
+//!   from the kernel's page cache costs the brick nothing.
+//! * **Deferred creates**: a small write-only create is answered by the mount and sent as one
+//!   PUT at close ([`super::pending`]); its handles get their fds after the PUT.
+//! * **Anchoring**: before a fop that may remove a name, every handle still without an fd gets
+//!   one ([`Shared::anchor_handles`]), so an open file outlives its unlink.
+
+use std::collections::{HashMap, VecDeque};
+use std::ffi::OsStr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use fuser::{Errno, FileAttr, FileHandle, LockOwner};
+use kiln_wire::limits::IO_SIZE_MAX_BYTES;
+use kiln_wire::{
+    AccessMode, Creds, DirEntryPlus, ErrorCode, FopReply, Gfid, Lock, LockCmd, Mode, OpenFlags,
+    ReaddirSize,
+};
+
+use super::convert::{Result, errno, name_of, open_mode, requested_access, seek_what, unexpected};
+use super::pending::Pending;
+use super::shared::{Shared, Ttl};
+use crate::path::new_gfid;
+use crate::{Error, FdFop, Layer, LayerExt};
+
+/// Bytes of directory entries fetched from the brick per READDIRP; the kernel takes them a
+/// page at a time from the handle's buffer.
+const READDIR_FETCH_BYTES: u32 = 128 * 1024;
+
+/// An open file or directory behind a FUSE file handle; `F` is the layer's fd.
+#[derive(Debug)]
+pub(super) struct Open<F> {
+    /// Set at open, or on first use for a deferred create (once it is on the brick).
+    pub(super) fd: tokio::sync::OnceCell<F>,
+    pub(super) ino: u64,
+    /// How, and as whom, to open the file on the brick when the fd is made late.
+    access: AccessMode,
+    flags: OpenFlags,
+    late_creds: Creds,
+    /// Directories only: entries fetched but not yet given to the kernel.
+    listing: tokio::sync::Mutex<Listing>,
+}
+
+#[derive(Debug, Default)]
+struct Listing {
+    /// The offset the kernel passes to continue at the first buffered entry.
+    from: u64,
+    entries: VecDeque<DirEntryPlus>,
+    /// No entries follow the buffered ones.
+    eof: bool,
+}
+
+/// The mount's file handles: FUSE's `fh` → the open file or directory.
+#[derive(Debug)]
+pub(super) struct Handles<F> {
+    files: Mutex<HashMap<u64, Arc<Open<F>>>>,
+    next_fh: AtomicU64,
+}
+
+impl<F> Handles<F> {
+    pub(super) fn new() -> Handles<F> {
+        Handles {
+            files: Mutex::new(HashMap::new()),
+            next_fh: AtomicU64::new(1),
+        }
+    }
+
+    fn add(&self, open: Open<F>) -> u64 {
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        self.lock().insert(fh, Arc::new(open));
+        fh
+    }
+
+    /// Handle `fh`; EBADF for one the mount does not know.
+    pub(super) fn get(&self, fh: FileHandle) -> Result<Arc<Open<F>>> {
+        self.lock().get(&fh.0).cloned().ok_or(Errno::EBADF)
+    }
+
+    /// Forgets handle `fh`.
+    pub(super) fn take(&self, fh: FileHandle) -> Option<Arc<Open<F>>> {
+        self.lock().remove(&fh.0)
+    }
+
+    /// Any handle open on node `ino`.
+    pub(super) fn any_on(&self, ino: u64) -> Option<Arc<Open<F>>> {
+        self.lock().values().find(|o| o.ino == ino).cloned()
+    }
+
+    /// The handles still without an fd, except those on nodes `skip`.
+    fn without_fd(&self, skip: &[u64]) -> Vec<Arc<Open<F>>> {
+        self.lock()
+            .values()
+            .filter(|o| o.fd.get().is_none() && !skip.contains(&o.ino))
+            .cloned()
+            .collect()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<Open<F>>>> {
+        self.files.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl<L: Layer> Shared<L> {
+    /// Adds a handle on node `ino`, with its fd or (`None`) one to open as `late_creds`
+    /// with `access` and `flags` at first use.
+    fn add_open(
+        &self,
+        fd: Option<L::Fd>,
+        ino: u64,
+        access: AccessMode,
+        flags: OpenFlags,
+        late_creds: &Creds,
+    ) -> u64 {
+        self.handles.add(Open {
+            fd: tokio::sync::OnceCell::new_with(fd),
+            ino,
+            access,
+            flags,
+            late_creds: late_creds.clone(),
+            listing: tokio::sync::Mutex::new(Listing::default()),
+        })
+    }
+
+    /// OPEN of node `ino` with kernel `flags`, as `c`; the new handle.
+    pub(super) async fn open_handle(&self, c: &Creds, ino: u64, flags: i32) -> Result<u64> {
+        let gfid = self.gfid(ino)?;
+        self.settle(ino).await?;
+        let (access, open_flags) = open_mode(flags, self.options.writeback_cache);
+        if self.opens_late(access, open_flags) {
+            return Ok(self.add_open(None, ino, access, open_flags, c));
+        }
+        let fd = match self.layer.open(c, gfid, access, open_flags).await {
+            // The writeback cache reads pages of write-only files; a caller allowed
+            // only to write gets what it asked for.
+            Err(Error::Fop(ErrorCode::Access)) if access != requested_access(flags) => {
+                let access = requested_access(flags);
+                self.layer.open(c, gfid, access, open_flags).await
+            }
+            other => other,
+        }
+        .map_err(errno)?;
+        Ok(self.add_open(Some(fd), ino, access, open_flags, c))
+    }
+
+    /// OPENDIR of node `ino`, as `c`; the new handle.
+    pub(super) async fn opendir_handle(&self, c: &Creds, ino: u64) -> Result<u64> {
+        let gfid = self.gfid(ino)?;
+        // A listing shows the files created here that are still deferred.
+        self.settle_dir(Some(gfid)).await;
+        let fd = self.layer.opendir(c, gfid).await.map_err(errno)?;
+        let (access, flags) = (AccessMode::ReadOnly, OpenFlags::empty());
+        Ok(self.add_open(Some(fd), ino, access, flags, c))
+    }
+
+    /// CREATE of `name` in node `parent` with kernel `mode`, `umask` and `flags`, as `c`:
+    /// on the brick, or — a small write-only file in a directory whose permissions allow it
+    /// — deferred to one PUT at close. The new entry and its handle.
+    pub(super) async fn create_handle(
+        &self,
+        c: &Creds,
+        parent: u64,
+        name: &OsStr,
+        (mode, umask, flags): (u32, u32, i32),
+    ) -> Result<(FileAttr, Ttl, u64)> {
+        let (access, open_flags) = open_mode(flags, self.options.writeback_cache);
+        let excl = if flags & libc::O_EXCL != 0 {
+            OpenFlags::EXCL
+        } else {
+            OpenFlags::empty()
+        };
+        let create = kiln_wire::Create {
+            parent: self.gfid(parent)?,
+            name: name_of(name)?,
+            gfid: new_gfid(),
+            access,
+            flags: open_flags | excl,
+            mode: Mode::from_st_mode(mode),
+            umask: Mode::from_st_mode(umask),
+        };
+        let synchronous = OpenFlags::SYNC.bits() | OpenFlags::DSYNC.bits();
+        let parent_attr = self.inodes.dir_attr(parent).filter(|p| p.allows_create(c));
+        let (iatt, fd) = match parent_attr {
+            Some(parent_attr)
+                if self.options.deferred_create
+                    && requested_access(flags) == AccessMode::WriteOnly
+                    && flags & libc::O_DIRECT == 0
+                    && open_flags.bits() & synchronous == 0 =>
+            {
+                let pending = Pending::new(create, parent_attr, c.clone());
+                let iatt = pending.iatt();
+                (iatt, Err(pending))
+            }
+            _ => {
+                let (fd, created) = self.layer.create(c, create).await.map_err(errno)?;
+                (created.iatt, Ok(fd))
+            }
+        };
+        let (attr, mut ttl) = self.entry(&iatt);
+        self.inodes.mark_bare(attr.ino.0, Instant::now() + ttl.attr);
+        let fd = match fd {
+            Ok(fd) => Some(fd),
+            Err(pending) => {
+                self.pending.insert(attr.ino.0, pending);
+                // The kernel asks again (and a stat sends the file) rather than keep
+                // times the brick will not have.
+                ttl.attr = Duration::ZERO;
+                None
+            }
+        };
+        // A late open must not truncate what the PUT wrote.
+        let reopen = OpenFlags::from_bits(open_flags.bits() & !OpenFlags::TRUNC.bits())
+            .unwrap_or(OpenFlags::empty());
+        // A deferred create's handle is opened late as root: the create granted it
+        // its access, whatever mode the file was given.
+        let fh = self.add_open(fd, attr.ino.0, access, reopen, &Creds::root());
+        Ok((attr, ttl, fh))
+    }
+
+    /// Whether an open is answered at once and made on the brick at the handle's first use
+    /// (GlusterFS's open-behind): a plain read-only open, when the kernel has checked the
+    /// caller's permission itself (`default_permissions`). A read served from the kernel's
+    /// page cache then costs the brick nothing, and a file removed by another client in
+    /// between fails the first read (ESTALE) instead of the open.
+    fn opens_late(&self, access: AccessMode, flags: OpenFlags) -> bool {
+        self.options.default_permissions && access == AccessMode::ReadOnly && flags.bits() == 0
+    }
+
+    /// READ through handle `fh`: from a deferred create's gathered data, or below.
+    pub(super) async fn read(
+        &self,
+        c: &Creds,
+        fh: FileHandle,
+        offset: u64,
+        size: u32,
+    ) -> Result<Bytes> {
+        let open = self.handles.get(fh)?;
+        let size = size.min(IO_SIZE_MAX_BYTES as u32);
+        if let Some(slot) = self.pending.get(open.ino)
+            && let Some(pending) = slot.lock().await.as_ref()
+        {
+            return Ok(pending.read(offset, size));
+        }
+        let fd = self.fd(&open).await?;
+        self.layer.read(c, fd, offset, size).await.map_err(errno)
+    }
+
+    /// WRITE through handle `fh`: gathered by a deferred create while it stays small, else
+    /// below. The bytes written.
+    pub(super) async fn write(
+        &self,
+        c: &Creds,
+        fh: FileHandle,
+        offset: u64,
+        data: Bytes,
+    ) -> Result<u32> {
+        let open = self.handles.get(fh)?;
+        let len = u32::try_from(data.len()).map_err(|_| Errno::EINVAL)?;
+        if let Some(slot) = self.pending.get(open.ino)
+            && let Some(pending) = slot.lock().await.as_mut()
+            && pending.write(offset, &data)
+        {
+            return Ok(len);
+        }
+        let fd = self.fd(&open).await?;
+        self.layer.write(c, fd, offset, data).await.map_err(errno)?;
+        Ok(len)
+    }
+
+    /// Runs the fd fop `fop` through handle `open`.
+    pub(super) async fn call_handle(
+        &self,
+        c: &Creds,
+        open: &Open<L::Fd>,
+        fop: FdFop,
+    ) -> Result<FopReply> {
+        let fd = self.fd(open).await?;
+        self.layer.call_fd(c, fd, fop).await.map_err(errno)
+    }
+
+    /// FLUSH (a close) of handle `fh` on node `ino` by `c`: the first close sends a deferred
+    /// create, and a refusal is this close's error; a file with POSIX locks taken through the
+    /// mount (`locked`) has the brick drop those of `lock_owner`.
+    pub(super) async fn flush(
+        &self,
+        c: &Creds,
+        ino: u64,
+        fh: FileHandle,
+        lock_owner: LockOwner,
+        locked: bool,
+    ) -> Result<()> {
+        self.settle(ino).await?;
+        if let Some(errno) = self.pending.take_failure(ino) {
+            return Err(Errno::from_i32(errno));
+        }
+        if !locked {
+            return Ok(());
+        }
+        let open = self.handles.get(fh)?;
+        let lock_owner = lock_owner.0;
+        let fop = FdFop::new(|fd| kiln_wire::Flush { fd, lock_owner }.into());
+        self.call_handle(c, &open, fop).await.map(drop)
+    }
+
+    /// GETLK: the lock that would conflict with `lock` on handle `open`'s file, or one of
+    /// kind `Unlock`.
+    pub(super) async fn getlk(&self, c: &Creds, open: &Open<L::Fd>, lock: Lock) -> Result<Lock> {
+        let fd = self.fd(open).await?;
+        self.layer
+            .lk(c, fd, LockCmd::Get, lock)
+            .await
+            .map_err(errno)
+    }
+
+    /// lseek(2) with SEEK_DATA or SEEK_HOLE (`whence`) on handle `open`: the offset found.
+    pub(super) async fn seek(
+        &self,
+        c: &Creds,
+        open: &Open<L::Fd>,
+        offset: i64,
+        whence: i32,
+    ) -> Result<i64> {
+        let what = seek_what(whence)?;
+        let offset = u64::try_from(offset).map_err(|_| Errno::ENXIO)?;
+        let fop = FdFop::new(|fd| kiln_wire::Seek { fd, offset, what }.into());
+        match self.call_handle(c, open, fop).await? {
+            FopReply::Seek(r) => i64::try_from(r.offset).map_err(|_| Errno::ENXIO),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// The fd behind `open`, made on first use for a deferred create (which sends the
+    /// create first).
+    pub(super) async fn fd<'a>(&self, open: &'a Open<L::Fd>) -> Result<&'a L::Fd> {
+        if let Some(fd) = open.fd.get() {
+            return Ok(fd);
+        }
+        self.settle(open.ino).await?;
+        self.late_fd(open).await
+    }
+
+    /// Opens the fd of a handle opened late: a deferred create's, once the file is there
+    /// (as root: the create already granted the handle its access, whatever the mode given
+    /// to the file says), or a read-only open's at its first use (as its opener).
+    async fn late_fd<'a>(&self, open: &'a Open<L::Fd>) -> Result<&'a L::Fd> {
+        open.fd
+            .get_or_try_init(|| async {
+                let gfid = self.inodes.gfid(open.ino).ok_or(Errno::ESTALE)?;
+                self.layer
+                    .open(&open.late_creds, gfid, open.access, open.flags)
+                    .await
+                    .map_err(errno)
+            })
+            .await
+    }
+
+    /// Sends node `ino`'s deferred create to the brick, if it has one still waiting. The
+    /// handles open on it get their fds on first use, or from [`Shared::anchor_handles`]
+    /// before a fop that could remove the file: most are about to be released (a create's
+    /// PUT is sent at its close), and opening them now would cost two round trips per file.
+    pub(super) async fn settle(&self, ino: u64) -> Result<()> {
+        if self.pending.is_empty() {
+            return Ok(());
+        }
+        self.pending.settle(&self.layer, ino).await.map_err(errno)?;
+        Ok(())
+    }
+
+    /// Sends the deferred creates in directory `parent` (every one when `None`) before a fop
+    /// that must see them on the brick. A refusal is kept for the file's close to report.
+    pub(super) async fn settle_dir(&self, parent: Option<Gfid>) {
+        if self.pending.is_empty() {
+            return;
+        }
+        for ino in self.pending.in_dir(parent).await {
+            let _ = self.settle(ino).await;
+        }
+    }
+
+    /// Gives every open handle still without an fd (one of a settled deferred create) its
+    /// fd, before a fop that may remove a name: an open file must outlive an unlink, and
+    /// a handle opened later by GFID would find the file gone.
+    pub(super) async fn anchor_handles(&self) {
+        // Creates made since the caller settled them stay deferred: their files are not on
+        // the brick to be removed.
+        let waiting = match self.pending.is_empty() {
+            true => Vec::new(),
+            false => self.pending.in_dir(None).await,
+        };
+        for open in self.handles.without_fd(&waiting) {
+            if let Err(e) = self.late_fd(&open).await {
+                tracing::warn!(?e, "cannot open a settled create");
+            }
+        }
+    }
+
+    /// Ends handle `open` (already forgotten by the table) once its tasks are done: sends
+    /// a deferred create the close has not, and releases the fd below.
+    pub(super) async fn release_handle(&self, c: &Creds, open: Arc<Open<L::Fd>>) {
+        // Normally the close (FLUSH) has sent a deferred create already.
+        if self.settle(open.ino).await.is_ok() {
+            self.pending.take_failure(open.ino);
+        }
+        if let Ok(open) = Arc::try_unwrap(open)
+            && let Some(fd) = open.fd.into_inner()
+            && let Err(e) = self.layer.release(c, fd).await
+        {
+            tracing::debug!(error = %e, "release failed; the fd goes with the session");
+        }
+    }
+
+    /// Gives the kernel the entries of directory handle `fh` from `offset` until `add`
+    /// says its buffer is full or the directory ends.
+    pub(super) async fn list(
+        &self,
+        c: &Creds,
+        fh: FileHandle,
+        offset: u64,
+        mut add: impl FnMut(&DirEntryPlus) -> bool,
+    ) -> Result<()> {
+        let open = self.handles.get(fh)?;
+        let mut listing = open.listing.lock().await;
+        let mut offset = offset;
+        loop {
+            if listing.from != offset || (listing.entries.is_empty() && !listing.eof) {
+                let size = ReaddirSize::new(READDIR_FETCH_BYTES).ok_or(Errno::EINVAL)?;
+                let fop = FdFop::new(|fd| kiln_wire::Readdirp { fd, offset, size }.into());
+                let reply = self.layer.call_fd(c, self.fd(&open).await?, fop).await;
+                let FopReply::Readdirp(r) = reply.map_err(errno)? else {
+                    return Err(Errno::EIO);
+                };
+                *listing = Listing {
+                    from: offset,
+                    entries: r.entries.into(),
+                    eof: r.eof,
+                };
+                if listing.entries.is_empty() {
+                    return Ok(());
+                }
+            }
+            // Empty here means the directory ended.
+            let Some(entry) = listing.entries.front() else {
+                return Ok(());
+            };
+            if add(entry) {
+                return Ok(());
+            }
+            offset = entry.offset;
+            listing.entries.pop_front();
+            listing.from = offset;
+        }
+    }
+}

@@ -1,0 +1,267 @@
+//! What the mount's tasks share — the layer below, the options, the inode table, the open
+//! handles and the deferred creates — and the fops on nodes: LOOKUP with deferred and negative
+//! entries, GETATTR and SETATTR through handles, GETXATTR with absent names remembered, and
+//! the others that must find a deferred create on the brick first.
+
+use std::ffi::OsStr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use fuser::{Errno, FileAttr, FileHandle};
+use kiln_wire::{Creds, ErrorCode, FileType, FopReply, FsStats, Gfid, Iatt, SetAttr, XattrName};
+
+use super::MountOptions;
+use super::convert::{Result, attr_of, errno, file_attr, name_of, unexpected};
+use super::handles::{Handles, Open};
+use super::inodes::Inodes;
+use super::pending::{ParentAttr, PendingCreates};
+use crate::{Error, FdFop, Layer};
+
+/// What the tasks share; `L` is the client stack below the mount.
+#[derive(Debug)]
+pub(super) struct Shared<L: Layer> {
+    pub(super) layer: L,
+    pub(super) options: MountOptions,
+    pub(super) inodes: Inodes,
+    pub(super) handles: Handles<L::Fd>,
+    pub(super) pending: PendingCreates,
+}
+
+/// The kernel's cache lifetimes for one reply.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Ttl {
+    pub(super) attr: Duration,
+    pub(super) entry: Duration,
+}
+
+impl<L: Layer> Shared<L> {
+    pub(super) fn new(layer: L, options: MountOptions) -> Shared<L> {
+        Shared {
+            layer,
+            options,
+            inodes: Inodes::new(),
+            handles: Handles::new(),
+            pending: PendingCreates::default(),
+        }
+    }
+
+    /// The GFID of node `ino`; ESTALE for a node the kernel has forgotten.
+    pub(super) fn gfid(&self, ino: u64) -> Result<Gfid> {
+        self.inodes.gfid(ino).ok_or(Errno::ESTALE)
+    }
+
+    fn ttl(&self) -> Ttl {
+        Ttl {
+            attr: self.options.attr_timeout,
+            entry: self.options.entry_timeout,
+        }
+    }
+
+    /// `iatt` as the attributes of node `ino`.
+    pub(super) fn attr(&self, ino: u64, iatt: &Iatt) -> (FileAttr, Duration) {
+        self.note_dir(ino, iatt);
+        (file_attr(ino, iatt), self.options.attr_timeout)
+    }
+
+    /// An entry handed to the kernel: counts a lookup of its node.
+    pub(super) fn entry(&self, iatt: &Iatt) -> (FileAttr, Ttl) {
+        let ino = self.inodes.remember(iatt.gfid);
+        self.note_dir(ino, iatt);
+        (file_attr(ino, iatt), self.ttl())
+    }
+
+    /// Keeps a directory's permission bits and owner for deciding deferred creates in it.
+    fn note_dir(&self, ino: u64, iatt: &Iatt) {
+        if iatt.file_type == FileType::Directory {
+            let attr = ParentAttr {
+                mode: iatt.mode.bits(),
+                uid: iatt.uid,
+                gid: iatt.gid,
+            };
+            let until = Instant::now() + self.options.attr_timeout;
+            self.inodes.note_dir(ino, attr, until);
+        }
+    }
+
+    /// The node id of `gfid` for a plain READDIR entry (which is not a lookup).
+    pub(super) fn peek_ino(&self, gfid: Gfid) -> u64 {
+        let ino = self.inodes.remember(gfid);
+        self.inodes.forget(ino, 1);
+        ino
+    }
+
+    /// The entry a fop that makes a name (MKNOD, MKDIR, SYMLINK, LINK) answered.
+    pub(super) fn new_entry(
+        &self,
+        reply: std::result::Result<FopReply, Error>,
+    ) -> Result<(FileAttr, Ttl)> {
+        match reply {
+            Ok(
+                FopReply::Mknod(r)
+                | FopReply::Mkdir(r)
+                | FopReply::Symlink(r)
+                | FopReply::Link(r)
+                | FopReply::Put(r),
+            ) => Ok(self.entry(&r.iatt)),
+            Ok(other) => Err(unexpected(&other)),
+            Err(e) => Err(errno(e)),
+        }
+    }
+
+    /// LOOKUP of `name` in node `parent`, as `c`: a deferred create's entry, the brick's, or
+    /// `None` for a negative entry the kernel may cache.
+    pub(super) async fn lookup(
+        &self,
+        c: &Creds,
+        parent: u64,
+        name: &OsStr,
+    ) -> Result<Option<(FileAttr, Ttl)>> {
+        let lookup = kiln_wire::Lookup {
+            parent: self.gfid(parent)?,
+            name: name_of(name)?,
+        };
+        if let Some(iatt) = self.pending.find(lookup.parent, &lookup.name).await {
+            return Ok(Some(self.entry(&iatt)));
+        }
+        let negative = !self.options.negative_timeout.is_zero();
+        match self.layer.call(c, lookup.into()).await {
+            Ok(FopReply::Lookup(r)) => Ok(Some(self.entry(&r.iatt))),
+            Ok(other) => Err(unexpected(&other)),
+            Err(Error::Fop(ErrorCode::NoEnt)) if negative => Ok(None),
+            Err(e) => Err(errno(e)),
+        }
+    }
+
+    /// The attributes of node `ino`: through handle `fh` when the kernel names one, else by
+    /// GFID; a file with no name left (unlinked while open) is reached through a handle.
+    pub(super) async fn stat(&self, c: &Creds, ino: u64, fh: Option<FileHandle>) -> Result<Iatt> {
+        let fstat = |open: Arc<Open<L::Fd>>| async move {
+            let fop = FdFop::new(|fd| kiln_wire::Fstat { fd }.into());
+            attr_of(self.layer.call_fd(c, self.fd(&open).await?, fop).await)
+        };
+        // A stat sends a deferred create: from then on the brick's times are the file's.
+        self.settle(ino).await?;
+        if let Some(open) = fh.and_then(|fh| self.handles.get(fh).ok()) {
+            return fstat(open).await;
+        }
+        let gfid = self.gfid(ino)?;
+        match self.layer.call(c, kiln_wire::Stat { gfid }.into()).await {
+            Err(Error::Fop(ErrorCode::Stale | ErrorCode::NoEnt))
+                if self.handles.any_on(ino).is_some() =>
+            {
+                fstat(self.handles.any_on(ino).ok_or(Errno::ESTALE)?).await
+            }
+            reply => attr_of(reply),
+        }
+    }
+
+    /// Changes the attributes of node `ino`. A size change through a handle is
+    /// ftruncate(2): the handle's write access allows it, whatever the file's mode says.
+    pub(super) async fn setattr(
+        &self,
+        c: &Creds,
+        ino: u64,
+        fh: Option<FileHandle>,
+        mut attr: SetAttr,
+    ) -> Result<Iatt> {
+        if let Some(slot) = self.pending.get(ino)
+            && let Some(pending) = slot.lock().await.as_mut()
+            && pending.setattr(c, attr)
+        {
+            return Ok(pending.iatt());
+        }
+        self.settle(ino).await?;
+        let open = fh.and_then(|fh| self.handles.get(fh).ok());
+        let mut truncated = None;
+        if let (Some(open), Some(size)) = (&open, attr.size) {
+            let fop = FdFop::new(|fd| kiln_wire::Ftruncate { fd, size }.into());
+            let reply = self.layer.call_fd(c, self.fd(open).await?, fop).await;
+            truncated = Some(attr_of(reply)?);
+            attr.size = None;
+        }
+        if attr.is_empty() {
+            // Nothing else, or only a ctime change (the brick keeps its own ctime).
+            return match truncated {
+                Some(iatt) => Ok(iatt),
+                None => self.stat(c, ino, fh).await,
+            };
+        }
+        let reply = match &open {
+            Some(open) => {
+                let fop = FdFop::new(|fd| kiln_wire::Fsetattr { fd, attr }.into());
+                self.layer.call_fd(c, self.fd(open).await?, fop).await
+            }
+            None => {
+                let gfid = self.gfid(ino)?;
+                self.layer
+                    .call(c, kiln_wire::Setattr { gfid, attr }.into())
+                    .await
+            }
+        };
+        attr_of(reply)
+    }
+
+    /// GETXATTR of `name` on node `ino`, as `c`. A name the brick says is absent is
+    /// remembered as absent for the attribute lifetime (`ls -l` asks two per file).
+    pub(super) async fn getxattr(&self, c: &Creds, ino: u64, name: XattrName) -> Result<Bytes> {
+        self.settle(ino).await?;
+        let get = kiln_wire::Getxattr {
+            gfid: self.gfid(ino)?,
+            name: name.clone(),
+        };
+        match self.layer.call(c, get.into()).await {
+            Ok(FopReply::Getxattr(r)) => Ok(r.value.into_bytes()),
+            Ok(other) => Err(unexpected(&other)),
+            Err(Error::Fop(ErrorCode::NoData)) => {
+                let until = Instant::now() + self.options.attr_timeout;
+                self.inodes.note_absent_xattr(ino, name.as_bytes(), until);
+                Err(Errno::NO_XATTR)
+            }
+            Err(e) => Err(errno(e)),
+        }
+    }
+
+    /// READLINK of node `ino`, as `c`.
+    pub(super) async fn readlink(&self, c: &Creds, ino: u64) -> Result<Bytes> {
+        self.settle(ino).await?;
+        let readlink = kiln_wire::Readlink {
+            gfid: self.gfid(ino)?,
+        };
+        match self.layer.call(c, readlink.into()).await {
+            Ok(FopReply::Readlink(r)) => Ok(r.target.into_bytes()),
+            Ok(other) => Err(unexpected(&other)),
+            Err(e) => Err(errno(e)),
+        }
+    }
+
+    /// LISTXATTR of node `ino`, as `c`: the names, each ended by a NUL as listxattr(2) gives
+    /// them.
+    pub(super) async fn listxattr(&self, c: &Creds, ino: u64) -> Result<Vec<u8>> {
+        self.settle(ino).await?;
+        let list = kiln_wire::Listxattr {
+            gfid: self.gfid(ino)?,
+        };
+        match self.layer.call(c, list.into()).await {
+            Ok(FopReply::Listxattr(r)) => {
+                Ok(r.entries.iter().fold(Vec::new(), |mut list, name| {
+                    list.extend_from_slice(name.as_bytes());
+                    list.push(0);
+                    list
+                }))
+            }
+            Ok(other) => Err(unexpected(&other)),
+            Err(e) => Err(errno(e)),
+        }
+    }
+
+    /// STATFS of the volume, as `c`.
+    pub(super) async fn statfs(&self, c: &Creds) -> Result<FsStats> {
+        let statfs = kiln_wire::Statfs { gfid: Gfid::ROOT };
+        match self.layer.call(c, statfs.into()).await {
+            Ok(FopReply::Statfs(r)) => Ok(r.stats),
+            Ok(other) => Err(unexpected(&other)),
+            Err(e) => Err(errno(e)),
+        }
+    }
+}
