@@ -346,41 +346,12 @@ pub(crate) fn umount(args: &UmountArgs) -> anyhow::Result<()> {
 
 /// Mount points of `fuse.kiln` file systems, from `/proc/self/mountinfo`.
 fn kiln_mounts() -> anyhow::Result<Vec<PathBuf>> {
-    let info = std::fs::read_to_string("/proc/self/mountinfo").context("/proc/self/mountinfo")?;
-    Ok(info
-        .lines()
-        .filter_map(|line| {
-            let (left, right) = line.split_once(" - ")?;
-            let fstype = right.split(' ').next()?;
-            let point = left.split(' ').nth(4)?;
-            (fstype == "fuse.kiln").then(|| PathBuf::from(unescape_mountinfo(point)))
-        })
+    let mounts = kiln_client::mountinfo::read_self().context("/proc/self/mountinfo")?;
+    Ok(mounts
+        .into_iter()
+        .filter(|m| m.fs_type == "fuse.kiln")
+        .map(|m| m.mount_point)
         .collect())
-}
-
-/// Mountinfo writes space, tab, newline and backslash as `\ooo`.
-fn unescape_mountinfo(field: &str) -> String {
-    let bytes = field.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let octal = bytes.get(i + 1..i + 4).and_then(|d| {
-            std::str::from_utf8(d)
-                .ok()
-                .and_then(|d| u8::from_str_radix(d, 8).ok())
-        });
-        match (bytes[i], octal) {
-            (b'\\', Some(byte)) => {
-                out.push(byte);
-                i += 4;
-            }
-            (b, _) => {
-                out.push(b);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// The arguments of `mount.kiln SPEC DIR [-sfnv] [-N NS] [-o OPTS] [-t TYPE]`, as mount(8)
@@ -421,13 +392,6 @@ pub(crate) fn helper_args(args: &[String]) -> anyhow::Result<Option<Vec<String>>
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn mountinfo_escapes_are_undone() {
-        assert_eq!(unescape_mountinfo(r"/mnt/a\040b\134c"), r"/mnt/a b\c");
-        assert_eq!(unescape_mountinfo("/plain"), "/plain");
-        assert_eq!(unescape_mountinfo(r"/odd\04"), r"/odd\04");
-    }
 
     #[test]
     fn helper_arguments_become_a_mount_command() {

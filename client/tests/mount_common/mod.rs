@@ -165,14 +165,10 @@ impl Drop for Mounted {
 
 /// Whether `path` is the mount point of a `fuse.kiln` file system.
 pub fn is_kiln_mount(path: &Path) -> bool {
-    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-    let want = path.to_string_lossy().replace(' ', "\\040");
-    info.lines().any(|line| {
-        let Some((left, right)) = line.split_once(" - ") else {
-            return false;
-        };
-        left.split(' ').nth(4) == Some(want.as_str()) && right.starts_with("fuse.kiln ")
-    })
+    kiln_client::mountinfo::read_self()
+        .expect("/proc/self/mountinfo")
+        .iter()
+        .any(|m| m.is_at(path, "fuse.kiln"))
 }
 
 /// Runs a shell command line (in `dir`), returning its output.
