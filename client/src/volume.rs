@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
-use kiln_mgmt::pki::{self, Identity, Role};
+use kiln_admin::pki::{self, Identity, Role};
 use kiln_wire::quic::{self, CloseCode};
 use kiln_wire::{
     AccessMode, Call, Capabilities, Creds, ErrorCode, FdId, FopReply, FopRequest, Gfid, Hello,
