@@ -1,6 +1,6 @@
 //! The bricks the workloads measure, set up one way for all of them: a fresh brick with its
 //! engine; the same brick served over QUIC in this process (mutual TLS material from
-//! `kiln_mgmt::pki`, a [`BrickClient`] connected to it); and [`Caller`], which sends one
+//! `kiln_admin::pki`, a [`BrickClient`] connected to it); and [`Caller`], which sends one
 //! fop sequence to either, so a workload writes its fops once for the `engine` and `volume`
 //! targets.
 
@@ -10,11 +10,11 @@ use std::rc::Rc;
 use std::sync::Arc;
 
 use anyhow::Context;
+use kiln_admin::pki::{self, Role};
 use kiln_client::{BrickClient, ConnectOptions};
 use kiln_dataplane::engine::{Engine, EngineConfig, EngineKind, LocalEngine, Session};
 use kiln_dataplane::server::{Server, ServerConfig};
 use kiln_dataplane::{Brick, FopsConfig, SessionId};
-use kiln_mgmt::pki::{self, Role};
 use kiln_wire::{Creds, FopReply, FopRequest, Gfid};
 
 use crate::rng::Rng;
@@ -283,7 +283,7 @@ impl BrickOption {
         let (key, values) = spec
             .split_once('=')
             .context("--vary takes KEY=VALUE,VALUE,…")?;
-        let def = kiln_mgmt::options::find(key.trim())?;
+        let def = kiln_admin::options::find(key.trim())?;
         let key = VARIABLE_OPTIONS
             .into_iter()
             .find(|k| *k == def.key)

@@ -53,9 +53,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use hdrhistogram::Histogram;
-use kiln_mgmt::options;
+use kiln_admin::options;
+use kiln_admin::volume::{Brick, Volume, VolumeState};
 use kiln_mgmt::store::{Store, StoreOptions, StoreStats};
-use kiln_mgmt::volume::{BRICK_PORT_BASE, Brick, Change, Cluster, Volume, VolumeState};
+use kiln_mgmt::volume::{BRICK_PORT_BASE, Change, Cluster};
 use rustix::process::{Pid, Signal};
 use serde_json::json;
 use tokio::task::JoinSet;

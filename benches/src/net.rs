@@ -2,7 +2,7 @@
 //! references measured in the same run.
 //!
 //! Set-up: a fresh brick in the scratch directory served by the engine (io_uring by default)
-//! and [`Server`] on `127.0.0.1:0`, with mutual TLS material made by `kiln_mgmt::pki` (CA,
+//! and [`Server`] on `127.0.0.1:0`, with mutual TLS material made by `kiln_admin::pki` (CA,
 //! brick certificate for `127.0.0.1`/`localhost`, client certificate `bench`). The brick's
 //! QUIC endpoints run on the engine's worker threads; the client ([`BrickClient`], one connection
 //! shared by every task) runs on its own tokio runtime — a current-thread runtime on the main

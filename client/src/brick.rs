@@ -17,7 +17,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use kiln_mgmt::pki::{self, Identity, Role};
+use kiln_admin::pki::{self, Identity, Role};
 use kiln_wire::quic::{self, CloseCode};
 use kiln_wire::{
     AccessMode, Call, Capabilities, Creds, EntryReply, ErrorCode, FdId, FopCode, FopReply,

@@ -846,8 +846,8 @@ fn bad_mounts_fail_with_a_clear_message() {
 
     // A certificate from another CA: the brick refuses it during the handshake.
     let rogue = m.cluster.dir.path().join("rogue-tls");
-    kiln_mgmt::pki::init_ca(&rogue).expect("ca");
-    kiln_mgmt::pki::issue(&rogue, &kiln_mgmt::pki::Role::Client, "alice", 1).expect("cert");
+    kiln_admin::pki::init_ca(&rogue).expect("ca");
+    kiln_admin::pki::issue(&rogue, &kiln_admin::pki::Role::Client, "alice", 1).expect("cert");
     let out = Command::new(common::bin("kiln"))
         .arg("--tls-dir")
         .arg(&rogue)

@@ -8,9 +8,9 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use common::{Cluster, runtime};
+use kiln_admin::pki::{self, Role};
 use kiln_client::brick::quinn_config;
 use kiln_client::{BrickClient, ConnectOptions, Error};
-use kiln_mgmt::pki::{self, Role};
 use kiln_wire::quic::{self, StreamCode};
 use kiln_wire::{
     Call, CallCode, Capabilities, ErrorCode, Header, Hello, Label, Message, Outcome, Ping, Reply,

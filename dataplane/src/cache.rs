@@ -98,23 +98,7 @@ impl<K: Hash + Eq, V: Clone> CountedLru<K, V> {
     }
 }
 
-/// A cache's size and use since start, summed over workers in a state dump.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct CacheState {
-    pub entries: usize,
-    pub capacity: usize,
-    pub hits: u64,
-    pub misses: u64,
-}
-
-impl std::ops::AddAssign for CacheState {
-    fn add_assign(&mut self, other: CacheState) {
-        self.entries += other.entries;
-        self.capacity += other.capacity;
-        self.hits += other.hits;
-        self.misses += other.misses;
-    }
-}
+pub use kiln_admin::control::CacheState;
 
 #[cfg(test)]
 mod tests {

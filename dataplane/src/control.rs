@@ -1,31 +1,22 @@
 //! The brick's control socket: `kiln-mgmtd` pushes live options here, reads the per-fop
-//! profile and asks for a state dump (one JSON line in, one out, per connection).
+//! profile and asks for a state dump. The requests and answers are
+//! [`kiln_admin::control`]'s, one line each per connection; connections are answered one at a
+//! time, each bounded by the exchange's timeout.
 //!
-//! ```text
-//! → {"generation":7,"options":{"auth.allow":"alice,bob","network.inflight-max":"128",…}}
-//! ← {"generation":7}            or   {"error":"…"}
-//! → {"status":true}             (a health probe: changes nothing)
-//! ← {"generation":7}
-//! → {"profile":true}
-//! ← {"generation":7,"profile":{…}}           (kiln_dataplane::profile::ProfileReport)
-//! → {"statedump":true}
-//! ← {"generation":7,"statedump":{…}}
-//! ```
-//! Options the brick cannot change while running are not sent: they take effect when
-//! kiln-mgmtd restarts it.
+//! Options the brick cannot change while running are not pushed (a push naming one is
+//! refused): they take effect when kiln-mgmtd restarts it.
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
 use anyhow::Context as _;
+use kiln_admin::control::{
+    ControlAnswer, ControlRequest, EXCHANGE, EngineDump, SessionFds, StartSettings, Statedump,
+};
+use kiln_admin::options::BrickSettings;
 use kiln_dataplane::Engine;
 use kiln_dataplane::server::{AuthAllow, Server};
-use serde_json::json;
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
-
-/// Longest control line, in bytes.
-const LINE_MAX_BYTES: u64 = 64 * 1024;
 
 /// Binds the control socket with mode 0600, replacing a stale one.
 pub(crate) fn bind(path: &Path) -> anyhow::Result<UnixListener> {
@@ -43,109 +34,96 @@ pub(crate) struct Running {
     pub(crate) engine: Engine,
     /// The configuration generation the brick runs.
     pub(crate) generation: u64,
-    /// What the brick was started with and the live options it runs, for the state dump.
-    pub(crate) settings: serde_json::Value,
-    pub(crate) live: BTreeMap<String, String>,
+    /// What the brick was started with, for the state dump.
+    pub(crate) start: StartSettings,
+    /// What it runs now: the start's settings with the live options pushed since.
+    pub(crate) settings: BrickSettings,
     pub(crate) started: std::time::Instant,
 }
 
-#[derive(serde::Deserialize)]
-struct Push {
-    generation: u64,
-    options: BTreeMap<String, String>,
-}
-
 /// Answers one request.
-pub(crate) async fn serve(stream: UnixStream, running: &mut Running) {
-    let (read, mut write) = stream.into_split();
-    let mut line = String::new();
-    let answer = match BufReader::new(read)
-        .take(LINE_MAX_BYTES)
-        .read_line(&mut line)
-        .await
-    {
-        Ok(_) => answer(&line, running).await,
-        Err(e) => json!({ "error": e.to_string() }),
-    };
-    let mut out = answer.to_string().into_bytes();
-    out.push(b'\n');
-    let _ = write.write_all(&out).await;
-}
-
-async fn answer(line: &str, running: &mut Running) -> serde_json::Value {
-    let request: serde_json::Value = serde_json::from_str(line).unwrap_or_default();
-    let generation = running.generation;
-    if request["status"] == true {
-        return json!({ "generation": generation });
-    }
-    if request["profile"] == true {
-        return json!({ "generation": generation, "profile": running.engine.profile().report() });
-    }
-    if request["statedump"] == true {
-        return json!({ "generation": generation, "statedump": statedump(running).await });
-    }
-    match apply(line, running) {
-        Ok(applied) => {
-            running.generation = applied;
-            tracing::info!(generation = applied, "live options applied");
-            json!({ "generation": applied })
-        }
-        Err(e) => {
-            tracing::warn!(error = %e, "live options refused");
-            json!({ "error": format!("{e:#}") })
-        }
-    }
-}
-
-async fn statedump(running: &Running) -> serde_json::Value {
-    let engine = running.engine.state().await;
-    json!({
-        "pid": std::process::id(),
-        "uptime_s": running.started.elapsed().as_secs(),
-        "generation": running.generation,
-        "settings": running.settings,
-        "live_options": running.live,
-        "listen": running.server.local_addr(),
-        "connections": running.server.connections().list(),
-        "engine": {
-            "kind": running.engine.kind().name(),
-            "workers": running.engine.workers(),
-            "open_fds": engine.open_fds(),
-            "fd_tables": engine.fd_tables,
-            "gfid_cache": engine.gfid_cache,
-            "dirfd_cache": engine.dirfd_cache,
-            "ring": engine.ring,
+pub(crate) async fn serve(mut stream: UnixStream, running: &mut Running) {
+    let answer = match EXCHANGE.read_request(&mut stream).await {
+        Ok(request) => answer(request, running).await,
+        Err(e) => ControlAnswer::Error {
+            message: format!("bad request: {e}"),
         },
-        "profile": running.engine.profile().report(),
-    })
-}
-
-/// `on`/`off` as the option table writes booleans.
-pub(crate) fn switch(options: &BTreeMap<String, String>, key: &str) -> anyhow::Result<bool> {
-    match options.get(key).map(String::as_str) {
-        None | Some("off") => Ok(false),
-        Some("on") => Ok(true),
-        Some(other) => anyhow::bail!("{key}: '{other}' is neither on nor off"),
+    };
+    if let Err(e) = EXCHANGE.write_answer(&mut stream, &answer).await {
+        tracing::debug!(error = %e, "control answer not delivered");
     }
 }
 
-fn apply(line: &str, running: &mut Running) -> anyhow::Result<u64> {
-    let push: Push = serde_json::from_str(line).context("bad push")?;
-    let auth_allow = match push.options.get("auth.allow") {
-        Some(list) => AuthAllow::parse(list).context("auth.allow")?,
-        None => AuthAllow::All,
-    };
-    let inflight_max = match push.options.get("network.inflight-max") {
-        Some(n) => n.parse().context("network.inflight-max")?,
-        None => 256,
-    };
-    if !(1..=4096).contains(&inflight_max) {
-        anyhow::bail!("network.inflight-max {inflight_max} is outside 1..=4096");
+async fn answer(request: ControlRequest, running: &mut Running) -> ControlAnswer {
+    let generation = running.generation;
+    match request {
+        ControlRequest::Status => ControlAnswer::Generation { generation },
+        ControlRequest::Profile => ControlAnswer::Profile {
+            generation,
+            profile: running.engine.profile().report(),
+        },
+        ControlRequest::Statedump => ControlAnswer::Statedump {
+            generation,
+            statedump: Box::new(statedump(running).await),
+        },
+        ControlRequest::Push {
+            generation,
+            options,
+        } => match apply(&options, running) {
+            Ok(()) => {
+                running.generation = generation;
+                tracing::info!(generation, "live options applied");
+                ControlAnswer::Generation { generation }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "live options refused");
+                ControlAnswer::Error {
+                    message: format!("{e:#}"),
+                }
+            }
+        },
     }
-    let counting = switch(&push.options, "diagnostics.count-fop-hits")?;
-    let timing = switch(&push.options, "diagnostics.latency-measurement")?;
-    running.server.reconfigure(auth_allow, inflight_max)?;
-    running.engine.profile().set(counting, timing);
-    running.live = push.options;
-    Ok(push.generation)
+}
+
+async fn statedump(running: &Running) -> Statedump {
+    let engine = running.engine.state().await;
+    Statedump {
+        pid: std::process::id(),
+        uptime_s: running.started.elapsed().as_secs(),
+        generation: running.generation,
+        settings: running.start.clone(),
+        live_options: running.settings.live_options(),
+        listen: running.server.local_addr(),
+        connections: running.server.connections().list(),
+        engine: EngineDump {
+            kind: running.engine.kind().name().to_owned(),
+            workers: running.engine.workers(),
+            open_fds: engine.open_fds(),
+            fd_tables: engine
+                .fd_tables
+                .iter()
+                .map(|(&session, &open_fds)| SessionFds { session, open_fds })
+                .collect(),
+            gfid_cache: engine.gfid_cache,
+            dirfd_cache: engine.dirfd_cache,
+            ring: engine.ring,
+        },
+        profile: running.engine.profile().report(),
+        volume_options: None,
+    }
+}
+
+/// Applies a push's live options; nothing changes if one is refused.
+fn apply(options: &BTreeMap<String, String>, running: &mut Running) -> anyhow::Result<()> {
+    let settings = running.settings.with_live(options).context("bad push")?;
+    let auth_allow = AuthAllow::parse(&settings.auth_allow).context("auth.allow")?;
+    running
+        .server
+        .reconfigure(auth_allow, settings.inflight_max)?;
+    running
+        .engine
+        .profile()
+        .set(settings.count_fop_hits, settings.latency_measurement);
+    running.settings = settings;
+    Ok(())
 }

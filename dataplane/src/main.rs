@@ -10,7 +10,6 @@
 //!                                   until SIGTERM or SIGINT
 //! ```
 
-use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -18,10 +17,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Parser, Subcommand};
+use kiln_admin::control::StartSettings;
+use kiln_admin::options::{BrickSettings, FsyncPolicy, ServerEngine};
+use kiln_admin::pki;
 use kiln_dataplane::server::{AuthAllow, Server, ServerConfig};
 use kiln_dataplane::{Brick, Engine, EngineConfig, EngineKind, metrics, recovery};
-use kiln_mgmt::pki;
 
 mod control;
 
@@ -61,27 +62,10 @@ struct ServeArgs {
     /// The brick's certificate name (`kiln cert issue --brick NAME`).
     #[arg(long, default_value = "brick")]
     name: String,
-    /// Client names allowed in: `*` or a comma-separated list (auth.allow).
-    #[arg(long, default_value = "*")]
-    auth_allow: String,
-    /// Executor for fops (server.engine).
-    #[arg(long, value_enum, default_value_t = EngineArg::Uring)]
-    engine: EngineArg,
-    /// Worker threads (server.event-threads); default one per core.
-    #[arg(long)]
-    workers: Option<usize>,
-    /// Cached inode → GFID entries (network.inode-lru-limit).
-    #[arg(long)]
-    gfid_cache_entries: Option<usize>,
-    /// Directory fds held open (storage.dirfd-cache-entries).
-    #[arg(long)]
-    dirfd_cache_entries: Option<usize>,
-    /// Submission queue entries of each worker's ring (server.ring-entries).
-    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(16..=32_768))]
-    ring_entries: u32,
-    /// Calls in flight per connection (network.inflight-max).
-    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=4096))]
-    inflight_max: u32,
+    /// The volume options a brick takes, one flag each, with the option table's defaults,
+    /// values and help (`kiln volume set help`).
+    #[command(flatten)]
+    options: BrickSettings,
     /// Ring workers that each run a QUIC endpoint on the shared port; default all.
     #[arg(long)]
     endpoints: Option<usize>,
@@ -97,37 +81,10 @@ struct ServeArgs {
     /// The configuration generation these arguments come from (reported back on pushes).
     #[arg(long, default_value_t = 0)]
     generation: u64,
-    /// When written data is durable (storage.fsync-policy): when clients fsync, or before
-    /// every WRITE and PUT is acknowledged.
-    #[arg(long, value_enum, default_value_t = FsyncPolicy::AsRequested)]
-    fsync_policy: FsyncPolicy,
-    /// Count calls per fop from the start (diagnostics.count-fop-hits; switched live by
-    /// pushes on the control socket).
-    #[arg(long)]
-    count_fop_hits: bool,
-    /// Time every fop from the start (diagnostics.latency-measurement).
-    #[arg(long)]
-    latency_measurement: bool,
-    /// Serve Prometheus metrics over HTTP at this TCP address (diagnostics.metrics-listen);
-    /// off when not given.
-    #[arg(long)]
-    metrics_listen: Option<SocketAddr>,
     /// Stop (as on SIGTERM) when the parent process dies: set by kiln-mgmtd, so a brick never
     /// outlives its supervisor and a restarted supervisor starts it afresh.
     #[arg(long)]
     die_with_parent: bool,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum FsyncPolicy {
-    AsRequested,
-    WriteThrough,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum EngineArg {
-    Uring,
-    Blocking,
 }
 
 fn main() -> ExitCode {
@@ -144,7 +101,7 @@ fn main() -> ExitCode {
             .map(|id| println!("formatted {} as brick {id}", brick_dir.display()))
             .map_err(anyhow::Error::from),
         Command::Check { repair, brick_dir } => check(&brick_dir, repair),
-        Command::Serve(args) => serve(*args),
+        Command::Serve(args) => serve(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -168,11 +125,6 @@ fn check(dir: &std::path::Path, repair: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A boolean as the option table writes it.
-fn on_off(on: bool) -> String {
-    if on { "on" } else { "off" }.to_owned()
-}
-
 /// An exclusive lock on the brick's `.glusterfs/kiln-brickd.lock`, held while serving.
 fn lock_brick(brick: &Brick) -> anyhow::Result<std::fs::File> {
     let path = brick.path.join(".glusterfs/kiln-brickd.lock");
@@ -192,7 +144,7 @@ fn lock_brick(brick: &Brick) -> anyhow::Result<std::fs::File> {
     }
 }
 
-fn serve(args: ServeArgs) -> anyhow::Result<()> {
+fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     if args.die_with_parent {
         rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::TERM))?;
         // The parent may have died before the call above.
@@ -206,7 +158,8 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         &args.name,
     );
     let identity = pki::load_identity(&pki::ca_files(&args.tls_dir).cert, &files)?;
-    let auth_allow = AuthAllow::parse(&args.auth_allow).context("--auth-allow")?;
+    let settings = &args.options;
+    let auth_allow = AuthAllow::parse(&settings.auth_allow).context("--auth-allow")?;
 
     let brick = Arc::new(
         Brick::open(&args.brick_dir)
@@ -217,127 +170,205 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let repaired = recovery::repair(&brick).map_err(std::io::Error::from)?;
     tracing::info!(brick = %brick.id, ?repaired, "brick open");
 
-    let mut engine_config = EngineConfig {
-        kind: match args.engine {
-            EngineArg::Uring => EngineKind::Uring,
-            EngineArg::Blocking => EngineKind::Blocking,
-        },
-        ..EngineConfig::default()
-    };
-    if let Some(workers) = args.workers {
-        engine_config.workers = workers.max(1);
-    }
-    if let Some(n) = args
-        .gfid_cache_entries
-        .and_then(std::num::NonZeroUsize::new)
-    {
-        engine_config.fops.gfid_cache_entries = n;
-    }
-    if let Some(n) = args
-        .dirfd_cache_entries
-        .and_then(std::num::NonZeroUsize::new)
-    {
-        engine_config.fops.dirfd_cache_entries = n;
-    }
-    engine_config.ring.ring_entries = args.ring_entries;
-    engine_config.fops.write_through = matches!(args.fsync_policy, FsyncPolicy::WriteThrough);
-    let engine = Engine::start(&brick, &engine_config)?;
+    let engine = Engine::start(&brick, &engine_config(settings))?;
     engine
         .profile()
-        .set(args.count_fop_hits, args.latency_measurement);
-    let settings = serde_json::json!({
-        "brick": brick.path,
-        "brick_id": brick.id.to_string(),
-        "ring_entries": args.ring_entries,
-        "gfid_cache_entries": engine_config.fops.gfid_cache_entries,
-        "dirfd_cache_entries": engine_config.fops.dirfd_cache_entries,
-        "inflight_max": args.inflight_max,
-        "write_through": engine_config.fops.write_through,
-        "auth_allow": args.auth_allow,
-        "metrics_listen": args.metrics_listen,
+        .set(settings.count_fop_hits, settings.latency_measurement);
+    let mut config = ServerConfig::new(args.listen, identity);
+    config.auth_allow = auth_allow;
+    config.inflight_max = settings.inflight_max;
+    config.endpoints = args.endpoints.unwrap_or(usize::MAX);
+    config.volume = args.volume.clone().unwrap_or_else(|| {
+        let dir = args
+            .brick_dir
+            .canonicalize()
+            .unwrap_or(args.brick_dir.clone());
+        dir.file_name()
+            .map_or("kiln".into(), |n| n.to_string_lossy().into_owned())
     });
-
+    let start = StartSettings {
+        brick: brick.path.clone(),
+        brick_id: brick.id.to_string(),
+        options: settings.clone(),
+    };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    runtime.block_on(async move {
-        let mut config = ServerConfig::new(args.listen, identity);
-        config.auth_allow = auth_allow;
-        config.inflight_max = args.inflight_max;
-        config.endpoints = args.endpoints.unwrap_or(usize::MAX);
-        config.volume = args.volume.unwrap_or_else(|| {
-            let dir = args
-                .brick_dir
-                .canonicalize()
-                .unwrap_or(args.brick_dir.clone());
-            dir.file_name()
-                .map_or("kiln".into(), |n| n.to_string_lossy().into_owned())
-        });
-        // Bound first: a brick that cannot serve what it was asked to does not serve at all.
-        let metrics = match args.metrics_listen {
-            Some(addr) => Some(
-                tokio::net::TcpListener::bind(addr)
-                    .await
-                    .with_context(|| format!("cannot serve metrics on {addr}"))?,
-            ),
-            None => None,
-        };
-        let server = Server::start(&engine, brick.id, config).await?;
-        // Scripts and tests read the address from this line (the port may have been 0).
-        println!("listening on {}", server.local_addr());
-        if let Some(listener) = metrics {
-            let local = listener.local_addr()?;
-            tracing::info!(%local, "serving Prometheus metrics at /metrics");
-            let connections = server.connections().clone();
-            tokio::spawn(metrics::serve(listener, engine.clone(), connections));
-        }
+    runtime.block_on(run(args, engine, brick.id, config, start))
+}
 
-        use tokio::signal::unix::{SignalKind, signal};
-        let mut term = signal(SignalKind::terminate())?;
-        let mut int = signal(SignalKind::interrupt())?;
-        let control = match &args.control {
-            Some(path) => Some(control::bind(path)?),
-            None => None,
-        };
-        let mut running = control::Running {
-            server,
-            engine: engine.clone(),
-            generation: args.generation,
-            settings,
-            live: BTreeMap::from([
-                ("auth.allow".to_owned(), args.auth_allow.clone()),
-                (
-                    "network.inflight-max".to_owned(),
-                    args.inflight_max.to_string(),
-                ),
-                (
-                    "diagnostics.count-fop-hits".to_owned(),
-                    on_off(args.count_fop_hits),
-                ),
-                (
-                    "diagnostics.latency-measurement".to_owned(),
-                    on_off(args.latency_measurement),
-                ),
-            ]),
-            started: std::time::Instant::now(),
-        };
-        loop {
-            tokio::select! {
-                _ = term.recv() => break,
-                _ = int.recv() => break,
-                Some(accepted) = async { Some(control.as_ref()?.accept().await) } => {
-                    if let Ok((stream, _)) = accepted {
-                        control::serve(stream, &mut running).await;
-                    }
+/// The engine as the brick options say.
+fn engine_config(settings: &BrickSettings) -> EngineConfig {
+    let mut config = EngineConfig {
+        kind: match settings.engine {
+            ServerEngine::Uring => EngineKind::Uring,
+            ServerEngine::Blocking => EngineKind::Blocking,
+        },
+        ..EngineConfig::default()
+    };
+    if let Some(workers) = settings.workers {
+        config.workers = workers.get();
+    }
+    config.fops.gfid_cache_entries = settings.gfid_cache_entries;
+    config.fops.dirfd_cache_entries = settings.dirfd_cache_entries;
+    config.fops.write_through = settings.fsync_policy == FsyncPolicy::WriteThrough;
+    config.ring.ring_entries = settings.ring_entries;
+    config
+}
+
+/// Serves until SIGTERM or SIGINT, answering the control socket meanwhile, then drains.
+async fn run(
+    args: &ServeArgs,
+    engine: Engine,
+    brick_id: kiln_wire::BrickId,
+    config: ServerConfig,
+    start: StartSettings,
+) -> anyhow::Result<()> {
+    // Bound first: a brick that cannot serve what it was asked to does not serve at all.
+    let metrics = match start.options.metrics_listen {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot serve metrics on {addr}"))?,
+        ),
+        None => None,
+    };
+    let server = Server::start(&engine, brick_id, config).await?;
+    // Scripts and tests read the address from this line (the port may have been 0).
+    println!("listening on {}", server.local_addr());
+    if let Some(listener) = metrics {
+        let local = listener.local_addr()?;
+        tracing::info!(%local, "serving Prometheus metrics at /metrics");
+        let connections = server.connections().clone();
+        tokio::spawn(metrics::serve(listener, engine.clone(), connections));
+    }
+
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    let control = match &args.control {
+        Some(path) => Some(control::bind(path)?),
+        None => None,
+    };
+    let mut running = control::Running {
+        server,
+        engine,
+        generation: args.generation,
+        settings: start.options.clone(),
+        start,
+        started: std::time::Instant::now(),
+    };
+    loop {
+        tokio::select! {
+            _ = term.recv() => break,
+            _ = int.recv() => break,
+            Some(accepted) = async { Some(control.as_ref()?.accept().await) } => {
+                if let Ok((stream, _)) = accepted {
+                    control::serve(stream, &mut running).await;
                 }
             }
         }
-        tracing::info!("shutting down: draining calls in flight");
-        running
-            .server
-            .shutdown(Duration::from_secs(args.shutdown_grace_secs))
-            .await;
-        tracing::info!("stopped");
-        anyhow::Ok(())
-    })
+    }
+    tracing::info!("shutting down: draining calls in flight");
+    running
+        .server
+        .shutdown(Duration::from_secs(args.shutdown_grace_secs))
+        .await;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn serve_args(extra: &[&str]) -> ServeArgs {
+        let base = ["kiln-brickd", "serve", "/bricks/b0", "--tls-dir", "/tls"];
+        let cli = Cli::try_parse_from(base.iter().chain(extra)).expect("valid arguments");
+        match cli.command {
+            Command::Serve(args) => *args,
+            _ => panic!("not serve"),
+        }
+    }
+
+    #[test]
+    fn every_flag_name_still_works_and_reaches_the_engine() {
+        let args = serve_args(&[
+            "--listen",
+            "127.0.0.1:0",
+            "--name",
+            "b",
+            "--volume",
+            "v",
+            "--control",
+            "/run/b.sock",
+            "--generation",
+            "7",
+            "--shutdown-grace-secs",
+            "1",
+            "--endpoints",
+            "1",
+            "--die-with-parent",
+            "--auth-allow",
+            "alice, bob",
+            "--engine",
+            "blocking",
+            "--workers",
+            "2",
+            "--inflight-max",
+            "4",
+            "--gfid-cache-entries",
+            "2048",
+            "--dirfd-cache-entries",
+            "32",
+            "--ring-entries",
+            "64",
+            "--fsync-policy",
+            "write-through",
+            "--count-fop-hits",
+            "--latency-measurement",
+            "--metrics-listen",
+            "127.0.0.1:9713",
+        ]);
+        let settings = &args.options;
+        assert_eq!(settings.auth_allow, "alice,bob");
+        assert_eq!(settings.inflight_max, 4);
+        assert!(settings.count_fop_hits && settings.latency_measurement);
+        assert_eq!(settings.metrics_listen, "127.0.0.1:9713".parse().ok());
+        assert_eq!(args.generation, 7);
+        let config = engine_config(settings);
+        assert_eq!(config.kind, EngineKind::Blocking);
+        assert_eq!(config.workers, 2);
+        assert_eq!(config.fops.gfid_cache_entries.get(), 2048);
+        assert_eq!(config.fops.dirfd_cache_entries.get(), 32);
+        assert_eq!(config.ring.ring_entries, 64);
+        assert!(config.fops.write_through);
+    }
+
+    #[test]
+    fn defaults_are_the_option_tables() {
+        let args = serve_args(&[]);
+        let table = BrickSettings::from_options(&Default::default()).expect("defaults");
+        assert_eq!(args.options, table);
+        let config = engine_config(&args.options);
+        let default = EngineConfig::default();
+        assert_eq!(config.workers, default.workers, "one worker per core");
+        assert_eq!(
+            config.fops.gfid_cache_entries,
+            default.fops.gfid_cache_entries
+        );
+        assert_eq!(config.ring.ring_entries, default.ring.ring_entries);
+        assert!(
+            Cli::try_parse_from([
+                "kiln-brickd",
+                "serve",
+                "/b",
+                "--tls-dir",
+                "/t",
+                "--ring-entries",
+                "8"
+            ])
+            .is_err()
+        );
+    }
 }

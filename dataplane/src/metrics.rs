@@ -14,7 +14,7 @@ use kiln_wire::FopCode;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-use kiln_mgmt::protocol::FopProfile;
+use kiln_admin::control::FopProfile;
 
 use crate::cache::CacheState;
 use crate::engine::{Engine, EngineState};

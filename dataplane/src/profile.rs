@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
-use kiln_mgmt::protocol::{FopProfile, LatencySummary, ProfileReport};
+use kiln_admin::control::{FopProfile, LatencySummary, ProfileReport};
 use kiln_wire::{ErrorCode, FopCode, FopReply, FopRequest};
 use rustix::io::Errno;
 

@@ -21,7 +21,7 @@ use std::rc::Rc;
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
-use kiln_mgmt::pki::{self, Identity};
+use kiln_admin::pki::{self, Identity};
 use kiln_wire::quic::{self, CloseCode, StreamCode};
 use kiln_wire::{
     BrickId, Call, CallCode, Capabilities, ErrorCode, HelloReply, Label, Limits, Message, Outcome,
@@ -179,16 +179,7 @@ impl Connections {
     }
 }
 
-/// A connected client, as a state dump shows it.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct ConnectionInfo {
-    pub session: SessionId,
-    /// The client's certificate name.
-    pub client: String,
-    pub remote: SocketAddr,
-    /// When the session opened, in seconds since the Unix epoch.
-    pub since_unix_s: u64,
-}
+pub use kiln_admin::control::ConnectionInfo;
 
 /// What [`Server::reconfigure`] changes while serving; read by each new connection.
 #[derive(Debug, Clone)]

@@ -9,19 +9,21 @@
 //! <state>/logs/        one log per brick
 //! ```
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::Context as _;
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use kiln_admin::command::{EXCHANGE, OptionValue, ProfileAction, Request, Response};
+use kiln_admin::exchange::ExchangeError;
+use kiln_admin::options;
+use kiln_admin::pki::{self, Role};
+use kiln_admin::volume::{Brick, Volume, VolumeState};
 use tokio::net::{UnixListener, UnixStream};
 
-use crate::options;
-use crate::pki::{self, Role};
-use crate::protocol::{LINE_MAX_BYTES, OptionValue, ProfileAction, Request, Response};
 use crate::store::{CommitError, Store, StoreOptions};
 use crate::supervisor::{CurrentConfig, Launch, Supervisor};
-use crate::volume::{BRICK_PORT_BASE, Brick, Change, Cluster, ConfigError, Volume, VolumeState};
+use crate::volume::{BRICK_PORT_BASE, Change, Cluster, ConfigError};
 
 /// The options `kiln volume profile VOL start|stop` switches.
 const PROFILE_OPTIONS: [&str; 2] = [
@@ -156,23 +158,14 @@ fn bind_socket(path: &Path) -> anyhow::Result<UnixListener> {
 }
 
 impl Daemon {
-    async fn serve(&self, stream: UnixStream) -> anyhow::Result<()> {
-        let (read, mut write) = stream.into_split();
-        let mut line = String::new();
-        let n = BufReader::new(read)
-            .take(LINE_MAX_BYTES as u64)
-            .read_line(&mut line)
-            .await?;
-        let response = match serde_json::from_str::<Request>(&line[..n]) {
+    async fn serve(&self, mut stream: UnixStream) -> Result<(), ExchangeError> {
+        let response = match EXCHANGE.read_request::<Request>(&mut stream).await {
             Ok(request) => self.handle(request).await,
             Err(e) => Response::Error {
                 message: format!("bad request: {e}"),
             },
         };
-        let mut out = serde_json::to_vec(&response)?;
-        out.push(b'\n');
-        write.write_all(&out).await?;
-        Ok(())
+        EXCHANGE.write_answer(&mut stream, &response).await
     }
 
     async fn handle(&self, request: Request) -> Response {
@@ -330,26 +323,26 @@ impl Daemon {
                         generation
                     }
                 };
-                Response::BrickReports {
+                Response::Profiles {
                     generation,
-                    bricks: self.supervisor.query(&volume, "profile").await,
+                    bricks: self.supervisor.profiles(&volume).await,
                 }
             }
             Request::VolumeStatedump { name } => {
                 let volume = self.volume(&name)?;
-                let mut bricks = self.supervisor.query(&volume, "statedump").await;
+                let mut bricks = self.supervisor.statedumps(&volume).await;
                 // Beside what each brick runs: every option of the volume as configured now.
-                let configured: serde_json::Map<String, serde_json::Value> = options::OPTIONS
+                let configured: BTreeMap<String, String> = options::OPTIONS
                     .iter()
                     .map(|o| {
                         let value = options::effective(&volume.options, o.key);
-                        (o.key.to_owned(), value.into())
+                        (o.key.to_owned(), value.to_owned())
                     })
                     .collect();
                 for report in bricks.iter_mut().filter_map(|b| b.report.as_mut()) {
-                    report["volume_options"] = configured.clone().into();
+                    report.volume_options = Some(configured.clone());
                 }
-                Response::BrickReports {
+                Response::Statedumps {
                     generation: self.store.read(|_, generation| generation),
                     bricks,
                 }
@@ -451,11 +444,8 @@ impl Daemon {
     }
 }
 
-/// A random version-4 UUID, in the form GlusterFS prints volume ids.
+/// A random version-4 UUID, in the form GlusterFS prints volume ids. (If the kernel cannot
+/// give random bytes, `uuid` panics rather than hand out a predictable id.)
 fn uuid() -> String {
-    let mut b = [0u8; 16];
-    let _ = rustix::rand::getrandom(&mut b, rustix::rand::GetRandomFlags::empty());
-    b[6] = (b[6] & 0x0f) | 0x40;
-    b[8] = (b[8] & 0x3f) | 0x80;
-    kiln_wire::BrickId(b).to_string()
+    uuid::Uuid::new_v4().hyphenated().to_string()
 }

@@ -1,16 +1,16 @@
 //! Kiln cluster management: the management daemon `kiln-mgmtd` and what it is made of — the
-//! cluster's identities ([`pki`]), the durable configuration store ([`store`]: one durable
-//! write per transaction, group commit, compaction, torn tails dropped at open), the volume
-//! configuration and its typed changes ([`volume`]), the typed option table ([`options`]), the
-//! brick supervisor with live option pushes ([`supervisor`]), the command protocol
-//! ([`protocol`]) and the daemon that serves it ([`daemon`]).
+//! durable configuration store ([`store`]: one durable write per transaction, group commit,
+//! compaction, torn tails dropped at open), the volume configuration and its typed changes
+//! ([`volume`]), the brick supervisor with live option pushes ([`supervisor`]) and the daemon
+//! that serves the command socket ([`daemon`]).
 //!
-//! It does no data I/O and never touches a brick's files; bricks are separate processes.
+//! What the daemon shares with bricks and clients — the cluster's identities, the option
+//! table, both sockets' protocols, the volume descriptions — is in `kiln-admin`. It does no
+//! data I/O and never touches a brick's files; bricks are separate processes.
+
+#![forbid(unsafe_code)]
 
 pub mod daemon;
-pub mod options;
-pub mod pki;
-pub mod protocol;
 pub mod store;
 pub mod supervisor;
 pub mod volume;

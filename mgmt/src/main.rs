@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
+use kiln_admin::command::DEFAULT_SOCKET;
 use kiln_mgmt::daemon::{self, DaemonConfig};
-use kiln_mgmt::protocol::DEFAULT_SOCKET;
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -41,7 +41,7 @@ fn main() -> ExitCode {
     let args = Args::parse();
     let brickd = args
         .brickd
-        .or_else(|| kiln_mgmt::supervisor::find_binary("kiln-brickd"))
+        .or_else(|| kiln_admin::find_binary("kiln-brickd"))
         .unwrap_or_else(|| PathBuf::from("kiln-brickd"));
     let config = DaemonConfig {
         state_dir: args.state_dir,

@@ -30,6 +30,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
+use kiln_admin::durable::{self, DurableWriteError};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 
@@ -40,8 +41,6 @@ pub const LOG_FILE: &str = "log";
 /// Largest payload of one log record (one transaction), in bytes.
 pub const RECORD_BYTES_MAX: u32 = 16 << 20;
 
-const SNAPSHOT_TMP_FILE: &str = "snapshot.json.tmp";
-const LOG_TMP_FILE: &str = "log.tmp";
 /// Payload length and CRC-32C.
 const RECORD_HEADER_BYTES: usize = 8;
 
@@ -96,6 +95,15 @@ pub enum StoreError {
     Thread(io::Error),
     #[error("the store is closed")]
     Closed,
+}
+
+impl From<DurableWriteError> for StoreError {
+    fn from(e: DurableWriteError) -> StoreError {
+        StoreError::Write {
+            path: e.path,
+            error: e.error,
+        }
+    }
 }
 
 /// Why a commit did not happen.
@@ -186,8 +194,9 @@ impl<S: State> Store<S> {
     /// replayed over it, cutting off a torn tail.
     pub fn open(dir: &Path, options: StoreOptions) -> Result<(Store<S>, OpenReport), StoreError> {
         create_dir(dir)?;
-        for stale in [SNAPSHOT_TMP_FILE, LOG_TMP_FILE] {
-            remove_if_present(&dir.join(stale))?;
+        // Left by a compaction that crashed before putting them in place.
+        for file in [SNAPSHOT_FILE, LOG_FILE] {
+            remove_if_present(&durable::temp_path(&dir.join(file)))?;
         }
         let (mut state, snapshot_generation) = read_snapshot::<S>(&dir.join(SNAPSHOT_FILE))?;
         let log_path = dir.join(LOG_FILE);
@@ -545,15 +554,14 @@ impl<S: State> Writer<S> {
             error,
         })?;
         let dir = &self.shared.dir;
-        let snapshot_tmp = dir.join(SNAPSHOT_TMP_FILE);
-        let log_tmp = dir.join(LOG_TMP_FILE);
-        write_temp(&snapshot_tmp, &snapshot)?;
-        if let Err(error) = write_temp(&log_tmp, &[]) {
-            let _ = std::fs::remove_file(&snapshot_tmp);
-            return Err(error);
-        }
-        let replaced = rename_durably(&snapshot_tmp, &dir.join(SNAPSHOT_FILE))
-            .and_then(|()| rename_durably(&log_tmp, &dir.join(LOG_FILE)))
+        // Both files are prepared before either replaces its old one; a staged file that is
+        // not put in place is removed when dropped.
+        let new_snapshot = durable::stage(&dir.join(SNAPSHOT_FILE), &snapshot, 0o600)?;
+        let new_log = durable::stage(&dir.join(LOG_FILE), &[], 0o600)?;
+        let replaced = new_snapshot
+            .commit()
+            .and_then(|()| new_log.commit())
+            .map_err(StoreError::from)
             .and_then(|()| open_log(&dir.join(LOG_FILE), false));
         match replaced {
             Ok(log) => {
@@ -787,43 +795,9 @@ fn remove_if_present(path: &Path) -> Result<(), StoreError> {
     }
 }
 
-/// Writes `bytes` to a new file at `path` (mode 0600) and fsyncs it; removes it on failure.
-fn write_temp(path: &Path, bytes: &[u8]) -> Result<(), StoreError> {
-    let written = OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(path)
-        .and_then(|mut file| {
-            file.write_all(bytes)?;
-            file.sync_all()
-        });
-    written.map_err(|error| {
-        let _ = std::fs::remove_file(path);
-        StoreError::Write {
-            path: path.to_owned(),
-            error,
-        }
-    })
-}
-
-/// Renames `from` over `to` and fsyncs the directory, so the rename survives a crash.
-fn rename_durably(from: &Path, to: &Path) -> Result<(), StoreError> {
-    std::fs::rename(from, to).map_err(|error| StoreError::Write {
-        path: to.to_owned(),
-        error,
-    })?;
-    sync_dir(to.parent().unwrap_or(Path::new(".")))
-}
-
+/// Fsyncs the store directory (after the log is created).
 fn sync_dir(dir: &Path) -> Result<(), StoreError> {
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(|error| StoreError::Write {
-            path: dir.to_owned(),
-            error,
-        })
+    durable::sync_dir(dir).map_err(StoreError::from)
 }
 
 #[cfg(test)]

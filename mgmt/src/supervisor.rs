@@ -3,16 +3,17 @@
 //! running); a stopped volume's bricks get SIGTERM, and SIGKILL if they do not drain in time.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use kiln_admin::command::{BrickReport, BrickStatus};
+use kiln_admin::control::{self, ControlAnswer, ControlRequest, ProfileReport, Statedump};
+use kiln_admin::exchange::LineExchange;
+use kiln_admin::options;
+use kiln_admin::volume::{Brick, Volume};
 use tokio::sync::watch;
-
-use crate::options;
-use crate::protocol::{BrickReport, BrickStatus};
-use crate::volume::{Brick, Volume};
 
 /// First wait before restarting a brick that exited.
 pub const RESTART_BACKOFF_MIN: Duration = Duration::from_secs(1);
@@ -22,20 +23,6 @@ pub const RESTART_BACKOFF_MAX: Duration = Duration::from_secs(30);
 pub const STABLE_RUN: Duration = Duration::from_secs(60);
 /// How long a stopping brick may drain before it is killed.
 pub const STOP_GRACE: Duration = Duration::from_secs(15);
-
-/// The workspace binary `name`: beside the running executable (how cargo and packages lay
-/// them out), else from PATH.
-pub fn find_binary(name: &str) -> Option<PathBuf> {
-    let beside = std::env::current_exe().ok()?.with_file_name(name);
-    if beside.exists() {
-        return Some(beside);
-    }
-    std::env::var_os("PATH")
-        .iter()
-        .flat_map(std::env::split_paths)
-        .map(|dir| dir.join(name))
-        .find(|p| p.exists())
-}
 
 /// Where the supervisor finds what bricks need.
 #[derive(Debug, Clone)]
@@ -52,14 +39,19 @@ pub struct Launch {
     pub run_dir: PathBuf,
 }
 
+impl Launch {
+    fn control_socket(&self, brick_name: &str) -> PathBuf {
+        self.run_dir.join(format!("{brick_name}.sock"))
+    }
+}
+
 /// The current configuration of a volume and its generation, read at every brick start so a
 /// restarted brick runs what was committed last.
 pub type CurrentConfig = Arc<dyn Fn(&str) -> Option<(Volume, u64)> + Send + Sync>;
 
-/// How long a health probe of one brick may take.
+/// How long a health probe of one brick may take. (A push or a query may take
+/// [`control::EXCHANGE`]'s `exchange_timeout`.)
 pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(1);
-/// How long a live push to one brick may take.
-pub const PUSH_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a started brick may take to answer on its control socket before a catch-up
 /// push is given up (it then gets the change at its next start).
 const CATCH_UP_WAIT: Duration = Duration::from_secs(30);
@@ -197,48 +189,69 @@ impl Supervisor {
     /// [`Supervisor::status`] with each running brick probed on its control socket.
     pub async fn checked_status(&self, volume: &Volume) -> Vec<BrickStatus> {
         let mut status = self.status(volume);
-        let probe = serde_json::json!({ "status": true });
+        let probe = control::EXCHANGE.with_exchange_timeout(HEALTH_TIMEOUT);
         for (i, brick) in status.iter_mut().enumerate() {
             if brick.pid.is_none() {
                 continue;
             }
-            let socket = self
-                .launch
-                .run_dir
-                .join(format!("{}.sock", Brick::name(&volume.name, i)));
-            brick.health =
-                match tokio::time::timeout(HEALTH_TIMEOUT, push_one(&socket, &probe)).await {
-                    Ok(Ok(_)) => "ok".to_owned(),
-                    Ok(Err(why)) => format!("unresponsive: {why}"),
-                    Err(_) => "unresponsive: no answer in time".to_owned(),
-                };
+            let socket = self.launch.control_socket(&Brick::name(&volume.name, i));
+            brick.health = match ask(&socket, &ControlRequest::Status, probe).await {
+                Ok(answer) => match generation_of(&answer) {
+                    Ok(_) => "ok".to_owned(),
+                    Err(why) => format!("unresponsive: {why}"),
+                },
+                Err(why) => format!("unresponsive: {why}"),
+            };
         }
         status
     }
 
-    /// Asks every running brick of `volume` for `what` (`profile` or `statedump`) on its
-    /// control socket.
-    pub async fn query(&self, volume: &Volume, what: &str) -> Vec<BrickReport> {
-        let request = serde_json::json!({ what: true });
+    /// Every running brick's profile, asked on its control socket.
+    pub async fn profiles(&self, volume: &Volume) -> Vec<BrickReport<ProfileReport>> {
+        self.query(volume, &ControlRequest::Profile, |answer| match answer {
+            ControlAnswer::Profile { profile, .. } => Some(profile),
+            _ => None,
+        })
+        .await
+    }
+
+    /// Every running brick's state dump, asked on its control socket.
+    pub async fn statedumps(&self, volume: &Volume) -> Vec<BrickReport<Statedump>> {
+        self.query(volume, &ControlRequest::Statedump, |answer| match answer {
+            ControlAnswer::Statedump { statedump, .. } => Some(*statedump),
+            _ => None,
+        })
+        .await
+    }
+
+    /// Asks every running brick of `volume` `request`; `pick` takes the report out of the
+    /// answer it expects.
+    async fn query<T>(
+        &self,
+        volume: &Volume,
+        request: &ControlRequest,
+        pick: impl Fn(ControlAnswer) -> Option<T>,
+    ) -> Vec<BrickReport<T>> {
         let status = self.status(volume);
         let mut reports = Vec::with_capacity(status.len());
         for (i, brick) in status.into_iter().enumerate() {
-            let socket = self
-                .launch
-                .run_dir
-                .join(format!("{}.sock", Brick::name(&volume.name, i)));
+            let name = Brick::name(&volume.name, i);
             let answer = match brick.pid {
                 None => Err(format!("not running ({})", brick.state)),
-                Some(_) => tokio::time::timeout(PUSH_TIMEOUT, ask(&socket, &request))
-                    .await
-                    .unwrap_or_else(|_| Err("no answer in time".to_owned())),
+                Some(_) => ask(
+                    &self.launch.control_socket(&name),
+                    request,
+                    control::EXCHANGE,
+                )
+                .await
+                .and_then(|a| pick(a).ok_or_else(|| unexpected(request))),
             };
             let (report, error) = match answer {
-                Ok(mut a) => (Some(a[what].take()), None),
+                Ok(report) => (Some(report), None),
                 Err(e) => (None, Some(e)),
             };
             reports.push(BrickReport {
-                brick: Brick::name(&volume.name, i),
+                brick: name,
                 path: brick.path,
                 report,
                 error,
@@ -258,10 +271,10 @@ impl Supervisor {
         let mut results = Vec::new();
         for i in 0..volume.bricks.len() {
             let name = Brick::name(&volume.name, i);
-            let socket = self.launch.run_dir.join(format!("{name}.sock"));
-            let result = tokio::time::timeout(PUSH_TIMEOUT, push_one(&socket, &push))
+            let socket = self.launch.control_socket(&name);
+            let result = ask(&socket, &push, control::EXCHANGE)
                 .await
-                .unwrap_or_else(|_| Err("no answer in time".to_owned()));
+                .and_then(|answer| generation_of(&answer));
             if let Ok(applied) = result
                 && let Ok(bricks) = self.bricks.lock()
                 && let Some(running) = bricks.get(&name)
@@ -276,16 +289,11 @@ impl Supervisor {
 }
 
 /// The push of `volume`'s live options at `generation`.
-fn live_push(volume: &Volume, generation: u64) -> serde_json::Value {
-    let live: serde_json::Map<String, serde_json::Value> = options::OPTIONS
-        .iter()
-        .filter(|o| o.apply == options::Apply::Live)
-        .map(|o| {
-            let value = options::effective(&volume.options, o.key);
-            (o.key.to_owned(), value.into())
-        })
-        .collect();
-    serde_json::json!({ "generation": generation, "options": live })
+fn live_push(volume: &Volume, generation: u64) -> ControlRequest {
+    ControlRequest::Push {
+        generation,
+        options: options::live_brick_options(&volume.options),
+    }
 }
 
 /// Brings a brick that has just started up to date: a live change committed while it was
@@ -298,9 +306,11 @@ async fn catch_up(
     started_at: u64,
     run: Arc<Mutex<Run>>,
 ) {
-    let probe = serde_json::json!({ "status": true });
     let deadline = Instant::now() + CATCH_UP_WAIT;
-    while ask(&socket, &probe).await.is_err() {
+    while ask(&socket, &ControlRequest::Status, control::EXCHANGE)
+        .await
+        .is_err()
+    {
         if Instant::now() >= deadline {
             return;
         }
@@ -313,47 +323,43 @@ async fn catch_up(
         return;
     }
     let push = live_push(&config, generation);
-    if let Ok(Ok(applied)) = tokio::time::timeout(PUSH_TIMEOUT, push_one(&socket, &push)).await {
+    if let Ok(applied) = ask(&socket, &push, control::EXCHANGE)
+        .await
+        .and_then(|answer| generation_of(&answer))
+    {
         update(&run, |r| r.generation = applied);
     }
 }
 
-/// One push over a brick's control socket: the generation it runs.
-async fn push_one(socket: &std::path::Path, push: &serde_json::Value) -> Result<u64, String> {
-    let answer = ask(socket, push).await?;
-    answer["generation"]
-        .as_u64()
-        .ok_or_else(|| format!("bad answer {answer}"))
-}
-
-/// One request over a brick's control socket: its answer, or the error it gave.
+/// One request over a brick's control socket: its answer, or why there is none (the error
+/// it answered included).
 async fn ask(
-    socket: &std::path::Path,
-    request: &serde_json::Value,
-) -> Result<serde_json::Value, String> {
-    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
-    let stream = tokio::net::UnixStream::connect(socket)
-        .await
-        .map_err(|e| format!("not reachable ({e})"))?;
-    let (read, mut write) = stream.into_split();
-    let mut line = request.to_string().into_bytes();
-    line.push(b'\n');
-    write.write_all(&line).await.map_err(|e| e.to_string())?;
-    let mut answer = String::new();
-    tokio::io::BufReader::new(read)
-        .read_line(&mut answer)
-        .await
-        .map_err(|e| e.to_string())?;
-    let answer: serde_json::Value = serde_json::from_str(&answer).map_err(|e| e.to_string())?;
-    match answer["error"].as_str() {
-        Some(e) => Err(e.to_owned()),
-        None => Ok(answer),
+    socket: &Path,
+    request: &ControlRequest,
+    exchange: LineExchange,
+) -> Result<ControlAnswer, String> {
+    match exchange.ask(socket, request).await {
+        Ok(ControlAnswer::Error { message }) => Err(message),
+        Ok(answer) => Ok(answer),
+        Err(e) => Err(e.to_string()),
     }
 }
 
-/// `kiln-brickd serve` arguments for brick `index` of `volume` at `generation`.
+/// The generation a brick runs, from its answer to a push or a status probe.
+fn generation_of(answer: &ControlAnswer) -> Result<u64, String> {
+    match answer {
+        ControlAnswer::Generation { generation } => Ok(*generation),
+        _ => Err("an answer without the generation it runs".to_owned()),
+    }
+}
+
+fn unexpected(request: &ControlRequest) -> String {
+    format!("an answer that does not fit the request {request:?}")
+}
+
+/// `kiln-brickd serve` arguments for brick `index` of `volume` at `generation`: where and as
+/// whom it serves, then every brick option from the option table.
 fn brick_args(launch: &Launch, volume: &Volume, index: usize, generation: u64) -> Vec<String> {
-    let option = |key: &str| options::effective(&volume.options, key).to_string();
     let name = Brick::name(&volume.name, index);
     let brick = &volume.bricks[index];
     let mut args = vec![
@@ -367,47 +373,13 @@ fn brick_args(launch: &Launch, volume: &Volume, index: usize, generation: u64) -
         name.clone(),
         "--volume".to_owned(),
         volume.name.clone(),
-        "--auth-allow".to_owned(),
-        option("auth.allow"),
-        "--inflight-max".to_owned(),
-        option("network.inflight-max"),
-        "--engine".to_owned(),
-        option("server.engine"),
-        "--gfid-cache-entries".to_owned(),
-        option("network.inode-lru-limit"),
-        "--dirfd-cache-entries".to_owned(),
-        option("storage.dirfd-cache-entries"),
-        "--fsync-policy".to_owned(),
-        option("storage.fsync-policy"),
-        "--ring-entries".to_owned(),
-        option("server.ring-entries"),
         "--control".to_owned(),
-        launch
-            .run_dir
-            .join(format!("{name}.sock"))
-            .display()
-            .to_string(),
+        launch.control_socket(&name).display().to_string(),
         "--generation".to_owned(),
         generation.to_string(),
         "--die-with-parent".to_owned(),
     ];
-    let workers = option("server.event-threads");
-    if workers != "0" {
-        args.extend(["--workers".to_owned(), workers]);
-    }
-    for (key, flag) in [
-        ("diagnostics.count-fop-hits", "--count-fop-hits"),
-        ("diagnostics.latency-measurement", "--latency-measurement"),
-    ] {
-        if option(key) == "on" {
-            args.push(flag.to_owned());
-        }
-    }
-    if let Ok(mut metrics) = option("diagnostics.metrics-listen").parse::<std::net::SocketAddr>() {
-        let index = u16::try_from(index).unwrap_or(u16::MAX);
-        metrics.set_port(metrics.port().saturating_add(index));
-        args.extend(["--metrics-listen".to_owned(), metrics.to_string()]);
-    }
+    args.extend(options::brick_args(&volume.options, index));
     args
 }
 
@@ -452,7 +424,7 @@ async fn watch_brick(
                     r.generation = generation;
                 });
                 tracing::info!(brick = %name, pid, "brick started");
-                let socket = launch.run_dir.join(format!("{name}.sock"));
+                let socket = launch.control_socket(&name);
                 let catch_up = catch_up(
                     socket,
                     current.clone(),

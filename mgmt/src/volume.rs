@@ -1,13 +1,14 @@
-//! The cluster configuration `kiln-mgmtd` keeps: volumes, their bricks and their options, and
-//! the typed changes that are its only way to change ([`Change`], committed by the
-//! [`store`](crate::store)).
+//! The cluster configuration `kiln-mgmtd` keeps: volumes, their bricks and their options
+//! (described by [`kiln_admin::volume`]), and the typed changes that are its only way to
+//! change ([`Change`], committed by the [`store`](crate::store)).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
+use kiln_admin::options::{self, OptionError};
+use kiln_admin::volume::{Brick, Volume, VolumeState};
 use serde::{Deserialize, Serialize};
 
-use crate::options::{self, OptionError};
 use crate::store::State;
 
 /// Lowest port handed to a brick when the caller does not choose one (GlusterFS's range).
@@ -19,50 +20,6 @@ pub const VOLUME_NAME_MAX_BYTES: usize = 64;
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Cluster {
     pub volumes: BTreeMap<String, Volume>,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Volume {
-    pub name: String,
-    /// A UUID, fixed at creation.
-    pub id: String,
-    pub bricks: Vec<Brick>,
-    /// Options set explicitly, in canonical form; the rest have their defaults.
-    pub options: BTreeMap<String, String>,
-    pub state: VolumeState,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Brick {
-    /// The brick directory on this host.
-    pub path: PathBuf,
-    /// The UDP port its server listens on.
-    pub port: u16,
-}
-
-impl Brick {
-    /// The name of the brick's certificate and of its log: `<volume>-b<index>`.
-    pub fn name(volume: &str, index: usize) -> String {
-        format!("{volume}-b{index}")
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum VolumeState {
-    Created,
-    Started,
-    Stopped,
-}
-
-impl std::fmt::Display for VolumeState {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            VolumeState::Created => "created",
-            VolumeState::Started => "started",
-            VolumeState::Stopped => "stopped",
-        })
-    }
 }
 
 /// One change to the configuration.

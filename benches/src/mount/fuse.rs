@@ -9,8 +9,8 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use kiln_admin::pki::{self, Role};
 use kiln_client::mountinfo;
-use kiln_mgmt::pki::{self, Role};
 use rustix::process::Signal;
 use serde_json::json;
 

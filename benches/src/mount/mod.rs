@@ -43,7 +43,7 @@
 //! * `bindfs` — `bindfs -f [-o BINDFS_OPTIONS] SRC MNT`, SRC in the scratch directory;
 //!   needs the `bindfs` package (kiln-bench never installs anything).
 //! * `kiln` — a fresh brick in the scratch directory served by `kiln-brickd serve` on
-//!   `127.0.0.1:0` (mutual TLS material from `kiln_mgmt::pki`), mounted by
+//!   `127.0.0.1:0` (mutual TLS material from `kiln_admin::pki`), mounted by
 //!   `kiln mount ADDR MNT -f [-o MOUNT_OPTIONS]`; `kiln` and `kiln-brickd` are taken from
 //!   beside kiln-bench. Unmounted with `kiln umount`; the mount's server and the brick must
 //!   then exit 0, or the run fails.

@@ -23,7 +23,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
-use kiln_mgmt::pki::{self, Role};
+use kiln_admin::pki::{self, Role};
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -60,7 +60,7 @@ struct Global {
     #[arg(long, env = "KILN_CLIENT", default_value = "admin", global = true)]
     client: String,
     /// The management daemon's socket.
-    #[arg(long, env = "KILN_MGMT_SOCKET", default_value = kiln_mgmt::protocol::DEFAULT_SOCKET, global = true)]
+    #[arg(long, env = "KILN_MGMT_SOCKET", default_value = kiln_admin::command::DEFAULT_SOCKET, global = true)]
     socket: PathBuf,
 }
 

@@ -18,9 +18,9 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Args;
+use kiln_admin::command::{Request, Response};
+use kiln_admin::volume::VolumeState;
 use kiln_client::mount::{self, MountOptions};
-use kiln_mgmt::protocol::{Request, Response};
-use kiln_mgmt::volume::VolumeState;
 
 use crate::Global;
 

@@ -9,7 +9,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use kiln_mgmt::protocol::{Request, Response};
+use kiln_admin::command::{Request, Response};
+use kiln_admin::volume::VolumeState;
 
 use crate::volume::call;
 
@@ -105,7 +106,7 @@ fn bring_up(
         },
     )? && volumes
         .first()
-        .is_some_and(|v| v.state != kiln_mgmt::volume::VolumeState::Started)
+        .is_some_and(|v| v.state != VolumeState::Started)
     {
         expect_done(call(
             socket,
@@ -177,7 +178,7 @@ pub(crate) fn exec_sibling(name: &str, args: &[std::ffi::OsString]) -> anyhow::R
 }
 
 fn sibling_binary(name: &str) -> anyhow::Result<PathBuf> {
-    kiln_mgmt::supervisor::find_binary(name).with_context(|| {
+    kiln_admin::find_binary(name).with_context(|| {
         format!("{name} not found beside kiln or in PATH; build it with `cargo build --release`")
     })
 }

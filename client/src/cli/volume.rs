@@ -1,17 +1,14 @@
 //! `kiln volume …`: commands for the management daemon over its Unix socket. Output is aligned
 //! for people; `--json` prints the daemon's answer as one JSON object for scripts.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, bail};
+use anyhow::bail;
 use clap::Subcommand;
-use kiln_mgmt::options;
-use kiln_mgmt::protocol::{
-    BrickReport, LINE_MAX_BYTES, ProfileAction, ProfileReport, Request, Response,
-};
-use serde::Deserialize as _;
+use kiln_admin::command::{BrickReport, EXCHANGE, ProfileAction, Request, Response};
+use kiln_admin::control::ProfileReport;
+use kiln_admin::exchange::ExchangeError;
+use kiln_admin::options;
 
 #[derive(Subcommand)]
 pub(crate) enum VolumeCommand {
@@ -109,7 +106,6 @@ pub(crate) fn run(socket: &Path, json: bool, command: VolumeCommand) -> anyhow::
         },
         VolumeCommand::Statedump { name } => Request::VolumeStatedump { name },
     };
-    let statedump = matches!(&request, Request::VolumeStatedump { .. });
     let list_only = matches!(&request, Request::VolumeInfo { name: None });
     let response = call(socket, &request)?;
     if json {
@@ -119,29 +115,20 @@ pub(crate) fn run(socket: &Path, json: bool, command: VolumeCommand) -> anyhow::
             _ => Ok(()),
         };
     }
-    if statedump && let Response::BrickReports { bricks, .. } = &response {
-        println!("{}", serde_json::to_string_pretty(bricks)?);
-        return Ok(());
-    }
     print(response, list_only)
 }
 
 /// One request to the daemon and its answer.
 pub(crate) fn call(socket: &Path, request: &Request) -> anyhow::Result<Response> {
-    let mut stream = UnixStream::connect(socket).with_context(|| {
-        format!(
+    EXCHANGE.ask_blocking(socket, request).map_err(|e| match e {
+        ExchangeError::Unreachable(_) => anyhow::Error::from(e).context(format!(
             "cannot reach kiln-mgmtd at {} (is it running? see `kiln-mgmtd --help`)",
             socket.display()
-        )
-    })?;
-    let mut line = serde_json::to_vec(request)?;
-    line.push(b'\n');
-    stream.write_all(&line)?;
-    let mut answer = String::new();
-    BufReader::new(stream)
-        .take(LINE_MAX_BYTES as u64)
-        .read_line(&mut answer)?;
-    serde_json::from_str(&answer).context("kiln-mgmtd gave an answer this kiln does not understand")
+        )),
+        ExchangeError::Decode(_) => anyhow::Error::from(e)
+            .context("kiln-mgmtd gave an answer this kiln does not understand"),
+        e => anyhow::Error::from(e).context("no answer from kiln-mgmtd"),
+    })
 }
 
 fn print(response: Response, list_only: bool) -> anyhow::Result<()> {
@@ -201,28 +188,29 @@ fn print(response: Response, list_only: bool) -> anyhow::Result<()> {
                 );
             }
         }
-        Response::BrickReports { bricks, .. } => {
+        Response::Profiles { bricks, .. } => {
             for (i, b) in bricks.iter().enumerate() {
                 if i > 0 {
                     println!();
                 }
-                print_profile(b)?;
+                print_profile(b);
             }
+        }
+        // Read by scripts as often as by people: JSON either way.
+        Response::Statedumps { bricks, .. } => {
+            println!("{}", serde_json::to_string_pretty(&bricks)?);
         }
     }
     Ok(())
 }
 
 /// One brick's profile as a table, GlusterFS's `volume profile info` in spirit.
-fn print_profile(b: &BrickReport) -> anyhow::Result<()> {
+fn print_profile(b: &BrickReport<ProfileReport>) {
     println!("Brick: {} ({})", b.brick, b.path.display());
-    let report = match (&b.report, &b.error) {
-        (Some(report), _) => ProfileReport::deserialize(report)
-            .context("the brick sent a profile this kiln does not understand")?,
-        (None, error) => {
-            println!("  no profile: {}", error.as_deref().unwrap_or("no answer"));
-            return Ok(());
-        }
+    let Some(report) = &b.report else {
+        let error = b.error.as_deref().unwrap_or("no answer");
+        println!("  no profile: {error}");
+        return;
     };
     let on_off = |on: bool, for_s: f64| match on {
         true => format!("on for {for_s:.1} s"),
@@ -235,7 +223,7 @@ fn print_profile(b: &BrickReport) -> anyhow::Result<()> {
     );
     if report.fops.is_empty() {
         println!("  no fops recorded (start with `kiln volume profile NAME start`)");
-        return Ok(());
+        return;
     }
     println!(
         "  {:<13} {:>10} {:>8} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>9} {:>12}",
@@ -281,5 +269,4 @@ fn print_profile(b: &BrickReport) -> anyhow::Result<()> {
             .collect();
         println!("  errors: {}", errors.join(", "));
     }
-    Ok(())
 }

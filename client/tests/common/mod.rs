@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use kiln_admin::pki::{self, Role};
 use kiln_client::{BrickClient, ConnectOptions};
-use kiln_mgmt::pki::{self, Role};
 
 /// A binary of this workspace, built beside the test executable by `cargo test`.
 pub fn bin(name: &str) -> PathBuf {

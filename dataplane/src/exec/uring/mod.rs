@@ -58,26 +58,7 @@ impl Default for RingConfig {
     }
 }
 
-/// Counters for benchmarks and state dumps.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct RingStats {
-    /// `io_uring_enter` calls.
-    pub enters: u64,
-    pub sqes: u64,
-    /// Linked chains (one per [`Exec::run`] that reached the ring).
-    pub chains: u64,
-    /// Calls run on the blocking pool.
-    pub pool_jobs: u64,
-}
-
-impl std::ops::AddAssign for RingStats {
-    fn add_assign(&mut self, other: RingStats) {
-        self.enters += other.enters;
-        self.sqes += other.sqes;
-        self.chains += other.chains;
-        self.pool_jobs += other.pool_jobs;
-    }
-}
+pub use kiln_admin::control::RingStats;
 
 /// A caller's identity as the kernel sees it: uid, gid, supplementary groups.
 type CredsKey = (u32, u32, Vec<u32>);

@@ -1,16 +1,28 @@
-//! What `kiln` and `kiln-mgmtd` say over the daemon's Unix socket: one JSON request line, one
-//! JSON response line, per connection.
+//! What `kiln` and `kiln-mgmtd` say over the daemon's command socket (root-only): one
+//! [`Request`] line, one [`Response`] line, per connection ([`EXCHANGE`]).
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::control::{ProfileReport, Statedump};
+use crate::exchange::LineExchange;
 use crate::volume::Volume;
 
 /// Where the daemon listens unless told otherwise.
 pub const DEFAULT_SOCKET: &str = "/run/kiln/mgmtd.sock";
-/// Longest request or response line, in bytes.
-pub const LINE_MAX_BYTES: usize = 1024 * 1024;
+
+/// The command socket's exchange. A response relays every brick's state dump (each up to the
+/// control socket's line limit, usually a few KiB), so it gets 16 MiB. The daemon waits 10 s
+/// for a request. `kiln` waits 10 minutes for an answer: stopping a volume drains its bricks
+/// (15 s each at most, together) and a change is pushed to the bricks one by one (5 s each
+/// at most), so a large volume with stuck bricks takes a while to answer.
+pub const EXCHANGE: LineExchange = LineExchange {
+    line_bytes_max: 16 << 20,
+    request_timeout: Duration::from_secs(10),
+    exchange_timeout: Duration::from_secs(600),
+};
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "kebab-case")]
@@ -74,7 +86,7 @@ pub enum ProfileAction {
     Info,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "result", rename_all = "kebab-case")]
 pub enum Response {
     /// A committed change: the configuration generation it made.
@@ -92,10 +104,15 @@ pub enum Response {
     Status {
         bricks: Vec<BrickStatus>,
     },
-    /// One answer per brick (profile, state dump).
-    BrickReports {
+    /// Each brick's profile.
+    Profiles {
         generation: u64,
-        bricks: Vec<BrickReport>,
+        bricks: Vec<BrickReport<ProfileReport>>,
+    },
+    /// Each brick's state.
+    Statedumps {
+        generation: u64,
+        bricks: Vec<BrickReport<Statedump>>,
     },
     Error {
         message: String,
@@ -111,12 +128,12 @@ pub struct OptionValue {
 }
 
 /// A brick's answer to a query: `report` as the brick sent it, or why there is none.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct BrickReport {
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BrickReport<T> {
     pub brick: String,
     pub path: PathBuf,
-    #[serde(skip_serializing_if = "Option::is_none", default)]
-    pub report: Option<serde_json::Value>,
+    #[serde(skip_serializing_if = "Option::is_none", default = "Option::default")]
+    pub report: Option<T>,
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub error: Option<String>,
 }
@@ -137,47 +154,40 @@ pub struct BrickStatus {
     pub health: String,
 }
 
-/// One fop's line of a profile.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct FopProfile {
-    pub fop: String,
-    pub calls: u64,
-    pub errors: u64,
-    pub bytes: u64,
-    /// Executor steps (one syscall's worth each) of the fop's chains.
-    pub steps: u64,
-    /// Of those, submitted to io_uring.
-    pub sqes: u64,
-    /// Calls run on the blocking pool.
-    pub pool_jobs: u64,
-    pub intents: u64,
-    #[serde(skip_serializing_if = "Option::is_none", default)]
-    pub latency: Option<LatencySummary>,
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-/// A latency histogram summed up, in microseconds.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct LatencySummary {
-    pub count: u64,
-    pub avg_us: f64,
-    pub min_us: f64,
-    pub max_us: f64,
-    pub p50_us: f64,
-    pub p90_us: f64,
-    pub p99_us: f64,
-    pub p999_us: f64,
-}
-
-/// A brick's profile as `kiln volume profile VOL info` shows it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ProfileReport {
-    pub counting: bool,
-    pub timing: bool,
-    /// Seconds since counting (timing) was last switched on.
-    pub counting_for_s: f64,
-    pub timing_for_s: f64,
-    /// Fops with at least one call, in table order.
-    pub fops: Vec<FopProfile>,
-    /// Failed fops by errno name.
-    pub errors: std::collections::BTreeMap<String, u64>,
+    #[test]
+    fn brick_reports_are_typed_and_round_trip() {
+        let response = Response::Profiles {
+            generation: 3,
+            bricks: vec![BrickReport {
+                brick: "v-b0".into(),
+                path: "/b".into(),
+                report: None,
+                error: Some("not running (stopped)".into()),
+            }],
+        };
+        let json = serde_json::to_string(&response).expect("encode");
+        assert_eq!(
+            json,
+            r#"{"result":"profiles","generation":3,"bricks":[{"brick":"v-b0","path":"/b","error":"not running (stopped)"}]}"#
+        );
+        let back: Response = serde_json::from_str(&json).expect("decode");
+        assert_eq!(back, response);
+        let request = Request::VolumeProfile {
+            name: "v".into(),
+            action: ProfileAction::Info,
+        };
+        let json = serde_json::to_string(&request).expect("encode");
+        assert_eq!(
+            json,
+            r#"{"op":"volume-profile","name":"v","action":"info"}"#
+        );
+        assert_eq!(
+            serde_json::from_str::<Request>(&json).expect("decode"),
+            request
+        );
+    }
 }

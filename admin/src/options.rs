@@ -6,24 +6,21 @@
 //! configuration and compare equal. Only explicitly set options are stored; [`effective`]
 //! falls back to the table's default for the rest.
 //!
-//! ```text
-//! auth.allow                       --auth-allow
-//! server.engine                    --engine
-//! server.event-threads             --workers (0: flag omitted, one per core)
-//! network.inflight-max             --inflight-max
-//! network.inode-lru-limit          --gfid-cache-entries
-//! server.ring-entries              --ring-entries
-//! storage.dirfd-cache-entries      --dirfd-cache-entries
-//! storage.fsync-policy             --fsync-policy
-//! diagnostics.count-fop-hits       --count-fop-hits (when on)
-//! diagnostics.latency-measurement  --latency-measurement (when on)
-//! diagnostics.metrics-listen       --metrics-listen (when not off; brick i gets port + i)
-//! ```
+//! Each option also says how it reaches a brick ([`BrickFlag`]): the supervisor builds a
+//! brick's `kiln-brickd serve` arguments from the table ([`brick_args`]), and `kiln-brickd`
+//! builds its flags, their defaults, ranges and help from it ([`BrickSettings`]), so a
+//! default or a range is written once, here.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use crate::pki;
+
+mod brick;
+
+pub use brick::{
+    BrickSettings, FsyncPolicy, ServerEngine, brick_args, brick_clap_args, live_brick_options,
+};
 
 /// The values an option takes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,6 +60,39 @@ impl Apply {
     }
 }
 
+/// How an option reaches a brick: the `kiln-brickd serve` flag (written without its leading
+/// `--`) and how the value becomes arguments.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BrickFlag {
+    /// Not a brick option (read by mounts).
+    None,
+    /// `--FLAG VALUE`.
+    Value(&'static str),
+    /// `--FLAG VALUE`, left out at value `omitted` (the brick's own choice, e.g. `0` worker
+    /// threads: one per core).
+    ValueUnless {
+        flag: &'static str,
+        omitted: &'static str,
+    },
+    /// `--FLAG` when `on`; a switch, so the option's default must be `off`.
+    Switch(&'static str),
+    /// `--FLAG IP:PORT` when not `off`; brick `i` of a volume gets the port + `i`.
+    ListenPlusBrickIndex(&'static str),
+}
+
+impl BrickFlag {
+    /// The flag's name without `--`, if the option reaches bricks.
+    pub fn name(self) -> Option<&'static str> {
+        match self {
+            BrickFlag::None => None,
+            BrickFlag::Value(flag)
+            | BrickFlag::ValueUnless { flag, .. }
+            | BrickFlag::Switch(flag)
+            | BrickFlag::ListenPlusBrickIndex(flag) => Some(flag),
+        }
+    }
+}
+
 /// One volume option.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct OptionDef {
@@ -71,6 +101,7 @@ pub struct OptionDef {
     /// The value when not set, in canonical form.
     pub default: &'static str,
     pub apply: Apply,
+    pub brick: BrickFlag,
     /// One line for `kiln volume set help`.
     pub help: &'static str,
 }
@@ -82,6 +113,7 @@ pub const OPTIONS: &[OptionDef] = &[
         kind: ValueKind::NameList,
         default: "*",
         apply: Apply::Live,
+        brick: BrickFlag::Value("auth-allow"),
         help: "client certificate names allowed to connect (`*`: any from the cluster CA)",
     },
     OptionDef {
@@ -89,6 +121,7 @@ pub const OPTIONS: &[OptionDef] = &[
         kind: ValueKind::Bool,
         default: "off",
         apply: Apply::Live,
+        brick: BrickFlag::Switch("count-fop-hits"),
         help: "per-fop call counters",
     },
     OptionDef {
@@ -96,6 +129,7 @@ pub const OPTIONS: &[OptionDef] = &[
         kind: ValueKind::Bool,
         default: "off",
         apply: Apply::Live,
+        brick: BrickFlag::Switch("latency-measurement"),
         help: "per-fop latency histograms",
     },
     OptionDef {
@@ -103,6 +137,7 @@ pub const OPTIONS: &[OptionDef] = &[
         kind: ValueKind::Listen,
         default: "off",
         apply: Apply::Restart,
+        brick: BrickFlag::ListenPlusBrickIndex("metrics-listen"),
         help: "serve Prometheus metrics at http://IP:PORT/metrics (a volume's later bricks \
                take the following ports); off: no endpoint",
     },
@@ -111,6 +146,7 @@ pub const OPTIONS: &[OptionDef] = &[
         kind: ValueKind::Integer { min: 1, max: 4096 },
         default: "256",
         apply: Apply::Live,
+        brick: BrickFlag::Value("inflight-max"),
         help: "calls in flight per connection (applies to new connections)",
     },
     OptionDef {
@@ -121,6 +157,7 @@ pub const OPTIONS: &[OptionDef] = &[
         },
         default: "1048576",
         apply: Apply::Restart,
+        brick: BrickFlag::Value("gfid-cache-entries"),
         help: "GFID entries cached per brick",
     },
     OptionDef {
@@ -131,6 +168,7 @@ pub const OPTIONS: &[OptionDef] = &[
         },
         default: "1000",
         apply: Apply::Mount,
+        brick: BrickFlag::None,
         help: "how long a mount's kernel caches file attributes, in milliseconds",
     },
     OptionDef {
@@ -138,6 +176,7 @@ pub const OPTIONS: &[OptionDef] = &[
         kind: ValueKind::Bool,
         default: "on",
         apply: Apply::Mount,
+        brick: BrickFlag::None,
         help: "a mount sends a small new file as one PUT at its first close (a refused create \
                then fails the close) instead of a CREATE, WRITEs and SETATTRs",
     },
@@ -149,6 +188,7 @@ pub const OPTIONS: &[OptionDef] = &[
         },
         default: "1000",
         apply: Apply::Mount,
+        brick: BrickFlag::None,
         help: "how long a mount's kernel caches a name's lookup, in milliseconds",
     },
     OptionDef {
@@ -159,6 +199,7 @@ pub const OPTIONS: &[OptionDef] = &[
         },
         default: "1000",
         apply: Apply::Mount,
+        brick: BrickFlag::None,
         help: "how long a mount's kernel caches that a name does not exist, in milliseconds",
     },
     OptionDef {
@@ -166,14 +207,16 @@ pub const OPTIONS: &[OptionDef] = &[
         kind: ValueKind::Bool,
         default: "off",
         apply: Apply::Mount,
+        brick: BrickFlag::None,
         help: "a mount's kernel gathers small writes in its page cache (flushed on close, \
                fsync and memory pressure) instead of sending each one",
     },
     OptionDef {
         key: "server.engine",
-        kind: ValueKind::Choice(&["uring", "blocking"]),
+        kind: ValueKind::Choice(ServerEngine::NAMES),
         default: "uring",
         apply: Apply::Restart,
+        brick: BrickFlag::Value("engine"),
         help: "fop executor: io_uring rings, or a pool of threads making blocking calls",
     },
     OptionDef {
@@ -181,6 +224,10 @@ pub const OPTIONS: &[OptionDef] = &[
         kind: ValueKind::Integer { min: 0, max: 64 },
         default: "0",
         apply: Apply::Restart,
+        brick: BrickFlag::ValueUnless {
+            flag: "workers",
+            omitted: "0",
+        },
         help: "brick worker threads (0: one per core)",
     },
     OptionDef {
@@ -191,6 +238,7 @@ pub const OPTIONS: &[OptionDef] = &[
         },
         default: "1024",
         apply: Apply::Restart,
+        brick: BrickFlag::Value("ring-entries"),
         help: "submission queue entries of each worker's io_uring (rounded up to a power of two)",
     },
     OptionDef {
@@ -201,13 +249,15 @@ pub const OPTIONS: &[OptionDef] = &[
         },
         default: "4096",
         apply: Apply::Restart,
+        brick: BrickFlag::Value("dirfd-cache-entries"),
         help: "directory fds held open per brick",
     },
     OptionDef {
         key: "storage.fsync-policy",
-        kind: ValueKind::Choice(&["as-requested", "write-through"]),
+        kind: ValueKind::Choice(FsyncPolicy::NAMES),
         default: "as-requested",
         apply: Apply::Restart,
+        brick: BrickFlag::Value("fsync-policy"),
         help: "as-requested: data is durable when clients fsync (POSIX); \
                write-through: every write is synced before it is acknowledged",
     },
@@ -242,6 +292,26 @@ const _: () = assert!(
     "OPTIONS must be sorted by key with no key twice"
 );
 
+/// Whether every option given to bricks as a switch is off by default: a flag that is present
+/// when `on` cannot say `off` to a brick whose default is on.
+const fn switches_default_off(options: &[OptionDef]) -> bool {
+    let mut i = 0;
+    while i < options.len() {
+        if let BrickFlag::Switch(_) = options[i].brick
+            && (str_less(options[i].default, "off") || str_less("off", options[i].default))
+        {
+            return false;
+        }
+        i += 1;
+    }
+    true
+}
+
+const _: () = assert!(
+    switches_default_off(OPTIONS),
+    "an option with a BrickFlag::Switch must default to off"
+);
+
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum OptionError {
     #[error("unknown option '{key}'{}", suggestion(.closest))]
@@ -255,6 +325,8 @@ pub enum OptionError {
         value: String,
         allowed: String,
     },
+    #[error("{key} is not an option a running brick can change")]
+    NotLive { key: String },
 }
 
 fn suggestion(closest: &Option<&'static str>) -> String {

@@ -13,7 +13,6 @@
 //! certificate to apply `auth.allow`. Client certificates carry only the client-auth usage
 //! and brick certificates only the server-auth usage, so neither can stand in for the other.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use rcgen::{
@@ -22,6 +21,8 @@ use rcgen::{
 };
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+
+use crate::durable;
 
 /// Validity of a newly issued certificate, in days, unless asked otherwise.
 pub const CERT_VALIDITY_DAYS: u32 = 825;
@@ -294,30 +295,14 @@ fn create_dir(dir: &Path) -> Result<(), PkiError> {
         })
 }
 
-/// Writes `bytes` to `path` with mode 0600: a temporary file, fsync, rename, fsync of the
-/// directory — a crash leaves the old file or the new one, never a torn one.
+/// Writes `bytes` to `path` with mode 0600, durably ([`durable::replace_file`]): a crash
+/// leaves the old file or the new one, never a torn one.
 fn write_secret(path: &Path, bytes: &[u8]) -> Result<(), PkiError> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let err = |error| PkiError::Write {
-        path: path.to_owned(),
-        error,
-    };
-    let dir = path.parent().unwrap_or(Path::new("."));
-    create_dir(dir)?;
-    let tmp = path.with_extension("tmp");
-    let mut file = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(&tmp)
-        .map_err(err)?;
-    file.write_all(bytes).map_err(err)?;
-    file.sync_all().map_err(err)?;
-    std::fs::rename(&tmp, path).map_err(err)?;
-    std::fs::File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(err)
+    create_dir(path.parent().unwrap_or(Path::new(".")))?;
+    durable::replace_file(path, bytes, 0o600).map_err(|e| PkiError::Write {
+        path: e.path,
+        error: e.error,
+    })
 }
 
 #[cfg(test)]

@@ -1,0 +1,52 @@
+//! A volume as `kiln-mgmtd` describes it: its bricks, the options set on it and its state.
+//! Plain data, carried by the command protocol ([`crate::command`]); the rules for changing it
+//! (the configuration state machine) are `kiln-mgmt`'s.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Volume {
+    pub name: String,
+    /// A UUID, fixed at creation.
+    pub id: String,
+    pub bricks: Vec<Brick>,
+    /// Options set explicitly, in canonical form; the rest have their defaults.
+    pub options: BTreeMap<String, String>,
+    pub state: VolumeState,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Brick {
+    /// The brick directory on this host.
+    pub path: PathBuf,
+    /// The UDP port its server listens on.
+    pub port: u16,
+}
+
+impl Brick {
+    /// The name of the brick's certificate, log and control socket: `<volume>-b<index>`.
+    pub fn name(volume: &str, index: usize) -> String {
+        format!("{volume}-b{index}")
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum VolumeState {
+    Created,
+    Started,
+    Stopped,
+}
+
+impl std::fmt::Display for VolumeState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            VolumeState::Created => "created",
+            VolumeState::Started => "started",
+            VolumeState::Stopped => "stopped",
+        })
+    }
+}
