@@ -4,7 +4,8 @@
 //! configuration store's snapshot); the store's log appends are its own discipline.
 //!
 //! [`stage`] and [`Staged::commit`] are the two halves, for a caller that prepares several
-//! files before putting any in place; [`replace_file`] does both.
+//! files before putting any in place; [`replace_file`] does both. [`private_dir`] makes the
+//! directories they live in: owner-only, and durably named in their parents.
 
 use std::fs::{File, OpenOptions};
 use std::io::Write as _;
@@ -98,10 +99,48 @@ pub fn sync_dir(dir: &Path) -> Result<(), DurableWriteError> {
         })
 }
 
+/// Makes `dir` and its missing parents, owner-only (0700), each new one fsynced into its
+/// parent so a crash cannot lose it once this returns; an existing `dir` is narrowed to 0700.
+/// For directories Kiln owns (state, certificates, sockets), never a shared one.
+pub fn private_dir(dir: &Path) -> Result<(), DurableWriteError> {
+    use std::os::unix::fs::{DirBuilderExt as _, PermissionsExt as _};
+    let error = |path: &Path| {
+        let path = path.to_owned();
+        move |error| DurableWriteError { path, error }
+    };
+    let missing: Vec<&Path> = dir.ancestors().take_while(|d| !d.exists()).collect();
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(error(dir))?;
+    for made in missing.iter().rev() {
+        if let Some(parent) = made.parent().filter(|p| !p.as_os_str().is_empty()) {
+            sync_dir(parent)?;
+        }
+    }
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(error(dir))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt as _;
+
+    #[test]
+    fn private_dirs_are_owner_only() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let deep = dir.path().join("a/b/c");
+        private_dir(&deep).expect("made");
+        for d in [dir.path().join("a"), dir.path().join("a/b"), deep.clone()] {
+            let mode = std::fs::metadata(&d).expect("stat").permissions().mode();
+            assert_eq!(mode & 0o777, 0o700, "{}", d.display());
+        }
+        std::fs::set_permissions(&deep, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        private_dir(&deep).expect("narrowed");
+        let mode = std::fs::metadata(&deep).expect("stat").permissions().mode();
+        assert_eq!(mode & 0o777, 0o700);
+    }
 
     #[test]
     fn replaces_whole_files_with_the_mode_asked() {

@@ -4,7 +4,8 @@
 //! can be held up or made to buffer without bound by the other.
 //!
 //! Clients: [`LineExchange::ask`] (tokio) and [`LineExchange::ask_blocking`] (std, for the
-//! CLI). Servers (tokio): [`LineExchange::read_request`], then [`LineExchange::write_answer`].
+//! CLI). Servers (tokio): [`bind_private`], then per connection
+//! [`LineExchange::read_request`] and [`LineExchange::write_answer`].
 //! A line ends at its newline, or where the peer closes its side.
 
 use std::io::{Read as _, Write as _};
@@ -385,5 +386,84 @@ mod tests {
             LineBuffer::new(8).finish(),
             Err(ExchangeError::Closed)
         ));
+    }
+}
+
+/// Why a private socket could not be bound.
+#[derive(Debug, thiserror::Error)]
+pub enum BindError {
+    #[error("cannot create {}: {source}", .dir.display())]
+    Directory {
+        dir: std::path::PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "{} is open to other users (mode {mode:04o}): a socket there could be reached before \
+         its own mode is set; make the directory 0700",
+        .dir.display()
+    )]
+    OpenDirectory { dir: std::path::PathBuf, mode: u32 },
+    #[error("cannot listen on {}: {source}", .path.display())]
+    Bind {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// Binds a root-only control socket at `path`: its directory is made 0700 when missing and
+/// refused when other users can reach into it, so the socket is never reachable by them, not
+/// even between its creation and its chmod to 0600. A stale socket is replaced.
+pub fn bind_private(path: &Path) -> Result<tokio::net::UnixListener, BindError> {
+    use std::os::unix::fs::{DirBuilderExt as _, MetadataExt as _, PermissionsExt as _};
+    let dir = match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    };
+    let dir_error = |source| BindError::Directory {
+        dir: dir.to_owned(),
+        source,
+    };
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(dir_error)?;
+    let mode = std::fs::metadata(dir).map_err(dir_error)?.mode() & 0o777;
+    if mode & 0o077 != 0 {
+        return Err(BindError::OpenDirectory {
+            dir: dir.to_owned(),
+            mode,
+        });
+    }
+    let bind_error = |source| BindError::Bind {
+        path: path.to_owned(),
+        source,
+    };
+    let _ = std::fs::remove_file(path);
+    let listener = tokio::net::UnixListener::bind(path).map_err(bind_error)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(bind_error)?;
+    Ok(listener)
+}
+
+#[cfg(test)]
+mod bind_tests {
+    use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
+
+    use super::*;
+
+    #[tokio::test]
+    async fn private_sockets_live_in_private_directories() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let fresh = dir.path().join("run/kiln.sock");
+        bind_private(&fresh).expect("a new 0700 directory");
+        let meta = |p: &Path| std::fs::metadata(p).expect("stat").mode() & 0o777;
+        assert_eq!(meta(&dir.path().join("run")), 0o700);
+        assert_eq!(meta(&fresh), 0o600);
+        bind_private(&fresh).expect("a stale socket is replaced");
+        let open = dir.path().join("open");
+        std::fs::create_dir(&open).expect("mkdir");
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        let refused = bind_private(&open.join("x.sock")).expect_err("an open directory");
+        assert!(refused.to_string().contains("mode 0755"), "{refused}");
     }
 }

@@ -33,6 +33,8 @@ pub enum ValueKind {
     Choice(&'static [&'static str]),
     /// `*` (everyone) or a comma-separated list of identity names ([`pki::check_name`]).
     NameList,
+    /// A comma-separated list of identity names, possibly empty (nobody); no `*`.
+    Names,
     /// `off`, or a TCP address `IP:PORT` to listen on.
     Listen,
 }
@@ -142,6 +144,30 @@ pub const OPTIONS: &[OptionDef] = &[
                take the following ports); off: no endpoint",
     },
     OptionDef {
+        key: "network.connections-max",
+        kind: ValueKind::Integer {
+            min: 1,
+            max: 65_536,
+        },
+        default: "1024",
+        apply: Apply::Live,
+        brick: BrickFlag::Value("connections-max"),
+        help: "client connections a brick serves at once (each one a session); more are \
+               refused (applies to new connections)",
+    },
+    OptionDef {
+        key: "network.connections-per-client-max",
+        kind: ValueKind::Integer {
+            min: 1,
+            max: 65_536,
+        },
+        default: "256",
+        apply: Apply::Live,
+        brick: BrickFlag::Value("connections-per-client-max"),
+        help: "connections one client certificate may hold to a brick at once (applies to \
+               new connections)",
+    },
+    OptionDef {
         key: "network.inflight-max",
         kind: ValueKind::Integer { min: 1, max: 4096 },
         default: "256",
@@ -158,7 +184,30 @@ pub const OPTIONS: &[OptionDef] = &[
         default: "1048576",
         apply: Apply::Restart,
         brick: BrickFlag::Value("gfid-cache-entries"),
-        help: "GFID entries cached per brick",
+        help: "GFID entries cached per worker thread (a brick holds up to event-threads times \
+               this)",
+    },
+    OptionDef {
+        key: "network.locks-per-client-max",
+        kind: ValueKind::Integer {
+            min: 1,
+            max: 1_048_576,
+        },
+        default: "4096",
+        apply: Apply::Restart,
+        brick: BrickFlag::Value("locks-per-client-max"),
+        help: "POSIX lock ranges one connection may hold; more get ENOLCK",
+    },
+    OptionDef {
+        key: "network.open-files-per-client-max",
+        kind: ValueKind::Integer {
+            min: 16,
+            max: 1_048_576,
+        },
+        default: "16384",
+        apply: Apply::Restart,
+        brick: BrickFlag::Value("open-files-per-client-max"),
+        help: "files and directories one connection may hold open; more get EMFILE",
     },
     OptionDef {
         key: "performance.attr-timeout-ms",
@@ -212,6 +261,28 @@ pub const OPTIONS: &[OptionDef] = &[
                fsync and memory pressure) instead of sending each one",
     },
     OptionDef {
+        key: "server.anongid",
+        kind: ValueKind::Integer {
+            min: 0,
+            max: 4_294_967_294,
+        },
+        default: "65534",
+        apply: Apply::Live,
+        brick: BrickFlag::Value("anongid"),
+        help: "the group id gid 0 becomes when root is squashed",
+    },
+    OptionDef {
+        key: "server.anonuid",
+        kind: ValueKind::Integer {
+            min: 0,
+            max: 4_294_967_294,
+        },
+        default: "65534",
+        apply: Apply::Live,
+        brick: BrickFlag::Value("anonuid"),
+        help: "the user id uid 0 becomes when root is squashed",
+    },
+    OptionDef {
         key: "server.engine",
         kind: ValueKind::Choice(ServerEngine::NAMES),
         default: "uring",
@@ -242,6 +313,24 @@ pub const OPTIONS: &[OptionDef] = &[
         help: "submission queue entries of each worker's io_uring (rounded up to a power of two)",
     },
     OptionDef {
+        key: "server.root-allow",
+        kind: ValueKind::Names,
+        default: "",
+        apply: Apply::Live,
+        brick: BrickFlag::Value("root-allow"),
+        help: "client certificate names whose uid 0 stays root (an admin host's mount); \
+               empty: none",
+    },
+    OptionDef {
+        key: "server.root-squash",
+        kind: ValueKind::Bool,
+        default: "on",
+        apply: Apply::Live,
+        brick: BrickFlag::Value("root-squash"),
+        help: "uid and gid 0 of clients not in server.root-allow become server.anonuid and \
+               server.anongid, as NFS's root_squash",
+    },
+    OptionDef {
         key: "storage.dirfd-cache-entries",
         kind: ValueKind::Integer {
             min: 16,
@@ -250,7 +339,8 @@ pub const OPTIONS: &[OptionDef] = &[
         default: "4096",
         apply: Apply::Restart,
         brick: BrickFlag::Value("dirfd-cache-entries"),
-        help: "directory fds held open per brick",
+        help: "directory fds held open per worker thread (a brick holds up to event-threads \
+               times this)",
     },
     OptionDef {
         key: "storage.fsync-policy",
@@ -403,6 +493,9 @@ impl OptionDef {
                 .find(|c| c.eq_ignore_ascii_case(v))
                 .map(|&c| c.to_owned()),
             ValueKind::NameList => parse_names(v),
+            ValueKind::Names if v.trim().is_empty() => Some(String::new()),
+            ValueKind::Names if v.trim() == "*" => None,
+            ValueKind::Names => parse_names(v),
             ValueKind::Listen if v.eq_ignore_ascii_case("off") => Some("off".to_owned()),
             ValueKind::Listen => v
                 .parse::<std::net::SocketAddr>()
@@ -427,6 +520,11 @@ impl OptionDef {
                  or '-', not starting with '.'",
                 pki::IDENTITY_NAME_MAX_BYTES
             ),
+            ValueKind::Names => format!(
+                "a comma-separated list of names of 1 to {} letters, digits, '.', '_' or '-', \
+                 not starting with '.' (empty: nobody)",
+                pki::IDENTITY_NAME_MAX_BYTES
+            ),
             ValueKind::Listen => "off or IP:PORT (e.g. 127.0.0.1:9713, [::1]:9713)".to_owned(),
         }
     }
@@ -438,6 +536,7 @@ impl OptionDef {
             ValueKind::Integer { min, max } => format!("{min}..{max}"),
             ValueKind::Choice(choices) => choices.join("|"),
             ValueKind::NameList => "*|name,...".to_owned(),
+            ValueKind::Names => "name,...".to_owned(),
             ValueKind::Listen => "off|ip:port".to_owned(),
         }
     }

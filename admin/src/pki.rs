@@ -28,6 +28,10 @@ use crate::durable;
 pub const CERT_VALIDITY_DAYS: u32 = 825;
 /// Validity of the cluster CA, in days.
 pub const CA_VALIDITY_DAYS: u32 = 3650;
+/// The client certificate `kiln-mgmtd` makes for the local administrator: the default
+/// client of the `kiln` command, trusted with root on the volume `kiln up` makes.
+pub const ADMIN_CLIENT: &str = "admin";
+
 /// Longest client or brick name, in bytes.
 pub const IDENTITY_NAME_MAX_BYTES: usize = 64;
 
@@ -284,15 +288,10 @@ fn read_to_string(path: &Path) -> Result<String, PkiError> {
 }
 
 fn create_dir(dir: &Path) -> Result<(), PkiError> {
-    use std::os::unix::fs::DirBuilderExt;
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(dir)
-        .map_err(|error| PkiError::Write {
-            path: dir.to_owned(),
-            error,
-        })
+    durable::private_dir(dir).map_err(|e| PkiError::Write {
+        path: e.path,
+        error: e.error,
+    })
 }
 
 /// Writes `bytes` to `path` with mode 0600, durably ([`durable::replace_file`]): a crash

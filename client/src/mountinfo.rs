@@ -109,7 +109,7 @@ mod tests {
 
     const SAMPLE: &str = "\
 22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw,discard
-36 22 0:31 / /mnt/a\\040b\\134c rw,nosuid,nodev master:7 - fuse.kiln 127.0.0.1:24007 rw,user_id=0
+36 22 0:31 / /mnt/a\\040b\\134c rw,nosuid,nodev master:7 - fuse.kiln 127.0.0.1:26100 rw,user_id=0
 37 22 0:32 / /mnt/plain rw - fuse.glusterfs server:/vol\\040x rw
 this is not a mount
 38 22 0:33 / /mnt/no-separator rw shared:2 ext4 /dev/sdb rw
@@ -135,7 +135,7 @@ x 22 0:35 / /mnt/bad-id rw - ext4 /dev/sdc rw
         );
         let kiln = &entries[1];
         assert_eq!(kiln.fs_type, "fuse.kiln");
-        assert_eq!(kiln.source, "127.0.0.1:24007");
+        assert_eq!(kiln.source, "127.0.0.1:26100");
         assert!(kiln.is_at(Path::new("/mnt/a b\\c"), "fuse.kiln"));
         assert!(!kiln.is_at(Path::new("/mnt/a b\\c"), "fuse"));
         assert!(!kiln.is_at(Path::new("/mnt/a\\040b\\134c"), "fuse.kiln"));

@@ -32,7 +32,7 @@ fn eventually(what: &str, mut f: impl FnMut() -> bool) {
 #[test]
 fn a_closed_session_releases_its_files_and_locks() {
     let cluster = Cluster::new();
-    let brickd = cluster.start("127.0.0.1:0", &[]);
+    let brickd = cluster.start("127.0.0.1:0", &["--root-allow", "alice,bob"]);
     let rt = runtime();
     let creds = Creds::root();
     let (alice, bob) = rt.block_on(async {
@@ -96,7 +96,7 @@ fn a_hundred_clients_at_once() {
     const CLIENTS: usize = 100;
     const FILES: usize = 8;
     let cluster = Cluster::new();
-    let brickd = cluster.start("127.0.0.1:0", &[]);
+    let brickd = cluster.start("127.0.0.1:0", &["--root-allow", "alice,bob"]);
     runtime().block_on(async {
         let mut tasks = tokio::task::JoinSet::new();
         for c in 0..CLIENTS {

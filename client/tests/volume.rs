@@ -137,6 +137,8 @@ fn volume_lifecycle_options_and_supervision() {
     let b1s = b1.to_str().expect("utf-8");
 
     m.ok(&["volume", "create", "vol", b0s, b1s, "--port", "47100"]);
+    // The file commands below run as root with the admin certificate.
+    m.ok(&["volume", "set", "vol", "server.root-allow", "admin"]);
     assert!(b0.join(".glusterfs").exists(), "the brick was formatted");
     assert!(
         m.fails(&["volume", "create", "vol", b0s])
@@ -491,6 +493,7 @@ fn profile_metrics_and_statedump_match_the_fops_issued() {
         "--port",
         "47300",
     ]);
+    m.ok(&["volume", "set", "prof", "server.root-allow", "admin"]);
     let metrics = "127.0.0.1:47310";
     m.ok(&[
         "volume",

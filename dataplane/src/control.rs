@@ -15,17 +15,12 @@ use kiln_admin::control::{
 };
 use kiln_admin::options::BrickSettings;
 use kiln_dataplane::Engine;
-use kiln_dataplane::server::{AuthAllow, Server};
+use kiln_dataplane::server::Server;
 use tokio::net::{UnixListener, UnixStream};
 
-/// Binds the control socket with mode 0600, replacing a stale one.
+/// Binds the control socket, root-only ([`kiln_admin::exchange::bind_private`]).
 pub(crate) fn bind(path: &Path) -> anyhow::Result<UnixListener> {
-    use std::os::unix::fs::PermissionsExt;
-    let _ = std::fs::remove_file(path);
-    let listener =
-        UnixListener::bind(path).with_context(|| format!("cannot listen on {}", path.display()))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
-    Ok(listener)
+    Ok(kiln_admin::exchange::bind_private(path)?)
 }
 
 /// The running brick, as the control socket reads and changes it.
@@ -66,6 +61,16 @@ async fn answer(request: ControlRequest, running: &mut Running) -> ControlAnswer
             generation,
             statedump: Box::new(statedump(running).await),
         },
+        // A push older than what the brick runs (a catch-up racing a newer change) would
+        // bring back an older value: it is answered with the generation the brick runs.
+        ControlRequest::Push {
+            generation: pushed, ..
+        } if pushed < running.generation => {
+            tracing::info!(pushed, running = running.generation, "stale push ignored");
+            ControlAnswer::Generation {
+                generation: running.generation,
+            }
+        }
         ControlRequest::Push {
             generation,
             options,
@@ -116,10 +121,7 @@ async fn statedump(running: &Running) -> Statedump {
 /// Applies a push's live options; nothing changes if one is refused.
 fn apply(options: &BTreeMap<String, String>, running: &mut Running) -> anyhow::Result<()> {
     let settings = running.settings.with_live(options).context("bad push")?;
-    let auth_allow = AuthAllow::parse(&settings.auth_allow).context("auth.allow")?;
-    running
-        .server
-        .reconfigure(auth_allow, settings.inflight_max)?;
+    running.server.reconfigure(crate::live_config(&settings)?)?;
     running
         .engine
         .profile()

@@ -21,7 +21,10 @@ use clap::{Parser, Subcommand};
 use kiln_admin::control::StartSettings;
 use kiln_admin::options::{BrickSettings, FsyncPolicy, ServerEngine};
 use kiln_admin::pki;
-use kiln_dataplane::server::{AuthAllow, Server, ServerConfig};
+use kiln_dataplane::server::access::parse_names;
+use kiln_dataplane::server::{
+    AuthAllow, ConnectionLimits, LiveConfig, RootSquash, Server, ServerConfig,
+};
 use kiln_dataplane::{Brick, Engine, EngineConfig, EngineKind, metrics, recovery};
 
 mod control;
@@ -54,7 +57,7 @@ enum Command {
 struct ServeArgs {
     brick_dir: PathBuf,
     /// UDP address to listen on (port 0 picks a free port; the address is printed).
-    #[arg(long, default_value = "127.0.0.1:24007")]
+    #[arg(long, default_value = "127.0.0.1:26100")]
     listen: SocketAddr,
     /// Directory with ca.crt and this brick's brick-NAME.crt and brick-NAME.key.
     #[arg(long, env = "KILN_TLS_DIR")]
@@ -159,7 +162,7 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     );
     let identity = pki::load_identity(&pki::ca_files(&args.tls_dir).cert, &files)?;
     let settings = &args.options;
-    let auth_allow = AuthAllow::parse(&settings.auth_allow).context("--auth-allow")?;
+    let live = live_config(settings)?;
 
     let brick = Arc::new(
         Brick::open(&args.brick_dir)
@@ -175,8 +178,7 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         .profile()
         .set(settings.count_fop_hits, settings.latency_measurement);
     let mut config = ServerConfig::new(args.listen, identity);
-    config.auth_allow = auth_allow;
-    config.inflight_max = settings.inflight_max;
+    config.live = live;
     config.endpoints = args.endpoints.unwrap_or(usize::MAX);
     config.volume = args.volume.clone().unwrap_or_else(|| {
         let dir = args
@@ -212,8 +214,28 @@ fn engine_config(settings: &BrickSettings) -> EngineConfig {
     config.fops.gfid_cache_entries = settings.gfid_cache_entries;
     config.fops.dirfd_cache_entries = settings.dirfd_cache_entries;
     config.fops.write_through = settings.fsync_policy == FsyncPolicy::WriteThrough;
+    config.fops.open_files_per_client_max = settings.open_files_per_client_max;
+    config.fops.locks_per_client_max = settings.locks_per_client_max;
     config.ring.ring_entries = settings.ring_entries;
     config
+}
+
+/// What the server changes while running, as the brick options say.
+fn live_config(settings: &BrickSettings) -> anyhow::Result<LiveConfig> {
+    Ok(LiveConfig {
+        auth_allow: AuthAllow::parse(&settings.auth_allow).context("auth.allow")?,
+        inflight_max: settings.inflight_max,
+        root_squash: RootSquash {
+            enabled: settings.root_squash,
+            anon_uid: settings.anon_uid,
+            anon_gid: settings.anon_gid,
+            root_allow: parse_names(&settings.root_allow).context("server.root-allow")?,
+        },
+        connections: ConnectionLimits {
+            per_brick: settings.connections_max,
+            per_client: settings.connections_per_client_max,
+        },
+    })
 }
 
 /// Serves until SIGTERM or SIGINT, answering the control socket meanwhile, then drains.

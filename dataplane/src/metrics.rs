@@ -33,9 +33,17 @@ pub const LATENCY_BUCKETS_S: &[f64] = &[
     0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
 ];
 
+/// Scrapes answered at once; more wait in the listen backlog, so slow or many scrapers
+/// cost a bounded number of tasks and fds.
+pub const SCRAPES_MAX: usize = 4;
+
 /// Serves `GET /metrics` on `listener` until the task is dropped.
 pub async fn serve(listener: TcpListener, engine: Engine, connections: Connections) {
+    let scrapes = std::sync::Arc::new(tokio::sync::Semaphore::new(SCRAPES_MAX));
     loop {
+        let Ok(scrape) = scrapes.clone().acquire_owned().await else {
+            return;
+        };
         let stream = match listener.accept().await {
             Ok((stream, _)) => stream,
             // Out of fds, most likely: let some close instead of spinning.
@@ -49,6 +57,7 @@ pub async fn serve(listener: TcpListener, engine: Engine, connections: Connectio
         tokio::spawn(async move {
             let answer = answer(stream, &engine, &connections);
             let _ = tokio::time::timeout(REQUEST_TIMEOUT, answer).await;
+            drop(scrape);
         });
     }
 }

@@ -31,9 +31,6 @@ const PROFILE_OPTIONS: [&str; 2] = [
     "diagnostics.latency-measurement",
 ];
 
-/// The client certificate made for the local administrator.
-pub const ADMIN_CLIENT: &str = "admin";
-
 #[derive(Debug, Clone)]
 pub struct DaemonConfig {
     pub state_dir: PathBuf,
@@ -58,14 +55,14 @@ pub async fn run(config: DaemonConfig, shutdown: impl Future<Output = ()>) -> an
     if !pki::ca_files(&tls_dir).cert.exists() {
         pki::init_ca(&tls_dir)?;
     }
-    if !pki::identity_files(&tls_dir, &Role::Client, ADMIN_CLIENT)
+    if !pki::identity_files(&tls_dir, &Role::Client, pki::ADMIN_CLIENT)
         .cert
         .exists()
     {
         pki::issue(
             &tls_dir,
             &Role::Client,
-            ADMIN_CLIENT,
+            pki::ADMIN_CLIENT,
             pki::CERT_VALIDITY_DAYS,
         )?;
     }
@@ -82,9 +79,9 @@ pub async fn run(config: DaemonConfig, shutdown: impl Future<Output = ()>) -> an
     }
     tracing::info!(generation = report.generation, "configuration loaded");
     let store = Arc::new(store);
+    // The bricks' control sockets: root-only, like the daemon's own.
     let run_dir = config.state_dir.join("run");
-    std::fs::create_dir_all(&run_dir)
-        .with_context(|| format!("cannot create {}", run_dir.display()))?;
+    kiln_admin::durable::private_dir(&run_dir)?;
     let current: CurrentConfig = {
         let store = store.clone();
         Arc::new(move |name: &str| store.read(|c, g| c.volumes.get(name).cloned().map(|v| (v, g))))
@@ -137,24 +134,13 @@ pub async fn run(config: DaemonConfig, shutdown: impl Future<Output = ()>) -> an
     Ok(())
 }
 
-/// Binds the socket with mode 0600 in a 0700 directory, replacing a stale one.
+/// Binds the command socket, root-only ([`kiln_admin::exchange::bind_private`]), unless
+/// another daemon answers there.
 fn bind_socket(path: &Path) -> anyhow::Result<UnixListener> {
-    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
-    if let Some(dir) = path.parent() {
-        std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(dir)
-            .with_context(|| format!("cannot create {}", dir.display()))?;
-    }
     if std::os::unix::net::UnixStream::connect(path).is_ok() {
         anyhow::bail!("another kiln-mgmtd is listening on {}", path.display());
     }
-    let _ = std::fs::remove_file(path);
-    let listener =
-        UnixListener::bind(path).with_context(|| format!("cannot listen on {}", path.display()))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
-    Ok(listener)
+    Ok(kiln_admin::exchange::bind_private(path)?)
 }
 
 impl Daemon {

@@ -25,7 +25,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
@@ -655,8 +655,11 @@ struct Replay {
     dropped_tail: Option<DroppedTail>,
 }
 
-/// Applies the records of `log` after `snapshot_generation` to `state`; stops at the first
-/// short or badly checksummed record and reports it as the tail to drop.
+/// Applies the records of `log` after `snapshot_generation` to `state`. A short or badly
+/// checksummed record is a torn write, and reported as the tail to drop, only when it is the
+/// last thing in the log (nothing but zeros after it, which a crash can leave where a write
+/// was not done); anywhere else it is corruption, and opening refuses: cutting there would
+/// drop every acknowledged record after it.
 fn replay_log<S: State>(
     path: &Path,
     log: &[u8],
@@ -678,8 +681,19 @@ fn replay_log<S: State>(
         let [l0, l1, l2, l3, c0, c1, c2, c3] = *header;
         let len = u32::from_le_bytes([l0, l1, l2, l3]);
         let crc = u32::from_le_bytes([c0, c1, c2, c3]);
+        let corrupt = |reason: String| StoreError::CorruptLog {
+            path: path.to_owned(),
+            offset: offset as u64,
+            reason,
+        };
+        let last = |after: &[u8]| after.iter().all(|&b| b == 0);
         if len == 0 || len > RECORD_BYTES_MAX {
-            torn = Some(format!("bad record length {len}"));
+            let reason = format!("bad record length {len}");
+            // A length running past the end could be the last record's, torn.
+            if len as usize <= rest.len() && !last(rest) {
+                return Err(corrupt(format!("{reason}, with records after it")));
+            }
+            torn = Some(reason);
             break;
         }
         let Some(payload) = rest.get(..len as usize) else {
@@ -690,14 +704,14 @@ fn replay_log<S: State>(
             break;
         };
         if crc32c::crc32c(payload) != crc {
+            if !last(&rest[len as usize..]) {
+                return Err(corrupt(
+                    "record checksum mismatch, with records after it".to_owned(),
+                ));
+            }
             torn = Some("record checksum mismatch".to_owned());
             break;
         }
-        let corrupt = |reason: String| StoreError::CorruptLog {
-            path: path.to_owned(),
-            offset: offset as u64,
-            reason,
-        };
         // The checksum matched, so this is no torn write: dropping it would lose an
         // acknowledged transaction.
         let record: Record<S::Change> = serde_json::from_slice(payload)
@@ -774,15 +788,13 @@ fn open_log(path: &Path, create: bool) -> Result<File, StoreError> {
         })
 }
 
+/// The store's directory: owner-only, and durably named in its parent (a store whose
+/// directory entry a crash lost would lose every acknowledged change with it).
 fn create_dir(dir: &Path) -> Result<(), StoreError> {
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(dir)
-        .map_err(|error| StoreError::Write {
-            path: dir.to_owned(),
-            error,
-        })
+    durable::private_dir(dir).map_err(|e| StoreError::Write {
+        path: e.path,
+        error: e.error,
+    })
 }
 
 fn remove_if_present(path: &Path) -> Result<(), StoreError> {
@@ -985,6 +997,32 @@ mod tests {
         assert!(stats.fsyncs < 200, "{stats:?}");
         assert!(stats.batches <= stats.fsyncs + 1, "{stats:?}");
         assert_eq!(store.read(|map, g| (map.0.len(), g)), (200, 200));
+    }
+
+    #[tokio::test]
+    async fn corruption_before_the_last_record_refuses_to_open() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let (store, _) = open(tmp.path());
+        store.commit(vec![set("a", "1")]).await.expect("commit");
+        let first_end = log_len(tmp.path());
+        store.commit(vec![set("b", "2")]).await.expect("commit");
+        store.commit(vec![set("c", "3")]).await.expect("commit");
+        drop(store);
+        let log = tmp.path().join(LOG_FILE);
+        let mut bytes = std::fs::read(&log).expect("read the log");
+        // A byte inside the second record's payload: two acknowledged records follow it.
+        bytes[first_end as usize + RECORD_HEADER_BYTES + 2] ^= 0x20;
+        std::fs::write(&log, &bytes).expect("write");
+        let opened = Store::<Map>::open(tmp.path(), StoreOptions::default());
+        let Err(StoreError::CorruptLog { offset, reason, .. }) = opened else {
+            panic!(
+                "opened a log corrupt in the middle: {:?}",
+                opened.map(|(_, r)| r)
+            );
+        };
+        assert_eq!(offset, first_end);
+        assert!(reason.contains("records after it"), "{reason}");
+        assert_eq!(std::fs::read(&log).expect("read"), bytes, "nothing was cut");
     }
 
     #[tokio::test]

@@ -11,8 +11,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::store::State;
 
-/// Lowest port handed to a brick when the caller does not choose one (GlusterFS's range).
-pub const BRICK_PORT_BASE: u16 = 49152;
+/// Lowest (UDP) port handed to a brick when the caller does not choose one; the first
+/// brick of `kiln up` listens there. Chosen clear of GlusterFS on the same host (glusterd's
+/// 24007-24008, bricks of old releases from 24009, of current ones 49152-60999), so a host
+/// can run both while a volume moves; below Linux's ephemeral ports (32768-60999), so an
+/// outgoing connection never holds it; and free in /etc/services.
+pub const BRICK_PORT_BASE: u16 = 26100;
 /// Longest volume name, in bytes.
 pub const VOLUME_NAME_MAX_BYTES: usize = 64;
 
@@ -286,7 +290,7 @@ mod tests {
             commit(&mut c, &Change::Create(volume("../x", "/b/3", 49154))),
             Err(ConfigError::BadVolumeName(_))
         ));
-        assert_eq!(c.free_port(BRICK_PORT_BASE, &[49153]), 49154);
+        assert_eq!(c.free_port(49152, &[49153]), 49154);
         let v = "v1".to_owned();
         assert_eq!(
             commit(&mut c, &Change::Stop { volume: v.clone() }),

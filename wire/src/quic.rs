@@ -68,6 +68,8 @@ pub enum CloseCode {
     NotAllowed = 2,
     /// The brick is shutting down.
     ShuttingDown = 3,
+    /// The brick, or this client's certificate, is at its connection limit.
+    TooManyConnections = 4,
 }
 
 impl From<CloseCode> for VarInt {

@@ -85,6 +85,21 @@ pub struct BrickSettings {
     pub fsync_policy: FsyncPolicy,
     /// `diagnostics.metrics-listen`; `None` when off.
     pub metrics_listen: Option<SocketAddr>,
+    /// `server.root-squash`.
+    pub root_squash: bool,
+    /// `server.root-allow`, canonical: names separated by commas, empty for none.
+    pub root_allow: String,
+    /// `server.anonuid`, `server.anongid`.
+    pub anon_uid: u32,
+    pub anon_gid: u32,
+    /// `network.connections-max`.
+    pub connections_max: usize,
+    /// `network.connections-per-client-max`.
+    pub connections_per_client_max: usize,
+    /// `network.open-files-per-client-max`.
+    pub open_files_per_client_max: usize,
+    /// `network.locks-per-client-max`.
+    pub locks_per_client_max: usize,
 }
 
 /// Reads option values as the table says: a missing key has its default, and every value is
@@ -136,6 +151,14 @@ impl BrickSettings {
                 "off" => Some(None),
                 addr => addr.parse().ok().map(Some),
             })?,
+            root_squash: read.on("server.root-squash")?,
+            root_allow: read.canonical("server.root-allow")?.1,
+            anon_uid: read.number("server.anonuid")?,
+            anon_gid: read.number("server.anongid")?,
+            connections_max: read.number("network.connections-max")?,
+            connections_per_client_max: read.number("network.connections-per-client-max")?,
+            open_files_per_client_max: read.number("network.open-files-per-client-max")?,
+            locks_per_client_max: read.number("network.locks-per-client-max")?,
         })
     }
 
@@ -169,6 +192,23 @@ impl BrickSettings {
                 "diagnostics.metrics-listen",
                 self.metrics_listen
                     .map_or_else(|| "off".to_owned(), |a| a.to_string()),
+            ),
+            ("server.root-squash", on_off(self.root_squash)),
+            ("server.root-allow", self.root_allow.clone()),
+            ("server.anonuid", self.anon_uid.to_string()),
+            ("server.anongid", self.anon_gid.to_string()),
+            ("network.connections-max", self.connections_max.to_string()),
+            (
+                "network.connections-per-client-max",
+                self.connections_per_client_max.to_string(),
+            ),
+            (
+                "network.open-files-per-client-max",
+                self.open_files_per_client_max.to_string(),
+            ),
+            (
+                "network.locks-per-client-max",
+                self.locks_per_client_max.to_string(),
             ),
         ]
         .into_iter()
@@ -273,7 +313,7 @@ fn value_name(kind: ValueKind) -> &'static str {
         ValueKind::Bool => "on|off",
         ValueKind::Integer { .. } => "N",
         ValueKind::Choice(_) => "NAME",
-        ValueKind::NameList => "NAMES",
+        ValueKind::NameList | ValueKind::Names => "NAMES",
         ValueKind::Listen => "IP:PORT",
     }
 }
@@ -504,7 +544,13 @@ mod tests {
                 "auth.allow",
                 "diagnostics.count-fop-hits",
                 "diagnostics.latency-measurement",
-                "network.inflight-max"
+                "network.connections-max",
+                "network.connections-per-client-max",
+                "network.inflight-max",
+                "server.anongid",
+                "server.anonuid",
+                "server.root-allow",
+                "server.root-squash",
             ]
         );
     }

@@ -349,6 +349,7 @@ impl Place {
             .arg(&brick)
             .args(["--listen", "127.0.0.1:0", "--name", BRICK_NAME, "--tls-dir"])
             .arg(&tls)
+            .args(["--root-allow", CLIENT_NAME])
             .stdout(Stdio::piped());
         let mut brickd = Daemon::spawn("kiln-brickd", &mut cmd, &brick_log)?;
         let stdout = brickd

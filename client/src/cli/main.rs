@@ -49,7 +49,7 @@ struct Global {
     #[arg(
         long,
         env = "KILN_BRICK",
-        default_value = "127.0.0.1:24007",
+        default_value = "127.0.0.1:26100",
         global = true
     )]
     brick_addr: SocketAddr,
@@ -57,7 +57,7 @@ struct Global {
     #[arg(long, env = "KILN_SERVER_NAME", global = true)]
     server_name: Option<String>,
     /// This client's certificate name (`kiln cert issue --client NAME`).
-    #[arg(long, env = "KILN_CLIENT", default_value = "admin", global = true)]
+    #[arg(long, env = "KILN_CLIENT", default_value = kiln_admin::pki::ADMIN_CLIENT, global = true)]
     client: String,
     /// The management daemon's socket.
     #[arg(long, env = "KILN_MGMT_SOCKET", default_value = kiln_admin::command::DEFAULT_SOCKET, global = true)]
@@ -66,12 +66,12 @@ struct Global {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Serve a one-brick volume from DATA_DIR/brick on 127.0.0.1:24007, creating the brick
+    /// Serve a one-brick volume from DATA_DIR/brick on 127.0.0.1:26100, creating the brick
     /// and TLS material on first use; runs until Ctrl-C.
     Up {
         #[arg(default_value = "./kiln-data")]
         data_dir: PathBuf,
-        #[arg(long, default_value = "127.0.0.1:24007")]
+        #[arg(long, default_value = "127.0.0.1:26100")]
         listen: SocketAddr,
     },
     /// The cluster CA.

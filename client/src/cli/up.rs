@@ -20,8 +20,8 @@ const VOLUME: &str = "local";
 const START_TIMEOUT: Duration = Duration::from_secs(30);
 
 pub(crate) fn run(data_dir: &Path, listen: SocketAddr) -> anyhow::Result<()> {
-    std::fs::create_dir_all(data_dir)
-        .with_context(|| format!("cannot create {}", data_dir.display()))?;
+    // Root-only: it holds the daemon's socket, the cluster CA's key and the brick.
+    kiln_admin::durable::private_dir(data_dir)?;
     let data_dir = data_dir.canonicalize()?;
     let state = data_dir.join("state");
     let socket = data_dir.join("mgmtd.sock");
@@ -96,6 +96,16 @@ fn bring_up(
                 name: VOLUME.into(),
                 bricks: vec![brick.to_path_buf()],
                 port,
+            },
+        )?)?;
+        // The operator's own `admin` certificate acts as root on this host's volume (its
+        // mount, the file commands); every other client is squashed.
+        expect_done(call(
+            socket,
+            &Request::VolumeSet {
+                name: VOLUME.into(),
+                key: "server.root-allow".into(),
+                value: kiln_admin::pki::ADMIN_CLIENT.into(),
             },
         )?)?;
     }

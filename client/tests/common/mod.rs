@@ -61,8 +61,17 @@ impl Cluster {
     }
 
     /// Starts `kiln-brickd serve` on `listen` with `extra` arguments and waits until it
-    /// listens.
+    /// listens. Client `alice` is trusted with root (`--root-allow alice`) unless `extra`
+    /// says otherwise about root squashing; `bob` is squashed.
     pub fn start(&self, listen: &str, extra: &[&str]) -> Brickd {
+        let squash_set = extra
+            .iter()
+            .any(|a| matches!(*a, "--root-allow" | "--root-squash"));
+        let trust: &[&str] = if squash_set {
+            &[]
+        } else {
+            &["--root-allow", "alice"]
+        };
         let log = self.dir.path().join(format!(
             "brickd-{}.log",
             std::time::SystemTime::now()
@@ -74,6 +83,7 @@ impl Cluster {
             .arg(&self.brick)
             .args(["--listen", listen, "--name", "b", "--tls-dir"])
             .arg(&self.tls)
+            .args(trust)
             .args(extra)
             .env("RUST_LOG", "info,kiln_dataplane::server=debug")
             .stdout(Stdio::piped())

@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use kiln_mgmt::pki;
+use kiln_admin::pki;
 use kiln_wire::Creds;
 
 /// Client names allowed on this brick (`auth.allow`).
@@ -214,7 +214,10 @@ mod tests {
             creds(65534, 65534, vec![65534, 10])
         );
         assert_eq!(squash.apply("admin", root.clone()), root);
-        assert_eq!(squash.apply("alice", creds(1000, 100, vec![])), creds(1000, 100, vec![]));
+        assert_eq!(
+            squash.apply("alice", creds(1000, 100, vec![])),
+            creds(1000, 100, vec![])
+        );
         let off = RootSquash {
             enabled: false,
             ..RootSquash::default()

@@ -2,12 +2,11 @@
 //! call stream, each fop run as the squashed caller on the connection's session.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
 use std::rc::Rc;
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
-use kiln_mgmt::pki;
+use kiln_admin::pki;
 use kiln_wire::quic::{self, CloseCode, StreamCode};
 use kiln_wire::{
     Call, CallCode, ErrorCode, HelloReply, Message, Outcome, PROTOCOL_VERSION, Reply, Request,
@@ -53,16 +52,7 @@ struct Connected {
     connection: quinn::Connection,
 }
 
-/// A connected client, as a state dump shows it.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct ConnectionInfo {
-    pub session: SessionId,
-    /// The client's certificate name.
-    pub client: String,
-    pub remote: SocketAddr,
-    /// When the session opened, in seconds since the Unix epoch.
-    pub since_unix_s: u64,
-}
+pub use kiln_admin::control::ConnectionInfo;
 
 impl Connections {
     /// The clients connected now, by session.
@@ -343,7 +333,8 @@ async fn serve_call(
 ) {
     // A request must arrive whole in time: a peer that opens streams and trickles bytes
     // holds nothing for long.
-    let arrived = tokio::time::timeout(session.request_timeout, quic::read_message(&mut recv)).await;
+    let arrived =
+        tokio::time::timeout(session.request_timeout, quic::read_message(&mut recv)).await;
     let request = match arrived {
         Ok(Ok(Message::Request(request))) => request,
         Ok(Ok(_)) => return reset(send, recv, "not a request"),
