@@ -174,6 +174,8 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     tracing::info!(brick = %brick.id, ?repaired, "brick open");
 
     let engine = Engine::start(&brick, &engine_config(settings))?;
+    // Tests and operators read which engine really runs (io_uring may fall back).
+    tracing::info!(engine = %engine.kind().name(), workers = engine.workers(), "engine started");
     engine
         .profile()
         .set(settings.count_fop_hits, settings.latency_measurement);

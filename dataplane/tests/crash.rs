@@ -521,10 +521,17 @@ fn full_disk_gives_enospc_and_loses_nothing() {
             FopsConfig::default(),
         );
         let dir = h.mkdir(Gfid::ROOT, &format!("{kind:?}")).expect("mkdir");
-        let block = vec![7u8; 1 << 20];
+        // Each file's content is its own, so a read back shows which file it came from.
+        let block = |i: usize| {
+            let mut data = vec![0u8; 1 << 20];
+            for (j, b) in data.iter_mut().enumerate() {
+                *b = (i * 31 + j / 4096) as u8;
+            }
+            data
+        };
         let mut written = Vec::new();
         let err = loop {
-            match h.put(dir, &format!("f{}", written.len()), &block) {
+            match h.put(dir, &format!("f{}", written.len()), &block(written.len())) {
                 Ok(g) => written.push(g),
                 Err(e) => break e,
             }
@@ -535,9 +542,12 @@ fn full_disk_gives_enospc_and_loses_nothing() {
         };
         assert_eq!(err, ErrorCode::NoSpace, "{kind:?}");
         h.assert_consistent();
-        // Everything acknowledged is intact.
-        for g in &written {
-            assert_eq!(h.read_all(*g).expect("read back").len(), block.len());
+        // Everything acknowledged is intact, byte for byte.
+        for (i, g) in written.iter().enumerate() {
+            assert!(
+                h.read_all(*g).expect("read back") == block(i),
+                "{kind:?}: file {i} changed"
+            );
         }
         // Freeing space makes the brick usable again.
         for i in 0..written.len() {

@@ -106,7 +106,13 @@ impl Cluster {
             })
             .parse()
             .expect("address");
-        Brickd { child, addr, log }
+        let brickd = Brickd { child, addr, log };
+        // The engine asked for (io_uring unless `--engine blocking`) must be the one that
+        // runs: these tests never pass on a silent fallback.
+        let blocking = extra.windows(2).any(|w| w == ["--engine", "blocking"]);
+        let want = if blocking { "blocking" } else { "uring" };
+        assert_eq!(brickd.engine(), want, "the brick runs another engine");
+        brickd
     }
 
     pub fn options(&self, addr: SocketAddr, client: &str) -> ConnectOptions {
@@ -130,6 +136,17 @@ pub struct Brickd {
 impl Brickd {
     pub fn pid(&self) -> i32 {
         i32::try_from(self.child.id()).expect("pid")
+    }
+
+    /// The engine the brick runs (`uring` or `blocking`), as it logged at start.
+    pub fn engine(&self) -> String {
+        let logs = self.wait_for_log("engine started");
+        logs.lines()
+            .find(|l| l.contains("engine started"))
+            .and_then(|l| l.split("engine=").nth(1))
+            .and_then(|rest| rest.split_whitespace().next())
+            .expect("the engine in the log")
+            .to_owned()
     }
 
     /// Everything the brick has logged so far.
