@@ -35,6 +35,9 @@ pub enum ValueKind {
     NameList,
     /// A comma-separated list of identity names, possibly empty (nobody); no `*`.
     Names,
+    /// A comma-separated list of certificate serial numbers in hex (colons allowed, as
+    /// `openssl x509 -serial` and TLS tools print them), possibly empty.
+    Serials,
     /// `off`, or a TCP address `IP:PORT` to listen on.
     Listen,
 }
@@ -117,6 +120,15 @@ pub const OPTIONS: &[OptionDef] = &[
         apply: Apply::Live,
         brick: BrickFlag::Value("auth-allow"),
         help: "client certificate names allowed to connect (`*`: any from the cluster CA)",
+    },
+    OptionDef {
+        key: "auth.revoked",
+        kind: ValueKind::Serials,
+        default: "",
+        apply: Apply::Live,
+        brick: BrickFlag::Value("revoked"),
+        help: "serial numbers of revoked certificates: refused at connect, and connections \
+               holding one are closed when this changes",
     },
     OptionDef {
         key: "diagnostics.count-fop-hits",
@@ -496,6 +508,7 @@ impl OptionDef {
             ValueKind::Names if v.trim().is_empty() => Some(String::new()),
             ValueKind::Names if v.trim() == "*" => None,
             ValueKind::Names => parse_names(v),
+            ValueKind::Serials => parse_serials(v),
             ValueKind::Listen if v.eq_ignore_ascii_case("off") => Some("off".to_owned()),
             ValueKind::Listen => v
                 .parse::<std::net::SocketAddr>()
@@ -525,6 +538,9 @@ impl OptionDef {
                  not starting with '.' (empty: nobody)",
                 pki::IDENTITY_NAME_MAX_BYTES
             ),
+            ValueKind::Serials => "a comma-separated list of certificate serial numbers in hex \
+                 (`kiln cert serial FILE` prints one; empty: none)"
+                .to_owned(),
             ValueKind::Listen => "off or IP:PORT (e.g. 127.0.0.1:9713, [::1]:9713)".to_owned(),
         }
     }
@@ -537,6 +553,7 @@ impl OptionDef {
             ValueKind::Choice(choices) => choices.join("|"),
             ValueKind::NameList => "*|name,...".to_owned(),
             ValueKind::Names => "name,...".to_owned(),
+            ValueKind::Serials => "serial,...".to_owned(),
             ValueKind::Listen => "off|ip:port".to_owned(),
         }
     }
@@ -575,6 +592,39 @@ fn parse_names(v: &str) -> Option<String> {
         }
     }
     Some(names.join(","))
+}
+
+/// Serial numbers, canonical: lowercase hex without separators or a leading zero byte,
+/// sorted, each once; 1 to 20 bytes (RFC 5280's limit).
+fn parse_serials(v: &str) -> Option<String> {
+    let mut serials: Vec<String> = Vec::new();
+    for serial in v.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        // With colons, each group is one byte (`0a:ff:1` is 0a ff 01).
+        let hex: String = match serial.contains(':') {
+            true => serial
+                .split(':')
+                .map(|byte| format!("{byte:0>2}"))
+                .collect(),
+            false => serial.to_owned(),
+        };
+        let hex = hex.to_ascii_lowercase();
+        if hex.is_empty() || hex.len() > 40 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return None;
+        }
+        let hex = if hex.len() % 2 == 1 {
+            format!("0{hex}")
+        } else {
+            hex
+        };
+        let hex = match hex.strip_prefix("00") {
+            Some(rest) if !rest.is_empty() => rest.to_owned(),
+            _ => hex,
+        };
+        serials.push(hex);
+    }
+    serials.sort();
+    serials.dedup();
+    Some(serials.join(","))
 }
 
 /// `kiln volume set help`: a header, then one aligned line per option: key, allowed values,
@@ -679,6 +729,27 @@ mod tests {
         ] {
             def(key);
         }
+    }
+
+    #[test]
+    fn serials_and_names_are_canonical_and_checked() {
+        let revoked = def("auth.revoked");
+        assert_eq!(
+            revoked.parse(" 0A:ff:1, 00a0b1 ,0aff01").expect("serials"),
+            "0aff01,a0b1"
+        );
+        assert_eq!(revoked.parse("").expect("none"), "");
+        for bad in ["xyz", "*", &"ab".repeat(21)] {
+            bad_value("auth.revoked", bad);
+        }
+        let root_allow = def("server.root-allow");
+        assert_eq!(
+            root_allow.parse("admin, ops,admin").expect("names"),
+            "admin,ops"
+        );
+        assert_eq!(root_allow.parse(" ").expect("nobody"), "");
+        bad_value("server.root-allow", "*");
+        bad_value("server.root-allow", "../x");
     }
 
     #[test]

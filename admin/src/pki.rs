@@ -249,6 +249,31 @@ pub fn peer_name(cert: &CertificateDer<'_>) -> Option<String> {
     Some(name)
 }
 
+/// A certificate's serial number as `auth.revoked` lists it: lowercase hex, no leading zero
+/// byte, no separators.
+pub fn peer_serial(cert: &CertificateDer<'_>) -> Option<String> {
+    let (_, parsed) = x509_parser::parse_x509_certificate(cert).ok()?;
+    let raw = parsed.tbs_certificate.raw_serial();
+    let raw = match raw {
+        [0, rest @ ..] if !rest.is_empty() => rest,
+        raw => raw,
+    };
+    Some(raw.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// The serial number of the (first) certificate in PEM file `path`, as [`peer_serial`]
+/// writes it: what an operator puts in `auth.revoked` to revoke it.
+pub fn serial_of(path: &Path) -> Result<String, PkiError> {
+    let certs = load_certs(path)?;
+    certs
+        .first()
+        .and_then(peer_serial)
+        .ok_or_else(|| PkiError::Pem {
+            path: path.to_owned(),
+            what: "certificate",
+        })
+}
+
 /// Checks a client or brick name: it becomes part of a file name and an `auth.allow` entry.
 pub fn check_name(name: &str) -> Result<(), PkiError> {
     let ok = !name.is_empty()
@@ -338,6 +363,31 @@ mod tests {
         assert_eq!(peer_name(&id.chain[0]).as_deref(), Some("alice"));
         let id = load_identity(&ca.cert, &b).expect("test setup");
         assert_eq!(peer_name(&id.chain[0]).as_deref(), Some("b1"));
+    }
+
+    #[test]
+    fn serials_name_certificates_one_to_one() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        init_ca(dir.path()).expect("ca");
+        let a = issue(dir.path(), &Role::Client, "alice", 1).expect("alice");
+        let first = serial_of(&a.cert).expect("serial");
+        assert!(
+            first
+                .bytes()
+                .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+        );
+        assert!(!first.starts_with("00") && first.len() <= 40, "{first}");
+        let again = issue(dir.path(), &Role::Client, "alice", 1).expect("re-issued");
+        assert_ne!(
+            serial_of(&again.cert).expect("serial"),
+            first,
+            "a new key, a new serial"
+        );
+        let chain = load_certs(&again.cert).expect("pem");
+        assert_eq!(
+            peer_serial(&chain[0]),
+            Some(serial_of(&again.cert).expect("serial"))
+        );
     }
 
     #[test]

@@ -339,24 +339,7 @@ impl BrickClient {
                 })?;
         match outcome {
             Outcome::Hello(hello) => Ok(Live { conn, hello }),
-            Outcome::Error {
-                error: ErrorCode::ProtoNotSupported,
-                ..
-            } => Err(Error::Refused(format!(
-                "the brick does not speak protocol version {PROTOCOL_VERSION}"
-            ))),
-            // The brick answers EACCES at HELLO to a client not in `auth.allow`.
-            Outcome::Error {
-                error: ErrorCode::Access,
-                ..
-            } => Err(Error::Refused(format!(
-                "client '{}' is not allowed on this volume (auth.allow)",
-                options.client_name
-            ))),
-            Outcome::Error { error, .. } => Err(Error::Refused(format!(
-                "HELLO refused: {}",
-                crate::error::errno_text(error.to_errno())
-            ))),
+            Outcome::Error { error, .. } => Err(hello_refused(options, &connection, error).await),
             other => Err(Error::Protocol(format!("bad HELLO answer {other:?}"))),
         }
     }
@@ -520,6 +503,36 @@ impl Layer for BrickClient {
         self.call_on(&live, creds, fop).await.map(drop)
     }
 }
+/// How long a refused HELLO waits for the brick to close the connection with its reason.
+const REFUSAL_REASON_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// A HELLO the brick answered with `error`: the reason the brick closes the connection with
+/// (auth.allow, a revoked certificate, a connection limit), or one made from the error.
+async fn hello_refused(
+    options: &ConnectOptions,
+    connection: &quinn::Connection,
+    error: ErrorCode,
+) -> Error {
+    let closed = tokio::time::timeout(REFUSAL_REASON_WAIT, connection.closed()).await;
+    if let Ok(quinn::ConnectionError::ApplicationClosed(close)) = closed {
+        return Error::Refused(String::from_utf8_lossy(&close.reason).into_owned());
+    }
+    Error::Refused(match error {
+        ErrorCode::ProtoNotSupported => {
+            format!("the brick does not speak protocol version {PROTOCOL_VERSION}")
+        }
+        // The brick answers EACCES at HELLO to a client not in `auth.allow`.
+        ErrorCode::Access => format!(
+            "client '{}' is not allowed on this volume (auth.allow)",
+            options.client_name
+        ),
+        error => format!(
+            "HELLO refused: {}",
+            crate::error::errno_text(error.to_errno())
+        ),
+    })
+}
+
 fn unexpected(fop: &str) -> Error {
     Error::Protocol(format!("unexpected reply to {fop}"))
 }

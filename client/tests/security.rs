@@ -292,3 +292,91 @@ fn bad_frames_reset_only_their_own_stream() {
         bystander.close().await;
     });
 }
+
+/// Pushes live options to the brick's control socket at `generation`.
+async fn push(socket: &std::path::Path, generation: u64, options: &[(&str, &str)]) {
+    use kiln_admin::control::{ControlAnswer, ControlRequest, EXCHANGE};
+    let options = options
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect();
+    let request = ControlRequest::Push {
+        generation,
+        options,
+    };
+    let answer: ControlAnswer = EXCHANGE.ask(socket, &request).await.expect("push");
+    assert_eq!(
+        answer,
+        ControlAnswer::Generation { generation },
+        "{answer:?}"
+    );
+}
+
+/// Changing `auth.allow` or revoking a certificate closes the connections no longer let in
+/// and keeps them out; the others carry on. A push older than the brick's generation is
+/// ignored.
+#[test]
+fn revoked_and_disallowed_clients_are_cut_off_live() {
+    let cluster = Cluster::new();
+    let socket = cluster.dir.path().join("run/b.sock");
+    let socket_arg = socket.to_str().expect("utf-8");
+    let brickd = cluster.start(
+        "127.0.0.1:0",
+        &["--control", socket_arg, "--generation", "1"],
+    );
+    let serial = |client| {
+        pki::serial_of(&pki::identity_files(&cluster.tls, &Role::Client, client).cert)
+            .expect("serial")
+    };
+    runtime().block_on(async {
+        let alice = cluster.connect(brickd.addr, "alice").await;
+        let bob = cluster.connect(brickd.addr, "bob").await;
+        alice.ping().await.expect("alice");
+        bob.ping().await.expect("bob");
+
+        push(&socket, 2, &[("auth.allow", "alice")]).await;
+        let e = bob.ping().await.expect_err("bob is cut off");
+        assert!(
+            matches!(e, Error::Disconnected(_) | Error::Refused(_)),
+            "{e:?}"
+        );
+        let e = refused(cluster.options(brickd.addr, "bob")).await;
+        assert!(
+            matches!(&e, Error::Refused(why) if why.contains("auth.allow")),
+            "{e:?}"
+        );
+        alice.ping().await.expect("alice carries on");
+
+        push(
+            &socket,
+            3,
+            &[("auth.allow", "*"), ("auth.revoked", &serial("alice"))],
+        )
+        .await;
+        let e = alice
+            .ping()
+            .await
+            .expect_err("alice's certificate is revoked");
+        assert!(
+            matches!(e, Error::Disconnected(_) | Error::Refused(_)),
+            "{e:?}"
+        );
+        let e = refused(cluster.options(brickd.addr, "alice")).await;
+        assert!(
+            matches!(&e, Error::Refused(why) if why.contains("revoked")),
+            "{e:?}"
+        );
+        let bob = cluster.connect(brickd.addr, "bob").await;
+        bob.ping().await.expect("bob is back");
+
+        // A late push of generation 2 does not bring back an older auth.allow.
+        use kiln_admin::control::{ControlAnswer, ControlRequest, EXCHANGE};
+        let stale = ControlRequest::Push {
+            generation: 2,
+            options: [("auth.allow".to_owned(), "alice".to_owned())].into(),
+        };
+        let answer: ControlAnswer = EXCHANGE.ask(&socket, &stale).await.expect("push");
+        assert_eq!(answer, ControlAnswer::Generation { generation: 3 });
+        bob.ping().await.expect("bob is still allowed");
+    });
+}

@@ -226,6 +226,12 @@ fn engine_config(settings: &BrickSettings) -> EngineConfig {
 fn live_config(settings: &BrickSettings) -> anyhow::Result<LiveConfig> {
     Ok(LiveConfig {
         auth_allow: AuthAllow::parse(&settings.auth_allow).context("auth.allow")?,
+        revoked: settings
+            .revoked
+            .split(',')
+            .filter(|s| !s.is_empty())
+            .map(str::to_owned)
+            .collect(),
         inflight_max: settings.inflight_max,
         root_squash: RootSquash {
             enabled: settings.root_squash,

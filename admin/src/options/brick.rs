@@ -65,6 +65,8 @@ impl FsyncPolicy {
 pub struct BrickSettings {
     /// `auth.allow`, canonical: `*` or names separated by commas.
     pub auth_allow: String,
+    /// `auth.revoked`, canonical: serials separated by commas, empty for none.
+    pub revoked: String,
     /// `network.inflight-max`: calls in flight per connection.
     pub inflight_max: u32,
     /// `diagnostics.count-fop-hits`.
@@ -138,6 +140,7 @@ impl BrickSettings {
         let read = Reader(set);
         Ok(BrickSettings {
             auth_allow: read.canonical("auth.allow")?.1,
+            revoked: read.canonical("auth.revoked")?.1,
             inflight_max: read.number("network.inflight-max")?,
             count_fop_hits: read.on("diagnostics.count-fop-hits")?,
             latency_measurement: read.on("diagnostics.latency-measurement")?,
@@ -167,6 +170,7 @@ impl BrickSettings {
         let on_off = |on: bool| if on { "on" } else { "off" }.to_owned();
         [
             ("auth.allow", self.auth_allow.clone()),
+            ("auth.revoked", self.revoked.clone()),
             ("network.inflight-max", self.inflight_max.to_string()),
             ("diagnostics.count-fop-hits", on_off(self.count_fop_hits)),
             (
@@ -314,6 +318,7 @@ fn value_name(kind: ValueKind) -> &'static str {
         ValueKind::Integer { .. } => "N",
         ValueKind::Choice(_) => "NAME",
         ValueKind::NameList | ValueKind::Names => "NAMES",
+        ValueKind::Serials => "SERIALS",
         ValueKind::Listen => "IP:PORT",
     }
 }
@@ -542,6 +547,7 @@ mod tests {
             live.live_options().keys().collect::<Vec<_>>(),
             [
                 "auth.allow",
+                "auth.revoked",
                 "diagnostics.count-fop-hits",
                 "diagnostics.latency-measurement",
                 "network.connections-max",

@@ -125,6 +125,11 @@ enum CertCommand {
         #[arg(long, default_value_t = pki::CERT_VALIDITY_DAYS)]
         days: u32,
     },
+    /// Print a certificate's serial number (what `auth.revoked` lists to revoke it).
+    Serial {
+        /// The certificate file (PEM).
+        cert: PathBuf,
+    },
 }
 
 fn main() -> ExitCode {
@@ -161,15 +166,20 @@ fn main() -> ExitCode {
                 (None, None) => unreachable_usage(),
             };
             pki::issue(&cli.global.tls_dir, &role, &name, days)
-                .map(|files| {
+                .and_then(|files| {
+                    let serial = pki::serial_of(&files.cert)?;
                     println!(
-                        "issued {} and {}",
+                        "issued {} and {} (serial {serial})",
                         files.cert.display(),
                         files.key.display()
                     );
+                    Ok(())
                 })
                 .map_err(anyhow::Error::from)
         }
+        Command::Cert(CertCommand::Serial { cert }) => pki::serial_of(&cert)
+            .map(|serial| println!("{serial}"))
+            .map_err(anyhow::Error::from),
         Command::Volume { json, command } => volume::run(&cli.global.socket, json, command),
         Command::Mount(args) => mount::run(&cli.global, args),
         Command::Umount(args) => mount::umount(&args),

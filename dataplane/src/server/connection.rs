@@ -14,7 +14,7 @@ use kiln_wire::{
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
-use super::access::{Admission, AuthAllow, Full};
+use super::access::{Admission, Full};
 use super::{HELLO_TIMEOUT, LiveConfig, ORPHAN_CALL_GRACE};
 use crate::engine::{Engine, LocalEngine};
 use crate::fdtable::SessionId;
@@ -49,6 +49,8 @@ pub struct Connections(Arc<Mutex<BTreeMap<SessionId, Connected>>>);
 #[derive(Debug, Clone)]
 struct Connected {
     info: ConnectionInfo,
+    /// The client certificate's serial number.
+    serial: String,
     connection: quinn::Connection,
 }
 
@@ -68,17 +70,13 @@ impl Connections {
         self.len() == 0
     }
 
-    /// Closes every connection whose client `auth_allow` no longer allows.
-    pub(super) fn close_disallowed(&self, auth_allow: &AuthAllow) {
+    /// Closes every connection `config` no longer lets in: its client is not in
+    /// `auth.allow`, or its certificate is in `auth.revoked`.
+    pub(super) fn close_disallowed(&self, config: &LiveConfig) {
         for c in self.lock().values() {
-            if !auth_allow.allows(&c.info.client) {
-                tracing::warn!(client = %c.info.client, "connection closed: no longer in auth.allow");
-                let reason = format!(
-                    "client '{}' is no longer allowed on this volume (auth.allow)",
-                    c.info.client
-                );
-                c.connection
-                    .close(CloseCode::NotAllowed.into(), reason.as_bytes());
+            if let Err((_, close, reason)) = check_access(config, &c.info.client, &c.serial) {
+                tracing::warn!(client = %c.info.client, %reason, "connection closed");
+                c.connection.close(close.into(), reason.as_bytes());
             }
         }
     }
@@ -137,7 +135,7 @@ async fn serve_connection(incoming: quinn::Incoming, context: Rc<Context>) {
             return;
         }
     };
-    let Some(client) = peer_name(&connection) else {
+    let Some((client, serial)) = peer_identity(&connection) else {
         tracing::warn!(%remote, "connection refused: the client certificate has no name");
         connection.close(
             CloseCode::NotAllowed.into(),
@@ -148,7 +146,7 @@ async fn serve_connection(incoming: quinn::Incoming, context: Rc<Context>) {
     let live = read(&context.live).clone();
     // A refusal is answered at HELLO, so it and its reason reach the client instead of
     // racing the end of its TLS handshake.
-    let admitted = match admit(&context, &live.config, &client) {
+    let admitted = match admit(&context, &live.config, &client, &serial) {
         Ok(admitted) => Some(admitted),
         Err(refusal) => {
             let _ = handshake(&connection, &live.hello, Some(refusal)).await;
@@ -176,6 +174,7 @@ async fn serve_connection(incoming: quinn::Incoming, context: Rc<Context>) {
     };
     let connected = Connected {
         info,
+        serial,
         connection: connection.clone(),
     };
     context.connections.lock().insert(session.id, connected);
@@ -183,17 +182,35 @@ async fn serve_connection(incoming: quinn::Incoming, context: Rc<Context>) {
     drop(admitted);
 }
 
-/// Refuses a client `auth.allow` leaves out, or one past a connection limit: the error, the
-/// close code and the reason HELLO answers with.
+/// Whether `config` lets client `client` with certificate `serial` in: not when
+/// `auth.allow` leaves it out or `auth.revoked` lists its certificate.
+fn check_access(config: &LiveConfig, client: &str, serial: &str) -> Result<(), Refusal> {
+    if config.revoked.iter().any(|r| r == serial) {
+        let reason = format!("the certificate {serial} of client '{client}' is revoked");
+        return Err((ErrorCode::Access, CloseCode::NotAllowed, reason));
+    }
+    if !config.auth_allow.allows(client) {
+        let reason = format!("client '{client}' is not allowed on this volume (auth.allow)");
+        return Err((ErrorCode::Access, CloseCode::NotAllowed, reason));
+    }
+    Ok(())
+}
+
+/// Refuses a client `auth.allow` leaves out or whose certificate is revoked, or one past a
+/// connection limit: the error, the close code and the reason HELLO answers with.
 fn admit(
     context: &Context,
     config: &LiveConfig,
     client: &str,
+    serial: &str,
 ) -> Result<super::access::Admitted, Refusal> {
-    if !config.auth_allow.allows(client) {
-        tracing::warn!(%client, "connection refused: client is not in auth.allow");
-        let reason = format!("client '{client}' is not allowed on this volume (auth.allow)");
-        return Err((ErrorCode::Access, CloseCode::NotAllowed, reason));
+    if let Err(refusal) = check_access(config, client, serial) {
+        if config.auth_allow.allows(client) {
+            tracing::warn!(%client, %serial, "connection refused: the certificate is revoked");
+        } else {
+            tracing::warn!(%client, "connection refused: client is not in auth.allow");
+        }
+        return Err(refusal);
     }
     context
         .admission
@@ -259,13 +276,15 @@ async fn serve_session(connection: &quinn::Connection, session: Rc<Session>, con
 /// A refusal at HELLO: the error the HELLO gets, then the close code and reason.
 type Refusal = (ErrorCode, CloseCode, String);
 
-/// The client's name: the common name of its certificate, already verified by TLS.
-fn peer_name(connection: &quinn::Connection) -> Option<String> {
+/// The client's name (the common name of its certificate, already verified by TLS) and the
+/// certificate's serial number.
+fn peer_identity(connection: &quinn::Connection) -> Option<(String, String)> {
     let chain = connection
         .peer_identity()?
         .downcast::<Vec<rustls_pki_types::CertificateDer<'static>>>()
         .ok()?;
-    pki::peer_name(chain.first()?)
+    let cert = chain.first()?;
+    Some((pki::peer_name(cert)?, pki::peer_serial(cert)?))
 }
 
 /// Answers the connection's first call, which must be HELLO. A refusal (`refused`, or a

@@ -51,6 +51,9 @@ pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LiveConfig {
     pub auth_allow: AuthAllow,
+    /// `auth.revoked`: serial numbers (lowercase hex, as `pki::peer_serial` writes them) of
+    /// certificates refused at connect; connections holding one are closed when it changes.
+    pub revoked: Vec<String>,
     /// Calls in flight per connection (`network.inflight-max`), for connections opened from
     /// the change on.
     pub inflight_max: u32,
@@ -62,6 +65,7 @@ impl Default for LiveConfig {
     fn default() -> Self {
         LiveConfig {
             auth_allow: AuthAllow::All,
+            revoked: Vec::new(),
             inflight_max: 256,
             root_squash: RootSquash::default(),
             connections: ConnectionLimits::default(),
@@ -248,8 +252,8 @@ impl Server {
         self.local_addr
     }
 
-    /// Applies live options: connections whose client `auth.allow` no longer allows are
-    /// closed; root squashing applies from the next call; `network.inflight-max` and the
+    /// Applies live options: connections whose client `auth.allow` no longer allows, or whose
+    /// certificate `auth.revoked` lists, are closed; root squashing applies from the next call; `network.inflight-max` and the
     /// connection limits from the next connection on.
     pub fn reconfigure(&mut self, live: LiveConfig) -> Result<(), ServerError> {
         if live.inflight_max != self.config.live.inflight_max {
@@ -268,8 +272,7 @@ impl Server {
             current.hello.limits.inflight_max = live.inflight_max;
             current.config = live;
         }
-        self.connections
-            .close_disallowed(&self.config.live.auth_allow);
+        self.connections.close_disallowed(&self.config.live);
         Ok(())
     }
 
