@@ -280,6 +280,35 @@ fn attributes_xattrs_and_sparse_files() {
     let mut middle = vec![9; 16];
     rustix::io::pread(&data, &mut middle, 70_000).expect("pread");
     assert_eq!(middle, [0; 16], "the hole reads as zeros");
+    // Every zeroing mode ext4 has works, with or without keeping the size, inside the file
+    // and past its end: a program that probes one mode and uses another does not break.
+    let zero = rustix::fs::FallocateFlags::ZERO_RANGE;
+    let keep = rustix::fs::FallocateFlags::KEEP_SIZE;
+    rustix::fs::fallocate(&data, zero | keep, 0, 4096).expect("ZERO_RANGE|KEEP_SIZE inside");
+    rustix::fs::fallocate(&data, zero | keep, 3 * 65536, 65536).expect("… past the end");
+    assert_eq!(
+        data.metadata().expect("fstat").len(),
+        3 * 65536,
+        "size kept"
+    );
+    let mut head = vec![9; 4097];
+    rustix::io::pread(&data, &mut head, 0).expect("pread");
+    assert_eq!(
+        (&head[..4096], head[4096]),
+        (&[0u8; 4096][..], 1),
+        "only the range zeroed"
+    );
+    rustix::fs::fallocate(&data, zero, 3 * 65536, 4096).expect("ZERO_RANGE past the end");
+    assert_eq!(
+        data.metadata().expect("fstat").len(),
+        3 * 65536 + 4096,
+        "size grown"
+    );
+    assert_eq!(
+        rustix::fs::fallocate(&data, rustix::fs::FallocateFlags::PUNCH_HOLE, 0, 4096),
+        Err(rustix::io::Errno::OPNOTSUPP),
+        "a hole punched without KEEP_SIZE is refused, as Linux does"
+    );
 
     // O_DIRECT bypasses the page cache; any buffer will do.
     let mut direct = fs::OpenOptions::new()

@@ -168,31 +168,32 @@ pub(super) fn access_mask(mask: AccessFlags) -> AccessMask {
     bits
 }
 
-/// fallocate(2) with `mode` as a fop: an allocation, a hole punched (only with
-/// `FALLOC_FL_KEEP_SIZE`, as Linux requires) or a range zeroed (only without it, as the
-/// brick's ZEROFILL may grow the file); anything else is EOPNOTSUPP.
-pub(super) fn fallocate_fop(mode: i32, offset: u64, len: u64) -> Result<FdFop> {
+/// fallocate(2) with `mode` as fops, in order: an allocation, a hole punched (only with
+/// `FALLOC_FL_KEEP_SIZE`, as Linux requires), a range zeroed (ZEROFILL, which may grow the
+/// file), or a range zeroed within the size (`ZERO_RANGE | KEEP_SIZE`: the hole punched, then
+/// the range allocated again, size kept, as ext4 does it in one call); anything else is
+/// EOPNOTSUPP, every time, so a program that probes a mode finds what works.
+pub(super) fn fallocate_fops(mode: i32, offset: u64, len: u64) -> Result<Vec<FdFop>> {
     let keep_size = mode & libc::FALLOC_FL_KEEP_SIZE != 0;
-    let build = move |fd| match mode & !libc::FALLOC_FL_KEEP_SIZE {
-        0 => kiln_wire::Fallocate {
-            fd,
-            keep_size,
-            offset,
-            len,
-        }
-        .into(),
-        libc::FALLOC_FL_PUNCH_HOLE => kiln_wire::Discard { fd, offset, len }.into(),
-        _ => kiln_wire::Zerofill { fd, offset, len }.into(),
+    let allocate = move |keep_size| {
+        FdFop::new(move |fd| {
+            kiln_wire::Fallocate {
+                fd,
+                keep_size,
+                offset,
+                len,
+            }
+            .into()
+        })
     };
-    let supported = match mode & !libc::FALLOC_FL_KEEP_SIZE {
-        0 => true,
-        libc::FALLOC_FL_PUNCH_HOLE => keep_size,
-        libc::FALLOC_FL_ZERO_RANGE => !keep_size,
-        _ => false,
-    };
-    match supported {
-        true => Ok(FdFop::new(build)),
-        false => Err(Errno::from_i32(libc::EOPNOTSUPP)),
+    let punch = move || FdFop::new(move |fd| kiln_wire::Discard { fd, offset, len }.into());
+    let zero = move || FdFop::new(move |fd| kiln_wire::Zerofill { fd, offset, len }.into());
+    match (mode & !libc::FALLOC_FL_KEEP_SIZE, keep_size) {
+        (0, _) => Ok(vec![allocate(keep_size)]),
+        (libc::FALLOC_FL_PUNCH_HOLE, true) => Ok(vec![punch()]),
+        (libc::FALLOC_FL_ZERO_RANGE, false) => Ok(vec![zero()]),
+        (libc::FALLOC_FL_ZERO_RANGE, true) => Ok(vec![punch(), allocate(true)]),
+        _ => Err(Errno::from_i32(libc::EOPNOTSUPP)),
     }
 }
 

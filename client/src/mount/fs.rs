@@ -33,9 +33,9 @@ use tokio::runtime::Handle;
 
 use super::MountOptions;
 use super::convert::{
-    Fail, GEN, Result, access_mask, creds, errno, fallocate_fop, file_kind, fopen_flags, fuse_lock,
-    name_of, negative_attr, node_type, os, rename_mode, reply_entry, reply_xattr, time_set,
-    wire_lock, xattr_name, xattr_set_mode,
+    Fail, GEN, Result, access_mask, creds, errno, fallocate_fops, file_kind, fopen_flags,
+    fuse_lock, name_of, negative_attr, node_type, os, rename_mode, reply_entry, reply_xattr,
+    time_set, wire_lock, xattr_name, xattr_set_mode,
 };
 use super::shared::Shared;
 use crate::path::new_gfid;
@@ -763,7 +763,18 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         mode: i32,
         reply: ReplyEmpty,
     ) {
-        self.run_on_handle(req, fh, reply, move || fallocate_fop(mode, offset, length));
+        let (s, c) = (self.shared(), creds(req));
+        self.spawn(
+            reply,
+            async move {
+                let open = s.handles.get(fh)?;
+                for fop in fallocate_fops(mode, offset, length)? {
+                    s.call_handle(&c, &open, fop).await?;
+                }
+                Ok(())
+            },
+            |reply, ()| reply.ok(),
+        );
     }
 
     fn lseek(
