@@ -115,6 +115,9 @@ pub struct Fd {
     /// (connection epoch, the brick's id for it in that connection's session)
     state: Mutex<(u64, FdId)>,
     locked: AtomicBool,
+    /// The file's inode number once a reply named it (0 until then): a reopen by GFID after
+    /// a reconnect must reach the same inode, not an object that took over the GFID.
+    ino: AtomicU64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -374,10 +377,36 @@ impl BrickClient {
             Err(Error::Fop(_)) => return Err(Error::Fop(ErrorCode::BadFd)),
             Err(e) => return Err(e),
         };
+        self.check_same_inode(live, creds, fd, id).await?;
         if let Ok(mut state) = fd.state.lock() {
             *state = (live.conn.epoch, id);
         }
         Ok(id)
+    }
+
+    /// After a reopen by GFID: the file must be the inode `fd` had (when known), else the new
+    /// fd goes and the old one is stale (EBADF).
+    async fn check_same_inode(
+        &self,
+        live: &Live,
+        creds: &Creds,
+        fd: &Fd,
+        id: FdId,
+    ) -> Result<(), Error> {
+        let ino = fd.ino.load(Ordering::Relaxed);
+        if ino == 0 || matches!(fd.kind, FdKind::Dir) {
+            return Ok(());
+        }
+        let fstat = FopRequest::Fstat(kiln_wire::Fstat { fd: id });
+        match self.call_on(live, creds, fstat).await {
+            Ok(FopReply::Fstat(r)) if r.iatt.ino == ino => Ok(()),
+            Ok(_) | Err(Error::Fop(_)) => {
+                let release = FopRequest::Release(kiln_wire::Release { fd: id });
+                let _ = self.call_on(live, creds, release).await;
+                Err(Error::Fop(ErrorCode::BadFd))
+            }
+            Err(e) => Err(e),
+        }
     }
 
     fn new_fd(&self, live: &Live, gfid: Gfid, kind: FdKind, id: FdId) -> Fd {
@@ -387,6 +416,7 @@ impl BrickClient {
             kind,
             state: Mutex::new((live.conn.epoch, id)),
             locked: AtomicBool::new(false),
+            ino: AtomicU64::new(0),
         }
     }
 }
@@ -439,6 +469,7 @@ impl Layer for BrickClient {
         match self.call_on(&live, creds, create.into()).await? {
             FopReply::Create(r) => {
                 let fd = self.new_fd(&live, gfid, FdKind::File { access, flags }, r.fd);
+                fd.ino.store(r.iatt.ino, Ordering::Relaxed);
                 let entry = EntryReply {
                     iatt: r.iatt,
                     pre_parent: r.pre_parent,
@@ -483,6 +514,11 @@ impl Layer for BrickClient {
         if takes_lock {
             fd.locked.store(true, Ordering::Relaxed);
         }
+        if let Some(ino) = inode_of(&reply) {
+            let _ = fd
+                .ino
+                .compare_exchange(0, ino, Ordering::Relaxed, Ordering::Relaxed);
+        }
         Ok(reply)
     }
 
@@ -503,6 +539,22 @@ impl Layer for BrickClient {
         self.call_on(&live, creds, fop).await.map(drop)
     }
 }
+/// The inode number an fd fop's reply names, if any.
+fn inode_of(reply: &FopReply) -> Option<u64> {
+    match reply {
+        FopReply::Fstat(r) => Some(r.iatt.ino),
+        FopReply::Read(r) => Some(r.iatt.ino),
+        FopReply::Write(r)
+        | FopReply::Fsync(r)
+        | FopReply::Fsetattr(r)
+        | FopReply::Ftruncate(r)
+        | FopReply::Fallocate(r)
+        | FopReply::Discard(r)
+        | FopReply::Zerofill(r) => Some(r.post.ino),
+        _ => None,
+    }
+}
+
 /// How long a refused HELLO waits for the brick to close the connection with its reason.
 const REFUSAL_REASON_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 

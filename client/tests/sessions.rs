@@ -421,3 +421,58 @@ fn a_brick_and_a_port_have_one_server() {
         String::from_utf8_lossy(&check.stdout)
     );
 }
+
+/// An fd opened before a brick restart is opened again by its GFID; if another object has
+/// taken that GFID meanwhile (its file was removed, a client reused the id), the fd fails
+/// with EBADF instead of reaching the newcomer.
+#[test]
+fn a_reopened_fd_never_reaches_an_object_that_took_its_gfid() {
+    let cluster = Cluster::new();
+    let first = cluster.start("127.0.0.1:0", &[]);
+    let addr = first.addr.to_string();
+    let rt = runtime();
+    let mut options = cluster.options(first.addr, "alice");
+    options.idle_timeout = Duration::from_secs(3);
+    let v = rt.block_on(BrickClient::connect(options)).expect("connect");
+    let creds = Creds::root();
+    let fd = rt.block_on(async {
+        let fd = v.create_file(&creds, "/mine", 0o644).await.expect("create");
+        v.write(&creds, &fd, 0, Bytes::from_static(b"secret"))
+            .await
+            .expect("write");
+        fd
+    });
+    first.kill9();
+    let second = cluster.start(&addr, &[]);
+    rt.block_on(async {
+        // The file goes, and a new one is made with the same GFID.
+        let _ = v.stat(&creds, Gfid::ROOT).await;
+        v.stat(&creds, Gfid::ROOT).await.expect("reconnected");
+        v.remove_all(&creds, "/mine").await.expect("unlink");
+        let put = kiln_wire::Put {
+            parent: Gfid::ROOT,
+            name: kiln_wire::Name::new("theirs".to_owned()).expect("name"),
+            gfid: fd.gfid(),
+            mode: kiln_wire::Mode::new(0o644).expect("mode"),
+            umask: kiln_wire::Mode::new(0).expect("mode"),
+            flags: OpenFlags::empty(),
+            data: kiln_wire::Payload::new(Bytes::from_static(b"other")).expect("small"),
+            attr: kiln_wire::SetAttr::default(),
+        };
+        v.call(&creds, put.into())
+            .await
+            .expect("a new file takes the GFID");
+        let e = v
+            .write(&creds, &fd, 0, Bytes::from_static(b"leak"))
+            .await
+            .expect_err("the old fd must not reach the new file");
+        assert_eq!(e.code(), Some(ErrorCode::BadFd), "{e:?}");
+        assert_eq!(
+            v.read_to_end(&creds, "/theirs").await.expect("read"),
+            b"other",
+            "the newcomer is untouched"
+        );
+        v.close().await;
+    });
+    drop(second);
+}
