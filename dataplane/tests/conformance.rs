@@ -38,6 +38,7 @@ per_engine!(
     owners_reach_their_unsearchable_directories,
     ftruncate_runs_as_the_caller_on_the_open_file,
     lock_waits_hold_no_thread_and_end_with_their_session,
+    readdirp_needs_search_permission_as_stat_does,
 );
 
 fn create_write_read_release(kind: EngineKind) {
@@ -1890,4 +1891,61 @@ fn lock_waits_hold_no_thread_and_end_with_their_session(kind: EngineKind) {
         );
         drop(session);
     }
+}
+
+/// Names need read permission on a directory; their attributes need search permission, as
+/// `stat` of each would: READDIRP without it is EACCES, READDIR is not.
+fn readdirp_needs_search_permission_as_stat_does(kind: EngineKind) {
+    let h = Harness::new(kind);
+    let dir = h
+        .mkdir_as(&root(), Gfid::ROOT, "r-only", 0o744)
+        .expect("mkdir");
+    h.put(dir, "inside", b"x").expect("put");
+    let other = user(4242);
+    let FopReply::Opendir(o) = h
+        .call(&other, Opendir { gfid: dir })
+        .expect("r is enough to open")
+    else {
+        panic!()
+    };
+    let size = ReaddirSize::new(64 * 1024).expect("size");
+    let FopReply::Readdir(names) = h
+        .call(
+            &other,
+            Readdir {
+                fd: o.fd,
+                offset: 0,
+                size,
+            },
+        )
+        .expect("names need only r")
+    else {
+        panic!()
+    };
+    assert_eq!(names.entries.len(), 1);
+    assert_eq!(
+        h.call(
+            &other,
+            Readdirp {
+                fd: o.fd,
+                offset: 0,
+                size
+            }
+        )
+        .err(),
+        Some(ErrorCode::Access),
+        "attributes need x"
+    );
+    let FopReply::Opendir(mine) = h.call(&root(), Opendir { gfid: dir }).expect("opendir") else {
+        panic!()
+    };
+    h.call(
+        &root(),
+        Readdirp {
+            fd: mine.fd,
+            offset: 0,
+            size,
+        },
+    )
+    .expect("root may");
 }

@@ -8,11 +8,13 @@ use kiln_wire::{
     Creds, DirEntry, DirEntryPlus, FdId, FileType, Gfid, Name, OpenReply, ReaddirReply,
     ReaddirpReply,
 };
+use rustix::fs::AtFlags;
 use rustix::io::Errno;
 
 use super::resolve::fd_path;
 use super::{Fops, R, iatt, lock};
 use crate::brick::GLUSTERFS_DIR;
+use crate::creds::ActAs;
 use crate::exec::Exec;
 use crate::fdtable::{OpenFile, OpenKind, SessionId};
 use crate::op::{self, DirFd, FileRef, Stat, Step, cstr};
@@ -107,18 +109,26 @@ impl<E: Exec> Fops<E> {
         Ok(ReaddirReply { entries, eof })
     }
 
+    /// READDIRP: the entries with their attributes. Reading the names needs read permission
+    /// (checked when the directory was opened); their attributes need search permission on
+    /// it, as `stat` of each name would, so a caller without it gets EACCES.
     pub(super) async fn readdirp(
         &self,
         session: SessionId,
+        creds: &Creds,
         fd: FdId,
         offset: u64,
         size: u32,
     ) -> R<ReaddirpReply> {
         let (gfid, dir, stream) = self.dir_fd(session, fd)?;
         let (listing, size, root) = (dir.clone(), size as usize, gfid.is_root());
+        let creds = creds.clone();
         let (names, eof) = self
             .exec
-            .blocking(move || read_dir(&listing, &stream, root, offset, size, READDIRP_ENTRY_BYTES))
+            .blocking(move || {
+                may_search(&creds, &listing)?;
+                read_dir(&listing, &stream, root, offset, size, READDIRP_ENTRY_BYTES)
+            })
             .await?;
         // Stat each entry on its own: one that vanished meanwhile must not cancel the rest.
         let mut entries = Vec::with_capacity(names.len());
@@ -141,6 +151,13 @@ impl<E: Exec> Fops<E> {
         }
         Ok(ReaddirpReply { entries, eof })
     }
+}
+
+/// Whether `creds` may search directory `dir` (stat the names in it).
+fn may_search(creds: &Creds, dir: &DirFd) -> R<()> {
+    let _as = ActAs::new(creds)?;
+    let access = rustix::fs::Access::EXEC_OK;
+    rustix::fs::accessat(rustix::fs::CWD, &*fd_path(dir), access, AtFlags::EACCESS)
 }
 
 /// One directory entry read by `getdents64`.

@@ -307,7 +307,10 @@ impl<E: Exec> Fops<E> {
             Q::Fsync(r) => A::Fsync(self.fsync(s, r.fd, r.datasync).await?),
             Q::Release(r) => A::Release(self.release(s, r.fd, false).await?),
             Q::Readdir(r) => A::Readdir(self.readdir(s, r.fd, r.offset, r.size.get()).await?),
-            Q::Readdirp(r) => A::Readdirp(self.readdirp(s, r.fd, r.offset, r.size.get()).await?),
+            Q::Readdirp(r) => A::Readdirp(
+                self.readdirp(s, creds, r.fd, r.offset, r.size.get())
+                    .await?,
+            ),
             Q::Releasedir(r) => A::Releasedir(self.release(s, r.fd, true).await?),
             Q::Fsyncdir(r) => A::Fsyncdir(self.fsyncdir(s, r.fd, r.datasync).await?),
             Q::Fsetxattr(r) => {
