@@ -234,6 +234,7 @@ impl Engine {
         // must not mask again (it is shared by every thread, so this is the one place).
         rustix::process::umask(rustix::fs::Mode::empty());
         let shared = Arc::new(BrickState::new(config.fops.locks_per_client_max));
+        crate::fops::spawn_dir_record_sweeper(brick, &shared)?;
         let (workers, blocking, kind) = match config.kind {
             EngineKind::Uring => match start_uring(brick, &shared, config) {
                 Ok(workers) => (workers, None, EngineKind::Uring),

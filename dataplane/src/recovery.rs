@@ -134,6 +134,7 @@ pub fn repair(brick: &Brick) -> Result<RepairReport, Errno> {
         let completed = match parsed {
             Some((RecordKind::New, gfid)) => settle_new(brick, &record_c, &gfid)?,
             Some((RecordKind::Del, gfid)) => settle_del(brick, &record_c, &gfid)?,
+            Some((RecordKind::Dir, gfid)) => settle_dir(brick, &record_c, &gfid)?,
             _ => {
                 tracing::warn!(record = %text, "unknown intent record removed");
                 remove_record(brick, &record_c)?;
@@ -189,6 +190,41 @@ fn remove_record(brick: &Brick, record: &CString) -> Result<(), Errno> {
         &**record,
         AtFlags::empty(),
     ))
+}
+
+/// Creates of regular files were going on in directory `dir_gfid`: each was made whole as an
+/// unnamed file (GFID and data) and then named, so a crash can have left a named file without
+/// its handle, never a name without its GFID. Every file there gets its handle; the record
+/// goes. Whether any handle was missing.
+fn settle_dir(brick: &Brick, record: &CString, dir_gfid: &Gfid) -> Result<bool, Errno> {
+    let Ok(dir) = open_dir_by_gfid(brick, dir_gfid, 0) else {
+        // The directory went after the creates: nothing left to name.
+        remove_record(brick, record)?;
+        return Ok(false);
+    };
+    let mut healed = false;
+    for name in names_in(&dir)? {
+        if dir_gfid.is_root() && name == GLUSTERFS_DIR.as_bytes() {
+            continue;
+        }
+        let name_c = cstr(&name);
+        let regular = lstat(&dir, &name_c)
+            .is_ok_and(|st| u32::from(st.stx_mode) & libc::S_IFMT == libc::S_IFREG);
+        let Some(gfid) = regular
+            .then(|| read_gfid(&proc_path(&dir, &name_c)))
+            .transpose()?
+            .flatten()
+        else {
+            continue;
+        };
+        let handle = lstat(brick.handle_dir(&gfid), &Brick::handle_name(&gfid));
+        if handle.is_err() {
+            ensure_handle(brick, &gfid, dir_gfid, &dir, &name, false)?;
+            healed = true;
+        }
+    }
+    remove_record(brick, record)?;
+    Ok(healed)
 }
 
 fn settle_new(brick: &Brick, record: &CString, gfid: &Gfid) -> Result<bool, Errno> {
@@ -339,7 +375,13 @@ pub fn check(brick: &Brick, repair_found: bool) -> Result<CheckReport, Errno> {
         repaired: repair_found,
         ..CheckReport::default()
     };
-    report.pending_records = names_in(&brick.pending)?.len();
+    // `dir` records mark directories with creates under way (a live brick keeps them a
+    // moment after its last create there): not a problem by themselves, and the walk below
+    // finds any handle one would have to make.
+    report.pending_records = names_in(&brick.pending)?
+        .iter()
+        .filter(|r| !matches!(parse_record(r), Some((RecordKind::Dir, _))))
+        .count();
     if repair_found && report.pending_records > 0 {
         repair(brick)?;
     }

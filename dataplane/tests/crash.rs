@@ -12,6 +12,8 @@ use kiln_wire::*;
 per_engine!(
     crash_during_put,
     crash_during_create,
+    crash_during_read_only_create,
+    dir_records_go_a_moment_after_the_last_create,
     crash_during_mkdir,
     crash_during_symlink,
     crash_during_mknod,
@@ -101,31 +103,66 @@ fn crash_during_put(kind: EngineKind) {
     );
 }
 
+fn create_x(h: &Harness, gfid: Gfid, access: AccessMode) -> Result<FopReply, ErrorCode> {
+    h.call(
+        &root(),
+        Create {
+            parent: Gfid::ROOT,
+            name: name("x"),
+            gfid,
+            access,
+            flags: OpenFlags::empty(),
+            mode: mode(0o600),
+            umask: mode(0),
+        },
+    )
+}
+
+/// A writable create: made as an unnamed file, then named, under its directory's record.
 fn crash_during_create(kind: EngineKind) {
-    let create = |h: &Harness, g: Gfid| {
-        let flags = OpenFlags::empty();
-        h.call(
-            &root(),
-            Create {
-                parent: Gfid::ROOT,
-                name: name("x"),
-                gfid: g,
-                access: AccessMode::ReadWrite,
-                flags,
-                mode: mode(0o600),
-                umask: mode(0),
-            },
-        )
-    };
     each_crash_point(
         kind,
         FopCode::Create,
         |h| vec![h.gfid()],
-        |h, ids| create(h, ids[0]),
+        |h, ids| create_x(h, ids[0], AccessMode::ReadWrite),
         |h, ids, _| {
-            created_or_not(h, ids[0], || create(h, ids[0]));
+            created_or_not(h, ids[0], || create_x(h, ids[0], AccessMode::ReadWrite));
         },
     );
+}
+
+/// A read-only create cannot be made unnamed (`O_TMPFILE` needs write access): it takes the
+/// intent-record path.
+fn crash_during_read_only_create(kind: EngineKind) {
+    each_crash_point(
+        kind,
+        FopCode::Create,
+        |h| vec![h.gfid()],
+        |h, ids| create_x(h, ids[0], AccessMode::ReadOnly),
+        |h, ids, _| {
+            created_or_not(h, ids[0], || create_x(h, ids[0], AccessMode::ReadOnly));
+        },
+    );
+}
+
+/// A burst of creates in one directory shares one record, which goes a moment after the last.
+fn dir_records_go_a_moment_after_the_last_create(kind: EngineKind) {
+    let h = Harness::new(kind);
+    let pending = h.path().join(".glusterfs/kiln-pending");
+    let records = || std::fs::read_dir(&pending).expect("pending dir").count();
+    for i in 0..20 {
+        h.put(Gfid::ROOT, &format!("f{i}"), b"data").expect("put");
+    }
+    assert_eq!(records(), 1, "one record for the directory's creates");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while records() > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the dir record stayed"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    h.assert_consistent();
 }
 
 fn crash_during_mkdir(kind: EngineKind) {

@@ -7,6 +7,7 @@
 //! | `new` | a symlink to `<parent gfid>/<name>` | create, mkdir, mknod, symlink |
 //! | `del` | the object's handle, moved here | unlink, rmdir, a replacing rename |
 //! | `mv` | a symlink to the directory's new handle target | rename of a directory |
+//! | `dir` | a symlink to a directory's GFID | creates of regular files in that directory (made whole as unnamed files, then named: a crash can leave one without its handle) |
 //!
 //! This module names and parses records; the fops make them (`crate::fops::namespace`) and
 //! start-up repair settles them (`crate::recovery`).
@@ -31,6 +32,9 @@ pub enum RecordKind {
     Del,
     /// A directory rename: the record points at the new handle target.
     Mv,
+    /// Regular files are being created in a directory: the record points at its GFID, and
+    /// repair gives every file there its handle.
+    Dir,
 }
 
 impl RecordKind {
@@ -39,6 +43,7 @@ impl RecordKind {
             RecordKind::New => "new",
             RecordKind::Del => "del",
             RecordKind::Mv => "mv",
+            RecordKind::Dir => "dir",
         }
     }
 }
@@ -55,9 +60,14 @@ pub fn record_name(kind: RecordKind, gfid: &Gfid) -> CString {
 pub fn parse_record(name: &[u8]) -> Option<(RecordKind, Gfid)> {
     let name = std::str::from_utf8(name).ok()?;
     let (kind, rest) = name.split_once('-')?;
-    let kind = [RecordKind::New, RecordKind::Del, RecordKind::Mv]
-        .into_iter()
-        .find(|k| k.prefix() == kind)?;
+    let kind = [
+        RecordKind::New,
+        RecordKind::Del,
+        RecordKind::Mv,
+        RecordKind::Dir,
+    ]
+    .into_iter()
+    .find(|k| k.prefix() == kind)?;
     Some((kind, rest.get(..36)?.parse().ok()?))
 }
 
@@ -122,7 +132,12 @@ mod tests {
         let gfid: Gfid = "0a1b2c3d-0000-4000-8000-000000000009"
             .parse()
             .expect("valid");
-        for kind in [RecordKind::New, RecordKind::Del, RecordKind::Mv] {
+        for kind in [
+            RecordKind::New,
+            RecordKind::Del,
+            RecordKind::Mv,
+            RecordKind::Dir,
+        ] {
             let name = record_name(kind, &gfid);
             assert_eq!(parse_record(name.as_bytes()), Some((kind, gfid)));
         }

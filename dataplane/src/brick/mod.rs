@@ -70,6 +70,9 @@ pub struct Brick {
     pub pending: DirFd,
     /// Which `XX/YY` directories are known to exist (one bit per YY, lazily made).
     handle_parents: Vec<std::sync::atomic::AtomicU64>,
+    /// Whether the file system makes unnamed files (`O_TMPFILE`): new regular files are then
+    /// made whole before they get their name (`crate::fops::namespace`).
+    pub tmpfile: bool,
 }
 
 fn io_err(path: &Path) -> impl Fn(Errno) -> BrickError + '_ {
@@ -202,6 +205,7 @@ impl Brick {
         let handle_parents = (0..65536 / 64)
             .map(|_| std::sync::atomic::AtomicU64::new(0))
             .collect();
+        let tmpfile = makes_unnamed_files(&pending);
         Ok(Brick {
             path: path.to_owned(),
             id,
@@ -209,6 +213,7 @@ impl Brick {
             handle_dirs,
             pending,
             handle_parents,
+            tmpfile,
         })
     }
 
@@ -314,6 +319,16 @@ fn make_housekeeping(root: BorrowedFd<'_>) -> Result<(), Errno> {
         Mode::empty(),
     )?)?;
     Ok(())
+}
+
+/// Whether `dir`'s file system supports `O_TMPFILE` (ext4, XFS, btrfs and tmpfs do).
+fn makes_unnamed_files(dir: &DirFd) -> bool {
+    let flags = OFlags::TMPFILE | OFlags::WRONLY | OFlags::CLOEXEC;
+    let made = rustix::fs::openat(dir, c".", flags, Mode::from_raw_mode(0o600));
+    if let Err(e) = &made {
+        tracing::info!(error = %e, "no O_TMPFILE on the brick's file system: creates use intent records");
+    }
+    made.is_ok()
 }
 
 fn require_root() -> Result<(), BrickError> {

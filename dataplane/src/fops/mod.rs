@@ -24,6 +24,7 @@ use kiln_wire::*;
 use rustix::io::Errno;
 
 use self::chain::{Chain, FromDone, Results};
+pub(crate) use self::namespace::spawn_dir_record_sweeper;
 use crate::brick::Brick;
 use crate::cache::{CacheState, DirCache, GfidCache};
 use crate::exec::Exec;
@@ -97,6 +98,8 @@ pub struct BrickState {
     /// removals hold each: a create must not take such a GFID meanwhile (two objects, one
     /// GFID).
     parked: Mutex<HashMap<Gfid, u32>>,
+    /// Directories where regular files are being created, with their `dir` records.
+    creating: Mutex<HashMap<Gfid, namespace::DirCreates>>,
     /// Set by an fsync error: data may be lost, so writes are refused until restart.
     poisoned: AtomicBool,
 }
@@ -109,6 +112,7 @@ impl BrickState {
             next_session: AtomicU64::new(1),
             locks: Mutex::new(LockTable::new(locks_per_client_max)),
             parked: Mutex::new(HashMap::new()),
+            creating: Mutex::new(HashMap::new()),
             poisoned: AtomicBool::new(false),
         }
     }

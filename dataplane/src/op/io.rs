@@ -50,6 +50,10 @@ pub struct Ftruncate {
 impl RingOp for Write {
     const OPCODE: Option<(u8, &'static str)> = Some((opcode::Write::CODE, "write"));
 
+    fn cancels_links_on_failure(&self) -> bool {
+        true
+    }
+
     fn sqe(&self, _buf: &mut Buf, slot: Option<u32>) -> squeue::Entry {
         let (ptr, len) = (self.data.as_ptr(), len32(self.data.len()));
         on_file!(super::target(&self.file, slot), |fd| {
@@ -101,6 +105,10 @@ impl RingOp for Write {
 
 impl RingOp for Read {
     const OPCODE: Option<(u8, &'static str)> = Some((opcode::Read::CODE, "read"));
+
+    fn cancels_links_on_failure(&self) -> bool {
+        true
+    }
 
     fn buf(&self) -> BufKind {
         BufKind::Read(self.len)

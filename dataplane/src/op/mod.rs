@@ -34,7 +34,7 @@ use kiln_wire::{Creds, FileType, Gfid, Iatt, Mode, Timespec};
 use rustix::io::Errno;
 
 pub use io::{Fallocate, Fsync, Ftruncate, Read, Write};
-pub use namespace::{Link, Mkdir, Mknod, Rename, Symlink, Unlink};
+pub use namespace::{Link, LinkFile, Mkdir, Mknod, Rename, Symlink, Unlink};
 pub use open::{Close, Open};
 pub use stat::{Fstat, Statx};
 pub use xattr::{FSetXattr, SetXattrAt};
@@ -188,6 +188,22 @@ pub trait RingOp: Sized {
         None
     }
 
+    /// Replaces [`FileRef::Chain`] by the file an earlier step of the chain opened.
+    fn resolve_chain_file(&mut self, opened: &FileRef) {
+        if let Some(file) = self.file_mut()
+            && matches!(file, FileRef::Chain)
+        {
+            *file = opened.clone();
+        }
+    }
+
+    /// Whether io_uring cancels the linked steps after it when it fails (`IOSQE_IO_LINK`): only
+    /// opens, reads and writes do on the kernels measured; a failed namespace or xattr op lets
+    /// the chain go on, so a barrier of that kind must end its submission instead.
+    fn cancels_links_on_failure(&self) -> bool {
+        false
+    }
+
     /// Whether it opens a file: its CQE result is a new fd (or fills a direct descriptor).
     fn opens_file(&self) -> bool {
         false
@@ -266,6 +282,10 @@ macro_rules! ops {
                 match self { $(Op::$name(op) => op.blocking()),* }
             }
 
+            pub fn cancels_links_on_failure(&self) -> bool {
+                match self { $(Op::$name(op) => op.cancels_links_on_failure()),* }
+            }
+
             pub fn opens_file(&self) -> bool {
                 match self { $(Op::$name(op) => op.opens_file()),* }
             }
@@ -280,20 +300,15 @@ macro_rules! ops {
 
             /// Replaces [`FileRef::Chain`] by the file an earlier step of the chain opened.
             pub fn resolve_chain_file(&mut self, opened: &FileRef) {
-                let file = match self { $(Op::$name(op) => op.file_mut()),* };
-                if let Some(file) = file
-                    && matches!(file, FileRef::Chain)
-                {
-                    *file = opened.clone();
-                }
+                match self { $(Op::$name(op) => op.resolve_chain_file(opened)),* }
             }
         }
     };
 }
 
 ops!(
-    Statx, Fstat, Open, Close, Mkdir, Mknod, Symlink, Link, Rename, Unlink, FSetXattr, SetXattrAt,
-    Write, Read, Fsync, Fallocate, Ftruncate,
+    Statx, Fstat, Open, Close, Mkdir, Mknod, Symlink, Link, LinkFile, Rename, Unlink, FSetXattr,
+    SetXattrAt, Write, Read, Fsync, Fallocate, Ftruncate,
 );
 
 const fn count_some(codes: &[Option<(u8, &str)>]) -> usize {

@@ -1,12 +1,13 @@
 //! Name operations relative to held directory fds: `mkdirat`, `mknodat`, `symlinkat`,
-//! `linkat`, `renameat2`, `unlinkat`. io_uring has no `mknodat`: MKNOD runs on the pool.
+//! `linkat` (of a name, or of an open file that has none: [`LinkFile`]), `renameat2`,
+//! `unlinkat`. io_uring has no `mknodat`: MKNOD runs on the pool.
 
 use std::ffi::CString;
 
 use io_uring::{opcode, squeue, types};
 use rustix::fs::{AtFlags, Mode, RenameFlags};
 
-use super::{Buf, DirFd, RingOp, StepResult, raw, value};
+use super::{Buf, DirFd, FileRef, RingOp, StepResult, raw, value};
 
 #[derive(Debug)]
 pub struct Mkdir {
@@ -38,6 +39,30 @@ pub struct Link {
     pub old_name: CString,
     pub new_dir: DirFd,
     pub new_name: CString,
+}
+
+/// Gives an open file with no name (an `O_TMPFILE`) the name `new_dir/new_name`:
+/// `linkat(AT_FDCWD, "/proc/self/fd/N", new_dir, new_name, AT_SYMLINK_FOLLOW)`, which needs no
+/// privilege beyond the caller's right to make the name (unlike `AT_EMPTY_PATH`).
+#[derive(Debug)]
+pub struct LinkFile {
+    pub file: FileRef,
+    pub new_dir: DirFd,
+    pub new_name: CString,
+    /// `/proc/self/fd/N` of `file`, set once the file is known.
+    path: CString,
+}
+
+impl LinkFile {
+    /// Links the file an earlier step of the chain opened.
+    pub fn chain_file(new_dir: DirFd, new_name: CString) -> LinkFile {
+        LinkFile {
+            file: FileRef::Chain,
+            new_dir,
+            new_name,
+            path: CString::default(),
+        }
+    }
 }
 
 /// `renameat2` with `RENAME_*` flags.
@@ -126,6 +151,48 @@ impl RingOp for Link {
             &*self.new_name,
             AtFlags::empty(),
         ))
+    }
+}
+
+impl RingOp for LinkFile {
+    const OPCODE: Option<(u8, &'static str)> = Some((opcode::LinkAt::CODE, "linkat"));
+
+    /// Only a plain fd has a `/proc/self/fd` path.
+    fn on_ring(&self) -> bool {
+        matches!(self.file, FileRef::Fd(_))
+    }
+
+    fn sqe(&self, _buf: &mut Buf, _slot: Option<u32>) -> squeue::Entry {
+        let cwd = types::Fd(libc::AT_FDCWD);
+        opcode::LinkAt::new(
+            cwd,
+            self.path.as_ptr(),
+            types::Fd(raw(&self.new_dir)),
+            self.new_name.as_ptr(),
+        )
+        .flags(libc::AT_SYMLINK_FOLLOW)
+        .build()
+    }
+
+    fn blocking(self) -> StepResult {
+        super::plain(&self.file)?;
+        value(rustix::fs::linkat(
+            rustix::fs::CWD,
+            &*self.path,
+            &self.new_dir,
+            &*self.new_name,
+            AtFlags::SYMLINK_FOLLOW,
+        ))
+    }
+
+    fn resolve_chain_file(&mut self, opened: &FileRef) {
+        if matches!(self.file, FileRef::Chain) {
+            self.file = opened.clone();
+        }
+        if let FileRef::Fd(fd) = &self.file {
+            use std::os::fd::AsRawFd;
+            self.path = super::cstr(format!("/proc/self/fd/{}", fd.as_raw_fd()).as_bytes());
+        }
     }
 }
 

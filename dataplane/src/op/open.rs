@@ -65,6 +65,10 @@ impl RingOp for Open {
         Ok(Done::Opened(FileRef::Fd(Arc::new(fd))))
     }
 
+    fn cancels_links_on_failure(&self) -> bool {
+        true
+    }
+
     fn opens_file(&self) -> bool {
         true
     }

@@ -233,10 +233,11 @@ impl UringExec {
                 break;
             }
             let Some(step) = rest.next() else { break };
-            // Only an open's failure cancels linked SQEs: end the submission after any other
-            // barrier, and after an open whose plain fd later steps need.
+            // Only an open's, a read's or a write's failure cancels linked SQEs: end the
+            // submission after any other barrier, and after an open whose plain fd later
+            // steps need.
             let ends = (step.op.opens_file() && !step.op.opens_fixed())
-                || (step.barrier && !step.op.opens_file());
+                || (step.barrier && !step.op.cancels_links_on_failure());
             segment.push(step);
             if ends {
                 break;

@@ -11,6 +11,7 @@ use rustix::io::Errno;
 
 use super::super::chain::{At, Chain, Results};
 use super::super::{Fops, R, iatt};
+use super::files;
 use crate::brick::Brick;
 use crate::brick::GFID_XATTR;
 use crate::brick::intent::{self, RecordKind, record_name};
@@ -140,6 +141,27 @@ impl<E: Exec> Fops<E> {
             let same = self.same_entry(creds, parent, name, gfid, &kind).await;
             return same.ok().flatten().map(|e| (e, None)).ok_or(Errno::EXIST);
         }
+        if let NewKind::File {
+            flags, mode, data, ..
+        } = &kind
+            && self.makes_unnamed(*flags)
+        {
+            let name_c = cstr(name.as_bytes());
+            let file = files::NewFile {
+                parent: *parent,
+                dir: &dir,
+                name: &name_c,
+                gfid,
+                flags: *flags,
+                mode: *mode,
+                data: data.clone(),
+            };
+            return match self.make_file(fop, creds, &file).await {
+                Ok((reply, opened)) => Ok((reply, Some(opened).filter(|_| kind.keeps_open()))),
+                Err(Errno::EXIST) => self.retried(creds, parent, name, gfid, &kind).await,
+                Err(e) => Err(e),
+            };
+        }
         let entry = NewEntry {
             parent: *parent,
             dir,
@@ -154,13 +176,10 @@ impl<E: Exec> Fops<E> {
                 self.unlink_quietly(&self.brick.pending, &entry.record, false)
                     .await;
             }
-            // A retry of a create that already happened carries the same GFID.
-            if e == Errno::EXIST
-                && let Some(reply) = self.same_entry(creds, parent, name, gfid, &kind).await?
-            {
-                return Ok((reply, None));
-            }
-            return Err(e);
+            return match e {
+                Errno::EXIST => self.retried(creds, parent, name, gfid, &kind).await,
+                e => Err(e),
+            };
         }
         let opened = steps.opened.and_then(|at| results.take(at).ok());
         if let Some(e) = results.first_error() {
@@ -214,7 +233,7 @@ impl<E: Exec> Fops<E> {
             data: Some(data), ..
         } = kind
         {
-            self.push_data(&mut chain, creds, data.clone());
+            self.push_data(&mut chain, creds, data.clone(), false);
         }
         let handle = chain.push(self.handle_step(entry, kind));
         let close = (kind.opens() && !kind.keeps_open()).then(|| {
@@ -268,14 +287,17 @@ impl<E: Exec> Fops<E> {
         })
     }
 
-    /// Writes `data` at 0 into the chain's file, as the caller (synced under write-through).
-    fn push_data(&self, chain: &mut Chain, creds: &Creds, data: Bytes) {
+    /// Writes `data` at 0 into the chain's file, as the caller (synced under write-through);
+    /// a failed write stops the chain when it is a `barrier`. A failed sync does not: what
+    /// follows is undone.
+    pub(super) fn push_data(&self, chain: &mut Chain, creds: &Creds, data: Bytes, barrier: bool) {
         let write = op::Write {
             file: FileRef::Chain,
             offset: 0,
             data,
         };
-        chain.push::<()>(Step::caller(write, creds));
+        let write = Step::caller(write, creds);
+        chain.push::<()>(if barrier { write.barrier() } else { write });
         if self.config.write_through {
             chain.push::<()>(Step::brick(op::Fsync {
                 file: FileRef::Chain,
@@ -309,6 +331,20 @@ impl<E: Exec> Fops<E> {
             self.unlink_quietly(&self.brick.pending, &entry.record, false)
                 .await;
         }
+    }
+
+    /// A create whose name is taken: a retry of one that already happened carries the same
+    /// GFID and gets its reply; anything else is EEXIST.
+    async fn retried(
+        &self,
+        creds: &Creds,
+        parent: &Gfid,
+        name: &Name,
+        gfid: Gfid,
+        kind: &NewKind,
+    ) -> R<(EntryReply, Option<FileRef>)> {
+        let same = self.same_entry(creds, parent, name, gfid, kind).await?;
+        same.map(|reply| (reply, None)).ok_or(Errno::EXIST)
     }
 
     /// The reply to a create that already happened (a retry with the same GFID and of the
@@ -435,7 +471,7 @@ impl<E: Exec> Fops<E> {
             },
             creds,
         ));
-        self.push_data(&mut chain, creds, data);
+        self.push_data(&mut chain, creds, data, false);
         let stat = chain.push::<Stat>(Step::brick(op::Statx::of(handle_dir, &handle)));
         let close = chain.push::<()>(Step::brick(op::Close {
             file: FileRef::Chain,

@@ -3,10 +3,12 @@
 //! then the housekeeping (GFID xattr, handle), then the record goes — all one chain. A crash
 //! anywhere leaves a record that start-up repair settles.
 //!
-//! [`create`]: CREATE, PUT, MKDIR, MKNOD, SYMLINK and LINK. [`remove`]: UNLINK and RMDIR, and
+//! [`create`]: CREATE, PUT, MKDIR, MKNOD, SYMLINK and LINK; [`files`]: the cheaper way a new
+//! regular file is made where the file system allows, with one record per busy directory. [`remove`]: UNLINK and RMDIR, and
 //! what a removal does to the handle afterwards. [`rename`]: RENAME.
 
 mod create;
+mod files;
 mod remove;
 mod rename;
 
@@ -21,6 +23,8 @@ use crate::brick::Brick;
 use crate::exec::Exec;
 use crate::op::{self, DirFd, Step};
 use crate::profile;
+pub(super) use files::DirCreates;
+pub(crate) use files::spawn_dir_record_sweeper;
 
 impl<E: Exec> Fops<E> {
     fn crash_point_for(&self, fop: FopCode) -> Option<usize> {

@@ -1,0 +1,253 @@
+//! New regular files made whole before they are named: an unnamed file (`O_TMPFILE`) in the
+//! parent gets its GFID and data, then its name (the commit) and its handle, both linked from
+//! the open file — one submission after the open, no intent record per file.
+//!
+//! Crash safety: before it is named the file is nothing (the kernel frees an unnamed inode
+//! when its fd goes); once named it carries its GFID and data. The one window left — named
+//! but without its handle — is covered by the parent's `dir` record
+//! ([`crate::brick::intent`]), made before the first create there and kept a moment after the
+//! last one ([`DIR_RECORD_LINGER`]), so a burst of creates in one directory shares one record;
+//! start-up repair gives every file of such a directory its handle.
+
+use std::ffi::CString;
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use kiln_wire::{Creds, EntryReply, FopCode, Gfid};
+
+use super::super::chain::{At, Chain};
+use super::super::{BrickState, Fops, R, iatt, lock};
+use crate::brick::intent::{RecordKind, record_name};
+use crate::brick::{Brick, GFID_XATTR};
+use crate::exec::Exec;
+use crate::op::{self, DirFd, FileRef, Stat, Step, cstr};
+
+/// How long a directory's `dir` record stays after its last create: the next create there
+/// in that time needs no new one.
+pub(in crate::fops) const DIR_RECORD_LINGER: Duration = Duration::from_secs(1);
+
+/// A directory with creates under way (or lately), as [`super::super::BrickState`] keeps it.
+#[derive(Debug)]
+pub(in crate::fops) struct DirCreates {
+    record: CString,
+    /// Made (once) by the first create that needs it.
+    made: Arc<tokio::sync::OnceCell<()>>,
+    active: usize,
+    idle_since: Instant,
+}
+
+/// A create under way in `parent`; when it goes, the directory may become idle.
+pub(super) struct Creating<'a, E> {
+    fops: &'a Fops<E>,
+    parent: Gfid,
+}
+
+impl<E> Drop for Creating<'_, E> {
+    fn drop(&mut self) {
+        let mut creating = lock(&self.fops.shared.creating);
+        if let Some(dir) = creating.get_mut(&self.parent) {
+            dir.active -= 1;
+            dir.idle_since = Instant::now();
+        }
+    }
+}
+
+/// What the new file is.
+#[derive(Debug)]
+pub(super) struct NewFile<'a> {
+    pub(super) parent: Gfid,
+    pub(super) dir: &'a DirFd,
+    pub(super) name: &'a CString,
+    pub(super) gfid: Gfid,
+    /// Open flags: the access mode and what else the caller asked, without `O_CREAT`.
+    pub(super) flags: i32,
+    pub(super) mode: u32,
+    pub(super) data: Option<Bytes>,
+}
+
+/// The steps of an unnamed-file chain the fop reads back.
+#[derive(Debug)]
+pub(super) struct FileSteps {
+    pub(super) pre: At<Stat>,
+    pub(super) opened: At<FileRef>,
+    /// The name linked: the commit point.
+    pub(super) named: At<()>,
+    pub(super) handle: At<()>,
+    pub(super) stat: At<Stat>,
+    pub(super) post: At<Stat>,
+}
+
+impl<E: Exec> Fops<E> {
+    /// Whether a new regular file opened with `flags` is made unnamed first: the file system
+    /// must support it and `O_TMPFILE` needs write access.
+    pub(super) fn makes_unnamed(&self, flags: i32) -> bool {
+        self.brick.tmpfile && flags & libc::O_ACCMODE != libc::O_RDONLY
+    }
+
+    /// Marks `parent` as having a create under way until the guard goes, making its `dir`
+    /// record first if it has none.
+    pub(super) async fn creating_in(&self, parent: &Gfid) -> R<Creating<'_, E>> {
+        let (made, record) = {
+            let mut creating = lock(&self.shared.creating);
+            let dir = creating.entry(*parent).or_insert_with(|| DirCreates {
+                record: record_name(RecordKind::Dir, parent),
+                made: Default::default(),
+                active: 0,
+                idle_since: Instant::now(),
+            });
+            dir.active += 1;
+            (dir.made.clone(), dir.record.clone())
+        };
+        let guard = Creating {
+            fops: self,
+            parent: *parent,
+        };
+        made.get_or_try_init(|| async {
+            let symlink = op::Symlink {
+                target: cstr(parent.to_string().as_bytes()),
+                dir: self.brick.pending.clone(),
+                name: record,
+            };
+            self.run1(Step::brick(symlink)).await.map(drop)
+        })
+        .await?;
+        Ok(guard)
+    }
+
+    /// The chain that makes `file`: unnamed, its GFID, its data, its name, its handle.
+    pub(super) fn unnamed_file_chain(&self, creds: &Creds, file: &NewFile) -> (Chain, FileSteps) {
+        let (dir, name) = (file.dir, file.name);
+        let mut chain = Chain::new();
+        let pre = chain.push(Step::brick(op::Fstat::dir(dir)));
+        let flags = file.flags & !(libc::O_CREAT | libc::O_EXCL | libc::O_TRUNC);
+        let open = op::Open {
+            dir: dir.clone(),
+            name: cstr(b"."),
+            flags: flags | libc::O_TMPFILE,
+            mode: file.mode,
+            fixed: false,
+        };
+        let opened = chain.push(Step::caller(open, creds).barrier());
+        // Nothing is named unless it is whole: its GFID and data steps are barriers.
+        let gfid = op::FSetXattr {
+            file: FileRef::Chain,
+            name: cstr(GFID_XATTR.as_bytes()),
+            value: file.gfid.as_bytes().to_vec(),
+            flags: libc::XATTR_CREATE,
+        };
+        chain.push::<()>(Step::brick(gfid).barrier());
+        if let Some(data) = &file.data {
+            self.push_data(&mut chain, creds, data.clone(), true);
+        }
+        // Both links from the open file, so the handle is made even when the name fails (and
+        // then undone): it never names another object that held the name.
+        let named = chain.push(Step::caller(
+            op::LinkFile::chain_file(dir.clone(), name.clone()),
+            creds,
+        ));
+        let handle = chain.push(Step::brick(op::LinkFile::chain_file(
+            self.brick.handle_dir(&file.gfid).clone(),
+            Brick::handle_name(&file.gfid),
+        )));
+        let stat = chain.push(Step::brick(op::Statx::of(dir, name)));
+        let post = chain.push(Step::brick(op::Fstat::dir(dir)));
+        let steps = FileSteps {
+            pre,
+            opened,
+            named,
+            handle,
+            stat,
+            post,
+        };
+        (chain, steps)
+    }
+
+    /// Makes `file` (see the module doc): the reply and the open file. EEXIST when the name is
+    /// taken, for the caller to tell a retry from another object.
+    pub(super) async fn make_file(
+        &self,
+        fop: FopCode,
+        creds: &Creds,
+        file: &NewFile<'_>,
+    ) -> R<(EntryReply, FileRef)> {
+        let creating = self.creating_in(&file.parent).await?;
+        let (chain, steps) = self.unnamed_file_chain(creds, file);
+        let mut results = match self.run_namespace(fop, chain).await {
+            Ok(results) => results,
+            Err(e) => {
+                // Only a crash point stops a chain, and a killed brick finishes nothing: the
+                // directory's record stays for start-up repair.
+                std::mem::forget(creating);
+                return Err(e);
+            }
+        };
+        let opened = results.take(steps.opened)?;
+        if let Some(e) = results.first_error() {
+            // Newest first; the record covers a name left without its handle meanwhile.
+            if results.ok(steps.handle) {
+                let handle_dir = self.brick.handle_dir(&file.gfid).clone();
+                self.unlink_quietly(&handle_dir, &Brick::handle_name(&file.gfid), false)
+                    .await;
+            }
+            if results.ok(steps.named) {
+                self.unlink_quietly(file.dir, file.name, false).await;
+            }
+            return Err(e);
+        }
+        let (pre, stat, post) = (
+            results.take(steps.pre)?,
+            results.take(steps.stat)?,
+            results.take(steps.post)?,
+        );
+        self.remember_gfid(&stat, file.gfid);
+        let reply = EntryReply {
+            iatt: iatt(&stat, file.gfid),
+            pre_parent: iatt(&pre, file.parent),
+            post_parent: iatt(&post, file.parent),
+        };
+        Ok((reply, opened))
+    }
+}
+
+impl BrickState {
+    /// Removes the `dir` records of directories idle for [`DIR_RECORD_LINGER`].
+    fn sweep_dir_records(&self, pending: &DirFd) {
+        let idle: Vec<CString> = {
+            let mut creating = lock(&self.creating);
+            let mut idle = Vec::new();
+            creating.retain(|_, dir| {
+                let keep = dir.active > 0 || dir.idle_since.elapsed() < DIR_RECORD_LINGER;
+                if !keep && dir.made.initialized() {
+                    idle.push(dir.record.clone());
+                }
+                keep
+            });
+            idle
+        };
+        for record in idle {
+            if let Err(e) = rustix::fs::unlinkat(pending, &*record, rustix::fs::AtFlags::empty()) {
+                tracing::warn!(error = %e, ?record, "dir record left for start-up repair");
+            }
+        }
+    }
+}
+
+/// Starts the thread that removes idle `dir` records, every [`DIR_RECORD_LINGER`], until the
+/// brick's state is gone. Records left at a stop are settled by the next start's repair.
+pub(crate) fn spawn_dir_record_sweeper(
+    brick: &Arc<Brick>,
+    state: &Arc<BrickState>,
+) -> std::io::Result<()> {
+    let (brick, state): (Arc<Brick>, Weak<BrickState>) = (brick.clone(), Arc::downgrade(state));
+    std::thread::Builder::new()
+        .name("kiln-dir-records".into())
+        .spawn(move || {
+            loop {
+                std::thread::sleep(DIR_RECORD_LINGER);
+                let Some(state) = state.upgrade() else { return };
+                state.sweep_dir_records(&brick.pending);
+            }
+        })
+        .map(drop)
+}
