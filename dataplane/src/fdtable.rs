@@ -61,11 +61,17 @@ impl FdTable {
         }
     }
 
+    /// EMFILE when the table is at the per-client limit.
+    pub fn check_room(&self) -> Result<(), Errno> {
+        match self.open < self.limit {
+            true => Ok(()),
+            false => Err(Errno::MFILE),
+        }
+    }
+
     /// Stores `file` and returns its id; EMFILE at the per-client limit.
     pub fn insert(&mut self, file: OpenFile) -> Result<FdId, Errno> {
-        if self.open >= self.limit {
-            return Err(Errno::MFILE);
-        }
+        self.check_room()?;
         let slot = match self.free.pop() {
             Some(slot) => slot,
             None => {

@@ -205,6 +205,14 @@ impl<E: Exec> Fops<E> {
 
     /// Adds an open file to the session's table; EBADF when the session is not open (it
     /// ended while the fop ran), EMFILE at the session's limit.
+    /// EMFILE when `session` could open no more files.
+    pub(super) fn check_room(&self, session: SessionId) -> R<()> {
+        lock(&self.sessions)
+            .get(&session)
+            .ok_or(Errno::BADF)?
+            .check_room()
+    }
+
     pub(super) fn insert_open(&self, session: SessionId, file: OpenFile) -> R<FdId> {
         let mut sessions = lock(&self.sessions);
         sessions.get_mut(&session).ok_or(Errno::BADF)?.insert(file)

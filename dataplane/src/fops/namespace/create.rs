@@ -368,6 +368,8 @@ impl<E: Exec> Fops<E> {
         creds: &Creds,
         r: Create,
     ) -> R<CreateReply> {
+        // EMFILE before anything is made, as a local create fails.
+        self.check_room(session)?;
         let flags = r.access.to_libc() | (r.flags.to_libc() & !libc::O_EXCL);
         let kind = NewKind::File {
             flags,
@@ -389,8 +391,15 @@ impl<E: Exec> Fops<E> {
         let fd = match file {
             Some(file) => {
                 let writable = r.access != AccessMode::ReadOnly;
-                self.keep_open(session, entry.iatt.gfid, file, writable)
-                    .await?
+                let kept = self.keep_open(session, entry.iatt.gfid, file, writable);
+                match kept.await {
+                    Ok(fd) => fd,
+                    Err(e) => {
+                        // Another open of the session took the last slot meanwhile.
+                        self.remove_made(&r.parent, &r.name, &r.gfid).await;
+                        return Err(e);
+                    }
+                }
             }
             // A retried create: open what the first attempt made.
             None => {
@@ -407,9 +416,25 @@ impl<E: Exec> Fops<E> {
         })
     }
 
+    /// Removes `parent/name` if it is still the object `gfid` this fop made.
+    async fn remove_made(&self, parent: &Gfid, name: &Name, gfid: &Gfid) {
+        let brick = Creds::root();
+        if self
+            .lookup(&brick, parent, name)
+            .await
+            .is_ok_and(|found| found.iatt.gfid == *gfid)
+        {
+            let _ = self.unlink(&brick, parent, name).await;
+        }
+    }
+
     /// CREATE without O_EXCL of a name that exists: opens it.
     async fn open_existing(&self, session: SessionId, creds: &Creds, r: &Create) -> R<CreateReply> {
-        let found = self.lookup(creds, &r.parent, &r.name).await?;
+        let found = match self.lookup(creds, &r.parent, &r.name).await {
+            // No such name: the EEXIST was the GFID's, which another object holds.
+            Err(Errno::NOENT) => return Err(Errno::EXIST),
+            found => found?,
+        };
         let fd = self
             .open(session, creds, &found.iatt.gfid, r.access, r.flags)
             .await?
