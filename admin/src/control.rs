@@ -197,6 +197,9 @@ pub struct RingStats {
     pub chains: u64,
     /// Calls run on the blocking pool.
     pub pool_jobs: u64,
+    /// Chains run as plain system calls on an otherwise idle worker.
+    #[serde(default)]
+    pub idle_chains: u64,
 }
 
 impl std::ops::AddAssign for RingStats {
@@ -205,6 +208,7 @@ impl std::ops::AddAssign for RingStats {
         self.sqes += other.sqes;
         self.chains += other.chains;
         self.pool_jobs += other.pool_jobs;
+        self.idle_chains += other.idle_chains;
     }
 }
 

@@ -47,8 +47,16 @@ pub struct Ftruncate {
     pub len: u64,
 }
 
+/// The largest write a worker with nothing else in flight makes as a plain system call.
+const QUICK_WRITE_BYTES: usize = 64 * 1024;
+
 impl RingOp for Write {
     const OPCODE: Option<(u8, &'static str)> = Some((opcode::Write::CODE, "write"));
+
+    /// A small buffered write lands in the page cache.
+    fn quick(&self) -> bool {
+        self.data.len() <= QUICK_WRITE_BYTES
+    }
 
     fn cancels_links_on_failure(&self) -> bool {
         true
@@ -106,6 +114,10 @@ impl RingOp for Write {
 impl RingOp for Read {
     const OPCODE: Option<(u8, &'static str)> = Some((opcode::Read::CODE, "read"));
 
+    fn quick(&self) -> bool {
+        false
+    }
+
     fn cancels_links_on_failure(&self) -> bool {
         true
     }
@@ -157,6 +169,10 @@ impl RingOp for Read {
 impl RingOp for Fsync {
     const OPCODE: Option<(u8, &'static str)> = Some((opcode::Fsync::CODE, "fsync"));
 
+    fn quick(&self) -> bool {
+        false
+    }
+
     fn sqe(&self, _buf: &mut Buf, slot: Option<u32>) -> squeue::Entry {
         let flags = if self.datasync {
             types::FsyncFlags::DATASYNC
@@ -185,6 +201,10 @@ impl RingOp for Fsync {
 impl RingOp for Fallocate {
     const OPCODE: Option<(u8, &'static str)> = Some((opcode::Fallocate::CODE, "fallocate"));
 
+    fn quick(&self) -> bool {
+        false
+    }
+
     fn sqe(&self, _buf: &mut Buf, slot: Option<u32>) -> squeue::Entry {
         on_file!(super::target(&self.file, slot), |fd| {
             opcode::Fallocate::new(fd, self.len)
@@ -211,6 +231,10 @@ impl RingOp for Fallocate {
 
 impl RingOp for Ftruncate {
     const OPCODE: Option<(u8, &'static str)> = Some((opcode::Ftruncate::CODE, "ftruncate"));
+
+    fn quick(&self) -> bool {
+        false
+    }
 
     fn sqe(&self, _buf: &mut Buf, slot: Option<u32>) -> squeue::Entry {
         on_file!(super::target(&self.file, slot), |fd| {

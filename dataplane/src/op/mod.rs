@@ -164,6 +164,13 @@ pub trait RingOp: Sized {
         false
     }
 
+    /// Whether it never blocks for long on a healthy local file system, so that a worker with
+    /// nothing else in flight may make it a plain system call (see `exec::uring`): not syncs,
+    /// reads that may wait for the disk, or size changes of large files.
+    fn quick(&self) -> bool {
+        true
+    }
+
     fn buf(&self) -> BufKind {
         BufKind::None
     }
@@ -264,6 +271,10 @@ macro_rules! ops {
 
             pub fn inline(&self) -> bool {
                 match self { $(Op::$name(op) => op.inline()),* }
+            }
+
+            pub fn quick(&self) -> bool {
+                match self { $(Op::$name(op) => op.quick()),* }
             }
 
             pub fn buf(&self) -> BufKind {

@@ -64,12 +64,15 @@ impl Harness {
     ) -> Harness {
         let brick = Arc::new(Brick::open(path).expect("open brick"));
         kiln_dataplane::recovery::repair(&brick).expect("repair");
-        let config = EngineConfig {
+        let mut config = EngineConfig {
             kind,
             workers: 2,
             fops,
             ..EngineConfig::default()
         };
+        // One fop at a time would run every chain as plain system calls on an idle worker
+        // (the blocking engine's path, tested by its own runs): make the ring run them.
+        config.ring.idle_inline = false;
         let engine = Engine::start(&brick, &config).expect("engine");
         // The per-engine tests must really run on the engine they name (no silent fallback).
         assert_eq!(engine.kind(), kind, "the engine fell back");

@@ -15,10 +15,13 @@
 //!   end of a chain; one between ring steps stays in the ring, so a chain is still one
 //!   submission. Ops with no opcode on this kernel (probed at start) and calls io_uring has no
 //!   opcode for run on a small bounded blocking pool.
+//! * A worker with nothing else in flight runs a chain of quick steps (`op::RingOp::quick`)
+//!   as plain system calls: with no other work to overlap, the ring's hand-offs to io-wq
+//!   threads would only add latency.
 
 mod ring;
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::num::NonZeroUsize;
 use std::rc::Rc;
 
@@ -44,6 +47,8 @@ pub struct RingConfig {
     pub blocking_queue_max: usize,
     /// Callers whose credentials are kept as registered personalities.
     pub personalities_max: NonZeroUsize,
+    /// Whether a worker with nothing else in flight runs quick chains as plain system calls.
+    pub idle_inline: bool,
 }
 
 impl Default for RingConfig {
@@ -54,6 +59,7 @@ impl Default for RingConfig {
             blocking_threads: 4,
             blocking_queue_max: 1024,
             personalities_max: NonZeroUsize::new(256).unwrap_or(NonZeroUsize::MIN),
+            idle_inline: true,
         }
     }
 }
@@ -69,6 +75,25 @@ pub struct UringExec {
     ring: Rc<Ring>,
     personalities: Rc<RefCell<LruCache<CredsKey, u16>>>,
     pool: BlockingPool,
+    /// Chains this worker is running.
+    running: Rc<Cell<usize>>,
+    idle_inline: bool,
+}
+
+/// One chain counted in [`UringExec::running`] while this lives.
+struct Running(Rc<Cell<usize>>);
+
+impl Running {
+    fn enter(running: &Rc<Cell<usize>>) -> Running {
+        running.set(running.get() + 1);
+        Running(running.clone())
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.set(self.0.get() - 1);
+    }
 }
 
 impl UringExec {
@@ -100,6 +125,8 @@ impl UringExec {
             ring,
             personalities: Rc::new(RefCell::new(LruCache::new(config.personalities_max))),
             pool,
+            running: Rc::default(),
+            idle_inline: config.idle_inline,
         })
     }
 
@@ -254,6 +281,11 @@ fn fail_all(n: usize, e: Errno) -> Vec<StepResult> {
 
 impl Exec for UringExec {
     async fn run(&self, steps: Vec<Step>) -> Vec<StepResult> {
+        let _running = Running::enter(&self.running);
+        if self.idle_inline && self.running.get() == 1 && steps.iter().all(|s| s.op.quick()) {
+            self.ring.bump(|s| s.idle_chains += 1);
+            return super::blocking::run_chain(steps);
+        }
         let n = steps.len();
         // From here on every step runs inline.
         let tail = steps
