@@ -607,11 +607,61 @@ fn bulk(
     out: &mut Reporter,
 ) -> anyhow::Result<Vec<Record>> {
     let mib = bench.bulk_mib.max(1);
-    let total = mib * BULK_REQUEST_BYTES;
     let mut records = Vec::new();
+    let tcp_rate = tcp_bulk(rt, mib)?;
+    let mut r = Record::new(
+        "net.bulk",
+        "tcp",
+        json!({ "mib": mib, "request_kib": BULK_REQUEST_BYTES / 1024 }),
+        "tcp",
+    );
+    r.mib_per_s = Some(tcp_rate);
+    r.ratio = Some(1.0);
+    out.print(&r);
+    records.push(r);
 
-    // The reference: the same bytes over one TCP connection in 1 MiB writes, to a reader
-    // thread that acknowledges the last byte.
+    // The first connection (create, ping) is done; each bulk run gets a fresh server and
+    // connection, so both caps start from the same state (path MTU discovery from scratch).
+    let (server, volume) = first;
+    rt.block_on(async {
+        volume.close().await;
+        server.shutdown(SHUTDOWN_GRACE).await;
+    });
+    let chunks: Arc<Vec<Bytes>> = Arc::new((0..BULK_PATTERNS).map(bulk_chunk).collect());
+    for &udp_payload in &bench.bulk_udp_payloads {
+        let (server, volume) = rt.block_on(setup.serve_and_connect(udp_payload))?;
+        let params = json!({ "mib": mib, "request_kib": BULK_REQUEST_BYTES / 1024,
+                             "inflight": bench.bulk_inflight.max(1), "udp_payload": udp_payload });
+        let run = QuicBulk {
+            rt,
+            volume: &volume,
+            mib,
+            inflight: bench.bulk_inflight,
+            chunks: &chunks,
+            path: format!("/bulk-{udp_payload}"),
+            phase: |dir: &str| format!("net.bulk_{dir} quic udp_payload={udp_payload}"),
+        };
+        let (gfid, write_rate, h) = run.write(out)?;
+        let r = bulk_record("net.bulk_write", params.clone(), write_rate, &h, tcp_rate);
+        out.print(&r);
+        records.push(r);
+        let (read_rate, h) = run.read(gfid, out)?;
+        let r = bulk_record("net.bulk_read", params, read_rate, &h, tcp_rate);
+        out.print(&r);
+        records.push(r);
+
+        rt.block_on(async {
+            volume.close().await;
+            server.shutdown(SHUTDOWN_GRACE).await;
+        });
+    }
+    Ok(records)
+}
+
+/// The reference: `mib` MiB over one TCP connection in 1 MiB writes, to a reader thread
+/// that acknowledges the last byte. Returns MiB/s.
+fn tcp_bulk(rt: &tokio::runtime::Runtime, mib: usize) -> anyhow::Result<f64> {
+    let total = mib * BULK_REQUEST_BYTES;
     let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
     let addr = listener.local_addr()?;
     let peer = spawn_tcp_peer(listener, move |mut stream| async move {
@@ -639,37 +689,46 @@ fn bulk(
         anyhow::Ok(mib as f64 / start.elapsed().as_secs_f64())
     })?;
     join_peer(peer)?;
-    let mut r = Record::new(
-        "net.bulk",
-        "tcp",
-        json!({ "mib": mib, "request_kib": BULK_REQUEST_BYTES / 1024 }),
-        "tcp",
-    );
-    r.mib_per_s = Some(tcp_rate);
-    r.ratio = Some(1.0);
-    out.print(&r);
-    records.push(r);
+    Ok(tcp_rate)
+}
 
-    // The first connection (create, ping) is done; each bulk run gets a fresh server and
-    // connection, so both caps start from the same state (path MTU discovery from scratch).
-    let (server, volume) = first;
-    rt.block_on(async {
-        volume.close().await;
-        server.shutdown(SHUTDOWN_GRACE).await;
-    });
-    let chunks: Arc<Vec<Bytes>> = Arc::new((0..BULK_PATTERNS).map(bulk_chunk).collect());
-    for &udp_payload in &bench.bulk_udp_payloads {
-        let (server, volume) = rt.block_on(setup.serve_and_connect(udp_payload))?;
-        let params = json!({ "mib": mib, "request_kib": BULK_REQUEST_BYTES / 1024,
-                             "inflight": bench.bulk_inflight.max(1), "udp_payload": udp_payload });
-        let path = format!("/bulk-{udp_payload}");
-        let phase = |dir: &str| format!("net.bulk_{dir} quic udp_payload={udp_payload}");
+/// The record of a QUIC bulk phase, its ratio to TCP's MiB/s.
+fn bulk_record(
+    bench: &str,
+    params: serde_json::Value,
+    rate: f64,
+    h: &Histogram<u64>,
+    tcp_rate: f64,
+) -> Record {
+    let mut r = Record::new(bench, "quic", params, "tcp");
+    r.mib_per_s = Some(rate);
+    r.set_latency(h);
+    r.ratio = Some(rate / tcp_rate);
+    r
+}
 
-        let fd = Arc::new(rt.block_on(volume.create_file(&Creds::root(), &path, 0o644))?);
+/// One bulk run over a fresh connection: a file written, then read back and removed.
+struct QuicBulk<'a, P> {
+    rt: &'a tokio::runtime::Runtime,
+    volume: &'a BrickClient,
+    mib: usize,
+    inflight: usize,
+    chunks: &'a Arc<Vec<Bytes>>,
+    path: String,
+    /// The `udp` note's phase for a direction.
+    phase: P,
+}
+
+impl<P: Fn(&str) -> String> QuicBulk<'_, P> {
+    /// Creates the file and writes it; checks its size. Returns its GFID, MiB/s and the
+    /// latency of each WRITE.
+    fn write(&self, out: &mut Reporter) -> anyhow::Result<(Gfid, f64, Histogram<u64>)> {
+        let (rt, volume, total) = (self.rt, self.volume, self.mib * BULK_REQUEST_BYTES);
+        let fd = Arc::new(rt.block_on(volume.create_file(&Creds::root(), &self.path, 0o644))?);
         let gfid = fd.gfid();
         let udp = udp_counters();
-        let (write_rate, h) = rt.block_on(bulk_io(mib, bench.bulk_inflight, {
-            let (volume, fd, chunks) = (volume.clone(), fd.clone(), chunks.clone());
+        let (write_rate, h) = rt.block_on(bulk_io(self.mib, self.inflight, {
+            let (volume, fd, chunks) = (volume.clone(), fd.clone(), self.chunks.clone());
             move |i| {
                 let (volume, fd, chunk) = (
                     volume.clone(),
@@ -685,7 +744,7 @@ fn bulk(
                 }
             }
         }))?;
-        note_udp(out, &phase("write"), udp.as_ref());
+        note_udp(out, &(self.phase)("write"), udp.as_ref());
         let fd = Arc::try_unwrap(fd).map_err(|_| anyhow::anyhow!("bulk fd still shared"))?;
         rt.block_on(async {
             volume.release(&Creds::root(), fd).await?;
@@ -695,13 +754,13 @@ fn bulk(
             }
             anyhow::Ok(())
         })?;
-        let mut r = Record::new("net.bulk_write", "quic", params.clone(), "tcp");
-        r.mib_per_s = Some(write_rate);
-        r.set_latency(&h);
-        r.ratio = Some(write_rate / tcp_rate);
-        out.print(&r);
-        records.push(r);
+        Ok((gfid, write_rate, h))
+    }
 
+    /// Reads the file back, checking every MiB, and removes it. Returns MiB/s and the
+    /// latency of each READ.
+    fn read(&self, gfid: Gfid, out: &mut Reporter) -> anyhow::Result<(f64, Histogram<u64>)> {
+        let (rt, volume) = (self.rt, self.volume);
         let fd = Arc::new(rt.block_on(volume.open(
             &Creds::root(),
             gfid,
@@ -709,8 +768,8 @@ fn bulk(
             OpenFlags::empty(),
         ))?);
         let udp = udp_counters();
-        let (read_rate, h) = rt.block_on(bulk_io(mib, bench.bulk_inflight, {
-            let (volume, fd, chunks) = (volume.clone(), fd.clone(), chunks.clone());
+        let (read_rate, h) = rt.block_on(bulk_io(self.mib, self.inflight, {
+            let (volume, fd, chunks) = (volume.clone(), fd.clone(), self.chunks.clone());
             move |i| {
                 let (volume, fd, chunks) = (volume.clone(), fd.clone(), chunks.clone());
                 async move {
@@ -730,26 +789,15 @@ fn bulk(
                 }
             }
         }))?;
-        note_udp(out, &phase("read"), udp.as_ref());
+        note_udp(out, &(self.phase)("read"), udp.as_ref());
         let fd = Arc::try_unwrap(fd).map_err(|_| anyhow::anyhow!("bulk fd still shared"))?;
         rt.block_on(async {
             volume.release(&Creds::root(), fd).await?;
-            volume.remove_all(&Creds::root(), &path).await?;
+            volume.remove_all(&Creds::root(), &self.path).await?;
             anyhow::Ok(())
         })?;
-        let mut r = Record::new("net.bulk_read", "quic", params, "tcp");
-        r.mib_per_s = Some(read_rate);
-        r.set_latency(&h);
-        r.ratio = Some(read_rate / tcp_rate);
-        out.print(&r);
-        records.push(r);
-
-        rt.block_on(async {
-            volume.close().await;
-            server.shutdown(SHUTDOWN_GRACE).await;
-        });
+        Ok((read_rate, h))
     }
-    Ok(records)
 }
 
 /// Runs requests `0..mib` through `io`, at most `inflight` at once. Returns MiB/s and the
