@@ -46,7 +46,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use bytes::Bytes;
 use hdrhistogram::Histogram;
-use kiln_client::{BrickClient, Layer, LayerExt, Paths};
+use kiln_client::{BrickClient, Fd, Layer, LayerExt, Paths};
 use kiln_dataplane::engine::{EngineConfig, EngineKind, Session};
 use kiln_dataplane::server::Server;
 use kiln_wire::limits::IO_SIZE_MAX_BYTES;
@@ -723,80 +723,85 @@ impl<P: Fn(&str) -> String> QuicBulk<'_, P> {
     /// Creates the file and writes it; checks its size. Returns its GFID, MiB/s and the
     /// latency of each WRITE.
     fn write(&self, out: &mut Reporter) -> anyhow::Result<(Gfid, f64, Histogram<u64>)> {
-        let (rt, volume, total) = (self.rt, self.volume, self.mib * BULK_REQUEST_BYTES);
-        let fd = Arc::new(rt.block_on(volume.create_file(&Creds::root(), &self.path, 0o644))?);
+        let total = self.mib * BULK_REQUEST_BYTES;
+        let fd = self
+            .rt
+            .block_on(self.volume.create_file(&Creds::root(), &self.path, 0o644))?;
         let gfid = fd.gfid();
-        let udp = udp_counters();
-        let (write_rate, h) = rt.block_on(bulk_io(self.mib, self.inflight, {
-            let (volume, fd, chunks) = (volume.clone(), fd.clone(), self.chunks.clone());
-            move |i| {
-                let (volume, fd, chunk) = (
-                    volume.clone(),
-                    fd.clone(),
-                    chunks[i % BULK_PATTERNS].clone(),
-                );
-                async move {
-                    volume
-                        .write(&Creds::root(), &fd, (i * BULK_REQUEST_BYTES) as u64, chunk)
-                        .await
-                        .with_context(|| format!("WRITE of MiB {i}"))?;
-                    anyhow::Ok(())
-                }
-            }
-        }))?;
-        note_udp(out, &(self.phase)("write"), udp.as_ref());
-        let fd = Arc::try_unwrap(fd).map_err(|_| anyhow::anyhow!("bulk fd still shared"))?;
-        rt.block_on(async {
-            volume.release(&Creds::root(), fd).await?;
-            let size = volume.stat(&Creds::root(), gfid).await?.size;
-            if size != total as u64 {
-                bail!("bulk file has {size} bytes, not {total}");
-            }
-            anyhow::Ok(())
-        })?;
+        let (write_rate, h) =
+            self.requests(fd, "write", out, |volume, fd, chunk, i| async move {
+                volume
+                    .write(&Creds::root(), &fd, (i * BULK_REQUEST_BYTES) as u64, chunk)
+                    .await
+                    .with_context(|| format!("WRITE of MiB {i}"))?;
+                anyhow::Ok(())
+            })?;
+        let size = self
+            .rt
+            .block_on(self.volume.stat(&Creds::root(), gfid))?
+            .size;
+        if size != total as u64 {
+            bail!("bulk file has {size} bytes, not {total}");
+        }
         Ok((gfid, write_rate, h))
     }
 
     /// Reads the file back, checking every MiB, and removes it. Returns MiB/s and the
     /// latency of each READ.
     fn read(&self, gfid: Gfid, out: &mut Reporter) -> anyhow::Result<(f64, Histogram<u64>)> {
-        let (rt, volume) = (self.rt, self.volume);
-        let fd = Arc::new(rt.block_on(volume.open(
+        let fd = self.rt.block_on(self.volume.open(
             &Creds::root(),
             gfid,
             AccessMode::ReadOnly,
             OpenFlags::empty(),
-        ))?);
-        let udp = udp_counters();
-        let (read_rate, h) = rt.block_on(bulk_io(self.mib, self.inflight, {
-            let (volume, fd, chunks) = (volume.clone(), fd.clone(), self.chunks.clone());
-            move |i| {
-                let (volume, fd, chunks) = (volume.clone(), fd.clone(), chunks.clone());
-                async move {
-                    let got = volume
-                        .read(
-                            &Creds::root(),
-                            &fd,
-                            (i * BULK_REQUEST_BYTES) as u64,
-                            BULK_REQUEST_BYTES as u32,
-                        )
-                        .await
-                        .with_context(|| format!("READ of MiB {i}"))?;
-                    if got != chunks[i % BULK_PATTERNS] {
-                        bail!("READ of MiB {i}: {} bytes, not what was written", got.len());
-                    }
-                    anyhow::Ok(())
-                }
+        ))?;
+        let (read_rate, h) = self.requests(fd, "read", out, |volume, fd, chunk, i| async move {
+            let got = volume
+                .read(
+                    &Creds::root(),
+                    &fd,
+                    (i * BULK_REQUEST_BYTES) as u64,
+                    BULK_REQUEST_BYTES as u32,
+                )
+                .await
+                .with_context(|| format!("READ of MiB {i}"))?;
+            if got != chunk {
+                bail!("READ of MiB {i}: {} bytes, not what was written", got.len());
             }
-        }))?;
-        note_udp(out, &(self.phase)("read"), udp.as_ref());
-        let fd = Arc::try_unwrap(fd).map_err(|_| anyhow::anyhow!("bulk fd still shared"))?;
-        rt.block_on(async {
-            volume.release(&Creds::root(), fd).await?;
-            volume.remove_all(&Creds::root(), &self.path).await?;
             anyhow::Ok(())
         })?;
+        self.rt
+            .block_on(self.volume.remove_all(&Creds::root(), &self.path))?;
         Ok((read_rate, h))
+    }
+
+    /// Runs the 1 MiB requests `0..mib` through `io` (given the client, the shared `fd`, the
+    /// chunk written at that MiB and the MiB's index), notes the UDP counters of `direction`
+    /// and releases `fd`. Returns MiB/s and the latency of each request.
+    fn requests<F, Fut>(
+        &self,
+        fd: Fd,
+        direction: &str,
+        out: &mut Reporter,
+        io: F,
+    ) -> anyhow::Result<(f64, Histogram<u64>)>
+    where
+        F: Fn(BrickClient, Arc<Fd>, Bytes, usize) -> Fut,
+        Fut: Future<Output = anyhow::Result<()>> + Send + 'static,
+    {
+        let fd = Arc::new(fd);
+        let udp = udp_counters();
+        let (rate, h) = self.rt.block_on(bulk_io(self.mib, self.inflight, {
+            let (volume, fd, chunks) = (self.volume.clone(), fd.clone(), self.chunks.clone());
+            move |i| {
+                let chunk = chunks[i % BULK_PATTERNS].clone();
+                io(volume.clone(), fd.clone(), chunk, i)
+            }
+        }))?;
+        note_udp(out, &(self.phase)(direction), udp.as_ref());
+        let fd = Arc::try_unwrap(fd).map_err(|_| anyhow::anyhow!("bulk fd still shared"))?;
+        self.rt.block_on(self.volume.release(&Creds::root(), fd))?;
+        Ok((rate, h))
     }
 }
 

@@ -93,6 +93,16 @@ pub struct SweepPoint {
     pub opens_per_s: f64,
 }
 
+impl SweepPoint {
+    /// The point of `samples` opens timed into `latency`, the first started at `start`.
+    fn timed(latency: Histogram<u64>, samples: usize, start: Instant) -> SweepPoint {
+        SweepPoint {
+            latency,
+            opens_per_s: samples as f64 / start.elapsed().as_secs_f64().max(1e-9),
+        }
+    }
+}
+
 /// Raises the soft open-file limit to the hard one; returns (soft before, the limit now).
 pub fn raise_nofile_limit() -> anyhow::Result<(u64, u64)> {
     use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
@@ -174,12 +184,8 @@ pub fn local_sweep(
             h.record(nanos(t.elapsed()))?;
             drop(file);
         }
-        let opens_per_s = samples as f64 / start.elapsed().as_secs_f64().max(1e-9);
         progress.inc(samples as u64);
-        results.push(SweepPoint {
-            latency: h,
-            opens_per_s,
-        });
+        results.push(SweepPoint::timed(h, samples, start));
     }
     Ok(results)
 }
@@ -283,12 +289,8 @@ async fn sweep_task(
             h.record(nanos(t.elapsed()))?;
             caller.call(Release { fd }).await?;
         }
-        let opens_per_s = samples as f64 / start.elapsed().as_secs_f64().max(1e-9);
         progress.inc(samples as u64);
-        results.push(SweepPoint {
-            latency: h,
-            opens_per_s,
-        });
+        results.push(SweepPoint::timed(h, samples, start));
     }
     Ok(results)
 }
