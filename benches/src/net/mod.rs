@@ -499,6 +499,28 @@ fn warmup(n: usize) -> usize {
     (n / 10).clamp(1, 1000)
 }
 
+/// Runs `round_trip` `warm + pings` times and times the last `pings`. Returns round trips
+/// per second and the latency of each.
+async fn timed_round_trips(
+    warm: usize,
+    pings: usize,
+    mut round_trip: impl AsyncFnMut(usize) -> anyhow::Result<()>,
+) -> anyhow::Result<(f64, Histogram<u64>)> {
+    let mut h = histogram()?;
+    let mut start = Instant::now();
+    for i in 0..warm + pings {
+        if i == warm {
+            start = Instant::now();
+        }
+        let t = Instant::now();
+        round_trip(i).await?;
+        if i >= warm {
+            h.record(nanos(t.elapsed()))?;
+        }
+    }
+    Ok((pings as f64 / start.elapsed().as_secs_f64(), h))
+}
+
 /// (b) round trips: QUIC PING against a TCP ping-pong of 64 bytes.
 fn ping(
     bench: &NetBench,
@@ -523,20 +545,12 @@ fn ping(
     let (tcp_rate, tcp) = rt.block_on(async {
         let mut stream = tcp_connect(addr).await?;
         let mut buf = [0x5au8; TCP_PING_BYTES];
-        let mut h = histogram()?;
-        let mut start = Instant::now();
-        for i in 0..warm + pings {
-            if i == warm {
-                start = Instant::now();
-            }
-            let t = Instant::now();
+        timed_round_trips(warm, pings, async |_| -> anyhow::Result<()> {
             stream.write_all(&buf).await?;
             stream.read_exact(&mut buf).await?;
-            if i >= warm {
-                h.record(nanos(t.elapsed()))?;
-            }
-        }
-        anyhow::Ok((pings as f64 / start.elapsed().as_secs_f64(), h))
+            Ok(())
+        })
+        .await
     })?;
     join_peer(peer)?;
     let tcp_p50 = micros(&tcp, 0.5);
@@ -554,21 +568,14 @@ fn ping(
     records.push(r);
 
     let udp = udp_counters();
-    let (quic_rate, quic) = rt.block_on(async {
-        let mut h = histogram()?;
-        let mut start = Instant::now();
-        for i in 0..warm + pings {
-            if i == warm {
-                start = Instant::now();
-            }
-            let t = Instant::now();
+    let (quic_rate, quic) = rt.block_on(timed_round_trips(
+        warm,
+        pings,
+        async |i| -> anyhow::Result<()> {
             volume.ping().await.with_context(|| format!("PING {i}"))?;
-            if i >= warm {
-                h.record(nanos(t.elapsed()))?;
-            }
-        }
-        anyhow::Ok((pings as f64 / start.elapsed().as_secs_f64(), h))
-    })?;
+            Ok(())
+        },
+    ))?;
     note_udp(out, "net.ping quic", udp.as_ref());
     let mut r = Record::new(
         "net.ping",
