@@ -4,12 +4,14 @@
 //! fop sequence to either, so a workload writes its fops once for the `engine` and `volume`
 //! targets.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::rc::Rc;
 use std::sync::Arc;
 
 use anyhow::Context;
+use kiln_admin::options::BrickSettings;
 use kiln_admin::pki::{self, Role};
 use kiln_client::{BrickClient, ConnectOptions};
 use kiln_dataplane::engine::{Engine, EngineConfig, EngineKind, LocalEngine, Session};
@@ -305,21 +307,12 @@ impl BrickOption {
             .collect()
     }
 
-    /// Sets this option in `config`, as `kiln-brickd` would from its flags.
+    /// Makes `config` the engine `kiln-brickd` runs with this option and every other brick
+    /// option at the table's default: the table reads the options into [`BrickSettings`],
+    /// which the dataplane maps to an engine as `kiln-brickd` does.
     pub fn apply(&self, config: &mut EngineConfig) -> anyhow::Result<()> {
-        let number = || self.value.parse::<usize>().context(self.key);
-        let entries = || std::num::NonZeroUsize::new(number()?).context("must not be 0");
-        match self.key {
-            "network.inode-lru-limit" => config.fops.gfid_cache_entries = entries()?,
-            "storage.dirfd-cache-entries" => config.fops.dirfd_cache_entries = entries()?,
-            "server.event-threads" if self.value == "0" => {}
-            "server.event-threads" => config.workers = number()?,
-            "server.ring-entries" => config.ring.ring_entries = u32::try_from(number()?)?,
-            "server.engine" if self.value == "blocking" => config.kind = EngineKind::Blocking,
-            "server.engine" => config.kind = EngineKind::Uring,
-            "storage.fsync-policy" => config.fops.write_through = self.value == "write-through",
-            other => anyhow::bail!("{other} cannot be applied here"),
-        }
+        let options = BTreeMap::from([(self.key.to_owned(), self.value.clone())]);
+        *config = EngineConfig::from(&BrickSettings::from_options(&options)?);
         Ok(())
     }
 }
@@ -336,24 +329,52 @@ mod tests {
 
     #[test]
     fn every_variable_option_applies() {
-        let mut config = EngineConfig::default();
-        for (key, value) in [
-            ("network.inode-lru-limit", "2048"),
-            ("server.engine", "blocking"),
-            ("server.event-threads", "3"),
-            ("server.ring-entries", "64"),
-            ("storage.dirfd-cache-entries", "32"),
-            ("storage.fsync-policy", "write-through"),
-        ] {
+        let applied = |key: &str, value: &str| {
             let options = BrickOption::parse_vary(&format!("{key}={value}")).expect(key);
+            let mut config = EngineConfig::default();
             options[0].apply(&mut config).expect(key);
-        }
+            config
+        };
+        let config = applied("network.inode-lru-limit", "2048");
         assert_eq!(config.fops.gfid_cache_entries.get(), 2048);
+        let config = applied("server.engine", "blocking");
         assert_eq!(config.kind, EngineKind::Blocking);
+        let config = applied("server.event-threads", "3");
         assert_eq!(config.workers, 3);
+        let config = applied("server.ring-entries", "64");
         assert_eq!(config.ring.ring_entries, 64);
+        let config = applied("storage.dirfd-cache-entries", "32");
         assert_eq!(config.fops.dirfd_cache_entries.get(), 32);
+        let config = applied("storage.fsync-policy", "write-through");
         assert!(config.fops.write_through);
         assert_eq!(VARIABLE_OPTIONS.len(), 6, "each one is applied above");
+    }
+
+    #[test]
+    fn other_options_keep_the_engine_defaults() {
+        let mut config = EngineConfig::default();
+        let options = BrickOption::parse_vary("server.engine=blocking").expect("vary");
+        options[0].apply(&mut config).expect("apply");
+        let default = EngineConfig::default();
+        assert_eq!(config.workers, default.workers);
+        assert_eq!(config.queue_max, default.queue_max);
+        assert_eq!(
+            config.fops.gfid_cache_entries,
+            default.fops.gfid_cache_entries
+        );
+        assert_eq!(
+            config.fops.dirfd_cache_entries,
+            default.fops.dirfd_cache_entries
+        );
+        assert_eq!(
+            config.fops.open_files_per_client_max,
+            default.fops.open_files_per_client_max
+        );
+        assert_eq!(
+            config.fops.locks_per_client_max,
+            default.fops.locks_per_client_max
+        );
+        assert_eq!(config.fops.write_through, default.fops.write_through);
+        assert_eq!(config.ring.ring_entries, default.ring.ring_entries);
     }
 }

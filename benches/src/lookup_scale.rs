@@ -185,39 +185,102 @@ pub fn run(
     );
     let measure_steps = (points.len() * 8 * samples) as u64;
     let progress = Progress::new("lookup-scale", max as u64 + measure_steps);
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    let config = EngineConfig {
-        kind: EngineKind::Uring,
-        ..EngineConfig::default()
-    };
-    Brick::format(&brick_dir)?;
-    let root_fd = rustix::fs::open(
-        &brick_dir,
-        rustix::fs::OFlags::PATH | rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::CLOEXEC,
-        rustix::fs::Mode::empty(),
-    )
-    .with_context(|| format!("cannot open {}", brick_dir.display()))?;
-
-    let mut records = Vec::new();
-    let mut curves: Vec<(By, Series)> = Vec::new();
-    let mut made = 0;
-    let mut dirs_made = 0;
+    let fixture = Fixture::new(brick_dir, layout, samples, depth, bench.seed)?;
+    let mut results = Results::default();
+    let (mut made, mut dirs_made) = (0, 0);
     for &point in &points {
+        dirs_made = fixture.fill_to(point, made, dirs_made, &progress, out)?;
+        made = point;
+        fixture.measure(point, &mut results, &progress, out)?;
+    }
+    progress.finish();
+    draw(&bench.plots, &results.curves, samples, layout.fanout, out)?;
+    Ok(results.records)
+}
+
+/// The formatted brick and what every checkpoint fills and measures it with.
+struct Fixture {
+    rt: tokio::runtime::Runtime,
+    config: EngineConfig,
+    brick_dir: PathBuf,
+    /// The brick root, for the `local` lookups.
+    root_fd: OwnedFd,
+    layout: Layout,
+    samples: usize,
+    depth: usize,
+    seed: u64,
+}
+
+/// What the checkpoints measured so far.
+#[derive(Default)]
+struct Results {
+    records: Vec<Record>,
+    /// p50 against entries, per lookup kind, one series per target and cache state.
+    curves: Vec<(By, Series)>,
+}
+
+impl Fixture {
+    /// Formats the brick in `brick_dir`.
+    fn new(
+        brick_dir: PathBuf,
+        layout: Layout,
+        samples: usize,
+        depth: usize,
+        seed: u64,
+    ) -> anyhow::Result<Fixture> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let config = EngineConfig {
+            kind: EngineKind::Uring,
+            ..EngineConfig::default()
+        };
+        Brick::format(&brick_dir)?;
+        let root_fd = rustix::fs::open(
+            &brick_dir,
+            rustix::fs::OFlags::PATH | rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::CLOEXEC,
+            rustix::fs::Mode::empty(),
+        )
+        .with_context(|| format!("cannot open {}", brick_dir.display()))?;
+        Ok(Fixture {
+            rt,
+            config,
+            brick_dir,
+            root_fd,
+            layout,
+            samples,
+            depth,
+            seed,
+        })
+    }
+
+    /// Fills the brick from `made` to `point` files (and the directories they need beyond
+    /// the `dirs_made` there are), notes the fill rate and syncs. Returns the directories
+    /// made so far.
+    fn fill_to(
+        &self,
+        point: usize,
+        made: usize,
+        dirs_made: usize,
+        progress: &Progress,
+        out: &mut Reporter,
+    ) -> anyhow::Result<usize> {
         progress.set_message(format!("filling to {point}"));
         let start = Instant::now();
-        {
-            let (_brick, engine) = open_engine(&brick_dir, &config)?;
-            dirs_made = make_dirs(
-                &rt,
+        let dirs_made = {
+            let (_brick, engine) = open_engine(&self.brick_dir, &self.config)?;
+            let dirs = point.div_ceil(self.layout.fanout);
+            let dirs_made = make_dirs(&self.rt, &engine, self.layout, dirs_made, dirs)?;
+            fill(
+                &self.rt,
                 &engine,
-                layout,
-                dirs_made,
-                point.div_ceil(layout.fanout),
+                self.layout,
+                made..point,
+                self.depth,
+                progress,
             )?;
-            fill(&rt, &engine, layout, made..point, depth, &progress)?;
-        }
+            dirs_made
+        };
         let seconds = start.elapsed().as_secs_f64();
         progress.note(
             out,
@@ -225,91 +288,138 @@ pub fn run(
             &json!({ "entries": point, "made": point - made, "seconds": (seconds * 1000.0).round() / 1000.0,
                      "creates_per_s": ((point - made) as f64 / seconds.max(1e-9)).round() }),
         );
-        made = point;
-        sync_file_systems(&[&brick_dir]);
+        sync_file_systems(&[&self.brick_dir]);
+        Ok(dirs_made)
+    }
 
-        let mut rng = Rng::stream(bench.seed, point as u64);
-        let sample: Arc<Vec<usize>> = Arc::new((0..samples).map(|_| rng.below(point)).collect());
+    /// Looks up a sample of the `point` files made so far each way, on each target, cold
+    /// then warm; prints and keeps a record of each pass.
+    fn measure(
+        &self,
+        point: usize,
+        results: &mut Results,
+        progress: &Progress,
+        out: &mut Reporter,
+    ) -> anyhow::Result<()> {
+        let mut rng = Rng::stream(self.seed, point as u64);
+        let sample: Arc<Vec<usize>> =
+            Arc::new((0..self.samples).map(|_| rng.below(point)).collect());
         for by in [By::Name, By::Gfid] {
             for target in ["local", "engine"] {
                 progress.set_message(format!("{point} entries: {target} by {}", by.name()));
                 drop_caches().context("dropping the kernel's caches (echo 3 > drop_caches)")?;
-                let [cold, warm] = match target {
-                    "local" => local_lookups(&root_fd, layout, &sample, by)?,
-                    _ => {
-                        let (_brick, engine) = open_engine(&brick_dir, &config)?;
-                        engine_lookups(&rt, &engine, layout, &sample, by)?
-                    }
-                };
-                progress.inc(2 * samples as u64);
-                for (cache, (h, rate)) in [("cold", cold), ("warm", warm)] {
-                    let mut r = Record::new(
-                        "lookup-scale",
-                        target,
-                        json!({ "entries": point, "by": by.name(), "cache": cache,
-                                "samples": samples, "fanout": layout.fanout }),
-                        "local",
-                    );
-                    r.ops_per_s = Some(rate);
-                    r.set_latency(&h);
-                    let reference = records
-                        .iter()
-                        .rev()
-                        .find(|x: &&Record| x.target == "local" && x.params == r.params);
-                    // Local is measured first at every checkpoint: it is its own reference.
-                    r.ratio = match target {
-                        "local" => Some(1.0),
-                        _ => reference
-                            .and_then(|x| x.p50_us)
-                            .map(|p50| p50 / micros(&h, 0.5)),
-                    };
-                    let name = format!("{target} {cache}");
-                    let at = (point as f64, micros(&h, 0.5));
-                    match curves.iter_mut().find(|(b, s)| *b == by && s.name == name) {
-                        Some((_, series)) => series.points.push(at),
-                        None => curves.push((
-                            by,
-                            Series {
-                                name,
-                                points: vec![at],
-                            },
-                        )),
-                    }
+                let [cold, warm] = self.lookups(target, &sample, by)?;
+                progress.inc(2 * self.samples as u64);
+                for (cache, pass) in [("cold", cold), ("warm", warm)] {
+                    let mut r = self.record(point, target, by, cache, &pass);
+                    let p50_us = micros(&pass.0, 0.5);
+                    r.ratio = results.ratio(target, &r.params, p50_us);
+                    results.add_point(by, format!("{target} {cache}"), (point as f64, p50_us));
                     progress.print(out, &r);
-                    records.push(r);
+                    results.records.push(r);
                 }
             }
         }
+        Ok(())
     }
-    progress.finish();
-    if !bench.plots.is_empty() {
-        let panel = |by: By, title: &str| Panel {
-            title: title.into(),
-            series: curves
-                .iter()
-                .filter(|(b, _)| *b == by)
-                .map(|(_, series)| series.clone())
-                .collect(),
-        };
-        let chart = LineChart {
-            title: format!(
-                "lookup-scale: p50 of {samples} random lookups as the handle index grows \
-                 ({} per directory)",
-                layout.fanout
-            ),
-            x_desc: "entries on the brick".into(),
-            y_desc: "lookup latency p50, µs".into(),
-            panels: vec![
-                panel(By::Name, "by name (LOOKUP parent + name)"),
-                panel(By::Gfid, "by GFID (the handle)"),
-            ],
-        };
-        for path in &bench.plots {
-            plot::lines(path, &chart)?;
-            out.note("plot", &json!(path.display().to_string()));
+
+    /// Both passes over `sample` on `target`; the engine is a fresh one.
+    fn lookups(&self, target: &str, sample: &Arc<Vec<usize>>, by: By) -> anyhow::Result<[Pass; 2]> {
+        match target {
+            "local" => local_lookups(&self.root_fd, self.layout, sample, by),
+            _ => {
+                let (_brick, engine) = open_engine(&self.brick_dir, &self.config)?;
+                engine_lookups(&self.rt, &engine, self.layout, sample, by)
+            }
         }
     }
-    Ok(records)
+
+    /// The record of one pass, without its ratio.
+    fn record(&self, point: usize, target: &str, by: By, cache: &str, pass: &Pass) -> Record {
+        let (h, rate) = pass;
+        let mut r = Record::new(
+            "lookup-scale",
+            target,
+            json!({ "entries": point, "by": by.name(), "cache": cache,
+                    "samples": self.samples, "fanout": self.layout.fanout }),
+            "local",
+        );
+        r.ops_per_s = Some(*rate);
+        r.set_latency(h);
+        r
+    }
+}
+
+impl Results {
+    /// The p50 of `local`'s same pass ÷ `p50_us`. Local is measured first at every
+    /// checkpoint: it is its own reference.
+    fn ratio(&self, target: &str, params: &serde_json::Value, p50_us: f64) -> Option<f64> {
+        let reference = self
+            .records
+            .iter()
+            .rev()
+            .find(|x: &&Record| x.target == "local" && x.params == *params);
+        match target {
+            "local" => Some(1.0),
+            _ => reference.and_then(|x| x.p50_us).map(|p50| p50 / p50_us),
+        }
+    }
+
+    /// Adds a point to the curve `name` of lookups `by`.
+    fn add_point(&mut self, by: By, name: String, at: (f64, f64)) {
+        match self
+            .curves
+            .iter_mut()
+            .find(|(b, s)| *b == by && s.name == name)
+        {
+            Some((_, series)) => series.points.push(at),
+            None => self.curves.push((
+                by,
+                Series {
+                    name,
+                    points: vec![at],
+                },
+            )),
+        }
+    }
+}
+
+/// Draws p50 against the entry count, by name and by GFID, into each plot file.
+fn draw(
+    plots: &[PathBuf],
+    curves: &[(By, Series)],
+    samples: usize,
+    fanout: usize,
+    out: &mut Reporter,
+) -> anyhow::Result<()> {
+    if plots.is_empty() {
+        return Ok(());
+    }
+    let panel = |by: By, title: &str| Panel {
+        title: title.into(),
+        series: curves
+            .iter()
+            .filter(|(b, _)| *b == by)
+            .map(|(_, series)| series.clone())
+            .collect(),
+    };
+    let chart = LineChart {
+        title: format!(
+            "lookup-scale: p50 of {samples} random lookups as the handle index grows \
+             ({fanout} per directory)"
+        ),
+        x_desc: "entries on the brick".into(),
+        y_desc: "lookup latency p50, µs".into(),
+        panels: vec![
+            panel(By::Name, "by name (LOOKUP parent + name)"),
+            panel(By::Gfid, "by GFID (the handle)"),
+        ],
+    };
+    for path in plots {
+        plot::lines(path, &chart)?;
+        out.note("plot", &json!(path.display().to_string()));
+    }
+    Ok(())
 }
 
 /// Fails early when the brick's file system has too few free inodes for `entries` files in

@@ -21,7 +21,7 @@
 
 use std::path::PathBuf;
 
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
 use kiln_bench::bricks::BrickOption;
 use kiln_bench::engine::{self, EngineBench};
 use kiln_bench::lookup_scale::{self, LookupScaleBench};
@@ -63,197 +63,218 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Workload {
     /// The brick engine called directly, against a std::fs loop on the same disk.
-    Engine {
-        #[arg(long, default_value_t = 100_000)]
-        files: usize,
-        #[arg(long, default_value_t = 100)]
-        dirs: usize,
-        #[arg(long, value_delimiter = ',', default_values_t = [1, 16, 256])]
-        depths: Vec<usize>,
-        #[arg(long, default_value_t = 4096)]
-        file_bytes: usize,
-        /// Files held open during the open-latency sweep; 0 means as many as the process may
-        /// hold (RLIMIT_NOFILE less the brick's own fds).
-        #[arg(long, value_delimiter = ',', default_values_t = [10, 1000, 10_000, 0])]
-        open_sweep: Vec<usize>,
-        #[arg(long, default_value_t = 2000)]
-        open_samples: usize,
-    },
+    Engine(EngineArgs),
     /// The brick over QUIC in this process (small-file PUTs, PING round trips, 1 MiB writes
     /// and reads), against std::fs, the engine called directly and TCP on loopback.
-    Net {
-        /// Files PUT at each concurrency level (and by the std::fs loop).
-        #[arg(long, default_value_t = 20_000)]
-        files: usize,
-        #[arg(long, default_value_t = 4)]
-        dirs: usize,
-        #[arg(long, default_value_t = 4096)]
-        file_bytes: usize,
-        /// Tasks PUTting at once, sharing one connection.
-        #[arg(long, value_delimiter = ',', default_values_t = [1, 16, 128])]
-        concurrency: Vec<usize>,
-        /// Sequential PINGs (and TCP round trips) measured.
-        #[arg(long, default_value_t = 20_000)]
-        pings: usize,
-        /// MiB written, then read, in 1 MiB requests.
-        #[arg(long, default_value_t = 1024)]
-        bulk_mib: usize,
-        /// 1 MiB requests in flight during the bulk runs.
-        #[arg(long, default_value_t = 8)]
-        bulk_inflight: usize,
-        /// Largest UDP payload (client and server) of the connection the PUTs and PINGs use.
-        #[arg(long, default_value_t = kiln_wire::quic::UDP_PAYLOAD_MAX_BYTES)]
-        udp_payload: u16,
-        /// Largest UDP payload of each bulk run (client and server), one run per value.
-        #[arg(long, value_delimiter = ',', default_values_t = [kiln_wire::quic::UDP_PAYLOAD_MAX_BYTES, 1452])]
-        bulk_udp_payloads: Vec<u16>,
-        #[arg(long, value_enum, default_value_t = EngineArg::Uring)]
-        engine: EngineArg,
-        /// Worker threads of the client's tokio runtime; 0 runs the client on a
-        /// current-thread runtime on the main thread.
-        #[arg(long, default_value_t = 0)]
-        client_threads: usize,
-        /// Ring workers that run a QUIC endpoint on the shared port (1 = one shared
-        /// endpoint); 0 = every worker.
-        #[arg(long, default_value_t = 0)]
-        endpoints: usize,
-        /// Client connections the PUTs are spread over.
-        #[arg(long, default_value_t = 1)]
-        connections: usize,
-    },
+    Net(NetArgs),
     /// The management path: `kiln volume set` through a real kiln-mgmtd (volume created, then
     /// started so each set is pushed live to a running brick) and the configuration store's
     /// commits alone and grouped, against this disk's fsync + rename + fsync floor.
-    Mgmt {
-        /// Operations measured per phase: CLI sets, store commits, floor samples.
-        #[arg(long, default_value_t = 200)]
-        sets: usize,
-        /// Tasks committing at once in the group-commit run.
-        #[arg(long, default_value_t = 16)]
-        tasks: usize,
-    },
+    Mgmt(MgmtArgs),
     /// A tree of many small files untarred, `find`-stat'ed, `ls -lR`'d, read and removed on
     /// the local directory, a bindfs passthrough FUSE mount, the Kiln mount and a GlusterFS
     /// mount (where set up), all on the scratch disk.
-    Mount {
-        /// Files of a generated tree (default 80000; giving it or --dirs generates the tree
-        /// even when linux-source is installed).
-        #[arg(long)]
-        files: Option<usize>,
-        /// Directories of a generated tree (default 5000).
-        #[arg(long)]
-        dirs: Option<usize>,
-        /// `auto`: Debian's linux-source tarball (/usr/src/linux-source-*.tar.*) when
-        /// installed, else a generated tree; `off`: always generate; or a tarball's path.
-        #[arg(long, default_value = "auto")]
-        linux_source: String,
-        /// Seed of the generated tree.
-        #[arg(long, default_value_t = mount::DEFAULT_SEED)]
-        seed: u64,
-        /// Targets to measure (default: every one available; the others are skipped with a
-        /// note).
-        #[arg(long, value_enum, value_delimiter = ',')]
-        targets: Option<Vec<Target>>,
-        /// `-o` options of `kiln mount`, comma-separated (e.g. writeback-cache=on,
-        /// attr-timeout-ms=1000).
-        #[arg(long, value_delimiter = ',')]
-        mount_options: Vec<String>,
-        /// `-o` options of bindfs, comma-separated.
-        #[arg(long, value_delimiter = ',')]
-        bindfs_options: Vec<String>,
-        /// An existing GlusterFS volume to mount as the glusterfs target (SERVER:/VOLUME).
-        #[arg(long)]
-        glusterfs_volume: Option<String>,
-        /// Do not drop the kernel's caches before each phase.
-        #[arg(long)]
-        keep_caches: bool,
-        /// Longest run of one phase's command, in seconds.
-        #[arg(long, default_value_t = 3600)]
-        phase_timeout_s: u64,
-    },
+    Mount(MountArgs),
     /// Small-file operations in the spirit of the `smallfile` tool (create, stat, read,
     /// append, chmod, xattrs, listings, rename, delete, mkdir, rmdir), each on every target:
     /// plain syscalls on the scratch directory or any mount, the engine called directly, the
     /// brick over QUIC, a Kiln FUSE mount. Ratios against the first target.
-    Smallfile {
-        /// Operations, in order (an op whose precondition is missing gets it set up first,
-        /// unmeasured).
-        #[arg(long, value_enum, value_delimiter = ',', default_values_t = SmallfileOp::SEQUENCE)]
-        ops: Vec<SmallfileOp>,
-        /// local, engine, volume, kiln-mount or path=DIR; the first is the reference.
-        #[arg(long, value_delimiter = ',', default_value = "local,engine,volume")]
-        targets: Vec<TargetSpec>,
-        /// Workers at once (OS threads on syscall targets, tasks on engine and volume).
-        #[arg(long, default_value_t = 4)]
-        threads: usize,
-        /// Files per thread.
-        #[arg(long, default_value_t = 5000)]
-        files: usize,
-        #[arg(long, default_value_t = 4096)]
-        file_bytes: usize,
-        /// Files per directory (directories are made as needed).
-        #[arg(long, default_value_t = 100)]
-        fanout: usize,
-        /// fsync every create and append before closing (PUT with O_SYNC on the brick).
-        #[arg(long)]
-        fsync: bool,
-        #[arg(long, default_value_t = smallfile::DEFAULT_SEED)]
-        seed: u64,
-        /// `-o` options of `kiln mount` for the kiln-mount target.
-        #[arg(long, value_delimiter = ',')]
-        mount_options: Vec<String>,
-        /// KEY=V1,V2,…: run the engine and volume targets once per value of this brick
-        /// option (server.event-threads, server.ring-entries, server.engine,
-        /// storage.fsync-policy, storage.dirfd-cache-entries, network.inode-lru-limit).
-        #[arg(long)]
-        vary: Option<String>,
-        /// Draw ops/s per op and target into this .svg or .png (may be given again).
-        #[arg(long)]
-        plot: Vec<PathBuf>,
-    },
+    Smallfile(SmallfileArgs),
     /// Latency of one more open while N files are held open, N swept up to the open-file
     /// limit (raised to the hard limit first): plain files, the engine, the brick over QUIC.
-    Openfds {
-        /// Files held open at each point (the largest the limit allows is always added).
-        #[arg(long, value_delimiter = ',', default_values_t = openfds::DEFAULT_HELD)]
-        held: Vec<usize>,
-        /// Hold at most this many (default: RLIMIT_NOFILE less the brick's headroom).
-        #[arg(long)]
-        max_held: Option<usize>,
-        /// Opens timed at each point.
-        #[arg(long, default_value_t = 2000)]
-        samples: usize,
-        #[arg(long, value_enum, value_delimiter = ',', default_values_t = [OpenTarget::Local, OpenTarget::Engine, OpenTarget::Volume])]
-        targets: Vec<OpenTarget>,
-        /// Draw p50 and p99 against N into this .svg or .png (may be given again).
-        #[arg(long)]
-        plot: Vec<PathBuf>,
-    },
+    Openfds(OpenfdsArgs),
     /// LOOKUP latency by name and by GFID, cold and warm, as the brick's handle index grows
     /// to millions of entries, against fstatat on the same file system.
-    LookupScale {
-        /// Entries (files) on the brick at the end; accepts k and M (2M).
-        #[arg(long, value_parser = lookup_scale::parse_count, default_value = "2M")]
-        max_entries: usize,
-        /// Entry counts to measure at (the maximum is always added).
-        #[arg(long, value_parser = lookup_scale::parse_count, value_delimiter = ',',
-              default_value = "1k,10k,100k,1M,2M")]
-        checkpoints: Vec<usize>,
-        /// Random files looked up at each checkpoint, each way.
-        #[arg(long, default_value_t = 1000)]
-        samples: usize,
-        /// Files per directory.
-        #[arg(long, default_value_t = 1000)]
-        fanout: usize,
-        /// MKNODs in flight while filling the brick.
-        #[arg(long, default_value_t = 64)]
-        depth: usize,
-        #[arg(long, default_value_t = lookup_scale::DEFAULT_SEED)]
-        seed: u64,
-        /// Draw p50 against the entry count into this .svg or .png (may be given again).
-        #[arg(long)]
-        plot: Vec<PathBuf>,
-    },
+    LookupScale(LookupScaleArgs),
+}
+
+#[derive(Debug, Args)]
+struct EngineArgs {
+    #[arg(long, default_value_t = 100_000)]
+    files: usize,
+    #[arg(long, default_value_t = 100)]
+    dirs: usize,
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 16, 256])]
+    depths: Vec<usize>,
+    #[arg(long, default_value_t = 4096)]
+    file_bytes: usize,
+    /// Files held open during the open-latency sweep; 0 means as many as the process may
+    /// hold (RLIMIT_NOFILE less the brick's own fds).
+    #[arg(long, value_delimiter = ',', default_values_t = [10, 1000, 10_000, 0])]
+    open_sweep: Vec<usize>,
+    #[arg(long, default_value_t = 2000)]
+    open_samples: usize,
+}
+
+#[derive(Debug, Args)]
+struct NetArgs {
+    /// Files PUT at each concurrency level (and by the std::fs loop).
+    #[arg(long, default_value_t = 20_000)]
+    files: usize,
+    #[arg(long, default_value_t = 4)]
+    dirs: usize,
+    #[arg(long, default_value_t = 4096)]
+    file_bytes: usize,
+    /// Tasks PUTting at once, sharing one connection.
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 16, 128])]
+    concurrency: Vec<usize>,
+    /// Sequential PINGs (and TCP round trips) measured.
+    #[arg(long, default_value_t = 20_000)]
+    pings: usize,
+    /// MiB written, then read, in 1 MiB requests.
+    #[arg(long, default_value_t = 1024)]
+    bulk_mib: usize,
+    /// 1 MiB requests in flight during the bulk runs.
+    #[arg(long, default_value_t = 8)]
+    bulk_inflight: usize,
+    /// Largest UDP payload (client and server) of the connection the PUTs and PINGs use.
+    #[arg(long, default_value_t = kiln_wire::quic::UDP_PAYLOAD_MAX_BYTES)]
+    udp_payload: u16,
+    /// Largest UDP payload of each bulk run (client and server), one run per value.
+    #[arg(long, value_delimiter = ',', default_values_t = [kiln_wire::quic::UDP_PAYLOAD_MAX_BYTES, 1452])]
+    bulk_udp_payloads: Vec<u16>,
+    #[arg(long, value_enum, default_value_t = EngineArg::Uring)]
+    engine: EngineArg,
+    /// Worker threads of the client's tokio runtime; 0 runs the client on a
+    /// current-thread runtime on the main thread.
+    #[arg(long, default_value_t = 0)]
+    client_threads: usize,
+    /// Ring workers that run a QUIC endpoint on the shared port (1 = one shared
+    /// endpoint); 0 = every worker.
+    #[arg(long, default_value_t = 0)]
+    endpoints: usize,
+    /// Client connections the PUTs are spread over.
+    #[arg(long, default_value_t = 1)]
+    connections: usize,
+}
+
+#[derive(Debug, Args)]
+struct MgmtArgs {
+    /// Operations measured per phase: CLI sets, store commits, floor samples.
+    #[arg(long, default_value_t = 200)]
+    sets: usize,
+    /// Tasks committing at once in the group-commit run.
+    #[arg(long, default_value_t = 16)]
+    tasks: usize,
+}
+
+#[derive(Debug, Args)]
+struct MountArgs {
+    /// Files of a generated tree (default 80000; giving it or --dirs generates the tree
+    /// even when linux-source is installed).
+    #[arg(long)]
+    files: Option<usize>,
+    /// Directories of a generated tree (default 5000).
+    #[arg(long)]
+    dirs: Option<usize>,
+    /// `auto`: Debian's linux-source tarball (/usr/src/linux-source-*.tar.*) when
+    /// installed, else a generated tree; `off`: always generate; or a tarball's path.
+    #[arg(long, default_value = "auto")]
+    linux_source: String,
+    /// Seed of the generated tree.
+    #[arg(long, default_value_t = mount::DEFAULT_SEED)]
+    seed: u64,
+    /// Targets to measure (default: every one available; the others are skipped with a
+    /// note).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    targets: Option<Vec<Target>>,
+    /// `-o` options of `kiln mount`, comma-separated (e.g. writeback-cache=on,
+    /// attr-timeout-ms=1000).
+    #[arg(long, value_delimiter = ',')]
+    mount_options: Vec<String>,
+    /// `-o` options of bindfs, comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    bindfs_options: Vec<String>,
+    /// An existing GlusterFS volume to mount as the glusterfs target (SERVER:/VOLUME).
+    #[arg(long)]
+    glusterfs_volume: Option<String>,
+    /// Do not drop the kernel's caches before each phase.
+    #[arg(long)]
+    keep_caches: bool,
+    /// Longest run of one phase's command, in seconds.
+    #[arg(long, default_value_t = 3600)]
+    phase_timeout_s: u64,
+}
+
+#[derive(Debug, Args)]
+struct SmallfileArgs {
+    /// Operations, in order (an op whose precondition is missing gets it set up first,
+    /// unmeasured).
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = SmallfileOp::SEQUENCE)]
+    ops: Vec<SmallfileOp>,
+    /// local, engine, volume, kiln-mount or path=DIR; the first is the reference.
+    #[arg(long, value_delimiter = ',', default_value = "local,engine,volume")]
+    targets: Vec<TargetSpec>,
+    /// Workers at once (OS threads on syscall targets, tasks on engine and volume).
+    #[arg(long, default_value_t = 4)]
+    threads: usize,
+    /// Files per thread.
+    #[arg(long, default_value_t = 5000)]
+    files: usize,
+    #[arg(long, default_value_t = 4096)]
+    file_bytes: usize,
+    /// Files per directory (directories are made as needed).
+    #[arg(long, default_value_t = 100)]
+    fanout: usize,
+    /// fsync every create and append before closing (PUT with O_SYNC on the brick).
+    #[arg(long)]
+    fsync: bool,
+    #[arg(long, default_value_t = smallfile::DEFAULT_SEED)]
+    seed: u64,
+    /// `-o` options of `kiln mount` for the kiln-mount target.
+    #[arg(long, value_delimiter = ',')]
+    mount_options: Vec<String>,
+    /// KEY=V1,V2,…: run the engine and volume targets once per value of this brick
+    /// option (server.event-threads, server.ring-entries, server.engine,
+    /// storage.fsync-policy, storage.dirfd-cache-entries, network.inode-lru-limit).
+    #[arg(long)]
+    vary: Option<String>,
+    /// Draw ops/s per op and target into this .svg or .png (may be given again).
+    #[arg(long)]
+    plot: Vec<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+struct OpenfdsArgs {
+    /// Files held open at each point (the largest the limit allows is always added).
+    #[arg(long, value_delimiter = ',', default_values_t = openfds::DEFAULT_HELD)]
+    held: Vec<usize>,
+    /// Hold at most this many (default: RLIMIT_NOFILE less the brick's headroom).
+    #[arg(long)]
+    max_held: Option<usize>,
+    /// Opens timed at each point.
+    #[arg(long, default_value_t = 2000)]
+    samples: usize,
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [OpenTarget::Local, OpenTarget::Engine, OpenTarget::Volume])]
+    targets: Vec<OpenTarget>,
+    /// Draw p50 and p99 against N into this .svg or .png (may be given again).
+    #[arg(long)]
+    plot: Vec<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+struct LookupScaleArgs {
+    /// Entries (files) on the brick at the end; accepts k and M (2M).
+    #[arg(long, value_parser = lookup_scale::parse_count, default_value = "2M")]
+    max_entries: usize,
+    /// Entry counts to measure at (the maximum is always added).
+    #[arg(long, value_parser = lookup_scale::parse_count, value_delimiter = ',',
+          default_value = "1k,10k,100k,1M,2M")]
+    checkpoints: Vec<usize>,
+    /// Random files looked up at each checkpoint, each way.
+    #[arg(long, default_value_t = 1000)]
+    samples: usize,
+    /// Files per directory.
+    #[arg(long, default_value_t = 1000)]
+    fanout: usize,
+    /// MKNODs in flight while filling the brick.
+    #[arg(long, default_value_t = 64)]
+    depth: usize,
+    #[arg(long, default_value_t = lookup_scale::DEFAULT_SEED)]
+    seed: u64,
+    /// Draw p50 against the entry count into this .svg or .png (may be given again).
+    #[arg(long)]
+    plot: Vec<PathBuf>,
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -266,13 +287,13 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let scratch = Scratch::new(cli.scratch.as_deref(), cli.loop_fs_mib, cli.loop_fs_inodes)?;
     let mut out = Reporter::new(cli.json);
-    let seed = match &cli.workload {
-        Workload::Mount { seed, .. }
-        | Workload::Smallfile { seed, .. }
-        | Workload::LookupScale { seed, .. } => Some(*seed),
-        _ => None,
-    };
-    let env = environment(&scratch.fs, seed);
+    print_environment(&cli, &scratch);
+    cli.workload.run(&scratch, &mut out)
+}
+
+/// The machine and scratch file system, before any result.
+fn print_environment(cli: &Cli, scratch: &Scratch) {
+    let env = environment(&scratch.fs, cli.workload.seed());
     if cli.json {
         println!("{}", serde_json::json!({ "environment": env }));
     } else {
@@ -283,154 +304,136 @@ fn main() -> anyhow::Result<()> {
             kiln_dataplane::fdtable::FD_TABLE_ENTRY_BYTES
         );
     }
-    match cli.workload {
-        Workload::Engine {
-            files,
-            dirs,
-            depths,
-            file_bytes,
-            open_sweep,
-            open_samples,
-        } => {
-            let bench = EngineBench {
-                files,
-                dirs: dirs.max(1),
-                depths,
-                file_bytes,
-                open_sweep,
-                open_samples,
-            };
-            engine::run(&bench, &scratch, &mut out)?;
-        }
-        Workload::Net {
-            files,
-            dirs,
-            file_bytes,
-            concurrency,
-            pings,
-            bulk_mib,
-            bulk_inflight,
-            udp_payload,
-            bulk_udp_payloads,
-            engine,
-            client_threads,
-            endpoints,
-            connections,
-        } => {
-            let bench = NetBench {
-                files,
-                dirs: dirs.max(1),
-                file_bytes,
-                concurrency,
-                pings,
-                bulk_mib,
-                bulk_inflight,
-                udp_payload,
-                bulk_udp_payloads,
-                engine: match engine {
-                    EngineArg::Uring => kiln_dataplane::EngineKind::Uring,
-                    EngineArg::Blocking => kiln_dataplane::EngineKind::Blocking,
-                },
-                client_threads,
-                endpoints,
-                connections,
-            };
-            net::run(&bench, &scratch, &mut out)?;
-        }
-        Workload::Mgmt { sets, tasks } => {
-            mgmt::run(&MgmtBench { sets, tasks }, &scratch, &mut out)?;
-        }
-        Workload::Mount {
-            files,
-            dirs,
-            linux_source,
-            seed,
-            targets,
-            mount_options,
-            bindfs_options,
-            glusterfs_volume,
-            keep_caches,
-            phase_timeout_s,
-        } => {
-            let bench = MountBench {
-                tree: mount::tree_source(files, dirs, seed, &linux_source)?,
-                targets: targets.unwrap_or_else(|| Target::ALL.to_vec()),
-                mount_options,
-                bindfs_options,
-                glusterfs_volume,
-                drop_caches: !keep_caches,
-                phase_timeout: std::time::Duration::from_secs(phase_timeout_s),
-            };
-            mount::run(&bench, &scratch, &mut out)?;
-        }
-        Workload::Smallfile {
-            ops,
-            targets,
-            threads,
-            files,
-            file_bytes,
-            fanout,
-            fsync,
-            seed,
-            mount_options,
-            vary,
-            plot,
-        } => {
-            let vary = match vary {
-                Some(spec) => BrickOption::parse_vary(&spec)?,
-                None => Vec::new(),
-            };
-            let bench = SmallfileBench {
-                ops,
-                targets,
-                threads,
-                files,
-                file_bytes,
-                fanout,
-                fsync,
-                seed,
-                mount_options,
-                vary,
-                plots: plot,
-            };
-            smallfile::run(&bench, &scratch, &mut out)?;
-        }
-        Workload::Openfds {
-            held,
-            max_held,
-            samples,
-            targets,
-            plot,
-        } => {
-            let bench = OpenfdsBench {
-                held,
-                max_held,
-                samples,
-                targets,
-                plots: plot,
-            };
-            openfds::run(&bench, &scratch, &mut out)?;
-        }
-        Workload::LookupScale {
-            max_entries,
-            checkpoints,
-            samples,
-            fanout,
-            depth,
-            seed,
-            plot,
-        } => {
-            let bench = LookupScaleBench {
-                max_entries,
-                checkpoints,
-                samples,
-                fanout,
-                depth,
-                seed,
-                plots: plot,
-            };
-            lookup_scale::run(&bench, &scratch, &mut out)?;
+}
+
+impl Workload {
+    /// The seed of a workload that draws its inputs from one.
+    fn seed(&self) -> Option<u64> {
+        match self {
+            Workload::Mount(args) => Some(args.seed),
+            Workload::Smallfile(args) => Some(args.seed),
+            Workload::LookupScale(args) => Some(args.seed),
+            _ => None,
         }
     }
-    Ok(())
+
+    fn run(self, scratch: &Scratch, out: &mut Reporter) -> anyhow::Result<()> {
+        match self {
+            Workload::Engine(args) => engine::run(&args.bench(), scratch, out)?,
+            Workload::Net(args) => net::run(&args.bench(), scratch, out)?,
+            Workload::Mgmt(args) => mgmt::run(&args.bench(), scratch, out)?,
+            Workload::Mount(args) => mount::run(&args.bench()?, scratch, out)?,
+            Workload::Smallfile(args) => smallfile::run(&args.bench()?, scratch, out)?,
+            Workload::Openfds(args) => openfds::run(&args.bench(), scratch, out)?,
+            Workload::LookupScale(args) => lookup_scale::run(&args.bench(), scratch, out)?,
+        };
+        Ok(())
+    }
+}
+
+impl EngineArgs {
+    fn bench(self) -> EngineBench {
+        EngineBench {
+            files: self.files,
+            dirs: self.dirs.max(1),
+            depths: self.depths,
+            file_bytes: self.file_bytes,
+            open_sweep: self.open_sweep,
+            open_samples: self.open_samples,
+        }
+    }
+}
+
+impl NetArgs {
+    fn bench(self) -> NetBench {
+        NetBench {
+            files: self.files,
+            dirs: self.dirs.max(1),
+            file_bytes: self.file_bytes,
+            concurrency: self.concurrency,
+            pings: self.pings,
+            bulk_mib: self.bulk_mib,
+            bulk_inflight: self.bulk_inflight,
+            udp_payload: self.udp_payload,
+            bulk_udp_payloads: self.bulk_udp_payloads,
+            engine: match self.engine {
+                EngineArg::Uring => kiln_dataplane::EngineKind::Uring,
+                EngineArg::Blocking => kiln_dataplane::EngineKind::Blocking,
+            },
+            client_threads: self.client_threads,
+            endpoints: self.endpoints,
+            connections: self.connections,
+        }
+    }
+}
+
+impl MgmtArgs {
+    fn bench(self) -> MgmtBench {
+        MgmtBench {
+            sets: self.sets,
+            tasks: self.tasks,
+        }
+    }
+}
+
+impl MountArgs {
+    fn bench(self) -> anyhow::Result<MountBench> {
+        Ok(MountBench {
+            tree: mount::tree_source(self.files, self.dirs, self.seed, &self.linux_source)?,
+            targets: self.targets.unwrap_or_else(|| Target::ALL.to_vec()),
+            mount_options: self.mount_options,
+            bindfs_options: self.bindfs_options,
+            glusterfs_volume: self.glusterfs_volume,
+            drop_caches: !self.keep_caches,
+            phase_timeout: std::time::Duration::from_secs(self.phase_timeout_s),
+        })
+    }
+}
+
+impl SmallfileArgs {
+    fn bench(self) -> anyhow::Result<SmallfileBench> {
+        let vary = match self.vary {
+            Some(spec) => BrickOption::parse_vary(&spec)?,
+            None => Vec::new(),
+        };
+        Ok(SmallfileBench {
+            ops: self.ops,
+            targets: self.targets,
+            threads: self.threads,
+            files: self.files,
+            file_bytes: self.file_bytes,
+            fanout: self.fanout,
+            fsync: self.fsync,
+            seed: self.seed,
+            mount_options: self.mount_options,
+            vary,
+            plots: self.plot,
+        })
+    }
+}
+
+impl OpenfdsArgs {
+    fn bench(self) -> OpenfdsBench {
+        OpenfdsBench {
+            held: self.held,
+            max_held: self.max_held,
+            samples: self.samples,
+            targets: self.targets,
+            plots: self.plot,
+        }
+    }
+}
+
+impl LookupScaleArgs {
+    fn bench(self) -> LookupScaleBench {
+        LookupScaleBench {
+            max_entries: self.max_entries,
+            checkpoints: self.checkpoints,
+            samples: self.samples,
+            fanout: self.fanout,
+            depth: self.depth,
+            seed: self.seed,
+            plots: self.plot,
+        }
+    }
 }

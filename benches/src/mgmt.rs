@@ -45,7 +45,6 @@
 //! A `gluster` note says whether the `gluster` command is on PATH: with a running glusterd a
 //! `gluster volume set` comparison is possible, but this workload never sets one up.
 
-use std::io::Read as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::Arc;
@@ -61,7 +60,9 @@ use rustix::process::{Pid, Signal};
 use serde_json::json;
 use tokio::task::JoinSet;
 
-use crate::process::{log_tail, pid_of, wait_exit};
+use crate::process::{
+    Bins, KILL_TIMEOUT, Ran, STOP_TIMEOUT, log_tail, pid_of, run_captured, wait_exit,
+};
 use crate::report::{Record, Reporter, histogram, micros, nanos};
 use crate::scratch::Scratch;
 
@@ -89,10 +90,6 @@ const COMMAND_TIMEOUT: Duration = Duration::from_secs(30);
 const LISTEN_TIMEOUT: Duration = Duration::from_secs(20);
 /// How long the started brick may take to run and take a push.
 const BRICK_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long `kiln-mgmtd` may take to stop after SIGTERM (it gives its bricks 15 s to drain).
-const STOP_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long a process may take to go after SIGKILL.
-const KILL_TIMEOUT: Duration = Duration::from_secs(5);
 /// Pause between polls of the daemon's socket or the brick's status.
 const POLL_INTERVAL: Duration = Duration::from_millis(50);
 /// Largest path a Unix socket address holds (`sun_path` less its NUL).
@@ -135,6 +132,7 @@ pub fn run(
     let sets = bench.sets.max(1);
     let tasks = bench.tasks.max(1);
     let bins = Bins::beside_this_executable()?;
+    let mgmtd = bins.find("kiln-mgmtd")?;
     let root = std::path::absolute(scratch.path().join("mgmt"))?;
     std::fs::create_dir_all(&root).with_context(|| format!("cannot create {}", root.display()))?;
     note_gluster(out);
@@ -211,7 +209,7 @@ pub fn run(
     drop(rt);
 
     // (a) `kiln volume set` through a real kiln-mgmtd.
-    records.extend(cli(&bins, &root, sets, floor_p50, out)?);
+    records.extend(cli(&bins, &mgmtd, &root, sets, floor_p50, out)?);
     Ok(records)
 }
 
@@ -376,86 +374,6 @@ fn note_gluster(out: &mut Reporter) {
     out.note("gluster", &note);
 }
 
-/// The executables `kiln-bench mgmt` runs.
-#[derive(Debug)]
-struct Bins {
-    dir: PathBuf,
-    mgmtd: PathBuf,
-    kiln: PathBuf,
-    brickd: PathBuf,
-}
-
-impl Bins {
-    fn beside_this_executable() -> anyhow::Result<Bins> {
-        let exe = std::env::current_exe().context("cannot find the kiln-bench executable")?;
-        let dir = exe
-            .parent()
-            .context("the kiln-bench executable has no directory")?
-            .to_owned();
-        let find = |name: &str| {
-            let path = exe.with_file_name(name);
-            if !path.is_file() {
-                bail!(
-                    "{} is missing: `kiln-bench mgmt` runs the kiln-mgmtd, kiln and kiln-brickd \
-                     built beside kiln-bench; build them with `cargo build --release` (or \
-                     `cargo build --bins` for a debug kiln-bench)",
-                    path.display()
-                );
-            }
-            Ok(path)
-        };
-        Ok(Bins {
-            mgmtd: find("kiln-mgmtd")?,
-            kiln: find("kiln")?,
-            brickd: find("kiln-brickd")?,
-            dir,
-        })
-    }
-}
-
-/// A finished command.
-struct Ran {
-    status: ExitStatus,
-    stdout: String,
-    stderr: String,
-    /// From just before the spawn to the reaped exit.
-    elapsed: Duration,
-}
-
-/// Runs `cmd` to its end, killing it after `timeout`.
-fn run_bounded(cmd: &mut Command, timeout: Duration) -> anyhow::Result<Ran> {
-    cmd.stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let start = Instant::now();
-    let mut child = cmd
-        .spawn()
-        .with_context(|| format!("cannot run {:?}", cmd.get_program()))?;
-    if !wait_exit(&child, timeout, || false)? {
-        let _ = child.kill();
-        let _ = wait_exit(&child, KILL_TIMEOUT, || false);
-        let _ = child.try_wait();
-        bail!("{cmd:?} did not finish in {timeout:?}");
-    }
-    let status = child.wait()?;
-    let elapsed = start.elapsed();
-    // The child has exited: the pipes hold what it wrote (a few lines) and then end.
-    let mut stdout = String::new();
-    let mut stderr = String::new();
-    if let Some(mut s) = child.stdout.take() {
-        s.read_to_string(&mut stdout)?;
-    }
-    if let Some(mut s) = child.stderr.take() {
-        s.read_to_string(&mut stderr)?;
-    }
-    Ok(Ran {
-        status,
-        stdout,
-        stderr,
-        elapsed,
-    })
-}
-
 /// A UDP port on 127.0.0.1 that was free (for UDP and TCP, as a brick binds both) just now.
 fn free_port() -> anyhow::Result<u16> {
     for _ in 0..PORT_TRIES {
@@ -494,7 +412,7 @@ struct Stopped {
 }
 
 impl Mgmtd {
-    fn start(bins: &Bins, dir: &Path) -> anyhow::Result<Mgmtd> {
+    fn start(bins: &Bins, mgmtd_bin: &Path, dir: &Path) -> anyhow::Result<Mgmtd> {
         let state = dir.join("state");
         let socket = dir.join("run/mgmtd.sock");
         check_socket_path(&socket)?;
@@ -509,7 +427,7 @@ impl Mgmtd {
             .append(true)
             .open(&log)
             .with_context(|| format!("cannot open {}", log.display()))?;
-        let child = Command::new(&bins.mgmtd)
+        let child = Command::new(mgmtd_bin)
             .arg("--state-dir")
             .arg(&state)
             .arg("--socket")
@@ -520,7 +438,7 @@ impl Mgmtd {
             .stdout(Stdio::null())
             .stderr(log_file)
             .spawn()
-            .with_context(|| format!("cannot run {}", bins.mgmtd.display()))?;
+            .with_context(|| format!("cannot run {}", mgmtd_bin.display()))?;
         let mut mgmtd = Mgmtd {
             child: Some(child),
             kiln: bins.kiln.clone(),
@@ -556,7 +474,7 @@ impl Mgmtd {
 
     /// Runs `kiln <args>` against this daemon.
     fn kiln(&self, args: &[&str]) -> anyhow::Result<Ran> {
-        run_bounded(
+        run_captured(
             Command::new(&self.kiln)
                 .args(args)
                 .env("KILN_MGMT_SOCKET", &self.socket),
@@ -659,6 +577,7 @@ fn cli_sets(m: &Mgmtd, n: usize, next: &mut usize) -> anyhow::Result<(f64, Histo
 /// (a) `kiln volume set` through a real `kiln-mgmtd`, with the volume created, then started.
 fn cli(
     bins: &Bins,
+    mgmtd_bin: &Path,
     root: &Path,
     sets: usize,
     floor_p50: f64,
@@ -667,26 +586,7 @@ fn cli(
     let dir = root.join("mgmtd");
     std::fs::create_dir_all(&dir)?;
     let brick = dir.join("bricks/b0");
-    let brick_s = brick.to_str().context("the scratch path is not UTF-8")?;
-    let port = free_port()?;
-    let mut m = Mgmtd::start(bins, &dir)?;
-    out.note(
-        "mgmtd",
-        &json!({
-            "pid": m.pid(),
-            "socket": m.socket.display().to_string(),
-            "brick": brick_s,
-            "brick_port": port,
-        }),
-    );
-    m.ok(&[
-        "volume",
-        "create",
-        VOLUME_NAME,
-        brick_s,
-        "--port",
-        &port.to_string(),
-    ])?;
+    let mut m = start_with_volume(bins, mgmtd_bin, &dir, &brick, out)?;
     let mut records = Vec::new();
     let mut next = 0;
     let warm = warmup(sets);
@@ -712,15 +612,72 @@ fn cli(
     m.ok(&["volume", "start", VOLUME_NAME])?;
     let deadline = Instant::now() + BRICK_TIMEOUT;
     let brick_pids = running_bricks(&m, deadline)?;
-    // "running" means spawned; the first sets may find the control socket not yet there.
-    // Warm up until one is applied, then `warm` more.
+    warm_up_live(&m, &dir, warm, &mut next, deadline)?;
+    let (rate, h, applied) = cli_sets(&m, sets, &mut next)?;
+    let r = latency_record(
+        "mgmt.set",
+        "kiln-cli-started",
+        json!({ "sets": sets, "key": KEY, "volume": "started", "bricks": brick_pids.len(),
+                "applied_live": applied }),
+        rate,
+        &h,
+        floor_p50,
+    );
+    out.print(&r);
+    records.push(r);
+
+    stop_cleanly(&mut m, &brick_pids, &brick, out)?;
+    Ok(records)
+}
+
+/// Starts `kiln-mgmtd` in `dir` and creates volume `v` on `brick` with a free port.
+fn start_with_volume(
+    bins: &Bins,
+    mgmtd_bin: &Path,
+    dir: &Path,
+    brick: &Path,
+    out: &mut Reporter,
+) -> anyhow::Result<Mgmtd> {
+    let brick_s = brick.to_str().context("the scratch path is not UTF-8")?;
+    let port = free_port()?;
+    let m = Mgmtd::start(bins, mgmtd_bin, dir)?;
+    out.note(
+        "mgmtd",
+        &json!({
+            "pid": m.pid(),
+            "socket": m.socket.display().to_string(),
+            "brick": brick_s,
+            "brick_port": port,
+        }),
+    );
+    m.ok(&[
+        "volume",
+        "create",
+        VOLUME_NAME,
+        brick_s,
+        "--port",
+        &port.to_string(),
+    ])?;
+    Ok(m)
+}
+
+/// Sets values from `*next` on until one is applied by the started brick, then `warm`
+/// more applied ones (or until `deadline`). "running" means spawned; the first sets may
+/// find the control socket not yet there.
+fn warm_up_live(
+    m: &Mgmtd,
+    dir: &Path,
+    warm: usize,
+    next: &mut usize,
+    deadline: Instant,
+) -> anyhow::Result<()> {
     let mut warmed = 0;
     let mut reached = false;
     let max_tries = usize::try_from(BRICK_TIMEOUT.as_millis() / POLL_INTERVAL.as_millis())
         .unwrap_or(usize::MAX);
     for _ in 0..max_tries {
-        let ran = m.ok(&["volume", "set", VOLUME_NAME, KEY, &value(next)])?;
-        next += 1;
+        let ran = m.ok(&["volume", "set", VOLUME_NAME, KEY, &value(*next)])?;
+        *next += 1;
         if applied_live(&ran) {
             reached = true;
             warmed += 1;
@@ -741,24 +698,22 @@ fn cli(
                 .display()
         );
     }
-    let (rate, h, applied) = cli_sets(&m, sets, &mut next)?;
-    let r = latency_record(
-        "mgmt.set",
-        "kiln-cli-started",
-        json!({ "sets": sets, "key": KEY, "volume": "started", "bricks": brick_pids.len(),
-                "applied_live": applied }),
-        rate,
-        &h,
-        floor_p50,
-    );
-    out.print(&r);
-    records.push(r);
+    Ok(())
+}
 
+/// Stops `kiln-mgmtd` with SIGTERM and notes how; kills bricks it left running, and fails
+/// unless it stopped cleanly and took its bricks with it.
+fn stop_cleanly(
+    m: &mut Mgmtd,
+    brick_pids: &[u32],
+    brick: &Path,
+    out: &mut Reporter,
+) -> anyhow::Result<()> {
     let stopped = m.stop()?;
     let left: Vec<u32> = brick_pids
         .iter()
         .copied()
-        .filter(|pid| brick_still_running(*pid, &brick))
+        .filter(|pid| brick_still_running(*pid, brick))
         .collect();
     out.note(
         "mgmtd_stop",
@@ -782,7 +737,7 @@ fn cli(
             log_tail(&m.log)
         );
     }
-    Ok(records)
+    Ok(())
 }
 
 /// Whether `pid` is still a live `kiln-brickd` serving `brick` (a reaped pid may be reused).

@@ -93,6 +93,16 @@ pub struct SweepPoint {
     pub opens_per_s: f64,
 }
 
+impl SweepPoint {
+    /// The point of `samples` opens timed into `latency`, the first started at `start`.
+    fn timed(latency: Histogram<u64>, samples: usize, start: Instant) -> SweepPoint {
+        SweepPoint {
+            latency,
+            opens_per_s: samples as f64 / start.elapsed().as_secs_f64().max(1e-9),
+        }
+    }
+}
+
 /// Raises the soft open-file limit to the hard one; returns (soft before, the limit now).
 pub fn raise_nofile_limit() -> anyhow::Result<(u64, u64)> {
     use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
@@ -174,12 +184,8 @@ pub fn local_sweep(
             h.record(nanos(t.elapsed()))?;
             drop(file);
         }
-        let opens_per_s = samples as f64 / start.elapsed().as_secs_f64().max(1e-9);
         progress.inc(samples as u64);
-        results.push(SweepPoint {
-            latency: h,
-            opens_per_s,
-        });
+        results.push(SweepPoint::timed(h, samples, start));
     }
     Ok(results)
 }
@@ -283,12 +289,8 @@ async fn sweep_task(
             h.record(nanos(t.elapsed()))?;
             caller.call(Release { fd }).await?;
         }
-        let opens_per_s = samples as f64 / start.elapsed().as_secs_f64().max(1e-9);
         progress.inc(samples as u64);
-        results.push(SweepPoint {
-            latency: h,
-            opens_per_s,
-        });
+        results.push(SweepPoint::timed(h, samples, start));
     }
     Ok(results)
 }
@@ -327,63 +329,12 @@ pub fn run(
     let progress = Progress::new("openfds", per_target * targets.len() as u64);
     let root = scratch.path().join("openfds");
     std::fs::create_dir_all(&root)?;
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    // One more file than the largest count: the one opened while the others are held.
-    let files = max + 1;
-    let engine_config = EngineConfig {
-        kind: EngineKind::Uring,
-        fops: FopsConfig {
-            open_files_per_client_max: files + 16,
-            ..FopsConfig::default()
-        },
-        ..EngineConfig::default()
-    };
+    let sweep = Sweep::new(scratch, max, &counts, samples, &progress)?;
     let mut measured: Vec<(OpenTarget, Vec<SweepPoint>)> = Vec::new();
     let mut records = Vec::new();
     for &target in &targets {
-        progress.set_message(format!("{}: making {files} files", target.name()));
         let dir = root.join(target.name());
-        let results = match target {
-            OpenTarget::Local => {
-                make_local_files(&dir, files, &progress)?;
-                progress.set_message("local: sweeping");
-                local_sweep(&dir, &counts, samples, &progress)?
-            }
-            OpenTarget::Engine => {
-                let (_brick, engine) = start_engine(
-                    &dir,
-                    EngineKind::Uring,
-                    2,
-                    engine_config.fops.open_files_per_client_max,
-                )?;
-                let gfids = make_brick_files(&rt, Destination::Engine(&engine), files, &progress)?;
-                progress.set_message("engine: sweeping");
-                brick_sweep(
-                    &rt,
-                    Destination::Engine(&engine),
-                    gfids,
-                    &counts,
-                    samples,
-                    &progress,
-                )?
-            }
-            OpenTarget::Volume => {
-                let served = Served::start(&dir, &scratch.path(), &engine_config, 0)?;
-                let (server, volume) =
-                    rt.block_on(served.serve_and_connect(UDP_PAYLOAD_MAX_BYTES))?;
-                let destination = Destination::Volume(&volume);
-                let gfids = make_brick_files(&rt, destination, files, &progress)?;
-                progress.set_message("volume: sweeping");
-                let results = brick_sweep(&rt, destination, gfids, &counts, samples, &progress);
-                rt.block_on(async {
-                    volume.close().await;
-                    server.shutdown(std::time::Duration::from_secs(5)).await;
-                });
-                results?
-            }
-        };
+        let results = sweep.target(target, &dir)?;
         // Each target's files go once it is measured: at the limit, three targets' files and
         // the bricks' handle directories together overflow a small loop file system's inodes.
         progress.set_message(format!("{}: removing its files", target.name()));
@@ -392,7 +343,119 @@ pub fn run(
         let reference = measured
             .iter()
             .find(|(t, _)| *t == OpenTarget::Local)
-            .map(|(_, r)| r);
+            .map(|(_, r)| &r[..]);
+        records.extend(sweep.records(target, &results, reference, out));
+        measured.push((target, results));
+    }
+    progress.finish();
+    note_flatness(out, &counts, &measured);
+    for path in &bench.plots {
+        draw(path, &counts, &measured, samples)?;
+        out.note("plot", &json!(path.display().to_string()));
+    }
+    Ok(records)
+}
+
+/// What every target's sweep shares.
+struct Sweep<'a> {
+    rt: tokio::runtime::Runtime,
+    scratch: &'a Scratch,
+    /// Files made per target: one more than the largest count, the one opened while the
+    /// others are held.
+    files: usize,
+    counts: &'a [usize],
+    samples: usize,
+    engine_config: EngineConfig,
+    progress: &'a Progress,
+}
+
+impl<'a> Sweep<'a> {
+    fn new(
+        scratch: &'a Scratch,
+        max: usize,
+        counts: &'a [usize],
+        samples: usize,
+        progress: &'a Progress,
+    ) -> anyhow::Result<Sweep<'a>> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let files = max + 1;
+        let engine_config = EngineConfig {
+            kind: EngineKind::Uring,
+            fops: FopsConfig {
+                open_files_per_client_max: files + 16,
+                ..FopsConfig::default()
+            },
+            ..EngineConfig::default()
+        };
+        Ok(Sweep {
+            rt,
+            scratch,
+            files,
+            counts,
+            samples,
+            engine_config,
+            progress,
+        })
+    }
+
+    /// Makes the target's files in `dir` and sweeps the held counts over them.
+    fn target(&self, target: OpenTarget, dir: &Path) -> anyhow::Result<Vec<SweepPoint>> {
+        let (rt, files, progress) = (&self.rt, self.files, self.progress);
+        let (counts, samples) = (self.counts, self.samples);
+        progress.set_message(format!("{}: making {files} files", target.name()));
+        Ok(match target {
+            OpenTarget::Local => {
+                make_local_files(dir, files, progress)?;
+                progress.set_message("local: sweeping");
+                local_sweep(dir, counts, samples, progress)?
+            }
+            OpenTarget::Engine => {
+                let (_brick, engine) = start_engine(
+                    dir,
+                    EngineKind::Uring,
+                    2,
+                    self.engine_config.fops.open_files_per_client_max,
+                )?;
+                let gfids = make_brick_files(rt, Destination::Engine(&engine), files, progress)?;
+                progress.set_message("engine: sweeping");
+                brick_sweep(
+                    rt,
+                    Destination::Engine(&engine),
+                    gfids,
+                    counts,
+                    samples,
+                    progress,
+                )?
+            }
+            OpenTarget::Volume => {
+                let served = Served::start(dir, &self.scratch.path(), &self.engine_config, 0)?;
+                let (server, volume) =
+                    rt.block_on(served.serve_and_connect(UDP_PAYLOAD_MAX_BYTES))?;
+                let destination = Destination::Volume(&volume);
+                let gfids = make_brick_files(rt, destination, files, progress)?;
+                progress.set_message("volume: sweeping");
+                let results = brick_sweep(rt, destination, gfids, counts, samples, progress);
+                rt.block_on(async {
+                    volume.close().await;
+                    server.shutdown(std::time::Duration::from_secs(5)).await;
+                });
+                results?
+            }
+        })
+    }
+
+    /// Prints and returns a record per held count of a target's sweep, its ratio to the
+    /// local sweep's (`reference`) p50.
+    fn records(
+        &self,
+        target: OpenTarget,
+        results: &[SweepPoint],
+        reference: Option<&[SweepPoint]>,
+        out: &mut Reporter,
+    ) -> Vec<Record> {
+        let mut records = Vec::new();
         for (i, point) in results.iter().enumerate() {
             let reference_name = match reference {
                 Some(_) => "local",
@@ -401,7 +464,7 @@ pub fn run(
             let mut r = Record::new(
                 "openfds",
                 target.name(),
-                json!({ "held_open": counts[i], "samples": samples }),
+                json!({ "held_open": self.counts[i], "samples": self.samples }),
                 reference_name,
             );
             r.ops_per_s = Some(point.opens_per_s);
@@ -410,18 +473,21 @@ pub fn run(
             r.ratio = Some(reference.map_or(1.0, |reference| {
                 micros(&reference[i].latency, 0.5) / micros(&point.latency, 0.5)
             }));
-            progress.print(out, &r);
+            self.progress.print(out, &r);
             records.push(r);
         }
-        measured.push((target, results));
+        records
     }
-    progress.finish();
+}
+
+/// How much each target's p50 and p99 grew from the fewest held files to the most.
+fn note_flatness(out: &mut Reporter, counts: &[usize], measured: &[(OpenTarget, Vec<SweepPoint>)]) {
     let growth = |results: &[SweepPoint], q| match (results.first(), results.last()) {
         (Some(first), Some(last)) => micros(&last.latency, q) / micros(&first.latency, q),
         _ => 1.0,
     };
     let mut flatness = serde_json::Map::new();
-    for (target, results) in &measured {
+    for (target, results) in measured {
         flatness.insert(
             target.name().into(),
             json!({
@@ -432,11 +498,6 @@ pub fn run(
         );
     }
     out.note("openfds_flatness", &serde_json::Value::Object(flatness));
-    for path in &bench.plots {
-        draw(path, &counts, &measured, samples)?;
-        out.note("plot", &json!(path.display().to_string()));
-    }
-    Ok(records)
 }
 
 fn draw(

@@ -1,6 +1,7 @@
 //! Child processes the workloads start: commands run to their end with a bound (and timed),
 //! the stop flag that SIGINT, SIGTERM or SIGHUP set so a run cut short still cleans up,
-//! waiting on children, finding executables, and quoting their logs.
+//! waiting on children, finding executables (Kiln's own beside kiln-bench, others on PATH),
+//! and quoting their logs.
 
 use std::io::Read as _;
 use std::path::{Path, PathBuf};
@@ -15,6 +16,9 @@ use rustix::process::{Pid, PidfdFlags};
 const LOG_TAIL_BYTES: u64 = 2048;
 /// Longest single poll before `give_up` (or the stop flag) is asked again.
 pub const WAIT_SLICE: Duration = Duration::from_millis(100);
+/// How long a server may take to stop after SIGTERM (`kiln-brickd` drains for up to 10 s,
+/// `kiln-mgmtd` gives its bricks 15 s).
+pub const STOP_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a process may take to go after SIGKILL.
 pub const KILL_TIMEOUT: Duration = Duration::from_secs(5);
 /// Buffer for reading a command's output.
@@ -179,6 +183,45 @@ pub fn run_bounded(
     Ok(())
 }
 
+/// A finished command ([`run_captured`]).
+#[derive(Debug)]
+pub struct Ran {
+    pub status: ExitStatus,
+    pub stdout: String,
+    pub stderr: String,
+    /// From just before the spawn to the reaped exit.
+    pub elapsed: Duration,
+}
+
+/// Runs `cmd` to its end, its output captured, killing it after `timeout`; a command that
+/// fails is no error here (see [`Ran::status`]).
+pub fn run_captured(cmd: &mut Command, timeout: Duration) -> anyhow::Result<Ran> {
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let start = Instant::now();
+    let mut child = cmd
+        .spawn()
+        .with_context(|| format!("cannot run {:?}", cmd.get_program()))?;
+    let status = wait_child(&mut child, timeout, false).with_context(|| format!("{cmd:?}"))?;
+    let elapsed = start.elapsed();
+    // The child has exited: the pipes hold what it wrote (a few lines) and then end.
+    let mut stdout = String::new();
+    let mut stderr = String::new();
+    if let Some(mut s) = child.stdout.take() {
+        s.read_to_string(&mut stdout)?;
+    }
+    if let Some(mut s) = child.stderr.take() {
+        s.read_to_string(&mut stderr)?;
+    }
+    Ok(Ran {
+        status,
+        stdout,
+        stderr,
+        elapsed,
+    })
+}
+
 /// Waits for `child` to exit and reaps it; kills it after `timeout` (or once the stop flag is
 /// set, with `honour_stop`) and fails.
 pub fn wait_child(
@@ -238,6 +281,49 @@ pub fn watch_signals() -> anyhow::Result<()> {
             STOP.store(true, Ordering::Relaxed);
         })?;
     Ok(())
+}
+
+/// Kiln's executables, from the directory of the running kiln-bench (where cargo builds
+/// them all), each checked to be there.
+#[derive(Debug)]
+pub struct Bins {
+    /// Their directory.
+    pub dir: PathBuf,
+    pub kiln: PathBuf,
+    pub brickd: PathBuf,
+}
+
+impl Bins {
+    /// `kiln` and `kiln-brickd`.
+    pub fn beside_this_executable() -> anyhow::Result<Bins> {
+        let exe = std::env::current_exe().context("cannot find the kiln-bench executable")?;
+        let dir = exe
+            .parent()
+            .context("the kiln-bench executable has no directory")?
+            .to_owned();
+        Ok(Bins {
+            kiln: find_beside(&dir, "kiln")?,
+            brickd: find_beside(&dir, "kiln-brickd")?,
+            dir,
+        })
+    }
+
+    /// Another executable of that directory (`kiln-mgmtd`).
+    pub fn find(&self, name: &str) -> anyhow::Result<PathBuf> {
+        find_beside(&self.dir, name)
+    }
+}
+
+fn find_beside(dir: &Path, name: &str) -> anyhow::Result<PathBuf> {
+    let path = dir.join(name);
+    if !path.is_file() {
+        bail!(
+            "{} is missing: kiln-bench runs the Kiln executables built beside it; build them \
+             with `cargo build --release --bins` (or `cargo build --bins` for a debug kiln-bench)",
+            path.display()
+        );
+    }
+    Ok(path)
 }
 
 /// An executable on PATH.

@@ -15,6 +15,7 @@ use std::collections::BTreeMap;
 use std::rc::Rc;
 use std::sync::Arc;
 
+use kiln_admin::options::{BrickSettings, FsyncPolicy, ServerEngine};
 use kiln_wire::{Creds, ErrorCode, FopReply, FopRequest};
 use tokio::sync::oneshot;
 
@@ -67,6 +68,30 @@ impl Default for EngineConfig {
             fops: FopsConfig::default(),
             ring: RingConfig::default(),
         }
+    }
+}
+
+/// The engine as the brick options say: the one mapping from the option table's typed
+/// settings to an engine, for `kiln-brickd` and for the benches that start bricks themselves.
+impl From<&BrickSettings> for EngineConfig {
+    fn from(settings: &BrickSettings) -> EngineConfig {
+        let mut config = EngineConfig {
+            kind: match settings.engine {
+                ServerEngine::Uring => EngineKind::Uring,
+                ServerEngine::Blocking => EngineKind::Blocking,
+            },
+            ..EngineConfig::default()
+        };
+        if let Some(workers) = settings.workers {
+            config.workers = workers.get();
+        }
+        config.fops.gfid_cache_entries = settings.gfid_cache_entries;
+        config.fops.dirfd_cache_entries = settings.dirfd_cache_entries;
+        config.fops.write_through = settings.fsync_policy == FsyncPolicy::WriteThrough;
+        config.fops.open_files_per_client_max = settings.open_files_per_client_max;
+        config.fops.locks_per_client_max = settings.locks_per_client_max;
+        config.ring.ring_entries = settings.ring_entries;
+        config
     }
 }
 

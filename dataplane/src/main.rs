@@ -19,13 +19,13 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 use kiln_admin::control::StartSettings;
-use kiln_admin::options::{BrickSettings, FsyncPolicy, ServerEngine};
+use kiln_admin::options::BrickSettings;
 use kiln_admin::pki;
 use kiln_dataplane::server::access::parse_names;
 use kiln_dataplane::server::{
     AuthAllow, ConnectionLimits, LiveConfig, RootSquash, Server, ServerConfig,
 };
-use kiln_dataplane::{Brick, Engine, EngineConfig, EngineKind, metrics, recovery};
+use kiln_dataplane::{Brick, Engine, EngineConfig, metrics, recovery};
 
 mod control;
 
@@ -203,23 +203,7 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
 
 /// The engine as the brick options say.
 fn engine_config(settings: &BrickSettings) -> EngineConfig {
-    let mut config = EngineConfig {
-        kind: match settings.engine {
-            ServerEngine::Uring => EngineKind::Uring,
-            ServerEngine::Blocking => EngineKind::Blocking,
-        },
-        ..EngineConfig::default()
-    };
-    if let Some(workers) = settings.workers {
-        config.workers = workers.get();
-    }
-    config.fops.gfid_cache_entries = settings.gfid_cache_entries;
-    config.fops.dirfd_cache_entries = settings.dirfd_cache_entries;
-    config.fops.write_through = settings.fsync_policy == FsyncPolicy::WriteThrough;
-    config.fops.open_files_per_client_max = settings.open_files_per_client_max;
-    config.fops.locks_per_client_max = settings.locks_per_client_max;
-    config.ring.ring_entries = settings.ring_entries;
-    config
+    EngineConfig::from(settings)
 }
 
 /// What the server changes while running, as the brick options say.
@@ -311,6 +295,7 @@ async fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kiln_dataplane::EngineKind;
 
     fn serve_args(extra: &[&str]) -> ServeArgs {
         let base = ["kiln-brickd", "serve", "/bricks/b0", "--tls-dir", "/tls"];

@@ -14,7 +14,7 @@ use kiln_wire::FopCode;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-use kiln_admin::control::FopProfile;
+use kiln_admin::control::{FopProfile, ProfileReport};
 
 use crate::cache::CacheState;
 use crate::engine::{Engine, EngineState};
@@ -112,8 +112,20 @@ fn family(out: &mut String, name: &str, kind: &str, help: &str) {
 pub fn render(profile: &Profile, state: &EngineState, connections: usize) -> String {
     let mut out = String::with_capacity(16 * 1024);
     let report = profile.report();
+    render_profile_switches(&mut out, &report);
+    render_fop_counters(&mut out, &report);
+    render_errors(&mut out, &report);
+    render_latency(&mut out, profile);
+    render_sessions(&mut out, state, connections);
+    render_caches(&mut out, state);
+    render_ring(&mut out, state);
+    out
+}
+
+/// Whether counting and timing are on.
+fn render_profile_switches(out: &mut String, report: &ProfileReport) {
     family(
-        &mut out,
+        out,
         "kiln_profile_enabled",
         "gauge",
         "Whether per-fop counting (diagnostics.count-fop-hits) and timing \
@@ -125,6 +137,10 @@ pub fn render(profile: &Profile, state: &EngineState, connections: usize) -> Str
         u8::from(report.counting),
         u8::from(report.timing)
     );
+}
+
+/// The profile's counters, one family each, by fop.
+fn render_fop_counters(out: &mut String, report: &ProfileReport) {
     let per_fop: [(&str, &str, Field<FopProfile>); 7] = [
         ("kiln_fop_calls_total", "Fops served, by fop.", |f| f.calls),
         ("kiln_fop_errors_total", "Fops that failed, by fop.", |f| {
@@ -157,13 +173,16 @@ pub fn render(profile: &Profile, state: &EngineState, connections: usize) -> Str
         ),
     ];
     for (name, help, value) in per_fop {
-        family(&mut out, name, "counter", help);
+        family(out, name, "counter", help);
         for f in &report.fops {
             let _ = writeln!(out, "{name}{{fop=\"{}\"}} {}", f.fop, value(f));
         }
     }
+}
+
+fn render_errors(out: &mut String, report: &ProfileReport) {
     family(
-        &mut out,
+        out,
         "kiln_errors_total",
         "counter",
         "Failed fops, by errno.",
@@ -171,21 +190,28 @@ pub fn render(profile: &Profile, state: &EngineState, connections: usize) -> Str
     for (errno, n) in &report.errors {
         let _ = writeln!(out, "kiln_errors_total{{errno=\"{errno}\"}} {n}");
     }
-    render_latency(&mut out, profile);
+}
+
+/// Sessions and the fds they hold open.
+fn render_sessions(out: &mut String, state: &EngineState, connections: usize) {
     family(
-        &mut out,
+        out,
         "kiln_sessions",
         "gauge",
         "Clients connected (one session each).",
     );
     let _ = writeln!(out, "kiln_sessions {connections}");
     family(
-        &mut out,
+        out,
         "kiln_open_fds",
         "gauge",
         "Files and directories open, all sessions.",
     );
     let _ = writeln!(out, "kiln_open_fds {}", state.open_fds());
+}
+
+/// The GFID and dirfd caches, one family per measure.
+fn render_caches(out: &mut String, state: &EngineState) {
     let caches = [("gfid", &state.gfid_cache), ("dirfd", &state.dirfd_cache)];
     let cache_families: [(&str, &str, &str, Field<CacheState>); 4] = [
         ("kiln_cache_entries", "gauge", "Entries held.", |c| {
@@ -208,11 +234,14 @@ pub fn render(profile: &Profile, state: &EngineState, connections: usize) -> Str
         ),
     ];
     for (name, kind, help, value) in cache_families {
-        family(&mut out, name, kind, help);
+        family(out, name, kind, help);
         for (cache, c) in caches {
             let _ = writeln!(out, "{name}{{cache=\"{cache}\"}} {}", value(c));
         }
     }
+}
+
+fn render_ring(out: &mut String, state: &EngineState) {
     let ring = [
         (
             "kiln_ring_enters_total",
@@ -232,10 +261,9 @@ pub fn render(profile: &Profile, state: &EngineState, connections: usize) -> Str
         ),
     ];
     for (name, help, value) in ring {
-        family(&mut out, name, "counter", help);
+        family(out, name, "counter", help);
         let _ = writeln!(out, "{name} {value}");
     }
-    out
 }
 
 fn render_latency(out: &mut String, profile: &Profile) {

@@ -175,164 +175,200 @@ impl Daemon {
     }
 
     async fn handle_inner(&self, request: Request) -> anyhow::Result<Response> {
-        let done = |generation, message: String| Response::Done {
-            generation,
-            message,
-        };
-        Ok(match request {
+        match request {
             Request::VolumeCreate { name, bricks, port } => {
-                let volume = self.prepare_volume(&name, &bricks, port)?;
-                let generation = self.commit(Change::Create(volume)).await?;
-                done(
-                    generation,
-                    format!("volume {name} created; start it with `kiln volume start {name}`"),
-                )
+                self.create_volume(&name, &bricks, port).await
             }
-            Request::VolumeDelete { name } => {
-                let generation = self
-                    .commit(Change::Delete {
-                        volume: name.clone(),
-                    })
-                    .await?;
-                done(
-                    generation,
-                    format!(
-                        "volume {name} deleted; its brick directories and data are left on disk"
-                    ),
-                )
+            Request::VolumeDelete { name } => self.delete_volume(&name).await,
+            Request::VolumeStart { name } => self.start_volume(&name).await,
+            Request::VolumeStop { name } => self.stop_volume(&name).await,
+            Request::VolumeInfo { name } => self.volume_info(name.as_deref()),
+            Request::VolumeStatus { name } => self.volume_status(&name).await,
+            Request::VolumeSet { name, key, value } => self.set_option(&name, &key, &value).await,
+            Request::VolumeGet { name, key } => self.get_options(&name, key.as_deref()),
+            Request::VolumeReset { name, key } => self.reset_option(&name, key).await,
+            Request::VolumeProfile { name, action } => self.profile(&name, action).await,
+            Request::VolumeStatedump { name } => self.statedump(&name).await,
+        }
+    }
+
+    // The volume's lifecycle: create, delete, start, stop.
+
+    async fn create_volume(
+        &self,
+        name: &str,
+        bricks: &[PathBuf],
+        port: Option<u16>,
+    ) -> anyhow::Result<Response> {
+        let volume = self.prepare_volume(name, bricks, port)?;
+        let generation = self.commit(Change::Create(volume)).await?;
+        Ok(done(
+            generation,
+            format!("volume {name} created; start it with `kiln volume start {name}`"),
+        ))
+    }
+
+    async fn delete_volume(&self, name: &str) -> anyhow::Result<Response> {
+        let generation = self
+            .commit(Change::Delete {
+                volume: name.to_owned(),
+            })
+            .await?;
+        Ok(done(
+            generation,
+            format!("volume {name} deleted; its brick directories and data are left on disk"),
+        ))
+    }
+
+    async fn start_volume(&self, name: &str) -> anyhow::Result<Response> {
+        let generation = self
+            .commit(Change::Start {
+                volume: name.to_owned(),
+            })
+            .await?;
+        self.supervisor.start_volume(&self.volume(name)?);
+        Ok(done(generation, format!("volume {name} started")))
+    }
+
+    async fn stop_volume(&self, name: &str) -> anyhow::Result<Response> {
+        let generation = self
+            .commit(Change::Stop {
+                volume: name.to_owned(),
+            })
+            .await?;
+        self.supervisor.stop_volume(&self.volume(name)?).await;
+        Ok(done(generation, format!("volume {name} stopped")))
+    }
+
+    // Options: set, get, reset.
+
+    async fn set_option(&self, name: &str, key: &str, value: &str) -> anyhow::Result<Response> {
+        let value = options::find(key)?.parse(value)?;
+        let generation = self
+            .commit(Change::Set {
+                volume: name.to_owned(),
+                key: key.to_owned(),
+                value: value.clone(),
+            })
+            .await?;
+        let apply = options::find(key)?.apply;
+        let note = self.apply_to_bricks(name, generation, apply).await?;
+        Ok(done(
+            generation,
+            format!("{key} = {value} on volume {name}{note}"),
+        ))
+    }
+
+    fn get_options(&self, name: &str, key: Option<&str>) -> anyhow::Result<Response> {
+        let volume = self.volume(name)?;
+        let keys: Vec<&str> = match key {
+            Some(k) => vec![options::find(k)?.key],
+            None => options::OPTIONS.iter().map(|o| o.key).collect(),
+        };
+        let options = keys
+            .into_iter()
+            .map(|k| OptionValue {
+                key: k.to_owned(),
+                value: options::effective(&volume.options, k).to_string(),
+                set: volume.options.contains_key(k),
+            })
+            .collect();
+        Ok(Response::Options { options })
+    }
+
+    async fn reset_option(&self, name: &str, key: Option<String>) -> anyhow::Result<Response> {
+        let generation = self
+            .commit(Change::Reset {
+                volume: name.to_owned(),
+                key: key.clone(),
+            })
+            .await?;
+        let apply = match &key {
+            Some(k) => options::find(k)?.apply,
+            None => options::Apply::Live,
+        };
+        let note = self.apply_to_bricks(name, generation, apply).await?;
+        let what = key.unwrap_or_else(|| "every option".to_owned());
+        Ok(done(
+            generation,
+            format!("{what} reset to the default on volume {name}{note}"),
+        ))
+    }
+
+    // Reports: info, status, profile, statedump.
+
+    fn volume_info(&self, name: Option<&str>) -> anyhow::Result<Response> {
+        Ok(self.store.read(|c, generation| {
+            let volumes = match name {
+                Some(n) => vec![c.volume(n)?.clone()],
+                None => c.volumes.values().cloned().collect(),
+            };
+            Ok::<_, ConfigError>(Response::Volumes {
+                generation,
+                volumes,
+            })
+        })?)
+    }
+
+    async fn volume_status(&self, name: &str) -> anyhow::Result<Response> {
+        Ok(Response::Status {
+            bricks: self.supervisor.checked_status(&self.volume(name)?).await,
+        })
+    }
+
+    async fn profile(&self, name: &str, action: ProfileAction) -> anyhow::Result<Response> {
+        let volume = self.volume(name)?;
+        if volume.state != VolumeState::Started {
+            anyhow::bail!("volume {name} is not started");
+        }
+        let generation = match action {
+            ProfileAction::Info => self.store.read(|_, generation| generation),
+            ProfileAction::Start | ProfileAction::Stop => {
+                self.switch_profiling(name, action == ProfileAction::Start)
+                    .await?
             }
-            Request::VolumeStart { name } => {
-                let generation = self
-                    .commit(Change::Start {
-                        volume: name.clone(),
-                    })
-                    .await?;
-                self.supervisor.start_volume(&self.volume(&name)?);
-                done(generation, format!("volume {name} started"))
-            }
-            Request::VolumeStop { name } => {
-                let generation = self
-                    .commit(Change::Stop {
-                        volume: name.clone(),
-                    })
-                    .await?;
-                self.supervisor.stop_volume(&self.volume(&name)?).await;
-                done(generation, format!("volume {name} stopped"))
-            }
-            Request::VolumeInfo { name } => self.store.read(|c, generation| {
-                let volumes = match &name {
-                    Some(n) => vec![c.volume(n)?.clone()],
-                    None => c.volumes.values().cloned().collect(),
-                };
-                Ok::<_, ConfigError>(Response::Volumes {
-                    generation,
-                    volumes,
+        };
+        Ok(Response::Profiles {
+            generation,
+            bricks: self.supervisor.profiles(&volume).await,
+        })
+    }
+
+    /// Sets the profiling options on or off and pushes them to the bricks; returns the
+    /// generation of the last change.
+    async fn switch_profiling(&self, name: &str, on: bool) -> anyhow::Result<u64> {
+        let value = if on { "on" } else { "off" };
+        let mut generation = 0;
+        for key in PROFILE_OPTIONS {
+            generation = self
+                .commit(Change::Set {
+                    volume: name.to_owned(),
+                    key: key.to_owned(),
+                    value: value.to_owned(),
                 })
-            })?,
-            Request::VolumeStatus { name } => Response::Status {
-                bricks: self.supervisor.checked_status(&self.volume(&name)?).await,
-            },
-            Request::VolumeSet { name, key, value } => {
-                let value = options::find(&key)?.parse(&value)?;
-                let generation = self
-                    .commit(Change::Set {
-                        volume: name.clone(),
-                        key: key.clone(),
-                        value: value.clone(),
-                    })
-                    .await?;
-                let apply = options::find(&key)?.apply;
-                let note = self.apply_to_bricks(&name, generation, apply).await?;
-                done(
-                    generation,
-                    format!("{key} = {value} on volume {name}{note}"),
-                )
-            }
-            Request::VolumeGet { name, key } => {
-                let volume = self.volume(&name)?;
-                let keys: Vec<&str> = match &key {
-                    Some(k) => vec![options::find(k)?.key],
-                    None => options::OPTIONS.iter().map(|o| o.key).collect(),
-                };
-                let options = keys
-                    .into_iter()
-                    .map(|k| OptionValue {
-                        key: k.to_owned(),
-                        value: options::effective(&volume.options, k).to_string(),
-                        set: volume.options.contains_key(k),
-                    })
-                    .collect();
-                Response::Options { options }
-            }
-            Request::VolumeReset { name, key } => {
-                let generation = self
-                    .commit(Change::Reset {
-                        volume: name.clone(),
-                        key: key.clone(),
-                    })
-                    .await?;
-                let apply = match &key {
-                    Some(k) => options::find(k)?.apply,
-                    None => options::Apply::Live,
-                };
-                let note = self.apply_to_bricks(&name, generation, apply).await?;
-                let what = key.unwrap_or_else(|| "every option".to_owned());
-                done(
-                    generation,
-                    format!("{what} reset to the default on volume {name}{note}"),
-                )
-            }
-            Request::VolumeProfile { name, action } => {
-                let volume = self.volume(&name)?;
-                if volume.state != VolumeState::Started {
-                    anyhow::bail!("volume {name} is not started");
-                }
-                let generation = match action {
-                    ProfileAction::Info => self.store.read(|_, generation| generation),
-                    ProfileAction::Start | ProfileAction::Stop => {
-                        let value = if action == ProfileAction::Start {
-                            "on"
-                        } else {
-                            "off"
-                        };
-                        let mut generation = 0;
-                        for key in PROFILE_OPTIONS {
-                            generation = self
-                                .commit(Change::Set {
-                                    volume: name.clone(),
-                                    key: key.to_owned(),
-                                    value: value.to_owned(),
-                                })
-                                .await?;
-                        }
-                        self.supervisor.push(&self.volume(&name)?, generation).await;
-                        generation
-                    }
-                };
-                Response::Profiles {
-                    generation,
-                    bricks: self.supervisor.profiles(&volume).await,
-                }
-            }
-            Request::VolumeStatedump { name } => {
-                let volume = self.volume(&name)?;
-                let mut bricks = self.supervisor.statedumps(&volume).await;
-                // Beside what each brick runs: every option of the volume as configured now.
-                let configured: BTreeMap<String, String> = options::OPTIONS
-                    .iter()
-                    .map(|o| {
-                        let value = options::effective(&volume.options, o.key);
-                        (o.key.to_owned(), value.to_owned())
-                    })
-                    .collect();
-                for report in bricks.iter_mut().filter_map(|b| b.report.as_mut()) {
-                    report.volume_options = Some(configured.clone());
-                }
-                Response::Statedumps {
-                    generation: self.store.read(|_, generation| generation),
-                    bricks,
-                }
-            }
+                .await?;
+        }
+        self.supervisor.push(&self.volume(name)?, generation).await;
+        Ok(generation)
+    }
+
+    async fn statedump(&self, name: &str) -> anyhow::Result<Response> {
+        let volume = self.volume(name)?;
+        let mut bricks = self.supervisor.statedumps(&volume).await;
+        // Beside what each brick runs: every option of the volume as configured now.
+        let configured: BTreeMap<String, String> = options::OPTIONS
+            .iter()
+            .map(|o| {
+                let value = options::effective(&volume.options, o.key);
+                (o.key.to_owned(), value.to_owned())
+            })
+            .collect();
+        for report in bricks.iter_mut().filter_map(|b| b.report.as_mut()) {
+            report.volume_options = Some(configured.clone());
+        }
+        Ok(Response::Statedumps {
+            generation: self.store.read(|_, generation| generation),
+            bricks,
         })
     }
 
@@ -427,6 +463,14 @@ impl Daemon {
             )?;
         }
         Ok(volume)
+    }
+}
+
+/// The answer to a command that committed a change.
+fn done(generation: u64, message: String) -> Response {
+    Response::Done {
+        generation,
+        message,
     }
 }
 

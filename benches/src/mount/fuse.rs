@@ -15,8 +15,11 @@ use rustix::process::Signal;
 use serde_json::json;
 
 use super::{MountBench, Target};
+/// The executables the Kiln target runs, from beside kiln-bench.
+pub(super) use crate::process::Bins;
 use crate::process::{
-    KILL_TIMEOUT, WAIT_SLICE, check_stop, log_tail, pid_of, run_bounded, version, wait_exit,
+    KILL_TIMEOUT, STOP_TIMEOUT, WAIT_SLICE, check_stop, log_tail, pid_of, run_bounded, version,
+    wait_exit,
 };
 
 /// Name of the client and brick certificates of the Kiln target.
@@ -28,39 +31,8 @@ const COMMAND_TIMEOUT: Duration = Duration::from_secs(60);
 const MOUNT_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long `kiln-brickd` may take to print its address.
 const LISTEN_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long a server may take to stop after SIGTERM (the brick drains for up to 10 s).
-const STOP_TIMEOUT: Duration = Duration::from_secs(30);
 /// Pause between polls of a mount table or the stop flag.
 const POLL_INTERVAL: Duration = Duration::from_millis(20);
-
-/// The executables the Kiln target runs, from beside kiln-bench.
-#[derive(Debug)]
-pub(super) struct Bins {
-    kiln: PathBuf,
-    brickd: PathBuf,
-}
-
-impl Bins {
-    pub(super) fn beside_this_executable() -> anyhow::Result<Bins> {
-        let exe = std::env::current_exe().context("cannot find the kiln-bench executable")?;
-        let find = |name: &str| {
-            let path = exe.with_file_name(name);
-            if !path.is_file() {
-                bail!(
-                    "{} is missing: the kiln target runs the kiln and kiln-brickd built beside \
-                     kiln-bench; build them with `cargo build --release --bins` (or `cargo build \
-                     --bins` for a debug kiln-bench)",
-                    path.display()
-                );
-            }
-            Ok(path)
-        };
-        Ok(Bins {
-            kiln: find("kiln")?,
-            brickd: find("kiln-brickd")?,
-        })
-    }
-}
 
 /// A server process, stopped (SIGTERM, bounded wait, SIGKILL) when dropped.
 #[derive(Debug)]

@@ -38,6 +38,8 @@
 //! kernel refuses outright (EMSGSIZE, which quinn-udp drops silently as an expected MTU
 //! probe failure) is in no counter: it shows only as loss inside quinn.
 
+mod bulk;
+
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -46,9 +48,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use bytes::Bytes;
 use hdrhistogram::Histogram;
-use kiln_client::{BrickClient, Layer, LayerExt, Paths};
+use kiln_client::{BrickClient, Paths};
 use kiln_dataplane::engine::{EngineConfig, EngineKind, Session};
-use kiln_dataplane::server::Server;
 use kiln_wire::limits::IO_SIZE_MAX_BYTES;
 use kiln_wire::quic::UDP_PAYLOAD_MAX_BYTES;
 use kiln_wire::*;
@@ -86,8 +87,6 @@ pub struct NetBench {
 
 /// Bytes each way in the TCP ping-pong.
 const TCP_PING_BYTES: usize = 64;
-/// Bytes per bulk request (the protocol's largest READ or WRITE).
-const BULK_REQUEST_BYTES: usize = IO_SIZE_MAX_BYTES;
 /// Smallest UDP payload QUIC allows.
 const UDP_PAYLOAD_MIN_BYTES: u16 = 1200;
 /// How long a TCP reference peer waits for its connection.
@@ -233,7 +232,7 @@ pub fn run(bench: &NetBench, scratch: &Scratch, out: &mut Reporter) -> anyhow::R
     let volumes = Arc::new(volumes);
     records.extend(create(bench, scratch, &setup, &rt, &volumes, out)?);
     records.extend(ping(bench, &rt, &volume, ping_frame, out)?);
-    records.extend(bulk(bench, &setup, &rt, (server, volume), out)?);
+    records.extend(bulk::bulk(bench, &setup, &rt, (server, volume), out)?);
     Ok(records)
 }
 
@@ -500,6 +499,28 @@ fn warmup(n: usize) -> usize {
     (n / 10).clamp(1, 1000)
 }
 
+/// Runs `round_trip` `warm + pings` times and times the last `pings`. Returns round trips
+/// per second and the latency of each.
+async fn timed_round_trips(
+    warm: usize,
+    pings: usize,
+    mut round_trip: impl AsyncFnMut(usize) -> anyhow::Result<()>,
+) -> anyhow::Result<(f64, Histogram<u64>)> {
+    let mut h = histogram()?;
+    let mut start = Instant::now();
+    for i in 0..warm + pings {
+        if i == warm {
+            start = Instant::now();
+        }
+        let t = Instant::now();
+        round_trip(i).await?;
+        if i >= warm {
+            h.record(nanos(t.elapsed()))?;
+        }
+    }
+    Ok((pings as f64 / start.elapsed().as_secs_f64(), h))
+}
+
 /// (b) round trips: QUIC PING against a TCP ping-pong of 64 bytes.
 fn ping(
     bench: &NetBench,
@@ -524,20 +545,12 @@ fn ping(
     let (tcp_rate, tcp) = rt.block_on(async {
         let mut stream = tcp_connect(addr).await?;
         let mut buf = [0x5au8; TCP_PING_BYTES];
-        let mut h = histogram()?;
-        let mut start = Instant::now();
-        for i in 0..warm + pings {
-            if i == warm {
-                start = Instant::now();
-            }
-            let t = Instant::now();
+        timed_round_trips(warm, pings, async |_| -> anyhow::Result<()> {
             stream.write_all(&buf).await?;
             stream.read_exact(&mut buf).await?;
-            if i >= warm {
-                h.record(nanos(t.elapsed()))?;
-            }
-        }
-        anyhow::Ok((pings as f64 / start.elapsed().as_secs_f64(), h))
+            Ok(())
+        })
+        .await
     })?;
     join_peer(peer)?;
     let tcp_p50 = micros(&tcp, 0.5);
@@ -555,21 +568,14 @@ fn ping(
     records.push(r);
 
     let udp = udp_counters();
-    let (quic_rate, quic) = rt.block_on(async {
-        let mut h = histogram()?;
-        let mut start = Instant::now();
-        for i in 0..warm + pings {
-            if i == warm {
-                start = Instant::now();
-            }
-            let t = Instant::now();
+    let (quic_rate, quic) = rt.block_on(timed_round_trips(
+        warm,
+        pings,
+        async |i| -> anyhow::Result<()> {
             volume.ping().await.with_context(|| format!("PING {i}"))?;
-            if i >= warm {
-                h.record(nanos(t.elapsed()))?;
-            }
-        }
-        anyhow::Ok((pings as f64 / start.elapsed().as_secs_f64(), h))
-    })?;
+            Ok(())
+        },
+    ))?;
     note_udp(out, "net.ping quic", udp.as_ref());
     let mut r = Record::new(
         "net.ping",
@@ -583,205 +589,4 @@ fn ping(
     out.print(&r);
     records.push(r);
     Ok(records)
-}
-
-/// The content of bulk request `i` (so a read that returns the wrong chunk is caught).
-fn bulk_chunk(i: usize) -> Bytes {
-    let salt = (i % 251) as u8;
-    Bytes::from(
-        (0..BULK_REQUEST_BYTES)
-            .map(|b| (b % 253) as u8 ^ salt)
-            .collect::<Vec<u8>>(),
-    )
-}
-
-/// Chunks cycle through this many patterns (memory stays bounded whatever `bulk_mib`).
-const BULK_PATTERNS: usize = 4;
-
-/// (c) bulk: TCP copy, then QUIC write + read once per UDP payload cap.
-fn bulk(
-    bench: &NetBench,
-    setup: &Served,
-    rt: &tokio::runtime::Runtime,
-    first: (Server, BrickClient),
-    out: &mut Reporter,
-) -> anyhow::Result<Vec<Record>> {
-    let mib = bench.bulk_mib.max(1);
-    let total = mib * BULK_REQUEST_BYTES;
-    let mut records = Vec::new();
-
-    // The reference: the same bytes over one TCP connection in 1 MiB writes, to a reader
-    // thread that acknowledges the last byte.
-    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
-    let addr = listener.local_addr()?;
-    let peer = spawn_tcp_peer(listener, move |mut stream| async move {
-        let mut buf = vec![0u8; BULK_REQUEST_BYTES];
-        let mut got = 0;
-        // Every read returns at least one byte, so this is at most `total` reads.
-        while got < total {
-            match stream.read(&mut buf).await? {
-                0 => bail!("TCP copy ended after {got} of {total} bytes"),
-                n => got += n,
-            }
-        }
-        stream.write_all(&[1]).await?;
-        anyhow::Ok(())
-    });
-    let tcp_rate = rt.block_on(async {
-        let mut stream = tcp_connect(addr).await?;
-        let buf = bulk_chunk(0);
-        let start = Instant::now();
-        for _ in 0..mib {
-            stream.write_all(&buf).await?;
-        }
-        let mut ack = [0u8; 1];
-        stream.read_exact(&mut ack).await?;
-        anyhow::Ok(mib as f64 / start.elapsed().as_secs_f64())
-    })?;
-    join_peer(peer)?;
-    let mut r = Record::new(
-        "net.bulk",
-        "tcp",
-        json!({ "mib": mib, "request_kib": BULK_REQUEST_BYTES / 1024 }),
-        "tcp",
-    );
-    r.mib_per_s = Some(tcp_rate);
-    r.ratio = Some(1.0);
-    out.print(&r);
-    records.push(r);
-
-    // The first connection (create, ping) is done; each bulk run gets a fresh server and
-    // connection, so both caps start from the same state (path MTU discovery from scratch).
-    let (server, volume) = first;
-    rt.block_on(async {
-        volume.close().await;
-        server.shutdown(SHUTDOWN_GRACE).await;
-    });
-    let chunks: Arc<Vec<Bytes>> = Arc::new((0..BULK_PATTERNS).map(bulk_chunk).collect());
-    for &udp_payload in &bench.bulk_udp_payloads {
-        let (server, volume) = rt.block_on(setup.serve_and_connect(udp_payload))?;
-        let params = json!({ "mib": mib, "request_kib": BULK_REQUEST_BYTES / 1024,
-                             "inflight": bench.bulk_inflight.max(1), "udp_payload": udp_payload });
-        let path = format!("/bulk-{udp_payload}");
-        let phase = |dir: &str| format!("net.bulk_{dir} quic udp_payload={udp_payload}");
-
-        let fd = Arc::new(rt.block_on(volume.create_file(&Creds::root(), &path, 0o644))?);
-        let gfid = fd.gfid();
-        let udp = udp_counters();
-        let (write_rate, h) = rt.block_on(bulk_io(mib, bench.bulk_inflight, {
-            let (volume, fd, chunks) = (volume.clone(), fd.clone(), chunks.clone());
-            move |i| {
-                let (volume, fd, chunk) = (
-                    volume.clone(),
-                    fd.clone(),
-                    chunks[i % BULK_PATTERNS].clone(),
-                );
-                async move {
-                    volume
-                        .write(&Creds::root(), &fd, (i * BULK_REQUEST_BYTES) as u64, chunk)
-                        .await
-                        .with_context(|| format!("WRITE of MiB {i}"))?;
-                    anyhow::Ok(())
-                }
-            }
-        }))?;
-        note_udp(out, &phase("write"), udp.as_ref());
-        let fd = Arc::try_unwrap(fd).map_err(|_| anyhow::anyhow!("bulk fd still shared"))?;
-        rt.block_on(async {
-            volume.release(&Creds::root(), fd).await?;
-            let size = volume.stat(&Creds::root(), gfid).await?.size;
-            if size != total as u64 {
-                bail!("bulk file has {size} bytes, not {total}");
-            }
-            anyhow::Ok(())
-        })?;
-        let mut r = Record::new("net.bulk_write", "quic", params.clone(), "tcp");
-        r.mib_per_s = Some(write_rate);
-        r.set_latency(&h);
-        r.ratio = Some(write_rate / tcp_rate);
-        out.print(&r);
-        records.push(r);
-
-        let fd = Arc::new(rt.block_on(volume.open(
-            &Creds::root(),
-            gfid,
-            AccessMode::ReadOnly,
-            OpenFlags::empty(),
-        ))?);
-        let udp = udp_counters();
-        let (read_rate, h) = rt.block_on(bulk_io(mib, bench.bulk_inflight, {
-            let (volume, fd, chunks) = (volume.clone(), fd.clone(), chunks.clone());
-            move |i| {
-                let (volume, fd, chunks) = (volume.clone(), fd.clone(), chunks.clone());
-                async move {
-                    let got = volume
-                        .read(
-                            &Creds::root(),
-                            &fd,
-                            (i * BULK_REQUEST_BYTES) as u64,
-                            BULK_REQUEST_BYTES as u32,
-                        )
-                        .await
-                        .with_context(|| format!("READ of MiB {i}"))?;
-                    if got != chunks[i % BULK_PATTERNS] {
-                        bail!("READ of MiB {i}: {} bytes, not what was written", got.len());
-                    }
-                    anyhow::Ok(())
-                }
-            }
-        }))?;
-        note_udp(out, &phase("read"), udp.as_ref());
-        let fd = Arc::try_unwrap(fd).map_err(|_| anyhow::anyhow!("bulk fd still shared"))?;
-        rt.block_on(async {
-            volume.release(&Creds::root(), fd).await?;
-            volume.remove_all(&Creds::root(), &path).await?;
-            anyhow::Ok(())
-        })?;
-        let mut r = Record::new("net.bulk_read", "quic", params, "tcp");
-        r.mib_per_s = Some(read_rate);
-        r.set_latency(&h);
-        r.ratio = Some(read_rate / tcp_rate);
-        out.print(&r);
-        records.push(r);
-
-        rt.block_on(async {
-            volume.close().await;
-            server.shutdown(SHUTDOWN_GRACE).await;
-        });
-    }
-    Ok(records)
-}
-
-/// Runs requests `0..mib` through `io`, at most `inflight` at once. Returns MiB/s and the
-/// latency of each request.
-async fn bulk_io<F, Fut>(
-    mib: usize,
-    inflight: usize,
-    io: F,
-) -> anyhow::Result<(f64, Histogram<u64>)>
-where
-    F: Fn(usize) -> Fut,
-    Fut: Future<Output = anyhow::Result<()>> + Send + 'static,
-{
-    let inflight = inflight.max(1);
-    let mut h = histogram()?;
-    let mut tasks = JoinSet::new();
-    let start = Instant::now();
-    for i in 0..mib {
-        if tasks.len() >= inflight
-            && let Some(done) = tasks.join_next().await
-        {
-            h.record(nanos(done??))?;
-        }
-        let request = io(i);
-        tasks.spawn(async move {
-            let t = Instant::now();
-            request.await?;
-            anyhow::Ok(t.elapsed())
-        });
-    }
-    while let Some(done) = tasks.join_next().await {
-        h.record(nanos(done??))?;
-    }
-    Ok((mib as f64 / start.elapsed().as_secs_f64(), h))
 }
