@@ -88,6 +88,20 @@ impl From<NodeType> for FileType {
     }
 }
 
+wire_enum! {
+    /// A lease on a directory (`docs/wire.md`, "Leases"): what its holder may do without
+    /// asking the brick, until the brick recalls it.
+    pub enum LeaseKind {
+        /// No lease (asked: give back the one held).
+        None = 0,
+        /// The holder may cache the directory's entries and their attributes; shared.
+        Read = 1,
+        /// Also: the holder may change the directory's entries and send the changes later;
+        /// exclusive.
+        Write = 2,
+    }
+}
+
 wire_struct! {
     // ---- requests ----
 
@@ -176,6 +190,10 @@ wire_struct! {
         pub attr: SetAttr,
     }
 
+    /// Asks for a lease of `kind` on directory `gfid`, or gives back the one held (`None`).
+    /// The brick never recalls another session's lease to grant one.
+    pub struct Lease { pub gfid: Gfid, pub kind: LeaseKind }
+
     // ---- replies ----
 
     /// A reply with no fields (FLUSH, RELEASE, SETXATTR, …).
@@ -205,6 +223,9 @@ wire_struct! {
     pub struct SeekReply { pub offset: u64 }
     /// LK: for `Get`, the conflicting lock or one of kind `Unlock` when there is none.
     pub struct LkReply { pub lock: Lock }
+    /// The lease now held: what was asked, or less (`None` when another session's lease is in
+    /// the way).
+    pub struct LeaseReply { pub kind: LeaseKind }
 }
 
 /// Defines a reply that is a bounded list of entries plus an end-of-directory flag.
@@ -407,6 +428,7 @@ fops! {
     50 "SEEK" Seek(Seek) -> SeekReply;
     26 "LK" Lk(Lk) -> LkReply;
     55 "PUT" Put(Put) -> EntryReply;
+    101 "LEASE" Lease(Lease) -> LeaseReply;
 }
 
 /// Matches the fops on an open file or directory (each names it in its `fd` field), binding
@@ -456,7 +478,8 @@ macro_rules! match_fd {
             | FopRequest::Removexattr(_)
             | FopRequest::Setattr(_)
             | FopRequest::Truncate(_)
-            | FopRequest::Put(_) => $none,
+            | FopRequest::Put(_)
+            | FopRequest::Lease(_) => $none,
         }
     };
 }
@@ -466,6 +489,15 @@ impl FopRequest {
     /// by GFID or a name in a directory.
     pub fn fd(&self) -> Option<FdId> {
         match_fd!(self, fd => Some(*fd), _ => None)
+    }
+
+    /// Whether a [`crate::Batch`] may carry it: it names no fd and opens nothing.
+    pub fn batchable(&self) -> bool {
+        self.fd().is_none()
+            && !matches!(
+                self,
+                FopRequest::Open(_) | FopRequest::Create(_) | FopRequest::Opendir(_)
+            )
     }
 
     /// Points this fop at `fd` (a client fills in the id its brick gave it last, e.g. after
@@ -504,7 +536,7 @@ mod tests {
             assert!(seen.insert(code as u16), "duplicate code {}", code as u16);
             assert_eq!(FopCode::from_u16(code as u16), Some(code));
         }
-        assert_eq!(FopCode::ALL.len(), 42);
+        assert_eq!(FopCode::ALL.len(), 43);
         for (i, &code) in FopCode::ALL.iter().enumerate() {
             assert_eq!(code.index(), i);
         }
@@ -528,6 +560,7 @@ mod tests {
             (FopCode::Seek, 50),
             (FopCode::Put, 55),
             (FopCode::Listxattr, 100),
+            (FopCode::Lease, 101),
         ];
         for (code, n) in frozen {
             assert_eq!(code as u16, n, "{}", code.name());

@@ -26,6 +26,7 @@
 #![forbid(unsafe_code)]
 
 mod attr;
+mod batch;
 mod codec;
 mod errno;
 mod flags;
@@ -40,6 +41,7 @@ pub mod quic;
 mod session;
 
 pub use attr::{DirEntry, DirEntryPlus, FileType, FsStats, Iatt, Mode, SetAttr, TimeSet, Timespec};
+pub use batch::{Batch, BatchError, BatchReply};
 pub use codec::{Decode, DecodeError, Encode, Encoder, Reader};
 pub use errno::ErrorCode;
 pub use flags::{
@@ -55,4 +57,4 @@ pub use message::{
 pub use names::{
     Label, Name, NameError, Payload, SymlinkTarget, XATTR_NAMESPACES, XattrName, XattrValue,
 };
-pub use session::{Capabilities, Hello, HelloReply, Invalidate, Limits, Ping};
+pub use session::{Capabilities, Hello, HelloReply, Invalidate, Limits, Ping, Recall};

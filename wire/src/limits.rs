@@ -40,6 +40,9 @@ pub const GROUPS_MAX: usize = 32;
 /// Longest client or volume name, in bytes.
 pub const LABEL_LEN_MAX_BYTES: usize = 64;
 
+/// Most fops one BATCH request carries.
+pub const BATCH_FOPS_MAX: usize = 256;
+
 /// Most requests a client may have in flight on one connection; a brick may advertise less.
 pub const INFLIGHT_MAX: usize = 4096;
 

@@ -6,6 +6,7 @@
 
 use bytes::{Bytes, BytesMut};
 
+use crate::batch::{Batch, BatchReply};
 use crate::codec::{Decode, DecodeError, Encode, Encoder, Reader};
 use crate::errno::ErrorCode;
 use crate::flags::Creds;
@@ -13,12 +14,14 @@ use crate::fop::{FopCode, FopReply, FopRequest};
 use crate::frame::{FrameKind, Header, checksum, checksum_append};
 use crate::ids::RequestId;
 use crate::limits::{FRAME_BODY_LEN_MAX_BYTES, FRAME_HEADER_LEN_BYTES};
-use crate::session::{Hello, HelloReply, Invalidate, Ping};
+use crate::session::{Hello, HelloReply, Invalidate, Ping, Recall};
 
 /// Session codes live above the fop range (fop codes stay below 0x100).
 const HELLO_CODE: u16 = 0x0100;
 const PING_CODE: u16 = 0x0101;
+const BATCH_CODE: u16 = 0x0102;
 const INVALIDATE_CODE: u16 = 0x0200;
+const RECALL_CODE: u16 = 0x0201;
 
 /// What a request or reply is about.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -26,6 +29,7 @@ const INVALIDATE_CODE: u16 = 0x0200;
 pub enum CallCode {
     Hello,
     Ping,
+    Batch,
     Fop(FopCode),
 }
 
@@ -34,6 +38,7 @@ impl CallCode {
         match self {
             CallCode::Hello => HELLO_CODE,
             CallCode::Ping => PING_CODE,
+            CallCode::Batch => BATCH_CODE,
             CallCode::Fop(code) => code as u16,
         }
     }
@@ -42,6 +47,7 @@ impl CallCode {
         match code {
             HELLO_CODE => Some(CallCode::Hello),
             PING_CODE => Some(CallCode::Ping),
+            BATCH_CODE => Some(CallCode::Batch),
             _ => FopCode::from_u16(code).map(CallCode::Fop),
         }
     }
@@ -50,6 +56,7 @@ impl CallCode {
         match self {
             CallCode::Hello => "HELLO",
             CallCode::Ping => "PING",
+            CallCode::Batch => "BATCH",
             CallCode::Fop(code) => code.name(),
         }
     }
@@ -82,6 +89,7 @@ pub enum Call {
     Hello(Hello),
     Ping(Ping),
     Fop { creds: Creds, fop: FopRequest },
+    Batch(Batch),
 }
 
 impl Call {
@@ -90,6 +98,7 @@ impl Call {
             Call::Hello(_) => CallCode::Hello,
             Call::Ping(_) => CallCode::Ping,
             Call::Fop { fop, .. } => CallCode::Fop(fop.code()),
+            Call::Batch(_) => CallCode::Batch,
         }
     }
 }
@@ -109,6 +118,7 @@ pub enum Outcome {
     Hello(HelloReply),
     Ping(Ping),
     Fop(FopReply),
+    Batch(BatchReply),
     Error { call: CallCode, error: ErrorCode },
 }
 
@@ -118,6 +128,7 @@ impl Outcome {
             Outcome::Hello(_) => CallCode::Hello,
             Outcome::Ping(_) => CallCode::Ping,
             Outcome::Fop(reply) => CallCode::Fop(reply.code()),
+            Outcome::Batch(_) => CallCode::Batch,
             Outcome::Error { call, .. } => *call,
         }
     }
@@ -128,6 +139,7 @@ impl Outcome {
 #[cfg_attr(test, derive(proptest_derive::Arbitrary))]
 pub enum Event {
     Invalidate(Invalidate),
+    Recall(Recall),
 }
 
 /// An encoded frame: the header and the body as chunks that share large payloads.
@@ -181,6 +193,7 @@ impl Message {
                         creds.encode(&mut out);
                         fop.encode_body(&mut out);
                     }
+                    Call::Batch(batch) => batch.encode(&mut out),
                 }
                 (FrameKind::Request, req.call.code().to_u16(), req.id)
             }
@@ -193,6 +206,7 @@ impl Message {
                             Outcome::Hello(r) => r.encode(&mut out),
                             Outcome::Ping(r) => r.encode(&mut out),
                             Outcome::Fop(r) => r.encode_body(&mut out),
+                            Outcome::Batch(r) => r.encode(&mut out),
                             Outcome::Error { .. } => {}
                         }
                     }
@@ -202,6 +216,10 @@ impl Message {
             Message::Event(Event::Invalidate(inv)) => {
                 inv.encode(&mut out);
                 (FrameKind::Event, INVALIDATE_CODE, 0)
+            }
+            Message::Event(Event::Recall(recall)) => {
+                recall.encode(&mut out);
+                (FrameKind::Event, RECALL_CODE, 0)
             }
         };
         let len = out.len();
@@ -251,6 +269,7 @@ impl Message {
                 let call = match CallCode::from_u16(header.code).ok_or_else(unknown)? {
                     CallCode::Hello => Call::Hello(Hello::decode(&mut input)?),
                     CallCode::Ping => Call::Ping(Ping::decode(&mut input)?),
+                    CallCode::Batch => Call::Batch(Batch::decode(&mut input)?),
                     CallCode::Fop(code) => Call::Fop {
                         creds: Creds::decode(&mut input)?,
                         fop: FopRequest::decode_body(code, &mut input)?,
@@ -267,6 +286,7 @@ impl Message {
                     STATUS_OK => match call {
                         CallCode::Hello => Outcome::Hello(HelloReply::decode(&mut input)?),
                         CallCode::Ping => Outcome::Ping(Ping::decode(&mut input)?),
+                        CallCode::Batch => Outcome::Batch(BatchReply::decode(&mut input)?),
                         CallCode::Fop(code) => {
                             Outcome::Fop(FopReply::decode_body(code, &mut input)?)
                         }
@@ -290,6 +310,7 @@ impl Message {
                 INVALIDATE_CODE => {
                     Message::Event(Event::Invalidate(Invalidate::decode(&mut input)?))
                 }
+                RECALL_CODE => Message::Event(Event::Recall(Recall::decode(&mut input)?)),
                 _ => return Err(unknown()),
             },
         };

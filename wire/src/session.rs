@@ -2,6 +2,7 @@
 
 use crate::codec::{Decode, DecodeError, Encode, Encoder, Reader, wire_struct};
 use crate::errno::ErrorCode;
+use crate::fop::LeaseKind;
 use crate::frame::PROTOCOL_VERSION;
 use crate::ids::{BrickId, Gfid};
 use crate::limits::{
@@ -20,8 +21,11 @@ impl Capabilities {
     pub const NONE: Capabilities = Capabilities(0);
     /// The brick may push [`Invalidate`] events.
     pub const INVALIDATE_EVENTS: Capabilities = Capabilities(1 << 0);
+    /// The client may take leases (LEASE) and send BATCH requests; the brick recalls leases
+    /// with [`Recall`] events.
+    pub const LEASES: Capabilities = Capabilities(1 << 1);
     /// Everything this build implements.
-    pub const SUPPORTED: Capabilities = Self::INVALIDATE_EVENTS;
+    pub const SUPPORTED: Capabilities = Capabilities(Self::INVALIDATE_EVENTS.0 | Self::LEASES.0);
 
     pub fn intersection(self, other: Capabilities) -> Capabilities {
         Capabilities(self.0 & other.0)
@@ -79,6 +83,10 @@ wire_struct! {
     /// Pushed by the brick: cached attributes of `gfid` (and, with a name, that entry of the
     /// directory `gfid`) are stale.
     pub struct Invalidate { pub gfid: Gfid, pub name: Option<Name> }
+
+    /// Pushed by the brick: give back the lease on `gfid`, keeping at most `kind`. The holder
+    /// sends what it has pending for the directory, then LEASE with `kind` (or less).
+    pub struct Recall { pub gfid: Gfid, pub kind: LeaseKind }
 }
 
 impl Limits {
@@ -130,5 +138,6 @@ mod tests {
             theirs.intersection(Capabilities::SUPPORTED),
             Capabilities::INVALIDATE_EVENTS
         );
+        assert!(Capabilities::SUPPORTED.contains(Capabilities::LEASES));
     }
 }

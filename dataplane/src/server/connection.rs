@@ -373,6 +373,11 @@ async fn serve_call(
             }
         }
         Call::Ping(ping) => Outcome::Ping(ping),
+        // Not offered in HELLO yet.
+        Call::Batch(_) => Outcome::Error {
+            call: CallCode::Batch,
+            error: ErrorCode::NotSupported,
+        },
         Call::Hello(_) => Outcome::Error {
             call: CallCode::Hello,
             error: ErrorCode::Inval,
