@@ -233,6 +233,18 @@ pub const OPTIONS: &[OptionDef] = &[
         help: "how long a mount's kernel caches file attributes, in milliseconds",
     },
     OptionDef {
+        key: "performance.behind-bytes-max",
+        kind: ValueKind::Integer {
+            min: 1 << 20,
+            max: 1 << 34,
+        },
+        default: "67108864",
+        apply: Apply::Mount,
+        brick: BrickFlag::None,
+        help: "bytes of changes (small files' data included) a mount may hold answered but not \
+               yet on the brick; an application further ahead waits",
+    },
+    OptionDef {
         key: "performance.deferred-create",
         kind: ValueKind::Bool,
         default: "on",
@@ -251,6 +263,16 @@ pub const OPTIONS: &[OptionDef] = &[
         apply: Apply::Mount,
         brick: BrickFlag::None,
         help: "how long a mount's kernel caches a name's lookup, in milliseconds",
+    },
+    OptionDef {
+        key: "performance.leases",
+        kind: ValueKind::Bool,
+        default: "on",
+        apply: Apply::Mount,
+        brick: BrickFlag::None,
+        help: "a mount takes a write lease on each directory it makes and answers namespace \
+               changes there itself, sending them to the brick behind (a refused change fails \
+               the next fsync or close of the object, or fsync of a directory)",
     },
     OptionDef {
         key: "performance.negative-timeout-ms",

@@ -20,14 +20,17 @@ use std::sync::{Arc, Mutex};
 use kiln_admin::pki::{self, Identity, Role};
 use kiln_wire::quic::{self, CloseCode};
 use kiln_wire::{
-    AccessMode, Call, Capabilities, Creds, EntryReply, ErrorCode, FdId, FopCode, FopReply,
-    FopRequest, Gfid, Hello, HelloReply, Label, LockCmd, LockKind, Message, OpenFlags, Outcome,
-    PROTOCOL_VERSION, Reply, Request,
+    AccessMode, Batch, BatchReply, Call, Capabilities, Creds, EntryReply, ErrorCode, Event, FdId,
+    FopCode, FopReply, FopRequest, Gfid, Hello, HelloReply, Label, LockCmd, LockKind, Message,
+    OpenFlags, Outcome, PROTOCOL_VERSION, Reply, Request,
 };
 use quinn::crypto::rustls::QuicClientConfig;
 
 use crate::error::Error;
-use crate::layer::{FdFop, Layer};
+use crate::layer::{FdFop, Layer, LayerEvent};
+
+/// Events a slow subscriber may fall behind by before it is told it lagged.
+const EVENTS_QUEUED_MAX: usize = 4096;
 
 /// Where a brick is and who this client is.
 #[derive(Debug, Clone)]
@@ -87,6 +90,8 @@ struct Inner {
     connecting: tokio::sync::Mutex<()>,
     epochs: AtomicU64,
     next_request: AtomicU64,
+    /// Recalls from the brick, and the loss of a session's leases, for the layers above.
+    events: tokio::sync::broadcast::Sender<LayerEvent>,
 }
 
 /// One connection; `epoch` counts connections made by this client.
@@ -163,6 +168,7 @@ impl BrickClient {
                 connecting: tokio::sync::Mutex::new(()),
                 epochs: AtomicU64::new(0),
                 next_request: AtomicU64::new(1),
+                events: tokio::sync::broadcast::Sender::new(EVENTS_QUEUED_MAX),
             }),
         };
         client.live().await?;
@@ -325,7 +331,7 @@ impl BrickClient {
         let hello = Hello {
             version_min: PROTOCOL_VERSION,
             version_max: PROTOCOL_VERSION,
-            capabilities: Capabilities::NONE,
+            capabilities: Capabilities::LEASES,
             client_name: Label::new(options.client_name.clone().into_bytes())
                 .map_err(|e| Error::Tls(format!("client name: {e}")))?,
         };
@@ -341,7 +347,12 @@ impl BrickClient {
                     None => e,
                 })?;
         match outcome {
-            Outcome::Hello(hello) => Ok(Live { conn, hello }),
+            Outcome::Hello(hello) => {
+                if hello.capabilities.contains(Capabilities::LEASES) {
+                    tokio::spawn(read_events(connection, self.inner.events.clone()));
+                }
+                Ok(Live { conn, hello })
+            }
             Outcome::Error { error, .. } => Err(hello_refused(options, &connection, error).await),
             other => Err(Error::Protocol(format!("bad HELLO answer {other:?}"))),
         }
@@ -538,6 +549,39 @@ impl Layer for BrickClient {
         };
         self.call_on(&live, creds, fop).await.map(drop)
     }
+
+    async fn batch(&self, batch: Batch) -> Result<BatchReply, Error> {
+        let live = self.live().await?;
+        if !live.hello.capabilities.contains(Capabilities::LEASES) {
+            // A brick without BATCH gets the fops one by one, in order.
+            let mut results = Vec::with_capacity(batch.len());
+            for fop in batch.fops() {
+                results.push(match self.call(&batch.creds, fop.clone()).await {
+                    Ok(reply) => Ok(reply),
+                    Err(Error::Fop(code)) => Err(code),
+                    Err(e) => return Err(e),
+                });
+            }
+            return Ok(BatchReply { results });
+        }
+        match self.round_trip(&live.conn, Call::Batch(batch)).await? {
+            Outcome::Batch(reply) => Ok(reply),
+            Outcome::Error { error, .. } => Err(Error::Fop(error)),
+            other => Err(Error::Protocol(format!(
+                "a {:?} reply to BATCH",
+                other.code()
+            ))),
+        }
+    }
+
+    fn leases(&self) -> bool {
+        self.current()
+            .is_some_and(|live| live.hello.capabilities.contains(Capabilities::LEASES))
+    }
+
+    fn events(&self) -> tokio::sync::broadcast::Receiver<LayerEvent> {
+        self.inner.events.subscribe()
+    }
 }
 /// The inode number an fd fop's reply names, if any.
 fn inode_of(reply: &FopReply) -> Option<u64> {
@@ -557,6 +601,25 @@ fn inode_of(reply: &FopReply) -> Option<u64> {
 
 /// How long a refused HELLO waits for the brick to close the connection with its reason.
 const REFUSAL_REASON_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Passes the brick's events on `connection` (one frame per unidirectional stream) to the
+/// layers above until the connection ends, and then says its leases are lost.
+async fn read_events(
+    connection: quinn::Connection,
+    events: tokio::sync::broadcast::Sender<LayerEvent>,
+) {
+    while let Ok(mut stream) = connection.accept_uni().await {
+        match quic::read_message(&mut stream).await {
+            Ok(Message::Event(Event::Recall(recall))) => {
+                let _ = events.send(LayerEvent::Recall(recall));
+            }
+            Ok(Message::Event(Event::Invalidate(_))) => {}
+            Ok(other) => tracing::warn!(?other, "not an event on an event stream"),
+            Err(e) => tracing::warn!(error = %e, "a bad event frame"),
+        }
+    }
+    let _ = events.send(LayerEvent::LeasesLost);
+}
 
 /// A HELLO the brick answered with `error`: the reason the brick closes the connection with
 /// (auth.allow, a revoked certificate, a connection limit), or one made from the error.

@@ -11,9 +11,10 @@ use std::future::Future;
 
 use bytes::Bytes;
 use kiln_wire::{
-    AccessMode, Creds, EntryReply, ErrorCode, FdId, FopCode, FopReply, FopRequest, Gfid, Iatt,
-    Lock, LockCmd, Name, OpenFlags,
+    AccessMode, Batch, BatchReply, Creds, EntryReply, ErrorCode, FdId, FopCode, FopReply,
+    FopRequest, Gfid, Iatt, Lock, LockCmd, Name, OpenFlags, Recall,
 };
+use tokio::sync::broadcast;
 
 use crate::error::Error;
 
@@ -95,6 +96,26 @@ pub trait Layer: Send + Sync + 'static {
         creds: &Creds,
         fd: Self::Fd,
     ) -> impl Future<Output = Result<(), Error>> + Send;
+
+    /// Runs the fops of `batch` in order, each as if sent alone, and answers each (a failed
+    /// fop does not stop the rest): one round trip where the brick takes BATCH.
+    fn batch(&self, batch: Batch) -> impl Future<Output = Result<BatchReply, Error>> + Send;
+
+    /// Whether the layers below can hold directory leases (LEASE, and RECALL events).
+    fn leases(&self) -> bool;
+
+    /// The events from below: lease recalls, and the loss of every lease with the session
+    /// that held them. A receiver that falls behind (`Lagged`) must assume its leases lost.
+    fn events(&self) -> broadcast::Receiver<LayerEvent>;
+}
+
+/// What the layers below tell the layers above without being asked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LayerEvent {
+    /// Give back the lease on a directory, after sending what is pending there.
+    Recall(Recall),
+    /// The session that held the leases ended (the connection broke): they are all gone.
+    LeasesLost,
 }
 
 /// A fop on an open file or directory, on its way down the stack: the wire request it will be,

@@ -17,5 +17,5 @@ pub mod path;
 
 pub use brick::{BrickClient, ConnectOptions, Fd};
 pub use error::Error;
-pub use layer::{FdFop, Layer, LayerExt};
+pub use layer::{FdFop, Layer, LayerEvent, LayerExt};
 pub use path::Paths;

@@ -102,6 +102,21 @@ impl<L: Layer> Layer for Counting<L> {
         self.count(creds, code);
         self.below.release(creds, fd.below).await
     }
+
+    async fn batch(&self, batch: kiln_wire::Batch) -> Result<kiln_wire::BatchReply, Error> {
+        for fop in batch.fops() {
+            self.count(&batch.creds, fop.code());
+        }
+        self.below.batch(batch).await
+    }
+
+    fn leases(&self) -> bool {
+        self.below.leases()
+    }
+
+    fn events(&self) -> tokio::sync::broadcast::Receiver<kiln_client::LayerEvent> {
+        self.below.events()
+    }
 }
 
 fn counts(pairs: &[(&'static str, usize)]) -> BTreeMap<&'static str, usize> {

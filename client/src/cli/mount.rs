@@ -39,7 +39,7 @@ pub(crate) struct MountArgs {
     mountpoint: PathBuf,
     /// Comma-separated options: attr-timeout-ms=N, entry-timeout-ms=N,
     /// negative-timeout-ms=N, writeback-cache[=on|off], deferred-create[=on|off],
-    /// default-permissions[=on|off], ro, rw,
+    /// leases[=on|off], behind-bytes-max=N, default-permissions[=on|off], ro, rw,
     /// suid, dev (both off by default), noexec, noatime; tls-dir=DIR, client=NAME, server-name=NAME,
     /// socket=PATH, log-file=PATH. fstab-only options (defaults, _netdev, nofail, x-…) are
     /// ignored.

@@ -49,13 +49,32 @@ const BACKGROUND_MAX: u16 = 64;
 pub(crate) struct KilnFs<L: Layer> {
     runtime: Handle,
     shared: Arc<Shared<L>>,
+    /// The sender of changes made behind and the listener for recalls.
+    tasks: [tokio::task::JoinHandle<()>; 2],
+}
+
+/// How long an unmount waits for the changes made behind to reach the brick.
+const UNMOUNT_DRAIN_LIMIT: Duration = Duration::from_secs(60);
+
+impl<L: Layer> Drop for KilnFs<L> {
+    fn drop(&mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+    }
 }
 
 impl<L: Layer> KilnFs<L> {
     pub(crate) fn new(runtime: Handle, layer: L, options: MountOptions) -> KilnFs<L> {
+        let shared = Arc::new(Shared::new(layer, options));
+        let tasks = [
+            runtime.spawn(shared.clone().send_behind()),
+            runtime.spawn(shared.clone().follow_events()),
+        ];
         KilnFs {
             runtime,
-            shared: Arc::new(Shared::new(layer, options)),
+            shared,
+            tasks,
         }
     }
 
@@ -78,26 +97,20 @@ impl<L: Layer> KilnFs<L> {
         self.shared.clone()
     }
 
-    /// Runs the fop `build` makes as the caller of `req`, after sending the deferred creates
-    /// it must see, and answers "done".
+    /// Runs the fop `build` makes on node `ino` as the caller of `req`, once the node is on
+    /// the brick as this mount has it, and answers "done".
     fn run_done(
         &self,
         req: &Request,
         reply: ReplyEmpty,
-        settle: Settle,
+        ino: u64,
         build: impl FnOnce(&Shared<L>) -> Result<FopRequest> + Send + 'static,
     ) {
         let (s, c) = (self.shared(), creds(req));
         self.spawn(
             reply,
             async move {
-                match settle {
-                    Settle::Node(ino) => s.settle(ino).await?,
-                    Settle::All => {
-                        s.settle_dir(None).await;
-                        s.anchor_handles().await;
-                    }
-                }
+                s.settle(ino).await?;
                 let fop = build(&s)?;
                 s.layer.call(&c, fop).await.map(drop).map_err(errno)
             },
@@ -117,11 +130,29 @@ impl<L: Layer> KilnFs<L> {
         self.spawn(
             reply,
             async move {
-                s.settle_dir(None).await;
                 let fop = build(&s)?;
-                s.new_entry(s.layer.call(&c, fop).await)
+                s.make_name(&c, fop).await
             },
             reply_entry,
+        );
+    }
+
+    /// Runs the fop `build` makes (one that removes or renames names: UNLINK, RMDIR, RENAME)
+    /// as the caller of `req` and answers "done".
+    fn change_entry(
+        &self,
+        req: &Request,
+        reply: ReplyEmpty,
+        build: impl FnOnce(&Shared<L>) -> Result<FopRequest> + Send + 'static,
+    ) {
+        let (s, c) = (self.shared(), creds(req));
+        self.spawn(
+            reply,
+            async move {
+                let fop = build(&s)?;
+                s.change_names(&c, fop).await
+            },
+            |reply, ()| reply.ok(),
         );
     }
 
@@ -157,16 +188,6 @@ impl<L: Layer> KilnFs<L> {
     }
 }
 
-/// Which deferred creates a fop must find on the brick.
-#[derive(Debug, Clone, Copy)]
-enum Settle {
-    /// The node's own (it reads or changes the file).
-    Node(u64),
-    /// All of them, and every open handle gets its brick fd (it changes a directory, where
-    /// a deferred name could be involved, and may remove a file still open).
-    All,
-}
-
 impl<L: Layer> fuser::Filesystem for KilnFs<L> {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
         let io_max = IO_SIZE_MAX_BYTES as u32;
@@ -183,6 +204,21 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         config
             .add_capabilities(available)
             .map_err(|missing| std::io::Error::other(format!("FUSE features {missing:?}")))
+    }
+
+    /// The unmount: what is queued behind reaches the brick (bounded); a change the brick
+    /// refused is logged, as nobody is left to report it to.
+    fn destroy(&mut self) {
+        let behind = &self.shared.behind;
+        let drained = self
+            .runtime
+            .block_on(tokio::time::timeout(UNMOUNT_DRAIN_LIMIT, behind.drain()));
+        if drained.is_err() {
+            tracing::error!("unmounted with changes not yet on the brick (they are lost)");
+        }
+        while let Some(errno) = behind.take_any_failure() {
+            tracing::error!(errno, "a change made behind was refused by the brick");
+        }
     }
 
     fn lookup(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
@@ -314,7 +350,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
 
     fn unlink(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let name = name_of(name);
-        self.run_done(req, reply, Settle::All, move |s| {
+        self.change_entry(req, reply, move |s| {
             Ok(kiln_wire::Unlink {
                 parent: s.gfid(parent.0)?,
                 name: name?,
@@ -325,7 +361,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
 
     fn rmdir(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let name = name_of(name);
-        self.run_done(req, reply, Settle::All, move |s| {
+        self.change_entry(req, reply, move |s| {
             Ok(kiln_wire::Rmdir {
                 parent: s.gfid(parent.0)?,
                 name: name?,
@@ -367,7 +403,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         reply: ReplyEmpty,
     ) {
         let (old_name, new_name) = (name_of(name), name_of(newname));
-        self.run_done(req, reply, Settle::All, move |s| {
+        self.change_entry(req, reply, move |s| {
             let mode = rename_mode(flags)?;
             Ok(kiln_wire::Rename {
                 old_parent: s.gfid(parent.0)?,
@@ -460,7 +496,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         // pushes nothing but a deferred create; otherwise it matters only to the closer's
         // POSIX locks.
         let locked = self.shared.inodes.is_locked(ino.0);
-        if !locked && self.shared.pending.is_idle() {
+        if !locked && self.shared.pending.is_idle() && self.shared.behind.has_no_failures() {
             reply.ok();
             return;
         }
@@ -489,14 +525,25 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
     fn fsync(
         &self,
         req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         datasync: bool,
         reply: ReplyEmpty,
     ) {
-        self.run_on_handle(req, fh, reply, move || {
-            Ok(FdFop::new(|fd| kiln_wire::Fsync { fd, datasync }.into()))
-        });
+        let (s, c) = (self.shared(), creds(req));
+        self.spawn(
+            reply,
+            async move {
+                // What is queued for the file reaches the brick first, and a change the brick
+                // refused is this fsync's error.
+                s.settle(ino.0).await?;
+                s.take_behind_failure(ino.0)?;
+                let open = s.handles.get(fh)?;
+                let fop = FdFop::new(|fd| kiln_wire::Fsync { fd, datasync }.into());
+                s.call_handle(&c, &open, fop).await.map(drop)
+            },
+            |reply, ()| reply.ok(),
+        );
     }
 
     fn opendir(&self, req: &Request, ino: INodeNo, _flags: FuseOpenFlags, reply: ReplyOpen) {
@@ -587,9 +634,23 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         datasync: bool,
         reply: ReplyEmpty,
     ) {
-        self.run_on_handle(req, fh, reply, move || {
-            Ok(FdFop::new(|fd| kiln_wire::Fsyncdir { fd, datasync }.into()))
-        });
+        let (s, c) = (self.shared(), creds(req));
+        self.spawn(
+            reply,
+            async move {
+                // Everything queued reaches the brick first (a directory's fsync is how an
+                // application waits for the changes made behind), and the first change the
+                // brick refused is this fsync's error.
+                s.behind.drain().await;
+                if let Some(errno) = s.behind.take_any_failure() {
+                    return Err(Errno::from_i32(errno));
+                }
+                let open = s.handles.get(fh)?;
+                let fop = FdFop::new(|fd| kiln_wire::Fsyncdir { fd, datasync }.into());
+                s.call_handle(&c, &open, fop).await.map(drop)
+            },
+            |reply, ()| reply.ok(),
+        );
     }
 
     fn statfs(&self, req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
@@ -623,7 +684,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         let name = xattr_name(name);
         let value = XattrValue::new(Bytes::copy_from_slice(value))
             .map_err(|_| Errno::from_i32(libc::E2BIG));
-        self.run_done(req, reply, Settle::Node(ino.0), move |s| {
+        self.run_done(req, reply, ino.0, move |s| {
             let mode = xattr_set_mode(flags)?;
             Ok(kiln_wire::Setxattr {
                 gfid: s.gfid(ino.0)?,
@@ -659,7 +720,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
 
     fn removexattr(&self, req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let name = xattr_name(name);
-        self.run_done(req, reply, Settle::Node(ino.0), move |s| {
+        self.run_done(req, reply, ino.0, move |s| {
             Ok(kiln_wire::Removexattr {
                 gfid: s.gfid(ino.0)?,
                 name: name?,
@@ -669,7 +730,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
     }
 
     fn access(&self, req: &Request, ino: INodeNo, mask: AccessFlags, reply: ReplyEmpty) {
-        self.run_done(req, reply, Settle::Node(ino.0), move |s| {
+        self.run_done(req, reply, ino.0, move |s| {
             Ok(kiln_wire::Access {
                 gfid: s.gfid(ino.0)?,
                 mask: access_mask(mask),

@@ -185,11 +185,21 @@ impl<L: Layer> Shared<L> {
             mode: Mode::from_st_mode(mode),
             umask: Mode::from_st_mode(umask),
         };
+        let (parent_gfid, name) = (create.parent, create.name.clone());
+        // In a held directory the mount knows whether the name is taken.
+        let taken = matches!(
+            self.leases.lookup(&parent_gfid, &name),
+            super::leases::Answer::Present(_)
+        );
+        if taken && flags & libc::O_EXCL != 0 {
+            return Err(Errno::EEXIST);
+        }
         let synchronous = OpenFlags::SYNC.bits() | OpenFlags::DSYNC.bits();
         let parent_attr = self.inodes.dir_attr(parent).filter(|p| p.allows_create(c));
         let (iatt, fd) = match parent_attr {
             Some(parent_attr)
                 if self.options.deferred_create
+                    && !taken
                     && requested_access(flags) == AccessMode::WriteOnly
                     && flags & libc::O_DIRECT == 0
                     && open_flags.bits() & synchronous == 0 =>
@@ -199,10 +209,12 @@ impl<L: Layer> Shared<L> {
                 (iatt, Err(pending))
             }
             _ => {
+                self.behind.settle(&parent_gfid).await;
                 let (fd, created) = self.layer.create(c, create).await.map_err(errno)?;
                 (created.iatt, Ok(fd))
             }
         };
+        self.leases.add_entry(&parent_gfid, &name, iatt.gfid);
         let (attr, mut ttl) = self.entry(&iatt);
         self.inodes.mark_bare(attr.ino.0, Instant::now() + ttl.attr);
         let fd = match fd {
@@ -296,8 +308,17 @@ impl<L: Layer> Shared<L> {
         lock_owner: LockOwner,
         locked: bool,
     ) -> Result<()> {
-        self.settle(ino).await?;
+        if !self.close_behind(ino).await {
+            self.settle(ino).await?;
+        }
         if let Some(errno) = self.pending.take_failure(ino) {
+            return Err(Errno::from_i32(errno));
+        }
+        if let Some(errno) = self
+            .gfid(ino)
+            .ok()
+            .and_then(|g| self.behind.take_failure(&g))
+        {
             return Err(Errno::from_i32(errno));
         }
         if !locked {
@@ -366,16 +387,50 @@ impl<L: Layer> Shared<L> {
     /// before a fop that could remove the file: most are about to be released (a create's
     /// PUT is sent at its close), and opening them now would cost two round trips per file.
     pub(super) async fn settle(&self, ino: u64) -> Result<()> {
-        if self.pending.is_empty() {
-            return Ok(());
+        if let Some(slot) = self.pending.get(ino) {
+            // Its directory may itself be queued.
+            let parent = slot.lock().await.as_ref().map(|p| p.parent);
+            if let Some(parent) = parent {
+                self.behind.settle(&parent).await;
+            }
+            self.pending.settle(&self.layer, ino).await.map_err(errno)?;
         }
-        self.pending.settle(&self.layer, ino).await.map_err(errno)?;
+        if let Some(gfid) = self.inodes.gfid(ino) {
+            self.behind.settle(&gfid).await;
+        }
         Ok(())
+    }
+
+    /// The first close of a deferred create in a held directory: its PUT is queued behind
+    /// instead of sent, and the close returns at once. `false` when it must be sent now.
+    async fn close_behind(&self, ino: u64) -> bool {
+        let Some(slot) = self.pending.get(ino) else {
+            return false;
+        };
+        let parent = slot.lock().await.as_ref().map(|p| p.parent);
+        if !parent.is_some_and(|p| self.leases.holds(&p)) {
+            return false;
+        }
+        let Some(pending) = self.pending.take(ino).await else {
+            return false;
+        };
+        let (creds, iatt) = (pending.creds().clone(), pending.iatt());
+        let Ok(put) = pending.into_put() else {
+            return false;
+        };
+        let touches = [iatt.gfid, put.parent];
+        self.leases.describe(iatt);
+        self.behind.push(&creds, put.into(), &touches).await;
+        true
     }
 
     /// Sends the deferred creates in directory `parent` (every one when `None`) before a fop
     /// that must see them on the brick. A refusal is kept for the file's close to report.
     pub(super) async fn settle_dir(&self, parent: Option<Gfid>) {
+        match &parent {
+            Some(gfid) => self.behind.settle(gfid).await,
+            None => self.behind.drain().await,
+        }
         if self.pending.is_empty() {
             return;
         }

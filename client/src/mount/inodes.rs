@@ -74,6 +74,11 @@ impl Inodes {
         self.lock().by_ino.get(&ino).map(|n| n.gfid)
     }
 
+    /// The node id of `gfid`, if the kernel holds it (counts nothing).
+    pub(crate) fn ino_of(&self, gfid: &Gfid) -> Option<u64> {
+        self.lock().by_gfid.get(gfid).copied()
+    }
+
     /// Counts one lookup of `gfid` and returns its node id.
     pub(crate) fn remember(&self, gfid: Gfid) -> u64 {
         let mut map = self.lock();

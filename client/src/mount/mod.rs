@@ -9,13 +9,19 @@
 //! * `shared`: what the tasks share, and the fops on nodes (lookup, stat, setattr, xattrs).
 //! * `handles`: open handles, open-behind and when a handle gets its fd below.
 //! * `pending`: small files created with one PUT at close.
+//! * `leases`: the directories the mount holds a write lease on, and their entries.
+//! * `namespace`: namespace fops answered under a lease, or run on the brick.
+//! * `behind`: the queue of changes answered here and not yet on the brick.
 //! * `inodes`: node ids ↔ GFIDs with the kernel's lookup counts.
 //! * `convert`: FUSE ↔ wire types, the caller's credentials, errnos.
 
+mod behind;
 mod convert;
 mod fs;
 mod handles;
 mod inodes;
+mod leases;
+mod namespace;
 mod pending;
 mod shared;
 
@@ -47,6 +53,13 @@ pub struct MountOptions {
     /// Small new files are sent as one PUT at their first close instead of a CREATE, WRITEs
     /// and SETATTRs; the brick's refusal of the create then fails the close.
     pub deferred_create: bool,
+    /// The mount takes a write lease on each directory it makes and answers namespace fops
+    /// there itself, sending them to the brick behind; a refusal is reported at the next
+    /// `fsync` or `close` of the object (or `fsync` of a directory).
+    pub leases: bool,
+    /// Bytes of changes (small files' data included) the mount may hold not yet on the
+    /// brick; an application that gets further ahead waits.
+    pub behind_bytes_max: usize,
     /// The kernel also checks permissions itself, from cached attributes, before asking the
     /// brick (which checks every fop again as the caller). On by default: without it, a path
     /// walk through cached entries would skip the search-permission check of each directory.
@@ -69,6 +82,8 @@ impl Default for MountOptions {
             negative_timeout: Duration::from_secs(1),
             writeback_cache: false,
             deferred_create: true,
+            leases: true,
+            behind_bytes_max: 64 << 20,
             default_permissions: true,
             read_only: false,
             suid: false,
@@ -123,6 +138,8 @@ impl MountOptions {
             "negative-timeout-ms" => self.negative_timeout = millis(key, value)?,
             "writeback-cache" => flag(&mut self.writeback_cache)?,
             "deferred-create" => flag(&mut self.deferred_create)?,
+            "leases" => flag(&mut self.leases)?,
+            "behind-bytes-max" => self.behind_bytes_max = bytes(key, value)?,
             "default-permissions" => flag(&mut self.default_permissions)?,
             "ro" => flag(&mut self.read_only)?,
             "rw" => self.read_only = false,
@@ -180,6 +197,17 @@ fn bad(key: &str, why: String) -> OptionError {
     OptionError::BadValue {
         key: key.to_owned(),
         why,
+    }
+}
+
+fn bytes(key: &str, value: Option<&str>) -> Result<usize, OptionError> {
+    let value = value.ok_or_else(|| bad(key, "needs a number of bytes".into()))?;
+    match value.parse() {
+        Ok(n) if n >= 1 << 20 => Ok(n),
+        _ => Err(bad(
+            key,
+            format!("'{value}' is not a number of bytes of at least 1 MiB"),
+        )),
     }
 }
 

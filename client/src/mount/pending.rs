@@ -207,11 +207,33 @@ impl Pending {
         true
     }
 
+    /// The creator, as whom the file is sent.
+    pub(crate) fn creds(&self) -> &Creds {
+        &self.creds
+    }
+
+    /// The PUT that makes the file on the brick.
+    pub(crate) fn into_put(mut self) -> Result<kiln_wire::Put, Error> {
+        let data = std::mem::take(&mut self.data);
+        self.put_of(Bytes::from(data))
+    }
+
     /// Sends the file to the brick as one PUT, as its creator.
     async fn put(&self, layer: &impl Layer) -> Result<Iatt, Error> {
-        let data = Payload::new(Bytes::copy_from_slice(&self.data))
+        let put = self.put_of(Bytes::copy_from_slice(&self.data))?;
+        match layer.call(&self.creds, put.into()).await? {
+            FopReply::Put(r) => Ok(r.iatt),
+            other => Err(Error::Protocol(format!(
+                "a {} reply to PUT",
+                other.code().name()
+            ))),
+        }
+    }
+
+    fn put_of(&self, data: Bytes) -> Result<kiln_wire::Put, Error> {
+        let data = Payload::new(data)
             .map_err(|e| Error::Fop(kiln_wire::ErrorCode::from_errno(e.errno())))?;
-        let put = kiln_wire::Put {
+        Ok(kiln_wire::Put {
             parent: self.parent,
             name: self.name.clone(),
             gfid: self.iatt.gfid,
@@ -225,14 +247,7 @@ impl Pending {
             data,
             // Applied after the data, so times the caller set stand.
             attr: self.attr,
-        };
-        match layer.call(&self.creds, put.into()).await? {
-            FopReply::Put(r) => Ok(r.iatt),
-            other => Err(Error::Protocol(format!(
-                "a {} reply to PUT",
-                other.code().name()
-            ))),
-        }
+        })
     }
 }
 
@@ -329,6 +344,14 @@ impl PendingCreates {
                 .insert(ino, errno);
         }
         result.map(Some)
+    }
+
+    /// Takes node `ino`'s file out of the deferred creates (to be sent another way).
+    pub(crate) async fn take(&self, ino: u64) -> Option<Pending> {
+        let slot = self.get(ino)?;
+        let pending = slot.lock().await.take();
+        self.lock().remove(&ino);
+        pending
     }
 
     /// The errno of node `ino`'s deferred create if the brick refused it, once.

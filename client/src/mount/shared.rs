@@ -12,9 +12,11 @@ use fuser::{Errno, FileAttr, FileHandle};
 use kiln_wire::{Creds, ErrorCode, FileType, FopReply, FsStats, Gfid, Iatt, SetAttr, XattrName};
 
 use super::MountOptions;
+use super::behind::Behind;
 use super::convert::{Result, attr_of, errno, file_attr, name_of, unexpected};
 use super::handles::{Handles, Open};
 use super::inodes::Inodes;
+use super::leases::{Answer, Leases};
 use super::pending::{ParentAttr, PendingCreates};
 use crate::{Error, FdFop, Layer};
 
@@ -26,6 +28,8 @@ pub(super) struct Shared<L: Layer> {
     pub(super) inodes: Inodes,
     pub(super) handles: Handles<L::Fd>,
     pub(super) pending: PendingCreates,
+    pub(super) leases: Leases,
+    pub(super) behind: Behind,
 }
 
 /// The kernel's cache lifetimes for one reply.
@@ -39,10 +43,12 @@ impl<L: Layer> Shared<L> {
     pub(super) fn new(layer: L, options: MountOptions) -> Shared<L> {
         Shared {
             layer,
+            behind: Behind::new(options.behind_bytes_max),
             options,
             inodes: Inodes::new(),
             handles: Handles::new(),
             pending: PendingCreates::default(),
+            leases: Leases::default(),
         }
     }
 
@@ -109,6 +115,18 @@ impl<L: Layer> Shared<L> {
         }
     }
 
+    /// A refused change made behind to node `ino`, as its errno (once).
+    pub(super) fn take_behind_failure(&self, ino: u64) -> Result<()> {
+        match self
+            .gfid(ino)
+            .ok()
+            .and_then(|g| self.behind.take_failure(&g))
+        {
+            Some(errno) => Err(Errno::from_i32(errno)),
+            None => Ok(()),
+        }
+    }
+
     /// LOOKUP of `name` in node `parent`, as `c`: a deferred create's entry, the brick's, or
     /// `None` for a negative entry the kernel may cache.
     pub(super) async fn lookup(
@@ -125,6 +143,18 @@ impl<L: Layer> Shared<L> {
             return Ok(Some(self.entry(&iatt)));
         }
         let negative = !self.options.negative_timeout.is_zero();
+        match self.leases.lookup(&lookup.parent, &lookup.name) {
+            // A held directory knows all its names.
+            Answer::Absent if negative => return Ok(None),
+            Answer::Absent => return Err(Errno::ENOENT),
+            Answer::Present(gfid) => {
+                if let Some(local) = self.leases.local(&gfid) {
+                    return Ok(Some(self.entry(&local.iatt)));
+                }
+            }
+            Answer::Unknown => {}
+        }
+        self.behind.settle(&lookup.parent).await;
         match self.layer.call(c, lookup.into()).await {
             Ok(FopReply::Lookup(r)) => Ok(Some(self.entry(&r.iatt))),
             Ok(other) => Err(unexpected(&other)),
@@ -140,6 +170,10 @@ impl<L: Layer> Shared<L> {
             let fop = FdFop::new(|fd| kiln_wire::Fstat { fd }.into());
             attr_of(self.layer.call_fd(c, self.fd(&open).await?, fop).await)
         };
+        // An object made under a lease whose changes are still queued: as the mount has it.
+        if let Some(local) = self.inodes.gfid(ino).and_then(|g| self.leases.local(&g)) {
+            return Ok(local.iatt);
+        }
         // A stat sends a deferred create: from then on the brick's times are the file's.
         self.settle(ino).await?;
         if let Some(open) = fh.and_then(|fh| self.handles.get(fh).ok()) {
@@ -170,6 +204,9 @@ impl<L: Layer> Shared<L> {
             && pending.setattr(c, attr)
         {
             return Ok(pending.iatt());
+        }
+        if let Some(iatt) = self.setattr_behind(c, &self.gfid(ino)?, attr).await {
+            return Ok(iatt);
         }
         self.settle(ino).await?;
         let open = fh.and_then(|fh| self.handles.get(fh).ok());

@@ -1,0 +1,514 @@
+//! Namespace fops — MKDIR, MKNOD, SYMLINK, LINK, UNLINK, RMDIR, RENAME, and the close that
+//! sends a small new file — answered by the mount under a directory's write lease and sent
+//! behind ([`super::behind`]), or run on the brick after the queued changes they depend on.
+//!
+//! A fop is answered here only when the mount knows its outcome: the directory is held
+//! ([`super::leases`]), the names it needs are known to be there or absent, the caller's
+//! permission follows from the directory's mode bits, and no open handle needs the brick's
+//! file first. Anything else goes to the brick, and what it changes in a held directory is
+//! recorded there too, so a held directory's entries stay exact.
+//!
+//! This module also runs the two tasks of a mount with leases: the sender of queued changes
+//! and the listener for the brick's recalls.
+
+use std::sync::Arc;
+
+use fuser::{Errno, FileAttr};
+use kiln_wire::{
+    Creds, FileType, FopReply, FopRequest, Gfid, Lease, LeaseKind, Name, RenameMode, SetAttr,
+    TimeSet,
+};
+
+use super::behind;
+use super::convert::{Result, errno};
+use super::leases::{Answer, new_iatt, now};
+use super::pending::ParentAttr;
+use super::shared::{Shared, Ttl};
+use crate::{Error, Layer, LayerEvent};
+
+/// A namespace fop as the mount sees it: which names in which directories it needs.
+#[derive(Debug, Clone)]
+enum Change {
+    Make {
+        parent: Gfid,
+        name: Name,
+        gfid: Gfid,
+    },
+    Unlink {
+        parent: Gfid,
+        name: Name,
+    },
+    Rmdir {
+        parent: Gfid,
+        name: Name,
+    },
+    Rename {
+        parent: Gfid,
+        name: Name,
+        new_parent: Gfid,
+        new_name: Name,
+        mode: RenameMode,
+    },
+}
+
+impl Change {
+    fn of(fop: &FopRequest) -> Option<Change> {
+        Some(match fop {
+            FopRequest::Mkdir(r) => Change::Make {
+                parent: r.parent,
+                name: r.name.clone(),
+                gfid: r.gfid,
+            },
+            FopRequest::Mknod(r) => Change::Make {
+                parent: r.parent,
+                name: r.name.clone(),
+                gfid: r.gfid,
+            },
+            FopRequest::Symlink(r) => Change::Make {
+                parent: r.parent,
+                name: r.name.clone(),
+                gfid: r.gfid,
+            },
+            FopRequest::Link(r) => Change::Make {
+                parent: r.new_parent,
+                name: r.new_name.clone(),
+                gfid: r.gfid,
+            },
+            FopRequest::Unlink(r) => Change::Unlink {
+                parent: r.parent,
+                name: r.name.clone(),
+            },
+            FopRequest::Rmdir(r) => Change::Rmdir {
+                parent: r.parent,
+                name: r.name.clone(),
+            },
+            FopRequest::Rename(r) => Change::Rename {
+                parent: r.old_parent,
+                name: r.old_name.clone(),
+                new_parent: r.new_parent,
+                new_name: r.new_name.clone(),
+                mode: r.mode,
+            },
+            _ => return None,
+        })
+    }
+
+    /// The directories whose queued changes must reach the brick before this fop does.
+    fn parents(&self) -> Vec<Gfid> {
+        match self {
+            Change::Make { parent, .. }
+            | Change::Unlink { parent, .. }
+            | Change::Rmdir { parent, .. } => vec![*parent],
+            Change::Rename {
+                parent, new_parent, ..
+            } => vec![*parent, *new_parent],
+        }
+    }
+}
+
+impl<L: Layer> Shared<L> {
+    /// Whether this mount may answer fops under leases: the option is on and the brick
+    /// grants them.
+    fn uses_leases(&self) -> bool {
+        self.options.leases && self.layer.leases()
+    }
+
+    /// MKNOD, MKDIR, SYMLINK or LINK (`fop`) as `c`: the new entry.
+    pub(super) async fn make_name(&self, c: &Creds, fop: FopRequest) -> Result<(FileAttr, Ttl)> {
+        let Some(Change::Make { parent, name, gfid }) = Change::of(&fop) else {
+            return Err(Errno::EINVAL);
+        };
+        if let Some(iatt) = self.make_behind(c, &fop, &parent, &name).await? {
+            return Ok(self.entry(&iatt));
+        }
+        self.settle_dir(None).await;
+        self.behind.settle(&parent).await;
+        let mkdir = matches!(fop, FopRequest::Mkdir(_));
+        let reply = match mkdir && self.uses_leases() {
+            // A new directory comes with its write lease, in the same round trip.
+            true => self.mkdir_with_lease(c, fop, gfid).await,
+            false => self.layer.call(c, fop).await,
+        };
+        let made = self.new_entry(reply)?;
+        self.leases.add_entry(&parent, &name, gfid);
+        Ok(made)
+    }
+
+    /// MKDIR and LEASE in one batch: the directory, held when the lease is granted.
+    async fn mkdir_with_lease(
+        &self,
+        c: &Creds,
+        mkdir: FopRequest,
+        gfid: Gfid,
+    ) -> std::result::Result<FopReply, Error> {
+        let mut batch = kiln_wire::Batch::new(c.clone());
+        let lease = Lease {
+            gfid,
+            kind: LeaseKind::Write,
+        };
+        for fop in [mkdir, lease.into()] {
+            batch.push(fop).map_err(|e| Error::Misuse(e.to_string()))?;
+        }
+        let mut results = self.layer.batch(batch).await?.results.into_iter();
+        let made = results
+            .next()
+            .ok_or(Error::Fop(kiln_wire::ErrorCode::Io))??;
+        if let Some(Ok(FopReply::Lease(granted))) = results.next()
+            && granted.kind == LeaseKind::Write
+        {
+            self.leases.hold_new(gfid);
+        }
+        Ok(made)
+    }
+
+    /// Answers a make in a held directory here and queues it; `None` when the brick must.
+    async fn make_behind(
+        &self,
+        c: &Creds,
+        fop: &FopRequest,
+        parent: &Gfid,
+        name: &Name,
+    ) -> Result<Option<kiln_wire::Iatt>> {
+        if !self.uses_leases() || matches!(fop, FopRequest::Link(_)) {
+            return Ok(None);
+        }
+        let Some(dir) = self.writable_held_dir(c, parent) else {
+            return Ok(None);
+        };
+        if self.leases.lookup(parent, name) != Answer::Absent {
+            return Err(Errno::EEXIST);
+        }
+        let gid = if dir.mode & libc::S_ISGID != 0 {
+            dir.gid
+        } else {
+            c.gid
+        };
+        let iatt = match fop {
+            FopRequest::Mkdir(r) => {
+                // A set-group-ID directory's subdirectories inherit the bit.
+                let sgid = dir.mode & libc::S_ISGID;
+                let mode = (r.mode.bits() & !r.umask.bits()) | sgid;
+                new_iatt(r.gfid, FileType::Directory, mode, c.uid, gid, 0)
+            }
+            FopRequest::Symlink(r) => {
+                let size = r.target.len() as u64;
+                new_iatt(r.gfid, FileType::Symlink, 0o777, c.uid, gid, size)
+            }
+            FopRequest::Mknod(r) => {
+                let mode = r.mode.bits() & !r.umask.bits();
+                let mut iatt = new_iatt(r.gfid, r.node_type.into(), mode, c.uid, gid, 0);
+                iatt.rdev = r.rdev;
+                iatt
+            }
+            _ => return Ok(None),
+        };
+        let gfid = iatt.gfid;
+        self.leases.add_entry(parent, name, gfid);
+        self.leases.describe(iatt.clone());
+        let is_dir = iatt.file_type == FileType::Directory;
+        self.touch_dir(parent, if is_dir { 1 } else { 0 });
+        self.behind.push(c, fop.clone(), &[gfid, *parent]).await;
+        if is_dir {
+            self.leases.hold_new(gfid);
+            let lease = Lease {
+                gfid,
+                kind: LeaseKind::Write,
+            };
+            self.behind.push(c, lease.into(), &[gfid]).await;
+        }
+        Ok(Some(iatt))
+    }
+
+    /// The permission bits of held directory `dir` when `c` may make and remove names in it
+    /// without asking: write and search permission, and no sticky bit (whose rule needs the
+    /// owners of the entries).
+    fn writable_held_dir(&self, c: &Creds, dir: &Gfid) -> Option<ParentAttr> {
+        if !self.leases.holds(dir) {
+            return None;
+        }
+        let ino = self.inodes.ino_of(dir)?;
+        self.inodes
+            .dir_attr(ino)
+            .filter(|a| a.mode & libc::S_ISVTX == 0 && a.allows_create(c))
+    }
+
+    /// Bumps the mount's description of directory `dir` after a change of its entries:
+    /// times now, `links` more (or fewer) subdirectories.
+    fn touch_dir(&self, dir: &Gfid, links: i32) {
+        let now = now();
+        self.leases.update_local(dir, |iatt| {
+            iatt.mtime = now;
+            iatt.ctime = now;
+            iatt.nlink = iatt.nlink.saturating_add_signed(links);
+        });
+    }
+
+    /// UNLINK, RMDIR or RENAME (`fop`) as `c`.
+    pub(super) async fn change_names(&self, c: &Creds, fop: FopRequest) -> Result<()> {
+        let Some(change) = Change::of(&fop) else {
+            return Err(Errno::EINVAL);
+        };
+        if self.uses_leases() && self.change_behind(c, &fop, &change).await? {
+            return Ok(());
+        }
+        // On the brick: the deferred creates and queued changes first, and every open handle
+        // gets its fd (a removed file must stay readable through it).
+        self.settle_dir(None).await;
+        for parent in change.parents() {
+            self.behind.settle(&parent).await;
+        }
+        self.anchor_handles().await;
+        self.layer.call(c, fop).await.map_err(errno)?;
+        self.note_changed(&change);
+        Ok(())
+    }
+
+    /// Answers a removal or rename here and queues it, when every name it needs is in a held
+    /// directory and no open handle is in the way; `false` when the brick must.
+    async fn change_behind(&self, c: &Creds, fop: &FopRequest, change: &Change) -> Result<bool> {
+        for parent in change.parents() {
+            if self.writable_held_dir(c, &parent).is_none() {
+                return Ok(false);
+            }
+        }
+        let (object, gone) = match change {
+            Change::Make { .. } => return Ok(false),
+            Change::Unlink { parent, name } => match self.leases.lookup(parent, name) {
+                Answer::Present(g) if !self.is_open(&g) => (g, None),
+                Answer::Absent => return Err(Errno::ENOENT),
+                _ => return Ok(false),
+            },
+            Change::Rmdir { parent, name } => match self.leases.lookup(parent, name) {
+                Answer::Present(g) if self.leases.is_empty(&g) => (g, None),
+                Answer::Present(g) if self.leases.holds(&g) => return Err(Errno::ENOTEMPTY),
+                Answer::Absent => return Err(Errno::ENOENT),
+                _ => return Ok(false),
+            },
+            Change::Rename {
+                parent,
+                name,
+                new_parent,
+                new_name,
+                mode,
+            } => {
+                let source = match self.leases.lookup(parent, name) {
+                    Answer::Present(g) if !self.is_open(&g) => g,
+                    Answer::Absent => return Err(Errno::ENOENT),
+                    _ => return Ok(false),
+                };
+                match (self.leases.lookup(new_parent, new_name), mode) {
+                    (Answer::Absent, RenameMode::Replace | RenameMode::NoReplace) => (source, None),
+                    (Answer::Present(_), RenameMode::NoReplace) => return Err(Errno::EEXIST),
+                    // Replacing a file nobody has open, or an empty directory held here.
+                    (Answer::Present(t), RenameMode::Replace)
+                        if t != source
+                            && !self.is_open(&t)
+                            && (!self.leases.holds(&t) || self.leases.is_empty(&t)) =>
+                    {
+                        (source, Some(t))
+                    }
+                    _ => return Ok(false),
+                }
+            }
+        };
+        let mut touches = vec![object];
+        touches.extend(gone);
+        touches.extend(change.parents());
+        self.note_changed(change);
+        self.behind.push(c, fop.clone(), &touches).await;
+        Ok(true)
+    }
+
+    /// Records in the held directories what `change` did there.
+    fn note_changed(&self, change: &Change) {
+        match change {
+            Change::Make { .. } => {}
+            Change::Unlink { parent, name } => {
+                if let Some(g) = self.leases.remove_entry(parent, name) {
+                    self.leases.forget_local(&g);
+                }
+                self.touch_dir(parent, 0);
+            }
+            Change::Rmdir { parent, name } => {
+                if let Some(g) = self.leases.remove_entry(parent, name) {
+                    self.leases.release(&g);
+                    self.leases.forget_local(&g);
+                }
+                self.touch_dir(parent, -1);
+            }
+            Change::Rename {
+                parent,
+                name,
+                new_parent,
+                new_name,
+                ..
+            } => {
+                let source = self.leases.remove_entry(parent, name);
+                if let Some(replaced) = self.leases.remove_entry(new_parent, new_name) {
+                    self.leases.release(&replaced);
+                    self.leases.forget_local(&replaced);
+                }
+                if let Some(source) = source {
+                    self.leases.add_entry(new_parent, new_name, source);
+                }
+                self.touch_dir(parent, 0);
+                self.touch_dir(new_parent, 0);
+            }
+        }
+    }
+
+    /// Whether a handle is open on object `gfid` (its removal must wait for the brick).
+    fn is_open(&self, gfid: &Gfid) -> bool {
+        self.inodes
+            .ino_of(gfid)
+            .is_some_and(|ino| self.handles.any_on(ino).is_some())
+    }
+
+    /// SETATTR of `gfid`, made under a lease and still queued, answered here: the creator or
+    /// root changing mode, times, or (root) owners. `None` when the brick must answer.
+    pub(super) async fn setattr_behind(
+        &self,
+        c: &Creds,
+        gfid: &Gfid,
+        attr: SetAttr,
+    ) -> Option<kiln_wire::Iatt> {
+        let local = self.leases.local(gfid)?;
+        let creator = c.uid == 0 || c.uid == local.iatt.uid;
+        let owners = attr.uid.is_none() && attr.gid.is_none();
+        if !creator || attr.size.is_some() || (c.uid != 0 && !owners) {
+            return None;
+        }
+        let now = now();
+        let at = |t: TimeSet| match t {
+            TimeSet::Now => TimeSet::At(now),
+            at => at,
+        };
+        let attr = SetAttr {
+            atime: attr.atime.map(at),
+            mtime: attr.mtime.map(at),
+            ..attr
+        };
+        let iatt = self.leases.update_local(gfid, |iatt| {
+            apply(iatt, &attr);
+            iatt.ctime = now;
+        })?;
+        let setattr = kiln_wire::Setattr { gfid: *gfid, attr };
+        self.behind.push(c, setattr.into(), &[*gfid]).await;
+        Some(iatt)
+    }
+
+    /// Sends the queued changes, one batch at a time, until the mount goes.
+    pub(super) async fn send_behind(self: Arc<Self>) {
+        loop {
+            let (batch, sent) = self.behind.next_batch().await;
+            let (results, repeated) = match self.layer.batch(batch.clone()).await {
+                Ok(reply) => (checked(&sent, reply.results), false),
+                // It may or may not have run: send it again on the next connection (names
+                // made are recognised by their GFIDs; a removal already done is no error).
+                Err(Error::Disconnected(_)) => match self.layer.batch(batch).await {
+                    Ok(reply) => (checked(&sent, reply.results), true),
+                    Err(e) => (behind::all_failed(&sent, &e), false),
+                },
+                Err(e) => (behind::all_failed(&sent, &e), false),
+            };
+            for (queued, result) in sent.iter().zip(&results) {
+                if let FopRequest::Lease(asked) = &queued.fop
+                    && asked.kind != LeaseKind::None
+                    && !matches!(result, Ok(FopReply::Lease(r)) if r.kind == asked.kind)
+                {
+                    self.leases.release(&asked.gfid);
+                }
+            }
+            let outcomes: Vec<_> = sent
+                .iter()
+                .zip(results)
+                .map(|(queued, result)| outcome(&queued.fop, result, repeated))
+                .collect();
+            self.behind.answered(&sent, &outcomes);
+            // What has no change queued any more is the brick's to describe.
+            for queued in &sent {
+                for gfid in queued.touches() {
+                    if !self.behind.is_dirty(gfid) {
+                        self.leases.forget_local(gfid);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Follows the events from below until the mount goes: a recalled directory is no longer
+    /// held, and its lease goes back after the changes queued before the recall.
+    pub(super) async fn follow_events(self: Arc<Self>) {
+        let mut events = self.layer.events();
+        loop {
+            match events.recv().await {
+                Ok(LayerEvent::Recall(recall)) => {
+                    self.leases.release(&recall.gfid);
+                    let give_back = Lease {
+                        gfid: recall.gfid,
+                        kind: recall.kind,
+                    };
+                    self.behind
+                        .push(&Creds::root(), give_back.into(), &[recall.gfid])
+                        .await;
+                }
+                Ok(LayerEvent::LeasesLost)
+                | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
+                    self.leases.release_all();
+                }
+                Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+            }
+        }
+    }
+}
+
+/// `results` when there is one per fop sent; otherwise every fop failed (a protocol error).
+fn checked(
+    sent: &[behind::Queued],
+    results: Vec<std::result::Result<FopReply, kiln_wire::ErrorCode>>,
+) -> Vec<std::result::Result<FopReply, Error>> {
+    if results.len() != sent.len() {
+        let e = Error::Protocol(format!(
+            "{} answers to a batch of {}",
+            results.len(),
+            sent.len()
+        ));
+        return behind::all_failed(sent, &e);
+    }
+    behind::results(results)
+}
+
+/// What a queued fop's `result` means for the application: a removal or rename sent again
+/// after a broken connection whose name is gone had run the first time.
+fn outcome(
+    fop: &FopRequest,
+    result: std::result::Result<FopReply, Error>,
+    repeated: bool,
+) -> std::result::Result<(), Error> {
+    match (fop, result) {
+        (
+            FopRequest::Unlink(_) | FopRequest::Rmdir(_) | FopRequest::Rename(_),
+            Err(Error::Fop(kiln_wire::ErrorCode::NoEnt)),
+        ) if repeated => Ok(()),
+        (_, result) => result.map(drop),
+    }
+}
+
+/// Applies `attr`'s mode, owners and times to `iatt`.
+fn apply(iatt: &mut kiln_wire::Iatt, attr: &SetAttr) {
+    if let Some(mode) = attr.mode {
+        iatt.mode = mode;
+    }
+    if let Some(uid) = attr.uid {
+        iatt.uid = uid;
+    }
+    if let Some(gid) = attr.gid {
+        iatt.gid = gid;
+    }
+    if let Some(TimeSet::At(t)) = attr.atime {
+        iatt.atime = t;
+    }
+    if let Some(TimeSet::At(t)) = attr.mtime {
+        iatt.mtime = t;
+    }
+}
