@@ -156,6 +156,41 @@ pub const OPTIONS: &[OptionDef] = &[
                take the following ports); off: no endpoint",
     },
     OptionDef {
+        key: "features.lease-contention-ms",
+        kind: ValueKind::Integer {
+            min: 0,
+            max: 60_000,
+        },
+        default: "1000",
+        apply: Apply::Live,
+        brick: BrickFlag::Value("lease-contention-ms"),
+        help: "after a client's fop recalled another's lease on a directory, no other client \
+               gets a lease there for this long, in milliseconds (clients working in one \
+               directory stop taking it from each other)",
+    },
+    OptionDef {
+        key: "features.lease-recall-timeout-ms",
+        kind: ValueKind::Integer {
+            min: 100,
+            max: 600_000,
+        },
+        default: "5000",
+        apply: Apply::Live,
+        brick: BrickFlag::Value("lease-recall-timeout-ms"),
+        help: "how long a recalled directory lease may stay out, in milliseconds: past it the \
+               lease is revoked, the recalling fop runs, and the holder's fops in that \
+               directory get ESTALE until it asks for a lease there again",
+    },
+    OptionDef {
+        key: "features.leases",
+        kind: ValueKind::Bool,
+        default: "on",
+        apply: Apply::Live,
+        brick: BrickFlag::Value("leases"),
+        help: "grant directory leases to clients that ask (off: every LEASE is answered \
+               none; leases already held are recalled as usual until given back)",
+    },
+    OptionDef {
         key: "network.connections-max",
         kind: ValueKind::Integer {
             min: 1,

@@ -15,6 +15,7 @@ use kiln_admin::control::{
 };
 use kiln_admin::options::BrickSettings;
 use kiln_dataplane::Engine;
+use kiln_dataplane::leases::LeaseSettings;
 use kiln_dataplane::server::Server;
 use tokio::net::{UnixListener, UnixStream};
 
@@ -126,6 +127,10 @@ fn apply(options: &BTreeMap<String, String>, running: &mut Running) -> anyhow::R
         .engine
         .profile()
         .set(settings.count_fop_hits, settings.latency_measurement);
+    running
+        .engine
+        .leases()
+        .set_settings(LeaseSettings::from(&settings));
     running.settings = settings;
     Ok(())
 }

@@ -16,7 +16,7 @@ use std::rc::Rc;
 use std::sync::Arc;
 
 use kiln_admin::options::{BrickSettings, FsyncPolicy, ServerEngine};
-use kiln_wire::{Creds, ErrorCode, FopReply, FopRequest};
+use kiln_wire::{Batch, BatchReply, Creds, ErrorCode, FopReply, FopRequest};
 use tokio::sync::oneshot;
 
 use crate::brick::Brick;
@@ -26,6 +26,7 @@ use crate::exec::pool::BlockingPool;
 use crate::exec::uring::{RingConfig, RingStats, UringExec};
 use crate::fdtable::SessionId;
 use crate::fops::{BrickState, CrashPoint, Fops, FopsConfig, FopsState};
+use crate::leases::{LeaseSettings, LeaseStats, Leases, RecallEvents};
 use crate::op::{self, Step};
 use crate::profile::Profile;
 use crate::workers::Workers;
@@ -90,6 +91,7 @@ impl From<&BrickSettings> for EngineConfig {
         config.fops.write_through = settings.fsync_policy == FsyncPolicy::WriteThrough;
         config.fops.open_files_per_client_max = settings.open_files_per_client_max;
         config.fops.locks_per_client_max = settings.locks_per_client_max;
+        config.fops.leases = LeaseSettings::from(settings);
         config.ring.ring_entries = settings.ring_entries;
         config
     }
@@ -118,6 +120,29 @@ impl LocalEngine {
             LocalEngine::Ring(fops) => fops.open_new_session(),
             LocalEngine::Blocking(engine) => engine.fops.open_new_session(),
         }
+    }
+
+    /// The brick's leases: sessions that negotiated them are attached here.
+    pub fn leases(&self) -> &Leases {
+        match self {
+            LocalEngine::Ring(fops) => fops.leases(),
+            LocalEngine::Blocking(engine) => engine.fops.leases(),
+        }
+    }
+
+    /// Executes a BATCH for `session`: each fop in order, as if sent alone with the batch's
+    /// credentials (lease checks included); a failed one does not stop the rest. ENOTSUP for
+    /// a session that did not negotiate leases.
+    pub async fn batch(&self, session: SessionId, batch: Batch) -> Result<BatchReply, ErrorCode> {
+        if !self.leases().is_attached(session) {
+            return Err(ErrorCode::NotSupported);
+        }
+        let creds = batch.creds.clone();
+        let mut results = Vec::with_capacity(batch.len());
+        for fop in batch.into_fops() {
+            results.push(self.call(session, &creds, fop).await);
+        }
+        Ok(BatchReply { results })
     }
 
     /// Executes one fop for `session` (from [`LocalEngine::open_session`]) as `creds`.
@@ -174,20 +199,35 @@ impl LocalEngine {
 }
 
 impl BlockingEngine {
+    /// Runs one fop: the lease check (and a wait for a recall) on the calling task, the fop on
+    /// the pool.
     async fn call(
         &self,
         session: SessionId,
         creds: Creds,
         fop: FopRequest,
     ) -> Result<FopReply, ErrorCode> {
-        if let FopRequest::Lk(_) = fop {
-            // LK makes no system call (the lock table is in memory): it runs, and a blocked
-            // F_SETLKW waits, on the calling task instead of holding a pool thread.
-            return self.fops.call(session, &creds, fop).await.map_err(to_code);
-        }
-        let fops = self.fops.clone();
-        self.pool
-            .run(move || block_on(fops.call(session, &creds, fop)).map_err(to_code))
+        let run = |fop: FopRequest| async move {
+            if let FopRequest::Lk(_) | FopRequest::Lease(_) = fop {
+                // LK makes no system call (the lock table is in memory), LEASE one stat: they
+                // run, and a blocked F_SETLKW or an arming grant waits, on the calling task
+                // instead of holding a pool thread.
+                return self.fops.call_measured(session, &creds, fop).await;
+            }
+            let (fops, creds) = (self.fops.clone(), creds.clone());
+            self.pool
+                .run(move || block_on(fops.call_measured(session, &creds, fop)))
+                .await
+        };
+        self.fops
+            .call_with(session, fop, run)
+            .await
+            .map_err(to_code)
+    }
+
+    async fn batch(&self, session: SessionId, batch: Batch) -> Result<BatchReply, ErrorCode> {
+        LocalEngine::Blocking(self.clone())
+            .batch(session, batch)
             .await
     }
 }
@@ -201,6 +241,8 @@ pub struct EngineState {
     pub gfid_cache: CacheState,
     pub dirfd_cache: CacheState,
     pub ring: RingStats,
+    /// The brick's leases (brick-wide, not per worker).
+    pub leases: LeaseStats,
 }
 
 impl EngineState {
@@ -210,6 +252,7 @@ impl EngineState {
             gfid_cache: fops.gfid_cache,
             dirfd_cache: fops.dirfd_cache,
             ring,
+            leases: LeaseStats::default(),
         }
     }
 
@@ -258,7 +301,7 @@ impl Engine {
         // Fops apply their caller's umask themselves (`mode & !umask`); the process's own
         // must not mask again (it is shared by every thread, so this is the one place).
         rustix::process::umask(rustix::fs::Mode::empty());
-        let shared = Arc::new(BrickState::new(config.fops.locks_per_client_max));
+        let shared = Arc::new(BrickState::new(&config.fops));
         crate::fops::spawn_dir_record_sweeper(brick, &shared)?;
         let (workers, blocking, kind) = match config.kind {
             EngineKind::Uring => match start_uring(brick, &shared, config) {
@@ -336,12 +379,20 @@ impl Engine {
         self.state().await.ring
     }
 
-    /// Sessions, fd tables, caches and ring counters, summed over the workers.
+    /// Sessions, fd tables, caches and ring counters, summed over the workers, and the
+    /// brick's leases.
     pub async fn state(&self) -> EngineState {
+        let leases = self.leases().stats();
         if let Some(engine) = &self.inner.blocking {
-            return LocalEngine::Blocking(engine.clone()).state();
+            return EngineState {
+                leases,
+                ..LocalEngine::Blocking(engine.clone()).state()
+            };
         }
-        let mut total = EngineState::default();
+        let mut total = EngineState {
+            leases,
+            ..EngineState::default()
+        };
         for worker in 0..self.workers() {
             let (tx, rx) = oneshot::channel();
             let job = move |local: &LocalEngine| drop(tx.send(local.state()));
@@ -357,6 +408,19 @@ impl Engine {
     /// The brick's per-fop profile, shared by every worker.
     pub fn profile(&self) -> &Profile {
         &self.inner.shared.profile
+    }
+
+    /// The brick's leases, shared by every worker (settings change live here).
+    pub fn leases(&self) -> &Leases {
+        &self.inner.shared.leases
+    }
+
+    /// Opens a session that negotiated leases (as a QUIC client offering `LEASES`): it may
+    /// send LEASE and BATCH, and its RECALL events come out of the returned queue.
+    pub fn lease_session(&self) -> (Session, RecallEvents) {
+        let session = self.session();
+        let events = self.leases().attach(session.id);
+        (session, events)
     }
 
     /// Arms a crash point on every worker (crash-injection tests).
@@ -408,6 +472,28 @@ impl Session {
 }
 
 impl Session {
+    /// Executes a BATCH ([`LocalEngine::batch`]).
+    pub async fn batch(&self, batch: Batch) -> Result<BatchReply, ErrorCode> {
+        let inner = &self.engine.inner;
+        if let Some(engine) = &inner.blocking {
+            return engine.batch(self.id, batch).await;
+        }
+        let (tx, rx) = oneshot::channel();
+        let session = self.id;
+        let job = move |local: &LocalEngine| {
+            let local = local.clone();
+            tokio::task::spawn_local(async move {
+                let _ = tx.send(local.batch(session, batch).await);
+            });
+        };
+        inner
+            .workers
+            .send(self.engine.worker_of(session), job)
+            .await
+            .map_err(|_| ErrorCode::NotConnected)?;
+        rx.await.map_err(|_| ErrorCode::Io)?
+    }
+
     /// Stops the session's lock waits (they answer EINTR): for a caller about to end the
     /// session while calls are still in flight.
     pub fn cancel_lock_waits(&self) {

@@ -5,8 +5,9 @@
 //! system calls they are made of ([`op`]) and two executors — the io_uring engine and the
 //! blocking engine ([`exec`]) — running on the brick's worker threads ([`workers`], driven by
 //! [`engine`]), the per-client fd tables, the GFID and directory-fd caches, start-up repair and
-//! the check command ([`recovery`]), and the QUIC server ([`server`]). It is the only crate
-//! with `unsafe` code, fenced in the ring module (`exec::uring::ring`).
+//! the check command ([`recovery`]), directory leases ([`leases`]), and the QUIC server
+//! ([`server`]). It is the only crate with `unsafe` code, fenced in the ring module
+//! (`exec::uring::ring`).
 //!
 //! It is not the protocol (that is `kiln-wire`), not configuration storage (that is
 //! `kiln-mgmt`), and not a client.
@@ -18,6 +19,7 @@ pub mod engine;
 pub mod exec;
 pub mod fdtable;
 pub mod fops;
+pub mod leases;
 pub mod locks;
 pub mod metrics;
 pub mod op;

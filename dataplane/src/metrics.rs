@@ -1,7 +1,7 @@
 //! The brick's Prometheus endpoint: `GET /metrics` answers the Prometheus text format (0.0.4)
 //! with the profile's per-fop counters and latency histograms, errors by errno, sessions and
-//! open fds, cache sizes and hits, and ring counters. Off unless `--metrics-listen` (the
-//! volume option `diagnostics.metrics-listen`) gives an address.
+//! open fds, cache sizes and hits, ring counters, and directory leases. Off unless
+//! `--metrics-listen` (the volume option `diagnostics.metrics-listen`) gives an address.
 //!
 //! The HTTP side is the least a scraper needs: one `GET` per connection, answered and closed.
 //! Anything else gets 404 or 405; a request head over [`REQUEST_HEAD_MAX_BYTES`] or slower
@@ -18,6 +18,7 @@ use kiln_admin::control::{FopProfile, ProfileReport};
 
 use crate::cache::CacheState;
 use crate::engine::{Engine, EngineState};
+use crate::leases::LeaseStats;
 use crate::profile::Profile;
 use crate::server::Connections;
 
@@ -119,6 +120,7 @@ pub fn render(profile: &Profile, state: &EngineState, connections: usize) -> Str
     render_sessions(&mut out, state, connections);
     render_caches(&mut out, state);
     render_ring(&mut out, state);
+    render_leases(&mut out, &state.leases);
     out
 }
 
@@ -261,6 +263,44 @@ fn render_ring(out: &mut String, state: &EngineState) {
         ),
     ];
     for (name, help, value) in ring {
+        family(out, name, "counter", help);
+        let _ = writeln!(out, "{name} {value}");
+    }
+}
+
+/// Directory leases: held now, and what happened to them since start.
+fn render_leases(out: &mut String, leases: &LeaseStats) {
+    family(
+        out,
+        "kiln_leases_held",
+        "gauge",
+        "Directory leases held by clients now.",
+    );
+    let _ = writeln!(out, "kiln_leases_held {}", leases.held);
+    let counters = [
+        ("kiln_lease_grants_total", "Leases granted.", leases.grants),
+        (
+            "kiln_lease_recalls_total",
+            "Leases recalled because another client's fop conflicted.",
+            leases.recalls,
+        ),
+        (
+            "kiln_lease_returns_total",
+            "Leases given back (or downgraded) by their holders.",
+            leases.returns,
+        ),
+        (
+            "kiln_lease_revocations_total",
+            "Recalled leases revoked for not coming back in time.",
+            leases.revocations,
+        ),
+        (
+            "kiln_lease_waits_total",
+            "Fops that waited for a recall.",
+            leases.waits,
+        ),
+    ];
+    for (name, help, value) in counters {
         family(out, name, "counter", help);
         let _ = writeln!(out, "{name} {value}");
     }

@@ -102,6 +102,12 @@ pub struct BrickSettings {
     pub open_files_per_client_max: usize,
     /// `network.locks-per-client-max`.
     pub locks_per_client_max: usize,
+    /// `features.leases`.
+    pub leases: bool,
+    /// `features.lease-recall-timeout-ms`.
+    pub lease_recall_timeout_ms: u64,
+    /// `features.lease-contention-ms`.
+    pub lease_contention_ms: u64,
 }
 
 /// Reads option values as the table says: a missing key has its default, and every value is
@@ -162,6 +168,9 @@ impl BrickSettings {
             connections_per_client_max: read.number("network.connections-per-client-max")?,
             open_files_per_client_max: read.number("network.open-files-per-client-max")?,
             locks_per_client_max: read.number("network.locks-per-client-max")?,
+            leases: read.on("features.leases")?,
+            lease_recall_timeout_ms: read.number("features.lease-recall-timeout-ms")?,
+            lease_contention_ms: read.number("features.lease-contention-ms")?,
         })
     }
 
@@ -213,6 +222,15 @@ impl BrickSettings {
             (
                 "network.locks-per-client-max",
                 self.locks_per_client_max.to_string(),
+            ),
+            ("features.leases", on_off(self.leases)),
+            (
+                "features.lease-recall-timeout-ms",
+                self.lease_recall_timeout_ms.to_string(),
+            ),
+            (
+                "features.lease-contention-ms",
+                self.lease_contention_ms.to_string(),
             ),
         ]
         .into_iter()
@@ -389,6 +407,9 @@ mod tests {
             ("diagnostics.count-fop-hits", "on"),
             ("diagnostics.latency-measurement", "on"),
             ("diagnostics.metrics-listen", "127.0.0.1:9713"),
+            ("features.lease-contention-ms", "0"),
+            ("features.lease-recall-timeout-ms", "250"),
+            ("features.leases", "off"),
             ("network.inflight-max", "64"),
             ("network.inode-lru-limit", "2048"),
             ("performance.attr-timeout-ms", "5"),
@@ -522,8 +543,13 @@ mod tests {
             ("auth.allow", " carol "),
             ("network.inflight-max", "8"),
             ("diagnostics.count-fop-hits", "yes"),
+            ("features.leases", "off"),
+            ("features.lease-recall-timeout-ms", "300"),
         ]);
         let live = start.with_live(&push).expect("live options");
+        assert!(!live.leases && start.leases);
+        assert_eq!(live.lease_recall_timeout_ms, 300);
+        assert_eq!(live.lease_contention_ms, 1000);
         assert_eq!(live.auth_allow, "carol");
         assert_eq!(live.inflight_max, 8);
         assert!(live.count_fop_hits && !live.latency_measurement);
@@ -550,6 +576,9 @@ mod tests {
                 "auth.revoked",
                 "diagnostics.count-fop-hits",
                 "diagnostics.latency-measurement",
+                "features.lease-contention-ms",
+                "features.lease-recall-timeout-ms",
+                "features.leases",
                 "network.connections-max",
                 "network.connections-per-client-max",
                 "network.inflight-max",

@@ -24,8 +24,8 @@ use kiln_client::{BrickClient, Error, Paths};
 use kiln_wire::quic::{self, StreamCode};
 use kiln_wire::{
     AccessMode, Call, Capabilities, Creds, ErrorCode, FileType, FopReply, FopRequest, Gfid, Groups,
-    Header, Hello, Label, Message, Mode, Name, NodeType, OpenFlags, Outcome, Payload, Ping,
-    RenameMode, Reply, Request, SetAttr, SymlinkTarget, XattrName, XattrSetMode, XattrValue,
+    Header, Hello, HelloReply, Label, Message, Mode, Name, NodeType, OpenFlags, Outcome, Payload,
+    Ping, RenameMode, Reply, Request, SetAttr, SymlinkTarget, XattrName, XattrSetMode, XattrValue,
     checksum,
 };
 
@@ -718,6 +718,18 @@ pub enum Answer {
 
 impl RawConn {
     pub async fn open(cluster: &Cluster, addr: SocketAddr, client: &str) -> RawConn {
+        RawConn::offering(cluster, addr, client, Capabilities::NONE)
+            .await
+            .0
+    }
+
+    /// A raw connection whose HELLO offers `capabilities`, and the brick's HELLO reply.
+    pub async fn offering(
+        cluster: &Cluster,
+        addr: SocketAddr,
+        client: &str,
+        capabilities: Capabilities,
+    ) -> (RawConn, HelloReply) {
         let config = quinn_config(&cluster.options(addr, client)).expect("client config");
         let bind = "127.0.0.1:0".parse().expect("address");
         let mut endpoint = quinn::Endpoint::client(bind).expect("client endpoint");
@@ -734,16 +746,29 @@ impl RawConn {
         let hello = Call::Hello(Hello {
             version_min: kiln_wire::PROTOCOL_VERSION,
             version_max: kiln_wire::PROTOCOL_VERSION,
-            capabilities: Capabilities::NONE,
+            capabilities,
             client_name: Label::new(&b"hostile"[..]).expect("label"),
         });
         match raw.call(hello).await {
             Answer::Reply(Message::Reply(Reply {
-                outcome: Outcome::Hello(_),
+                outcome: Outcome::Hello(reply),
                 ..
-            })) => raw,
+            })) => (raw, reply),
             other => panic!("raw HELLO: {other:?}"),
         }
+    }
+
+    /// The next event the brick pushes: one frame on a unidirectional stream of its own.
+    pub async fn event(&self) -> Message {
+        let mut recv = within(
+            "an event stream from the brick",
+            self.connection.accept_uni(),
+        )
+        .await
+        .expect("an event stream");
+        within("the event's frame", quic::read_message(&mut recv))
+            .await
+            .expect("an event frame")
     }
 
     pub fn next_id(&self) -> u64 {

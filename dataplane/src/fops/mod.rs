@@ -5,12 +5,14 @@
 //! One module per family: [`attr`] (lookup, stat, access, readlink, setattr, statfs),
 //! [`namespace`] (create, mkdir, mknod, symlink, put, link, unlink, rmdir, rename — with the
 //! intent protocol of `docs/disk-layout.md`), [`files`] (open, read, write, fsync, fallocate,
-//! seek, locks, release), [`dirs`] (opendir, readdir, readdirp) and [`xattr`].
+//! seek, locks, release), [`dirs`] (opendir, readdir, readdirp), [`xattr`] and [`lease`]
+//! (LEASE; the lease check around every fop is [`Fops::call_with`]).
 
 mod attr;
 mod chain;
 mod dirs;
 mod files;
+mod lease;
 mod namespace;
 mod resolve;
 mod xattr;
@@ -29,6 +31,7 @@ use crate::brick::Brick;
 use crate::cache::{CacheState, DirCache, GfidCache};
 use crate::exec::Exec;
 use crate::fdtable::{FdTable, OpenKind, SessionId};
+use crate::leases::{self, LeaseSettings, Leases, Targets};
 use crate::locks::LockTable;
 use crate::op::{FileRef, Stat, Step, StepResult};
 use crate::profile::{self, Profile};
@@ -46,6 +49,8 @@ pub struct FopsConfig {
     /// `storage.fsync-policy write-through`: every WRITE and PUT is synced (`fdatasync`, in
     /// the same chain) before it is acknowledged.
     pub write_through: bool,
+    /// `features.leases*`: the brick's directory leases (shared by every worker).
+    pub leases: LeaseSettings,
 }
 
 impl Default for FopsConfig {
@@ -56,6 +61,7 @@ impl Default for FopsConfig {
             open_files_per_client_max: 16_384,
             locks_per_client_max: 4096,
             write_through: false,
+            leases: LeaseSettings::default(),
         }
     }
 }
@@ -82,18 +88,22 @@ pub struct Fops<E> {
     /// nobody would ever release (it gets EBADF), and nothing is left behind.
     sessions: Mutex<HashMap<SessionId, FdTable>>,
     shared: Arc<BrickState>,
+    /// This worker's count of fops that passed the lease gate unchecked.
+    lease_slot: Arc<leases::Slot>,
     crash_point: Mutex<Option<CrashPoint>>,
 }
 
 /// What every worker of a brick shares: the profile, session ids, POSIX locks (clients on
-/// different workers contend for the same files), the GFIDs whose handles are parked in
-/// removal records, and the poisoned flag.
+/// different workers contend for the same files), directory leases, the GFIDs whose handles
+/// are parked in removal records, and the poisoned flag.
 #[derive(Debug)]
 pub struct BrickState {
     /// Per-fop counters and histograms (`diagnostics.*`).
     pub profile: Profile,
     next_session: AtomicU64,
     locks: Mutex<LockTable>,
+    /// Directory leases and the gate every fop passes.
+    pub leases: Leases,
     /// GFIDs whose handle removals have moved into records and may put back, with how many
     /// removals hold each: a create must not take such a GFID meanwhile (two objects, one
     /// GFID).
@@ -105,12 +115,13 @@ pub struct BrickState {
 }
 
 impl BrickState {
-    /// Shared state for a brick whose clients may each hold `locks_per_client_max` locks.
-    pub fn new(locks_per_client_max: usize) -> BrickState {
+    /// Shared state for a brick with the limits and lease settings of `config`.
+    pub fn new(config: &FopsConfig) -> BrickState {
         BrickState {
             profile: Profile::default(),
             next_session: AtomicU64::new(1),
-            locks: Mutex::new(LockTable::new(locks_per_client_max)),
+            locks: Mutex::new(LockTable::new(config.locks_per_client_max)),
+            leases: Leases::new(config.leases),
             parked: Mutex::new(HashMap::new()),
             creating: Mutex::new(HashMap::new()),
             poisoned: AtomicBool::new(false),
@@ -185,6 +196,7 @@ impl<E: Exec> Fops<E> {
             gfids: Mutex::new(GfidCache::new(config.gfid_cache_entries)),
             dirs: Mutex::new(DirCache::new(config.dirfd_cache_entries)),
             sessions: Mutex::new(HashMap::new()),
+            lease_slot: shared.leases.slot(),
             shared,
             crash_point: Mutex::new(None),
             brick,
@@ -195,6 +207,11 @@ impl<E: Exec> Fops<E> {
 
     pub fn exec(&self) -> &E {
         &self.exec
+    }
+
+    /// The brick's leases (shared by every worker).
+    pub fn leases(&self) -> &Leases {
+        &self.shared.leases
     }
 
     /// Arms (or clears) the crash hook; for crash-injection tests.
@@ -229,9 +246,10 @@ impl<E: Exec> Fops<E> {
         debug_assert!(replaced.is_none(), "session {session} opened twice");
     }
 
-    /// Ends a session: its fds are released and its locks dropped. Returns the files the
-    /// caller must close through the executor (direct descriptors).
+    /// Ends a session: its fds are released, its locks and leases dropped. Returns the files
+    /// the caller must close through the executor (direct descriptors).
     pub fn end_session(&self, session: SessionId) -> Vec<FileRef> {
+        self.shared.leases.end_session(session);
         // Under the sessions guard (lock order: sessions, then locks), so no LK can slip a lock
         // in between the removal and the release.
         let mut sessions = lock(&self.sessions);
@@ -254,8 +272,79 @@ impl<E: Exec> Fops<E> {
             .collect()
     }
 
-    /// Executes one fop for `session` as `creds`, recorded in the brick's profile.
+    /// Executes one fop for `session` as `creds` once no other session's lease is in its way,
+    /// recorded in the brick's profile.
     pub async fn call(&self, session: SessionId, creds: &Creds, fop: FopRequest) -> R<FopReply> {
+        self.call_with(session, fop, |fop| self.call_measured(session, creds, fop))
+            .await
+    }
+
+    /// The lease check around one fop of `session`, which `run` executes (and measures): the
+    /// ring runs it here, the blocking engine on its pool. While no lease is held anywhere the
+    /// check is the gate's counter ([`Leases::enter`]); otherwise the fop waits, holding no
+    /// thread, until the leases it conflicts with are back ([`Leases::admit`]). LEASE has its
+    /// own rules, and LK (which may wait for a lock without bound) is checked but never holds
+    /// a grant off.
+    pub async fn call_with<F: Future<Output = R<FopReply>>>(
+        &self,
+        session: SessionId,
+        fop: FopRequest,
+        run: impl FnOnce(FopRequest) -> F,
+    ) -> R<FopReply> {
+        let leases = &self.shared.leases;
+        let register = match fop {
+            FopRequest::Lease(_) => return run(fop).await,
+            FopRequest::Lk(_) if !leases.is_armed() => return run(fop).await,
+            FopRequest::Lk(_) => false,
+            _ => true,
+        };
+        if register && let Some(_unchecked) = leases.enter(&self.lease_slot) {
+            return run(fop).await;
+        }
+        let targets = self.lease_targets(session, &fop).await;
+        let admitted = match leases.admit(session, targets, register).await {
+            Ok(admitted) => admitted,
+            Err(e) => return self.refused(fop.code(), e).await,
+        };
+        let result = run(fop).await;
+        admitted.finish(result.is_ok());
+        result
+    }
+
+    /// The directories `fop` touches: its fd's object, and the directory it would remove
+    /// (looked up as the brick; only a directory counts).
+    async fn lease_targets(&self, session: SessionId, fop: &FopRequest) -> Targets {
+        let touches = leases::touches(fop);
+        let mut dirs = touches.dirs;
+        if let Some((fd, access)) = touches.fd
+            && let Ok(file) = self.open_file(session, fd)
+        {
+            dirs.push((file.gfid, access));
+        }
+        let removed = match &touches.removes {
+            Some((parent, name)) => self.dir_gfid_at(parent, name).await,
+            None => None,
+        };
+        Targets::new(dirs, removed)
+    }
+
+    /// A fop the lease check refused, counted in the profile as the fop's error.
+    async fn refused(&self, code: FopCode, e: Errno) -> R<FopReply> {
+        let profile = &self.shared.profile;
+        match profile.is_on() {
+            true => profile.measure(code, 0, async { Err(e) }).await,
+            false => Err(e),
+        }
+    }
+
+    /// Executes one fop for `session` as `creds` (no lease check), recorded in the brick's
+    /// profile.
+    pub async fn call_measured(
+        &self,
+        session: SessionId,
+        creds: &Creds,
+        fop: FopRequest,
+    ) -> R<FopReply> {
         let profile = &self.shared.profile;
         if !profile.is_on() {
             return self.execute(session, creds, fop).await;
@@ -295,6 +384,7 @@ impl<E: Exec> Fops<E> {
                     .await?,
             ),
             Q::Opendir(r) => A::Opendir(self.opendir(session, creds, &r.gfid).await?),
+            Q::Lease(r) => A::Lease(self.lease(session, r).await?),
             fd_fop => self.execute_on_fd(session, creds, fd_fop).await?,
         })
     }

@@ -1,5 +1,7 @@
 //! One endpoint's connections: admission (limits, `auth.allow`), HELLO, then one task per
-//! call stream, each fop run as the squashed caller on the connection's session.
+//! call stream, each fop run as the squashed caller on the connection's session, and one
+//! unidirectional stream per event (RECALL) the brick pushes to a session that negotiated
+//! leases.
 
 use std::collections::BTreeMap;
 use std::rc::Rc;
@@ -9,7 +11,8 @@ use std::time::Duration;
 use kiln_admin::pki;
 use kiln_wire::quic::{self, CloseCode, StreamCode};
 use kiln_wire::{
-    Call, CallCode, ErrorCode, HelloReply, Message, Outcome, PROTOCOL_VERSION, Reply, Request,
+    Call, CallCode, Capabilities, ErrorCode, Event, HelloReply, Message, Outcome, PROTOCOL_VERSION,
+    Recall, Reply, Request,
 };
 use tokio::sync::watch;
 use tokio::task::JoinSet;
@@ -18,6 +21,7 @@ use super::access::{Admission, Full};
 use super::{HELLO_TIMEOUT, LiveConfig, ORPHAN_CALL_GRACE};
 use crate::engine::{Engine, LocalEngine};
 use crate::fdtable::SessionId;
+use crate::leases::RecallEvents;
 
 /// What every connection of one endpoint shares.
 pub(super) struct Context {
@@ -153,12 +157,15 @@ async fn serve_connection(incoming: quinn::Incoming, context: Rc<Context>) {
             return;
         }
     };
-    if let Err((code, reason)) = handshake(&connection, &live.hello, None).await {
-        tracing::warn!(%remote, %client, %reason, "connection closed at HELLO");
-        connection.close(code.into(), reason.as_bytes());
-        return;
-    }
-    tracing::debug!(%remote, %client, "session open");
+    let capabilities = match handshake(&connection, &live.hello, None).await {
+        Ok(capabilities) => capabilities,
+        Err((code, reason)) => {
+            tracing::warn!(%remote, %client, %reason, "connection closed at HELLO");
+            connection.close(code.into(), reason.as_bytes());
+            return;
+        }
+    };
+    tracing::debug!(%remote, %client, ?capabilities, "session open");
     let session = Rc::new(Session {
         local: context.local.clone(),
         id: context.local.open_session(),
@@ -177,8 +184,12 @@ async fn serve_connection(incoming: quinn::Incoming, context: Rc<Context>) {
         serial,
         connection: connection.clone(),
     };
+    // Attached before the first call: a LEASE may come next.
+    let events = capabilities
+        .contains(Capabilities::LEASES)
+        .then(|| context.local.leases().attach(session.id));
     context.connections.lock().insert(session.id, connected);
-    serve_session(&connection, session, &context).await;
+    serve_session(&connection, session, events, &context).await;
     drop(admitted);
 }
 
@@ -232,11 +243,17 @@ fn admit(
         })
 }
 
-/// Serves the session's calls until the connection ends or the brick shuts down, then
-/// ends the session.
-async fn serve_session(connection: &quinn::Connection, session: Rc<Session>, context: &Context) {
+/// Serves the session's calls (and pushes its events) until the connection ends or the
+/// brick shuts down, then ends the session.
+async fn serve_session(
+    connection: &quinn::Connection,
+    session: Rc<Session>,
+    mut events: Option<RecallEvents>,
+    context: &Context,
+) {
     let mut shutdown = context.shutdown.clone();
     let mut calls = JoinSet::new();
+    let mut pushes = JoinSet::new();
     let grace = loop {
         tokio::select! {
             stream = connection.accept_bi() => match stream {
@@ -248,10 +265,16 @@ async fn serve_session(connection: &quinn::Connection, session: Rc<Session>, con
                     break None;
                 }
             },
+            Some(recall) = next_event(&mut events), if pushes.len() < EVENT_PUSHES_MAX => {
+                let timeout = context.local.leases().settings().recall_timeout;
+                pushes.spawn_local(push_recall(connection.clone(), recall, timeout));
+            }
+            Some(_) = pushes.join_next(), if !pushes.is_empty() => {}
             Some(_) = calls.join_next(), if !calls.is_empty() => {}
             grace = shutdown.wait_for(Option::is_some) => break grace.ok().and_then(|g| *g),
         }
     };
+    pushes.abort_all();
     // Calls in flight finish (and reply, if the client is still there) before the session's
     // files are closed; lock waits stop at once, and a call still running after the grace
     // period is dropped.
@@ -273,6 +296,37 @@ async fn serve_session(connection: &quinn::Connection, session: Rc<Session>, con
     }
 }
 
+/// Events pushed at once on one connection: as many as a client accepts streams for.
+const EVENT_PUSHES_MAX: usize = quic::EVENT_STREAMS_MAX as usize;
+
+/// The session's next event, if it negotiated events; pending forever otherwise.
+async fn next_event(events: &mut Option<RecallEvents>) -> Option<Recall> {
+    match events {
+        Some(events) => events.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Sends one RECALL on a unidirectional stream of its own, giving up after `timeout` (the
+/// recall's own deadline: by then the lease is revoked anyway). A client that does not take
+/// it is one that does not answer: its lease is revoked when the recall runs out.
+async fn push_recall(connection: quinn::Connection, recall: Recall, timeout: Duration) {
+    let gfid = recall.gfid;
+    let push = async {
+        let mut send = connection
+            .open_uni()
+            .await
+            .map_err(quinn::WriteError::ConnectionLost)?;
+        quic::write_message(&mut send, &Message::Event(Event::Recall(recall))).await?;
+        Ok::<_, quic::StreamError>(())
+    };
+    match tokio::time::timeout(timeout, push).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::debug!(%gfid, error = %e, "recall not delivered"),
+        Err(_) => tracing::debug!(%gfid, "recall not delivered in time"),
+    }
+}
+
 /// A refusal at HELLO: the error the HELLO gets, then the close code and reason.
 type Refusal = (ErrorCode, CloseCode, String);
 
@@ -287,14 +341,15 @@ fn peer_identity(connection: &quinn::Connection) -> Option<(String, String)> {
     Some((pki::peer_name(cert)?, pki::peer_serial(cert)?))
 }
 
-/// Answers the connection's first call, which must be HELLO. A refusal (`refused`, or a
-/// version the brick does not speak) is answered with an error reply that reaches the client
-/// before the connection is closed with the refusal's code and reason.
+/// Answers the connection's first call, which must be HELLO, with the capabilities both ends
+/// offer; returns them. A refusal (`refused`, or a version the brick does not speak) is
+/// answered with an error reply that reaches the client before the connection is closed with
+/// the refusal's code and reason.
 async fn handshake(
     connection: &quinn::Connection,
     hello_reply: &HelloReply,
     refused: Option<Refusal>,
-) -> Result<(), (CloseCode, String)> {
+) -> Result<Capabilities, (CloseCode, String)> {
     let protocol = |reason: String| (CloseCode::Protocol, reason);
     let (mut send, mut recv) = tokio::time::timeout(HELLO_TIMEOUT, connection.accept_bi())
         .await
@@ -307,6 +362,7 @@ async fn handshake(
     let read = tokio::time::timeout(HELLO_TIMEOUT, quic::read_message(&mut recv))
         .await
         .map_err(|_| protocol("no HELLO in time".to_owned()))?;
+    let mut capabilities = Capabilities::NONE;
     let (id, outcome, refusal) = match read {
         Ok(Message::Request(Request {
             id,
@@ -322,7 +378,14 @@ async fn handshake(
                 ))),
             ),
             (Ok(_), Some((code, close, reason))) => (id, error(code), Some((close, reason))),
-            (Ok(_), None) => (id, Outcome::Hello(hello_reply.clone()), None),
+            (Ok(_), None) => {
+                capabilities = hello_reply.capabilities.intersection(hello.capabilities);
+                let reply = HelloReply {
+                    capabilities,
+                    ..hello_reply.clone()
+                };
+                (id, Outcome::Hello(reply), None)
+            }
         },
         // A frame of another version still gets an answer this brick can write.
         Err(quic::StreamError::Decode(e @ kiln_wire::DecodeError::UnsupportedVersion(_))) => (
@@ -337,7 +400,7 @@ async fn handshake(
         .await
         .map_err(|e| protocol(e.to_string()))?;
     let Some((close, reason)) = refusal else {
-        return Ok(());
+        return Ok(capabilities);
     };
     // Closing discards unsent data: let the answer arrive first (bounded).
     let _ = tokio::time::timeout(HELLO_TIMEOUT, send.stopped()).await;
@@ -373,11 +436,19 @@ async fn serve_call(
             }
         }
         Call::Ping(ping) => Outcome::Ping(ping),
-        // Not offered in HELLO yet.
-        Call::Batch(_) => Outcome::Error {
-            call: CallCode::Batch,
-            error: ErrorCode::NotSupported,
-        },
+        Call::Batch(mut batch) => {
+            batch.creds = read(&session.live)
+                .config
+                .root_squash
+                .apply(&session.client, batch.creds);
+            match session.local.batch(session.id, batch).await {
+                Ok(reply) => Outcome::Batch(reply),
+                Err(error) => Outcome::Error {
+                    call: CallCode::Batch,
+                    error,
+                },
+            }
+        }
         Call::Hello(_) => Outcome::Error {
             call: CallCode::Hello,
             error: ErrorCode::Inval,

@@ -12,10 +12,13 @@
 //!   name must be under their connection limits. Calls from a client not trusted with root
 //!   (`server.root-allow`) run with uid and gid 0 squashed. Refusals are logged with the
 //!   reason and told to the client at HELLO.
-//! * **Per connection** ([`connection`]). One session (its own fd table and locks, released
-//!   when the connection ends), HELLO first, then one stream per call, at most `inflight_max`
-//!   at once (QUIC stream credit is the backpressure), each request whole within the request
-//!   timeout. A frame that does not decode resets its own stream only.
+//! * **Per connection** ([`connection`]). One session (its own fd table, locks and leases,
+//!   released when the connection ends), HELLO first (capabilities: `LEASES` when the client
+//!   offers it), then one stream per call, at most `inflight_max` at once (QUIC stream credit
+//!   is the backpressure), each request whole within the request timeout; a BATCH runs its
+//!   fops in order as that many calls. A frame that does not decode resets its own stream
+//!   only. RECALL events go out on unidirectional streams, one each, at most as many at once
+//!   as a client accepts.
 //! * **Shutdown.** [`Server::shutdown`] stops accepting, lets every call in flight finish and
 //!   reply, ends the sessions and closes connections with a reason.
 
@@ -157,7 +160,8 @@ impl Server {
     ) -> Result<Server, ServerError> {
         let hello = HelloReply {
             version: PROTOCOL_VERSION,
-            capabilities: Capabilities::NONE,
+            // Intersected with each client's offer at its HELLO.
+            capabilities: Capabilities::LEASES,
             brick_id,
             volume: Label::new(config.volume.clone().into_bytes())?,
             limits: Limits {

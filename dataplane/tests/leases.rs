@@ -1,0 +1,444 @@
+//! Directory leases and BATCH on the engine (`docs/wire.md`, "Leases"), per engine: the grant
+//! rules, a conflicting fop held until the holder gives its lease back (the holder told by a
+//! RECALL), revocation after the timeout and ESTALE until the holder asks again, leases
+//! dropped with their session and their directory, and BATCH's order and per-fop results.
+//! Every wait is bounded.
+
+mod common;
+
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use common::*;
+use kiln_dataplane::leases::{LeaseSettings, RecallEvents};
+use kiln_dataplane::{EngineKind, FopsConfig, Session};
+use kiln_wire::*;
+
+per_engine!(
+    grants_follow_the_rules,
+    a_conflicting_fop_waits_until_the_holder_gives_the_lease_back,
+    an_fd_fop_conflicts_through_its_fd,
+    a_holder_that_does_not_answer_is_revoked_and_gets_estale_until_it_asks_again,
+    a_session_end_releases_its_leases,
+    a_removed_directory_takes_its_leases_along,
+    batch_runs_in_order_and_answers_each_fop,
+    leases_off_answers_none_and_switches_live,
+);
+
+/// How long a bounded wait may take before the test fails.
+const BOUND: Duration = Duration::from_secs(10);
+/// How long a held fop must stay held to count as held.
+const HELD: Duration = Duration::from_millis(200);
+
+fn harness(kind: EngineKind, recall_timeout: Duration) -> Harness {
+    let leases = LeaseSettings {
+        enabled: true,
+        recall_timeout,
+        contention: Duration::ZERO,
+    };
+    Harness::with(
+        kind,
+        FopsConfig {
+            leases,
+            ..FopsConfig::default()
+        },
+    )
+}
+
+async fn bounded<T>(what: &str, fut: impl Future<Output = T>) -> T {
+    match tokio::time::timeout(BOUND, fut).await {
+        Ok(v) => v,
+        Err(_) => panic!("{what}: not done within {BOUND:?}"),
+    }
+}
+
+async fn lease(s: &Session, gfid: Gfid, kind: LeaseKind) -> Result<LeaseKind, ErrorCode> {
+    match s.call(root(), Lease { gfid, kind }.into()).await? {
+        FopReply::Lease(r) => Ok(r.kind),
+        other => panic!("LEASE answered {other:?}"),
+    }
+}
+
+fn lookup(parent: Gfid, n: &str) -> FopRequest {
+    Lookup {
+        parent,
+        name: name(n),
+    }
+    .into()
+}
+
+fn put(h: &Harness, parent: Gfid, n: &str) -> FopRequest {
+    Put {
+        parent,
+        name: name(n),
+        gfid: h.gfid(),
+        mode: mode(0o644),
+        umask: mode(0),
+        flags: OpenFlags::empty(),
+        data: Payload::new(Bytes::from_static(b"data")).expect("small"),
+        attr: SetAttr::default(),
+    }
+    .into()
+}
+
+fn mkdir(h: &Harness, parent: Gfid, n: &str) -> (Gfid, FopRequest) {
+    let gfid = h.gfid();
+    let fop = Mkdir {
+        parent,
+        name: name(n),
+        gfid,
+        mode: mode(0o755),
+        umask: mode(0),
+    };
+    (gfid, fop.into())
+}
+
+/// The next RECALL on `events`, within the bound.
+async fn recall(events: &mut RecallEvents) -> Recall {
+    bounded("a RECALL", events.recv())
+        .await
+        .expect("the event queue is open")
+}
+
+/// Asserts that `fop` is still held after [`HELD`].
+async fn still_held<F: Future + Unpin>(what: &str, fop: &mut F) {
+    if tokio::time::timeout(HELD, fop).await.is_ok() {
+        panic!("{what} ran while a conflicting lease was out");
+    }
+}
+
+fn grants_follow_the_rules(kind: EngineKind) {
+    let h = harness(kind, BOUND);
+    let d = h.mkdir(Gfid::ROOT, "d").expect("mkdir");
+    let f = h.put(d, "f", b"x").expect("put");
+    let (a, _qa) = h.engine.lease_session();
+    let (b, _qb) = h.engine.lease_session();
+    let plain = h.engine.session();
+    let leases = h.engine.leases();
+    h.rt.block_on(async {
+        assert!(!leases.is_armed(), "no lease: fops pass unchecked");
+        assert_eq!(lease(&a, d, LeaseKind::Read).await, Ok(LeaseKind::Read));
+        assert!(leases.is_armed());
+        assert_eq!(lease(&b, d, LeaseKind::Read).await, Ok(LeaseKind::Read));
+        assert_eq!(
+            lease(&b, d, LeaseKind::Write).await,
+            Ok(LeaseKind::Read),
+            "no write lease while another session reads"
+        );
+        assert_eq!(lease(&a, d, LeaseKind::None).await, Ok(LeaseKind::None));
+        assert_eq!(lease(&b, d, LeaseKind::Write).await, Ok(LeaseKind::Write));
+        assert_eq!(lease(&a, d, LeaseKind::Read).await, Ok(LeaseKind::None));
+        assert_eq!(lease(&b, d, LeaseKind::Read).await, Ok(LeaseKind::Read));
+        assert_eq!(lease(&b, d, LeaseKind::None).await, Ok(LeaseKind::None));
+        assert!(!leases.is_armed(), "every lease back: unchecked again");
+        assert_eq!(
+            lease(&a, f, LeaseKind::Read).await,
+            Err(ErrorCode::NotDir),
+            "a lease is on a directory"
+        );
+        assert_eq!(
+            lease(&a, h.gfid(), LeaseKind::Read).await,
+            Err(ErrorCode::Stale)
+        );
+        assert_eq!(
+            lease(&plain, d, LeaseKind::Read).await,
+            Err(ErrorCode::NotSupported),
+            "a session that did not negotiate leases"
+        );
+        let batch = Batch::new(root());
+        assert_eq!(plain.batch(batch).await, Err(ErrorCode::NotSupported));
+    });
+    assert_eq!(leases.stats().grants, 3);
+    assert_eq!(leases.stats().held, 0);
+}
+
+fn a_conflicting_fop_waits_until_the_holder_gives_the_lease_back(kind: EngineKind) {
+    let h = harness(kind, BOUND);
+    let d = h.mkdir(Gfid::ROOT, "d").expect("mkdir");
+    let (a, mut events) = h.engine.lease_session();
+    let (b, _qb) = h.engine.lease_session();
+    let put_d = put(&h, d, "new");
+    h.rt.block_on(async {
+        assert_eq!(lease(&a, d, LeaseKind::Read).await, Ok(LeaseKind::Read));
+        // A read lease shares reads: no recall.
+        let found = b.call(root(), lookup(d, "missing")).await;
+        assert_eq!(found, Err(ErrorCode::NoEnt));
+        assert!(
+            events.try_recv().is_err(),
+            "a read conflicts with no read lease"
+        );
+        // A change is held until the lease is back.
+        let mut change = Box::pin(b.call(root(), put_d));
+        still_held("a PUT under another session's read lease", &mut change).await;
+        assert_eq!(
+            recall(&mut events).await,
+            Recall {
+                gfid: d,
+                kind: LeaseKind::None
+            }
+        );
+        // The holder may still work in its directory while it flushes.
+        let own = a.call(root(), lookup(d, "missing")).await;
+        assert_eq!(own, Err(ErrorCode::NoEnt), "the holder's own fops pass");
+        still_held("the PUT", &mut change).await;
+        assert_eq!(lease(&a, d, LeaseKind::None).await, Ok(LeaseKind::None));
+        bounded("the held PUT", change).await.expect("put");
+        assert!(events.try_recv().is_err(), "one recall");
+    });
+    assert_eq!(h.lookup(d, "new").map(|_| ()), Ok(()));
+    let stats = h.engine.leases().stats();
+    assert_eq!((stats.recalls, stats.returns, stats.waits), (1, 1, 1));
+}
+
+fn an_fd_fop_conflicts_through_its_fd(kind: EngineKind) {
+    let h = harness(kind, BOUND);
+    let d = h.mkdir(Gfid::ROOT, "d").expect("mkdir");
+    h.put(d, "f", b"x").expect("put");
+    let (a, mut events) = h.engine.lease_session();
+    let (b, _qb) = h.engine.lease_session();
+    h.rt.block_on(async {
+        // Opened before any lease: the fd is the only thing that names d later.
+        let FopReply::Opendir(o) = b
+            .call(root(), Opendir { gfid: d }.into())
+            .await
+            .expect("opendir")
+        else {
+            panic!("OPENDIR reply")
+        };
+        assert_eq!(lease(&a, d, LeaseKind::Write).await, Ok(LeaseKind::Write));
+        let size = ReaddirSize::new(4096).expect("size");
+        let readdir = Readdir {
+            fd: o.fd,
+            offset: 0,
+            size,
+        };
+        let mut list = Box::pin(b.call(root(), readdir.into()));
+        still_held("a READDIR under another session's write lease", &mut list).await;
+        assert_eq!(recall(&mut events).await.gfid, d);
+        assert_eq!(lease(&a, d, LeaseKind::Read).await, Ok(LeaseKind::Read));
+        // A read lease does not conflict with reading: the downgrade is enough.
+        let FopReply::Readdir(r) = bounded("the held READDIR", list).await.expect("readdir") else {
+            panic!("READDIR reply")
+        };
+        assert!(r.entries.iter().any(|e| e.name.as_bytes() == b"f"));
+    });
+}
+
+fn a_holder_that_does_not_answer_is_revoked_and_gets_estale_until_it_asks_again(kind: EngineKind) {
+    let timeout = Duration::from_millis(300);
+    let h = harness(kind, timeout);
+    let d = h.mkdir(Gfid::ROOT, "d").expect("mkdir");
+    let e = h.mkdir(Gfid::ROOT, "e").expect("mkdir");
+    let (a, mut events) = h.engine.lease_session();
+    let (b, _qb) = h.engine.lease_session();
+    h.rt.block_on(async {
+        assert_eq!(lease(&a, d, LeaseKind::Write).await, Ok(LeaseKind::Write));
+        assert_eq!(lease(&a, e, LeaseKind::Write).await, Ok(LeaseKind::Write));
+        let start = Instant::now();
+        let found = bounded(
+            "a LOOKUP held by a silent holder",
+            b.call(root(), lookup(d, "x")),
+        )
+        .await;
+        assert_eq!(found, Err(ErrorCode::NoEnt), "it ran after the revocation");
+        assert!(
+            start.elapsed() >= timeout - Duration::from_millis(20),
+            "it waited for the recall to run out ({:?})",
+            start.elapsed()
+        );
+        assert_eq!(recall(&mut events).await.gfid, d);
+        // The holder's fops touching d fail; elsewhere they work.
+        assert_eq!(a.call(root(), lookup(d, "x")).await, Err(ErrorCode::Stale));
+        assert_eq!(
+            a.call(root(), Stat { gfid: d }.into()).await.map(drop),
+            Err(ErrorCode::Stale)
+        );
+        let (_, mkdir_d) = mkdir(&h, d, "late");
+        assert_eq!(
+            a.call(root(), mkdir_d).await.map(drop),
+            Err(ErrorCode::Stale),
+            "a change meant for under the lease fails instead of landing late"
+        );
+        assert_eq!(a.call(root(), lookup(e, "x")).await, Err(ErrorCode::NoEnt));
+        // Asking again (any kind) ends it.
+        assert_eq!(lease(&a, d, LeaseKind::None).await, Ok(LeaseKind::None));
+        assert_eq!(a.call(root(), lookup(d, "x")).await, Err(ErrorCode::NoEnt));
+    });
+    assert!(h.lookup(d, "late").is_err(), "the late MKDIR never ran");
+    let stats = h.engine.leases().stats();
+    assert_eq!((stats.revocations, stats.held), (1, 1));
+}
+
+fn a_session_end_releases_its_leases(kind: EngineKind) {
+    let h = harness(kind, BOUND);
+    let d = h.mkdir(Gfid::ROOT, "d").expect("mkdir");
+    let (a, mut events) = h.engine.lease_session();
+    let (b, _qb) = h.engine.lease_session();
+    let (_, mkdir_d) = mkdir(&h, d, "sub");
+    h.rt.block_on(async {
+        assert_eq!(lease(&a, d, LeaseKind::Write).await, Ok(LeaseKind::Write));
+        let mut change = Box::pin(b.call(root(), mkdir_d));
+        still_held("a MKDIR under another session's write lease", &mut change).await;
+        assert_eq!(recall(&mut events).await.gfid, d);
+        drop(a);
+        bounded("the MKDIR after the holder's session ended", change)
+            .await
+            .expect("mkdir");
+    });
+    assert_eq!(h.engine.leases().stats().held, 0);
+    assert!(!h.engine.leases().is_armed());
+}
+
+fn a_removed_directory_takes_its_leases_along(kind: EngineKind) {
+    let h = harness(kind, BOUND);
+    let d = h.mkdir(Gfid::ROOT, "d").expect("mkdir");
+    let sub = h.mkdir(d, "sub").expect("mkdir");
+    let target = h.mkdir(d, "target").expect("mkdir");
+    h.mkdir(d, "source").expect("mkdir");
+    let (a, _qa) = h.engine.lease_session();
+    let (b, mut events_b) = h.engine.lease_session();
+    let rmdir = Rmdir {
+        parent: d,
+        name: name("sub"),
+    };
+    let rename = Rename {
+        old_parent: d,
+        old_name: name("source"),
+        new_parent: d,
+        new_name: name("target"),
+        mode: RenameMode::Replace,
+    };
+    h.rt.block_on(async {
+        // Its own lease does not hold the remover back; the removal ends it.
+        assert_eq!(lease(&a, sub, LeaseKind::Read).await, Ok(LeaseKind::Read));
+        a.call(root(), rmdir.into()).await.expect("rmdir");
+        assert_eq!(h.engine.leases().stats().held, 0);
+        assert_eq!(lease(&a, sub, LeaseKind::Read).await, Err(ErrorCode::Stale));
+        // Another session's lease on the directory a RENAME replaces is recalled first.
+        assert_eq!(
+            lease(&b, target, LeaseKind::Read).await,
+            Ok(LeaseKind::Read)
+        );
+        let mut replace = Box::pin(a.call(root(), rename.into()));
+        still_held("a RENAME over a leased directory", &mut replace).await;
+        assert_eq!(recall(&mut events_b).await.gfid, target);
+        assert_eq!(
+            lease(&b, target, LeaseKind::None).await,
+            Ok(LeaseKind::None)
+        );
+        bounded("the held RENAME", replace).await.expect("rename");
+    });
+    assert_eq!(h.engine.leases().stats().held, 0);
+    assert!(!h.engine.leases().is_armed());
+}
+
+fn batch_runs_in_order_and_answers_each_fop(kind: EngineKind) {
+    let h = harness(kind, BOUND);
+    h.engine.profile().set(true, false);
+    let (a, _qa) = h.engine.lease_session();
+    let (d, mkdir_d) = mkdir(&h, Gfid::ROOT, "d");
+    let (_, mkdir_again) = mkdir(&h, Gfid::ROOT, "d");
+    let mut batch = Batch::new(root());
+    for fop in [
+        mkdir_d,
+        mkdir_again,
+        put(&h, d, "f"),
+        lookup(d, "f"),
+        Unlink {
+            parent: d,
+            name: name("missing"),
+        }
+        .into(),
+        Lease {
+            gfid: d,
+            kind: LeaseKind::Write,
+        }
+        .into(),
+        put(&h, d, "g"),
+    ] {
+        batch.push(fop).expect("batchable");
+    }
+    let reply =
+        h.rt.block_on(bounded("a BATCH", a.batch(batch)))
+            .expect("batch");
+    let results = reply.results;
+    assert_eq!(results.len(), 7, "one result per fop");
+    assert!(
+        matches!(results[0], Ok(FopReply::Mkdir(_))),
+        "{:?}",
+        results[0]
+    );
+    assert_eq!(results[1].clone().map(drop), Err(ErrorCode::Exist));
+    let Ok(FopReply::Put(made)) = &results[2] else {
+        panic!("PUT: {:?}", results[2])
+    };
+    let Ok(FopReply::Lookup(found)) = &results[3] else {
+        panic!("LOOKUP after the PUT in the same batch: {:?}", results[3])
+    };
+    assert_eq!(found.iatt.gfid, made.iatt.gfid, "in order");
+    assert_eq!(results[4].clone().map(drop), Err(ErrorCode::NoEnt));
+    assert!(
+        matches!(
+            results[5],
+            Ok(FopReply::Lease(LeaseReply {
+                kind: LeaseKind::Write
+            }))
+        ),
+        "{:?}",
+        results[5]
+    );
+    assert!(
+        matches!(results[6], Ok(FopReply::Put(_))),
+        "a failure stops nothing"
+    );
+    let back = h.rt.block_on(lease(&a, d, LeaseKind::None));
+    assert_eq!(back, Ok(LeaseKind::None));
+    assert_eq!(h.list(d).expect("list"), ["f", "g"]);
+    let report = h.engine.profile().report();
+    let calls = |fop: &str| {
+        report
+            .fops
+            .iter()
+            .find(|f| f.fop == fop)
+            .map_or(0, |f| f.calls)
+    };
+    assert_eq!(
+        (
+            calls("MKDIR"),
+            calls("PUT"),
+            calls("LOOKUP"),
+            calls("UNLINK"),
+            calls("LEASE")
+        ),
+        (2, 2, 1, 1, 2),
+        "each batched fop counted as itself"
+    );
+}
+
+fn leases_off_answers_none_and_switches_live(kind: EngineKind) {
+    let h = harness(kind, BOUND);
+    let d = h.mkdir(Gfid::ROOT, "d").expect("mkdir");
+    let leases = h.engine.leases();
+    let on = leases.settings();
+    leases.set_settings(LeaseSettings {
+        enabled: false,
+        ..on
+    });
+    let (a, _qa) = h.engine.lease_session();
+    h.rt.block_on(async {
+        assert_eq!(lease(&a, d, LeaseKind::Write).await, Ok(LeaseKind::None));
+        leases.set_settings(on);
+        assert_eq!(lease(&a, d, LeaseKind::Write).await, Ok(LeaseKind::Write));
+        leases.set_settings(LeaseSettings {
+            enabled: false,
+            ..on
+        });
+        assert_eq!(
+            lease(&a, d, LeaseKind::Read).await,
+            Ok(LeaseKind::None),
+            "off: what is held is given back"
+        );
+    });
+    assert_eq!(leases.stats().held, 0);
+}
