@@ -16,7 +16,7 @@ use kiln_admin::pki::{self, Role};
 use kiln_client::{BrickClient, ConnectOptions};
 use kiln_dataplane::engine::{Engine, EngineConfig, EngineKind, LocalEngine, Session};
 use kiln_dataplane::server::{Server, ServerConfig};
-use kiln_dataplane::{Brick, FopsConfig, SessionId};
+use kiln_dataplane::{Brick, SessionId};
 use kiln_wire::{Creds, FopReply, FopRequest, Gfid};
 
 use crate::rng::Rng;
@@ -25,29 +25,51 @@ use crate::rng::Rng;
 const CLIENT_NAME: &str = "bench";
 const BRICK_NAME: &str = "bench-brick";
 
-/// Formats `path` as a brick, opens it and starts an engine of `kind` on it. The blocking
-/// engine gets one pool thread per fop in flight (`depth`, capped); `open_max` bounds the
-/// files one session may hold open.
-pub fn start_engine(
-    path: &Path,
-    kind: EngineKind,
-    depth: usize,
-    open_max: usize,
-) -> anyhow::Result<(Arc<Brick>, Engine)> {
-    Brick::format(path)?;
+/// The engine of `kind` the workloads compare: the io_uring engine as `kiln-brickd` runs it
+/// (one worker per core, and the blocking pool they share for calls io_uring has no opcode
+/// for); the blocking engine with as many pool threads as the io_uring engine has threads in
+/// all ([`threads_total`]), so neither engine wins by having more threads.
+pub fn engine_config(kind: EngineKind) -> EngineConfig {
     let mut config = EngineConfig {
         kind,
-        fops: FopsConfig {
-            open_files_per_client_max: open_max,
-            ..FopsConfig::default()
-        },
         ..EngineConfig::default()
     };
     if kind == EngineKind::Blocking {
-        // The reference thread pool gets one thread per fop in flight (capped).
-        config.workers = depth.clamp(2, 64);
+        config.workers = threads_total(&EngineConfig::default());
     }
-    open_engine(path, &config)
+    config
+}
+
+/// Threads an engine of `config` runs fops on: the ring workers, or the blocking pool (the
+/// blocking engine's network thread runs no fops).
+pub fn fop_threads(config: &EngineConfig) -> usize {
+    config.workers
+}
+
+/// Every thread an engine of `config` runs fops or their system calls on: the ring workers
+/// and their blocking pool, or the blocking engine's pool. io_uring's io-wq threads are not
+/// counted: the kernel starts them as it punts work, and they are not the engine's to size.
+pub fn threads_total(config: &EngineConfig) -> usize {
+    match config.kind {
+        EngineKind::Uring => config.workers + config.ring.blocking_threads,
+        EngineKind::Blocking => config.workers,
+    }
+}
+
+/// `params` with the thread counts of an engine of `config` added: `threads` (those running
+/// fops) and, for the io_uring engine, `pool_threads` (its blocking pool).
+pub fn with_threads(mut params: serde_json::Value, config: &EngineConfig) -> serde_json::Value {
+    params["threads"] = fop_threads(config).into();
+    if config.kind == EngineKind::Uring {
+        params["pool_threads"] = config.ring.blocking_threads.into();
+    }
+    params
+}
+
+/// Formats `path` as a brick, opens it and starts an engine of `config` on it.
+pub fn start_engine(path: &Path, config: &EngineConfig) -> anyhow::Result<(Arc<Brick>, Engine)> {
+    Brick::format(path)?;
+    open_engine(path, config)
 }
 
 /// Opens an existing brick and starts a fresh engine on it (empty caches and fd tables).
@@ -348,6 +370,24 @@ mod tests {
         let config = applied("storage.fsync-policy", "write-through");
         assert!(config.fops.write_through);
         assert_eq!(VARIABLE_OPTIONS.len(), 6, "each one is applied above");
+    }
+
+    #[test]
+    fn the_blocking_engine_gets_every_thread_of_the_ring_engine() {
+        let ring = engine_config(EngineKind::Uring);
+        let blocking = engine_config(EngineKind::Blocking);
+        assert_eq!(ring.workers, EngineConfig::default().workers);
+        assert_eq!(
+            fop_threads(&blocking),
+            ring.workers + ring.ring.blocking_threads
+        );
+        assert_eq!(threads_total(&blocking), threads_total(&ring));
+        let params = with_threads(serde_json::json!({ "depth": 16 }), &ring);
+        assert_eq!(params["threads"], ring.workers);
+        assert_eq!(params["pool_threads"], ring.ring.blocking_threads);
+        let params = with_threads(serde_json::json!({ "depth": 16 }), &blocking);
+        assert_eq!(params["threads"], threads_total(&ring));
+        assert!(params.get("pool_threads").is_none());
     }
 
     #[test]

@@ -1,27 +1,50 @@
-//! `kiln-bench engine`: the brick engine called directly (no network), against a plain
-//! single-thread `std::fs` loop on the same file system.
+//! `kiln-bench engine`: the brick engine called directly (no network), against plain
+//! `std::fs` loops with as many threads on the same file system.
 //!
 //! Phases, each over `files` files spread across `dirs` directories: create (PUT: create +
 //! 4 KiB write + close), stat (LOOKUP by name), open/close (OPEN + RELEASE), unlink — at each
-//! queue depth (fops in flight), for the io_uring engine and the blocking engine. Then an
-//! open-latency sweep: p50/p99 of one more open while N files are already held open (the
-//! sweep of `kiln-bench openfds`, for std::fs and both engines).
+//! queue depth (fops in flight), on three targets, each on a fresh brick:
+//!
+//! * `uring` — the io_uring engine as `kiln-brickd` runs it: one worker per core (`threads`)
+//!   and the blocking pool they share (`pool_threads`), driven by tasks on the workers' own
+//!   threads as the QUIC server drives it. A worker with nothing else in flight runs a chain
+//!   of quick steps as plain system calls (`RingConfig::idle_inline`).
+//! * `uring-ring` — the same with `idle_inline` off: every chain goes to the ring.
+//! * `blocking` — the blocking engine, its pool as many threads as the io_uring engine has
+//!   in all (workers + pool), called from this thread.
+//!
+//! The reference, `std_loop`, does the same operations as `std::fs` calls (create + write +
+//! close, `symlink_metadata`, open + close, `remove_file`) on OS threads, one operation in
+//! flight each: at each depth once per thread count the targets need, one thread per fop in
+//! flight up to the target's `threads` ([`std_loop::threads_for`]). Each target's ratio is
+//! against the std row of its thread count at the same depth, measured just before it.
+//!
+//! After each depth an `engine.placement` note per phase puts the targets' ops/s side by side
+//! with where each io_uring target's work ran, per file of the phase (its ring counters):
+//! chains run inline on an idle worker, chains that went to the ring, calls on the blocking
+//! pool, `io_uring_enter` calls. Then an open-latency sweep: p50/p99 of one more open while N
+//! files are already held open (the sweep of `kiln-bench openfds`, for std::fs and both
+//! engines).
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context;
 use bytes::Bytes;
 use hdrhistogram::Histogram;
-use kiln_dataplane::engine::{Engine, EngineKind};
+use kiln_admin::control::RingStats;
+use kiln_dataplane::engine::{Engine, EngineConfig, EngineKind};
 use kiln_wire::*;
+use serde::Serialize;
 use serde_json::json;
 
-use crate::bricks::{Destination, start_engine};
+use crate::bricks::{Destination, engine_config, fop_threads, start_engine, with_threads};
 use crate::openfds;
 use crate::progress::Progress;
 use crate::report::{Record, Reporter, micros};
 use crate::scratch::Scratch;
+use crate::std_loop;
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -36,6 +59,64 @@ pub struct EngineBench {
 }
 
 const PHASES: [&str; 4] = ["create", "stat", "open_close", "unlink"];
+
+/// An engine as this workload runs it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Target {
+    Blocking,
+    Uring,
+    /// The io_uring engine with `idle_inline` off.
+    UringRing,
+}
+
+impl Target {
+    const ALL: [Target; 3] = [Target::Blocking, Target::Uring, Target::UringRing];
+
+    fn name(self) -> &'static str {
+        match self {
+            Target::Blocking => "blocking",
+            Target::Uring => "uring",
+            Target::UringRing => "uring-ring",
+        }
+    }
+
+    /// The engine, a session holding at most `open_max` files open.
+    fn config(self, open_max: usize) -> EngineConfig {
+        let mut config = match self {
+            Target::Blocking => engine_config(EngineKind::Blocking),
+            Target::Uring | Target::UringRing => engine_config(EngineKind::Uring),
+        };
+        config.ring.idle_inline = self != Target::UringRing;
+        config.fops.open_files_per_client_max = open_max;
+        config
+    }
+}
+
+/// Where the io_uring engine ran a phase's work, per file of the phase (from its ring
+/// counters; an open_close file is two fops, OPEN and RELEASE).
+#[derive(Debug, Clone, Copy, Serialize)]
+struct Placement {
+    /// Chains of quick steps run as plain system calls by an otherwise idle worker.
+    inline_chains: f64,
+    /// Chains that went to the ring as linked SQEs.
+    ring_chains: f64,
+    /// Calls run on the blocking pool.
+    pool_calls: f64,
+    /// `io_uring_enter` calls.
+    enters: f64,
+}
+
+impl Placement {
+    fn between(before: &RingStats, after: &RingStats, files: usize) -> Placement {
+        let per_file = |after: u64, before: u64| (after - before) as f64 / files.max(1) as f64;
+        Placement {
+            inline_chains: per_file(after.idle_chains, before.idle_chains),
+            ring_chains: per_file(after.chains, before.chains),
+            pool_calls: per_file(after.pool_jobs, before.pool_jobs),
+            enters: per_file(after.enters, before.enters),
+        }
+    }
+}
 
 fn name(i: usize) -> Name {
     Name::new(format!("f{i:07}")).unwrap_or_else(|_| unreachable!("short ascii name"))
@@ -53,81 +134,107 @@ fn root() -> Creds {
     Creds::root()
 }
 
-/// The std loop: one thread, plain syscalls, the same files.
+/// One phase of the std loop on `threads` threads over the files under `base`.
 fn std_phase(
     base: &std::path::Path,
     phase: &str,
     files: usize,
     dirs: usize,
+    threads: usize,
     data: &[u8],
 ) -> anyhow::Result<f64> {
     use std::io::Write as _;
     let path = |i: usize| base.join(format!("d{}", i % dirs)).join(format!("f{i:07}"));
-    let start = Instant::now();
-    for i in 0..files {
+    let (ops, _) = std_loop::run(threads, files, false, |i| match phase {
+        "create" => std::fs::File::create(path(i))?.write_all(data),
+        "stat" => std::fs::symlink_metadata(path(i)).map(drop),
+        "open_close" => std::fs::File::open(path(i)).map(drop),
+        _ => std::fs::remove_file(path(i)),
+    })
+    .with_context(|| format!("std loop {phase}"))?;
+    Ok(ops)
+}
+
+/// The files of one target's phases: `count` files spread over the directories `dirs`,
+/// file `i` named `f{i:07}` with GFID `ids[i]` and `data` as its content.
+#[derive(Debug, Clone)]
+struct Files {
+    count: usize,
+    dirs: Arc<Vec<Gfid>>,
+    ids: Arc<Vec<Gfid>>,
+    data: Bytes,
+}
+
+impl Files {
+    /// The fop of `phase` on file `i`.
+    fn fop(&self, phase: &str, i: usize) -> FopRequest {
+        let parent = self.dirs[i % self.dirs.len()];
         match phase {
-            "create" => std::fs::File::create(path(i))?.write_all(data)?,
-            "stat" => {
-                std::fs::symlink_metadata(path(i))?;
+            "create" => Put {
+                parent,
+                name: name(i),
+                gfid: self.ids[i],
+                mode: Mode::new(0o644).unwrap_or_else(|| unreachable!()),
+                umask: Mode::new(0).unwrap_or_else(|| unreachable!()),
+                flags: OpenFlags::empty(),
+                data: Payload::new(self.data.clone()).unwrap_or_else(|_| unreachable!("4 KiB")),
+                attr: SetAttr::default(),
             }
-            "open_close" => drop(std::fs::File::open(path(i))?),
-            _ => std::fs::remove_file(path(i))?,
+            .into(),
+            "stat" => Lookup {
+                parent,
+                name: name(i),
+            }
+            .into(),
+            "open_close" => Open {
+                gfid: self.ids[i],
+                access: AccessMode::ReadOnly,
+                flags: OpenFlags::empty(),
+            }
+            .into(),
+            _ => Unlink {
+                parent,
+                name: name(i),
+            }
+            .into(),
         }
-    }
-    Ok(files as f64 / start.elapsed().as_secs_f64())
-}
-
-fn fop_for(phase: &str, i: usize, dirs: &[Gfid], data: &Bytes, ids: &[Gfid]) -> FopRequest {
-    let parent = dirs[i % dirs.len()];
-    match phase {
-        "create" => Put {
-            parent,
-            name: name(i),
-            gfid: ids[i],
-            mode: Mode::new(0o644).unwrap_or_else(|| unreachable!()),
-            umask: Mode::new(0).unwrap_or_else(|| unreachable!()),
-            flags: OpenFlags::empty(),
-            data: Payload::new(data.clone()).unwrap_or_else(|_| unreachable!("4 KiB")),
-            attr: SetAttr::default(),
-        }
-        .into(),
-        "stat" => Lookup {
-            parent,
-            name: name(i),
-        }
-        .into(),
-        "open_close" => Open {
-            gfid: ids[i],
-            access: AccessMode::ReadOnly,
-            flags: OpenFlags::empty(),
-        }
-        .into(),
-        _ => Unlink {
-            parent,
-            name: name(i),
-        }
-        .into(),
     }
 }
 
-/// Runs one phase on the io_uring engine the way the server will: `depth` tasks spread over
+/// One phase on `engine` at depth `depth`: on the io_uring engine from its workers' own
+/// threads, on the blocking engine from this thread. Returns files per second.
+fn engine_phase(
+    rt: &tokio::runtime::Runtime,
+    engine: &Engine,
+    phase: &'static str,
+    depth: usize,
+    files: &Files,
+) -> anyhow::Result<f64> {
+    let start = Instant::now();
+    match engine.kind() {
+        EngineKind::Uring => rt.block_on(uring_phase(engine, phase, depth, files))?,
+        EngineKind::Blocking => {
+            let local = tokio::task::LocalSet::new();
+            local.block_on(rt, session_phase(engine, phase, depth, files))?;
+        }
+    }
+    Ok(files.count as f64 / start.elapsed().as_secs_f64())
+}
+
+/// Runs one phase on the io_uring engine the way the server does: `depth` tasks spread over
 /// the ring workers, running on the workers' own threads (no channel, no thread switch per
 /// fop), each with its own session and one fop in flight.
 async fn uring_phase(
     engine: &Engine,
-    phase: &str,
-    files: usize,
+    phase: &'static str,
     depth: usize,
-    dirs: &Arc<Vec<Gfid>>,
-    ids: &Arc<Vec<Gfid>>,
-    data: &Bytes,
-) -> anyhow::Result<f64> {
+    files: &Files,
+) -> anyhow::Result<()> {
     let workers = engine.workers();
-    let start = Instant::now();
     let mut finished = Vec::new();
     for w in 0..workers {
         let tasks: Vec<usize> = (0..depth).filter(|k| k % workers == w).collect();
-        let (dirs, ids, data, phase) = (dirs.clone(), ids.clone(), data.clone(), phase.to_owned());
+        let files = files.clone();
         let (tx, rx) = tokio::sync::oneshot::channel::<anyhow::Result<()>>();
         engine
             .run_on_worker(w, move |local| {
@@ -136,19 +243,10 @@ async fn uring_phase(
                     let mut set = tokio::task::JoinSet::new();
                     for k in tasks {
                         let session = local.open_session();
-                        let (local, dirs, ids, data, phase) = (
-                            local.clone(),
-                            dirs.clone(),
-                            ids.clone(),
-                            data.clone(),
-                            phase.clone(),
-                        );
+                        let (local, files) = (local.clone(), files.clone());
                         set.spawn_local(async move {
-                            for i in (k..files).step_by(depth) {
-                                match local
-                                    .call(session, &root(), fop_for(&phase, i, &dirs, &data, &ids))
-                                    .await
-                                {
+                            for i in (k..files.count).step_by(depth) {
+                                match local.call(session, &root(), files.fop(phase, i)).await {
                                     Ok(FopReply::Open(o)) => {
                                         local
                                             .call(session, &root(), Release { fd: o.fd }.into())
@@ -179,39 +277,32 @@ async fn uring_phase(
     for rx in finished {
         rx.await??;
     }
-    Ok(files as f64 / start.elapsed().as_secs_f64())
+    Ok(())
 }
 
 /// Runs one phase at queue depth `depth` from this thread: `depth` tasks, each with its own
-/// session, each keeping one fop in flight.
-async fn engine_phase(
+/// engine session, each keeping one fop in flight.
+async fn session_phase(
     engine: &Engine,
-    phase: &str,
-    files: usize,
+    phase: &'static str,
     depth: usize,
-    dirs: &Arc<Vec<Gfid>>,
-    ids: &Arc<Vec<Gfid>>,
-    data: &Bytes,
-) -> anyhow::Result<f64> {
-    let start = Instant::now();
+    files: &Files,
+) -> anyhow::Result<()> {
     let mut tasks = tokio::task::JoinSet::new();
     for k in 0..depth {
         let session = engine.session();
-        let (dirs, ids, data, phase) = (dirs.clone(), ids.clone(), data.clone(), phase.to_owned());
+        let files = files.clone();
         tasks.spawn_local(async move {
-            for i in (k..files).step_by(depth) {
-                let reply = session
-                    .call(root(), fop_for(&phase, i, &dirs, &data, &ids))
-                    .await;
-                match (reply, phase.as_str()) {
-                    (Ok(FopReply::Open(o)), _) => {
+            for i in (k..files.count).step_by(depth) {
+                match session.call(root(), files.fop(phase, i)).await {
+                    Ok(FopReply::Open(o)) => {
                         session
                             .call(root(), Release { fd: o.fd }.into())
                             .await
                             .map_err(|e| anyhow::anyhow!("release: {e}"))?;
                     }
-                    (Ok(_), _) => {}
-                    (Err(e), p) => anyhow::bail!("{p} of file {i}: {e}"),
+                    Ok(_) => {}
+                    Err(e) => anyhow::bail!("{phase} of file {i}: {e}"),
                 }
             }
             Ok(())
@@ -220,7 +311,7 @@ async fn engine_phase(
     while let Some(done) = tasks.join_next().await {
         done??;
     }
-    Ok(files as f64 / start.elapsed().as_secs_f64())
+    Ok(())
 }
 
 /// Runs the whole benchmark, printing records as they are measured.
@@ -232,87 +323,170 @@ pub fn run(
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let local = tokio::task::LocalSet::new();
     let data = Bytes::from(vec![0x5a; bench.file_bytes]);
     let mut records = Vec::new();
-
-    // The reference: a single-thread std::fs loop on the same file system.
-    let std_dir = scratch.path().join("std");
-    for d in 0..bench.dirs {
-        std::fs::create_dir_all(std_dir.join(format!("d{d}")))?;
-    }
-    let mut reference = std::collections::HashMap::new();
-    for phase in PHASES {
-        let ops = std_phase(&std_dir, phase, bench.files, bench.dirs, &data)?;
-        reference.insert(phase, ops);
-        let mut r = Record::new(
-            &format!("engine.{phase}"),
-            "std_loop",
-            json!({ "files": bench.files, "dirs": bench.dirs, "depth": 1 }),
-            "std_loop",
-        );
-        r.ops_per_s = Some(ops);
-        // The reference's own row.
-        r.ratio = Some(1.0);
-        out.print(&r);
-        records.push(r);
-    }
-
     for &depth in &bench.depths {
-        for kind in [EngineKind::Blocking, EngineKind::Uring] {
-            let path = scratch.path().join(format!("{}-q{depth}", kind.name()));
-            let (_brick, engine) = start_engine(&path, kind, depth, bench.files + 16)?;
-            let dirs: Vec<Gfid> = (0..bench.dirs).map(|d| gfid(d, 0xd1)).collect();
-            let ids: Arc<Vec<Gfid>> = Arc::new((0..bench.files).map(|i| gfid(i, 0xf1)).collect());
-            let session = engine.session();
-            for (d, g) in dirs.iter().enumerate() {
-                let mkdir = Mkdir {
-                    parent: Gfid::ROOT,
-                    name: Name::new(format!("d{d}"))?,
-                    gfid: *g,
-                    mode: Mode::new(0o755).context("mode")?,
-                    umask: Mode::new(0).context("mode")?,
-                };
-                rt.block_on(session.call(root(), mkdir.into()))
-                    .map_err(|e| anyhow::anyhow!("mkdir: {e}"))?;
-            }
-            let dirs = Arc::new(dirs);
-            for phase in PHASES {
-                let before = rt.block_on(engine.ring_stats());
-                let ops = match kind {
-                    EngineKind::Uring => rt.block_on(uring_phase(
-                        &engine,
-                        phase,
-                        bench.files,
-                        depth,
-                        &dirs,
-                        &ids,
-                        &data,
-                    ))?,
-                    EngineKind::Blocking => local.block_on(
-                        &rt,
-                        engine_phase(&engine, phase, bench.files, depth, &dirs, &ids, &data),
-                    )?,
-                };
-                let after = rt.block_on(engine.ring_stats());
-                let enters = (kind == EngineKind::Uring)
-                    .then(|| (after.enters - before.enters) as f64 / bench.files as f64);
-                let mut r = Record::new(
-                    &format!("engine.{phase}"),
-                    kind.name(),
-                    json!({ "files": bench.files, "dirs": bench.dirs, "depth": depth }),
-                    "std_loop",
-                );
-                r.ops_per_s = Some(ops);
-                r.enters_per_op = enters;
-                r.ratio = Some(ops / reference[phase]);
-                out.print(&r);
-                records.push(r);
-            }
-        }
+        records.extend(depth_rows(bench, scratch, &rt, depth.max(1), &data, out)?);
     }
     records.extend(open_sweep(bench, scratch, out, &rt)?);
     Ok(records)
+}
+
+/// The std rows and every target's rows at one depth, then the placement notes.
+fn depth_rows(
+    bench: &EngineBench,
+    scratch: &Scratch,
+    rt: &tokio::runtime::Runtime,
+    depth: usize,
+    data: &Bytes,
+    out: &mut Reporter,
+) -> anyhow::Result<Vec<Record>> {
+    let targets = Target::ALL.map(|t| (t, t.config(bench.files + 16)));
+    let std_threads: BTreeSet<usize> = targets
+        .iter()
+        .map(|(_, config)| std_loop::threads_for(depth, fop_threads(config)))
+        .collect();
+    let mut records = Vec::new();
+    let mut table = PlacementTable::new(depth);
+    for &threads in &std_threads {
+        let base = scratch.path().join(format!("std-q{depth}-t{threads}"));
+        for d in 0..bench.dirs {
+            std::fs::create_dir_all(base.join(format!("d{d}")))?;
+        }
+        for phase in PHASES {
+            let ops = std_phase(&base, phase, bench.files, bench.dirs, threads, data)?;
+            let reference = std_reference(threads);
+            let mut r = Record::new(
+                &format!("engine.{phase}"),
+                "std_loop",
+                json!({ "files": bench.files, "dirs": bench.dirs, "depth": depth,
+                        "threads": threads }),
+                &reference,
+            );
+            r.ops_per_s = Some(ops);
+            // The reference's own row.
+            r.ratio = Some(1.0);
+            out.print(&r);
+            records.push(r);
+            table.insert(phase, reference, ops, None);
+        }
+    }
+    for (target, config) in targets {
+        let threads = std_loop::threads_for(depth, fop_threads(&config));
+        let path = scratch.path().join(format!("{}-q{depth}", target.name()));
+        let (_brick, engine) = start_engine(&path, &config)?;
+        let files = Files {
+            count: bench.files,
+            dirs: Arc::new(make_dirs(rt, &engine, bench.dirs)?),
+            ids: Arc::new((0..bench.files).map(|i| gfid(i, 0xf1)).collect()),
+            data: data.clone(),
+        };
+        for phase in PHASES {
+            let before = rt.block_on(engine.ring_stats());
+            let ops = engine_phase(rt, &engine, phase, depth, &files)?;
+            let after = rt.block_on(engine.ring_stats());
+            let placement = (engine.kind() == EngineKind::Uring)
+                .then(|| Placement::between(&before, &after, bench.files));
+            let reference = std_reference(threads);
+            let params = json!({ "files": bench.files, "dirs": bench.dirs, "depth": depth });
+            let mut r = Record::new(
+                &format!("engine.{phase}"),
+                target.name(),
+                with_threads(params, &config),
+                &reference,
+            );
+            r.ops_per_s = Some(ops);
+            r.enters_per_op = placement.map(|p| p.enters);
+            r.ratio = Some(ops / table.ops(phase, &reference)?);
+            out.print(&r);
+            records.push(r);
+            table.insert(phase, target.name().to_owned(), ops, placement);
+        }
+    }
+    table.print(out);
+    Ok(records)
+}
+
+/// The name of the std loop reference on `threads` threads.
+fn std_reference(threads: usize) -> String {
+    format!("std_loop threads={threads}")
+}
+
+/// Makes the `dirs` directories the phases spread their files over; returns their GFIDs.
+fn make_dirs(
+    rt: &tokio::runtime::Runtime,
+    engine: &Engine,
+    dirs: usize,
+) -> anyhow::Result<Vec<Gfid>> {
+    let gfids: Vec<Gfid> = (0..dirs).map(|d| gfid(d, 0xd1)).collect();
+    let session = engine.session();
+    for (d, g) in gfids.iter().enumerate() {
+        let mkdir = Mkdir {
+            parent: Gfid::ROOT,
+            name: Name::new(format!("d{d}"))?,
+            gfid: *g,
+            mode: Mode::new(0o755).context("mode")?,
+            umask: Mode::new(0).context("mode")?,
+        };
+        rt.block_on(session.call(root(), mkdir.into()))
+            .map_err(|e| anyhow::anyhow!("mkdir: {e}"))?;
+    }
+    Ok(gfids)
+}
+
+/// One depth's results side by side, per phase: each target's and std row's ops/s, and
+/// where the io_uring targets' work ran.
+struct PlacementTable {
+    depth: usize,
+    /// (phase, target or std reference, ops/s, placement), in the order measured.
+    rows: Vec<(&'static str, String, f64, Option<Placement>)>,
+}
+
+impl PlacementTable {
+    fn new(depth: usize) -> PlacementTable {
+        PlacementTable {
+            depth,
+            rows: Vec::new(),
+        }
+    }
+
+    fn insert(
+        &mut self,
+        phase: &'static str,
+        target: String,
+        ops: f64,
+        placement: Option<Placement>,
+    ) {
+        self.rows.push((phase, target, ops, placement));
+    }
+
+    /// The ops/s measured for `target` in `phase`.
+    fn ops(&self, phase: &str, target: &str) -> anyhow::Result<f64> {
+        self.rows
+            .iter()
+            .find(|(p, t, _, _)| *p == phase && t == target)
+            .map(|row| row.2)
+            .with_context(|| format!("no {target} result for {phase} at depth {}", self.depth))
+    }
+
+    /// One `engine.placement` note per phase.
+    fn print(&self, out: &mut Reporter) {
+        for phase in PHASES {
+            let mut ops = serde_json::Map::new();
+            let mut per_file = serde_json::Map::new();
+            for (_, target, rate, placement) in self.rows.iter().filter(|r| r.0 == phase) {
+                ops.insert(target.clone(), json!(rate.round()));
+                if let Some(p) = placement {
+                    per_file.insert(target.clone(), json!(p));
+                }
+            }
+            out.note(
+                "engine.placement",
+                &json!({ "op": phase, "depth": self.depth, "ops_per_s": ops,
+                         "per_file": per_file }),
+            );
+        }
+    }
 }
 
 /// p50/p99 of one more open (its release untimed) while `held` files stay open, through
@@ -351,7 +525,9 @@ fn open_sweep(
 
     for kind in [EngineKind::Blocking, EngineKind::Uring] {
         let path = scratch.path().join(format!("{}-open", kind.name()));
-        let (_brick, engine) = start_engine(&path, kind, 2, files + 16)?;
+        let mut config = engine_config(kind);
+        config.fops.open_files_per_client_max = files + 16;
+        let (_brick, engine) = start_engine(&path, &config)?;
         let destination = Destination::Engine(&engine);
         let gfids = openfds::make_brick_files(rt, destination, files, &quiet)?;
         let results =

@@ -21,3 +21,4 @@ pub mod report;
 pub mod rng;
 pub mod scratch;
 pub mod smallfile;
+pub mod std_loop;

@@ -62,14 +62,16 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Workload {
-    /// The brick engine called directly, against a std::fs loop on the same disk.
+    /// The brick engine called directly (io_uring with and without idle-worker inline runs,
+    /// blocking), against std::fs loops with as many threads on the same disk.
     Engine(EngineArgs),
     /// The brick over QUIC in this process (small-file PUTs, PING round trips, 1 MiB writes
     /// and reads), against std::fs, the engine called directly and TCP on loopback.
     Net(NetArgs),
     /// The management path: `kiln volume set` through a real kiln-mgmtd (volume created, then
     /// started so each set is pushed live to a running brick) and the configuration store's
-    /// commits alone and grouped, against this disk's fsync + rename + fsync floor.
+    /// commits alone and grouped, against this disk's floors: one append + fdatasync of the
+    /// same bytes, and a durable file replacement (temp, fsync, rename, directory fsync).
     Mgmt(MgmtArgs),
     /// A tree of many small files untarred, `find`-stat'ed, `ls -lR`'d, read and removed on
     /// the local directory, a bindfs passthrough FUSE mount, the Kiln mount and a GlusterFS

@@ -32,13 +32,14 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 use bytes::Bytes;
 use hdrhistogram::Histogram;
-use kiln_dataplane::FopsConfig;
 use kiln_dataplane::engine::{EngineConfig, EngineKind};
 use kiln_wire::quic::UDP_PAYLOAD_MAX_BYTES;
 use kiln_wire::*;
 use serde_json::json;
 
-use crate::bricks::{Caller, Destination, Served, run_tasks, seeded_gfid, start_engine};
+use crate::bricks::{
+    Caller, Destination, Served, engine_config, run_tasks, seeded_gfid, start_engine,
+};
 use crate::plot::{self, LineChart, Panel, Series};
 use crate::progress::Progress;
 use crate::report::{Record, Reporter, histogram, micros, nanos};
@@ -381,14 +382,8 @@ impl<'a> Sweep<'a> {
             .enable_all()
             .build()?;
         let files = max + 1;
-        let engine_config = EngineConfig {
-            kind: EngineKind::Uring,
-            fops: FopsConfig {
-                open_files_per_client_max: files + 16,
-                ..FopsConfig::default()
-            },
-            ..EngineConfig::default()
-        };
+        let mut engine_config = engine_config(EngineKind::Uring);
+        engine_config.fops.open_files_per_client_max = files + 16;
         Ok(Sweep {
             rt,
             scratch,
@@ -412,12 +407,7 @@ impl<'a> Sweep<'a> {
                 local_sweep(dir, counts, samples, progress)?
             }
             OpenTarget::Engine => {
-                let (_brick, engine) = start_engine(
-                    dir,
-                    EngineKind::Uring,
-                    2,
-                    self.engine_config.fops.open_files_per_client_max,
-                )?;
+                let (_brick, engine) = start_engine(dir, &self.engine_config)?;
                 let gfids = make_brick_files(rt, Destination::Engine(&engine), files, progress)?;
                 progress.set_message("engine: sweeping");
                 brick_sweep(

@@ -83,43 +83,62 @@ fn engine_workload_runs_and_reports_every_target() {
         .map(|l| serde_json::from_str(l).expect("JSON Lines"))
         .collect();
     assert!(lines[0].get("environment").is_some());
-    let records: Vec<&Value> = lines[1..].iter().collect();
-    for target in ["std_loop", "blocking", "uring"] {
+    let records = records(&lines);
+    for target in ["std_loop", "blocking", "uring", "uring-ring"] {
         for workload in [
             "engine.create",
             "engine.stat",
             "engine.open_close",
             "engine.unlink",
-            "engine.open_latency",
         ] {
-            assert!(
-                records
-                    .iter()
-                    .any(|r| r["target"] == target && r["workload"] == workload),
-                "no {workload} result for {target}"
-            );
+            for depth in [1, 8] {
+                assert!(
+                    records.iter().any(|r| r["target"] == target
+                        && r["workload"] == workload
+                        && r["params"]["depth"] == depth),
+                    "no {workload} result for {target} at depth {depth}"
+                );
+            }
         }
+    }
+    for target in ["std_loop", "blocking", "uring"] {
+        assert!(
+            records
+                .iter()
+                .any(|r| r["target"] == target && r["workload"] == "engine.open_latency"),
+            "no open latency result for {target}"
+        );
     }
     for r in &records {
         ratio(r);
         assert!(r["reference"].is_string());
     }
-    // Each engine's rate against the plain loop's, which is its own reference.
-    for phase in ["create", "stat", "open_close", "unlink"] {
-        let workload = format!("engine.{phase}");
-        let std_loop = find(&records, &workload, |r| {
-            r["workload"] == workload.as_str() && r["target"] == "std_loop"
+    assert_engine_threads(&records);
+    // Each engine's rate against the std loop's of its thread count at the same depth.
+    for r in records
+        .iter()
+        .filter(|r| r["workload"] != "engine.open_latency")
+    {
+        let threads = num(&r["params"], "threads");
+        let reference = r["reference"].as_str().expect("reference");
+        let std_loop = find(&records, reference, |s| {
+            s["workload"] == r["workload"]
+                && s["target"] == "std_loop"
+                && s["params"]["depth"] == r["params"]["depth"]
+                && s["reference"] == reference
         });
-        assert_eq!(std_loop["reference"], "std_loop", "{std_loop}");
-        assert_ratio(std_loop, 1.0);
-        for r in records
-            .iter()
-            .filter(|r| r["workload"] == workload.as_str() && r["target"] != "std_loop")
-        {
-            assert_eq!(r["reference"], "std_loop", "{r}");
+        let std_threads = num(&std_loop["params"], "threads");
+        assert_eq!(reference, format!("std_loop threads={std_threads}"), "{r}");
+        if r["target"] == "std_loop" {
+            assert_ratio(r, 1.0);
+        } else {
+            // One std thread per fop in flight, up to the engine's fop threads.
+            let depth = num(&r["params"], "depth");
+            assert_eq!(std_threads, depth.min(threads), "{r}");
             assert_ratio(r, num(r, "ops_per_s") / num(std_loop, "ops_per_s"));
         }
     }
+    assert_placement_notes(&lines, &[1, 8]);
     // Open latency against the same target's first (fewest files held) p50.
     for target in ["std_loop", "blocking", "uring"] {
         let rows: Vec<&Value> = records
@@ -140,6 +159,66 @@ fn engine_workload_runs_and_reports_every_target() {
             .iter()
             .any(|r| r["target"] == "uring" && r["enters_per_op"].as_f64().is_some())
     );
+}
+
+/// The blocking engine has as many threads as the io_uring engines have in all (workers and
+/// blocking pool); every row prints its thread count.
+fn assert_engine_threads(records: &[&Value]) {
+    let phases = || {
+        records
+            .iter()
+            .filter(|r| r["workload"] != "engine.open_latency")
+    };
+    let threads_of = |target: &str| {
+        let rows: Vec<&&Value> = phases().filter(|r| r["target"] == target).collect();
+        let first = rows.first().unwrap_or_else(|| panic!("no {target} rows"));
+        let threads = num(&first["params"], "threads");
+        assert!(rows.iter().all(|r| num(&r["params"], "threads") == threads));
+        (threads, first["params"]["pool_threads"].as_f64())
+    };
+    let (blocking, no_pool) = threads_of("blocking");
+    assert_eq!(no_pool, None);
+    for ring in ["uring", "uring-ring"] {
+        let (workers, pool) = threads_of(ring);
+        let pool = pool.unwrap_or_else(|| panic!("{ring} rows print pool_threads"));
+        assert_eq!(workers + pool, blocking, "{ring}");
+    }
+    assert!(phases().all(|r| num(&r["params"], "threads") >= 1.0));
+}
+
+/// One `engine.placement` note per phase and depth, with every target's and the std loops'
+/// rates, and where each io_uring target's work ran; with `idle_inline` off nothing runs
+/// inline.
+fn assert_placement_notes(lines: &[Value], depths: &[u64]) {
+    let notes: Vec<&Value> = lines
+        .iter()
+        .filter_map(|l| l.get("engine.placement"))
+        .collect();
+    assert_eq!(notes.len(), 4 * depths.len(), "{notes:?}");
+    for &depth in depths {
+        for op in ["create", "stat", "open_close", "unlink"] {
+            let note = notes
+                .iter()
+                .find(|n| n["op"] == op && n["depth"] == depth)
+                .unwrap_or_else(|| panic!("no placement note for {op} at depth {depth}"));
+            for target in ["blocking", "uring", "uring-ring"] {
+                assert!(num(&note["ops_per_s"], target) > 0.0, "{target}: {note}");
+            }
+            let rates = note["ops_per_s"].as_object().expect("ops_per_s");
+            assert!(
+                rates.keys().any(|k| k.starts_with("std_loop threads=")),
+                "no std loop: {note}"
+            );
+            for target in ["uring", "uring-ring"] {
+                let per_file = &note["per_file"][target];
+                for key in ["inline_chains", "ring_chains", "pool_calls", "enters"] {
+                    assert!(num(per_file, key) >= 0.0, "{key}: {note}");
+                }
+            }
+            assert_eq!(num(&note["per_file"]["uring-ring"], "inline_chains"), 0.0);
+            assert!(note["per_file"].get("blocking").is_none(), "{note}");
+        }
+    }
 }
 
 #[test]
@@ -181,9 +260,9 @@ fn net_workload_runs_and_reports_every_target() {
         })
     };
     for (workload, target, reference) in [
-        ("net.create", "std_loop", "std_loop"),
-        ("net.create", "engine_direct", "std_loop"),
-        ("net.create", "quic", "std_loop"),
+        ("net.create", "std_loop", "std_loop threads=1"),
+        ("net.create", "engine_direct", "std_loop threads=1"),
+        ("net.create", "quic", "std_loop threads=1"),
         ("net.create", "quic", "engine_direct"),
         ("net.ping", "tcp", "tcp"),
         ("net.ping", "quic", "tcp"),
@@ -233,15 +312,34 @@ fn assert_net_ratios(records: &[&Value]) {
             r["workload"] == workload && r["target"] == target
         })
     };
-    let std_loop = row("net.create", "std_loop");
-    assert_ratio(std_loop, 1.0);
+    let std_loop = |threads: f64| {
+        find(records, &format!("std_loop threads={threads}"), |r| {
+            r["workload"] == "net.create"
+                && r["target"] == "std_loop"
+                && num(&r["params"], "threads") == threads
+        })
+    };
+    for r in records
+        .iter()
+        .filter(|r| r["workload"] == "net.create" && r["target"] == "std_loop")
+    {
+        let threads = num(&r["params"], "threads");
+        assert_eq!(r["reference"], format!("std_loop threads={threads}"), "{r}");
+        assert_ratio(r, 1.0);
+    }
     for r in records
         .iter()
         .filter(|r| r["workload"] == "net.create" && r["target"] != "std_loop")
     {
         let concurrency = &r["params"]["concurrency"];
+        // One std thread per PUT in flight, up to the engine's fop threads.
+        let std_threads = num(&r["params"], "threads").min(num(&r["params"], "concurrency"));
+        assert!(num(&r["params"], "client_threads") >= 1.0, "{r}");
         let reference = match r["reference"].as_str() {
-            Some("std_loop") => std_loop,
+            Some(name) if name.starts_with("std_loop") => {
+                assert_eq!(name, format!("std_loop threads={std_threads}"), "{r}");
+                std_loop(std_threads)
+            }
             Some("engine_direct") => find(records, "net.create engine_direct", |d| {
                 d["workload"] == "net.create"
                     && d["target"] == "engine_direct"
@@ -293,9 +391,12 @@ fn mgmt_workload_runs_and_reports_every_target() {
     assert_eq!(stop["sigkill"], false, "{stop}");
     let records = records(&lines);
     for (workload, target) in [
-        ("mgmt.fsync_floor", "fsync_floor"),
+        ("mgmt.floor", "append_fdatasync"),
+        ("mgmt.floor", "replace_fsync"),
         ("mgmt.commit", "store"),
         ("mgmt.commit", "store_group"),
+        ("mgmt.spawn", "true"),
+        ("mgmt.spawn", "kiln-version"),
         ("mgmt.set", "kiln-cli"),
         ("mgmt.set", "kiln-cli-started"),
     ] {
@@ -307,20 +408,47 @@ fn mgmt_workload_runs_and_reports_every_target() {
         );
     }
     let positive = |v: &Value| v.as_f64().is_some_and(|x| x > 0.0);
-    let floor = find(&records, "mgmt.fsync_floor", |r| {
-        r["workload"] == "mgmt.fsync_floor"
-    });
-    let floor_p50 = num(floor, "p50_us");
+    let floor_p50 = |name: &str| {
+        let floor = find(&records, name, |r| {
+            r["workload"] == "mgmt.floor" && r["target"] == name
+        });
+        num(floor, "p50_us")
+    };
+    // Both floors write the bytes of one store commit.
+    let bytes = lines
+        .iter()
+        .find_map(|l| l.get("mgmt"))
+        .map(|m| num(&m["store"], "bytes_per_commit"))
+        .expect("the mgmt note");
+    assert!(bytes > 0.0);
     for r in &records {
-        assert_eq!(r["reference"], "fsync_floor", "{r}");
         assert!(positive(&r["ops_per_s"]), "{r}");
         assert!(positive(&r["p50_us"]) && positive(&r["p99_us"]), "{r}");
+        let reference = r["reference"].as_str().expect("reference");
         // Latency against the floor's p50; the group's throughput against one fsync each.
         match r["target"].as_str() {
-            Some("fsync_floor") => assert_ratio(r, 1.0),
-            Some("store_group") => assert_ratio(r, num(r, "ops_per_s") * floor_p50 / 1e6),
-            _ => assert_ratio(r, floor_p50 / num(r, "p50_us")),
+            Some(floor @ ("append_fdatasync" | "replace_fsync")) => {
+                assert_eq!(reference, floor, "{r}");
+                assert_eq!(num(&r["params"], "bytes"), bytes, "{r}");
+                assert_ratio(r, 1.0);
+            }
+            Some("store_group") => {
+                assert_ratio(r, num(r, "ops_per_s") * floor_p50(reference) / 1e6);
+            }
+            _ => assert_ratio(r, floor_p50(reference) / num(r, "p50_us")),
         }
+    }
+    // The store's rows against each floor; the CLI's against the append.
+    for target in ["store", "store_group"] {
+        for floor in ["append_fdatasync", "replace_fsync"] {
+            find(&records, &format!("{target} against {floor}"), |r| {
+                r["target"] == target && r["reference"] == floor
+            });
+        }
+    }
+    for target in ["true", "kiln-version", "kiln-cli", "kiln-cli-started"] {
+        let r = find(&records, target, |r| r["target"] == target);
+        assert_eq!(r["reference"], "append_fdatasync", "{r}");
     }
     // The group run reports the store's own fsync count, and the started run's sets reached
     // the brick.

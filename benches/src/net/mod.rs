@@ -1,8 +1,9 @@
 //! `kiln-bench net`: the brick over QUIC, client and server in this one process, against
 //! references measured in the same run.
 //!
-//! Set-up: a fresh brick in the scratch directory served by the engine (io_uring by default)
-//! and [`Server`] on `127.0.0.1:0`, with mutual TLS material made by `kiln_admin::pki` (CA,
+//! Set-up: a fresh brick in the scratch directory served by the engine (io_uring by default;
+//! the blocking engine gets as many pool threads as the io_uring engine has in all, see
+//! [`engine_config`]) and [`Server`] on `127.0.0.1:0`, with mutual TLS material made by `kiln_admin::pki` (CA,
 //! brick certificate for `127.0.0.1`/`localhost`, client certificate `bench`). The brick's
 //! QUIC endpoints run on the engine's worker threads; the client ([`BrickClient`], one connection
 //! shared by every task) runs on its own tokio runtime — a current-thread runtime on the main
@@ -14,10 +15,15 @@
 //!
 //! * `net.create` — PUT of small files (create + write + close in one round trip,
 //!   [`Paths::put_at`]) into a few directories, `files` per concurrency level, by
-//!   `concurrency` tasks sharing the connection. References: `std_loop`, one thread doing
-//!   `File::create` + `write_all` of the same files on the same file system; and
-//!   `engine_direct`, the same PUTs at the same concurrency through one engine [`Session`]
-//!   from the client runtime (no network, no TLS, no codec). p50/p99 are per PUT.
+//!   `concurrency` tasks sharing the connection. References: `std_loop`, `File::create` +
+//!   `write_all` of as many files on the same file system, on as many OS threads as the
+//!   brick's engine runs fops on (one per PUT in flight, up to that: a std row per thread
+//!   count, each PUT row against the one of its thread count); and `engine_direct`, the same
+//!   PUTs at the same concurrency through one engine [`Session`] from the client runtime (no
+//!   network, no TLS, no codec). p50/p99 are per PUT. Every row prints its thread counts:
+//!   `threads` (the engine's fop threads, or the std loop's), `pool_threads` (the io_uring
+//!   engine's blocking pool), `client_threads` (the client runtime's; a current-thread
+//!   runtime is one).
 //! * `net.ping` — `ping` sequential PINGs ([`BrickClient::ping`]: one stream, one request frame,
 //!   one reply frame), against a 64-byte ping-pong on one TCP connection over loopback with
 //!   `TCP_NODELAY`, its far end on a thread of its own like the brick's endpoints.
@@ -40,6 +46,7 @@
 
 mod bulk;
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -57,9 +64,10 @@ use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::task::JoinSet;
 
-use crate::bricks::Served;
+use crate::bricks::{Served, engine_config, fop_threads, with_threads};
 use crate::report::{Record, Reporter, histogram, micros, nanos};
 use crate::scratch::Scratch;
+use crate::std_loop;
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -166,15 +174,11 @@ fn note_udp(out: &mut Reporter, phase: &str, before: Option<&Vec<(String, i64)>>
     }
 }
 
-fn setup(bench: &NetBench, scratch: &Scratch) -> anyhow::Result<Served> {
-    let config = EngineConfig {
-        kind: bench.engine,
-        ..EngineConfig::default()
-    };
+fn setup(bench: &NetBench, scratch: &Scratch, config: &EngineConfig) -> anyhow::Result<Served> {
     Served::start(
         &scratch.path().join("brick"),
         &scratch.path(),
-        &config,
+        config,
         bench.endpoints,
     )
 }
@@ -192,7 +196,8 @@ pub fn run(bench: &NetBench, scratch: &Scratch, out: &mut Reporter) -> anyhow::R
     {
         bail!("UDP payload cap {p} is outside {UDP_PAYLOAD_MIN_BYTES}..={UDP_PAYLOAD_MAX_BYTES}");
     }
-    let setup = setup(bench, scratch)?;
+    let config = engine_config(bench.engine);
+    let setup = setup(bench, scratch, &config)?;
     let rt = client_runtime(bench.client_threads)?;
     let (server, volume) = rt.block_on(setup.serve_and_connect(bench.udp_payload))?;
     let ping_frame = Message::Request(Request {
@@ -206,6 +211,7 @@ pub fn run(bench: &NetBench, scratch: &Scratch, out: &mut Reporter) -> anyhow::R
         &json!({
             "engine": setup.engine.kind().name(),
             "engine_workers": setup.engine.workers(),
+            "engine_threads": with_threads(json!({}), &config),
             "endpoints": match bench.endpoints {
                 0 => setup.engine.workers(),
                 n => n.min(setup.engine.workers()),
@@ -230,7 +236,11 @@ pub fn run(bench: &NetBench, scratch: &Scratch, out: &mut Reporter) -> anyhow::R
         volumes.push(rt.block_on(BrickClient::connect(options))?);
     }
     let volumes = Arc::new(volumes);
-    records.extend(create(bench, scratch, &setup, &rt, &volumes, out)?);
+    let threads = Threads {
+        engine: &config,
+        client: bench.client_threads.max(1),
+    };
+    records.extend(create(bench, scratch, &setup, threads, &rt, &volumes, out)?);
     records.extend(ping(bench, &rt, &volume, ping_frame, out)?);
     records.extend(bulk::bulk(bench, &setup, &rt, (server, volume), out)?);
     Ok(records)
@@ -274,47 +284,61 @@ where
     Ok((rate, take(latency)?))
 }
 
-/// (a) small-file PUTs: std loop, engine called directly, QUIC.
+/// The threads of the PUT phases: the brick engine's, and the client runtime's (a
+/// current-thread runtime counts as one).
+#[derive(Debug, Clone, Copy)]
+struct Threads<'a> {
+    engine: &'a EngineConfig,
+    client: usize,
+}
+
+impl Threads<'_> {
+    /// Threads of the std loop compared with `concurrency` PUTs in flight.
+    fn std_loop(&self, concurrency: usize) -> usize {
+        std_loop::threads_for(concurrency, fop_threads(self.engine))
+    }
+}
+
+/// The name of the std loop reference on `threads` threads.
+fn std_reference(threads: usize) -> String {
+    format!("std_loop threads={threads}")
+}
+
+/// (a) small-file PUTs: std loops, engine called directly, QUIC.
 fn create(
     bench: &NetBench,
     scratch: &Scratch,
     setup: &Served,
+    threads: Threads<'_>,
     rt: &tokio::runtime::Runtime,
     volumes: &Arc<Vec<BrickClient>>,
     out: &mut Reporter,
 ) -> anyhow::Result<Vec<Record>> {
-    use std::io::Write as _;
     let volume = &volumes[0];
     let data = Bytes::from(vec![0x5a; bench.file_bytes]);
     let dirs = bench.dirs.max(1);
     let params = |concurrency: usize| {
-        json!({ "files": bench.files, "dirs": dirs, "bytes": bench.file_bytes,
-                "concurrency": concurrency, "connections": bench.connections.max(1) })
+        let params = json!({ "files": bench.files, "dirs": dirs, "bytes": bench.file_bytes,
+                "concurrency": concurrency, "connections": bench.connections.max(1),
+                "client_threads": threads.client });
+        with_threads(params, threads.engine)
     };
     let mut records = Vec::new();
 
-    // The reference: one thread, plain syscalls, the same number of files.
-    let std_dir = scratch.path().join("std");
-    for d in 0..dirs {
-        std::fs::create_dir_all(std_dir.join(format!("d{d}")))?;
+    // The references: plain syscalls on as many threads as the engine runs fops on (one per
+    // PUT in flight, up to that), the same number of files each.
+    let std_threads: BTreeSet<usize> = bench
+        .concurrency
+        .iter()
+        .map(|&c| threads.std_loop(c.max(1)))
+        .collect();
+    let mut std_rates = BTreeMap::new();
+    for &n in &std_threads {
+        let r = std_create(bench, scratch, dirs, n, &data)?;
+        std_rates.insert(n, r.ops_per_s.context("the std loop's rate")?);
+        out.print(&r);
+        records.push(r);
     }
-    let mut h = histogram()?;
-    let start = Instant::now();
-    for i in 0..bench.files {
-        let path = std_dir
-            .join(format!("d{}", i % dirs))
-            .join(format!("f{i:07}"));
-        let t = Instant::now();
-        std::fs::File::create(&path)?.write_all(&data)?;
-        h.record(nanos(t.elapsed()))?;
-    }
-    let std_rate = bench.files as f64 / start.elapsed().as_secs_f64();
-    let mut r = Record::new("net.create", "std_loop", params(1), "std_loop");
-    r.ops_per_s = Some(std_rate);
-    r.set_latency(&h);
-    r.ratio = Some(1.0);
-    out.print(&r);
-    records.push(r);
 
     for &concurrency in &bench.concurrency {
         let concurrency = concurrency.max(1);
@@ -337,11 +361,15 @@ fn create(
             put,
         ))?;
         drop(session);
+        let std_threads = threads.std_loop(concurrency);
+        let std_rate = *std_rates
+            .get(&std_threads)
+            .context("a std loop for every concurrency")?;
         let mut r = Record::new(
             "net.create",
             "engine_direct",
             params(concurrency),
-            "std_loop",
+            &std_reference(std_threads),
         );
         r.ops_per_s = Some(direct_rate);
         r.set_latency(&h);
@@ -381,7 +409,12 @@ fn create(
             &format!("net.create quic concurrency={concurrency}"),
             udp.as_ref(),
         );
-        let mut r = Record::new("net.create", "quic", params(concurrency), "std_loop");
+        let mut r = Record::new(
+            "net.create",
+            "quic",
+            params(concurrency),
+            &std_reference(std_threads),
+        );
         r.ops_per_s = Some(quic_rate);
         r.set_latency(&h);
         r.ratio = Some(quic_rate / std_rate);
@@ -393,6 +426,35 @@ fn create(
         records.push(r);
     }
     Ok(records)
+}
+
+/// The std loop's row: `File::create` + `write_all` of `bench.files` files on `threads`
+/// threads, in a directory of its own.
+fn std_create(
+    bench: &NetBench,
+    scratch: &Scratch,
+    dirs: usize,
+    threads: usize,
+    data: &[u8],
+) -> anyhow::Result<Record> {
+    use std::io::Write as _;
+    let base = scratch.path().join(format!("std-t{threads}"));
+    for d in 0..dirs {
+        std::fs::create_dir_all(base.join(format!("d{d}")))?;
+    }
+    let path = |i: usize| base.join(format!("d{}", i % dirs)).join(format!("f{i:07}"));
+    let (rate, h) = std_loop::run(threads, bench.files, true, |i| {
+        std::fs::File::create(path(i))?.write_all(data)
+    })
+    .context("std loop create")?;
+    let h = h.context("the std loop's latency")?;
+    let params = json!({ "files": bench.files, "dirs": dirs, "bytes": bench.file_bytes,
+                         "threads": threads });
+    let mut r = Record::new("net.create", "std_loop", params, &std_reference(threads));
+    r.ops_per_s = Some(rate);
+    r.set_latency(&h);
+    r.ratio = Some(1.0);
+    Ok(r)
 }
 
 /// Makes `dirs` directories under a new `/direct-cN` through `session`.
