@@ -212,7 +212,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         let behind = &self.shared.behind;
         let drained = self
             .runtime
-            .block_on(tokio::time::timeout(UNMOUNT_DRAIN_LIMIT, behind.drain()));
+            .block_on(async { tokio::time::timeout(UNMOUNT_DRAIN_LIMIT, behind.drain()).await });
         if drained.is_err() {
             tracing::error!("unmounted with changes not yet on the brick (they are lost)");
         }

@@ -154,6 +154,12 @@ pub(super) fn new_iatt(
         FileType::Directory => (2, 4096),
         _ => (1, size),
     };
+    // As ext4 and XFS count them: whole 4 KiB blocks, none for a short symlink (kept in the
+    // inode).
+    let blocks = match kind {
+        FileType::Symlink if size < 60 => 0,
+        _ => size.div_ceil(4096) * 8,
+    };
     Iatt {
         gfid,
         ino: 0,
@@ -164,7 +170,7 @@ pub(super) fn new_iatt(
         gid,
         rdev: 0,
         size,
-        blocks: size.div_ceil(512),
+        blocks,
         blksize: 4096,
         atime: now,
         mtime: now,

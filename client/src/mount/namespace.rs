@@ -26,6 +26,9 @@ use super::pending::ParentAttr;
 use super::shared::{Shared, Ttl};
 use crate::{Error, Layer, LayerEvent};
 
+/// How long queued changes wait for an unreachable brick before they fail.
+const BRICK_AWAY_LIMIT: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// A namespace fop as the mount sees it: which names in which directories it needs.
 #[derive(Debug, Clone)]
 enum Change {
@@ -401,14 +404,8 @@ impl<L: Layer> Shared<L> {
     pub(super) async fn send_behind(self: Arc<Self>) {
         loop {
             let (batch, sent) = self.behind.next_batch().await;
-            let (results, repeated) = match self.layer.batch(batch.clone()).await {
-                Ok(reply) => (checked(&sent, reply.results), false),
-                // It may or may not have run: send it again on the next connection (names
-                // made are recognised by their GFIDs; a removal already done is no error).
-                Err(Error::Disconnected(_)) => match self.layer.batch(batch).await {
-                    Ok(reply) => (checked(&sent, reply.results), true),
-                    Err(e) => (behind::all_failed(&sent, &e), false),
-                },
+            let (results, repeated) = match self.send_batch(batch).await {
+                Ok((reply, repeated)) => (checked(&sent, reply.results), repeated),
                 Err(e) => (behind::all_failed(&sent, &e), false),
             };
             for (queued, result) in sent.iter().zip(&results) {
@@ -432,6 +429,34 @@ impl<L: Layer> Shared<L> {
                         self.leases.forget_local(gfid);
                     }
                 }
+            }
+        }
+    }
+
+    /// Sends `batch`, again and again while the brick cannot be reached (it may be
+    /// restarting), for at most [`BRICK_AWAY_LIMIT`]. Whether it was sent more than once
+    /// after a connection broke under it (it may have run).
+    async fn send_batch(
+        &self,
+        batch: kiln_wire::Batch,
+    ) -> std::result::Result<(kiln_wire::BatchReply, bool), Error> {
+        let started = std::time::Instant::now();
+        let mut pause = std::time::Duration::from_millis(50);
+        let mut repeated = false;
+        loop {
+            match self.layer.batch(batch.clone()).await {
+                Ok(reply) => return Ok((reply, repeated)),
+                Err(e @ (Error::Disconnected(_) | Error::Connect { .. }))
+                    if started.elapsed() < BRICK_AWAY_LIMIT =>
+                {
+                    // Names made are recognised by their GFIDs when sent again; a removal
+                    // already done is no error ([`outcome`]).
+                    repeated |= matches!(e, Error::Disconnected(_));
+                    tracing::debug!(error = %e, "changes made behind wait for the brick");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(std::time::Duration::from_secs(2));
+                }
+                Err(e) => return Err(e),
             }
         }
     }

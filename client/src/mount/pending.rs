@@ -138,7 +138,7 @@ impl Pending {
         self.data[start..end].copy_from_slice(data);
         let now = now();
         self.iatt.size = self.data.len() as u64;
-        self.iatt.blocks = self.iatt.size.div_ceil(512);
+        self.iatt.blocks = self.iatt.size.div_ceil(4096) * 8;
         self.iatt.mtime = now;
         self.iatt.ctime = now;
         true
@@ -170,7 +170,7 @@ impl Pending {
             }
             self.data.resize(size, 0);
             self.iatt.size = size as u64;
-            self.iatt.blocks = self.iatt.size.div_ceil(512);
+            self.iatt.blocks = self.iatt.size.div_ceil(4096) * 8;
             self.iatt.mtime = now();
         }
         let now = now();

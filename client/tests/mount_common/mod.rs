@@ -26,8 +26,13 @@ pub struct Mounted {
 impl Mounted {
     /// Starts a brick and mounts it in the foreground with `options` (`-o`).
     pub fn new(options: &[&str]) -> Mounted {
+        Mounted::with_brick(&[], options)
+    }
+
+    /// Starts a brick with `brick_args` and mounts it in the foreground with `options`.
+    pub fn with_brick(brick_args: &[&str], options: &[&str]) -> Mounted {
         let cluster = Cluster::new();
-        let brickd = cluster.start("127.0.0.1:0", &[]);
+        let brickd = cluster.start("127.0.0.1:0", brick_args);
         let mountpoint = cluster.dir.path().join("mnt");
         std::fs::create_dir(&mountpoint).expect("mountpoint");
         let log = cluster.dir.path().join("mount.log");
@@ -147,6 +152,83 @@ impl Mounted {
                 self.logs()
             );
             std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Mounted {
+    /// A second mount of the same brick, as another client process, on a new directory.
+    pub fn another(&self, name: &str, options: &[&str]) -> OtherMount {
+        let mountpoint = self.cluster.dir.path().join(name);
+        std::fs::create_dir(&mountpoint).expect("mountpoint");
+        let log = self.cluster.dir.path().join(format!("{name}.log"));
+        let mut command = self.kiln();
+        command
+            .arg("mount")
+            .arg(self.addr())
+            .arg(&mountpoint)
+            .arg("-f");
+        for o in options {
+            command.args(["-o", o]);
+        }
+        let server = command
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("log"))
+            .spawn()
+            .expect("kiln mount");
+        let other = OtherMount {
+            mountpoint,
+            server: Some(server),
+            log,
+        };
+        let deadline = Instant::now() + MOUNT_TIMEOUT;
+        while !is_kiln_mount(&other.mountpoint) {
+            assert!(
+                Instant::now() < deadline,
+                "mount {name} not up:\n{}",
+                other.logs()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        other
+    }
+
+    /// The pid of the mount's server process.
+    pub fn pid(&self) -> i32 {
+        self.server.as_ref().map_or(0, |s| s.id() as i32)
+    }
+}
+
+/// Another mount of a [`Mounted`]'s brick; unmounted and stopped when dropped.
+pub struct OtherMount {
+    pub mountpoint: PathBuf,
+    pub server: Option<Child>,
+    pub log: PathBuf,
+}
+
+impl OtherMount {
+    pub fn path(&self, rel: &str) -> PathBuf {
+        self.mountpoint.join(rel)
+    }
+
+    pub fn logs(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.server.as_ref().map_or(0, |s| s.id() as i32)
+    }
+}
+
+impl Drop for OtherMount {
+    fn drop(&mut self) {
+        if is_kiln_mount(&self.mountpoint) {
+            let _ = rustix::mount::unmount(&self.mountpoint, rustix::mount::UnmountFlags::DETACH);
+        }
+        if let Some(mut server) = self.server.take() {
+            let _ = server.kill();
+            let _ = server.wait();
         }
     }
 }

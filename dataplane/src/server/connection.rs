@@ -321,7 +321,7 @@ async fn push_recall(connection: quinn::Connection, recall: Recall, timeout: Dur
         Ok::<_, quic::StreamError>(())
     };
     match tokio::time::timeout(timeout, push).await {
-        Ok(Ok(())) => {}
+        Ok(Ok(())) => tracing::debug!(%gfid, "recall delivered"),
         Ok(Err(e)) => tracing::debug!(%gfid, error = %e, "recall not delivered"),
         Err(_) => tracing::debug!(%gfid, "recall not delivered in time"),
     }

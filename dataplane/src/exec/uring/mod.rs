@@ -282,9 +282,15 @@ fn fail_all(n: usize, e: Errno) -> Vec<StepResult> {
 impl Exec for UringExec {
     async fn run(&self, steps: Vec<Step>) -> Vec<StepResult> {
         let _running = Running::enter(&self.running);
-        if self.idle_inline && self.running.get() == 1 && steps.iter().all(|s| s.op.quick()) {
-            self.ring.bump(|s| s.idle_chains += 1);
-            return super::blocking::run_chain(steps);
+        if self.idle_inline && steps.iter().all(|s| s.op.quick()) {
+            // Fops ready on this worker start first (a chain run inline never yields, so
+            // without this every chain would find the worker idle); if one reaches the ring
+            // or waits here, the worker is busy and the ring overlaps the work.
+            tokio::task::yield_now().await;
+            if self.running.get() == 1 {
+                self.ring.bump(|s| s.idle_chains += 1);
+                return super::blocking::run_chain(steps);
+            }
         }
         let n = steps.len();
         // From here on every step runs inline.
