@@ -14,7 +14,8 @@
 //! Phases, each an external command on `DIR` (a fresh `t/` in the target's directory),
 //! timed from spawn to exit:
 //!
-//! * `mount.untar` — `tar -xf tree.tar -C DIR` (as root tar also restores owners and mtimes).
+//! * `mount.untar` — `tar -xf tree.tar -C DIR && sync DIR` (as root tar also restores owners
+//!   and mtimes; the fsync of DIR waits until a mount has sent what it answered itself).
 //! * `mount.stat` — `find DIR -printf '%s\n'`: an `lstat` of every entry; the lines are
 //!   counted and must equal the tarball's entries.
 //! * `mount.ls_lR` — `ls -lR DIR > /dev/null` (`lstat` and, for the ACL mark, xattrs).
@@ -26,8 +27,9 @@
 //! Before every phase the scratch file system and the mount are synced (`syncfs`) and, as
 //! root, the kernel's page, dentry and inode caches are dropped (`/proc/sys/vm/drop_caches`),
 //! so every phase starts cold on every target (a FUSE server's own caches are not dropped).
-//! `--keep-caches` skips that; the `mount` note says which was done. Nothing is fsynced:
-//! `untar` ends when tar exits, with the data in the page cache behind each target.
+//! `--keep-caches` skips that; the `mount` note says which was done. Files are not fsynced:
+//! `untar` ends when the fsync of DIR returns, with the data in the page cache behind each
+//! target.
 //!
 //! Results: `seconds` is in `params`; `ops_per_s` is files per second; `mib_per_s` is the
 //! tar stream's MiB per second (untar, read). `ratio` = reference seconds ÷ this target's
@@ -161,7 +163,7 @@ impl Phase {
     /// What runs, for the set-up note.
     fn command_line(self) -> &'static str {
         match self {
-            Phase::Untar => "tar -xf tree.tar -C DIR",
+            Phase::Untar => "tar -xf tree.tar -C DIR && sync DIR",
             Phase::Stat => "find DIR -printf '%s\\n' (lines counted)",
             Phase::Ls => "ls -lR DIR > /dev/null",
             Phase::Read => "tar -cf - DIR (stream read and counted by kiln-bench)",
@@ -331,8 +333,13 @@ fn run_phase(
         Phase::Untar => {
             std::fs::create_dir(&dir)
                 .with_context(|| format!("cannot create {}", dir.display()))?;
-            cmd = Command::new("tar");
-            cmd.arg("-xf").arg(&tree.tarball).arg("-C").arg(&dir);
+            // Then an fsync of DIR: the one call that makes a FUSE mount send what it
+            // answered itself (syncfs never reaches a FUSE server), and a journal commit on
+            // a local file system.
+            cmd = Command::new("sh");
+            cmd.args(["-c", r#"tar -xf "$1" -C "$2" && sync "$2""#, "sh"])
+                .arg(&tree.tarball)
+                .arg(&dir);
             sink = Sink::Null;
         }
         Phase::Stat => {
