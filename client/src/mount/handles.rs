@@ -56,6 +56,9 @@ struct Listing {
     entries: VecDeque<DirEntryPlus>,
     /// No entries follow the buffered ones.
     eof: bool,
+    /// A listing from the start of a directory held with a lease: where the hold was when
+    /// it began, and every entry fetched so far (the directory's entries at the end).
+    whole: Option<(u64, Vec<(kiln_wire::Name, Gfid)>)>,
 }
 
 /// The mount's file handles: FUSE's `fh` → the open file or directory.
@@ -155,7 +158,29 @@ impl<L: Layer> Shared<L> {
         let gfid = self.gfid(ino)?;
         // A listing shows the files created here that are still deferred.
         self.settle_dir(Some(gfid)).await;
-        let fd = self.layer.opendir(c, gfid).await.map_err(errno)?;
+        let fd = match self.uses_leases() && !self.leases.has_lease(&gfid) {
+            // A read lease, asked with the open: the listing can then tell the mount every
+            // entry.
+            true => {
+                let lease = kiln_wire::Lease {
+                    gfid,
+                    kind: kiln_wire::LeaseKind::Read,
+                };
+                let (fd, granted) = tokio::join!(
+                    self.layer.opendir(c, gfid),
+                    self.layer.call(c, lease.into())
+                );
+                if let Ok(FopReply::Lease(r)) = granted
+                    && r.kind != kiln_wire::LeaseKind::None
+                    && self.leases.take_grant(&gfid)
+                {
+                    self.leases.hold_read(gfid);
+                }
+                fd
+            }
+            false => self.layer.opendir(c, gfid).await,
+        }
+        .map_err(errno)?;
         let (access, flags) = (AccessMode::ReadOnly, OpenFlags::empty());
         Ok(self.add_open(Some(fd), ino, access, flags, c))
     }
@@ -471,6 +496,34 @@ impl<L: Layer> Shared<L> {
         }
     }
 
+    /// Follows a listing of directory `ino` from its start while it holds a lease there:
+    /// `so_far` is what the listing had fetched before `reply` (at `offset`). The entries
+    /// fetched so far; at the end, the directory's entries for the lease.
+    fn learn_entries(
+        &self,
+        ino: u64,
+        offset: u64,
+        so_far: Option<(u64, Vec<(kiln_wire::Name, Gfid)>)>,
+        reply: &kiln_wire::ReaddirpReply,
+    ) -> Option<(u64, Vec<(kiln_wire::Name, Gfid)>)> {
+        let dir = self.inodes.gfid(ino)?;
+        let (began, mut seen) = match (offset, so_far) {
+            (0, _) => (self.leases.listing_starts(&dir)?, Vec::new()),
+            (_, so_far) => so_far?,
+        };
+        let named = reply
+            .entries
+            .iter()
+            .filter(|e| !matches!(e.name.as_bytes(), b"." | b".."))
+            .map(|e| (e.name.clone(), e.iatt.gfid));
+        seen.extend(named);
+        if reply.eof {
+            self.leases.listed(&dir, began, seen);
+            return None;
+        }
+        Some((began, seen))
+    }
+
     /// Gives the kernel the entries of directory handle `fh` from `offset` until `add`
     /// says its buffer is full or the directory ends.
     pub(super) async fn list(
@@ -491,10 +544,16 @@ impl<L: Layer> Shared<L> {
                 let FopReply::Readdirp(r) = reply.map_err(errno)? else {
                     return Err(Errno::EIO);
                 };
+                // Only a fetch right after the last one continues a listing.
+                let continues =
+                    listing.entries.is_empty() && listing.from == offset && !listing.eof;
+                let so_far = listing.whole.take().filter(|_| continues);
+                let whole = self.learn_entries(open.ino, offset, so_far, &r);
                 *listing = Listing {
                     from: offset,
                     entries: r.entries.into(),
                     eof: r.eof,
+                    whole,
                 };
                 if listing.entries.is_empty() {
                     return Ok(());

@@ -1,20 +1,22 @@
-//! The directories this mount holds a write lease on, and what it knows of them.
+//! The directories this mount holds a lease on, and what it knows of them.
 //!
-//! A held directory is one the mount made itself (MKDIR, with LEASE in the same batch), so it
-//! knows every entry in it: the brick recalls the lease before any other client may look
-//! inside. In a held directory the mount answers LOOKUP from its entries (a name it does not
-//! have does not exist), and makes and removes names itself, queueing the changes behind
-//! ([`super::behind`]). The objects made there are described here too ([`Local`]): their
-//! attributes are the mount's until a fop on the brick changes them.
-//!
-//! A recall, a refused lease or a lost session ends a directory's hold: its entries and the
-//! descriptions of its objects are forgotten, and fops there go to the brick again (after
-//! the changes queued before them).
+//! * A **write** lease on a directory the mount made itself (MKDIR, with LEASE in the same
+//!   batch) comes with every entry known: the brick recalls the lease before any other client
+//!   may look inside. A directory the mount lists gets a **read** lease (asked with the
+//!   OPENDIR), and its entries are known once a listing from the start reaches the end with
+//!   the lease still held; its first change made here asks for the write lease with it.
+//! * Where the entries are known the mount answers LOOKUP itself (a name it does not have
+//!   does not exist). Under a write lease it also makes and removes names itself, queueing
+//!   the changes behind ([`super::behind`]). The objects made there are described here
+//!   ([`Local`]) until the brick has answered the changes to them.
+//! * A recall, a refused lease or a lost session ends a directory's hold: its entries and the
+//!   descriptions of its objects are forgotten, and fops there go to the brick again (after
+//!   the changes queued before them).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 
-use kiln_wire::{FileType, Gfid, Iatt, Mode, Name, Timespec};
+use kiln_wire::{FileType, Gfid, Iatt, LeaseKind, Mode, Name, Timespec};
 
 /// An object made under a lease, as the mount describes it until the brick does.
 #[derive(Debug, Clone)]
@@ -22,22 +24,45 @@ pub(super) struct Local {
     pub(super) iatt: Iatt,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Held {
-    /// Every entry of the directory: name → object.
+    kind: LeaseKind,
+    /// Entries of the directory: all of them when `complete`, else those learned.
     entries: HashMap<Name, Gfid>,
+    complete: bool,
+    /// Counts the changes to `entries`: a listing that began before one does not make the
+    /// entries complete.
+    generation: u64,
+}
+
+impl Held {
+    fn new(kind: LeaseKind, complete: bool) -> Held {
+        Held {
+            kind,
+            entries: HashMap::new(),
+            complete,
+            generation: 0,
+        }
+    }
 }
 
 #[derive(Debug, Default)]
 struct State {
     dirs: HashMap<Gfid, Held>,
     local: HashMap<Gfid, Local>,
+    /// Directories recalled while the mount held nothing there: a grant whose reply comes
+    /// after its recall (they travel on different streams) must not be taken.
+    recalled_unheld: HashSet<Gfid>,
 }
+
+/// Early recalls remembered at most; past it the oldest knowledge is dropped (a grant it
+/// would have stopped is then taken, and the brick revokes it after its bound).
+const RECALLED_UNHELD_MAX: usize = 4096;
 
 /// What a held directory says about a name.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum Answer {
-    /// The directory is not held: ask the brick.
+    /// The entries are not known: ask the brick.
     Unknown,
     /// No such entry.
     Absent,
@@ -51,25 +76,93 @@ pub(super) struct Leases {
 }
 
 impl Leases {
-    /// Whether the mount holds `dir`'s write lease and knows its entries.
+    /// Whether the mount holds `dir`'s write lease (it may change the entries itself).
     pub(super) fn holds(&self, dir: &Gfid) -> bool {
+        self.lock()
+            .dirs
+            .get(dir)
+            .is_some_and(|held| held.kind == LeaseKind::Write)
+    }
+
+    /// Whether the mount holds any lease on `dir`.
+    pub(super) fn has_lease(&self, dir: &Gfid) -> bool {
         self.lock().dirs.contains_key(dir)
     }
 
-    /// Starts holding `dir`, which has no entries (the mount just made it).
+    /// Whether the mount holds a read lease on `dir` and knows all its entries: its first
+    /// change there may ask for the write lease.
+    pub(super) fn may_upgrade(&self, dir: &Gfid) -> bool {
+        self.lock()
+            .dirs
+            .get(dir)
+            .is_some_and(|held| held.kind == LeaseKind::Read && held.complete)
+    }
+
+    /// Starts holding `dir`'s write lease; it has no entries (the mount just made it).
     pub(super) fn hold_new(&self, dir: Gfid) {
-        self.lock().dirs.insert(dir, Held::default());
+        self.lock()
+            .dirs
+            .insert(dir, Held::new(LeaseKind::Write, true));
+    }
+
+    /// Starts holding a read lease on `dir`, its entries not known yet.
+    pub(super) fn hold_read(&self, dir: Gfid) {
+        self.lock()
+            .dirs
+            .entry(dir)
+            .or_insert_with(|| Held::new(LeaseKind::Read, false));
+    }
+
+    /// The write lease was granted on a directory held for reading.
+    pub(super) fn upgrade(&self, dir: &Gfid) {
+        if let Some(held) = self.lock().dirs.get_mut(dir) {
+            held.kind = LeaseKind::Write;
+        }
+    }
+
+    /// Where a listing of `dir` from its start begins: `None` unless the mount holds a lease
+    /// on it and does not know its entries yet.
+    pub(super) fn listing_starts(&self, dir: &Gfid) -> Option<u64> {
+        let state = self.lock();
+        let held = state.dirs.get(dir)?;
+        (!held.complete).then_some(held.generation)
+    }
+
+    /// A listing of `dir` that began at `generation` reached the end with `entries`: they are
+    /// all of them, unless the hold changed meanwhile.
+    pub(super) fn listed(&self, dir: &Gfid, generation: u64, entries: Vec<(Name, Gfid)>) {
+        if let Some(held) = self.lock().dirs.get_mut(dir)
+            && held.generation == generation
+            && !held.complete
+        {
+            held.entries = entries.into_iter().collect();
+            held.complete = true;
+        }
     }
 
     /// Ends the hold on `dir` (recalled, refused or removed): its entries and its objects'
     /// descriptions are forgotten.
-    pub(super) fn release(&self, dir: &Gfid) {
+    pub(super) fn release(&self, dir: &Gfid) -> Option<LeaseKind> {
         let mut state = self.lock();
-        if let Some(held) = state.dirs.remove(dir) {
-            for child in held.entries.values() {
-                state.local.remove(child);
-            }
+        let held = state.dirs.remove(dir)?;
+        for child in held.entries.values() {
+            state.local.remove(child);
         }
+        Some(held.kind)
+    }
+
+    /// A recall of `dir`, where nothing is held: remembered for [`Leases::take_grant`].
+    pub(super) fn recalled_unheld(&self, dir: Gfid) {
+        let mut state = self.lock();
+        if state.recalled_unheld.len() >= RECALLED_UNHELD_MAX {
+            state.recalled_unheld.clear();
+        }
+        state.recalled_unheld.insert(dir);
+    }
+
+    /// Whether a lease just granted on `dir` may be taken: not when its recall came first.
+    pub(super) fn take_grant(&self, dir: &Gfid) -> bool {
+        !self.lock().recalled_unheld.remove(dir)
     }
 
     /// Ends every hold (the session that held the leases is gone).
@@ -83,19 +176,20 @@ impl Leases {
     pub(super) fn lookup(&self, dir: &Gfid, name: &Name) -> Answer {
         match self.lock().dirs.get(dir) {
             None => Answer::Unknown,
-            Some(held) => held
-                .entries
-                .get(name)
-                .map_or(Answer::Absent, |g| Answer::Present(*g)),
+            Some(held) => match held.entries.get(name) {
+                Some(g) => Answer::Present(*g),
+                None if held.complete => Answer::Absent,
+                None => Answer::Unknown,
+            },
         }
     }
 
-    /// Whether held directory `dir` has no entries.
+    /// Whether held directory `dir` is known to have no entries.
     pub(super) fn is_empty(&self, dir: &Gfid) -> bool {
         self.lock()
             .dirs
             .get(dir)
-            .is_some_and(|held| held.entries.is_empty())
+            .is_some_and(|held| held.complete && held.entries.is_empty())
     }
 
     /// Records `name` → `gfid` in `dir` if it is held (a name made there, here or on the
@@ -103,12 +197,16 @@ impl Leases {
     pub(super) fn add_entry(&self, dir: &Gfid, name: &Name, gfid: Gfid) {
         if let Some(held) = self.lock().dirs.get_mut(dir) {
             held.entries.insert(name.clone(), gfid);
+            held.generation += 1;
         }
     }
 
     /// Forgets `name` in `dir` if it is held; the object it named.
     pub(super) fn remove_entry(&self, dir: &Gfid, name: &Name) -> Option<Gfid> {
-        self.lock().dirs.get_mut(dir)?.entries.remove(name)
+        let mut state = self.lock();
+        let held = state.dirs.get_mut(dir)?;
+        held.generation += 1;
+        held.entries.remove(name)
     }
 
     /// Describes `gfid`, made under a lease, as `iatt`.
@@ -216,6 +314,29 @@ mod tests {
         assert!(!leases.is_empty(&gfid(1)));
         assert_eq!(leases.remove_entry(&gfid(1), &name("a")), Some(gfid(2)));
         assert!(leases.is_empty(&gfid(1)));
+    }
+
+    #[test]
+    fn a_read_lease_knows_the_entries_once_a_whole_listing_ends_unchanged() {
+        let leases = Leases::default();
+        leases.hold_read(gfid(1));
+        assert!(!leases.holds(&gfid(1)), "reading only");
+        assert_eq!(leases.lookup(&gfid(1), &name("a")), Answer::Unknown);
+        // A change during the listing: it does not complete the entries.
+        let began = leases.listing_starts(&gfid(1)).expect("incomplete");
+        leases.add_entry(&gfid(1), &name("new"), gfid(9));
+        leases.listed(&gfid(1), began, vec![(name("a"), gfid(2))]);
+        assert_eq!(leases.lookup(&gfid(1), &name("b")), Answer::Unknown);
+        let began = leases.listing_starts(&gfid(1)).expect("still incomplete");
+        leases.listed(&gfid(1), began, vec![(name("a"), gfid(2))]);
+        assert_eq!(
+            leases.lookup(&gfid(1), &name("a")),
+            Answer::Present(gfid(2))
+        );
+        assert_eq!(leases.lookup(&gfid(1), &name("b")), Answer::Absent);
+        assert!(leases.may_upgrade(&gfid(1)));
+        leases.upgrade(&gfid(1));
+        assert!(leases.holds(&gfid(1)) && !leases.may_upgrade(&gfid(1)));
     }
 
     #[test]

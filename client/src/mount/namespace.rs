@@ -29,6 +29,15 @@ use crate::{Error, Layer, LayerEvent};
 /// How long queued changes wait for an unreachable brick before they fail.
 const BRICK_AWAY_LIMIT: std::time::Duration = std::time::Duration::from_secs(60);
 
+/// What a write lease asked with a fop is for.
+#[derive(Debug, Clone, Copy)]
+enum Want {
+    /// The directory the fop makes: held, with no entries, once granted.
+    NewDir,
+    /// A directory held for reading, whose entries the mount knows.
+    Upgrade,
+}
+
 /// A namespace fop as the mount sees it: which names in which directories it needs.
 #[derive(Debug, Clone)]
 enum Change {
@@ -112,7 +121,7 @@ impl Change {
 impl<L: Layer> Shared<L> {
     /// Whether this mount may answer fops under leases: the option is on and the brick
     /// grants them.
-    fn uses_leases(&self) -> bool {
+    pub(super) fn uses_leases(&self) -> bool {
         self.options.leases && self.layer.leases()
     }
 
@@ -126,42 +135,63 @@ impl<L: Layer> Shared<L> {
         }
         self.settle_dir(None).await;
         self.behind.settle(&parent).await;
-        let mkdir = matches!(fop, FopRequest::Mkdir(_));
-        let reply = match mkdir && self.uses_leases() {
-            // A new directory comes with its write lease, in the same round trip.
-            true => self.mkdir_with_lease(c, fop, gfid).await,
-            false => self.layer.call(c, fop).await,
-        };
-        let made = self.new_entry(reply)?;
+        // A new directory comes with its write lease, in the same round trip.
+        let mut wants = self.upgrades(&[parent]);
+        if matches!(fop, FopRequest::Mkdir(_)) && self.uses_leases() {
+            wants.push((gfid, Want::NewDir));
+        }
+        let made = self.new_entry(self.call_with_leases(c, fop, &wants).await)?;
         self.leases.add_entry(&parent, &name, gfid);
         Ok(made)
     }
 
-    /// MKDIR and LEASE in one batch: the directory, held when the lease is granted.
-    async fn mkdir_with_lease(
+    /// The write leases to ask with a change in `dirs`: those held for reading whose entries
+    /// the mount knows (the change is where the mount starts writing there).
+    fn upgrades(&self, dirs: &[Gfid]) -> Vec<(Gfid, Want)> {
+        if !self.uses_leases() {
+            return Vec::new();
+        }
+        dirs.iter()
+            .filter(|d| self.leases.may_upgrade(d))
+            .map(|d| (*d, Want::Upgrade))
+            .collect()
+    }
+
+    /// Runs `fop`, asking in the same batch for the write leases `wants`; the fop's reply.
+    async fn call_with_leases(
         &self,
         c: &Creds,
-        mkdir: FopRequest,
-        gfid: Gfid,
+        fop: FopRequest,
+        wants: &[(Gfid, Want)],
     ) -> std::result::Result<FopReply, Error> {
+        if wants.is_empty() {
+            return self.layer.call(c, fop).await;
+        }
         let mut batch = kiln_wire::Batch::new(c.clone());
-        let lease = Lease {
-            gfid,
-            kind: LeaseKind::Write,
-        };
-        for fop in [mkdir, lease.into()] {
+        let leases = wants.iter().map(|(gfid, _)| {
+            FopRequest::from(Lease {
+                gfid: *gfid,
+                kind: LeaseKind::Write,
+            })
+        });
+        for fop in std::iter::once(fop).chain(leases) {
             batch.push(fop).map_err(|e| Error::Misuse(e.to_string()))?;
         }
         let mut results = self.layer.batch(batch).await?.results.into_iter();
-        let made = results
+        let reply = results
             .next()
             .ok_or(Error::Fop(kiln_wire::ErrorCode::Io))??;
-        if let Some(Ok(FopReply::Lease(granted))) = results.next()
-            && granted.kind == LeaseKind::Write
-        {
-            self.leases.hold_new(gfid);
+        for ((gfid, want), granted) in wants.iter().zip(results) {
+            if matches!(granted, Ok(FopReply::Lease(r)) if r.kind == LeaseKind::Write)
+                && self.leases.take_grant(gfid)
+            {
+                match want {
+                    Want::NewDir => self.leases.hold_new(*gfid),
+                    Want::Upgrade => self.leases.upgrade(gfid),
+                }
+            }
         }
-        Ok(made)
+        Ok(reply)
     }
 
     /// Answers a make in a held directory here and queues it; `None` when the brick must.
@@ -261,7 +291,8 @@ impl<L: Layer> Shared<L> {
             self.behind.settle(&parent).await;
         }
         self.anchor_handles().await;
-        self.layer.call(c, fop).await.map_err(errno)?;
+        let wants = self.upgrades(&change.parents());
+        self.call_with_leases(c, fop, &wants).await.map_err(errno)?;
         self.note_changed(&change);
         Ok(())
     }
@@ -338,6 +369,26 @@ impl<L: Layer> Shared<L> {
                     self.leases.forget_local(&g);
                 }
                 self.touch_dir(parent, -1);
+            }
+            Change::Rename {
+                parent,
+                name,
+                new_parent,
+                new_name,
+                mode: RenameMode::Exchange,
+            } => {
+                let source = self.leases.remove_entry(parent, name);
+                let target = self.leases.remove_entry(new_parent, new_name);
+                if let (Some(source), Some(target)) = (source, target) {
+                    self.leases.add_entry(new_parent, new_name, source);
+                    self.leases.add_entry(parent, name, target);
+                } else {
+                    // Names this mount did not know: it knows nothing there any more.
+                    self.leases.release(parent);
+                    self.leases.release(new_parent);
+                }
+                self.touch_dir(parent, 0);
+                self.touch_dir(new_parent, 0);
             }
             Change::Rename {
                 parent,
@@ -468,14 +519,30 @@ impl<L: Layer> Shared<L> {
         loop {
             match events.recv().await {
                 Ok(LayerEvent::Recall(recall)) => {
-                    self.leases.release(&recall.gfid);
+                    let held = self.leases.release(&recall.gfid);
                     let give_back = Lease {
                         gfid: recall.gfid,
                         kind: recall.kind,
                     };
-                    self.behind
-                        .push(&Creds::root(), give_back.into(), &[recall.gfid])
-                        .await;
+                    match held {
+                        // Changes made under it go first.
+                        Some(LeaseKind::Write) => {
+                            let touches = [recall.gfid];
+                            self.behind
+                                .push(&Creds::root(), give_back.into(), &touches)
+                                .await;
+                        }
+                        // Nothing was changed under a read lease: back at once.
+                        Some(_) => {
+                            let _ = self.layer.call(&Creds::root(), give_back.into()).await;
+                        }
+                        // A grant whose reply has not arrived yet: it is not taken when it
+                        // does (and goes back).
+                        None => {
+                            self.leases.recalled_unheld(recall.gfid);
+                            let _ = self.layer.call(&Creds::root(), give_back.into()).await;
+                        }
+                    }
                 }
                 Ok(LayerEvent::LeasesLost)
                 | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
