@@ -4,8 +4,9 @@
 //! kiln-bench engine [--files N] [--dirs N] [--depths 1,16,256] [--loop-fs-mib M] [--json]
 //! kiln-bench net [--files N] [--concurrency 1,16,128] [--pings N] [--bulk-mib M] [--json]
 //! kiln-bench mgmt [--sets N] [--tasks N] [--loop-fs-mib M] [--json]
-//! kiln-bench mount [--files N] [--dirs N] [--linux-source auto|off|PATH]
-//!                  [--targets local,bindfs,kiln,glusterfs] [--mount-options O,...] [--json]
+//! kiln-bench mount [--files N] [--dirs N] [--linux-source auto|off|PATH] [--git-files N]
+//!                  [--targets local,bindfs,kiln,glusterfs] [--mount-options O,...]
+//!                  [--glusterfs-setup | --glusterfs-volume HOST:/VOL] [--json]
 //! kiln-bench smallfile [--ops create,stat,read,...] [--targets local,engine,volume,kiln-mount,path=DIR]
 //!                  [--threads N] [--files N] [--file-bytes B] [--fanout N] [--fsync] [--seed S]
 //!                  [--vary KEY=V1,V2,...] [--plot FILE.svg|FILE.png] [--json]
@@ -73,9 +74,10 @@ enum Workload {
     /// commits alone and grouped, against this disk's floors: one append + fdatasync of the
     /// same bytes, and a durable file replacement (temp, fsync, rename, directory fsync).
     Mgmt(MgmtArgs),
-    /// A tree of many small files untarred, `find`-stat'ed, `ls -lR`'d, read and removed on
-    /// the local directory, a bindfs passthrough FUSE mount, the Kiln mount and a GlusterFS
-    /// mount (where set up), all on the scratch disk.
+    /// A tree of many small files untarred, `find`-stat'ed, `ls -lR`'d, read, a repository
+    /// `git clone`d, and all removed, on the local directory, a bindfs passthrough FUSE mount,
+    /// the Kiln mount and a GlusterFS mount (set up by the run or given), all on the scratch
+    /// disk.
     Mount(MountArgs),
     /// Small-file operations in the spirit of the `smallfile` tool (create, stat, read,
     /// append, chmod, xattrs, listings, rename, delete, mkdir, rmdir), each on every target:
@@ -188,8 +190,16 @@ struct MountArgs {
     #[arg(long, value_delimiter = ',')]
     bindfs_options: Vec<String>,
     /// An existing GlusterFS volume to mount as the glusterfs target (SERVER:/VOLUME).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "glusterfs_setup")]
     glusterfs_volume: Option<String>,
+    /// Set up GlusterFS for the glusterfs target: install Debian's glusterfs-server with
+    /// apt-get if missing, start glusterd if none runs, create and start a single-brick
+    /// volume in the scratch directory; all torn down after the target.
+    #[arg(long)]
+    glusterfs_setup: bool,
+    /// Files of the repository the git_clone phase clones (the first ones of the tree).
+    #[arg(long, default_value_t = mount::DEFAULT_GIT_FILES)]
+    git_files: usize,
     /// Do not drop the kernel's caches before each phase.
     #[arg(long)]
     keep_caches: bool,
@@ -386,6 +396,8 @@ impl MountArgs {
             mount_options: self.mount_options,
             bindfs_options: self.bindfs_options,
             glusterfs_volume: self.glusterfs_volume,
+            glusterfs_setup: self.glusterfs_setup,
+            git_files: self.git_files.max(1),
             drop_caches: !self.keep_caches,
             phase_timeout: std::time::Duration::from_secs(self.phase_timeout_s),
         })

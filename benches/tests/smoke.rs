@@ -584,11 +584,18 @@ mod needs_root {
         assert_eq!(tree["dirs"], 20, "{tree}");
         let records = records(&lines);
         let positive = |v: &Value| v.as_f64().is_some_and(|x| x > 0.0);
+        // Every file of the tree is in the repository (fewer than --git-files).
+        let repo = lines
+            .iter()
+            .find_map(|l| l.get("git_repo"))
+            .expect("the git_repo note");
+        assert_eq!(repo["files"], 200, "{repo}");
         for workload in [
             "mount.untar",
             "mount.stat",
             "mount.ls_lR",
             "mount.read",
+            "mount.git_clone",
             "mount.rm",
         ] {
             for (target, reference) in [("local", "local"), ("kiln", "local")] {
@@ -621,7 +628,7 @@ mod needs_root {
             .iter()
             .filter_map(|l| l.get("mount_summary"))
             .collect();
-        assert_eq!(summaries.len(), 5);
+        assert_eq!(summaries.len(), 6);
         for summary in summaries {
             let phase = summary["phase"].as_str().expect("phase");
             let workload = format!("mount.{phase}");
@@ -634,6 +641,37 @@ mod needs_root {
                 "{summary} against {kiln}"
             );
         }
+        // The clone's files are the repository's; rm removed the tree and the clone.
+        let files = |workload: &str| {
+            let r = find(&records, workload, |r| {
+                r["workload"] == workload && r["target"] == "local"
+            });
+            num(&r["params"], "files")
+        };
+        assert_eq!(files("mount.git_clone"), 200.0);
+        assert!(files("mount.rm") > 400.0, "the clone's .git is removed too");
+        // Every Kiln phase has the brick's fops, what is sent alone a part of them; the
+        // untar costs at least one fop per file, and at most one PUT.
+        let fops: Vec<&Value> = lines.iter().filter_map(|l| l.get("mount_fops")).collect();
+        assert_eq!(fops.len(), 6, "{fops:?}");
+        for note in &fops {
+            assert!(note.get("error").is_none(), "{note}");
+            assert!(
+                num(note, "alone_fops_per_file") <= num(note, "fops_per_file"),
+                "{note}"
+            );
+        }
+        let untar = fops
+            .iter()
+            .find(|n| n["phase"] == "untar")
+            .expect("untar fops");
+        assert!(num(untar, "fops_per_file") >= 1.0, "{untar}");
+        assert!(untar["fops"]["PUT"].as_u64().unwrap_or(0) <= 200, "{untar}");
+        let goals = lines
+            .iter()
+            .filter(|l| l.get("mount_goal").is_some())
+            .count();
+        assert_eq!(goals, 4);
         let stop = lines
             .iter()
             .filter_map(|l| l.get("mount_stop"))

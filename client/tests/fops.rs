@@ -7,9 +7,9 @@ use common::{Cluster, runtime};
 use kiln_client::path::new_gfid;
 use kiln_client::{BrickClient, Error, FdFop, Layer, LayerExt, Paths};
 use kiln_wire::{
-    AccessMask, AccessMode, Creds, ErrorCode, FileType, FopCode, FopReply, Gfid, Lock, LockCmd,
-    LockKind, Mode, Name, NodeType, OpenFlags, Payload, ReaddirSize, RenameMode, SeekWhat, SetAttr,
-    SymlinkTarget, XattrName, XattrSetMode, XattrValue,
+    AccessMask, AccessMode, Creds, ErrorCode, FileType, FopCode, FopReply, Gfid, LeaseKind, Lock,
+    LockCmd, LockKind, Mode, Name, NodeType, OpenFlags, Payload, ReaddirSize, RenameMode, SeekWhat,
+    SetAttr, SymlinkTarget, XattrName, XattrSetMode, XattrValue,
 };
 
 fn name(s: &str) -> Name {
@@ -110,6 +110,23 @@ async fn exercise(v: &BrickClient, seen: &mut std::collections::BTreeSet<FopCode
         }
     );
     assert_eq!(found.iatt.gfid, dir);
+    // LEASE: a read lease on the directory, then given back.
+    let held = call!(
+        Lease,
+        kiln_wire::Lease {
+            gfid: dir,
+            kind: LeaseKind::Read,
+        }
+    );
+    assert_eq!(held.kind, LeaseKind::Read);
+    let returned = call!(
+        Lease,
+        kiln_wire::Lease {
+            gfid: dir,
+            kind: LeaseKind::None,
+        }
+    );
+    assert_eq!(returned.kind, LeaseKind::None);
 
     // CREATE, WRITE, FLUSH, FSYNC, FSTAT, READ, SEEK.
     seen.insert(FopCode::Create);

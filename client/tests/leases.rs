@@ -37,6 +37,15 @@ fn names(dir: &Path) -> Vec<String> {
     names
 }
 
+/// Every file `f<i>` named in `seen` holds "file <i>": a file is there only whole.
+fn assert_each_whole(dir: &Path, seen: &[String]) {
+    for name in seen {
+        let i: usize = name[1..].parse().expect("f<i>");
+        let data = fs::read_to_string(dir.join(name)).expect("read");
+        assert_eq!(data, format!("file {i}"), "{name} is not whole");
+    }
+}
+
 fn fsync_dir(dir: &Path) -> std::io::Result<()> {
     fs::File::open(dir)?.sync_all()
 }
@@ -181,14 +190,7 @@ fn a_stopped_holder_loses_its_lease_after_the_bound() {
         "{} of 50 files reached the brick and the holder's fsync reported nothing",
         seen.len()
     );
-    for name in &seen {
-        let i: usize = name[1..].parse().expect("f<i>");
-        assert_eq!(
-            fs::read_to_string(b.path(&format!("d/{name}"))).expect("read"),
-            format!("file {i}"),
-            "a file is there only whole"
-        );
-    }
+    assert_each_whole(&b.path("d"), &seen);
     assert_brick_consistent(&a);
 }
 
@@ -208,14 +210,7 @@ fn a_killed_holder_loses_only_what_it_had_not_sent() {
         "the other mount waited {:?} for a dead holder",
         started.elapsed()
     );
-    for name in &seen {
-        let i: usize = name[1..].parse().expect("f<i>");
-        assert_eq!(
-            fs::read_to_string(b.path(&format!("d/{name}"))).expect("read"),
-            format!("file {i}"),
-            "a file is there only whole"
-        );
-    }
+    assert_each_whole(&b.path("d"), &seen);
     assert_brick_consistent(&a);
 }
 

@@ -328,7 +328,8 @@ fn attributes_xattrs_and_sparse_files() {
 #[test]
 fn small_files_created_write_only_reach_the_brick_at_close() {
     let m = Mounted::new(LONG_CACHES);
-    // Created, written, given mode, owner and times, closed: one PUT at the close.
+    // Created, written, given mode, owner and times, closed: one PUT at the close (sent
+    // behind the root's write lease; `on_brick` waits for it).
     let mut f = fs::OpenOptions::new()
         .write(true)
         .create_new(true)

@@ -1,9 +1,11 @@
 //! The FUSE mounts `kiln-bench mount` measures and their lifecycle: the servers behind them
 //! (`bindfs`, `glusterfs`, `kiln mount` with its `kiln-brickd`), waiting for a mount to show
 //! in the mount table, unmounting, and stopping every server with a bound; [`KilnMount`]
-//! lends the Kiln target to the other workloads.
+//! lends the Kiln target to the other workloads. The Kiln target's brick can keep a fop
+//! profile, read on its control socket ([`Place::control`]).
 
 use std::io::{BufRead as _, BufReader};
+use std::os::unix::fs::DirBuilderExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
@@ -34,16 +36,23 @@ const LISTEN_TIMEOUT: Duration = Duration::from_secs(30);
 /// Pause between polls of a mount table or the stop flag.
 const POLL_INTERVAL: Duration = Duration::from_millis(20);
 
+/// Name of the Kiln brick's control socket, in the target's directory.
+const CONTROL_SOCKET: &str = "brickd.sock";
+
 /// A server process, stopped (SIGTERM, bounded wait, SIGKILL) when dropped.
 #[derive(Debug)]
-struct Daemon {
+pub(super) struct Daemon {
     name: &'static str,
     child: Option<Child>,
     log: PathBuf,
 }
 
 impl Daemon {
-    fn spawn(name: &'static str, cmd: &mut Command, log: &Path) -> anyhow::Result<Daemon> {
+    pub(super) fn spawn(
+        name: &'static str,
+        cmd: &mut Command,
+        log: &Path,
+    ) -> anyhow::Result<Daemon> {
         let log_file = std::fs::File::options()
             .create(true)
             .append(true)
@@ -62,7 +71,7 @@ impl Daemon {
     }
 
     /// Its exit status if it has exited.
-    fn exited(&mut self) -> Option<ExitStatus> {
+    pub(super) fn exited(&mut self) -> Option<ExitStatus> {
         self.child
             .as_mut()
             .and_then(|c| c.try_wait().ok().flatten())
@@ -82,7 +91,7 @@ impl Daemon {
     }
 
     /// SIGTERM, a bounded wait, then SIGKILL. Returns its status and whether it was killed.
-    fn stop(&mut self) -> anyhow::Result<(Option<ExitStatus>, bool)> {
+    pub(super) fn stop(&mut self) -> anyhow::Result<(Option<ExitStatus>, bool)> {
         let Some(child) = self.child.as_mut() else {
             bail!("{} is not running", self.name);
         };
@@ -201,6 +210,14 @@ impl Drop for FuseMount {
     }
 }
 
+/// Whether the Kiln brick counts and times its fops (the profile `kiln volume profile`
+/// reads). Off for the other workloads' mounts, whose numbers compare with earlier runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Profiling {
+    On,
+    Off,
+}
+
 /// A target ready for the phases: the directory they work in, and what serves it.
 #[derive(Debug)]
 pub(super) struct Place {
@@ -211,13 +228,18 @@ pub(super) struct Place {
     mount: Option<FuseMount>,
     /// The Kiln target's brick server.
     brickd: Option<Daemon>,
+    /// The Kiln brick's control socket, when it keeps a fop profile.
+    control: Option<PathBuf>,
     detail: serde_json::Value,
 }
 
 impl Place {
+    /// Starts `target` in `root/NAME`; `glusterfs_volume` (`SERVER:/VOLUME`) is the volume
+    /// the glusterfs target mounts.
     pub(super) fn start(
         bench: &MountBench,
         target: Target,
+        glusterfs_volume: Option<&str>,
         root: &Path,
         logs: &Path,
     ) -> anyhow::Result<Place> {
@@ -228,6 +250,7 @@ impl Place {
             base: dir.clone(),
             mount: None,
             brickd: None,
+            control: None,
             detail: json!({}),
         };
         match target {
@@ -254,9 +277,9 @@ impl Place {
                 place.detail = json!({ "bindfs": version("bindfs"), "options": bench.bindfs_options.join(","),
                                        "backing": src.display().to_string() });
             }
-            Target::Kiln => place.start_kiln(&bench.mount_options, &dir, logs)?,
+            Target::Kiln => place.start_kiln(&bench.mount_options, Profiling::On, &dir, logs)?,
             Target::Glusterfs => {
-                let volume = bench.glusterfs_volume.as_deref().unwrap_or_default();
+                let volume = glusterfs_volume.unwrap_or_default();
                 let (server, volume_id) = volume.split_once(":/").with_context(|| {
                     format!("--glusterfs-volume {volume}: expected SERVER:/VOLUME")
                 })?;
@@ -295,6 +318,7 @@ impl Place {
     fn start_kiln(
         &mut self,
         mount_options: &[String],
+        profiling: Profiling,
         dir: &Path,
         logs: &Path,
     ) -> anyhow::Result<()> {
@@ -323,6 +347,19 @@ impl Place {
             .arg(&tls)
             .args(["--root-allow", CLIENT_NAME])
             .stdout(Stdio::piped());
+        if profiling == Profiling::On {
+            // The brick refuses a control socket in a directory others may enter.
+            let private = dir.join("control");
+            std::fs::DirBuilder::new()
+                .mode(0o700)
+                .create(&private)
+                .with_context(|| format!("cannot create {}", private.display()))?;
+            let socket = private.join(CONTROL_SOCKET);
+            cmd.arg("--control")
+                .arg(&socket)
+                .args(["--count-fop-hits", "--latency-measurement"]);
+            self.control = Some(socket);
+        }
         let mut brickd = Daemon::spawn("kiln-brickd", &mut cmd, &brick_log)?;
         let stdout = brickd
             .child
@@ -384,8 +421,18 @@ impl Place {
             "brickd": addr.to_string(),
             "mount_options": mount_options.join(","),
             "binaries": bins.kiln.parent().map(|p| p.display().to_string()),
+            "brick_profile": match profiling {
+                Profiling::On => "--count-fop-hits --latency-measurement, read on --control",
+                Profiling::Off => "off",
+            },
         });
         Ok(())
+    }
+
+    /// The Kiln brick's control socket, where its fop profile is read; None for the other
+    /// targets.
+    pub(super) fn control(&self) -> Option<&Path> {
+        self.control.as_deref()
     }
 
     pub(super) fn describe(&self) -> serde_json::Value {
@@ -441,9 +488,10 @@ impl KilnMount {
             base: dir.clone(),
             mount: None,
             brickd: None,
+            control: None,
             detail: json!({}),
         };
-        place.start_kiln(mount_options, &dir, &logs)?;
+        place.start_kiln(mount_options, Profiling::Off, &dir, &logs)?;
         Ok(KilnMount { place })
     }
 

@@ -116,8 +116,15 @@ impl Mounted {
         self.mountpoint.join(rel)
     }
 
-    /// The brick directory's copy of `rel` (to check what reached the brick).
+    /// The brick directory's copy of `rel` (to check what reached the brick), once the mount
+    /// has sent what it answered itself: an fsync of the mount's root drains the changes it
+    /// queued behind its leases (a close does not wait for them).
     pub fn on_brick(&self, rel: &str) -> PathBuf {
+        if is_kiln_mount(&self.mountpoint) {
+            std::fs::File::open(&self.mountpoint)
+                .and_then(|root| root.sync_all())
+                .expect("fsync of the mount's root");
+        }
         self.cluster.brick.join(rel)
     }
 
