@@ -110,6 +110,59 @@ fn a_tree_made_in_one_mount_is_whole_in_another_as_soon_as_it_looks() {
 }
 
 #[test]
+fn a_held_directory_s_attributes_follow_every_change_and_another_mount() {
+    // The kernel asks every time: each answer below is the mount's own.
+    let a = Mounted::with_brick(
+        &["--lease-recall-timeout-ms", RECALL_TIMEOUT_MS],
+        &["attr-timeout-ms=0", "entry-timeout-ms=0"],
+    );
+    let dirs = |rel: &str| fs::metadata(a.path(rel)).expect("stat");
+    fs::create_dir_all(a.path("d/old")).expect("mkdir");
+    fs::create_dir(a.path("e")).expect("mkdir");
+    make_files(&a.path("d"), 5);
+    let before = dirs("d");
+    std::thread::sleep(Duration::from_millis(20));
+    // Made, removed and moved here under the lease: link counts as the brick counts them,
+    // times moving on.
+    for sub in ["s1", "s2", "s3"] {
+        fs::create_dir(a.path(&format!("d/{sub}"))).expect("mkdir");
+    }
+    fs::remove_dir(a.path("d/s1")).expect("rmdir");
+    fs::remove_file(a.path("d/f0")).expect("unlink");
+    fs::rename(a.path("d/s2"), a.path("e/s2")).expect("rename across");
+    fs::rename(a.path("d/f1"), a.path("d/g1")).expect("rename within");
+    let after = dirs("d");
+    assert_eq!((after.nlink(), dirs("e").nlink()), (4, 3), "old, s3 | s2");
+    assert!(after.mtime_nsec() != before.mtime_nsec() || after.mtime() > before.mtime());
+    fs::set_permissions(
+        a.path("d"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o750),
+    )
+    .expect("chmod");
+    assert_eq!(dirs("d").mode() & 0o7777, 0o750);
+    // The brick, once everything is sent, says the same.
+    for rel in ["d", "e"] {
+        let (mount, brick) = (dirs(rel), fs::metadata(a.on_brick(rel)).expect("brick"));
+        assert_eq!(
+            (mount.nlink(), mount.mode(), mount.uid()),
+            (brick.nlink(), brick.mode(), brick.uid()),
+            "{rel}"
+        );
+        assert!((mount.mtime() - brick.mtime()).abs() <= 2, "{rel}");
+    }
+    // Another mount's changes recall the lease: this mount sees them at once.
+    let b = a.another("b", &[]);
+    fs::set_permissions(
+        b.path("d"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o705),
+    )
+    .expect("chmod in b");
+    fs::create_dir(b.path("d/from-b")).expect("mkdir in b");
+    let seen = dirs("d");
+    assert_eq!((seen.mode() & 0o7777, seen.nlink()), (0o705, 5));
+}
+
+#[test]
 fn a_file_closed_in_one_mount_reads_whole_in_the_other_right_after() {
     let a = brick();
     let b = a.another("b", &[]);

@@ -39,10 +39,17 @@ pub(super) fn git() -> Command {
 }
 
 /// Gives the git that `cmd` runs settings of its own: no system or user configuration
-/// (hooks, templates, `core.*` of whoever runs the bench), and an author for the commit.
+/// (hooks, templates, `core.*` of whoever runs the bench), no housekeeping started behind
+/// its back (an automatic `gc` after the big commit would make the explicit one fail), and
+/// an author for the commit.
 pub(super) fn own_settings(cmd: &mut Command) {
     cmd.env("GIT_CONFIG_NOSYSTEM", "1")
         .env("GIT_CONFIG_GLOBAL", "/dev/null")
+        .env("GIT_CONFIG_COUNT", "2")
+        .env("GIT_CONFIG_KEY_0", "gc.auto")
+        .env("GIT_CONFIG_VALUE_0", "0")
+        .env("GIT_CONFIG_KEY_1", "maintenance.auto")
+        .env("GIT_CONFIG_VALUE_1", "false")
         .env("GIT_AUTHOR_NAME", "kiln-bench")
         .env("GIT_AUTHOR_EMAIL", "kiln-bench@localhost")
         .env("GIT_COMMITTER_NAME", "kiln-bench")

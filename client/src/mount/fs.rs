@@ -686,8 +686,11 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
             .map_err(|_| Errno::from_i32(libc::E2BIG));
         self.run_done(req, reply, ino.0, move |s| {
             let mode = xattr_set_mode(flags)?;
+            let gfid = s.gfid(ino.0)?;
+            // Its ctime moves: a held directory is described by the brick again.
+            s.leases.forget_local(&gfid);
             Ok(kiln_wire::Setxattr {
-                gfid: s.gfid(ino.0)?,
+                gfid,
                 name: name?,
                 value: value?,
                 mode,
@@ -719,13 +722,12 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
     }
 
     fn removexattr(&self, req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        self.shared.inodes.forget_xattr(ino.0, name.as_bytes());
         let name = xattr_name(name);
         self.run_done(req, reply, ino.0, move |s| {
-            Ok(kiln_wire::Removexattr {
-                gfid: s.gfid(ino.0)?,
-                name: name?,
-            }
-            .into())
+            let gfid = s.gfid(ino.0)?;
+            s.leases.forget_local(&gfid);
+            Ok(kiln_wire::Removexattr { gfid, name: name? }.into())
         });
     }
 

@@ -8,7 +8,9 @@
 //! * Where the entries are known the mount answers LOOKUP itself (a name it does not have
 //!   does not exist). Under a write lease it also makes and removes names itself, queueing
 //!   the changes behind ([`super::behind`]). The objects made there are described here
-//!   ([`Local`]) until the brick has answered the changes to them.
+//!   ([`Local`]) until the brick has answered the changes to them; a held directory itself
+//!   is described for as long as it is held (another client's change to it, or a look at
+//!   it under a write lease, is recalled first), so its attributes cost no round trip.
 //! * A recall, a refused lease or a lost session ends a directory's hold: its entries and the
 //!   descriptions of its objects are forgotten, and fops there go to the brick again (after
 //!   the changes queued before them).
@@ -148,6 +150,7 @@ impl Leases {
         for child in held.entries.values() {
             state.local.remove(child);
         }
+        state.local.remove(dir);
         Some(held.kind)
     }
 
@@ -219,9 +222,35 @@ impl Leases {
         self.lock().local.get(gfid).cloned()
     }
 
-    /// Forgets the description of `gfid`: the brick describes it from now on.
+    /// Forgets the description of `gfid`: the brick describes it from now on. A held
+    /// directory's generation moves on, so a description read from the brick before is not
+    /// taken ([`Leases::describe_held`]).
     pub(super) fn forget_local(&self, gfid: &Gfid) {
-        self.lock().local.remove(gfid);
+        let mut state = self.lock();
+        state.local.remove(gfid);
+        if let Some(held) = state.dirs.get_mut(gfid) {
+            held.generation += 1;
+        }
+    }
+
+    /// The generation of held directory `dir`: it moves on with every change of its entries
+    /// or its description.
+    pub(super) fn generation(&self, dir: &Gfid) -> Option<u64> {
+        self.lock().dirs.get(dir).map(|held| held.generation)
+    }
+
+    /// Describes held directory `dir` as the brick did (`iatt`, asked at `generation` with
+    /// nothing of it queued): kept while the lease is, as no other client can change the
+    /// directory without its recall. Not taken if the hold changed meanwhile.
+    pub(super) fn describe_held(&self, generation: u64, iatt: Iatt) {
+        let mut state = self.lock();
+        if state
+            .dirs
+            .get(&iatt.gfid)
+            .is_some_and(|held| held.generation == generation)
+        {
+            state.local.insert(iatt.gfid, Local { iatt });
+        }
     }
 
     /// Changes the description of `gfid` with `change`, if there is one; the result.

@@ -142,6 +142,7 @@ impl<L: Layer> Shared<L> {
         }
         let made = self.new_entry(self.call_with_leases(c, fop, &wants).await)?;
         self.leases.add_entry(&parent, &name, gfid);
+        self.leases.forget_local(&parent);
         Ok(made)
     }
 
@@ -267,13 +268,19 @@ impl<L: Layer> Shared<L> {
 
     /// Bumps the mount's description of directory `dir` after a change of its entries:
     /// times now, `links` more (or fewer) subdirectories.
-    fn touch_dir(&self, dir: &Gfid, links: i32) {
+    pub(super) fn touch_dir(&self, dir: &Gfid, links: i32) {
         let now = now();
         self.leases.update_local(dir, |iatt| {
             iatt.mtime = now;
             iatt.ctime = now;
             iatt.nlink = iatt.nlink.saturating_add_signed(links);
         });
+    }
+
+    /// Moves the mount's description of renamed object `gfid` on: a rename changes its ctime.
+    fn touch_moved(&self, gfid: &Gfid) {
+        let now = now();
+        self.leases.update_local(gfid, |iatt| iatt.ctime = now);
     }
 
     /// UNLINK, RMDIR or RENAME (`fop`) as `c`.
@@ -382,6 +389,8 @@ impl<L: Layer> Shared<L> {
                 if let (Some(source), Some(target)) = (source, target) {
                     self.leases.add_entry(new_parent, new_name, source);
                     self.leases.add_entry(parent, name, target);
+                    self.touch_moved(&source);
+                    self.touch_moved(&target);
                 } else {
                     // Names this mount did not know: it knows nothing there any more.
                     self.leases.release(parent);
@@ -404,9 +413,15 @@ impl<L: Layer> Shared<L> {
                 }
                 if let Some(source) = source {
                     self.leases.add_entry(new_parent, new_name, source);
+                    self.touch_moved(&source);
                 }
                 self.touch_dir(parent, 0);
                 self.touch_dir(new_parent, 0);
+                if parent != new_parent {
+                    // A directory moved changes both link counts: the brick counts them.
+                    self.leases.forget_local(parent);
+                    self.leases.forget_local(new_parent);
+                }
             }
         }
     }
@@ -473,10 +488,11 @@ impl<L: Layer> Shared<L> {
                 .map(|(queued, result)| outcome(&queued.fop, result, repeated))
                 .collect();
             self.behind.answered(&sent, &outcomes);
-            // What has no change queued any more is the brick's to describe.
+            // What has no change queued any more is the brick's to describe, but for a
+            // held directory (the mount's description is the brick's, and lasts the lease).
             for queued in &sent {
                 for gfid in queued.touches() {
-                    if !self.behind.is_dirty(gfid) {
+                    if !self.behind.is_dirty(gfid) && !self.leases.has_lease(gfid) {
                         self.leases.forget_local(gfid);
                     }
                 }

@@ -20,6 +20,15 @@ use super::leases::{Answer, Leases};
 use super::pending::{ParentAttr, PendingCreates};
 use crate::{Error, FdFop, Layer};
 
+/// Extended attributes programs ask of every file they list or copy, and which most files
+/// lack: security labels and capabilities, POSIX ACLs.
+const PROBED_XATTRS: [&[u8]; 4] = [
+    b"security.selinux",
+    b"security.capability",
+    b"system.posix_acl_access",
+    b"system.posix_acl_default",
+];
+
 /// What the tasks share; `L` is the client stack below the mount.
 #[derive(Debug)]
 pub(super) struct Shared<L: Layer> {
@@ -180,13 +189,23 @@ impl<L: Layer> Shared<L> {
             return fstat(open).await;
         }
         let gfid = self.gfid(ino)?;
+        // A held directory's description, once read, lasts the lease.
+        let held = self.leases.generation(&gfid);
         match self.layer.call(c, kiln_wire::Stat { gfid }.into()).await {
             Err(Error::Fop(ErrorCode::Stale | ErrorCode::NoEnt))
                 if self.handles.any_on(ino).is_some() =>
             {
                 fstat(self.handles.any_on(ino).ok_or(Errno::ESTALE)?).await
             }
-            reply => attr_of(reply),
+            reply => {
+                let iatt = attr_of(reply)?;
+                if let Some(generation) = held
+                    && !self.behind.is_dirty(&gfid)
+                {
+                    self.leases.describe_held(generation, iatt.clone());
+                }
+                Ok(iatt)
+            }
         }
     }
 
@@ -224,25 +243,34 @@ impl<L: Layer> Shared<L> {
                 None => self.stat(c, ino, fh).await,
             };
         }
+        let gfid = self.gfid(ino)?;
         let reply = match &open {
             Some(open) => {
                 let fop = FdFop::new(|fd| kiln_wire::Fsetattr { fd, attr }.into());
                 self.layer.call_fd(c, self.fd(open).await?, fop).await
             }
             None => {
-                let gfid = self.gfid(ino)?;
                 self.layer
                     .call(c, kiln_wire::Setattr { gfid, attr }.into())
                     .await
             }
         };
+        self.leases.forget_local(&gfid);
         attr_of(reply)
     }
 
     /// GETXATTR of `name` on node `ino`, as `c`. A name the brick says is absent is
-    /// remembered as absent for the attribute lifetime (`ls -l` asks two per file).
+    /// remembered as absent for the attribute lifetime. A name programs probe on every file
+    /// ([`PROBED_XATTRS`]: `ls -l` asks two, `cp -a` and `tar` more) is looked for in a
+    /// LISTXATTR first, which tells the absence of all of them in one round trip.
     pub(super) async fn getxattr(&self, c: &Creds, ino: u64, name: XattrName) -> Result<Bytes> {
         self.settle(ino).await?;
+        if PROBED_XATTRS.contains(&name.as_bytes())
+            && self.probe_xattrs(c, ino).await
+            && self.inodes.xattr_is_absent(ino, name.as_bytes())
+        {
+            return Err(Errno::NO_XATTR);
+        }
         let get = kiln_wire::Getxattr {
             gfid: self.gfid(ino)?,
             name: name.clone(),
@@ -257,6 +285,28 @@ impl<L: Layer> Shared<L> {
             }
             Err(e) => Err(errno(e)),
         }
+    }
+
+    /// Lists node `ino`'s xattrs and remembers which of [`PROBED_XATTRS`] it lacks, for the
+    /// attribute lifetime; whether the list came.
+    async fn probe_xattrs(&self, c: &Creds, ino: u64) -> bool {
+        let Ok(gfid) = self.gfid(ino) else {
+            return false;
+        };
+        let Ok(FopReply::Listxattr(r)) = self
+            .layer
+            .call(c, kiln_wire::Listxattr { gfid }.into())
+            .await
+        else {
+            return false;
+        };
+        let until = Instant::now() + self.options.attr_timeout;
+        for probed in PROBED_XATTRS {
+            if !r.entries.iter().any(|n| n.as_bytes() == probed) {
+                self.inodes.note_absent_xattr(ino, probed, until);
+            }
+        }
+        true
     }
 
     /// READLINK of node `ino`, as `c`.
