@@ -150,6 +150,29 @@ fn a_held_directory_s_attributes_follow_every_change_and_another_mount() {
         );
         assert!((mount.mtime() - brick.mtime()).abs() <= 2, "{rel}");
     }
+    // A file made here keeps the mount's description once on the brick, until a change
+    // through the brick: an append, an O_TRUNC open, a hard link.
+    let file = a.path("d/made");
+    fs::write(&file, b"abc").expect("write");
+    let made = fs::metadata(&file).expect("stat");
+    fsync_dir(&a.path("d")).expect("sent");
+    let on_brick = fs::metadata(a.on_brick("d/made")).expect("brick");
+    assert_eq!(
+        (made.len(), made.mtime(), made.mtime_nsec()),
+        (on_brick.len(), on_brick.mtime(), on_brick.mtime_nsec()),
+        "the brick keeps the times the mount gave"
+    );
+    let mut append = fs::OpenOptions::new()
+        .append(true)
+        .open(&file)
+        .expect("open");
+    std::io::Write::write_all(&mut append, b"def").expect("append");
+    drop(append);
+    assert_eq!(fs::metadata(&file).expect("stat").len(), 6);
+    fs::File::create(&file).expect("O_TRUNC");
+    assert_eq!(fs::metadata(&file).expect("stat").len(), 0);
+    fs::hard_link(&file, a.path("e/linked")).expect("link");
+    assert_eq!(fs::metadata(&file).expect("stat").nlink(), 2);
     // Another mount's changes recall the lease: this mount sees them at once.
     let b = a.another("b", &[]);
     fs::set_permissions(

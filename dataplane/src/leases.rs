@@ -44,6 +44,10 @@ pub const RECALLS_QUEUED_MAX: usize = 1024;
 pub const DRAIN_WAIT_MAX: Duration = Duration::from_secs(1);
 /// How often an arming grant looks whether those fops have ended.
 const DRAIN_POLL: Duration = Duration::from_millis(1);
+/// A holder still sending fops is giving back what was recalled (its changes queued before
+/// the recall go first): each fop moves the recall's deadline to a full timeout away, up to
+/// this many timeouts after the recall.
+pub const RECALL_TIMEOUTS_MAX: u32 = 12;
 /// Directories remembered (for their last recall, or a fop running there) before the idle
 /// ones are swept out; the sweep runs again when the table has doubled since.
 const DIRS_SWEEP_MIN: usize = 1024;
@@ -201,6 +205,8 @@ struct Holder {
     kind: LeaseKind,
     /// When the recall sent for it runs out; `None` while it is not recalled.
     recall_due: Option<Instant>,
+    /// When that recall was sent.
+    recalled_at: Option<Instant>,
 }
 
 /// What the table knows about one directory.
@@ -256,6 +262,9 @@ struct Attached {
     /// Directories where it holds a lease or has a revoked mark.
     dirs: HashSet<Gfid>,
     held: usize,
+    /// Directories where a lease of its was recalled (those back or revoked since are
+    /// dropped at its next fop).
+    recalling: Vec<Gfid>,
 }
 
 /// What a LEASE request leads to.
@@ -316,6 +325,7 @@ impl Table {
             events,
             dirs: HashSet::new(),
             held: 0,
+            recalling: Vec::new(),
         };
         let replaced = self.sessions.insert(session, attached);
         debug_assert!(replaced.is_none(), "session {session} attached twice");
@@ -433,6 +443,7 @@ impl Table {
                     session,
                     kind,
                     recall_due: None,
+                    recalled_at: None,
                 });
                 attached.dirs.insert(gfid);
                 attached.held += 1;
@@ -452,6 +463,7 @@ impl Table {
         if stale {
             return Check::Stale;
         }
+        self.renew_recalls(session, now);
         let mut first_due: Option<Instant> = None;
         for (gfid, access) in &targets.dirs {
             let Some(dir) = self.dirs.get_mut(gfid) else {
@@ -467,6 +479,10 @@ impl Table {
                     None => {
                         let due = now + self.settings.recall_timeout;
                         holder.recall_due = Some(due);
+                        holder.recalled_at = Some(now);
+                        if let Some(attached) = self.sessions.get_mut(&holder.session) {
+                            attached.recalling.push(*gfid);
+                        }
                         recalled = true;
                         self.stats.recalls += 1;
                         self.next_due = Some(self.next_due.map_or(due, |d| d.min(due)));
@@ -484,6 +500,29 @@ impl Table {
             Some(due) => Check::Wait(due),
             None => Check::Clear,
         }
+    }
+
+    /// A fop of `session` shows it alive and giving back: the recalls of its leases run out
+    /// a full timeout from `now`, at most [`RECALL_TIMEOUTS_MAX`] timeouts after each recall.
+    fn renew_recalls(&mut self, session: SessionId, now: Instant) {
+        let Some(attached) = self.sessions.get_mut(&session) else {
+            return;
+        };
+        let (dirs, timeout) = (&mut self.dirs, self.settings.recall_timeout);
+        attached.recalling.retain(|gfid| {
+            let holder = dirs
+                .get_mut(gfid)
+                .and_then(|d| d.holders.iter_mut().find(|h| h.session == session));
+            let Some(holder) = holder else {
+                return false;
+            };
+            let (Some(due), Some(at)) = (holder.recall_due, holder.recalled_at) else {
+                return false;
+            };
+            let last = at + timeout * RECALL_TIMEOUTS_MAX;
+            holder.recall_due = Some((now + timeout).min(last).max(due));
+            true
+        });
     }
 
     fn register(&mut self, session: SessionId, targets: &Targets) {
@@ -1206,6 +1245,35 @@ mod tests {
         t.unregister(2, &change, now);
         assert_eq!(lease(&mut t, 1, d, Write, now), Write);
         assert!(t.dirs[&d].running.is_empty());
+    }
+
+    #[test]
+    fn a_holder_sending_fops_keeps_its_recalled_lease_up_to_the_bound() {
+        let (mut t, _q) = table(&[1, 2]);
+        let (d, elsewhere, now) = (gfid(1), gfid(2), Instant::now());
+        lease(&mut t, 1, d, Write, now);
+        let Check::Wait(due) = t.check(2, &on(d, Access::Look), now) else {
+            panic!("no wait")
+        };
+        // Its queued changes, in any directory, reach the brick: each one renews.
+        let later = due - Duration::from_millis(1);
+        assert_eq!(
+            t.check(1, &on(elsewhere, Access::Change), later),
+            Check::Clear
+        );
+        assert_eq!(t.expire(due), 0, "renewed");
+        let renewed = later + TIMEOUT;
+        assert_eq!(t.check(2, &on(d, Access::Look), due), Check::Wait(renewed));
+        // Never past the bound, however busy.
+        let last = now + TIMEOUT * RECALL_TIMEOUTS_MAX;
+        let mut at = renewed;
+        while at < last {
+            t.check(1, &on(elsewhere, Access::Change), at);
+            at += TIMEOUT / 2;
+        }
+        assert_eq!(t.check(2, &on(d, Access::Look), last), Check::Wait(last));
+        assert_eq!(t.expire(last), 1);
+        assert_eq!(t.check(2, &on(d, Access::Look), last), Check::Clear);
     }
 
     #[test]

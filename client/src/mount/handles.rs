@@ -22,7 +22,7 @@ use fuser::{Errno, FileAttr, FileHandle, LockOwner};
 use kiln_wire::limits::IO_SIZE_MAX_BYTES;
 use kiln_wire::{
     AccessMode, Creds, DirEntryPlus, ErrorCode, FopReply, Gfid, Lock, LockCmd, Mode, OpenFlags,
-    ReaddirSize,
+    ReaddirSize, TimeSet,
 };
 
 use super::convert::{Result, errno, name_of, open_mode, requested_access, seek_what, unexpected};
@@ -150,6 +150,10 @@ impl<L: Layer> Shared<L> {
             other => other,
         }
         .map_err(errno)?;
+        if access != AccessMode::ReadOnly {
+            // Writes (or O_TRUNC) change it on the brick.
+            self.forget_described(ino);
+        }
         Ok(self.add_open(Some(fd), ino, access, open_flags, c))
     }
 
@@ -312,8 +316,17 @@ impl<L: Layer> Shared<L> {
             return Ok(len);
         }
         let fd = self.fd(&open).await?;
-        self.layer.write(c, fd, offset, data).await.map_err(errno)?;
+        let written = self.layer.write(c, fd, offset, data).await;
+        self.forget_described(open.ino);
+        written.map_err(errno)?;
         Ok(len)
+    }
+
+    /// Forgets the mount's description of node `ino`: the brick changed it.
+    fn forget_described(&self, ino: u64) {
+        if let Some(gfid) = self.inodes.gfid(ino) {
+            self.leases.forget_local(&gfid);
+        }
     }
 
     /// Runs the fd fop `fop` through handle `open`.
@@ -324,7 +337,10 @@ impl<L: Layer> Shared<L> {
         fop: FdFop,
     ) -> Result<FopReply> {
         let fd = self.fd(open).await?;
-        self.layer.call_fd(c, fd, fop).await.map_err(errno)
+        let reply = self.layer.call_fd(c, fd, fop).await;
+        // It may have changed the file (FALLOCATE, FSETATTR, …).
+        self.forget_described(open.ino);
+        reply.map_err(errno)
     }
 
     /// FLUSH (a close) of handle `fh` on node `ino` by `c`: the first close sends a deferred
@@ -445,9 +461,12 @@ impl<L: Layer> Shared<L> {
             return false;
         };
         let (creds, iatt) = (pending.creds().clone(), pending.iatt());
-        let Ok(put) = pending.into_put() else {
+        let Ok(mut put) = pending.into_put() else {
             return false;
         };
+        // The brick stores the times the mount describes the file with until then.
+        put.attr.atime.get_or_insert(TimeSet::At(iatt.atime));
+        put.attr.mtime.get_or_insert(TimeSet::At(iatt.mtime));
         let touches = [iatt.gfid, put.parent];
         self.leases.describe(iatt);
         self.behind.push(&creds, put.into(), &touches).await;

@@ -142,7 +142,9 @@ impl<L: Layer> Shared<L> {
         }
         let made = self.new_entry(self.call_with_leases(c, fop, &wants).await)?;
         self.leases.add_entry(&parent, &name, gfid);
+        // The brick changed the directory (and a linked file's link count).
         self.leases.forget_local(&parent);
+        self.leases.forget_local(&gfid);
         Ok(made)
     }
 
@@ -391,6 +393,10 @@ impl<L: Layer> Shared<L> {
                     self.leases.add_entry(parent, name, target);
                     self.touch_moved(&source);
                     self.touch_moved(&target);
+                    if parent != new_parent {
+                        self.leases.forget_local(&source);
+                        self.leases.forget_local(&target);
+                    }
                 } else {
                     // Names this mount did not know: it knows nothing there any more.
                     self.leases.release(parent);
@@ -414,6 +420,10 @@ impl<L: Layer> Shared<L> {
                 if let Some(source) = source {
                     self.leases.add_entry(new_parent, new_name, source);
                     self.touch_moved(&source);
+                    if parent != new_parent {
+                        // Described only under the directory it was made in.
+                        self.leases.forget_local(&source);
+                    }
                 }
                 self.touch_dir(parent, 0);
                 self.touch_dir(new_parent, 0);
@@ -488,12 +498,15 @@ impl<L: Layer> Shared<L> {
                 .map(|(queued, result)| outcome(&queued.fop, result, repeated))
                 .collect();
             self.behind.answered(&sent, &outcomes);
-            // What has no change queued any more is the brick's to describe, but for a
-            // held directory (the mount's description is the brick's, and lasts the lease).
-            for queued in &sent {
-                for gfid in queued.touches() {
-                    if !self.behind.is_dirty(gfid) && !self.leases.has_lease(gfid) {
-                        self.leases.forget_local(gfid);
+            // A removal's object is the brick's to describe again. What was made or
+            // changed here keeps the mount's description (it is the brick's now), as long as
+            // its directory is held and nothing changes it on the brick.
+            for (queued, outcome) in sent.iter().zip(&outcomes) {
+                if outcome.is_err() {
+                    for gfid in queued.touches() {
+                        if !self.behind.is_dirty(gfid) {
+                            self.leases.forget_local(gfid);
+                        }
                     }
                 }
             }
