@@ -186,6 +186,21 @@ fn a_held_directory_s_attributes_follow_every_change_and_another_mount() {
 }
 
 #[test]
+fn tar_reads_back_a_tree_the_mount_made_without_seeing_it_change() {
+    // The listing's attributes (from the brick) and a stat's (the mount's description of what
+    // it made) must be one version: tar compares them around each read.
+    let a = brick();
+    fs::create_dir(a.path("d")).expect("mkdir");
+    make_files(&a.path("d"), 50);
+    fs::create_dir(a.path("d/sub")).expect("mkdir");
+    make_files(&a.path("d/sub"), 5);
+    fsync_dir(&a.path("d")).expect("sent");
+    fs::write("/proc/sys/vm/drop_caches", b"3").expect("drop caches");
+    let archive = a.cluster.dir.path().join("d.tar");
+    sh_ok(&a.mountpoint, &format!("tar -cf {} d", archive.display()));
+}
+
+#[test]
 fn a_file_closed_in_one_mount_reads_whole_in_the_other_right_after() {
     let a = brick();
     let b = a.another("b", &[]);

@@ -687,8 +687,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         self.run_done(req, reply, ino.0, move |s| {
             let mode = xattr_set_mode(flags)?;
             let gfid = s.gfid(ino.0)?;
-            // Its ctime moves: a held directory is described by the brick again.
-            s.leases.forget_local(&gfid);
+            s.xattr_changed(&gfid);
             Ok(kiln_wire::Setxattr {
                 gfid,
                 name: name?,
@@ -726,7 +725,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         let name = xattr_name(name);
         self.run_done(req, reply, ino.0, move |s| {
             let gfid = s.gfid(ino.0)?;
-            s.leases.forget_local(&gfid);
+            s.xattr_changed(&gfid);
             Ok(kiln_wire::Removexattr { gfid, name: name? }.into())
         });
     }

@@ -244,11 +244,7 @@ impl<L: Layer> Shared<L> {
             }
         };
         self.leases.add_entry(&parent_gfid, &name, iatt.gfid);
-        match fd {
-            // The name is there now for the application; the brick's times come later.
-            Err(_) => self.touch_dir(&parent_gfid, 0),
-            Ok(_) => self.leases.forget_local(&parent_gfid),
-        }
+        self.touch_dir(&parent_gfid, 0);
         let (attr, mut ttl) = self.entry(&iatt);
         self.inodes.mark_bare(attr.ino.0, Instant::now() + ttl.attr);
         let fd = match fd {

@@ -140,12 +140,32 @@ impl<L: Layer> Shared<L> {
         if matches!(fop, FopRequest::Mkdir(_)) && self.uses_leases() {
             wants.push((gfid, Want::NewDir));
         }
-        let made = self.new_entry(self.call_with_leases(c, fop, &wants).await)?;
-        self.leases.add_entry(&parent, &name, gfid);
-        // The brick changed the directory (and a linked file's link count).
-        self.leases.forget_local(&parent);
-        self.leases.forget_local(&gfid);
-        Ok(made)
+        let is_dir = matches!(fop, FopRequest::Mkdir(_));
+        let is_link = matches!(fop, FopRequest::Link(_));
+        let reply = self.call_with_leases(c, fop, &wants).await;
+        if reply.is_ok() {
+            self.leases.add_entry(&parent, &name, gfid);
+            self.touch_dir(&parent, i32::from(is_dir));
+            if is_link {
+                self.linked(&gfid, &parent);
+            }
+        }
+        self.new_entry(reply)
+    }
+
+    /// Object `gfid` got a name in `dir` on the brick: one link more in the mount's
+    /// description, kept only if `dir` is held (else another client may reach the object
+    /// there without a recall).
+    fn linked(&self, gfid: &Gfid, dir: &Gfid) {
+        if !self.leases.holds(dir) {
+            self.leases.forget_local(gfid);
+            return;
+        }
+        let now = now();
+        self.leases.update_local(gfid, |iatt| {
+            iatt.nlink += 1;
+            iatt.ctime = now;
+        });
     }
 
     /// The write leases to ask with a change in `dirs`: those held for reading whose entries
@@ -285,6 +305,25 @@ impl<L: Layer> Shared<L> {
         self.leases.update_local(gfid, |iatt| iatt.ctime = now);
     }
 
+    /// Object `gfid` lost a name: one link fewer in the mount's description, which goes
+    /// with its last link.
+    fn unlinked(&self, gfid: &Gfid) {
+        let now = now();
+        let left = self.leases.update_local(gfid, |iatt| {
+            iatt.nlink = iatt.nlink.saturating_sub(1);
+            iatt.ctime = now;
+        });
+        if left.is_some_and(|iatt| iatt.nlink == 0) {
+            self.leases.forget_local(gfid);
+        }
+    }
+
+    /// Whether the mount describes `gfid` as a directory (`None`: it does not describe it).
+    fn is_local_dir(&self, gfid: &Gfid) -> Option<bool> {
+        let local = self.leases.local(gfid)?;
+        Some(local.iatt.file_type == FileType::Directory)
+    }
+
     /// UNLINK, RMDIR or RENAME (`fop`) as `c`.
     pub(super) async fn change_names(&self, c: &Creds, fop: FopRequest) -> Result<()> {
         let Some(change) = Change::of(&fop) else {
@@ -368,7 +407,7 @@ impl<L: Layer> Shared<L> {
             Change::Make { .. } => {}
             Change::Unlink { parent, name } => {
                 if let Some(g) = self.leases.remove_entry(parent, name) {
-                    self.leases.forget_local(&g);
+                    self.unlinked(&g);
                 }
                 self.touch_dir(parent, 0);
             }
@@ -413,27 +452,49 @@ impl<L: Layer> Shared<L> {
                 ..
             } => {
                 let source = self.leases.remove_entry(parent, name);
+                let moved_dir = source.and_then(|g| self.is_local_dir(&g));
+                self.touch_dir(parent, 0);
+                self.touch_dir(new_parent, 0);
                 if let Some(replaced) = self.leases.remove_entry(new_parent, new_name) {
+                    match self.is_local_dir(&replaced) {
+                        Some(true) => self.touch_dir(new_parent, -1),
+                        Some(false) => {}
+                        // What it was is not known here: the brick counts the links.
+                        None => self.leases.forget_local(new_parent),
+                    }
                     self.leases.release(&replaced);
-                    self.leases.forget_local(&replaced);
+                    self.unlinked(&replaced);
                 }
                 if let Some(source) = source {
                     self.leases.add_entry(new_parent, new_name, source);
                     self.touch_moved(&source);
-                    if parent != new_parent {
-                        // Described only under the directory it was made in.
+                    if !self.leases.holds(new_parent) {
+                        // Described only where no other client reaches it unrecalled.
                         self.leases.forget_local(&source);
                     }
                 }
-                self.touch_dir(parent, 0);
-                self.touch_dir(new_parent, 0);
                 if parent != new_parent {
-                    // A directory moved changes both link counts: the brick counts them.
-                    self.leases.forget_local(parent);
-                    self.leases.forget_local(new_parent);
+                    match moved_dir {
+                        // Its `..` moves: one link fewer here, one more there.
+                        Some(true) => {
+                            self.touch_dir(parent, -1);
+                            self.touch_dir(new_parent, 1);
+                        }
+                        Some(false) => {}
+                        None => {
+                            self.leases.forget_local(parent);
+                            self.leases.forget_local(new_parent);
+                        }
+                    }
                 }
             }
         }
+    }
+
+    /// An xattr of `gfid` is being set or removed on the brick: its ctime moves on.
+    pub(super) fn xattr_changed(&self, gfid: &Gfid) {
+        let now = now();
+        self.leases.update_local(gfid, |iatt| iatt.ctime = now);
     }
 
     /// Whether a handle is open on object `gfid` (its removal must wait for the brick).

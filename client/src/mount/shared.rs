@@ -75,15 +75,28 @@ impl<L: Layer> Shared<L> {
 
     /// `iatt` as the attributes of node `ino`.
     pub(super) fn attr(&self, ino: u64, iatt: &Iatt) -> (FileAttr, Duration) {
-        self.note_dir(ino, iatt);
-        (file_attr(ino, iatt), self.options.attr_timeout)
+        let iatt = self.described(iatt);
+        self.note_dir(ino, &iatt);
+        (file_attr(ino, &iatt), self.options.attr_timeout)
     }
 
     /// An entry handed to the kernel: counts a lookup of its node.
     pub(super) fn entry(&self, iatt: &Iatt) -> (FileAttr, Ttl) {
+        let iatt = self.described(iatt);
         let ino = self.inodes.remember(iatt.gfid);
-        self.note_dir(ino, iatt);
-        (file_attr(ino, iatt), self.ttl())
+        self.note_dir(ino, &iatt);
+        (file_attr(ino, &iatt), self.ttl())
+    }
+
+    /// What the kernel is told of the object `iatt` describes: the mount's own description
+    /// where it keeps one (an object made, or a directory held, under a lease), so that one
+    /// mount never shows two versions of an object (the brick's times differ from the
+    /// mount's by the moments it took to catch up, and tar's "file changed as we read it"
+    /// compares them).
+    fn described(&self, iatt: &Iatt) -> Iatt {
+        self.leases
+            .local(&iatt.gfid)
+            .map_or_else(|| iatt.clone(), |local| local.iatt)
     }
 
     /// Keeps a directory's permission bits and owner for deciding deferred creates in it.
