@@ -687,7 +687,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         self.run_done(req, reply, ino.0, move |s| {
             let mode = xattr_set_mode(flags)?;
             let gfid = s.gfid(ino.0)?;
-            s.xattr_changed(&gfid);
+            s.touch_ctime(&gfid);
             Ok(kiln_wire::Setxattr {
                 gfid,
                 name: name?,
@@ -725,7 +725,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         let name = xattr_name(name);
         self.run_done(req, reply, ino.0, move |s| {
             let gfid = s.gfid(ino.0)?;
-            s.xattr_changed(&gfid);
+            s.touch_ctime(&gfid);
             Ok(kiln_wire::Removexattr { gfid, name: name? }.into())
         });
     }
@@ -830,10 +830,15 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
             reply,
             async move {
                 let open = s.handles.get(fh)?;
-                for fop in fallocate_fops(mode, offset, length)? {
-                    s.call_handle(&c, &open, fop).await?;
-                }
-                Ok(())
+                let allocated = async {
+                    for fop in fallocate_fops(mode, offset, length)? {
+                        s.call_handle(&c, &open, fop).await?;
+                    }
+                    Ok(())
+                };
+                let result = allocated.await;
+                s.forget_described(open.ino);
+                result
             },
             |reply, ()| reply.ok(),
         );

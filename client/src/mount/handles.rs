@@ -22,7 +22,7 @@ use fuser::{Errno, FileAttr, FileHandle, LockOwner};
 use kiln_wire::limits::IO_SIZE_MAX_BYTES;
 use kiln_wire::{
     AccessMode, Creds, DirEntryPlus, ErrorCode, FopReply, Gfid, Lock, LockCmd, Mode, OpenFlags,
-    ReaddirSize, TimeSet,
+    ReaddirSize,
 };
 
 use super::convert::{Result, errno, name_of, open_mode, requested_access, seek_what, unexpected};
@@ -319,7 +319,7 @@ impl<L: Layer> Shared<L> {
     }
 
     /// Forgets the mount's description of node `ino`: the brick changed it.
-    fn forget_described(&self, ino: u64) {
+    pub(super) fn forget_described(&self, ino: u64) {
         if let Some(gfid) = self.inodes.gfid(ino) {
             self.leases.forget_local(&gfid);
         }
@@ -333,10 +333,7 @@ impl<L: Layer> Shared<L> {
         fop: FdFop,
     ) -> Result<FopReply> {
         let fd = self.fd(open).await?;
-        let reply = self.layer.call_fd(c, fd, fop).await;
-        // It may have changed the file (FALLOCATE, FSETATTR, …).
-        self.forget_described(open.ino);
-        reply.map_err(errno)
+        self.layer.call_fd(c, fd, fop).await.map_err(errno)
     }
 
     /// FLUSH (a close) of handle `fh` on node `ino` by `c`: the first close sends a deferred
@@ -457,12 +454,9 @@ impl<L: Layer> Shared<L> {
             return false;
         };
         let (creds, iatt) = (pending.creds().clone(), pending.iatt());
-        let Ok(mut put) = pending.into_put() else {
+        let Ok(put) = pending.into_put() else {
             return false;
         };
-        // The brick stores the times the mount describes the file with until then.
-        put.attr.atime.get_or_insert(TimeSet::At(iatt.atime));
-        put.attr.mtime.get_or_insert(TimeSet::At(iatt.mtime));
         let touches = [iatt.gfid, put.parent];
         self.leases.describe(iatt);
         self.behind.push(&creds, put.into(), &touches).await;

@@ -299,8 +299,9 @@ impl<L: Layer> Shared<L> {
         });
     }
 
-    /// Moves the mount's description of renamed object `gfid` on: a rename changes its ctime.
-    fn touch_moved(&self, gfid: &Gfid) {
+    /// Moves the ctime in the mount's description of `gfid` on (a rename, an xattr set or
+    /// removed).
+    pub(super) fn touch_ctime(&self, gfid: &Gfid) {
         let now = now();
         self.leases.update_local(gfid, |iatt| iatt.ctime = now);
     }
@@ -430,8 +431,8 @@ impl<L: Layer> Shared<L> {
                 if let (Some(source), Some(target)) = (source, target) {
                     self.leases.add_entry(new_parent, new_name, source);
                     self.leases.add_entry(parent, name, target);
-                    self.touch_moved(&source);
-                    self.touch_moved(&target);
+                    self.touch_ctime(&source);
+                    self.touch_ctime(&target);
                     if parent != new_parent {
                         self.leases.forget_local(&source);
                         self.leases.forget_local(&target);
@@ -467,7 +468,7 @@ impl<L: Layer> Shared<L> {
                 }
                 if let Some(source) = source {
                     self.leases.add_entry(new_parent, new_name, source);
-                    self.touch_moved(&source);
+                    self.touch_ctime(&source);
                     if !self.leases.holds(new_parent) {
                         // Described only where no other client reaches it unrecalled.
                         self.leases.forget_local(&source);
@@ -489,12 +490,6 @@ impl<L: Layer> Shared<L> {
                 }
             }
         }
-    }
-
-    /// An xattr of `gfid` is being set or removed on the brick: its ctime moves on.
-    pub(super) fn xattr_changed(&self, gfid: &Gfid) {
-        let now = now();
-        self.leases.update_local(gfid, |iatt| iatt.ctime = now);
     }
 
     /// Whether a handle is open on object `gfid` (its removal must wait for the brick).

@@ -245,8 +245,13 @@ impl Pending {
                 OpenFlags::empty()
             },
             data,
-            // Applied after the data, so times the caller set stand.
-            attr: self.attr,
+            // Applied after the data, so the times stand: the caller's, else those the mount
+            // described the file with (its create and last write).
+            attr: SetAttr {
+                atime: self.attr.atime.or(Some(TimeSet::At(self.iatt.atime))),
+                mtime: self.attr.mtime.or(Some(TimeSet::At(self.iatt.mtime))),
+                ..self.attr
+            },
         })
     }
 }

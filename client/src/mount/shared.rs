@@ -196,7 +196,14 @@ impl<L: Layer> Shared<L> {
         if let Some(local) = self.inodes.gfid(ino).and_then(|g| self.leases.local(&g)) {
             return Ok(local.iatt);
         }
-        // A stat sends a deferred create: from then on the brick's times are the file's.
+        // A deferred create in a held directory is described as it will be sent (its PUT
+        // stores these times); elsewhere a stat sends it, and the brick's times are the file's.
+        if let Some(slot) = self.pending.get(ino)
+            && let Some(pending) = slot.lock().await.as_ref()
+            && self.leases.holds(&pending.parent)
+        {
+            return Ok(pending.iatt());
+        }
         self.settle(ino).await?;
         if let Some(open) = fh.and_then(|fh| self.handles.get(fh).ok()) {
             return fstat(open).await;
