@@ -111,22 +111,10 @@ async fn exercise(v: &BrickClient, seen: &mut std::collections::BTreeSet<FopCode
     );
     assert_eq!(found.iatt.gfid, dir);
     // LEASE: a read lease on the directory, then given back.
-    let held = call!(
-        Lease,
-        kiln_wire::Lease {
-            gfid: dir,
-            kind: LeaseKind::Read,
-        }
-    );
-    assert_eq!(held.kind, LeaseKind::Read);
-    let returned = call!(
-        Lease,
-        kiln_wire::Lease {
-            gfid: dir,
-            kind: LeaseKind::None,
-        }
-    );
-    assert_eq!(returned.kind, LeaseKind::None);
+    for kind in [LeaseKind::Read, LeaseKind::None] {
+        let held = call!(Lease, kiln_wire::Lease { gfid: dir, kind });
+        assert_eq!(held.kind, kind);
+    }
 
     // CREATE, WRITE, FLUSH, FSYNC, FSTAT, READ, SEEK.
     seen.insert(FopCode::Create);

@@ -186,6 +186,29 @@ fn a_held_directory_s_attributes_follow_every_change_and_another_mount() {
 }
 
 #[test]
+fn a_recall_drops_what_the_holder_s_kernel_cached() {
+    // Caches that outlive the test: only the recall can make the first mount's kernel ask.
+    let long = ["attr-timeout-ms=60000", "entry-timeout-ms=60000"];
+    let a = Mounted::with_brick(&["--lease-recall-timeout-ms", RECALL_TIMEOUT_MS], &long);
+    let b = a.another("b", &[]);
+    fs::create_dir(a.path("d")).expect("mkdir");
+    fs::write(a.path("d/f"), b"x").expect("write");
+    let mode = |path: &Path| fs::metadata(path).expect("stat").mode() & 0o7777;
+    assert_eq!((mode(&a.path("d")), mode(&a.path("d/f"))), (0o755, 0o644));
+    fs::set_permissions(
+        b.path("d/f"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )
+    .expect("chmod in b");
+    fs::set_permissions(
+        b.path("d"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o700),
+    )
+    .expect("chmod in b");
+    assert_eq!((mode(&a.path("d")), mode(&a.path("d/f"))), (0o700, 0o600));
+}
+
+#[test]
 fn tar_reads_back_a_tree_the_mount_made_without_seeing_it_change() {
     // The listing's attributes (from the brick) and a stat's (the mount's description of what
     // it made) must be one version: tar compares them around each read.

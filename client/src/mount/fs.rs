@@ -93,7 +93,7 @@ impl<L: Layer> KilnFs<L> {
         });
     }
 
-    fn shared(&self) -> Arc<Shared<L>> {
+    pub(super) fn shared(&self) -> Arc<Shared<L>> {
         self.shared.clone()
     }
 

@@ -142,6 +142,20 @@ impl Leases {
         }
     }
 
+    /// What the mount describes in held directory `dir`: the directory and the objects made
+    /// in it.
+    pub(super) fn described_in(&self, dir: &Gfid) -> Vec<Gfid> {
+        let state = self.lock();
+        let Some(held) = state.dirs.get(dir) else {
+            return Vec::new();
+        };
+        std::iter::once(dir)
+            .chain(held.entries.values())
+            .filter(|g| state.local.contains_key(*g))
+            .copied()
+            .collect()
+    }
+
     /// Ends the hold on `dir` (recalled, refused or removed): its entries and its objects'
     /// descriptions are forgotten.
     pub(super) fn release(&self, dir: &Gfid) -> Option<LeaseKind> {
@@ -168,11 +182,11 @@ impl Leases {
         !self.lock().recalled_unheld.remove(dir)
     }
 
-    /// Ends every hold (the session that held the leases is gone).
-    pub(super) fn release_all(&self) {
+    /// Ends every hold (the session that held the leases is gone); what the mount described.
+    pub(super) fn release_all(&self) -> Vec<Gfid> {
         let mut state = self.lock();
         state.dirs.clear();
-        state.local.clear();
+        state.local.drain().map(|(gfid, _)| gfid).collect()
     }
 
     /// What held directory `dir` has under `name`.

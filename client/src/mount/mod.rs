@@ -267,8 +267,11 @@ pub fn mount<L: Layer>(
     let mut config = Config::default();
     config.n_threads = Some(1);
     let fs = fs::KilnFs::new(runtime, layer, options);
-    let session = fuser::Session::from_fd(fs, device, SessionACL::All, config)
-        .and_then(fuser::Session::spawn);
+    let shared = fs.shared();
+    let session = fuser::Session::from_fd(fs, device, SessionACL::All, config).and_then(|s| {
+        let _ = shared.kernel.set(s.notifier());
+        s.spawn()
+    });
     match session {
         Ok(session) => Ok(Mounted {
             session,

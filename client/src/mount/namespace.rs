@@ -434,8 +434,10 @@ impl<L: Layer> Shared<L> {
                     self.touch_ctime(&source);
                     self.touch_ctime(&target);
                     if parent != new_parent {
-                        self.leases.forget_local(&source);
-                        self.leases.forget_local(&target);
+                        // Link counts move with a directory's `..`: the brick counts them.
+                        for gfid in [&source, &target, parent, new_parent] {
+                            self.leases.forget_local(gfid);
+                        }
                     }
                 } else {
                     // Names this mount did not know: it knows nothing there any more.
@@ -604,7 +606,11 @@ impl<L: Layer> Shared<L> {
         loop {
             match events.recv().await {
                 Ok(LayerEvent::Recall(recall)) => {
+                    // What the kernel was told from the mount's descriptions goes stale with
+                    // the lease: another client is about to change it.
+                    let described = self.leases.described_in(&recall.gfid);
                     let held = self.leases.release(&recall.gfid);
+                    self.invalidate_attrs(&described).await;
                     let give_back = Lease {
                         gfid: recall.gfid,
                         kind: recall.kind,
@@ -631,7 +637,8 @@ impl<L: Layer> Shared<L> {
                 }
                 Ok(LayerEvent::LeasesLost)
                 | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
-                    self.leases.release_all();
+                    let described = self.leases.release_all();
+                    self.invalidate_attrs(&described).await;
                 }
                 Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
             }

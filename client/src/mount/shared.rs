@@ -39,6 +39,8 @@ pub(super) struct Shared<L: Layer> {
     pub(super) pending: PendingCreates,
     pub(super) leases: Leases,
     pub(super) behind: Behind,
+    /// Tells the kernel to drop what it caches (set once the FUSE session exists).
+    pub(super) kernel: std::sync::OnceLock<fuser::Notifier>,
 }
 
 /// The kernel's cache lifetimes for one reply.
@@ -58,7 +60,28 @@ impl<L: Layer> Shared<L> {
             handles: Handles::new(),
             pending: PendingCreates::default(),
             leases: Leases::default(),
+            kernel: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Has the kernel drop its cached attributes of `gfids` (those it still holds); returns
+    /// once it has. Off the runtime's threads: the write to `/dev/fuse` may wait for the
+    /// kernel.
+    pub(super) async fn invalidate_attrs(&self, gfids: &[Gfid]) {
+        let Some(kernel) = self.kernel.get().cloned() else {
+            return;
+        };
+        let inos: Vec<u64> = gfids.iter().filter_map(|g| self.inodes.ino_of(g)).collect();
+        if inos.is_empty() {
+            return;
+        }
+        let dropped = tokio::task::spawn_blocking(move || {
+            for ino in inos {
+                // An offset below zero: attributes only, no page cache range.
+                let _ = kernel.inval_inode(fuser::INodeNo(ino), -1, 0);
+            }
+        });
+        let _ = dropped.await;
     }
 
     /// The GFID of node `ino`; ESTALE for a node the kernel has forgotten.
