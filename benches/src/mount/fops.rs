@@ -156,7 +156,8 @@ mod tests {
             json!({ "LOOKUP": 20, "PUT": 20, "GETXATTR": 10 })
         );
         assert_eq!(note["fops_total"], 50);
-        assert_eq!(note["fop_errors"], 4);
+        // Errors: (3 + 2 + 1) after, 1 before.
+        assert_eq!(note["fop_errors"], 5);
         assert_eq!(note["fops_per_file"], 2.5);
         // LOOKUP and GETXATTR are requests of their own; PUT may ride in a BATCH.
         assert_eq!(note["alone_fops_per_file"], 1.5);
