@@ -52,16 +52,7 @@ fn fsync_dir(dir: &Path) -> std::io::Result<()> {
 
 /// Runs `kiln-brickd check` on the brick; it must find nothing wrong.
 fn assert_brick_consistent(m: &Mounted) {
-    let check = std::process::Command::new(common::bin("kiln-brickd"))
-        .arg("check")
-        .arg(&m.cluster.brick)
-        .output()
-        .expect("check");
-    assert!(
-        check.status.success(),
-        "{}",
-        String::from_utf8_lossy(&check.stdout)
-    );
+    common::assert_brick_checks_clean(&m.cluster.brick);
 }
 
 fn signal(pid: i32, signal: rustix::process::Signal) {

@@ -410,16 +410,7 @@ fn a_brick_and_a_port_have_one_server() {
         v.ping().await.expect("ping");
         v.close().await;
     });
-    let check = std::process::Command::new(common::bin("kiln-brickd"))
-        .arg("check")
-        .arg(&cluster.brick)
-        .output()
-        .expect("check");
-    assert!(
-        check.status.success(),
-        "{}",
-        String::from_utf8_lossy(&check.stdout)
-    );
+    common::assert_brick_checks_clean(&cluster.brick);
 }
 
 /// An fd opened before a brick restart is opened again by its GFID; if another object has

@@ -454,20 +454,9 @@ impl Session {
         if let Some(engine) = &inner.blocking {
             return engine.call(self.id, creds, fop).await;
         }
-        let (tx, rx) = oneshot::channel();
         let session = self.id;
-        let job = move |local: &LocalEngine| {
-            let local = local.clone();
-            tokio::task::spawn_local(async move {
-                let _ = tx.send(local.call(session, &creds, fop).await);
-            });
-        };
-        inner
-            .workers
-            .send(self.engine.worker_of(session), job)
+        self.on_worker(move |local| async move { local.call(session, &creds, fop).await })
             .await
-            .map_err(|_| ErrorCode::NotConnected)?;
-        rx.await.map_err(|_| ErrorCode::Io)?
     }
 }
 
@@ -478,17 +467,29 @@ impl Session {
         if let Some(engine) = &inner.blocking {
             return engine.batch(self.id, batch).await;
         }
-        let (tx, rx) = oneshot::channel();
         let session = self.id;
+        self.on_worker(move |local| async move { local.batch(session, batch).await })
+            .await
+    }
+
+    /// Runs `work` as a task on the ring worker the session is pinned to; its answer.
+    async fn on_worker<T, F, Fut>(&self, work: F) -> Result<T, ErrorCode>
+    where
+        T: Send + 'static,
+        F: FnOnce(LocalEngine) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<T, ErrorCode>> + 'static,
+    {
+        let (tx, rx) = oneshot::channel();
         let job = move |local: &LocalEngine| {
             let local = local.clone();
             tokio::task::spawn_local(async move {
-                let _ = tx.send(local.batch(session, batch).await);
+                let _ = tx.send(work(local).await);
             });
         };
-        inner
+        self.engine
+            .inner
             .workers
-            .send(self.engine.worker_of(session), job)
+            .send(self.engine.worker_of(self.id), job)
             .await
             .map_err(|_| ErrorCode::NotConnected)?;
         rx.await.map_err(|_| ErrorCode::Io)?

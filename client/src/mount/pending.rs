@@ -14,14 +14,13 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::SystemTime;
 
 use bytes::Bytes;
 use kiln_wire::{
     Creds, FileType, FopReply, Gfid, Iatt, Mode, Name, OpenFlags, Payload, SetAttr, TimeSet,
-    Timespec,
 };
 
+use super::leases::{new_iatt, now};
 use crate::{Error, Layer};
 
 /// Bytes a deferred file may gather before it is sent and written through an fd instead.
@@ -82,29 +81,14 @@ impl Pending {
             flags,
             ..
         } = create;
-        let now = now();
         // A set-group-ID directory gives its group to new files.
         let gid = if parent_attr.mode & libc::S_ISGID != 0 {
             parent_attr.gid
         } else {
             creds.gid
         };
-        let iatt = Iatt {
-            gfid,
-            ino: 0,
-            file_type: FileType::Regular,
-            mode: Mode::from_st_mode(mode.bits() & !umask.bits()),
-            nlink: 1,
-            uid: creds.uid,
-            gid,
-            rdev: 0,
-            size: 0,
-            blocks: 0,
-            blksize: 4096,
-            atime: now,
-            mtime: now,
-            ctime: now,
-        };
+        let mode_bits = mode.bits() & !umask.bits();
+        let iatt = new_iatt(gfid, FileType::Regular, mode_bits, creds.uid, gid, 0);
         Pending {
             parent,
             name,
@@ -372,17 +356,6 @@ impl PendingCreates {
     ) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<tokio::sync::Mutex<Option<Pending>>>>> {
         self.files.lock().unwrap_or_else(|p| p.into_inner())
     }
-}
-
-fn now() -> Timespec {
-    let d = SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .unwrap_or_default();
-    Timespec::new(
-        i64::try_from(d.as_secs()).unwrap_or(i64::MAX),
-        d.subsec_nanos(),
-    )
-    .unwrap_or_default()
 }
 
 #[cfg(test)]

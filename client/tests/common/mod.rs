@@ -212,3 +212,17 @@ pub fn runtime() -> tokio::runtime::Runtime {
         .build()
         .expect("runtime")
 }
+
+/// Runs `kiln-brickd check` on `brick`: it must find nothing wrong.
+pub fn assert_brick_checks_clean(brick: &Path) {
+    let check = Command::new(bin("kiln-brickd"))
+        .arg("check")
+        .arg(brick)
+        .output()
+        .expect("kiln-brickd check");
+    assert!(
+        check.status.success(),
+        "{}",
+        String::from_utf8_lossy(&check.stdout)
+    );
+}

@@ -230,25 +230,24 @@ impl OtherMount {
 
 impl Drop for OtherMount {
     fn drop(&mut self) {
-        if is_kiln_mount(&self.mountpoint) {
-            let _ = rustix::mount::unmount(&self.mountpoint, rustix::mount::UnmountFlags::DETACH);
-        }
-        if let Some(mut server) = self.server.take() {
-            let _ = server.kill();
-            let _ = server.wait();
-        }
+        tear_down(&self.mountpoint, &mut self.server);
     }
 }
 
 impl Drop for Mounted {
     fn drop(&mut self) {
-        if is_kiln_mount(&self.mountpoint) {
-            let _ = rustix::mount::unmount(&self.mountpoint, rustix::mount::UnmountFlags::DETACH);
-        }
-        if let Some(mut server) = self.server.take() {
-            let _ = server.kill();
-            let _ = server.wait();
-        }
+        tear_down(&self.mountpoint, &mut self.server);
+    }
+}
+
+/// Detaches a mount still there and kills its server, whatever state a test left them in.
+fn tear_down(mountpoint: &Path, server: &mut Option<Child>) {
+    if is_kiln_mount(mountpoint) {
+        let _ = rustix::mount::unmount(mountpoint, rustix::mount::UnmountFlags::DETACH);
+    }
+    if let Some(mut server) = server.take() {
+        let _ = server.kill();
+        let _ = server.wait();
     }
 }
 
