@@ -9,6 +9,7 @@
 //! `kiln-wire` messages and never links the brick's code.
 
 pub mod brick;
+pub mod distribute;
 pub mod error;
 pub mod layer;
 pub mod mount;
