@@ -200,12 +200,58 @@ impl BrickClient {
         self.call_on(&live, creds, fop).await
     }
 
+    /// Sends `fop` on `live`; a fop the brick does not take (it lacks the capability) goes as
+    /// the older fop it stands for, and its reply comes back in the asked fop's shape.
     async fn call_on(
         &self,
         live: &Live,
         creds: &Creds,
         fop: FopRequest,
     ) -> Result<FopReply, Error> {
+        let has = |capability| live.hello.capabilities.contains(capability);
+        match fop {
+            FopRequest::LookupXattrs(r) if !has(Capabilities::XATTR_PRESENCE) => {
+                let lookup = kiln_wire::Lookup {
+                    parent: r.parent,
+                    name: r.name,
+                };
+                match self.send(live, creds, lookup.into()).await? {
+                    FopReply::Lookup(r) => Ok(FopReply::LookupXattrs(r.into())),
+                    _ => Err(unexpected("LOOKUP")),
+                }
+            }
+            FopRequest::ReaddirpXattrs(r) if !has(Capabilities::XATTR_PRESENCE) => {
+                let (fd, offset, size) = (r.fd, r.offset, r.size);
+                let readdirp = kiln_wire::Readdirp { fd, offset, size };
+                match self.send(live, creds, readdirp.into()).await? {
+                    FopReply::Readdirp(r) => Ok(FopReply::ReaddirpXattrs(r.into())),
+                    _ => Err(unexpected("READDIRP")),
+                }
+            }
+            FopRequest::Get(r) if !has(Capabilities::GET) => {
+                let open = kiln_wire::Open {
+                    gfid: r.gfid,
+                    access: AccessMode::ReadOnly,
+                    flags: OpenFlags::empty(),
+                };
+                let FopReply::Open(opened) = self.send(live, creds, open.into()).await? else {
+                    return Err(unexpected("OPEN"));
+                };
+                let (fd, offset, size) = (opened.fd, r.offset, r.size);
+                let read = self.send(live, creds, kiln_wire::Read { fd, offset, size }.into());
+                let read = read.await;
+                let release = kiln_wire::Release { fd };
+                self.send(live, creds, release.into()).await?;
+                match read? {
+                    FopReply::Read(r) => Ok(FopReply::Get(r)),
+                    _ => Err(unexpected("READ")),
+                }
+            }
+            fop => self.send(live, creds, fop).await,
+        }
+    }
+
+    async fn send(&self, live: &Live, creds: &Creds, fop: FopRequest) -> Result<FopReply, Error> {
         let code = fop.code();
         let call = Call::Fop {
             creds: creds.clone(),
@@ -331,7 +377,9 @@ impl BrickClient {
         let hello = Hello {
             version_min: PROTOCOL_VERSION,
             version_max: PROTOCOL_VERSION,
-            capabilities: Capabilities::LEASES,
+            capabilities: Capabilities::LEASES
+                .union(Capabilities::XATTR_PRESENCE)
+                .union(Capabilities::GET),
             client_name: Label::new(options.client_name.clone().into_bytes())
                 .map_err(|e| Error::Tls(format!("client name: {e}")))?,
         };

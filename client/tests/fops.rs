@@ -8,8 +8,8 @@ use kiln_client::path::new_gfid;
 use kiln_client::{BrickClient, Error, FdFop, Layer, LayerExt, Paths};
 use kiln_wire::{
     AccessMask, AccessMode, Creds, ErrorCode, FileType, FopCode, FopReply, Gfid, LeaseKind, Lock,
-    LockCmd, LockKind, Mode, Name, NodeType, OpenFlags, Payload, ReaddirSize, RenameMode, SeekWhat,
-    SetAttr, SymlinkTarget, XattrName, XattrSetMode, XattrValue,
+    LockCmd, LockKind, Mode, Name, NodeType, OpenFlags, Payload, ReadSize, ReaddirSize, RenameMode,
+    SeekWhat, SetAttr, SymlinkTarget, XattrName, XattrPresence, XattrSetMode, XattrValue,
 };
 
 fn name(s: &str) -> Name {
@@ -155,6 +155,27 @@ async fn exercise(v: &BrickClient, seen: &mut std::collections::BTreeSet<FopCode
         what: SeekWhat::Data
     });
     assert_eq!(sought.offset, 0);
+    // GET: the same bytes with no fd; a directory is refused as OPEN refuses it.
+    let size = ReadSize::new(64).expect("size");
+    let got = call!(
+        Get,
+        kiln_wire::Get {
+            gfid: file,
+            offset: 7,
+            size
+        }
+    );
+    assert_eq!((got.data.as_bytes(), got.iatt.size), (&b"kiln"[..], 11));
+    let get_dir = kiln_wire::Get {
+        gfid: dir,
+        offset: 0,
+        size,
+    };
+    let refused = v
+        .call(&creds, get_dir.into())
+        .await
+        .expect_err("GET of a dir");
+    assert_eq!(code(&refused), ErrorCode::IsDir);
 
     // Locks: a write lock is seen by LK GET from another owner.
     seen.insert(FopCode::Lk);
@@ -282,6 +303,28 @@ async fn exercise(v: &BrickClient, seen: &mut std::collections::BTreeSet<FopCode
     assert_eq!(got.value.as_bytes(), b"blue");
     let list = call!(Listxattr, kiln_wire::Listxattr { gfid: file });
     assert!(list.entries.iter().any(|n| n.as_bytes() == b"user.colour"));
+    // LOOKUP_XATTRS: which probed xattrs the object has (a user xattr is not one of them).
+    let label = XattrValue::new(Bytes::from_static(b"system_u:object_r:kiln_t:s0")).expect("label");
+    call!(
+        Setxattr,
+        kiln_wire::Setxattr {
+            gfid: file,
+            name: xname("security.selinux"),
+            value: label,
+            mode: XattrSetMode::Create,
+        }
+    );
+    let found = call!(
+        LookupXattrs,
+        kiln_wire::LookupXattrs {
+            parent: dir,
+            name: name("file"),
+        }
+    );
+    assert_eq!(
+        (found.iatt.gfid, found.xattrs),
+        (file, XattrPresence::SELINUX)
+    );
     call!(
         Removexattr,
         kiln_wire::Removexattr {
@@ -366,6 +409,32 @@ async fn exercise(v: &BrickClient, seen: &mut std::collections::BTreeSet<FopCode
             .iter()
             .any(|e| e.name.as_bytes() == b"small" && e.iatt.size == 4)
     );
+    let with_xattrs = call_fd!(&dfd, ReaddirpXattrs, |fd| kiln_wire::ReaddirpXattrs {
+        fd,
+        offset: 0,
+        size
+    });
+    let presence: Vec<_> = with_xattrs
+        .entries
+        .iter()
+        .map(|e| {
+            (
+                e.name.to_string(),
+                e.iatt.gfid == plus_gfid(&plus, &e.name),
+                e.xattrs,
+            )
+        })
+        .collect();
+    assert!(presence.iter().all(|(_, same, _)| *same), "{presence:?}");
+    for (entry, _, xattrs) in &presence {
+        let labelled = entry == "file" || entry == "hard";
+        let want = if labelled {
+            XattrPresence::SELINUX
+        } else {
+            XattrPresence::empty()
+        };
+        assert_eq!(*xattrs, want, "{entry}");
+    }
     call_fd!(&dfd, Fsyncdir, |fd| kiln_wire::Fsyncdir {
         fd,
         datasync: false
@@ -495,4 +564,10 @@ fn path_helpers_round_trip() {
         .filter(|n| n != ".glusterfs")
         .collect();
     assert!(left.is_empty(), "left behind: {left:?}");
+}
+
+/// The GFID READDIRP gave entry `name`.
+fn plus_gfid(plus: &kiln_wire::ReaddirpReply, name: &Name) -> Gfid {
+    let entry = plus.entries.iter().find(|e| &e.name == name);
+    entry.expect("the same entries in READDIRP").iatt.gfid
 }

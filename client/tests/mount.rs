@@ -30,6 +30,82 @@ fn errno_of<T: std::fmt::Debug>(r: std::io::Result<T>) -> i32 {
         .expect("an errno")
 }
 
+/// `ls -l` asks every file for its security label and ACL: LOOKUP and READDIRP tell the mount
+/// which of those a file lacks, so only the one file that has a label costs a round trip.
+#[test]
+fn ls_l_asks_the_brick_only_for_xattrs_that_exist() {
+    let metrics = common::free_loopback_addr();
+    let mut m = Mounted::with_brick(&["--count-fop-hits", "--metrics-listen", &metrics], &[]);
+    fs::create_dir(m.path("walk")).expect("mkdir");
+    for i in 0..30 {
+        write(&m.path(&format!("walk/f{i}")), b"x");
+    }
+    let labelled = m.path("walk/f7");
+    let label = b"system_u:object_r:kiln_test_t:s0\0";
+    rustix::fs::setxattr(
+        &labelled,
+        "security.selinux",
+        label,
+        rustix::fs::XattrFlags::empty(),
+    )
+    .expect("label one file");
+    // A new mount: nothing cached.
+    m.unmount();
+    m.mount(&[]);
+
+    let before = common::scrape(&metrics);
+    let listing = sh_ok(&m.mountpoint, "ls -l walk");
+    let after = common::scrape(&metrics);
+    assert_eq!(listing.lines().filter(|l| l.starts_with('-')).count(), 30);
+    let served = |fop| common::fop_calls(&after, fop) - common::fop_calls(&before, fop);
+    assert_eq!(served("LISTXATTR"), 0.0, "{listing}");
+    assert_eq!(served("GETXATTR"), 1.0, "only the labelled file's label");
+    assert!(served("READDIRP_XATTRS") >= 1.0);
+
+    // The absences told are right: the label reads back, an unlabelled file has none.
+    let mut value = [0; 64];
+    let n = rustix::fs::lgetxattr(&labelled, "security.selinux", &mut value).expect("label");
+    assert_eq!(&value[..n], label);
+    assert_eq!(
+        rustix::fs::lgetxattr(m.path("walk/f8").as_path(), "security.selinux", &mut value),
+        Err(rustix::io::Errno::NODATA)
+    );
+}
+
+/// Reading a small file whole costs one GET: no OPEN, READ or RELEASE reaches the brick. A
+/// larger one gets an fd at its second read.
+#[test]
+fn a_small_file_read_once_is_one_get() {
+    let metrics = common::free_loopback_addr();
+    let mut m = Mounted::with_brick(&["--count-fop-hits", "--metrics-listen", &metrics], &[]);
+    fs::create_dir(m.path("small")).expect("mkdir");
+    for i in 0..20 {
+        write(
+            &m.path(&format!("small/f{i}")),
+            format!("file {i}\n").as_bytes(),
+        );
+    }
+    let big: Vec<u8> = (0..3 << 20).map(|i: u32| i.to_le_bytes()[1]).collect();
+    write(&m.path("big"), &big);
+    m.unmount();
+    m.mount(&[]);
+
+    let before = common::scrape(&metrics);
+    let cat = sh_ok(&m.mountpoint, "cat small/*");
+    let after = common::scrape(&metrics);
+    let served = |fop| common::fop_calls(&after, fop) - common::fop_calls(&before, fop);
+    assert_eq!(cat.lines().count(), 20, "{cat}");
+    assert!(cat.contains("file 13\n"), "{cat}");
+    assert_eq!(served("GET"), 20.0);
+    assert_eq!(served("OPEN") + served("READ") + served("RELEASE"), 0.0);
+
+    assert_eq!(fs::read(m.path("big")).expect("read big"), big);
+    let again = common::scrape(&metrics);
+    let served = |fop| common::fop_calls(&again, fop) - common::fop_calls(&after, fop);
+    assert_eq!((served("GET"), served("OPEN")), (1.0, 1.0));
+    assert!(served("READ") >= 1.0);
+}
+
 #[test]
 fn files_directories_and_links_behave_like_a_local_file_system() {
     let m = Mounted::new(&[]);

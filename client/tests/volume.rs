@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::bin;
+use common::{bin, scrape};
 
 struct Mgmtd {
     child: Child,
@@ -448,23 +448,6 @@ fn a_torn_store_tail_is_dropped_and_reported() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(err.lines().count(), 1, "{err}");
     assert!(err.contains("cannot reach kiln-mgmtd"), "{err}");
-}
-
-/// One `GET /metrics` from a brick's Prometheus endpoint, parsed as Prometheus text.
-fn scrape(addr: &str) -> prometheus_parse::Scrape {
-    use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(addr).expect("connect to metrics");
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .expect("timeout");
-    write!(stream, "GET /metrics HTTP/1.1\r\nHost: {addr}\r\n\r\n").expect("request");
-    let mut reply = String::new();
-    stream.read_to_string(&mut reply).expect("reply");
-    let (head, body) = reply.split_once("\r\n\r\n").expect("an HTTP reply");
-    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-    assert!(head.contains("text/plain; version=0.0.4"), "{head}");
-    let lines = body.lines().map(|l| Ok(l.to_owned()));
-    prometheus_parse::Scrape::parse(lines).expect("Prometheus text")
 }
 
 fn sample(scrape: &prometheus_parse::Scrape, metric: &str, label: (&str, &str)) -> f64 {

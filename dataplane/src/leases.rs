@@ -137,6 +137,7 @@ pub fn touches(fop: &FopRequest) -> Touches {
     };
     match fop {
         Q::Lookup(r) => dirs(&[(r.parent, Look)]),
+        Q::LookupXattrs(r) => dirs(&[(r.parent, Look)]),
         Q::Mknod(r) => dirs(&[(r.parent, Change)]),
         Q::Mkdir(r) => dirs(&[(r.parent, Change)]),
         Q::Symlink(r) => dirs(&[(r.parent, Change)]),
@@ -159,6 +160,7 @@ pub fn touches(fop: &FopRequest) -> Touches {
         Q::Getxattr(r) => dirs(&[(r.gfid, Look)]),
         Q::Listxattr(r) => dirs(&[(r.gfid, Look)]),
         Q::Open(r) => dirs(&[(r.gfid, Look)]),
+        Q::Get(r) => dirs(&[(r.gfid, Look)]),
         Q::Opendir(r) => dirs(&[(r.gfid, Look)]),
         Q::Setattr(r) => dirs(&[(r.gfid, Change)]),
         Q::Truncate(r) => dirs(&[(r.gfid, Change)]),

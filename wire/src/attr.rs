@@ -2,6 +2,7 @@
 //! requests and directory entries.
 
 use crate::codec::{Decode, DecodeError, Encode, Encoder, Reader, wire_enum, wire_struct};
+use crate::flags::XattrPresence;
 use crate::ids::Gfid;
 use crate::names::Name;
 
@@ -173,6 +174,14 @@ wire_struct! {
         pub offset: u64,
         pub name: Name,
         pub iatt: Iatt,
+    }
+
+    /// One READDIRP_XATTRS entry: a READDIRP entry with the presence of the probed xattrs.
+    pub struct DirEntryXattrs {
+        pub offset: u64,
+        pub name: Name,
+        pub iatt: Iatt,
+        pub xattrs: XattrPresence,
     }
 }
 

@@ -113,6 +113,60 @@ impl OpenFlags {
     }
 }
 
+wire_bits! {
+    /// Which of the extended attributes that programs probe on every file they list or copy
+    /// (`ls -l`, `cp -a`, `tar`) an object has, as LOOKUP_XATTRS and READDIRP_XATTRS answer
+    /// it: a set bit means present, or not known (a client asks); a clear bit means absent
+    /// when the reply was made.
+    pub struct XattrPresence {
+        const SELINUX = 1 << 0;
+        const CAPABILITY = 1 << 1;
+        const ACL_ACCESS = 1 << 2;
+        const ACL_DEFAULT = 1 << 3;
+    }
+}
+
+impl XattrPresence {
+    /// Each probed name with its bit.
+    pub const PROBED: [(&'static [u8], XattrPresence); 4] = [
+        (b"security.selinux", Self::SELINUX),
+        (b"security.capability", Self::CAPABILITY),
+        (b"system.posix_acl_access", Self::ACL_ACCESS),
+        (b"system.posix_acl_default", Self::ACL_DEFAULT),
+    ];
+
+    /// Nothing known to be absent: what a brick answers when it could not list the names.
+    pub const UNKNOWN: XattrPresence = XattrPresence(Self::KNOWN);
+
+    /// The presence of the probed names among `names`.
+    pub fn of_names<'a>(names: impl IntoIterator<Item = &'a [u8]>) -> XattrPresence {
+        names.into_iter().fold(Self::empty(), |set, name| {
+            match Self::PROBED.iter().find(|(probed, _)| *probed == name) {
+                Some((_, bit)) => set | *bit,
+                None => set,
+            }
+        })
+    }
+
+    /// The presence of the probed names in a `listxattr(2)` list (names ended by NUL).
+    pub fn of_list(list: &[u8]) -> XattrPresence {
+        Self::of_names(list.split(|&b| b == 0))
+    }
+
+    /// Whether `name` is one of the probed names.
+    pub fn is_probed(name: &[u8]) -> bool {
+        Self::PROBED.iter().any(|(probed, _)| *probed == name)
+    }
+
+    /// The probed names this set says are absent.
+    pub fn absent(self) -> impl Iterator<Item = &'static [u8]> {
+        Self::PROBED
+            .into_iter()
+            .filter(move |(_, bit)| !self.contains(*bit))
+            .map(|(name, _)| name)
+    }
+}
+
 impl AccessMode {
     pub fn to_libc(self) -> i32 {
         match self {
@@ -321,6 +375,26 @@ mod tests {
             AccessMask::from_bits(7),
             Some(AccessMask::READ | AccessMask::WRITE | AccessMask::EXECUTE)
         );
+    }
+
+    #[test]
+    fn xattr_presence_reads_a_listxattr_list() {
+        let list = b"user.a\0system.posix_acl_access\0security.selinuxx\0trusted.gfid\0";
+        let presence = XattrPresence::of_list(list);
+        assert_eq!(presence, XattrPresence::ACL_ACCESS);
+        let absent: Vec<_> = presence.absent().collect();
+        assert_eq!(
+            absent,
+            [
+                &b"security.selinux"[..],
+                b"security.capability",
+                b"system.posix_acl_default"
+            ]
+        );
+        assert_eq!(XattrPresence::UNKNOWN.absent().count(), 0);
+        assert!(XattrPresence::is_probed(b"security.capability"));
+        assert!(!XattrPresence::is_probed(b"user.a"));
+        assert_eq!(XattrPresence::of_list(b"").absent().count(), 4);
     }
 
     #[test]

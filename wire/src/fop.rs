@@ -9,12 +9,13 @@
 //! object by GFID; fd fops use the [`FdId`] an OPEN/OPENDIR/CREATE returned. Replies carry
 //! pre/post attributes where GlusterFS's do, so a client can keep its caches exact.
 
-use crate::attr::{DirEntry, DirEntryPlus, FileType, FsStats, Iatt, Mode, SetAttr};
+use crate::attr::{DirEntry, DirEntryPlus, DirEntryXattrs, FileType, FsStats, Iatt, Mode, SetAttr};
 use crate::codec::{
     Decode, DecodeError, Encode, Encoder, Reader, decode_list, encode_list, wire_enum, wire_struct,
 };
 use crate::flags::{
-    AccessMask, AccessMode, Lock, LockCmd, OpenFlags, RenameMode, SeekWhat, XattrSetMode,
+    AccessMask, AccessMode, Lock, LockCmd, OpenFlags, RenameMode, SeekWhat, XattrPresence,
+    XattrSetMode,
 };
 use crate::ids::{FdId, Gfid};
 use crate::limits::{IO_SIZE_MAX_BYTES, READDIR_REPLY_LEN_MAX_BYTES, XATTR_LIST_ENTRIES_MAX};
@@ -193,6 +194,15 @@ wire_struct! {
     /// Asks for a lease of `kind` on directory `gfid`, or gives back the one held (`None`).
     /// The brick never recalls another session's lease to grant one.
     pub struct Lease { pub gfid: Gfid, pub kind: LeaseKind }
+    /// LOOKUP answered with the presence of the probed xattrs (capability `XATTR_PRESENCE`).
+    pub struct LookupXattrs { pub parent: Gfid, pub name: Name }
+    /// READDIRP whose entries carry the presence of the probed xattrs (capability
+    /// `XATTR_PRESENCE`).
+    pub struct ReaddirpXattrs { pub fd: FdId, pub offset: u64, pub size: ReaddirSize }
+    /// Reads `size` bytes at `offset` of regular file `gfid` with no fd: OPEN, READ and
+    /// RELEASE in one round trip (GlusterFS's quick-read), checked as an OPEN for reading
+    /// would be (capability `GET`).
+    pub struct Get { pub gfid: Gfid, pub offset: u64, pub size: ReadSize }
 
     // ---- replies ----
 
@@ -226,6 +236,7 @@ wire_struct! {
     /// The lease now held: what was asked, or less (`None` when another session's lease is in
     /// the way).
     pub struct LeaseReply { pub kind: LeaseKind }
+    pub struct LookupXattrsReply { pub iatt: Iatt, pub parent: Iatt, pub xattrs: XattrPresence }
 }
 
 /// Defines a reply that is a bounded list of entries plus an end-of-directory flag.
@@ -269,11 +280,46 @@ list_reply!(
     READDIR_REPLY_LEN_MAX_BYTES
 );
 list_reply!(
+    ReaddirpXattrsReply,
+    DirEntryXattrs,
+    "readdirp entries",
+    READDIR_REPLY_LEN_MAX_BYTES
+);
+list_reply!(
     ListxattrReply,
     XattrName,
     "xattr names",
     XATTR_LIST_ENTRIES_MAX
 );
+
+/// A LOOKUP reply as LOOKUP_XATTRS's, for a brick without `XATTR_PRESENCE`: nothing is known
+/// absent.
+impl From<LookupReply> for LookupXattrsReply {
+    fn from(r: LookupReply) -> LookupXattrsReply {
+        LookupXattrsReply {
+            iatt: r.iatt,
+            parent: r.parent,
+            xattrs: XattrPresence::UNKNOWN,
+        }
+    }
+}
+
+/// A READDIRP reply as READDIRP_XATTRS's, for a brick without `XATTR_PRESENCE`: nothing is
+/// known absent.
+impl From<ReaddirpReply> for ReaddirpXattrsReply {
+    fn from(r: ReaddirpReply) -> ReaddirpXattrsReply {
+        let entries = r.entries.into_iter().map(|e| DirEntryXattrs {
+            offset: e.offset,
+            name: e.name,
+            iatt: e.iatt,
+            xattrs: XattrPresence::UNKNOWN,
+        });
+        ReaddirpXattrsReply {
+            entries: entries.collect(),
+            eof: r.eof,
+        }
+    }
+}
 
 /// Defines the fop table: the code enum and the request and reply enums dispatching on it.
 macro_rules! fops {
@@ -429,6 +475,9 @@ fops! {
     26 "LK" Lk(Lk) -> LkReply;
     55 "PUT" Put(Put) -> EntryReply;
     101 "LEASE" Lease(Lease) -> LeaseReply;
+    102 "LOOKUP_XATTRS" LookupXattrs(LookupXattrs) -> LookupXattrsReply;
+    103 "READDIRP_XATTRS" ReaddirpXattrs(ReaddirpXattrs) -> ReaddirpXattrsReply;
+    104 "GET" Get(Get) -> ReadReply;
 }
 
 /// Matches the fops on an open file or directory (each names it in its `fd` field), binding
@@ -445,6 +494,7 @@ macro_rules! match_fd {
             | FopRequest::Release(Release { fd: $fd })
             | FopRequest::Readdir(Readdir { fd: $fd, .. })
             | FopRequest::Readdirp(Readdirp { fd: $fd, .. })
+            | FopRequest::ReaddirpXattrs(ReaddirpXattrs { fd: $fd, .. })
             | FopRequest::Releasedir(Releasedir { fd: $fd })
             | FopRequest::Fsyncdir(Fsyncdir { fd: $fd, .. })
             | FopRequest::Fsetxattr(Fsetxattr { fd: $fd, .. })
@@ -458,6 +508,7 @@ macro_rules! match_fd {
             | FopRequest::Seek(Seek { fd: $fd, .. })
             | FopRequest::Lk(Lk { fd: $fd, .. }) => $some,
             FopRequest::Lookup(_)
+            | FopRequest::LookupXattrs(_)
             | FopRequest::Stat(_)
             | FopRequest::Access(_)
             | FopRequest::Readlink(_)
@@ -479,7 +530,8 @@ macro_rules! match_fd {
             | FopRequest::Setattr(_)
             | FopRequest::Truncate(_)
             | FopRequest::Put(_)
-            | FopRequest::Lease(_) => $none,
+            | FopRequest::Lease(_)
+            | FopRequest::Get(_) => $none,
         }
     };
 }
@@ -536,7 +588,7 @@ mod tests {
             assert!(seen.insert(code as u16), "duplicate code {}", code as u16);
             assert_eq!(FopCode::from_u16(code as u16), Some(code));
         }
-        assert_eq!(FopCode::ALL.len(), 43);
+        assert_eq!(FopCode::ALL.len(), 46);
         for (i, &code) in FopCode::ALL.iter().enumerate() {
             assert_eq!(code.index(), i);
         }
@@ -561,6 +613,9 @@ mod tests {
             (FopCode::Put, 55),
             (FopCode::Listxattr, 100),
             (FopCode::Lease, 101),
+            (FopCode::LookupXattrs, 102),
+            (FopCode::ReaddirpXattrs, 103),
+            (FopCode::Get, 104),
         ];
         for (code, n) in frozen {
             assert_eq!(code as u16, n, "{}", code.name());

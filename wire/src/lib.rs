@@ -40,13 +40,16 @@ mod names;
 pub mod quic;
 mod session;
 
-pub use attr::{DirEntry, DirEntryPlus, FileType, FsStats, Iatt, Mode, SetAttr, TimeSet, Timespec};
+pub use attr::{
+    DirEntry, DirEntryPlus, DirEntryXattrs, FileType, FsStats, Iatt, Mode, SetAttr, TimeSet,
+    Timespec,
+};
 pub use batch::{Batch, BatchError, BatchReply};
 pub use codec::{Decode, DecodeError, Encode, Encoder, Reader};
 pub use errno::ErrorCode;
 pub use flags::{
     AccessMask, AccessMode, Creds, Groups, Lock, LockCmd, LockKind, NO_ID, OpenFlags, RenameMode,
-    SeekWhat, XattrSetMode,
+    SeekWhat, XattrPresence, XattrSetMode,
 };
 pub use fop::*;
 pub use frame::{FrameKind, Header, MAGIC, PROTOCOL_VERSION, checksum, checksum_append};

@@ -24,8 +24,19 @@ impl Capabilities {
     /// The client may take leases (LEASE) and send BATCH requests; the brick recalls leases
     /// with [`Recall`] events.
     pub const LEASES: Capabilities = Capabilities(1 << 1);
+    /// The brick answers LOOKUP_XATTRS and READDIRP_XATTRS.
+    pub const XATTR_PRESENCE: Capabilities = Capabilities(1 << 2);
+    /// The brick answers GET.
+    pub const GET: Capabilities = Capabilities(1 << 3);
     /// Everything this build implements.
-    pub const SUPPORTED: Capabilities = Capabilities(Self::INVALIDATE_EVENTS.0 | Self::LEASES.0);
+    pub const SUPPORTED: Capabilities = Self::INVALIDATE_EVENTS
+        .union(Self::LEASES)
+        .union(Self::XATTR_PRESENCE)
+        .union(Self::GET);
+
+    pub const fn union(self, other: Capabilities) -> Capabilities {
+        Capabilities(self.0 | other.0)
+    }
 
     pub fn intersection(self, other: Capabilities) -> Capabilities {
         Capabilities(self.0 & other.0)

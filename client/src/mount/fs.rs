@@ -600,6 +600,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
                     // Each entry the kernel takes counts as a lookup; one that does not fit
                     // is given back.
                     let (attr, ttl) = s.entry(&e.iatt);
+                    s.note_xattrs(attr.ino.0, e.xattrs);
                     let full = reply.add(attr.ino, e.offset, os(&e.name), &ttl.attr, &attr, GEN);
                     if full {
                         s.inodes.forget(attr.ino.0, 1);

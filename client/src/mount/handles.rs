@@ -21,8 +21,8 @@ use bytes::Bytes;
 use fuser::{Errno, FileAttr, FileHandle, LockOwner};
 use kiln_wire::limits::IO_SIZE_MAX_BYTES;
 use kiln_wire::{
-    AccessMode, Creds, DirEntryPlus, ErrorCode, FopReply, Gfid, Lock, LockCmd, Mode, OpenFlags,
-    ReaddirSize,
+    AccessMode, Creds, DirEntryXattrs, ErrorCode, FopReply, Gfid, Lock, LockCmd, Mode, OpenFlags,
+    ReadSize, ReaddirSize,
 };
 
 use super::convert::{Result, errno, name_of, open_mode, requested_access, seek_what, unexpected};
@@ -53,7 +53,7 @@ pub(super) struct Open<F> {
 struct Listing {
     /// The offset the kernel passes to continue at the first buffered entry.
     from: u64,
-    entries: VecDeque<DirEntryPlus>,
+    entries: VecDeque<DirEntryXattrs>,
     /// No entries follow the buffered ones.
     eof: bool,
     /// A listing from the start of a directory held with a lease: where the hold was when
@@ -290,8 +290,28 @@ impl<L: Layer> Shared<L> {
         {
             return Ok(pending.read(offset, size));
         }
+        if offset == 0 && open.access == AccessMode::ReadOnly && open.fd.get().is_none() {
+            return self.read_without_fd(&open, size).await;
+        }
         let fd = self.fd(&open).await?;
         self.layer.read(c, fd, offset, size).await.map_err(errno)
+    }
+
+    /// The first read of a read-only handle opened late, from the start, as one GET
+    /// (GlusterFS's quick-read): a small file read once costs one round trip and is never
+    /// opened on the brick; a larger one gets its fd at its next read.
+    async fn read_without_fd(&self, open: &Open<L::Fd>, size: u32) -> Result<Bytes> {
+        self.settle(open.ino).await?;
+        let get = kiln_wire::Get {
+            gfid: self.inodes.gfid(open.ino).ok_or(Errno::ESTALE)?,
+            offset: 0,
+            size: ReadSize::new(size).ok_or(Errno::EINVAL)?,
+        };
+        match self.layer.call(&open.late_creds, get.into()).await {
+            Ok(FopReply::Get(r)) => Ok(r.data.into_bytes()),
+            Ok(other) => Err(unexpected(&other)),
+            Err(e) => Err(errno(e)),
+        }
     }
 
     /// WRITE through handle `fh`: gathered by a deferred create while it stays small, else
@@ -518,7 +538,7 @@ impl<L: Layer> Shared<L> {
         ino: u64,
         offset: u64,
         so_far: Option<(u64, Vec<(kiln_wire::Name, Gfid)>)>,
-        reply: &kiln_wire::ReaddirpReply,
+        reply: &kiln_wire::ReaddirpXattrsReply,
     ) -> Option<(u64, Vec<(kiln_wire::Name, Gfid)>)> {
         let dir = self.inodes.gfid(ino)?;
         let (began, mut seen) = match (offset, so_far) {
@@ -545,7 +565,7 @@ impl<L: Layer> Shared<L> {
         c: &Creds,
         fh: FileHandle,
         offset: u64,
-        mut add: impl FnMut(&DirEntryPlus) -> bool,
+        mut add: impl FnMut(&DirEntryXattrs) -> bool,
     ) -> Result<()> {
         let open = self.handles.get(fh)?;
         let mut listing = open.listing.lock().await;
@@ -553,9 +573,9 @@ impl<L: Layer> Shared<L> {
         loop {
             if listing.from != offset || (listing.entries.is_empty() && !listing.eof) {
                 let size = ReaddirSize::new(READDIR_FETCH_BYTES).ok_or(Errno::EINVAL)?;
-                let fop = FdFop::new(|fd| kiln_wire::Readdirp { fd, offset, size }.into());
+                let fop = FdFop::new(|fd| kiln_wire::ReaddirpXattrs { fd, offset, size }.into());
                 let reply = self.layer.call_fd(c, self.fd(&open).await?, fop).await;
-                let FopReply::Readdirp(r) = reply.map_err(errno)? else {
+                let FopReply::ReaddirpXattrs(r) = reply.map_err(errno)? else {
                     return Err(Errno::EIO);
                 };
                 // Only a fetch right after the last one continues a listing.

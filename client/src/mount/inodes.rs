@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Instant;
 
-use kiln_wire::Gfid;
+use kiln_wire::{Gfid, XattrPresence};
 
 use super::pending::ParentAttr;
 
@@ -42,9 +42,11 @@ struct Node {
     /// Until then the file is known to have no `security.*` xattrs: this mount created it
     /// and has set none since.
     bare_until: Option<Instant>,
-    /// Extended attributes the brick said the object does not have, each until a time
-    /// (`ls -l` asks two of every file it lists).
+    /// Extended attributes the brick said the object does not have, each until a time.
     absent_xattrs: Vec<(Box<[u8]>, Instant)>,
+    /// Which of the names programs probe on every file (`ls -l` asks two) the object has, as
+    /// the brick told, until a time.
+    probed: Option<(XattrPresence, Instant)>,
     /// A directory's permission bits and owner, as last seen, until a time.
     dir_attr: Option<(ParentAttr, Instant)>,
 }
@@ -60,6 +62,7 @@ impl Inodes {
                 locked: false,
                 bare_until: None,
                 absent_xattrs: Vec::new(),
+                probed: None,
                 dir_attr: None,
             },
         );
@@ -100,6 +103,7 @@ impl Inodes {
                 locked: false,
                 bare_until: None,
                 absent_xattrs: Vec::new(),
+                probed: None,
                 dir_attr: None,
             },
         );
@@ -165,12 +169,31 @@ impl Inodes {
         }
     }
 
+    /// Records which probed xattrs `ino` has, trusted until `until`.
+    pub(crate) fn note_probed(&self, ino: u64, presence: XattrPresence, until: Instant) {
+        if let Some(node) = self.lock().by_ino.get_mut(&ino) {
+            node.probed = Some((presence, until));
+        }
+    }
+
+    /// Whether the presence of every probed xattr of `ino` is known now.
+    pub(crate) fn probed_known(&self, ino: u64) -> bool {
+        let now = Instant::now();
+        self.lock()
+            .by_ino
+            .get(&ino)
+            .is_some_and(|n| n.probed.is_some_and(|(_, until)| now < until))
+    }
+
     /// Forgets what is known of `ino`'s xattr `name` (it is being set).
     pub(crate) fn forget_xattr(&self, ino: u64, name: &[u8]) {
         if let Some(node) = self.lock().by_ino.get_mut(&ino) {
             node.absent_xattrs.retain(|(n, _)| **n != *name);
             if name.starts_with(b"security.") {
                 node.bare_until = None;
+            }
+            if let Some((presence, _)) = &mut node.probed {
+                *presence = *presence | XattrPresence::of_names([name]);
             }
         }
     }
@@ -183,6 +206,9 @@ impl Inodes {
                 || n.absent_xattrs
                     .iter()
                     .any(|(absent, until)| **absent == *name && now < *until)
+                || n.probed.is_some_and(|(presence, until)| {
+                    now < until && presence.absent().any(|absent| absent == name)
+                })
         })
     }
 
@@ -282,5 +308,18 @@ mod tests {
         assert!(!inodes.xattr_is_absent(ino, b"user.x"));
         inodes.note_absent_xattr(ino, b"user.y", Instant::now());
         assert!(!inodes.xattr_is_absent(ino, b"user.y"));
+
+        // The probed names, as a LOOKUP told them: absent until set here or out of date.
+        let acl = b"system.posix_acl_access";
+        assert!(!inodes.probed_known(ino));
+        inodes.note_probed(ino, XattrPresence::SELINUX, later);
+        assert!(inodes.probed_known(ino));
+        assert!(inodes.xattr_is_absent(ino, acl));
+        assert!(!inodes.xattr_is_absent(ino, b"security.selinux"));
+        inodes.forget_xattr(ino, acl);
+        assert!(!inodes.xattr_is_absent(ino, acl));
+        inodes.note_probed(ino, XattrPresence::empty(), Instant::now());
+        assert!(!inodes.probed_known(ino));
+        assert!(!inodes.xattr_is_absent(ino, acl));
     }
 }

@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use fuser::{Errno, FileAttr, FileHandle};
-use kiln_wire::{Creds, ErrorCode, FileType, FopReply, FsStats, Gfid, Iatt, SetAttr, XattrName};
+use kiln_wire::{
+    Creds, ErrorCode, FileType, FopReply, FsStats, Gfid, Iatt, SetAttr, XattrName, XattrPresence,
+};
 
 use super::MountOptions;
 use super::behind::Behind;
@@ -19,15 +21,6 @@ use super::inodes::Inodes;
 use super::leases::{Answer, Leases};
 use super::pending::{ParentAttr, PendingCreates};
 use crate::{Error, FdFop, Layer};
-
-/// Extended attributes programs ask of every file they list or copy, and which most files
-/// lack: security labels and capabilities, POSIX ACLs.
-const PROBED_XATTRS: [&[u8]; 4] = [
-    b"security.selinux",
-    b"security.capability",
-    b"system.posix_acl_access",
-    b"system.posix_acl_default",
-];
 
 /// What the tasks share; `L` is the client stack below the mount.
 #[derive(Debug)]
@@ -180,7 +173,7 @@ impl<L: Layer> Shared<L> {
         parent: u64,
         name: &OsStr,
     ) -> Result<Option<(FileAttr, Ttl)>> {
-        let lookup = kiln_wire::Lookup {
+        let lookup = kiln_wire::LookupXattrs {
             parent: self.gfid(parent)?,
             name: name_of(name)?,
         };
@@ -201,7 +194,11 @@ impl<L: Layer> Shared<L> {
         }
         self.behind.settle(&lookup.parent).await;
         match self.layer.call(c, lookup.into()).await {
-            Ok(FopReply::Lookup(r)) => Ok(Some(self.entry(&r.iatt))),
+            Ok(FopReply::LookupXattrs(r)) => {
+                let (attr, ttl) = self.entry(&r.iatt);
+                self.note_xattrs(attr.ino.0, r.xattrs);
+                Ok(Some((attr, ttl)))
+            }
             Ok(other) => Err(unexpected(&other)),
             Err(Error::Fop(ErrorCode::NoEnt)) if negative => Ok(None),
             Err(e) => Err(errno(e)),
@@ -304,14 +301,15 @@ impl<L: Layer> Shared<L> {
 
     /// GETXATTR of `name` on node `ino`, as `c`. A name the brick says is absent is
     /// remembered as absent for the attribute lifetime. A name programs probe on every file
-    /// ([`PROBED_XATTRS`]: `ls -l` asks two, `cp -a` and `tar` more) is looked for in a
-    /// LISTXATTR first, which tells the absence of all of them in one round trip.
+    /// ([`XattrPresence::PROBED`]: `ls -l` asks two, `cp -a` and `tar` more), when LOOKUP or
+    /// READDIRP did not tell its absence, is looked for in a LISTXATTR first, which tells the
+    /// absence of all of them in one round trip.
     pub(super) async fn getxattr(&self, c: &Creds, ino: u64, name: XattrName) -> Result<Bytes> {
         self.settle(ino).await?;
-        if PROBED_XATTRS.contains(&name.as_bytes())
-            && self.probe_xattrs(c, ino).await
-            && self.inodes.xattr_is_absent(ino, name.as_bytes())
-        {
+        if XattrPresence::is_probed(name.as_bytes()) && !self.inodes.probed_known(ino) {
+            self.probe_xattrs(c, ino).await;
+        }
+        if self.inodes.xattr_is_absent(ino, name.as_bytes()) {
             return Err(Errno::NO_XATTR);
         }
         let get = kiln_wire::Getxattr {
@@ -330,26 +328,28 @@ impl<L: Layer> Shared<L> {
         }
     }
 
-    /// Lists node `ino`'s xattrs and remembers which of [`PROBED_XATTRS`] it lacks, for the
-    /// attribute lifetime; whether the list came.
-    async fn probe_xattrs(&self, c: &Creds, ino: u64) -> bool {
-        let Ok(gfid) = self.gfid(ino) else {
-            return false;
-        };
-        let Ok(FopReply::Listxattr(r)) = self
-            .layer
-            .call(c, kiln_wire::Listxattr { gfid }.into())
-            .await
-        else {
-            return false;
-        };
-        let until = Instant::now() + self.options.attr_timeout;
-        for probed in PROBED_XATTRS {
-            if !r.entries.iter().any(|n| n.as_bytes() == probed) {
-                self.inodes.note_absent_xattr(ino, probed, until);
-            }
+    /// Remembers which of the probed xattrs node `ino` lacks (as a LOOKUP or READDIRP told),
+    /// for the attribute lifetime.
+    pub(super) fn note_xattrs(&self, ino: u64, xattrs: XattrPresence) {
+        // All present is what a brick that could not tell says: worth a LISTXATTR to learn.
+        if xattrs != XattrPresence::UNKNOWN {
+            let until = Instant::now() + self.options.attr_timeout;
+            self.inodes.note_probed(ino, xattrs, until);
         }
-        true
+    }
+
+    /// Lists node `ino`'s xattrs and remembers which of the probed ones it has, for the
+    /// attribute lifetime (nothing, if the list does not come).
+    async fn probe_xattrs(&self, c: &Creds, ino: u64) {
+        let Ok(gfid) = self.gfid(ino) else {
+            return;
+        };
+        let list = self.layer.call(c, kiln_wire::Listxattr { gfid }.into());
+        if let Ok(FopReply::Listxattr(r)) = list.await {
+            let present = XattrPresence::of_names(r.entries.iter().map(XattrName::as_bytes));
+            let until = Instant::now() + self.options.attr_timeout;
+            self.inodes.note_probed(ino, present, until);
+        }
     }
 
     /// READLINK of node `ino`, as `c`.

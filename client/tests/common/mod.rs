@@ -226,3 +226,39 @@ pub fn assert_brick_checks_clean(brick: &Path) {
         String::from_utf8_lossy(&check.stdout)
     );
 }
+
+/// One `GET /metrics` from a brick's Prometheus endpoint, parsed as Prometheus text.
+pub fn scrape(addr: &str) -> prometheus_parse::Scrape {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr).expect("connect to metrics");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    write!(stream, "GET /metrics HTTP/1.1\r\nHost: {addr}\r\n\r\n").expect("request");
+    let mut reply = String::new();
+    stream.read_to_string(&mut reply).expect("reply");
+    let (head, body) = reply.split_once("\r\n\r\n").expect("an HTTP reply");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(head.contains("text/plain; version=0.0.4"), "{head}");
+    let lines = body.lines().map(|l| Ok(l.to_owned()));
+    prometheus_parse::Scrape::parse(lines).expect("Prometheus text")
+}
+
+/// How many of `fop` a brick has served, from its `kiln_fop_calls_total` (0 before the first).
+pub fn fop_calls(scrape: &prometheus_parse::Scrape, fop: &str) -> f64 {
+    let found = scrape
+        .samples
+        .iter()
+        .find(|s| s.metric == "kiln_fop_calls_total" && s.labels.get("fop") == Some(fop));
+    match found.map(|s| &s.value) {
+        Some(prometheus_parse::Value::Counter(v)) => *v,
+        None => 0.0,
+        Some(other) => panic!("kiln_fop_calls_total{{fop={fop}}}: {other:?}"),
+    }
+}
+
+/// A loopback address no one listens on now, for a server the test starts next.
+pub fn free_loopback_addr() -> String {
+    let probe = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a loopback port");
+    probe.local_addr().expect("local address").to_string()
+}

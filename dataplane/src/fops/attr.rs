@@ -1,8 +1,8 @@
 //! Inode attributes: LOOKUP, STAT, ACCESS, READLINK, SETATTR (and TRUNCATE), STATFS.
 
 use kiln_wire::{
-    AccessMask, AttrChange, AttrReply, Creds, FsStats, Gfid, LookupReply, Name, ReadlinkReply,
-    SetAttr, StatfsReply, SymlinkTarget, TimeSet,
+    AccessMask, AttrChange, AttrReply, Creds, FsStats, Gfid, LookupReply, LookupXattrsReply, Name,
+    ReadlinkReply, SetAttr, StatfsReply, SymlinkTarget, TimeSet, XattrPresence,
 };
 use rustix::fs::{AtFlags, Mode as FsMode, OFlags};
 use rustix::io::Errno;
@@ -31,6 +31,26 @@ impl<E: Exec> Fops<E> {
         Ok(LookupReply {
             iatt: iatt(&stat, gfid),
             parent: iatt(&parent_stat, *parent),
+        })
+    }
+
+    /// LOOKUP with the presence of the probed xattrs of what the name is.
+    pub(super) async fn lookup_xattrs(
+        &self,
+        creds: &Creds,
+        parent: &Gfid,
+        name: &Name,
+    ) -> R<LookupXattrsReply> {
+        let LookupReply {
+            iatt,
+            parent: parent_iatt,
+        } = self.lookup(creds, parent, name).await?;
+        let dir = self.dir(parent).await?;
+        let presence = self.xattr_presence(&dir, vec![cstr(name.as_bytes())]).await;
+        Ok(LookupXattrsReply {
+            iatt,
+            parent: parent_iatt,
+            xattrs: presence.first().copied().unwrap_or(XattrPresence::UNKNOWN),
         })
     }
 

@@ -5,8 +5,8 @@ use std::os::fd::AsFd;
 use std::sync::{Arc, Mutex};
 
 use kiln_wire::{
-    Creds, DirEntry, DirEntryPlus, FdId, FileType, Gfid, Name, OpenReply, ReaddirReply,
-    ReaddirpReply,
+    Creds, DirEntry, DirEntryPlus, DirEntryXattrs, FdId, FileType, Gfid, Name, OpenReply,
+    ReaddirReply, ReaddirpReply, ReaddirpXattrsReply,
 };
 use rustix::fs::AtFlags;
 use rustix::io::Errno;
@@ -21,7 +21,8 @@ use crate::op::{self, DirFd, FileRef, Stat, Step, cstr};
 
 /// Reply bytes a READDIR entry costs besides its name.
 const READDIR_ENTRY_BYTES: usize = 24;
-/// Reply bytes a READDIRP entry costs besides its name (its attributes included).
+/// Reply bytes a READDIRP entry costs besides its name (its attributes and, in
+/// READDIRP_XATTRS, its xattr presence included).
 const READDIRP_ENTRY_BYTES: usize = 140;
 
 impl<E: Exec> Fops<E> {
@@ -150,6 +151,34 @@ impl<E: Exec> Fops<E> {
             });
         }
         Ok(ReaddirpReply { entries, eof })
+    }
+
+    /// READDIRP_XATTRS: READDIRP, each entry with the presence of the probed xattrs.
+    pub(super) async fn readdirp_xattrs(
+        &self,
+        session: SessionId,
+        creds: &Creds,
+        fd: FdId,
+        offset: u64,
+        size: u32,
+    ) -> R<ReaddirpXattrsReply> {
+        let ReaddirpReply { entries, eof } =
+            self.readdirp(session, creds, fd, offset, size).await?;
+        let (_, dir, _) = self.dir_fd(session, fd)?;
+        let names = entries.iter().map(|e| cstr(e.name.as_bytes())).collect();
+        let presence = self.xattr_presence(&dir, names).await;
+        debug_assert_eq!(presence.len(), entries.len());
+        let entries = entries
+            .into_iter()
+            .zip(presence)
+            .map(|(e, xattrs)| DirEntryXattrs {
+                offset: e.offset,
+                name: e.name,
+                iatt: e.iatt,
+                xattrs,
+            })
+            .collect();
+        Ok(ReaddirpXattrsReply { entries, eof })
     }
 }
 

@@ -1,4 +1,4 @@
-//! Open files: OPEN, READ, WRITE, FSTAT, FSYNC, FALLOCATE (and DISCARD, ZEROFILL), FTRUNCATE,
+//! Open files: OPEN, READ (and GET, a read with no fd), WRITE, FSTAT, FSYNC, FALLOCATE (and DISCARD, ZEROFILL), FTRUNCATE,
 //! SEEK, LK, FLUSH, RELEASE. A file is reached through the session's fd table; data changes
 //! run as the caller.
 
@@ -6,8 +6,9 @@ use std::sync::atomic::Ordering;
 
 use bytes::Bytes;
 use kiln_wire::{
-    AccessMode, AttrChange, AttrReply, Creds, Discard, Fallocate, FdId, Gfid, Lk, LkReply, LockCmd,
-    OpenFlags, OpenReply, Payload, Read, ReadReply, Seek, SeekReply, SeekWhat, Write, Zerofill,
+    AccessMode, AttrChange, AttrReply, Creds, Discard, Fallocate, FdId, Get, Gfid, Lk, LkReply,
+    LockCmd, OpenFlags, OpenReply, Payload, Read, ReadReply, Seek, SeekReply, SeekWhat, Write,
+    Zerofill,
 };
 use rustix::io::Errno;
 
@@ -70,6 +71,52 @@ impl<E: Exec> Fops<E> {
         access: AccessMode,
         flags: OpenFlags,
     ) -> R<OpenReply> {
+        let open = self.open_op(gfid, access, flags, false).await?;
+        let file: FileRef = self.run_one(Step::caller(open, creds)).await?;
+        let fd = self
+            .keep_open(session, *gfid, file, access != AccessMode::ReadOnly)
+            .await?;
+        Ok(OpenReply { fd })
+    }
+
+    /// GET: OPEN for reading, READ and RELEASE of file `gfid` in one chain on a direct
+    /// descriptor, as the caller.
+    pub(super) async fn get(&self, creds: &Creds, r: Get) -> R<ReadReply> {
+        let open = self
+            .open_op(&r.gfid, AccessMode::ReadOnly, OpenFlags::empty(), true)
+            .await?;
+        let (handle_dir, handle) = (open.dir.clone(), open.name.clone());
+        let mut chain = Chain::new();
+        let opened = chain.push::<FileRef>(Step::caller(open, creds));
+        let data = chain.push::<Bytes>(Step::brick(op::Read {
+            file: FileRef::Chain,
+            offset: r.offset,
+            len: r.size.get() as usize,
+        }));
+        // By name: a direct descriptor cannot be statx'ed.
+        let stat = chain.push::<Stat>(Step::brick(op::Statx::of(&handle_dir, &handle)));
+        let close = chain.push::<()>(Step::brick(op::Close {
+            file: FileRef::Chain,
+        }));
+        let mut results = self.run(chain).await;
+        results.take(opened)?;
+        results.take(close)?;
+        let data = results.take(data)?;
+        let data = Payload::new(data).map_err(|_| op::invariant("a read over the limit"))?;
+        Ok(ReadReply {
+            data,
+            iatt: iatt(&results.take(stat)?, r.gfid),
+        })
+    }
+
+    /// The open of regular file `gfid` by its handle, once it is known to be one.
+    async fn open_op(
+        &self,
+        gfid: &Gfid,
+        access: AccessMode,
+        flags: OpenFlags,
+        fixed: bool,
+    ) -> R<op::Open> {
         let stat = self.stat_gfid(gfid).await?;
         if stat.is_dir() {
             return Err(Errno::ISDIR);
@@ -87,18 +134,13 @@ impl<E: Exec> Fops<E> {
         // Never through a symlink. (Not O_NONBLOCK: io_uring would then answer EAGAIN for data
         // not in the page cache instead of waiting for it.)
         let flags = access.to_libc() | (flags.to_libc() & !libc::O_EXCL) | libc::O_NOFOLLOW;
-        let open = op::Open {
+        Ok(op::Open {
             dir: self.brick.handle_dir(gfid).clone(),
             name: Brick::handle_name(gfid),
             flags,
             mode: 0,
-            fixed: false,
-        };
-        let file: FileRef = self.run_one(Step::caller(open, creds)).await?;
-        let fd = self
-            .keep_open(session, *gfid, file, access != AccessMode::ReadOnly)
-            .await?;
-        Ok(OpenReply { fd })
+            fixed,
+        })
     }
 
     /// Adds a just-opened file to the session's table; closes it when that fails.

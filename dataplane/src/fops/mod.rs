@@ -360,6 +360,9 @@ impl<E: Exec> Fops<E> {
         use FopRequest as Q;
         Ok(match fop {
             Q::Lookup(r) => A::Lookup(self.lookup(creds, &r.parent, &r.name).await?),
+            Q::LookupXattrs(r) => {
+                A::LookupXattrs(self.lookup_xattrs(creds, &r.parent, &r.name).await?)
+            }
             Q::Stat(r) => A::Stat(self.stat(&r.gfid).await?),
             Q::Access(r) => A::Access(self.access(creds, &r.gfid, r.mask).await?),
             Q::Readlink(r) => A::Readlink(self.readlink(&r.gfid).await?),
@@ -384,6 +387,7 @@ impl<E: Exec> Fops<E> {
                     .await?,
             ),
             Q::Opendir(r) => A::Opendir(self.opendir(session, creds, &r.gfid).await?),
+            Q::Get(r) => A::Get(self.get(creds, r).await?),
             Q::Lease(r) => A::Lease(self.lease(session, r).await?),
             fd_fop => self.execute_on_fd(session, creds, fd_fop).await?,
         })
@@ -403,6 +407,10 @@ impl<E: Exec> Fops<E> {
             Q::Readdir(r) => A::Readdir(self.readdir(s, r.fd, r.offset, r.size.get()).await?),
             Q::Readdirp(r) => A::Readdirp(
                 self.readdirp(s, creds, r.fd, r.offset, r.size.get())
+                    .await?,
+            ),
+            Q::ReaddirpXattrs(r) => A::ReaddirpXattrs(
+                self.readdirp_xattrs(s, creds, r.fd, r.offset, r.size.get())
                     .await?,
             ),
             Q::Releasedir(r) => A::Releasedir(self.release(s, r.fd, true).await?),

@@ -3,19 +3,25 @@
 //! The brick's own bookkeeping (`trusted.gfid`, `trusted.glusterfs.*`, `trusted.kiln.*`) can be
 //! read by clients but never changed.
 
+use std::ffi::{CStr, CString};
+
 use bytes::Bytes;
 use kiln_wire::{
-    Creds, Fsetxattr, Gfid, ListxattrReply, Setxattr, XattrName, XattrReply, XattrSetMode,
-    XattrValue, limits,
+    Creds, Fsetxattr, Gfid, ListxattrReply, Setxattr, XattrName, XattrPresence, XattrReply,
+    XattrSetMode, XattrValue, limits,
 };
 use rustix::io::Errno;
 
-use super::resolve::ObjectPath;
+use super::resolve::{ObjectPath, fd_path};
 use super::{Fops, R};
 use crate::brick::GFID_XATTR;
 use crate::creds::ActAs;
 use crate::exec::Exec;
-use crate::op::cstr;
+use crate::op::{DirFd, cstr};
+
+/// Longest list of xattr names a presence check reads, in bytes; an object with a longer one
+/// is answered [`XattrPresence::UNKNOWN`] (its client asks).
+const PRESENCE_LIST_LEN_MAX_BYTES: usize = 4 * 1024;
 
 /// Names clients may read but never change: the brick's own bookkeeping, and GlusterFS's
 /// replication changelog (a brick moved between GlusterFS and Kiln keeps its meaning).
@@ -155,5 +161,34 @@ impl<E: Exec> Fops<E> {
             .filter(|n| !protected(n))
             .collect();
         Ok(ListxattrReply { entries, eof: true })
+    }
+}
+
+impl<E: Exec> Fops<E> {
+    /// Which probed xattrs each of `names` in directory `dir` has, listed on the blocking
+    /// pool in one hand-off. Presence is not a secret (listxattr(2) needs no permission on
+    /// the object), so the brick lists as itself.
+    pub(super) async fn xattr_presence(
+        &self,
+        dir: &DirFd,
+        names: Vec<CString>,
+    ) -> Vec<XattrPresence> {
+        let dir = dir.clone();
+        self.exec
+            .blocking(move || names.iter().map(|n| presence_at(&dir, n)).collect())
+            .await
+    }
+}
+
+/// Which probed xattrs `name` in `dir` has (not following a symlink: a client asks about
+/// the object the name is); [`XattrPresence::UNKNOWN`] when it cannot be listed.
+fn presence_at(dir: &DirFd, name: &CStr) -> XattrPresence {
+    let mut path = fd_path(dir).into_bytes();
+    path.push(b'/');
+    path.extend_from_slice(name.to_bytes());
+    let mut list = [0u8; PRESENCE_LIST_LEN_MAX_BYTES];
+    match rustix::fs::llistxattr(&*cstr(&path), &mut list[..]) {
+        Ok(len) => XattrPresence::of_list(&list[..len]),
+        Err(_) => XattrPresence::UNKNOWN,
     }
 }
