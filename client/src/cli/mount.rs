@@ -2,12 +2,13 @@
 //! `/etc/fstab` run).
 //!
 //! ```text
-//! kiln mount VOLUME|HOST:PORT MOUNTPOINT [-o opt[,opt…]] [-f]
+//! kiln mount VOLUME|HOST:PORT[,HOST:PORT…] MOUNTPOINT [-o opt[,opt…]] [-f]
 //! mount -t kiln VOLUME MOUNTPOINT -o tls-dir=/var/lib/kiln/tls,client=alice
 //! kiln umount [-l] MOUNTPOINT
 //! ```
 //! A volume name is looked up in `kiln-mgmtd` (its brick and its `performance.*` options); a
-//! brick address is mounted directly. Without `-f` the command returns once the volume is
+//! brick address is mounted directly, and several, in the volume's brick order, as one
+//! distributed volume (`kiln_client::distribute`). Without `-f` the command returns once the volume is
 //! mounted and a background process serves it, logging to `--log-file`.
 
 use std::io::{BufRead as _, BufReader, Write as _};
@@ -20,6 +21,7 @@ use anyhow::{Context, bail};
 use clap::Args;
 use kiln_admin::command::{Request, Response};
 use kiln_admin::volume::VolumeState;
+use kiln_client::distribute::Distribute;
 use kiln_client::mount::{self, MountOptions};
 
 use crate::Global;
@@ -33,7 +35,8 @@ const UNMOUNT_POLL: Duration = Duration::from_millis(200);
 
 #[derive(Args)]
 pub(crate) struct MountArgs {
-    /// A volume of kiln-mgmtd, or a brick's HOST:PORT.
+    /// A volume of kiln-mgmtd, or a brick's HOST:PORT, or the bricks of a distributed
+    /// volume as HOST:PORT,HOST:PORT,… in the volume's brick order.
     source: String,
     /// An existing directory.
     mountpoint: PathBuf,
@@ -125,9 +128,9 @@ async fn serve(
 ) -> anyhow::Result<()> {
     let mountpoint = &args.mountpoint;
     check_mountpoint(mountpoint)?;
-    let brick_addr = match args.source.parse::<SocketAddr>() {
-        Ok(addr) => addr,
-        Err(_) => {
+    let brick_addrs = match parse_addrs(&args.source) {
+        Some(addrs) => addrs,
+        None => {
             let (addr, volume_options) = resolve_volume(global, &args.source)?;
             // The volume's settings, then this mount's own on top.
             for (key, value) in volume_options {
@@ -136,22 +139,30 @@ async fn serve(
             for (key, value) in overrides {
                 options.set(key, value.as_deref())?;
             }
-            addr
+            vec![addr]
         }
     };
-    let mut connect_to = global.clone();
-    connect_to.brick_addr = brick_addr;
-    // The client stack this volume needs: one brick, so one brick client (a distribution
-    // layer over several brick clients goes here when volumes span bricks).
-    let brick = crate::files::connect(&connect_to)
-        .await
-        .with_context(|| format!("cannot mount {}", args.source))?;
-    let mounted = mount::mount(
-        tokio::runtime::Handle::current(),
-        brick.clone(),
-        mountpoint,
-        options,
-    )
+    // The client stack this volume needs: a brick client per brick, and over several a
+    // distribution layer.
+    let mut bricks = Vec::with_capacity(brick_addrs.len());
+    for addr in brick_addrs {
+        let mut connect_to = global.clone();
+        connect_to.brick_addr = addr;
+        let brick = crate::files::connect(&connect_to)
+            .await
+            .with_context(|| format!("cannot mount {}: brick {addr}", args.source))?;
+        bricks.push(brick);
+    }
+    let runtime = tokio::runtime::Handle::current();
+    let mounted = match bricks.as_slice() {
+        [brick] => mount::mount(runtime, brick.clone(), mountpoint, options),
+        [first, ..] => {
+            let volume = first.hello().await?.volume.to_string();
+            let distribute = Distribute::new(bricks.clone(), &volume)?;
+            mount::mount(runtime, distribute, mountpoint, options)
+        }
+        [] => bail!("no brick to mount"),
+    }
     .with_context(|| format!("cannot mount on {}", mountpoint.display()))?;
     tracing::info!(source = %args.source, mountpoint = %mounted.mountpoint().display(), "mounted");
     if args.serve_background {
@@ -167,9 +178,17 @@ async fn serve(
         .await
         .context("the unmount task failed")?;
     tracing::info!(result = ?result, "the FUSE session ended");
-    brick.close().await;
-    tracing::info!("disconnected from the brick");
+    for brick in bricks {
+        brick.close().await;
+    }
+    tracing::info!("disconnected from the bricks");
     result.context("unmount")
+}
+
+/// The brick addresses `source` names (one, or several comma-separated); `None` when it is
+/// not a list of addresses (then a volume name).
+fn parse_addrs(source: &str) -> Option<Vec<SocketAddr>> {
+    source.split(',').map(|a| a.parse().ok()).collect()
 }
 
 /// Waits for SIGTERM, SIGINT or SIGHUP, or for the mount to be taken away from outside.

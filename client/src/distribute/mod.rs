@@ -2,6 +2,8 @@
 //! (`xlators/cluster/dht/`) decides it, so a Kiln volume and a GlusterFS volume agree on
 //! where every file lives.
 //!
+//! [`Distribute`] is the layer of the client stack that does it; the rest is pure.
+//!
 //! Each directory has a [`Layout`]: per brick, one range of the 32-bit hash space, stored on
 //! that brick's copy of the directory in the `trusted.glusterfs.dht` xattr ([`DiskLayout`]).
 //! A name lives on the brick whose range holds its [`hash`](name_hash). This module builds
@@ -14,9 +16,11 @@
 //! `cluster.directory-layout-spread` (layouts over fewer bricks than the volume has).
 
 pub mod hash;
+mod layer;
 pub mod layout;
 
 pub use hash::{Munging, dm_hash, name_hash};
+pub use layer::{DirFds, DistFd, Distribute, LINKTO_XATTR};
 pub use layout::{
     Anomalies, BRICKS_MAX, COMMIT_HASH_INVALID, DiskLayout, HashRange, HashType, Layout, XATTR_LEN,
     XATTR_NAME, first_brick, size_chunks, weights_for,

@@ -48,22 +48,24 @@ impl Cluster {
         for client in ["alice", "bob"] {
             pki::issue(&tls, &Role::Client, client, 1).expect("client cert");
         }
-        let brick = dir.path().join("brick");
-        std::fs::create_dir(&brick).expect("brick dir");
-        let status = Command::new(bin("kiln-brickd"))
-            .arg("format")
-            .arg(&brick)
-            .stdout(Stdio::null())
-            .status()
-            .expect("format");
-        assert!(status.success());
+        let brick = format_brick(&dir.path().join("brick"));
         Cluster { dir, tls, brick }
+    }
+
+    /// Formats one more brick, `brick-N`, beside the first (for a distributed volume).
+    pub fn add_brick(&self, n: usize) -> PathBuf {
+        format_brick(&self.dir.path().join(format!("brick-{n}")))
     }
 
     /// Starts `kiln-brickd serve` on `listen` with `extra` arguments and waits until it
     /// listens. Client `alice` is trusted with root (`--root-allow alice`) unless `extra`
     /// says otherwise about root squashing; `bob` is squashed.
     pub fn start(&self, listen: &str, extra: &[&str]) -> Brickd {
+        self.start_brick(&self.brick, listen, extra)
+    }
+
+    /// [`Cluster::start`] for brick directory `brick`.
+    pub fn start_brick(&self, brick: &Path, listen: &str, extra: &[&str]) -> Brickd {
         let squash_set = extra
             .iter()
             .any(|a| matches!(*a, "--root-allow" | "--root-squash"));
@@ -80,7 +82,7 @@ impl Cluster {
         ));
         let mut child = Command::new(bin("kiln-brickd"))
             .arg("serve")
-            .arg(&self.brick)
+            .arg(brick)
             .args(["--listen", listen, "--name", "b", "--tls-dir"])
             .arg(&self.tls)
             .args(trust)
@@ -124,6 +126,19 @@ impl Cluster {
             .await
             .expect("connect")
     }
+}
+
+/// Makes directory `brick` and formats it as a brick.
+fn format_brick(brick: &Path) -> PathBuf {
+    std::fs::create_dir(brick).expect("brick dir");
+    let status = Command::new(bin("kiln-brickd"))
+        .arg("format")
+        .arg(brick)
+        .stdout(Stdio::null())
+        .status()
+        .expect("format");
+    assert!(status.success());
+    brick.to_path_buf()
 }
 
 /// A running brick process; killed when dropped.

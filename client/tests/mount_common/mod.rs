@@ -18,6 +18,8 @@ const MOUNT_TIMEOUT: Duration = Duration::from_secs(30);
 pub struct Mounted {
     pub cluster: Cluster,
     pub brickd: Option<Brickd>,
+    /// A distributed volume's other bricks, after `brickd`'s, in brick order.
+    pub more_brickds: Vec<Brickd>,
     pub mountpoint: PathBuf,
     pub server: Option<Child>,
     pub log: PathBuf,
@@ -39,6 +41,7 @@ impl Mounted {
         let mut mounted = Mounted {
             cluster,
             brickd: Some(brickd),
+            more_brickds: Vec::new(),
             mountpoint,
             server: None,
             log,
@@ -47,12 +50,28 @@ impl Mounted {
         mounted
     }
 
+    /// A distributed volume of `bricks` bricks (the first is `brickd` and `cluster.brick`,
+    /// the others `brick-N` beside it), mounted with `options`.
+    pub fn distributed(bricks: usize, options: &[&str]) -> Mounted {
+        let mut mounted = Mounted::with_brick(&[], &[]);
+        mounted.unmount();
+        for n in 1..bricks {
+            let brick = mounted.cluster.add_brick(n);
+            let brickd = mounted.cluster.start_brick(&brick, "127.0.0.1:0", &[]);
+            mounted.more_brickds.push(brickd);
+        }
+        mounted.mount(options);
+        mounted
+    }
+
+    /// What `kiln mount` is given: the brick's address, or the bricks' comma-separated.
     pub fn addr(&self) -> String {
-        self.brickd
-            .as_ref()
-            .expect("brick running")
-            .addr
-            .to_string()
+        let first = self.brickd.as_ref().expect("brick running");
+        std::iter::once(first)
+            .chain(&self.more_brickds)
+            .map(|b| b.addr.to_string())
+            .collect::<Vec<_>>()
+            .join(",")
     }
 
     /// `kiln --tls-dir … --client alice` plus `args`.

@@ -1,7 +1,8 @@
 //! Extended attributes: SETXATTR, GETXATTR, LISTXATTR, REMOVEXATTR (and their fd forms), as
 //! the caller, through `/proc/self/fd/N/...` paths (io_uring's xattr opcodes take no dirfd).
 //! The brick's own bookkeeping (`trusted.gfid`, `trusted.glusterfs.*`, `trusted.kiln.*`) can be
-//! read by clients but never changed.
+//! read by clients but never changed (but for GlusterFS's distribution xattrs, which clients
+//! own).
 
 use std::ffi::{CStr, CString};
 
@@ -31,6 +32,16 @@ fn protected(name: &XattrName) -> bool {
         || n.starts_with(b"trusted.glusterfs.")
         || n.starts_with(b"trusted.kiln.")
         || n.starts_with(b"trusted.afr.")
+}
+
+/// GlusterFS's distribution xattrs: a directory's layout and a link file's target. Clients
+/// write them, as GlusterFS's DHT does (as root: `trusted.*` needs it), and they stay out of
+/// LISTXATTR with the rest of the bookkeeping.
+const DHT_XATTRS: [&[u8]; 2] = [b"trusted.glusterfs.dht", b"trusted.glusterfs.dht.linkto"];
+
+/// Names clients may not set or remove.
+fn unchangeable(name: &XattrName) -> bool {
+    protected(name) && !DHT_XATTRS.contains(&name.as_bytes())
 }
 
 impl<E: Exec> Fops<E> {
@@ -68,7 +79,7 @@ impl<E: Exec> Fops<E> {
         value: &[u8],
         mode: XattrSetMode,
     ) -> R<kiln_wire::Done> {
-        if protected(name) {
+        if unchangeable(name) {
             return Err(Errno::PERM);
         }
         let object = self.xattr_path(gfid).await?;
@@ -96,7 +107,7 @@ impl<E: Exec> Fops<E> {
         gfid: &Gfid,
         name: &XattrName,
     ) -> R<kiln_wire::Done> {
-        if protected(name) {
+        if unchangeable(name) {
             return Err(Errno::PERM);
         }
         let object = self.xattr_path(gfid).await?;
