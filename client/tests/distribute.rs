@@ -358,3 +358,9 @@ fn a_mount_over_three_bricks_is_one_tree() {
         assert!(!brick.join("tree").exists(), "brick {n} still has the tree");
     }
 }
+
+#[test]
+fn pjdfstest_passes_on_a_distributed_mount() {
+    let m = mount_common::Mounted::distributed(BRICKS, &[]);
+    mount_common::pjdfstest_passes(&m);
+}

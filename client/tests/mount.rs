@@ -711,67 +711,7 @@ fn posix_locks_exclude_other_processes_until_close() {
 #[test]
 fn pjdfstest_passes_with_caches_on() {
     let m = Mounted::new(&[]);
-    let work = m.path("pjd");
-    fs::create_dir(&work).expect("mkdir");
-    let other_fs = tempfile::tempdir().expect("tempdir");
-    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/posix/pjdfstest.toml");
-    let run = |only: &[String]| {
-        let out = Command::new(tool("pjdfstest"))
-            .arg("-c")
-            .arg(&config)
-            .arg("-p")
-            .arg(&work)
-            .arg("-s")
-            .arg(other_fs.path())
-            .args(only)
-            .output()
-            .expect("pjdfstest");
-        let report = text(&out);
-        let failed: Vec<String> = report
-            .lines()
-            .filter(|l| l.trim_end().ends_with("FAILED"))
-            .filter_map(|l| l.split_whitespace().next().map(str::to_owned))
-            .collect();
-        (out.status.success(), report, failed)
-    };
-    let (passed, report, failed) = run(&[]);
-    let summary = report
-        .lines()
-        .find(|l| l.starts_with("Summary:"))
-        .unwrap_or("no summary")
-        .to_owned();
-    println!("pjdfstest: {summary}");
-    if passed {
-        assert!(summary.starts_with("Summary: 0 failed"), "{summary}");
-        return;
-    }
-    // `open::etxtbsy` and `truncate::etxtbsy` fail about one run in twelve (the `sleep` they
-    // exec from the mount dies right after its exec; cause not found, see the issue note).
-    // Only those known-flaky cases get three more runs, and must pass in one of them; any
-    // other failure fails the test at once.
-    const KNOWN_FLAKY: [&str; 2] = ["open::etxtbsy", "truncate::etxtbsy"];
-    assert!(
-        !failed.is_empty(),
-        "pjdfstest failed with no failing case:\n{report}"
-    );
-    let unexpected: Vec<&String> = failed
-        .iter()
-        .filter(|case| !KNOWN_FLAKY.contains(&case.as_str()))
-        .collect();
-    assert!(
-        unexpected.is_empty(),
-        "pjdfstest: {unexpected:?} failed:\n{report}"
-    );
-    let mut last = String::new();
-    for attempt in 1..=3 {
-        println!("pjdfstest: rerun {attempt} of {failed:?}");
-        let (again, report, _) = run(&failed);
-        if again {
-            return;
-        }
-        last = report;
-    }
-    panic!("pjdfstest: {failed:?} failed four times:\n{last}");
+    mount_common::pjdfstest_passes(&m);
 }
 
 #[test]

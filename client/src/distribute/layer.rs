@@ -36,7 +36,7 @@ use tokio::sync::broadcast;
 
 use super::{DiskLayout, Layout, Munging, XATTR_NAME, first_brick};
 use crate::layer::{FdFop, Layer, LayerEvent};
-use crate::{Error, LayerExt};
+use crate::{Error, LayerExt, Paths};
 
 /// The xattr of a link file: the name of the subvolume (brick) that holds the data.
 pub const LINKTO_XATTR: &str = "trusted.glusterfs.dht.linkto";
@@ -362,8 +362,39 @@ impl<L: Layer> Distribute<L> {
                 }
                 Ok(first)
             }
-            Home::Everywhere => self.bricks[0].call(creds, fop).await,
+            Home::Everywhere => {
+                let reply = self.bricks[0].call(creds, fop).await?;
+                self.merged_dir(creds, reply, 0).await
+            }
         }
+    }
+
+    /// A directory's attributes as one: those in `reply` (from brick `from`) with the latest
+    /// times of every copy, so that a change on any brick shows in the directory's mtime and
+    /// ctime (GlusterFS's `dht_iatt_merge`). Any other reply is returned as it is.
+    async fn merged_dir(
+        &self,
+        creds: &Creds,
+        mut reply: FopReply,
+        from: usize,
+    ) -> Result<FopReply, Error> {
+        let iatt = match &mut reply {
+            FopReply::Lookup(r) => &mut r.iatt,
+            FopReply::LookupXattrs(r) => &mut r.iatt,
+            FopReply::Stat(r) => &mut r.iatt,
+            _ => return Ok(reply),
+        };
+        if iatt.file_type != FileType::Directory {
+            return Ok(reply);
+        }
+        for (_, brick) in self.bricks.iter().enumerate().filter(|(i, _)| *i != from) {
+            if let Ok(copy) = brick.stat(creds, iatt.gfid).await {
+                iatt.atime = iatt.atime.max(copy.atime);
+                iatt.mtime = iatt.mtime.max(copy.mtime);
+                iatt.ctime = iatt.ctime.max(copy.ctime);
+            }
+        }
+        Ok(reply)
     }
 
     /// A new name made on its hashed brick (MKNOD, SYMLINK, PUT).
@@ -584,9 +615,26 @@ impl<L: Layer> Distribute<L> {
         Ok(reply)
     }
 
-    /// A directory renamed on every brick, the new name's hashed brick first.
+    /// A directory renamed on every brick, the new name's hashed brick first. A directory
+    /// it would replace must be empty on every brick (each brick only sees its own copy).
     async fn rename_dir(&self, creds: &Creds, r: kiln_wire::Rename) -> Result<FopReply, Error> {
         let (hashed, _) = self.hashed(r.new_parent, &r.new_name).await?;
+        let lookup = kiln_wire::Lookup {
+            parent: r.new_parent,
+            name: r.new_name.clone(),
+        };
+        match self
+            .locate(creds, r.new_parent, &r.new_name, lookup.into())
+            .await
+        {
+            Ok(target) if target.iatt.file_type == FileType::Directory => {
+                if !self.read_dir(creds, target.iatt.gfid).await?.is_empty() {
+                    return Err(Error::Fop(ErrorCode::NotEmpty));
+                }
+            }
+            Ok(_) | Err(Error::Fop(ErrorCode::NoEnt)) => {}
+            Err(e) => return Err(e),
+        }
         let reply = self.bricks[hashed].call(creds, r.clone().into()).await?;
         for (i, brick) in self.bricks.iter().enumerate().filter(|(i, _)| *i != hashed) {
             match brick.call(creds, r.clone().into()).await {
@@ -785,11 +833,13 @@ impl<L: Layer> Layer for Distribute<L> {
         match fop {
             Q::Lookup(ref r) => {
                 let (parent, name) = (r.parent, r.name.clone());
-                Ok(self.locate(creds, parent, &name, fop).await?.reply)
+                let found = self.locate(creds, parent, &name, fop).await?;
+                self.merged_dir(creds, found.reply, found.home).await
             }
             Q::LookupXattrs(ref r) => {
                 let (parent, name) = (r.parent, r.name.clone());
-                Ok(self.locate(creds, parent, &name, fop).await?.reply)
+                let found = self.locate(creds, parent, &name, fop).await?;
+                self.merged_dir(creds, found.reply, found.home).await
             }
             Q::Mknod(ref r) => {
                 let (parent, name) = (r.parent, r.name.clone());
