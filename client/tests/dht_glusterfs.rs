@@ -1,9 +1,20 @@
-//! `kiln_client::distribute` checked against real GlusterFS: a three-brick distributed
-//! volume, files with varied names (rsync temporary names, UTF-8, invalid UTF-8, long)
-//! created through two FUSE mounts — one client in the C.UTF-8 locale, one in the C locale,
-//! which GlusterFS's rsync rewrite tells apart — and every file found on the brick that the
-//! layouts read back from the bricks' `trusted.glusterfs.dht` and Kiln's hash say it
-//! belongs on. The layouts themselves must be the ones `Layout::new_directory` builds.
+//! A distributed GlusterFS volume, checked against Kiln's DHT and then served by Kiln in place.
+//!
+//! A real three-brick GlusterFS 10 volume gets files through two FUSE mounts — one client in
+//! the C.UTF-8 locale, one in the C locale, which GlusterFS's rsync rewrite tells apart — with
+//! varied names (rsync temporary names, UTF-8, invalid UTF-8, long) and content derived from
+//! each path, subdirectories, renames and a hard link to names hashed elsewhere (GlusterFS
+//! leaves link files), a renamed directory and user xattrs. Every name must be on the brick
+//! that the layouts read back from the bricks' `trusted.glusterfs.dht` and Kiln's hash say
+//! it belongs on, and the layouts must be the ones `Layout::new_directory` builds.
+//!
+//! Then GlusterFS lets go of the bricks (unmount, `volume stop`, `volume delete`) and each
+//! brick directory is served as it is by `kiln-brickd`, in the volume's brick order. Through
+//! `Distribute` every directory lists what the GlusterFS mount listed, every file reads back
+//! by name with its content (through link files too), the xattrs read back, and no file on
+//! any brick got another inode, size or mtime: nothing was copied. Files Kiln then writes
+//! land on the brick GlusterFS's layout hashes them to, and `kiln-brickd check` finds every
+//! brick clean.
 //!
 //! Needs root and Debian's `glusterfs-server` (`glusterd`, `gluster`, `glusterfs`,
 //! `mount.glusterfs`). Without them the test says why and passes — or fails, when
@@ -11,18 +22,29 @@
 //! uses one that runs (and leaves it running), and always stops and deletes its volume,
 //! unmounts and removes its directories (a guard's `Drop`). Every command is bounded.
 
+mod common;
+
+use std::collections::BTreeMap;
 use std::ffi::OsStr;
 use std::io::Read;
 use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
+use bytes::Bytes;
+use common::{Brickd, Cluster};
 use kiln_client::distribute::{
-    COMMIT_HASH_INVALID, DiskLayout, Layout, Munging, XATTR_NAME, first_brick, name_hash,
-    size_chunks, weights_for,
+    COMMIT_HASH_INVALID, DiskLayout, Distribute, LINKTO_XATTR, Layout, Munging, XATTR_NAME,
+    first_brick, name_hash, size_chunks, weights_for,
+};
+use kiln_client::{BrickClient, Layer, LayerExt, Paths};
+use kiln_wire::{
+    AccessMode, Creds, DirEntryPlus, ErrorCode, FileType, FopReply, Gfid, Name, OpenFlags,
+    XattrName,
 };
 use rustix::process::{Pid, Signal};
 
@@ -33,21 +55,55 @@ const GLUSTER_CLI_TIMEOUT_S: u64 = 30;
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
 /// Longest mount or unmount.
 const MOUNT_TIMEOUT: Duration = Duration::from_secs(30);
-/// Longest time to create every file through a mount.
+/// Longest run of file system calls through a mount (creating every file, say).
 const CREATE_TIMEOUT: Duration = Duration::from_secs(60);
+/// Longest time Kiln may take to read the volume back and write to it.
+const KILN_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long a process may take to go after SIGTERM.
 const STOP_TIMEOUT: Duration = Duration::from_secs(15);
 const POLL_INTERVAL: Duration = Duration::from_millis(100);
 /// Bricks in the volume.
 const BRICKS: usize = 3;
-/// The xattr GlusterFS puts on a link file: the entry on the hashed brick that points to
-/// the brick holding the data (when the hashed brick was too full to take it).
-const LINKTO_XATTR: &str = "trusted.glusterfs.dht.linkto";
-/// Seed of the generated names (fixed: a failure replays).
+/// Seed of the generated names and contents (fixed: a failure replays).
 const NAMES_SEED: u64 = 0x6b69_6c6e_6468_7431;
+/// A file holds its path and up to this many bytes more.
+const CONTENT_EXTRA_BYTES_MAX: usize = 4096;
+/// The one big file: more than two of Kiln's 1 MiB reads.
+const BIG_FILE_BYTES: usize = (5 << 19) + 123;
+/// Bytes asked for per READ through Kiln.
+const READ_CHUNK_BYTES: u32 = 1 << 20;
+/// New names tried for a rename to another brick (each misses with chance 1/3).
+const NAME_TRIES: usize = 64;
+/// The user xattr set through GlusterFS and read through Kiln.
+const USER_XATTR: &str = "user.kiln-note";
+/// An rsync temporary name and its final name: both hash as `rsync-final.txt`.
+const RSYNC_TEMP: &[u8] = b".rsync-final.txt.Ab12Cd";
+const RSYNC_FINAL: &[u8] = b"rsync-final.txt";
+/// Renames and a hard link through GlusterFS to a name hashed to another brick than the one
+/// holding the data, so GlusterFS leaves a link file there.
+const MOVES: [MoveSpec; 5] = [
+    MoveSpec::rename(b"README.md", b"", b"renamed-readme-"),
+    MoveSpec::rename("café".as_bytes(), b"", "renamed-café-".as_bytes()),
+    MoveSpec::rename(b".a\xff.b", b"", b"renamed-\xff-"),
+    MoveSpec::rename("naïve.txt".as_bytes(), b"docs", b"moved-in-"),
+    MoveSpec {
+        hard_link: true,
+        ..MoveSpec::rename(b"hello world", b"", b"hard-link-")
+    },
+];
+/// The directory Kiln makes, and the files it writes: (directory, name). One is an rsync
+/// temporary name, one is not UTF-8.
+const KILN_DIR: &[u8] = b"kiln-made/deeper";
+const KILN_WRITES: [(&[u8], &[u8]); 5] = [
+    (b"", b"kiln-root.txt"),
+    (b"", b".kiln-root.txt.Zq12Xy"),
+    (b"", b"kiln-\xff-bytes"),
+    (KILN_DIR, b"a.txt"),
+    (KILN_DIR, "日本語-kiln".as_bytes()),
+];
 
 #[test]
-fn files_land_on_the_bricks_kiln_predicts() -> anyhow::Result<()> {
+fn a_glusterfs_volume_is_served_by_kiln_in_place() -> anyhow::Result<()> {
     if let Some(why) = cannot_run_glusterfs() {
         if std::env::var("KILN_REQUIRE_GLUSTERFS").as_deref() == Ok("1") {
             bail!(
@@ -58,34 +114,56 @@ fn files_land_on_the_bricks_kiln_predicts() -> anyhow::Result<()> {
         eprintln!("skipped: glusterfs-server not installed or not usable ({why})");
         return Ok(());
     }
+    let started = Instant::now();
     let mut gluster = Gluster::set_up()?;
-    let utf8 = gluster.mount("C.UTF-8")?;
-    let c = gluster.mount("C")?;
+    let utf8 = gluster.mount("C.UTF-8", Munging::RsyncUtf8)?;
+    let c = gluster.mount("C", Munging::RsyncBytes)?;
 
-    let (utf8_names, c_names) = names();
-    create(&utf8, &utf8_names)?;
-    create(&c, &c_names)?;
-    std::fs::create_dir(utf8.join("sub")).context("mkdir sub")?;
-    let sub_names: Vec<Vec<u8>> = utf8_names.iter().step_by(3).cloned().collect();
-    create(&utf8.join("sub"), &sub_names)?;
-
-    let root = gluster.layout("", b"/", COMMIT_HASH_INVALID)?;
-    let sub = gluster.layout("sub", b"/sub", 0)?;
-    let mut checked = 0;
-    for (dir, layout, names, munging) in [
-        ("", &root, &utf8_names, Munging::RsyncUtf8),
-        ("", &root, &c_names, Munging::RsyncBytes),
-        ("sub", &sub, &sub_names, Munging::RsyncUtf8),
-    ] {
-        checked += gluster.check_placement(dir, layout, names, munging)?;
+    let clients = (utf8.clone(), c);
+    let tree = through_mount("creating files", move || populate(&clients.0, &clients.1))?;
+    let moves = plan_moves(&tree, &gluster.layouts(&tree)?)?;
+    let (client, planned) = (utf8.clone(), moves.clone());
+    let tree = through_mount("renaming", move || rearrange(&client, tree, &planned))?;
+    for m in &moves {
+        gluster.check_link_file(m)?;
     }
+    let layouts = gluster.layouts(&tree)?;
+    gluster.check_rsync_rename(layouts.get(&b""[..]).context("the root's layout")?)?;
+    let placed = gluster.check_tree_placement(&tree, &layouts)?;
+    let (tree, listed) = through_mount("listing", move || {
+        let listed = list(&utf8, &tree)?;
+        Ok((tree, listed))
+    })?;
+    check_listings(&tree, &listed)?;
+    let before = brick_files(&gluster.bricks)?;
+    let glusterfs_s = started.elapsed().as_secs_f64();
+
+    // GlusterFS lets go: nothing of it runs on or knows about the bricks from here on.
+    gluster.tear_down()?;
+    gluster.check_bricks_kept()?;
+    let kiln = serve_with_kiln(&gluster, &tree, &listed)?;
+    let unchanged = check_unchanged(&before, &brick_files(&gluster.bricks)?)?;
+
     eprintln!(
-        "checked {checked} files on {} (root {:?}, sub {:?})",
+        "{}: {placed} names where Kiln predicts; link files left by GlusterFS for {}; \
+         through Kiln: {} files read back, {} directories listed, {} xattrs, {} files \
+         written where the layout hashes them; {unchanged} files on the bricks unchanged; \
+         C-locale names Kiln hashes elsewhere: {:?}; {glusterfs_s:.1} s with GlusterFS, \
+         {:.1} s in all",
         gluster.volume,
-        ranges(&root),
-        ranges(&sub)
+        moves
+            .iter()
+            .map(Move::to_string)
+            .collect::<Vec<_>>()
+            .join(", "),
+        kiln.files,
+        kiln.dirs,
+        kiln.xattrs,
+        kiln.written,
+        kiln.c_locale,
+        started.elapsed().as_secs_f64(),
     );
-    gluster.tear_down()
+    Ok(())
 }
 
 /// Why GlusterFS cannot run here, if it cannot.
@@ -108,18 +186,20 @@ fn which(program: &str) -> Option<PathBuf> {
         .find(|candidate| candidate.is_file())
 }
 
+/// The next number of a xorshift64 sequence: deterministic, no dependency.
+fn xorshift(state: &mut u64) -> u64 {
+    *state ^= *state << 13;
+    *state ^= *state >> 7;
+    *state ^= *state << 17;
+    *state
+}
+
 /// The names created through each mount: (C.UTF-8 client, C client). About 200 for the
 /// first, every kind of name DHT treats specially; a few with invalid UTF-8 for the second.
 fn names() -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
     let mut utf8: Vec<Vec<u8>> = Vec::new();
     let mut rng = NAMES_SEED;
-    let mut next = move || {
-        // xorshift64: deterministic, no dependency.
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng
-    };
+    let mut next = move || xorshift(&mut rng);
     let ascii = b"abcdefghijklmnopqrstuvwxyz0123456789_-";
     for len in (1..=40).chain([47, 48, 49, 63, 64, 65, 128, 200, 255]) {
         utf8.push(
@@ -206,21 +286,805 @@ fn names() -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
     (utf8, c)
 }
 
-/// Creates a one-byte file per name in `dir`, bounded: a stuck FUSE call fails the test
-/// instead of hanging it.
-fn create(dir: &Path, names: &[Vec<u8>]) -> anyhow::Result<()> {
-    let (dir, names) = (dir.to_owned(), names.to_vec());
+/// What a file holds: its path, a newline, then bytes derived from the path; `len` bytes in
+/// all, or the path and up to [`CONTENT_EXTRA_BYTES_MAX`] more (how many derived from the path
+/// too). No two files hold the same bytes, so a file read under the wrong name shows.
+fn content(path: &[u8], len: Option<usize>) -> Vec<u8> {
+    let seed = name_hash(path, Munging::Off);
+    let len = len.unwrap_or(path.len() + 1 + seed as usize % CONTENT_EXTRA_BYTES_MAX);
+    let mut out = Vec::with_capacity(len + 8);
+    out.extend_from_slice(path);
+    out.push(b'\n');
+    let mut state = u64::from(seed) | 1;
+    while out.len() < len {
+        out.extend_from_slice(&xorshift(&mut state).to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+/// A FUSE mount of the volume, and how its client's locale munges rsync names.
+#[derive(Debug, Clone)]
+struct Client {
+    mount: PathBuf,
+    munging: Munging,
+}
+
+impl Client {
+    /// `rel` (a path from the volume root, no leading `/`) in the mount.
+    fn path(&self, rel: &[u8]) -> PathBuf {
+        self.mount.join(OsStr::from_bytes(rel))
+    }
+}
+
+/// A name in a directory of the volume (the directory's path from the root, no leading `/`;
+/// empty for the root).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct At {
+    dir: Vec<u8>,
+    name: Vec<u8>,
+}
+
+impl At {
+    fn new(dir: &[u8], name: &[u8]) -> At {
+        At {
+            dir: dir.to_vec(),
+            name: name.to_vec(),
+        }
+    }
+
+    /// The entry a path from the root names.
+    fn split(path: &[u8]) -> At {
+        match path.iter().rposition(|&b| b == b'/') {
+            Some(slash) => At::new(&path[..slash], &path[slash + 1..]),
+            None => At::new(b"", path),
+        }
+    }
+
+    fn path(&self) -> Vec<u8> {
+        if self.dir.is_empty() {
+            self.name.clone()
+        } else {
+            [&self.dir[..], b"/", &self.name].concat()
+        }
+    }
+}
+
+impl std::fmt::Display for At {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "/{}", self.path().escape_ascii())
+    }
+}
+
+/// What the volume should hold. Every change the test makes through a mount goes through
+/// [`Tree`], so the two agree.
+#[derive(Debug)]
+struct Tree {
+    /// Each directory by its path from the root (empty for the root).
+    dirs: BTreeMap<Vec<u8>, Dir>,
+    /// [`USER_XATTR`] set on these paths, with these values.
+    xattrs: Vec<(Vec<u8>, Vec<u8>)>,
+}
+
+#[derive(Debug)]
+struct Dir {
+    /// The path it was made at: its layout starts at the brick that path hashes to.
+    made_at: Vec<u8>,
+    entries: BTreeMap<Vec<u8>, Entry>,
+}
+
+#[derive(Debug, Clone)]
+enum Entry {
+    /// A file: its content, and the munging of the client that gave it its name (which
+    /// decided its brick).
+    File {
+        content: Vec<u8>,
+        munging: Munging,
+    },
+    Dir,
+}
+
+impl Tree {
+    fn new() -> Tree {
+        let root = Dir {
+            made_at: Vec::new(),
+            entries: BTreeMap::new(),
+        };
+        Tree {
+            dirs: BTreeMap::from([(Vec::new(), root)]),
+            xattrs: Vec::new(),
+        }
+    }
+
+    fn dir_mut(&mut self, dir: &[u8]) -> anyhow::Result<&mut Dir> {
+        self.dirs
+            .get_mut(dir)
+            .with_context(|| format!("no directory /{} in the tree", dir.escape_ascii()))
+    }
+
+    /// The munging that placed file `at`.
+    fn munging(&self, at: &At) -> anyhow::Result<Munging> {
+        match self.dirs.get(&at.dir).and_then(|d| d.entries.get(&at.name)) {
+            Some(Entry::File { munging, .. }) => Ok(*munging),
+            _ => bail!("no file {at} in the tree"),
+        }
+    }
+
+    /// Creates file `at` through `client`, with [`content`] of `len` bytes.
+    fn create(&mut self, client: &Client, at: &At, len: Option<usize>) -> anyhow::Result<()> {
+        let content = content(&at.path(), len);
+        let path = client.path(&at.path());
+        std::fs::write(&path, &content).with_context(|| format!("create {}", path.display()))?;
+        let file = Entry::File {
+            content,
+            munging: client.munging,
+        };
+        self.dir_mut(&at.dir)?.entries.insert(at.name.clone(), file);
+        Ok(())
+    }
+
+    fn mkdir(&mut self, client: &Client, path: &[u8]) -> anyhow::Result<()> {
+        let at = At::split(path);
+        let on_mount = client.path(path);
+        std::fs::create_dir(&on_mount).with_context(|| format!("mkdir {}", on_mount.display()))?;
+        self.dir_mut(&at.dir)?.entries.insert(at.name, Entry::Dir);
+        let dir = Dir {
+            made_at: path.to_vec(),
+            entries: BTreeMap::new(),
+        };
+        self.dirs.insert(path.to_vec(), dir);
+        Ok(())
+    }
+
+    /// Renames `from` to `to` through `client`; a directory must have no subdirectory.
+    fn rename(&mut self, client: &Client, from: &At, to: &At) -> anyhow::Result<()> {
+        std::fs::rename(client.path(&from.path()), client.path(&to.path()))
+            .with_context(|| format!("rename {from} to {to}"))?;
+        let entry = self.dir_mut(&from.dir)?.entries.remove(&from.name);
+        let entry = match entry.with_context(|| format!("no {from} in the tree"))? {
+            Entry::File { content, .. } => Entry::File {
+                content,
+                munging: client.munging,
+            },
+            Entry::Dir => {
+                let below = [from.path(), b"/".to_vec()].concat();
+                ensure!(
+                    !self.dirs.keys().any(|d| d.starts_with(&below)),
+                    "the tree renames no directory with subdirectories"
+                );
+                let dir = self.dirs.remove(&from.path()).context("the directory")?;
+                self.dirs.insert(to.path(), dir);
+                Entry::Dir
+            }
+        };
+        self.dir_mut(&to.dir)?
+            .entries
+            .insert(to.name.clone(), entry);
+        Ok(())
+    }
+
+    /// Makes `to` a hard link of file `from` through `client`.
+    fn hard_link(&mut self, client: &Client, from: &At, to: &At) -> anyhow::Result<()> {
+        std::fs::hard_link(client.path(&from.path()), client.path(&to.path()))
+            .with_context(|| format!("link {from} to {to}"))?;
+        let Some(Entry::File { content, .. }) = self.dir_mut(&from.dir)?.entries.get(&from.name)
+        else {
+            bail!("no file {from} in the tree");
+        };
+        let file = Entry::File {
+            content: content.clone(),
+            munging: client.munging,
+        };
+        self.dir_mut(&to.dir)?.entries.insert(to.name.clone(), file);
+        Ok(())
+    }
+
+    /// Sets [`USER_XATTR`] on `path` through `client`.
+    fn set_xattr(&mut self, client: &Client, path: &[u8], value: &[u8]) -> anyhow::Result<()> {
+        let on_mount = client.path(path);
+        rustix::fs::setxattr(&on_mount, USER_XATTR, value, rustix::fs::XattrFlags::CREATE)
+            .with_context(|| format!("setxattr {USER_XATTR} on {}", on_mount.display()))?;
+        self.xattrs.push((path.to_vec(), value.to_vec()));
+        Ok(())
+    }
+}
+
+/// Runs `work` (file system calls through a FUSE mount) on a thread of its own, bounded: a
+/// stuck FUSE call fails the test instead of hanging it.
+fn through_mount<T: Send + 'static>(
+    what: &str,
+    work: impl FnOnce() -> anyhow::Result<T> + Send + 'static,
+) -> anyhow::Result<T> {
     let (done, finished) = mpsc::channel();
     std::thread::spawn(move || {
-        let result = names.iter().try_for_each(|name| {
-            let path = dir.join(OsStr::from_bytes(name));
-            std::fs::write(&path, b"x").with_context(|| format!("create {}", path.display()))
-        });
-        let _ = done.send(result);
+        let _ = done.send(work());
     });
     finished
         .recv_timeout(CREATE_TIMEOUT)
-        .context("creating files through the mount did not finish in time")?
+        .with_context(|| format!("{what} through the mount took more than {CREATE_TIMEOUT:?}"))?
+}
+
+/// What the clients make before the layouts are known: names of every kind in the root from
+/// both clients, nested directories with files, a big file, an empty directory, a directory
+/// to rename and an rsync temporary file.
+fn populate(utf8: &Client, c: &Client) -> anyhow::Result<Tree> {
+    let (utf8_names, c_names) = names();
+    let mut tree = Tree::new();
+    for name in &utf8_names {
+        tree.create(utf8, &At::new(b"", name), None)?;
+    }
+    for name in &c_names {
+        tree.create(c, &At::new(b"", name), None)?;
+    }
+    for dir in [&b"sub"[..], b"sub/deeper", b"docs", b"olddir", b"empty"] {
+        tree.mkdir(utf8, dir)?;
+    }
+    for name in utf8_names.iter().step_by(3) {
+        tree.create(utf8, &At::new(b"sub", name), None)?;
+    }
+    for name in utf8_names.iter().step_by(17) {
+        tree.create(utf8, &At::new(b"sub/deeper", name), None)?;
+    }
+    for name in [&b"index.html"[..], b"notes.txt"] {
+        tree.create(utf8, &At::new(b"docs", name), None)?;
+    }
+    tree.create(utf8, &At::new(b"docs", b"big.bin"), Some(BIG_FILE_BYTES))?;
+    for name in [b"x", b"y"] {
+        tree.create(utf8, &At::new(b"olddir", name), None)?;
+    }
+    tree.create(utf8, &At::new(b"", RSYNC_TEMP), None)?;
+    Ok(tree)
+}
+
+/// A rename or hard link through GlusterFS whose new name hashes to another brick than the
+/// one holding the data.
+#[derive(Debug, Clone)]
+struct Move {
+    from: At,
+    to: At,
+    /// The brick holding the data.
+    home: usize,
+    /// The brick the new name hashes to, where GlusterFS must leave a link file.
+    hashed: usize,
+    hard_link: bool,
+}
+
+impl std::fmt::Display for Move {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let verb = if self.hard_link { "linked" } else { "renamed" };
+        write!(
+            f,
+            "{} {verb} to {} (data on brick {}, link file on brick {})",
+            self.from, self.to, self.home, self.hashed
+        )
+    }
+}
+
+/// One of [`MOVES`]: file `name` in the root renamed (or hard-linked) into directory
+/// `to_dir`, under `prefix` and the first number that hashes to another brick than the data's.
+#[derive(Debug, Clone, Copy)]
+struct MoveSpec {
+    name: &'static [u8],
+    to_dir: &'static [u8],
+    prefix: &'static [u8],
+    hard_link: bool,
+}
+
+impl MoveSpec {
+    const fn rename(name: &'static [u8], to_dir: &'static [u8], prefix: &'static [u8]) -> MoveSpec {
+        MoveSpec {
+            name,
+            to_dir,
+            prefix,
+            hard_link: false,
+        }
+    }
+}
+
+/// The [`MOVES`] with their new names chosen in `layouts`.
+fn plan_moves(tree: &Tree, layouts: &Layouts) -> anyhow::Result<Vec<Move>> {
+    let layout = |dir: &[u8]| {
+        layouts
+            .get(dir)
+            .with_context(|| format!("no layout for /{}", dir.escape_ascii()))
+    };
+    let hole = || anyhow::anyhow!("a hole in a layout GlusterFS wrote");
+    MOVES
+        .iter()
+        .map(|spec| {
+            let from = At::new(b"", spec.name);
+            let home = layout(b"")?
+                .hashed_brick(spec.name, tree.munging(&from)?)
+                .ok_or_else(hole)?;
+            let to_layout = layout(spec.to_dir)?;
+            let (to, hashed) = (0..NAME_TRIES)
+                .find_map(|k| {
+                    let name = [spec.prefix, k.to_string().as_bytes()].concat();
+                    let to = At::new(spec.to_dir, &name);
+                    let hashed = to_layout.hashed_brick(&to.name, Munging::RsyncUtf8)?;
+                    (hashed != home).then_some((to, hashed))
+                })
+                .with_context(|| format!("no new name for {from} hashes off brick {home}"))?;
+            anyhow::Ok(Move {
+                from,
+                to,
+                home,
+                hashed,
+                hard_link: spec.hard_link,
+            })
+        })
+        .collect()
+}
+
+/// What the UTF-8 client does once the layouts are known: `moves`, an rsync temporary file
+/// renamed to its final name, a directory renamed, user xattrs on a file, a renamed file and
+/// a directory.
+fn rearrange(utf8: &Client, mut tree: Tree, moves: &[Move]) -> anyhow::Result<Tree> {
+    for m in moves {
+        if m.hard_link {
+            tree.hard_link(utf8, &m.from, &m.to)?;
+        } else {
+            tree.rename(utf8, &m.from, &m.to)?;
+        }
+    }
+    let root = |name: &[u8]| At::new(b"", name);
+    tree.rename(utf8, &root(RSYNC_TEMP), &root(RSYNC_FINAL))?;
+    tree.rename(utf8, &root(b"olddir"), &root(b"renamed-dir"))?;
+    tree.set_xattr(utf8, b"docs/notes.txt", b"set through GlusterFS on a file")?;
+    tree.set_xattr(utf8, b"docs", b"set through GlusterFS on a directory")?;
+    let renamed = moves
+        .iter()
+        .find(|m| !m.hard_link)
+        .context("a rename in MOVES")?;
+    tree.set_xattr(utf8, &renamed.to.path(), b"set on a renamed file")?;
+    Ok(tree)
+}
+
+/// Each directory's layout, by its path from the root.
+type Layouts = BTreeMap<Vec<u8>, Layout>;
+/// Each directory's names as a listing gave them (sorted), by its path from the root.
+type Listings = BTreeMap<Vec<u8>, Vec<Vec<u8>>>;
+
+/// Each directory of `tree` as `client` lists it.
+fn list(client: &Client, tree: &Tree) -> anyhow::Result<Listings> {
+    tree.dirs
+        .keys()
+        .map(|dir| {
+            let at = client.path(dir);
+            let mut names = std::fs::read_dir(&at)
+                .and_then(|entries| {
+                    entries
+                        .map(|e| Ok(e?.file_name().as_bytes().to_vec()))
+                        .collect::<std::io::Result<Vec<_>>>()
+                })
+                .with_context(|| format!("list {}", at.display()))?;
+            names.sort();
+            anyhow::Ok((dir.clone(), names))
+        })
+        .collect()
+}
+
+/// Checks that the GlusterFS mount lists what the tree holds, nothing more or less.
+fn check_listings(tree: &Tree, listed: &Listings) -> anyhow::Result<()> {
+    let mut wrong = Vec::new();
+    for (dir, d) in &tree.dirs {
+        let listed = listed.get(dir).map(Vec::as_slice).unwrap_or_default();
+        let want: Vec<Vec<u8>> = d.entries.keys().cloned().collect();
+        if let Some(diff) = listing_diff(listed, &want) {
+            wrong.push(format!("/{}: {diff}", dir.escape_ascii()));
+        }
+    }
+    ensure!(
+        wrong.is_empty(),
+        "the GlusterFS mount does not list what the test made:\n{}",
+        wrong.join("\n")
+    );
+    Ok(())
+}
+
+/// How `listed` differs from `want` (both sorted), if it does: the names missing, those not
+/// expected, those listed twice.
+fn listing_diff(listed: &[Vec<u8>], want: &[Vec<u8>]) -> Option<String> {
+    if listed == want {
+        return None;
+    }
+    let show = |names: &mut dyn Iterator<Item = &Vec<u8>>| {
+        names
+            .map(|n| format!("\"{}\"", n.escape_ascii()))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let missing = show(&mut want.iter().filter(|n| !listed.contains(n)));
+    let unexpected = show(&mut listed.iter().filter(|n| !want.contains(n)));
+    let twice = show(&mut listed.windows(2).filter(|w| w[0] == w[1]).map(|w| &w[0]));
+    Some(format!(
+        "missing [{missing}], not expected [{unexpected}], listed twice [{twice}]"
+    ))
+}
+
+/// A regular file's identity on its brick: what a copy, or a rewrite, would change.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FileId {
+    ino: u64,
+    size: u64,
+    mtime_ns: i128,
+}
+
+/// Every regular file on every brick (link files too; not `.glusterfs`): (brick, path on
+/// it) → its identity.
+fn brick_files(bricks: &[PathBuf]) -> anyhow::Result<BTreeMap<(usize, PathBuf), FileId>> {
+    let mut files = BTreeMap::new();
+    for (b, brick) in bricks.iter().enumerate() {
+        let mut dirs = vec![brick.clone()];
+        while let Some(dir) = dirs.pop() {
+            for entry in
+                std::fs::read_dir(&dir).with_context(|| format!("read {}", dir.display()))?
+            {
+                let entry = entry?;
+                if dir == *brick && entry.file_name() == ".glusterfs" {
+                    continue;
+                }
+                // Not following symlinks.
+                let meta = entry.metadata()?;
+                if meta.is_dir() {
+                    dirs.push(entry.path());
+                } else if meta.is_file() {
+                    let id = FileId {
+                        ino: meta.ino(),
+                        size: meta.size(),
+                        mtime_ns: i128::from(meta.mtime()) * 1_000_000_000
+                            + i128::from(meta.mtime_nsec()),
+                    };
+                    files.insert((b, entry.path().strip_prefix(brick)?.to_owned()), id);
+                }
+            }
+        }
+    }
+    Ok(files)
+}
+
+/// Checks that every file of `before` is still there with the same inode, size and mtime;
+/// how many it checked.
+fn check_unchanged(
+    before: &BTreeMap<(usize, PathBuf), FileId>,
+    after: &BTreeMap<(usize, PathBuf), FileId>,
+) -> anyhow::Result<usize> {
+    let changed: Vec<String> = before
+        .iter()
+        .filter(|(key, id)| after.get(*key) != Some(*id))
+        .map(|((b, path), id)| {
+            let now = after.get(&(*b, path.clone()));
+            format!("brick {b} {}: {id:?} before, {now:?} after", path.display())
+        })
+        .collect();
+    ensure!(
+        changed.is_empty(),
+        "{} of {} files on the bricks changed while Kiln served them:\n{}",
+        changed.len(),
+        before.len(),
+        changed.join("\n")
+    );
+    Ok(before.len())
+}
+
+/// The volume through Kiln's client stack.
+type Volume = Distribute<BrickClient>;
+
+/// What Kiln found serving the bricks.
+#[derive(Debug, Default)]
+struct KilnReport {
+    /// Files read back with their content.
+    files: usize,
+    /// Directories that listed what the GlusterFS mount listed.
+    dirs: usize,
+    xattrs: usize,
+    /// Files written through Kiln, each on its hashed brick.
+    written: usize,
+    /// Names the C-locale client made that Kiln's (UTF-8) munging hashes to another brick
+    /// than the one GlusterFS put them on, and what reading each gave.
+    c_locale: Vec<String>,
+    failures: Vec<String>,
+}
+
+impl KilnReport {
+    /// Checks the listing of `dir` against the GlusterFS mount's, and each entry's type and
+    /// size against `d`'s.
+    fn check_listing(&mut self, dir: &[u8], d: &Dir, entries: &[DirEntryPlus], listed: &Listings) {
+        let mut names: Vec<Vec<u8>> = entries.iter().map(|e| e.name.as_bytes().to_vec()).collect();
+        names.sort();
+        let want = listed.get(dir).map(Vec::as_slice).unwrap_or_default();
+        match listing_diff(&names, want) {
+            Some(diff) => self.failures.push(format!(
+                "Kiln lists /{} unlike GlusterFS: {diff}",
+                dir.escape_ascii()
+            )),
+            None => self.dirs += 1,
+        }
+        for e in entries {
+            let fits = match d.entries.get(e.name.as_bytes()) {
+                Some(Entry::Dir) => e.iatt.file_type == FileType::Directory,
+                Some(Entry::File { content, .. }) => {
+                    e.iatt.file_type == FileType::Regular && e.iatt.size == content.len() as u64
+                }
+                // Not in the tree: reported by name above.
+                None => true,
+            };
+            if !fits {
+                self.failures.push(format!(
+                    "Kiln lists {} as {:?}, mode {:o}, {} bytes",
+                    At::new(dir, e.name.as_bytes()),
+                    e.iatt.file_type,
+                    e.iatt.mode.bits(),
+                    e.iatt.size
+                ));
+            }
+        }
+    }
+
+    /// Notes what reading file `at` (placed with `munging` in `layout`) through Kiln gave.
+    fn note_read(
+        &mut self,
+        at: &At,
+        content: &[u8],
+        munging: Munging,
+        layout: &Layout,
+        read: &Result<Vec<u8>, kiln_client::Error>,
+    ) {
+        let wrong = match read {
+            Ok(data) if data == content => None,
+            Ok(data) => {
+                let differ = data.iter().zip(content).position(|(a, b)| a != b);
+                let offset = differ.unwrap_or(data.len().min(content.len()));
+                Some(format!(
+                    "{} bytes read, {} written, the first difference at byte {offset}",
+                    data.len(),
+                    content.len()
+                ))
+            }
+            Err(e) => Some(format!("error: {e}")),
+        };
+        // A name the C-locale client hashed to another brick than Kiln's default (UTF-8)
+        // munging does is found all the same: the root's layout is uncommitted, so a miss on
+        // the hashed brick sends the lookup to every brick, as GlusterFS's does.
+        let elsewhere = layout.hashed_brick(&at.name, munging)
+            != layout.hashed_brick(&at.name, Munging::default());
+        match (wrong, elsewhere) {
+            (None, false) => self.files += 1,
+            (None, true) => {
+                self.files += 1;
+                self.c_locale.push(format!("{at}: read back"));
+            }
+            (Some(wrong), _) => self
+                .failures
+                .push(format!("{at} (named by a {munging:?} client): {wrong}")),
+        }
+    }
+}
+
+/// Serves the bricks GlusterFS let go of with `kiln-brickd`, checks the volume through
+/// `Distribute` (reading, then writing), stops the brickds and runs `kiln-brickd check` on
+/// every brick.
+fn serve_with_kiln(
+    gluster: &Gluster,
+    tree: &Tree,
+    listed: &Listings,
+) -> anyhow::Result<KilnReport> {
+    let cluster = Cluster::new();
+    let brickds: Vec<Brickd> = gluster
+        .bricks
+        .iter()
+        .map(|brick| cluster.start_brick(brick, "127.0.0.1:0", &[]))
+        .collect();
+    let rt = common::runtime();
+    let checked = rt.block_on(async {
+        let checks = check_through_kiln(&cluster, &brickds, gluster, tree, listed);
+        tokio::time::timeout(KILN_TIMEOUT, checks).await
+    });
+    let report =
+        checked.map_err(|_| anyhow::anyhow!("Kiln's checks took more than {KILN_TIMEOUT:?}"))??;
+    for brickd in brickds {
+        let status = brickd.terminate();
+        ensure!(status.success(), "kiln-brickd exited with {status}");
+    }
+    for brick in &gluster.bricks {
+        common::assert_brick_checks_clean(brick);
+    }
+    Ok(report)
+}
+
+/// Connects `Distribute` to the brickds — brick `i` is `VOLUME-client-i`, under the volume's
+/// own name, so link files resolve — and reads the volume back, then writes to it.
+async fn check_through_kiln(
+    cluster: &Cluster,
+    brickds: &[Brickd],
+    gluster: &Gluster,
+    tree: &Tree,
+    listed: &Listings,
+) -> anyhow::Result<KilnReport> {
+    let mut clients = Vec::with_capacity(brickds.len());
+    for brickd in brickds {
+        clients.push(cluster.connect(brickd.addr, "alice").await);
+    }
+    let volume = Distribute::new(clients, &gluster.volume)?;
+    let checked = async {
+        let mut report = read_back(&volume, tree, listed).await?;
+        let root = listed.get(&b""[..]).context("the root's listing")?;
+        report.written =
+            write_through_kiln(&volume, &gluster.bricks, root, &mut report.failures).await?;
+        anyhow::Ok(report)
+    }
+    .await;
+    for brick in volume.bricks() {
+        brick.close().await;
+    }
+    let report = checked?;
+    ensure!(
+        report.failures.is_empty(),
+        "{} checks through Kiln failed:\n{}",
+        report.failures.len(),
+        report.failures.join("\n")
+    );
+    Ok(report)
+}
+
+/// Reads the volume back through Kiln: every directory lists what the GlusterFS mount
+/// listed, every file reads back by name with its content, the user xattrs read back.
+async fn read_back(volume: &Volume, tree: &Tree, listed: &Listings) -> anyhow::Result<KilnReport> {
+    let creds = Creds::root();
+    let mut report = KilnReport::default();
+    for (dir, d) in &tree.dirs {
+        let parent = volume.resolve(&creds, &path_from_root(dir)?).await?.gfid;
+        let entries = volume.read_dir(&creds, parent).await?;
+        report.check_listing(dir, d, &entries, listed);
+        let layout = volume.layout(parent).await?;
+        for (name, entry) in &d.entries {
+            let Entry::File { content, munging } = entry else {
+                continue;
+            };
+            let at = At::new(dir, name);
+            let read = read_file(volume, &creds, parent, &at).await;
+            report.note_read(&at, content, *munging, &layout, &read);
+        }
+    }
+    for (path, value) in &tree.xattrs {
+        match user_xattr(volume, &creds, path).await {
+            Ok(found) if found == *value => report.xattrs += 1,
+            found => report.failures.push(format!(
+                "{USER_XATTR} of /{} through Kiln: {:?}, not \"{}\"",
+                path.escape_ascii(),
+                found.map(|v| v.escape_ascii().to_string()),
+                value.escape_ascii()
+            )),
+        }
+    }
+    Ok(report)
+}
+
+/// Writes [`KILN_WRITES`] through Kiln, in a directory it makes; each file must be on the
+/// brick the layout (GlusterFS's, for the root) hashes its name to, and only there, and read
+/// back; the directories must be on every brick with a layout; the root must list what the
+/// GlusterFS mount listed (`root`) and the new names. Failures go to `failures`; how many
+/// files it wrote.
+async fn write_through_kiln(
+    volume: &Volume,
+    bricks: &[PathBuf],
+    root: &[Vec<u8>],
+    failures: &mut Vec<String>,
+) -> anyhow::Result<usize> {
+    let creds = Creds::root();
+    volume
+        .mkdir_all(&creds, &path_from_root(KILN_DIR)?, 0o755)
+        .await?;
+    for (dir, name) in KILN_WRITES {
+        let at = At::new(dir, name);
+        let parent = volume.resolve(&creds, &path_from_root(dir)?).await?.gfid;
+        let content = content(&at.path(), None);
+        let data = Bytes::from(content.clone());
+        match String::from_utf8(at.path()) {
+            Ok(path) => volume.put(&creds, &format!("/{path}"), data, 0o644).await?,
+            Err(_) => {
+                volume
+                    .put_at(&creds, parent, Name::new(name)?, data, 0o644)
+                    .await?
+            }
+        };
+        let hashed = volume
+            .layout(parent)
+            .await?
+            .hashed_brick(name, Munging::default());
+        let found = on_disk(bricks, &at);
+        if hashed.is_none_or(|h| found != [(h, false)]) {
+            failures.push(format!(
+                "{at} written through Kiln: hashed to brick {hashed:?}, (brick, is a link \
+                 file) holding it: {found:?}"
+            ));
+        }
+        if read_file(volume, &creds, parent, &at).await? != content {
+            failures.push(format!("{at} written through Kiln reads back otherwise"));
+        }
+    }
+    for dir in [&b"kiln-made"[..], KILN_DIR] {
+        for (b, brick) in bricks.iter().enumerate() {
+            if xattr(&brick.join(OsStr::from_bytes(dir)), XATTR_NAME).is_none() {
+                failures.push(format!(
+                    "/{} made through Kiln: no {XATTR_NAME} on brick {b}",
+                    dir.escape_ascii()
+                ));
+            }
+        }
+    }
+    let mut names: Vec<Vec<u8>> = volume
+        .read_dir(&creds, Gfid::ROOT)
+        .await?
+        .iter()
+        .map(|e| e.name.as_bytes().to_vec())
+        .collect();
+    names.sort();
+    let mut want = root.to_vec();
+    want.push(b"kiln-made".to_vec());
+    want.extend(
+        KILN_WRITES
+            .iter()
+            .filter(|(dir, _)| dir.is_empty())
+            .map(|(_, n)| n.to_vec()),
+    );
+    want.sort();
+    if let Some(diff) = listing_diff(&names, &want) {
+        failures.push(format!("Kiln lists the root after its writes: {diff}"));
+    }
+    Ok(KILN_WRITES.len())
+}
+
+/// The content of file `at` through Kiln: by path with [`Paths::read_to_end`] when the path
+/// is text, else by LOOKUP of its name in `parent`, OPEN and READs.
+async fn read_file(
+    volume: &Volume,
+    creds: &Creds,
+    parent: Gfid,
+    at: &At,
+) -> Result<Vec<u8>, kiln_client::Error> {
+    if let Ok(path) = std::str::from_utf8(&at.path()) {
+        return volume.read_to_end(creds, &format!("/{path}")).await;
+    }
+    let name = Name::new(at.name.clone())
+        .map_err(|e| kiln_client::Error::Fop(ErrorCode::from_errno(e.errno())))?;
+    let iatt = volume.lookup(creds, parent, &name).await?;
+    let fd = volume
+        .open(creds, iatt.gfid, AccessMode::ReadOnly, OpenFlags::empty())
+        .await?;
+    let mut data = Vec::new();
+    let read = loop {
+        match volume
+            .read(creds, &fd, data.len() as u64, READ_CHUNK_BYTES)
+            .await
+        {
+            Ok(chunk) if chunk.is_empty() => break Ok(()),
+            Ok(chunk) => data.extend_from_slice(&chunk),
+            Err(e) => break Err(e),
+        }
+    };
+    let released = volume.release(creds, fd).await;
+    read.and(released).map(|()| data)
+}
+
+/// [`USER_XATTR`] of `path` through Kiln (GETXATTR on the brick that holds it).
+async fn user_xattr(volume: &Volume, creds: &Creds, path: &[u8]) -> anyhow::Result<Vec<u8>> {
+    let gfid = volume.resolve(creds, &path_from_root(path)?).await?.gfid;
+    let get = kiln_wire::Getxattr {
+        gfid,
+        name: XattrName::new(USER_XATTR)?,
+    };
+    match volume.call(creds, get.into()).await? {
+        FopReply::Getxattr(r) => Ok(r.value.as_bytes().to_vec()),
+        other => bail!("GETXATTR answered with a {} reply", other.code().name()),
+    }
+}
+
+/// `/` and `rel` (a path from the root), as text.
+fn path_from_root(rel: &[u8]) -> anyhow::Result<String> {
+    let rel =
+        std::str::from_utf8(rel).with_context(|| format!("{} is not text", rel.escape_ascii()))?;
+    Ok(format!("/{rel}"))
 }
 
 fn ranges(layout: &Layout) -> Vec<String> {
@@ -232,10 +1096,32 @@ fn ranges(layout: &Layout) -> Vec<String> {
         .collect()
 }
 
+/// The bricks that have an entry `at`, each with whether it is a link file there.
+fn on_disk(bricks: &[PathBuf], at: &At) -> Vec<(usize, bool)> {
+    bricks
+        .iter()
+        .enumerate()
+        .filter_map(|(b, brick)| {
+            let path = brick.join(OsStr::from_bytes(&at.path()));
+            std::fs::symlink_metadata(&path).ok()?;
+            Some((b, xattr(&path, LINKTO_XATTR).is_some()))
+        })
+        .collect()
+}
+
+/// Xattr `name` of `path` (not following a symlink), if it has it.
+fn xattr(path: &Path, name: &str) -> Option<Vec<u8>> {
+    let mut value = vec![0; 1024];
+    let len = rustix::fs::lgetxattr(path, name, &mut value[..]).ok()?;
+    value.truncate(len);
+    Some(value)
+}
+
 /// The volume this test set up, and the glusterd serving it.
 struct Gluster {
     volume: String,
     host: String,
+    /// In the volume's order: brick `i` is `VOLUME-client-i`.
     bricks: Vec<PathBuf>,
     logs: PathBuf,
     /// glusterd, when this test started it.
@@ -249,7 +1135,6 @@ struct Gluster {
     /// Bricks, mount points and logs; removed last, after the teardown.
     dir: tempfile::TempDir,
 }
-
 impl Gluster {
     fn set_up() -> anyhow::Result<Gluster> {
         let dir = tempfile::tempdir()?;
@@ -414,8 +1299,9 @@ impl Gluster {
     }
 
     /// Mounts the volume with its FUSE client in `locale` (which glibc must have: in another
-    /// one the client would match the rsync regex differently); the mount point.
-    fn mount(&mut self, locale: &str) -> anyhow::Result<PathBuf> {
+    /// one the client would match the rsync regex differently), which munges rsync names as
+    /// `munging` says.
+    fn mount(&mut self, locale: &str, munging: Munging) -> anyhow::Result<Client> {
         let normal = |l: &str| l.to_ascii_lowercase().replace('-', "");
         let known = self.run(Command::new("locale").arg("-a"), MOUNT_TIMEOUT)?;
         ensure!(
@@ -433,15 +1319,35 @@ impl Gluster {
             .env("LC_ALL", locale);
         self.run(&mut cmd, MOUNT_TIMEOUT)?;
         self.mounts.push(point.clone());
-        Ok(point)
+        Ok(Client {
+            mount: point,
+            munging,
+        })
     }
 
-    /// The layout of `dir` (relative to the volume root; `path` is its path from the root)
-    /// as the bricks store it, checked against the one Kiln builds for a new directory.
-    fn layout(&self, dir: &str, path: &[u8], commit_hash: u32) -> anyhow::Result<Layout> {
+    /// The layout of every directory of `tree`, each checked by [`Gluster::layout`].
+    fn layouts(&self, tree: &Tree) -> anyhow::Result<Layouts> {
+        tree.dirs
+            .iter()
+            .map(|(dir, d)| {
+                // The root's layout is written when the volume starts, under no commit hash;
+                // a new directory's under the volume's (0: never rebalanced).
+                let commit_hash = if dir.is_empty() {
+                    COMMIT_HASH_INVALID
+                } else {
+                    0
+                };
+                anyhow::Ok((dir.clone(), self.layout(dir, &d.made_at, commit_hash)?))
+            })
+            .collect()
+    }
+
+    /// The layout of directory `dir` (its path from the root) as the bricks store it, checked
+    /// against the one Kiln builds for a directory made at `made_at`.
+    fn layout(&self, dir: &[u8], made_at: &[u8], commit_hash: u32) -> anyhow::Result<Layout> {
         let mut disk = Vec::new();
         for brick in &self.bricks {
-            let at = brick.join(dir);
+            let at = brick.join(OsStr::from_bytes(dir));
             let mut value = [0u8; 64];
             let len = rustix::fs::getxattr(&at, XATTR_NAME, &mut value[..])
                 .with_context(|| format!("getxattr {XATTR_NAME} on {}", at.display()))?;
@@ -454,7 +1360,8 @@ impl Gluster {
         // arithmetic of a weighted share can differ from an equal one by a hash.
         let stat = rustix::fs::statvfs(&self.bricks[0])?;
         let size = size_chunks(stat.f_blocks, stat.f_bsize);
-        let first = first_brick(path, BRICKS)?;
+        let path = [&b"/"[..], made_at].concat();
+        let first = first_brick(&path, BRICKS)?;
         let candidates = [
             weights_for(&[Some(size); BRICKS], true),
             weights_for(&[Some(size); BRICKS], false),
@@ -473,18 +1380,37 @@ impl Gluster {
         Ok(layout)
     }
 
+    /// Checks that every file of `tree` is on the brick its directory's layout hashes its
+    /// name to, with the munging of the client that named it; how many it checked.
+    fn check_tree_placement(&self, tree: &Tree, layouts: &Layouts) -> anyhow::Result<usize> {
+        let mut checked = 0;
+        for (dir, d) in &tree.dirs {
+            let layout = layouts.get(dir).context("a layout for every directory")?;
+            for munging in [Munging::RsyncUtf8, Munging::RsyncBytes] {
+                let names: Vec<&[u8]> = d
+                    .entries
+                    .iter()
+                    .filter(|(_, e)| matches!(e, Entry::File { munging: m, .. } if *m == munging))
+                    .map(|(name, _)| name.as_slice())
+                    .collect();
+                checked += self.check_placement(dir, layout, &names, munging)?;
+            }
+        }
+        Ok(checked)
+    }
+
     /// Checks that each of `names` in `dir` is on the brick `layout` hashes it to; how many
     /// it checked.
     fn check_placement(
         &self,
-        dir: &str,
+        dir: &[u8],
         layout: &Layout,
-        names: &[Vec<u8>],
+        names: &[&[u8]],
         munging: Munging,
     ) -> anyhow::Result<usize> {
         let mut wrong = Vec::new();
         for name in names {
-            let found = self.hashed_brick_on_disk(dir, name)?;
+            let found = self.hashed_brick_on_disk(&At::new(dir, name))?;
             let predicted = layout.hashed_brick(name, munging);
             if found != predicted {
                 wrong.push(format!(
@@ -496,39 +1422,98 @@ impl Gluster {
         }
         ensure!(
             wrong.is_empty(),
-            "{} of {} names in /{dir} are not where Kiln predicts (layout {:?}):\n{}",
+            "{} of {} names in /{} are not where Kiln predicts (layout {:?}):\n{}",
             wrong.len(),
             names.len(),
+            dir.escape_ascii(),
             ranges(layout),
             wrong.join("\n")
         );
         Ok(names.len())
     }
 
-    /// The brick GlusterFS hashed `name` in `dir` to: the one with a link file for it, else
-    /// the one brick that holds it.
-    fn hashed_brick_on_disk(&self, dir: &str, name: &[u8]) -> anyhow::Result<Option<usize>> {
-        let mut holders = Vec::new();
-        for (b, brick) in self.bricks.iter().enumerate() {
-            let path = brick.join(dir).join(OsStr::from_bytes(name));
-            if std::fs::symlink_metadata(&path).is_err() {
-                continue;
-            }
-            if rustix::fs::lgetxattr(&path, LINKTO_XATTR, &mut [0u8; 256][..]).is_ok() {
-                return Ok(Some(b));
-            }
-            holders.push(b);
+    /// The brick GlusterFS hashed `at` to: the one with a link file for it, else the one
+    /// brick that holds it.
+    fn hashed_brick_on_disk(&self, at: &At) -> anyhow::Result<Option<usize>> {
+        let found = on_disk(&self.bricks, at);
+        if let Some(&(b, _)) = found.iter().find(|(_, link_file)| *link_file) {
+            return Ok(Some(b));
         }
+        ensure!(found.len() <= 1, "{at} is on bricks {found:?}");
+        Ok(found.first().map(|&(b, _)| b))
+    }
+
+    /// Checks what `m` left on the bricks: the data under the new name on the brick that held
+    /// it, and a link file — `---------T`, empty, `trusted.glusterfs.dht.linkto` naming the
+    /// data's brick `VOLUME-client-N` — on the brick the new name hashes to.
+    fn check_link_file(&self, m: &Move) -> anyhow::Result<()> {
+        let found = on_disk(&self.bricks, &m.to);
         ensure!(
-            holders.len() <= 1,
-            "{} is on bricks {holders:?}",
-            name.escape_ascii()
+            found.len() == 2
+                && found.contains(&(m.home, false))
+                && found.contains(&(m.hashed, true)),
+            "{m}: GlusterFS left no link file as expected; (brick, is a link file) holding {}: \
+             {found:?}",
+            m.to
         );
-        Ok(holders.first().copied())
+        let link = self.bricks[m.hashed].join(OsStr::from_bytes(&m.to.path()));
+        let meta = std::fs::symlink_metadata(&link)?;
+        let linkto = xattr(&link, LINKTO_XATTR).unwrap_or_default();
+        let linkto = linkto.strip_suffix(b"\0").unwrap_or(&linkto);
+        let want = format!("{}-client-{}", self.volume, m.home);
+        ensure!(
+            meta.is_file()
+                && meta.mode() & 0o7777 == 0o1000
+                && meta.len() == 0
+                && linkto == want.as_bytes(),
+            "{m}: {} is not a link file to {want}: mode {:o}, {} bytes, {LINKTO_XATTR} \"{}\"",
+            link.display(),
+            meta.mode(),
+            meta.len(),
+            linkto.escape_ascii()
+        );
+        Ok(())
+    }
+
+    /// Checks that renaming [`RSYNC_TEMP`] to [`RSYNC_FINAL`] left the data on the brick both
+    /// hash to (rsync's temporary names hash as their final names) and no link file.
+    fn check_rsync_rename(&self, root: &Layout) -> anyhow::Result<()> {
+        let hashed = root.hashed_brick(RSYNC_FINAL, Munging::RsyncUtf8);
+        ensure!(
+            hashed == root.hashed_brick(RSYNC_TEMP, Munging::RsyncUtf8),
+            "{} and {} hash to different bricks",
+            RSYNC_TEMP.escape_ascii(),
+            RSYNC_FINAL.escape_ascii()
+        );
+        let found = on_disk(&self.bricks, &At::new(b"", RSYNC_FINAL));
+        ensure!(
+            hashed.is_some_and(|h| found == [(h, false)]),
+            "renaming {} to {} should leave the data on brick {hashed:?} and no link file; \
+             (brick, is a link file): {found:?}",
+            RSYNC_TEMP.escape_ascii(),
+            RSYNC_FINAL.escape_ascii()
+        );
+        Ok(())
+    }
+
+    /// Checks that each brick directory is still a brick once GlusterFS let go of it: its
+    /// root keeps the root GFID (what `kiln-brickd` adopts a brick by).
+    fn check_bricks_kept(&self) -> anyhow::Result<()> {
+        for brick in &self.bricks {
+            let gfid = xattr(brick, "trusted.gfid");
+            ensure!(
+                gfid.as_deref() == Some(&Gfid::ROOT.as_bytes()[..]),
+                "{}: trusted.gfid is {gfid:?} after `gluster volume delete`, not the root GFID",
+                brick.display()
+            );
+        }
+        Ok(())
     }
 
     /// Unmounts, stops and deletes the volume, and stops what this test started; every step
-    /// runs even if one before it failed, and the first failure is returned.
+    /// runs even if one before it failed, and the first failure is returned. Afterwards no
+    /// GlusterFS process serves the bricks and glusterd knows nothing of them; the brick
+    /// directories stay (until `dir` is dropped).
     fn tear_down(&mut self) -> anyhow::Result<()> {
         self.torn_down = true;
         let mut failures = Vec::new();

@@ -10,7 +10,8 @@
 //!   holds the data), as a rename to a name hashed elsewhere leaves. Which brick holds an
 //!   object is remembered by GFID.
 //! * **LOOKUP** asks the hashed brick and follows a link file; a miss there is the answer
-//!   when the layout has no holes (GlusterFS's `lookup-optimize`), else every brick is asked.
+//!   when the layout has no holes and was committed (GlusterFS's `lookup-optimize`), else
+//!   every brick is asked.
 //! * **MKDIR** runs on the hashed brick first, then the others, and writes the new layout;
 //!   **RMDIR** removes the other copies first and the hashed one last, and puts back the
 //!   copies it removed when one brick still has entries. **RENAME** of a file renames it on
@@ -34,7 +35,7 @@ use kiln_wire::{
 };
 use tokio::sync::broadcast;
 
-use super::{DiskLayout, Layout, Munging, XATTR_NAME, first_brick};
+use super::{COMMIT_HASH_INVALID, DiskLayout, Layout, Munging, XATTR_NAME, first_brick};
 use crate::layer::{FdFop, Layer, LayerEvent};
 use crate::{Error, LayerExt, Paths};
 
@@ -222,8 +223,12 @@ impl<L: Layer> Distribute<L> {
                     iatt,
                 })
             }
-            // Authoritative when every hash has a brick (GlusterFS's lookup-optimize).
-            Err(Error::Fop(ErrorCode::NoEnt)) if layout.check().is_ok() => {
+            // Authoritative when every hash has a brick and the layout was committed
+            // (GlusterFS's lookup-optimize): a volume's root, whose layout GlusterFS writes
+            // uncommitted, may hold names a client in another locale hashed elsewhere.
+            Err(Error::Fop(ErrorCode::NoEnt))
+                if layout.check().is_ok() && layout.commit_hash() != COMMIT_HASH_INVALID =>
+            {
                 Err(Error::Fop(ErrorCode::NoEnt))
             }
             Err(Error::Fop(ErrorCode::NoEnt)) => self.locate_everywhere(creds, hashed, fop).await,
