@@ -639,3 +639,88 @@ fn a_live_change_made_while_a_brick_starts_reaches_it() {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+/// A volume of three bricks mounted by name: one tree, its files spread over the bricks.
+#[test]
+fn a_volume_of_three_bricks_mounts_as_one_tree() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let m = Mgmtd::start(dir.path());
+    let bricks: Vec<PathBuf> = (0..3)
+        .map(|i| dir.path().join(format!("bricks/b{i}")))
+        .collect();
+    let mut create = vec!["volume", "create", "wide"];
+    create.extend(bricks.iter().map(|b| b.to_str().expect("utf-8")));
+    create.extend(["--port", "47300"]);
+    m.ok(&create);
+    // The distribution layer writes directory layouts (trusted xattrs) as root.
+    m.ok(&["volume", "set", "wide", "server.root-allow", "admin"]);
+    m.ok(&["volume", "start", "wide"]);
+    m.healthy("wide");
+    let mountpoint = dir.path().join("mnt");
+    std::fs::create_dir(&mountpoint).expect("mountpoint");
+    let log = std::fs::File::create(dir.path().join("mount.log")).expect("log");
+    let mut mount = Command::new(bin("kiln"))
+        .args(["mount", "wide"])
+        .arg(&mountpoint)
+        .arg("-f")
+        .env("KILN_MGMT_SOCKET", &m.socket)
+        .env("KILN_TLS_DIR", m.state.join("tls"))
+        .stderr(log)
+        .spawn()
+        .expect("kiln mount");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !common::is_kiln_mount(&mountpoint) {
+        if let Ok(Some(status)) = mount.try_wait() {
+            panic!(
+                "kiln mount exited ({status}): {}",
+                std::fs::read_to_string(dir.path().join("mount.log")).unwrap_or_default()
+            );
+        }
+        assert!(Instant::now() < deadline, "the volume was not mounted");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::fs::create_dir(mountpoint.join("d")).expect("mkdir");
+    for i in 0..60 {
+        std::fs::write(mountpoint.join(format!("d/f{i}")), format!("{i}")).expect("write");
+    }
+    let mut names: Vec<String> = std::fs::read_dir(mountpoint.join("d"))
+        .expect("readdir")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names.len(), 60);
+    assert_eq!(
+        std::fs::read_to_string(mountpoint.join("d/f42")).expect("read"),
+        "42"
+    );
+    std::fs::File::open(&mountpoint)
+        .and_then(|root| root.sync_all())
+        .expect("fsync of the mount's root");
+    let per_brick: Vec<usize> = bricks
+        .iter()
+        .map(|b| std::fs::read_dir(b.join("d")).map_or(0, Iterator::count))
+        .collect();
+    assert!(
+        per_brick.iter().all(|&n| n > 5),
+        "files per brick: {per_brick:?}"
+    );
+    assert_eq!(
+        per_brick.iter().sum::<usize>(),
+        60,
+        "each file on one brick"
+    );
+
+    let out = Command::new(bin("kiln"))
+        .arg("umount")
+        .arg(&mountpoint)
+        .output()
+        .expect("kiln umount");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let status = mount.wait().expect("mount exits");
+    assert!(status.success(), "the mount exited {status}");
+    m.ok(&["volume", "stop", "wide"]);
+}

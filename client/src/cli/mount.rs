@@ -6,9 +6,10 @@
 //! mount -t kiln VOLUME MOUNTPOINT -o tls-dir=/var/lib/kiln/tls,client=alice
 //! kiln umount [-l] MOUNTPOINT
 //! ```
-//! A volume name is looked up in `kiln-mgmtd` (its brick and its `performance.*` options); a
-//! brick address is mounted directly, and several, in the volume's brick order, as one
-//! distributed volume (`kiln_client::distribute`). Without `-f` the command returns once the volume is
+//! A volume name is looked up in `kiln-mgmtd` (its bricks and its `performance.*` options); a
+//! brick address is mounted directly. A volume of several bricks (or several addresses, in
+//! the volume's brick order) is mounted as one distributed volume
+//! (`kiln_client::distribute`). Without `-f` the command returns once the volume is
 //! mounted and a background process serves it, logging to `--log-file`.
 
 use std::io::{BufRead as _, BufReader, Write as _};
@@ -131,15 +132,15 @@ async fn serve(
     let brick_addrs = match parse_addrs(&args.source) {
         Some(addrs) => addrs,
         None => {
-            let (addr, volume_options) = resolve_volume(global, &args.source)?;
+            let volume = resolve_volume(global, &args.source)?;
             // The volume's settings, then this mount's own on top.
-            for (key, value) in volume_options {
+            for (key, value) in volume.options {
                 options.set(&key, Some(&value))?;
             }
             for (key, value) in overrides {
                 options.set(key, value.as_deref())?;
             }
-            vec![addr]
+            volume.bricks
         }
     };
     // The client stack this volume needs: a brick client per brick, and over several a
@@ -300,11 +301,16 @@ fn check_mountpoint(mountpoint: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The brick address and `performance.*` settings of volume `name`, from kiln-mgmtd.
-fn resolve_volume(
-    global: &Global,
-    name: &str,
-) -> anyhow::Result<(SocketAddr, Vec<(String, String)>)> {
+/// What a mount needs of a volume of kiln-mgmtd.
+struct VolumeToMount {
+    /// The brick addresses, in brick order.
+    bricks: Vec<SocketAddr>,
+    /// Its `performance.*` settings, without the prefix (the mount options they are).
+    options: Vec<(String, String)>,
+}
+
+/// Volume `name`, from kiln-mgmtd.
+fn resolve_volume(global: &Global, name: &str) -> anyhow::Result<VolumeToMount> {
     let request = Request::VolumeInfo {
         name: Some(name.to_owned()),
     };
@@ -322,20 +328,17 @@ fn resolve_volume(
             volume.state
         );
     }
-    let [brick] = volume.bricks.as_slice() else {
-        bail!(
-            "volume {name} has {} bricks; this kiln mounts one-brick volumes (distribution over \
-             bricks is not built yet)",
-            volume.bricks.len()
-        );
-    };
-    let addr = SocketAddr::new(global.brick_addr.ip(), brick.port);
+    let bricks = volume
+        .bricks
+        .iter()
+        .map(|brick| SocketAddr::new(global.brick_addr.ip(), brick.port))
+        .collect();
     let options = volume
         .options
         .iter()
         .filter_map(|(k, v)| Some((k.strip_prefix("performance.")?.to_owned(), v.clone())))
         .collect();
-    Ok((addr, options))
+    Ok(VolumeToMount { bricks, options })
 }
 
 /// `kiln umount`.

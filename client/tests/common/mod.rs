@@ -277,3 +277,11 @@ pub fn free_loopback_addr() -> String {
     let probe = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a loopback port");
     probe.local_addr().expect("local address").to_string()
 }
+
+/// Whether `path` is a Kiln FUSE mount now.
+pub fn is_kiln_mount(path: &Path) -> bool {
+    kiln_client::mountinfo::read_self()
+        .expect("/proc/self/mountinfo")
+        .iter()
+        .any(|m| m.is_at(path, "fuse.kiln"))
+}

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+pub use crate::common::is_kiln_mount;
 use crate::common::{Brickd, Cluster, bin};
 
 /// How long a mount may take to appear or go.
@@ -268,14 +269,6 @@ fn tear_down(mountpoint: &Path, server: &mut Option<Child>) {
         let _ = server.kill();
         let _ = server.wait();
     }
-}
-
-/// Whether `path` is the mount point of a `fuse.kiln` file system.
-pub fn is_kiln_mount(path: &Path) -> bool {
-    kiln_client::mountinfo::read_self()
-        .expect("/proc/self/mountinfo")
-        .iter()
-        .any(|m| m.is_at(path, "fuse.kiln"))
 }
 
 /// Runs a shell command line (in `dir`), returning its output.
