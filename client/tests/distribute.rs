@@ -364,3 +364,105 @@ fn pjdfstest_passes_on_a_distributed_mount() {
     let m = mount_common::Mounted::distributed(BRICKS, &[]);
     mount_common::pjdfstest_passes(&m);
 }
+
+/// A directory that did not reach every brick, and a layout with a hole: a LOOKUP heals both,
+/// and every file placed before stays reachable.
+#[test]
+fn lookup_heals_missing_directory_copies_and_layout_holes() {
+    let volume = Volume::start();
+    let rt = runtime();
+    let creds = Creds::root();
+    rt.block_on(async {
+        let v = volume.connect().await;
+        // "half" made on bricks 0 and 1 only, as a mkdir cut short would leave it.
+        let gfid = kiln_client::path::new_gfid();
+        for brick in &v.bricks()[..2] {
+            let mkdir = kiln_wire::Mkdir {
+                parent: Gfid::ROOT,
+                name: name("half"),
+                gfid,
+                mode: kiln_wire::Mode::new(0o750).expect("mode"),
+                umask: kiln_wire::Mode::new(0).expect("mode"),
+            };
+            brick
+                .call(&creds, mkdir.into())
+                .await
+                .expect("mkdir on one brick");
+        }
+        assert_eq!(volume.holders("half"), [0, 1]);
+        let found = v.resolve(&creds, "/half").await.expect("lookup");
+        assert_eq!(found.gfid, gfid);
+        assert_eq!(
+            volume.holders("half"),
+            [0, 1, 2],
+            "the missing copy is made"
+        );
+        assert_eq!(v.healed(), (1, 0));
+        let layout = v.layout(gfid).await.expect("layout");
+        layout.check().expect("a whole layout");
+        for i in 0..BRICKS {
+            assert!(
+                xattr(&volume.brick(i).join("half"), XATTR_NAME).is_some(),
+                "brick {i}"
+            );
+        }
+
+        // A hole: brick 1's share of /d's layout is gone.
+        let dir = v.mkdir_all(&creds, "/d", 0o755).await.expect("mkdir");
+        for i in 0..30 {
+            v.put(
+                &creds,
+                &format!("/d/f{i}"),
+                Bytes::from(format!("{i}")),
+                0o644,
+            )
+            .await
+            .expect("put");
+        }
+        let no_share = DiskLayout {
+            range: None,
+            ..v.layout(dir.gfid)
+                .await
+                .expect("layout")
+                .disk_layout(1)
+                .expect("brick 1")
+        };
+        rustix::fs::lsetxattr(
+            volume.brick(1).join("d").as_path(),
+            XATTR_NAME,
+            &no_share.encode(),
+            rustix::fs::XattrFlags::REPLACE,
+        )
+        .expect("cut a hole");
+        let fresh = volume.connect().await;
+        assert!(
+            fresh
+                .layout(dir.gfid)
+                .await
+                .expect("layout")
+                .check()
+                .is_err()
+        );
+        fresh.resolve(&creds, "/d").await.expect("lookup heals");
+        assert_eq!(fresh.healed(), (0, 1));
+        let healed = fresh.layout(dir.gfid).await.expect("layout");
+        healed.check().expect("no hole left");
+        assert_eq!(
+            healed.commit_hash(),
+            kiln_client::distribute::COMMIT_HASH_INVALID
+        );
+        for i in 0..30 {
+            let data = fresh
+                .read_to_end(&creds, &format!("/d/f{i}"))
+                .await
+                .expect("read");
+            assert_eq!(data, format!("{i}").as_bytes());
+        }
+        for brick in v.bricks().iter().chain(fresh.bricks()) {
+            brick.close().await;
+        }
+    });
+    for i in 0..BRICKS {
+        common::assert_brick_checks_clean(volume.brick(i));
+    }
+}

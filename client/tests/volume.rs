@@ -722,5 +722,31 @@ fn a_volume_of_three_bricks_mounts_as_one_tree() {
     );
     let status = mount.wait().expect("mount exits");
     assert!(status.success(), "the mount exited {status}");
+
+    // A layout with a hole (brick 2's share of d gone): `kiln volume heal` rebuilds it.
+    let no_share = [0u8; 16];
+    rustix::fs::lsetxattr(
+        bricks[2].join("d").as_path(),
+        "trusted.glusterfs.dht",
+        &no_share,
+        rustix::fs::XattrFlags::REPLACE,
+    )
+    .expect("cut a hole in d's layout");
+    let healed = m.ok(&["volume", "heal", "wide"]);
+    assert_eq!(
+        healed,
+        "wide: 2 directories looked at, 0 missing copies made, 1 layouts healed\n"
+    );
+    let mut share = [0u8; 16];
+    rustix::fs::lgetxattr(
+        bricks[2].join("d").as_path(),
+        "trusted.glusterfs.dht",
+        &mut share,
+    )
+    .expect("layout");
+    assert_ne!(share, no_share, "brick 2 has a share again");
+    let again = m.ok(&["volume", "--json", "heal", "wide"]);
+    let again: serde_json::Value = serde_json::from_str(&again).expect("json");
+    assert_eq!(again["layouts_healed"], 0, "{again}");
     m.ok(&["volume", "stop", "wide"]);
 }

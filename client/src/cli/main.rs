@@ -14,6 +14,7 @@
 //! `--client` (`KILN_CLIENT`) from `--tls-dir` (`KILN_TLS_DIR`).
 
 mod files;
+mod heal;
 mod mount;
 mod up;
 mod volume;
@@ -180,6 +181,10 @@ fn main() -> ExitCode {
         Command::Cert(CertCommand::Serial { cert }) => pki::serial_of(&cert)
             .map(|serial| println!("{serial}"))
             .map_err(anyhow::Error::from),
+        Command::Volume {
+            json,
+            command: volume::VolumeCommand::Heal { name },
+        } => heal::run(&cli.global, &name, json),
         Command::Volume { json, command } => volume::run(&cli.global.socket, json, command),
         Command::Mount(args) => mount::run(&cli.global, args),
         Command::Umount(args) => mount::umount(&args),

@@ -302,15 +302,15 @@ fn check_mountpoint(mountpoint: &Path) -> anyhow::Result<()> {
 }
 
 /// What a mount needs of a volume of kiln-mgmtd.
-struct VolumeToMount {
+pub(crate) struct VolumeToMount {
     /// The brick addresses, in brick order.
-    bricks: Vec<SocketAddr>,
+    pub(crate) bricks: Vec<SocketAddr>,
     /// Its `performance.*` settings, without the prefix (the mount options they are).
     options: Vec<(String, String)>,
 }
 
 /// Volume `name`, from kiln-mgmtd.
-fn resolve_volume(global: &Global, name: &str) -> anyhow::Result<VolumeToMount> {
+pub(crate) fn resolve_volume(global: &Global, name: &str) -> anyhow::Result<VolumeToMount> {
     let request = Request::VolumeInfo {
         name: Some(name.to_owned()),
     };

@@ -57,6 +57,9 @@ pub(crate) enum VolumeCommand {
     /// Every running brick's state as JSON: connections, fd tables, caches, ring counters,
     /// profile, the options it runs and the configuration generation.
     Statedump { name: String },
+    /// Look up every directory of a distributed volume, which heals it: copies missing on a
+    /// brick are made, layouts with holes or overlaps rebuilt over every brick.
+    Heal { name: String },
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -105,6 +108,7 @@ pub(crate) fn run(socket: &Path, json: bool, command: VolumeCommand) -> anyhow::
             },
         },
         VolumeCommand::Statedump { name } => Request::VolumeStatedump { name },
+        VolumeCommand::Heal { .. } => bail!("`kiln volume heal` runs through crate::heal"),
     };
     let list_only = matches!(&request, Request::VolumeInfo { name: None });
     let response = call(socket, &request)?;

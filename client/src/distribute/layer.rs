@@ -20,11 +20,16 @@
 //! * **READDIRP** lists brick after brick, each directory once (from the first brick) and no
 //!   link files, with offsets of this layer's own that map to (brick, brick offset).
 //! * **STATFS** sums the bricks. Leases are not offered through this layer (yet).
+//! * **Heal.** A LOOKUP that finds a directory makes its copies missing on some brick, and
+//!   rebuilds a layout with holes or overlaps, or one that leaves a brick out, over every
+//!   brick (uncommitted, so names placed by the old one stay reachable);
+//!   [`Distribute::heal_tree`] looks up every directory (`kiln volume heal`).
 //!
 //! Layouts are written as root: the client of a distributed volume must be trusted with root
 //! by its bricks (`server.root-allow`), as GlusterFS's DHT writes them as root too.
 
 use std::num::NonZeroUsize;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
@@ -70,6 +75,25 @@ pub struct Distribute<L: Layer> {
     homes: Mutex<lru::LruCache<Gfid, Home>>,
     /// Never sent on: no leases through this layer.
     events: broadcast::Sender<LayerEvent>,
+    healed: Healed,
+}
+
+/// What [`Distribute::heal_tree`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HealReport {
+    /// Directories walked.
+    pub dirs: u64,
+    /// Directory copies made on bricks that lacked them.
+    pub copies_made: u64,
+    /// Layouts rebuilt over every brick.
+    pub layouts_healed: u64,
+}
+
+/// What the directory self-heal did, counted.
+#[derive(Debug, Default)]
+struct Healed {
+    dirs: AtomicU64,
+    layouts: AtomicU64,
 }
 
 /// This layer's handle on an open file (its brick's fd) or directory (every brick's).
@@ -100,6 +124,7 @@ impl<L: Layer> Distribute<L> {
             layouts: Mutex::new(lru::LruCache::new(capacity(LAYOUTS_MAX))),
             homes: Mutex::new(lru::LruCache::new(capacity(HOMES_MAX))),
             events: broadcast::channel(1).0,
+            healed: Healed::default(),
         })
     }
 
@@ -135,20 +160,35 @@ impl<L: Layer> Distribute<L> {
             first_brick(dir.to_string().as_bytes(), n).map_err(|e| layout_error(dir, &e))?;
         let layout =
             Layout::new_directory(&vec![1; n], first, 0).map_err(|e| layout_error(dir, &e))?;
-        for (i, brick) in self.bricks.iter().enumerate() {
-            let Some(disk) = layout.disk_layout(i) else {
-                continue;
-            };
-            let set = kiln_wire::Setxattr {
-                gfid: dir,
-                name: xattr_name(XATTR_NAME),
-                value: XattrValue::new(Bytes::copy_from_slice(&disk.encode()))
-                    .map_err(|e| Error::Protocol(e.to_string()))?,
-                mode: XattrSetMode::Upsert,
-            };
-            brick.call(&Creds::root(), set.into()).await?;
-        }
+        self.store_layout(dir, &layout).await?;
         Ok(layout)
+    }
+
+    /// Writes `layout` of directory `dir` to every brick's copy, and keeps it.
+    async fn store_layout(&self, dir: Gfid, layout: &Layout) -> Result<(), Error> {
+        for brick in 0..self.bricks.len() {
+            if let Some(disk) = layout.disk_layout(brick) {
+                self.set_disk_layout(brick, dir, disk).await?;
+            }
+        }
+        lock(&self.layouts).put(dir, Arc::new(layout.clone()));
+        Ok(())
+    }
+
+    /// Replaces the layout of directory `dir`, which has holes or overlaps or leaves a brick
+    /// out, by one over every brick that keeps as many hashes where they are as it can. It
+    /// is written uncommitted: names placed by the old one are still found (a miss on the
+    /// hashed brick asks every brick) until a rebalance moves them.
+    async fn heal_layout(&self, dir: Gfid, old: &Layout) -> Result<(), Error> {
+        let weights = vec![1; self.bricks.len()];
+        let healed = old
+            .rebalanced(&weights)
+            .map_err(|e| layout_error(dir, &e))?
+            .with_commit_hash(COMMIT_HASH_INVALID);
+        self.store_layout(dir, &healed).await?;
+        self.healed.layouts.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(%dir, "healed a directory's layout");
+        Ok(())
     }
 
     /// The brick `name` hashes to in directory `parent`.
@@ -394,12 +434,130 @@ impl<L: Layer> Distribute<L> {
         }
         for (_, brick) in self.bricks.iter().enumerate().filter(|(i, _)| *i != from) {
             if let Ok(copy) = brick.stat(creds, iatt.gfid).await {
-                iatt.atime = iatt.atime.max(copy.atime);
-                iatt.mtime = iatt.mtime.max(copy.mtime);
-                iatt.ctime = iatt.ctime.max(copy.ctime);
+                merge_times(iatt, &copy);
             }
         }
         Ok(reply)
+    }
+
+    /// The answer to a LOOKUP that found `found` (`name` in `parent`); a directory is made
+    /// whole first (GlusterFS's directory self-heal): its copies missing on some brick are
+    /// made again (same GFID, mode and owner), a layout with holes or overlaps, or one that
+    /// leaves a brick out, is rebuilt over every brick, and its times are merged from
+    /// every copy.
+    async fn looked_up(
+        &self,
+        creds: &Creds,
+        parent: Gfid,
+        name: &Name,
+        found: Located,
+    ) -> Result<FopReply, Error> {
+        let mut reply = found.reply;
+        if found.iatt.file_type != FileType::Directory {
+            return Ok(reply);
+        }
+        let iatt = match &mut reply {
+            FopReply::Lookup(r) => &mut r.iatt,
+            FopReply::LookupXattrs(r) => &mut r.iatt,
+            other => return Err(unexpected(other)),
+        };
+        let mut missing = Vec::new();
+        for (i, brick) in self
+            .bricks
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != found.home)
+        {
+            match brick.stat(creds, iatt.gfid).await {
+                Ok(copy) => merge_times(iatt, &copy),
+                Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => missing.push(i),
+                // A brick out of reach has nothing to heal now.
+                Err(_) => {}
+            }
+        }
+        for &brick in &missing {
+            self.make_dir_copy(brick, parent, name, &found.iatt).await?;
+            self.healed.dirs.fetch_add(1, Ordering::Relaxed);
+            tracing::info!(dir = %found.iatt.gfid, brick, "made a directory's missing copy");
+        }
+        let layout = self.layout(found.iatt.gfid).await?;
+        let covers_every_brick = (0..self.bricks.len()).all(|b| layout.range(b).is_some());
+        if layout.check().is_err() || !covers_every_brick {
+            self.heal_layout(found.iatt.gfid, &layout).await?;
+        }
+        Ok(reply)
+    }
+
+    /// Makes the copy of directory `iatt` (`name` in `parent`) on brick `brick`: same GFID,
+    /// mode and owner.
+    async fn make_dir_copy(
+        &self,
+        brick: usize,
+        parent: Gfid,
+        name: &Name,
+        iatt: &Iatt,
+    ) -> Result<(), Error> {
+        let root = Creds::root();
+        let mkdir = kiln_wire::Mkdir {
+            parent,
+            name: name.clone(),
+            gfid: iatt.gfid,
+            mode: iatt.mode,
+            umask: Mode::from_st_mode(0),
+        };
+        match self.bricks[brick].call(&root, mkdir.into()).await {
+            Ok(_) | Err(Error::Fop(ErrorCode::Exist)) => {}
+            Err(e) => return Err(e),
+        }
+        let owner = kiln_wire::Setattr {
+            gfid: iatt.gfid,
+            attr: kiln_wire::SetAttr {
+                uid: Some(iatt.uid),
+                gid: Some(iatt.gid),
+                ..kiln_wire::SetAttr::default()
+            },
+        };
+        self.bricks[brick].call(&root, owner.into()).await.map(drop)
+    }
+
+    /// Walks the whole tree, looking up every directory, so each is healed (see
+    /// [`Layer::call`] of LOOKUP): what `kiln volume heal` runs. A directory whose first
+    /// brick lacks it is not listed, and so not reached, by this walk.
+    pub async fn heal_tree(&self, creds: &Creds) -> Result<HealReport, Error> {
+        let before = self.healed();
+        let root = self.layout(Gfid::ROOT).await?;
+        let covers_every_brick = (0..self.bricks.len()).all(|b| root.range(b).is_some());
+        if root.check().is_err() || !covers_every_brick {
+            self.heal_layout(Gfid::ROOT, &root).await?;
+        }
+        let (mut pending, mut dirs) = (vec![Gfid::ROOT], 0);
+        while let Some(dir) = pending.pop() {
+            dirs += 1;
+            for entry in self.read_dir(creds, dir).await? {
+                if entry.iatt.file_type == FileType::Directory {
+                    let lookup = kiln_wire::Lookup {
+                        parent: dir,
+                        name: entry.name,
+                    };
+                    self.call(creds, lookup.into()).await?;
+                    pending.push(entry.iatt.gfid);
+                }
+            }
+        }
+        let after = self.healed();
+        Ok(HealReport {
+            dirs,
+            copies_made: after.0 - before.0,
+            layouts_healed: after.1 - before.1,
+        })
+    }
+
+    /// How many directory copies and layouts this layer has healed.
+    pub fn healed(&self) -> (u64, u64) {
+        (
+            self.healed.dirs.load(Ordering::Relaxed),
+            self.healed.layouts.load(Ordering::Relaxed),
+        )
     }
 
     /// A new name made on its hashed brick (MKNOD, SYMLINK, PUT).
@@ -471,17 +629,7 @@ impl<L: Layer> Distribute<L> {
     async fn put_back_dir(&self, r: &kiln_wire::Rmdir, iatt: &Iatt, bricks: &[usize]) {
         let layout = lock(&self.layouts).get(&iatt.gfid).cloned();
         for &i in bricks {
-            let mkdir = kiln_wire::Mkdir {
-                parent: r.parent,
-                name: r.name.clone(),
-                gfid: iatt.gfid,
-                mode: iatt.mode,
-                umask: Mode::from_st_mode(0),
-            };
-            let mut made = self.bricks[i]
-                .call(&Creds::root(), mkdir.into())
-                .await
-                .map(drop);
+            let mut made = self.make_dir_copy(i, r.parent, &r.name, iatt).await;
             if let (Ok(()), Some(disk)) = (&made, layout.as_ref().and_then(|l| l.disk_layout(i))) {
                 made = self.set_disk_layout(i, iatt.gfid, disk).await;
             }
@@ -839,12 +987,12 @@ impl<L: Layer> Layer for Distribute<L> {
             Q::Lookup(ref r) => {
                 let (parent, name) = (r.parent, r.name.clone());
                 let found = self.locate(creds, parent, &name, fop).await?;
-                self.merged_dir(creds, found.reply, found.home).await
+                self.looked_up(creds, parent, &name, found).await
             }
             Q::LookupXattrs(ref r) => {
                 let (parent, name) = (r.parent, r.name.clone());
                 let found = self.locate(creds, parent, &name, fop).await?;
-                self.merged_dir(creds, found.reply, found.home).await
+                self.looked_up(creds, parent, &name, found).await
             }
             Q::Mknod(ref r) => {
                 let (parent, name) = (r.parent, r.name.clone());
@@ -1010,6 +1158,13 @@ async fn read_disk_layout<L: Layer>(brick: &L, dir: Gfid) -> Result<Option<DiskL
         Err(Error::Fop(ErrorCode::NoData | ErrorCode::NoEnt | ErrorCode::Stale)) => Ok(None),
         Err(e) => Err(e),
     }
+}
+
+/// Keeps the latest of each time of `iatt` and `copy` (two copies of one directory).
+fn merge_times(iatt: &mut Iatt, copy: &Iatt) {
+    iatt.atime = iatt.atime.max(copy.atime);
+    iatt.mtime = iatt.mtime.max(copy.mtime);
+    iatt.ctime = iatt.ctime.max(copy.ctime);
 }
 
 fn add_stats(sum: &FsStats, more: &FsStats) -> FsStats {

@@ -1,0 +1,51 @@
+//! `kiln volume heal VOLUME`: every directory of a distributed volume looked up through the
+//! distribution layer, whose lookups heal what they find missing or broken
+//! (`kiln_client::distribute::Distribute::heal_tree`).
+
+use anyhow::Context;
+use kiln_client::distribute::Distribute;
+use kiln_wire::Creds;
+
+use crate::Global;
+
+pub(crate) fn run(global: &Global, name: &str, json: bool) -> anyhow::Result<()> {
+    let volume = crate::mount::resolve_volume(global, name)?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the runtime")?;
+    let report = runtime.block_on(async {
+        let mut bricks = Vec::with_capacity(volume.bricks.len());
+        for addr in &volume.bricks {
+            let mut connect_to = global.clone();
+            connect_to.brick_addr = *addr;
+            let brick = crate::files::connect(&connect_to)
+                .await
+                .with_context(|| format!("cannot reach brick {addr} of {name}"))?;
+            bricks.push(brick);
+        }
+        let distribute = Distribute::new(bricks.clone(), name)?;
+        let report = distribute.heal_tree(&Creds::root()).await;
+        for brick in bricks {
+            brick.close().await;
+        }
+        report.with_context(|| format!("healing {name}"))
+    })?;
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "volume": name,
+                "directories": report.dirs,
+                "copies_made": report.copies_made,
+                "layouts_healed": report.layouts_healed,
+            })
+        );
+    } else {
+        println!(
+            "{name}: {} directories looked at, {} missing copies made, {} layouts healed",
+            report.dirs, report.copies_made, report.layouts_healed
+        );
+    }
+    Ok(())
+}
