@@ -33,6 +33,13 @@ pub enum Request {
         /// The first brick's port; the others follow. Default: the lowest free ones.
         port: Option<u16>,
     },
+    /// Adds a brick (made and formatted if missing) at the end of the volume's brick list.
+    VolumeAddBrick {
+        name: String,
+        brick: PathBuf,
+        /// Default: the lowest free one.
+        port: Option<u16>,
+    },
     VolumeDelete {
         name: String,
     },

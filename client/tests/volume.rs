@@ -640,12 +640,62 @@ fn a_live_change_made_while_a_brick_starts_reaches_it() {
     }
 }
 
-/// A volume of three bricks mounted by name: one tree, its files spread over the bricks.
+/// `kiln mount NAME MOUNTPOINT -f` against `m`, waiting (bounded) for the mount.
+fn mount_volume(m: &Mgmtd, name: &str, mountpoint: &Path, log: &Path) -> Child {
+    let mut mount = Command::new(bin("kiln"))
+        .args(["mount", name])
+        .arg(mountpoint)
+        .arg("-f")
+        .env("KILN_MGMT_SOCKET", &m.socket)
+        .env("KILN_TLS_DIR", m.state.join("tls"))
+        .stderr(std::fs::File::create(log).expect("log"))
+        .spawn()
+        .expect("kiln mount");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !common::is_kiln_mount(mountpoint) {
+        if let Ok(Some(status)) = mount.try_wait() {
+            panic!(
+                "kiln mount exited ({status}): {}",
+                std::fs::read_to_string(log).unwrap_or_default()
+            );
+        }
+        assert!(Instant::now() < deadline, "the volume was not mounted");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    mount
+}
+
+/// `kiln umount`, and the mount's server exits 0.
+fn unmount(mountpoint: &Path, mut mount: Child) {
+    let out = Command::new(bin("kiln"))
+        .arg("umount")
+        .arg(mountpoint)
+        .output()
+        .expect("kiln umount");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let status = mount.wait().expect("mount exits");
+    assert!(status.success(), "the mount exited {status}");
+}
+
+/// Files in directory `rel` of each brick.
+fn files_per_brick(bricks: &[PathBuf], rel: &str) -> Vec<usize> {
+    bricks
+        .iter()
+        .map(|b| std::fs::read_dir(b.join(rel)).map_or(0, Iterator::count))
+        .collect()
+}
+
+/// A volume of three bricks mounted by name: one tree, its files spread over the bricks; a
+/// layout with a hole healed; a fourth brick added and given a share of every directory.
 #[test]
 fn a_volume_of_three_bricks_mounts_as_one_tree() {
     let dir = tempfile::tempdir().expect("tempdir");
     let m = Mgmtd::start(dir.path());
-    let bricks: Vec<PathBuf> = (0..3)
+    let mut bricks: Vec<PathBuf> = (0..3)
         .map(|i| dir.path().join(format!("bricks/b{i}")))
         .collect();
     let mut create = vec!["volume", "create", "wide"];
@@ -656,50 +706,25 @@ fn a_volume_of_three_bricks_mounts_as_one_tree() {
     m.ok(&["volume", "set", "wide", "server.root-allow", "admin"]);
     m.ok(&["volume", "start", "wide"]);
     m.healthy("wide");
-    let mountpoint = dir.path().join("mnt");
+    let (mountpoint, log) = (dir.path().join("mnt"), dir.path().join("mount.log"));
     std::fs::create_dir(&mountpoint).expect("mountpoint");
-    let log = std::fs::File::create(dir.path().join("mount.log")).expect("log");
-    let mut mount = Command::new(bin("kiln"))
-        .args(["mount", "wide"])
-        .arg(&mountpoint)
-        .arg("-f")
-        .env("KILN_MGMT_SOCKET", &m.socket)
-        .env("KILN_TLS_DIR", m.state.join("tls"))
-        .stderr(log)
-        .spawn()
-        .expect("kiln mount");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !common::is_kiln_mount(&mountpoint) {
-        if let Ok(Some(status)) = mount.try_wait() {
-            panic!(
-                "kiln mount exited ({status}): {}",
-                std::fs::read_to_string(dir.path().join("mount.log")).unwrap_or_default()
-            );
-        }
-        assert!(Instant::now() < deadline, "the volume was not mounted");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let mount = mount_volume(&m, "wide", &mountpoint, &log);
     std::fs::create_dir(mountpoint.join("d")).expect("mkdir");
     for i in 0..60 {
         std::fs::write(mountpoint.join(format!("d/f{i}")), format!("{i}")).expect("write");
     }
-    let mut names: Vec<String> = std::fs::read_dir(mountpoint.join("d"))
-        .expect("readdir")
-        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
-    assert_eq!(names.len(), 60);
+    assert_eq!(
+        std::fs::read_dir(mountpoint.join("d"))
+            .expect("readdir")
+            .count(),
+        60
+    );
     assert_eq!(
         std::fs::read_to_string(mountpoint.join("d/f42")).expect("read"),
         "42"
     );
-    std::fs::File::open(&mountpoint)
-        .and_then(|root| root.sync_all())
-        .expect("fsync of the mount's root");
-    let per_brick: Vec<usize> = bricks
-        .iter()
-        .map(|b| std::fs::read_dir(b.join("d")).map_or(0, Iterator::count))
-        .collect();
+    unmount(&mountpoint, mount);
+    let per_brick = files_per_brick(&bricks, "d");
     assert!(
         per_brick.iter().all(|&n| n > 5),
         "files per brick: {per_brick:?}"
@@ -709,19 +734,6 @@ fn a_volume_of_three_bricks_mounts_as_one_tree() {
         60,
         "each file on one brick"
     );
-
-    let out = Command::new(bin("kiln"))
-        .arg("umount")
-        .arg(&mountpoint)
-        .output()
-        .expect("kiln umount");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let status = mount.wait().expect("mount exits");
-    assert!(status.success(), "the mount exited {status}");
 
     // A layout with a hole (brick 2's share of d gone): `kiln volume heal` rebuilds it.
     let no_share = [0u8; 16];
@@ -748,5 +760,41 @@ fn a_volume_of_three_bricks_mounts_as_one_tree() {
     let again = m.ok(&["volume", "--json", "heal", "wide"]);
     let again: serde_json::Value = serde_json::from_str(&again).expect("json");
     assert_eq!(again["layouts_healed"], 0, "{again}");
+
+    // A fourth brick, started at once; fix-layout makes d on it and gives it a share of
+    // every directory. New files reach it; the old ones stay put and are still read.
+    bricks.push(dir.path().join("bricks/b3"));
+    let added = m.ok(&[
+        "volume",
+        "add-brick",
+        "wide",
+        bricks[3].to_str().expect("utf-8"),
+    ]);
+    assert!(added.contains("as brick 3"), "{added}");
+    m.healthy("wide");
+    let fixed = m.ok(&["volume", "rebalance", "wide", "fix-layout"]);
+    assert_eq!(
+        fixed,
+        "wide: 2 directories looked at, 1 missing copies made, 2 layouts healed\n"
+    );
+    let mount = mount_volume(&m, "wide", &mountpoint, &log);
+    for i in 60..180 {
+        std::fs::write(mountpoint.join(format!("d/f{i}")), format!("{i}")).expect("write");
+    }
+    for i in 0..180 {
+        let data = std::fs::read_to_string(mountpoint.join(format!("d/f{i}"))).expect("read");
+        assert_eq!(data, i.to_string());
+    }
+    unmount(&mountpoint, mount);
+    let per_brick = files_per_brick(&bricks, "d");
+    assert!(
+        per_brick[3] > 10,
+        "new files on the new brick: {per_brick:?}"
+    );
+    assert_eq!(
+        per_brick.iter().sum::<usize>(),
+        180,
+        "each file on one brick"
+    );
     m.ok(&["volume", "stop", "wide"]);
 }

@@ -179,6 +179,9 @@ impl Daemon {
             Request::VolumeCreate { name, bricks, port } => {
                 self.create_volume(&name, &bricks, port).await
             }
+            Request::VolumeAddBrick { name, brick, port } => {
+                self.add_brick(&name, brick, port).await
+            }
             Request::VolumeDelete { name } => self.delete_volume(&name).await,
             Request::VolumeStart { name } => self.start_volume(&name).await,
             Request::VolumeStop { name } => self.stop_volume(&name).await,
@@ -205,6 +208,45 @@ impl Daemon {
         Ok(done(
             generation,
             format!("volume {name} created; start it with `kiln volume start {name}`"),
+        ))
+    }
+
+    async fn add_brick(
+        &self,
+        name: &str,
+        path: PathBuf,
+        port: Option<u16>,
+    ) -> anyhow::Result<Response> {
+        let (brick, index) = self.store.read(|cluster, _| {
+            let brick = Brick {
+                path,
+                port: port.unwrap_or_else(|| cluster.free_port(BRICK_PORT_BASE, &[])),
+            };
+            let change = Change::AddBrick {
+                volume: name.to_owned(),
+                brick: brick.clone(),
+            };
+            crate::store::State::check(cluster, &change)?;
+            Ok::<_, ConfigError>((brick, cluster.volume(name)?.bricks.len()))
+        })?;
+        self.prepare_brick(name, index, &brick)?;
+        let (path, port) = (brick.path.display().to_string(), brick.port);
+        let generation = self
+            .commit(Change::AddBrick {
+                volume: name.to_owned(),
+                brick,
+            })
+            .await?;
+        let volume = self.volume(name)?;
+        if volume.state == VolumeState::Started {
+            self.supervisor.start_volume(&volume);
+        }
+        Ok(done(
+            generation,
+            format!(
+                "brick {path} added to volume {name} as brick {index} (port {port}); \
+                 `kiln volume rebalance {name} fix-layout` gives it a share of every directory"
+            ),
         ))
     }
 
@@ -440,29 +482,36 @@ impl Daemon {
             crate::store::State::check(cluster, &Change::Create(volume.clone()))?;
             Ok::<_, ConfigError>(volume)
         })?;
-        let tls_dir = self.config.state_dir.join("tls");
         for (i, brick) in volume.bricks.iter().enumerate() {
-            if !brick.path.join(".glusterfs").exists() {
-                std::fs::create_dir_all(&brick.path)
-                    .with_context(|| format!("cannot create {}", brick.path.display()))?;
-                let out = std::process::Command::new(&self.config.brickd)
-                    .arg("format")
-                    .arg(&brick.path)
-                    .output()
-                    .with_context(|| format!("cannot run {}", self.config.brickd.display()))?;
-                if !out.status.success() {
-                    anyhow::bail!("{}", String::from_utf8_lossy(&out.stderr).trim());
-                }
-            }
-            let hosts = vec!["localhost".into(), "127.0.0.1".into(), "::1".into()];
-            pki::issue(
-                &tls_dir,
-                &Role::Brick { hosts },
-                &Brick::name(name, i),
-                pki::CERT_VALIDITY_DAYS,
-            )?;
+            self.prepare_brick(name, i, brick)?;
         }
         Ok(volume)
+    }
+
+    /// Makes and formats brick `index` of volume `name` if it is not a brick yet, and issues
+    /// its certificate.
+    fn prepare_brick(&self, name: &str, index: usize, brick: &Brick) -> anyhow::Result<()> {
+        if !brick.path.join(".glusterfs").exists() {
+            std::fs::create_dir_all(&brick.path)
+                .with_context(|| format!("cannot create {}", brick.path.display()))?;
+            let out = std::process::Command::new(&self.config.brickd)
+                .arg("format")
+                .arg(&brick.path)
+                .output()
+                .with_context(|| format!("cannot run {}", self.config.brickd.display()))?;
+            if !out.status.success() {
+                anyhow::bail!("{}", String::from_utf8_lossy(&out.stderr).trim());
+            }
+        }
+        let hosts = vec!["localhost".into(), "127.0.0.1".into(), "::1".into()];
+        let tls_dir = self.config.state_dir.join("tls");
+        pki::issue(
+            &tls_dir,
+            &Role::Brick { hosts },
+            &Brick::name(name, index),
+            pki::CERT_VALIDITY_DAYS,
+        )?;
+        Ok(())
     }
 }
 

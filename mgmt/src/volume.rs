@@ -31,6 +31,11 @@ pub struct Cluster {
 #[serde(tag = "change", rename_all = "kebab-case")]
 pub enum Change {
     Create(Volume),
+    /// A brick added at the end of the volume's list.
+    AddBrick {
+        volume: String,
+        brick: Brick,
+    },
     Delete {
         volume: String,
     },
@@ -103,6 +108,47 @@ impl Cluster {
     }
 
     /// The lowest free brick port at or above `from`.
+    /// Whether `brick` may join volume `volume`, which has `siblings` so far: an absolute
+    /// path, and a path and a port no brick uses yet.
+    fn check_new_brick(
+        &self,
+        brick: &Brick,
+        siblings: &[Brick],
+        volume: &str,
+    ) -> Result<(), ConfigError> {
+        if !brick.path.is_absolute() {
+            return Err(ConfigError::RelativeBrick {
+                path: brick.path.clone(),
+            });
+        }
+        if siblings
+            .iter()
+            .any(|other| other.path == brick.path || other.port == brick.port)
+        {
+            return Err(ConfigError::BrickInUse {
+                path: brick.path.clone(),
+                volume: volume.to_owned(),
+            });
+        }
+        for v in self.volumes.values() {
+            for other in &v.bricks {
+                if other.path == brick.path {
+                    return Err(ConfigError::BrickInUse {
+                        path: brick.path.clone(),
+                        volume: v.name.clone(),
+                    });
+                }
+                if other.port == brick.port {
+                    return Err(ConfigError::PortInUse {
+                        port: brick.port,
+                        volume: v.name.clone(),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
     pub fn free_port(&self, from: u16, taken_now: &[u16]) -> u16 {
         let used: Vec<u16> = self
             .volumes
@@ -131,40 +177,16 @@ impl State for Cluster {
                     return Err(ConfigError::NoBricks);
                 }
                 for (i, brick) in new.bricks.iter().enumerate() {
-                    if !brick.path.is_absolute() {
-                        return Err(ConfigError::RelativeBrick {
-                            path: brick.path.clone(),
-                        });
-                    }
-                    let clash =
-                        |other: &Brick| other.path == brick.path || other.port == brick.port;
-                    if new.bricks[..i].iter().any(clash) {
-                        return Err(ConfigError::BrickInUse {
-                            path: brick.path.clone(),
-                            volume: new.name.clone(),
-                        });
-                    }
-                    for v in self.volumes.values() {
-                        for other in &v.bricks {
-                            if other.path == brick.path {
-                                return Err(ConfigError::BrickInUse {
-                                    path: brick.path.clone(),
-                                    volume: v.name.clone(),
-                                });
-                            }
-                            if other.port == brick.port {
-                                return Err(ConfigError::PortInUse {
-                                    port: brick.port,
-                                    volume: v.name.clone(),
-                                });
-                            }
-                        }
-                    }
+                    self.check_new_brick(brick, &new.bricks[..i], &new.name)?;
                 }
                 for (key, value) in &new.options {
                     check_option(key, value)?;
                 }
                 Ok(())
+            }
+            Change::AddBrick { volume, brick } => {
+                let bricks = &self.volume(volume)?.bricks;
+                self.check_new_brick(brick, bricks, volume)
             }
             Change::Delete { volume } => match self.volume(volume)?.state {
                 VolumeState::Started => Err(ConfigError::StillStarted(volume.clone())),
@@ -196,6 +218,11 @@ impl State for Cluster {
         match change {
             Change::Create(new) => {
                 self.volumes.insert(new.name.clone(), new.clone());
+            }
+            Change::AddBrick { volume, brick } => {
+                if let Some(v) = self.volumes.get_mut(volume) {
+                    v.bricks.push(brick.clone());
+                }
             }
             Change::Delete { volume } => {
                 self.volumes.remove(volume);
@@ -304,6 +331,40 @@ mod tests {
         commit(&mut c, &Change::Stop { volume: v.clone() }).expect("stop");
         commit(&mut c, &Change::Delete { volume: v.clone() }).expect("delete");
         assert!(c.volumes.is_empty());
+    }
+
+    #[test]
+    fn a_brick_is_added_only_where_nothing_else_is() {
+        let mut c = Cluster::default();
+        commit(&mut c, &Change::Create(volume("v1", "/b/1", 49152))).expect("create");
+        commit(&mut c, &Change::Create(volume("v2", "/b/2", 49153))).expect("create");
+        let add = |volume: &str, path: &str, port| Change::AddBrick {
+            volume: volume.into(),
+            brick: Brick {
+                path: path.into(),
+                port,
+            },
+        };
+        for (change, clash) in [
+            (add("v1", "/b/2", 49160), "path"),
+            (add("v1", "/b/1", 49160), "path"),
+            (add("v1", "/b/3", 49153), "port"),
+            (add("v1", "b/3", 49160), "relative"),
+            (add("v9", "/b/3", 49160), "volume"),
+        ] {
+            let refused = commit(&mut c, &change).expect_err(clash);
+            let kind = match refused {
+                ConfigError::BrickInUse { .. } => "path",
+                ConfigError::PortInUse { .. } => "port",
+                ConfigError::RelativeBrick { .. } => "relative",
+                ConfigError::NoSuchVolume(_) => "volume",
+                other => panic!("{other}"),
+            };
+            assert_eq!(kind, clash);
+        }
+        commit(&mut c, &add("v1", "/b/3", 49160)).expect("add");
+        let bricks = &c.volume("v1").expect("v1").bricks;
+        assert_eq!((bricks.len(), bricks[1].port), (2, 49160));
     }
 
     #[test]

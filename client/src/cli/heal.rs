@@ -1,6 +1,7 @@
-//! `kiln volume heal VOLUME`: every directory of a distributed volume looked up through the
-//! distribution layer, whose lookups heal what they find missing or broken
-//! (`kiln_client::distribute::Distribute::heal_tree`).
+//! `kiln volume heal VOLUME` and `kiln volume rebalance VOLUME fix-layout`: every directory
+//! of a distributed volume looked up through the distribution layer, whose lookups heal what
+//! they find missing or broken — a directory copy a brick lacks, a layout with holes or that
+//! leaves out a brick added since (`kiln_client::distribute::Distribute::heal_tree`).
 
 use anyhow::Context;
 use kiln_client::distribute::Distribute;

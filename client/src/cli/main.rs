@@ -183,7 +183,12 @@ fn main() -> ExitCode {
             .map_err(anyhow::Error::from),
         Command::Volume {
             json,
-            command: volume::VolumeCommand::Heal { name },
+            command:
+                volume::VolumeCommand::Heal { name }
+                | volume::VolumeCommand::Rebalance {
+                    name,
+                    action: volume::RebalanceArg::FixLayout,
+                },
         } => heal::run(&cli.global, &name, json),
         Command::Volume { json, command } => volume::run(&cli.global.socket, json, command),
         Command::Mount(args) => mount::run(&cli.global, args),

@@ -21,6 +21,16 @@ pub(crate) enum VolumeCommand {
         #[arg(long)]
         port: Option<u16>,
     },
+    /// Add a brick directory (made and formatted if missing) after the volume's others; a
+    /// started volume starts it at once. `rebalance VOL fix-layout` then gives it a share
+    /// of every directory.
+    AddBrick {
+        name: String,
+        brick: PathBuf,
+        /// Its UDP port; default: the lowest free one.
+        #[arg(long)]
+        port: Option<u16>,
+    },
     /// Start the volume's bricks (and keep them running).
     Start { name: String },
     /// Stop the volume's bricks.
@@ -60,6 +70,19 @@ pub(crate) enum VolumeCommand {
     /// Look up every directory of a distributed volume, which heals it: copies missing on a
     /// brick are made, layouts with holes or overlaps rebuilt over every brick.
     Heal { name: String },
+    /// Spread a volume over bricks added since its directories were laid out: `fix-layout`
+    /// gives every directory a layout over every brick (new names go to the new bricks;
+    /// existing files stay where they are and are still found). Moving files is not built.
+    Rebalance {
+        name: String,
+        #[arg(value_enum)]
+        action: RebalanceArg,
+    },
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub(crate) enum RebalanceArg {
+    FixLayout,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -108,7 +131,17 @@ pub(crate) fn run(socket: &Path, json: bool, command: VolumeCommand) -> anyhow::
             },
         },
         VolumeCommand::Statedump { name } => Request::VolumeStatedump { name },
-        VolumeCommand::Heal { .. } => bail!("`kiln volume heal` runs through crate::heal"),
+        VolumeCommand::AddBrick { name, brick, port } => {
+            let cwd = std::env::current_dir()?;
+            Request::VolumeAddBrick {
+                name,
+                brick: cwd.join(brick),
+                port,
+            }
+        }
+        VolumeCommand::Heal { .. } | VolumeCommand::Rebalance { .. } => {
+            bail!("`kiln volume heal` and `rebalance` run in the client (crate::heal)")
+        }
     };
     let list_only = matches!(&request, Request::VolumeInfo { name: None });
     let response = call(socket, &request)?;
