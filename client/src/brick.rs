@@ -27,7 +27,7 @@ use kiln_wire::{
 use quinn::crypto::rustls::QuicClientConfig;
 
 use crate::error::Error;
-use crate::layer::{FdFop, Layer, LayerEvent};
+use crate::layer::{FdFop, Layer, LayerEvent, batch_one_by_one};
 
 /// Events a slow subscriber may fall behind by before it is told it lagged.
 const EVENTS_QUEUED_MAX: usize = 4096;
@@ -602,15 +602,7 @@ impl Layer for BrickClient {
         let live = self.live().await?;
         if !live.hello.capabilities.contains(Capabilities::LEASES) {
             // A brick without BATCH gets the fops one by one, in order.
-            let mut results = Vec::with_capacity(batch.len());
-            for fop in batch.fops() {
-                results.push(match self.call(&batch.creds, fop.clone()).await {
-                    Ok(reply) => Ok(reply),
-                    Err(Error::Fop(code)) => Err(code),
-                    Err(e) => return Err(e),
-                });
-            }
-            return Ok(BatchReply { results });
+            return batch_one_by_one(self, &batch).await;
         }
         match self.round_trip(&live.conn, Call::Batch(batch)).await? {
             Outcome::Batch(reply) => Ok(reply),

@@ -109,6 +109,24 @@ pub trait Layer: Send + Sync + 'static {
     fn events(&self) -> broadcast::Receiver<LayerEvent>;
 }
 
+/// Runs the fops of `batch` through `layer`'s [`Layer::call`], one after another: the answer
+/// to a BATCH where no single request can carry it (a brick without BATCH, fops bound for
+/// several bricks). A fop's failure is its result; a broken connection ends the batch.
+pub async fn batch_one_by_one<L: Layer + ?Sized>(
+    layer: &L,
+    batch: &Batch,
+) -> Result<BatchReply, Error> {
+    let mut results = Vec::with_capacity(batch.len());
+    for fop in batch.fops() {
+        results.push(match layer.call(&batch.creds, fop.clone()).await {
+            Ok(reply) => Ok(reply),
+            Err(Error::Fop(code)) => Err(code),
+            Err(e) => return Err(e),
+        });
+    }
+    Ok(BatchReply { results })
+}
+
 /// What the layers below tell the layers above without being asked.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LayerEvent {

@@ -1,0 +1,235 @@
+//! Layouts written, and directories healed: copies a brick lacks made again, layouts with
+//! holes or overlaps (or leaving a brick out) rebuilt over every brick, a directory's times
+//! merged from its copies, and the walk `kiln volume heal` runs.
+
+use super::*;
+
+/// What [`Distribute::heal_tree`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HealReport {
+    /// Directories walked.
+    pub dirs: u64,
+    /// Directory copies made on bricks that lacked them.
+    pub copies_made: u64,
+    /// Layouts rebuilt over every brick.
+    pub layouts_healed: u64,
+}
+
+/// What the directory self-heal did, counted.
+#[derive(Debug, Default)]
+pub(super) struct Healed {
+    dirs: AtomicU64,
+    layouts: AtomicU64,
+}
+
+impl<L: Layer> Distribute<L> {
+    /// Gives directory `dir` a new layout over every brick, equal shares.
+    pub(super) async fn write_new_layout(&self, dir: Gfid) -> Result<Layout, Error> {
+        let n = self.bricks.len();
+        let first =
+            first_brick(dir.to_string().as_bytes(), n).map_err(|e| layout_error(dir, &e))?;
+        let layout =
+            Layout::new_directory(&vec![1; n], first, 0).map_err(|e| layout_error(dir, &e))?;
+        self.store_layout(dir, &layout).await?;
+        Ok(layout)
+    }
+
+    /// Writes `layout` of directory `dir` to every brick's copy, and keeps it.
+    pub(super) async fn store_layout(&self, dir: Gfid, layout: &Layout) -> Result<(), Error> {
+        for brick in 0..self.bricks.len() {
+            if let Some(disk) = layout.disk_layout(brick) {
+                self.set_disk_layout(brick, dir, disk).await?;
+            }
+        }
+        lock(&self.layouts).put(dir, Arc::new(layout.clone()));
+        Ok(())
+    }
+
+    /// Replaces the layout of directory `dir`, which has holes or overlaps or leaves a brick
+    /// out, by one over every brick that keeps as many hashes where they are as it can. It
+    /// is written uncommitted: names placed by the old one are still found (a miss on the
+    /// hashed brick asks every brick) until a rebalance moves them.
+    pub(super) async fn heal_layout(&self, dir: Gfid, old: &Layout) -> Result<(), Error> {
+        let weights = vec![1; self.bricks.len()];
+        let healed = old
+            .rebalanced(&weights)
+            .map_err(|e| layout_error(dir, &e))?
+            .with_commit_hash(COMMIT_HASH_INVALID);
+        self.store_layout(dir, &healed).await?;
+        self.healed.layouts.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(%dir, "healed a directory's layout");
+        Ok(())
+    }
+
+    pub(super) async fn set_disk_layout(
+        &self,
+        brick: usize,
+        dir: Gfid,
+        disk: DiskLayout,
+    ) -> Result<(), Error> {
+        let set = kiln_wire::Setxattr {
+            gfid: dir,
+            name: xattr_name(XATTR_NAME),
+            value: XattrValue::new(Bytes::copy_from_slice(&disk.encode()))
+                .map_err(|e| Error::Protocol(e.to_string()))?,
+            mode: XattrSetMode::Upsert,
+        };
+        self.bricks[brick]
+            .call(&Creds::root(), set.into())
+            .await
+            .map(drop)
+    }
+
+    /// A directory's attributes as one: those in `reply` (from brick `from`) with the latest
+    /// times of every copy, so that a change on any brick shows in the directory's mtime and
+    /// ctime (GlusterFS's `dht_iatt_merge`). Any other reply is returned as it is.
+    pub(super) async fn merged_dir(
+        &self,
+        creds: &Creds,
+        mut reply: FopReply,
+        from: usize,
+    ) -> Result<FopReply, Error> {
+        let iatt = match &mut reply {
+            FopReply::Lookup(r) => &mut r.iatt,
+            FopReply::LookupXattrs(r) => &mut r.iatt,
+            FopReply::Stat(r) => &mut r.iatt,
+            _ => return Ok(reply),
+        };
+        if iatt.file_type != FileType::Directory {
+            return Ok(reply);
+        }
+        for (_, brick) in self.bricks.iter().enumerate().filter(|(i, _)| *i != from) {
+            if let Ok(copy) = brick.stat(creds, iatt.gfid).await {
+                merge_times(iatt, &copy);
+            }
+        }
+        Ok(reply)
+    }
+
+    /// The answer to a LOOKUP that found `found` (`name` in `parent`); a directory is made
+    /// whole first (GlusterFS's directory self-heal): its copies missing on some brick are
+    /// made again (same GFID, mode and owner), a layout with holes or overlaps, or one that
+    /// leaves a brick out, is rebuilt over every brick, and its times are merged from
+    /// every copy.
+    pub(super) async fn looked_up(
+        &self,
+        creds: &Creds,
+        parent: Gfid,
+        name: &Name,
+        found: Located,
+    ) -> Result<FopReply, Error> {
+        let mut reply = found.reply;
+        if found.iatt.file_type != FileType::Directory {
+            return Ok(reply);
+        }
+        let iatt = match &mut reply {
+            FopReply::Lookup(r) => &mut r.iatt,
+            FopReply::LookupXattrs(r) => &mut r.iatt,
+            other => return Err(unexpected(other)),
+        };
+        let mut missing = Vec::new();
+        for (i, brick) in self
+            .bricks
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != found.home)
+        {
+            match brick.stat(creds, iatt.gfid).await {
+                Ok(copy) => merge_times(iatt, &copy),
+                Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => missing.push(i),
+                // A brick out of reach has nothing to heal now.
+                Err(_) => {}
+            }
+        }
+        for &brick in &missing {
+            self.make_dir_copy(brick, parent, name, &found.iatt).await?;
+            self.healed.dirs.fetch_add(1, Ordering::Relaxed);
+            tracing::info!(dir = %found.iatt.gfid, brick, "made a directory's missing copy");
+        }
+        let layout = self.layout(found.iatt.gfid).await?;
+        let covers_every_brick = (0..self.bricks.len()).all(|b| layout.range(b).is_some());
+        if layout.check().is_err() || !covers_every_brick {
+            self.heal_layout(found.iatt.gfid, &layout).await?;
+        }
+        Ok(reply)
+    }
+
+    /// Makes the copy of directory `iatt` (`name` in `parent`) on brick `brick`: same GFID,
+    /// mode and owner.
+    pub(super) async fn make_dir_copy(
+        &self,
+        brick: usize,
+        parent: Gfid,
+        name: &Name,
+        iatt: &Iatt,
+    ) -> Result<(), Error> {
+        let root = Creds::root();
+        let mkdir = kiln_wire::Mkdir {
+            parent,
+            name: name.clone(),
+            gfid: iatt.gfid,
+            mode: iatt.mode,
+            umask: Mode::from_st_mode(0),
+        };
+        match self.bricks[brick].call(&root, mkdir.into()).await {
+            Ok(_) | Err(Error::Fop(ErrorCode::Exist)) => {}
+            Err(e) => return Err(e),
+        }
+        let owner = kiln_wire::Setattr {
+            gfid: iatt.gfid,
+            attr: kiln_wire::SetAttr {
+                uid: Some(iatt.uid),
+                gid: Some(iatt.gid),
+                ..kiln_wire::SetAttr::default()
+            },
+        };
+        self.bricks[brick].call(&root, owner.into()).await.map(drop)
+    }
+
+    /// Walks the whole tree, looking up every directory, so each is healed (see
+    /// [`Layer::call`] of LOOKUP): what `kiln volume heal` runs. A directory whose first
+    /// brick lacks it is not listed, and so not reached, by this walk.
+    pub async fn heal_tree(&self, creds: &Creds) -> Result<HealReport, Error> {
+        let before = self.healed();
+        let root = self.layout(Gfid::ROOT).await?;
+        let covers_every_brick = (0..self.bricks.len()).all(|b| root.range(b).is_some());
+        if root.check().is_err() || !covers_every_brick {
+            self.heal_layout(Gfid::ROOT, &root).await?;
+        }
+        let (mut pending, mut dirs) = (vec![Gfid::ROOT], 0);
+        while let Some(dir) = pending.pop() {
+            dirs += 1;
+            for entry in self.read_dir(creds, dir).await? {
+                if entry.iatt.file_type == FileType::Directory {
+                    let lookup = kiln_wire::Lookup {
+                        parent: dir,
+                        name: entry.name,
+                    };
+                    self.call(creds, lookup.into()).await?;
+                    pending.push(entry.iatt.gfid);
+                }
+            }
+        }
+        let after = self.healed();
+        Ok(HealReport {
+            dirs,
+            copies_made: after.0 - before.0,
+            layouts_healed: after.1 - before.1,
+        })
+    }
+
+    /// How many directory copies and layouts this layer has healed.
+    pub fn healed(&self) -> (u64, u64) {
+        (
+            self.healed.dirs.load(Ordering::Relaxed),
+            self.healed.layouts.load(Ordering::Relaxed),
+        )
+    }
+}
+
+/// Keeps the latest of each time of `iatt` and `copy` (two copies of one directory).
+fn merge_times(iatt: &mut Iatt, copy: &Iatt) {
+    iatt.atime = iatt.atime.max(copy.atime);
+    iatt.mtime = iatt.mtime.max(copy.mtime);
+    iatt.ctime = iatt.ctime.max(copy.ctime);
+}

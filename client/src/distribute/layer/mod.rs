@@ -1,0 +1,472 @@
+//! The distribution layer: one namespace over many bricks, placed as GlusterFS's DHT places
+//! it, so the bricks of a distributed GlusterFS volume are served in place.
+//!
+//! * **Directories** exist on every brick with the same GFID; each copy carries its share of
+//!   the directory's [`Layout`] (`trusted.glusterfs.dht`). A directory's layout is read from
+//!   all bricks once and cached; one with no layout anywhere (a fresh root) gets one.
+//! * **Files** (and symlinks, special files) live on the brick their name hashes to in the
+//!   parent's layout — or elsewhere, with a **link file** on the hashed brick (mode
+//!   `---------T`, size 0, the same GFID, `trusted.glusterfs.dht.linkto` naming the brick that
+//!   holds the data), as a rename to a name hashed elsewhere leaves. Which brick holds an
+//!   object is remembered by GFID.
+//! * **LOOKUP** asks the hashed brick and follows a link file; a miss there is the answer
+//!   when the layout has no holes and was committed (GlusterFS's `lookup-optimize`), else
+//!   every brick is asked.
+//! * **MKDIR** runs on the hashed brick first, then the others, and writes the new layout;
+//!   **RMDIR** removes the other copies first and the hashed one last, and puts back the
+//!   copies it removed when one brick still has entries. **RENAME** of a file renames it on
+//!   the brick that holds it and leaves a link file on the new name's hashed brick; of a
+//!   directory, on every brick.
+//! * **READDIRP** lists brick after brick, each directory once (from the first brick) and no
+//!   link files, with offsets of this layer's own that map to (brick, brick offset).
+//! * **STATFS** sums the bricks. Leases are not offered through this layer (yet).
+//! * **Heal.** A LOOKUP that finds a directory makes its copies missing on some brick, and
+//!   rebuilds a layout with holes or overlaps, or one that leaves a brick out, over every
+//!   brick (uncommitted, so names placed by the old one stay reachable);
+//!   [`Distribute::heal_tree`] looks up every directory (`kiln volume heal`).
+//!
+//! Layouts are written as root: the client of a distributed volume must be trusted with root
+//! by its bricks (`server.root-allow`), as GlusterFS's DHT writes them as root too.
+//!
+//! Here: the layer, its routing of each fop and the caches; [`namespace`] where a name is and
+//! the namespace fops; [`heal`] layouts written and directories healed; [`listing`] open
+//! directories.
+
+use std::num::NonZeroUsize;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use kiln_wire::{
+    AccessMode, Batch, BatchReply, Creds, DirEntry, DirEntryXattrs, EntryReply, ErrorCode,
+    FileType, FopCode, FopReply, FopRequest, FsStats, Gfid, Iatt, Mode, Name, NodeType, OpenFlags,
+    ReaddirSize, ReaddirpXattrsReply, XattrName, XattrSetMode, XattrValue,
+};
+use tokio::sync::broadcast;
+
+use super::{COMMIT_HASH_INVALID, DiskLayout, Layout, Munging, XATTR_NAME, first_brick};
+use crate::layer::{FdFop, Layer, LayerEvent, batch_one_by_one};
+use crate::{Error, LayerExt, Paths};
+
+mod heal;
+mod listing;
+mod namespace;
+
+pub use heal::HealReport;
+use heal::Healed;
+pub use listing::DirFds;
+use namespace::Located;
+
+/// The xattr of a link file: the name of the subvolume (brick) that holds the data.
+pub const LINKTO_XATTR: &str = "trusted.glusterfs.dht.linkto";
+/// Objects whose brick this layer remembers; the least recently used is forgotten first
+/// (and found again by asking every brick).
+const HOMES_MAX: usize = 1 << 20;
+/// Directory layouts this layer keeps.
+const LAYOUTS_MAX: usize = 64 * 1024;
+/// The mode of a link file: the sticky bit alone (`---------T`).
+const LINK_FILE_MODE: u32 = 0o1000;
+
+/// Where an object lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Home {
+    /// A directory: on every brick.
+    Everywhere,
+    /// Anything else: on this brick.
+    Brick(usize),
+}
+
+/// A volume's bricks behind one namespace. `L` is the layer below, one per brick, in the
+/// volume's brick order (GlusterFS's `VOLUME-client-N` is brick N).
+#[derive(Debug)]
+pub struct Distribute<L: Layer> {
+    bricks: Vec<L>,
+    /// The volume's name: link files name bricks `VOLUME-client-N`.
+    volume: String,
+    munging: Munging,
+    layouts: Mutex<lru::LruCache<Gfid, Arc<Layout>>>,
+    homes: Mutex<lru::LruCache<Gfid, Home>>,
+    /// Never sent on: no leases through this layer.
+    events: broadcast::Sender<LayerEvent>,
+    healed: Healed,
+}
+
+/// This layer's handle on an open file (its brick's fd) or directory (every brick's).
+#[derive(Debug)]
+pub enum DistFd<F> {
+    File { brick: usize, fd: F },
+    Dir(DirFds<F>),
+}
+
+impl<L: Layer> Distribute<L> {
+    /// The layer over `bricks` of volume `volume` (at least one).
+    pub fn new(bricks: Vec<L>, volume: &str) -> Result<Distribute<L>, Error> {
+        if bricks.is_empty() {
+            return Err(Error::Misuse("a distributed volume needs a brick".into()));
+        }
+        Ok(Distribute {
+            bricks,
+            volume: volume.to_owned(),
+            munging: Munging::default(),
+            layouts: Mutex::new(lru::LruCache::new(capacity(LAYOUTS_MAX))),
+            homes: Mutex::new(lru::LruCache::new(capacity(HOMES_MAX))),
+            events: broadcast::channel(1).0,
+            healed: Healed::default(),
+        })
+    }
+
+    /// The bricks below, in order.
+    pub fn bricks(&self) -> &[L] {
+        &self.bricks
+    }
+
+    /// The layout of directory `dir`: cached, else read from every brick; a directory with
+    /// no layout on any brick (a volume's fresh root) is given one.
+    pub async fn layout(&self, dir: Gfid) -> Result<Arc<Layout>, Error> {
+        if let Some(layout) = lock(&self.layouts).get(&dir) {
+            return Ok(layout.clone());
+        }
+        let mut disks = Vec::with_capacity(self.bricks.len());
+        for brick in &self.bricks {
+            disks.push(read_disk_layout(brick, dir).await?);
+        }
+        let layout = if disks.iter().all(Option::is_none) {
+            self.write_new_layout(dir).await?
+        } else {
+            Layout::from_disk(&disks).map_err(|e| layout_error(dir, &e))?
+        };
+        let layout = Arc::new(layout);
+        lock(&self.layouts).put(dir, layout.clone());
+        Ok(layout)
+    }
+
+    /// The brick `name` hashes to in directory `parent`.
+    async fn hashed(&self, parent: Gfid, name: &Name) -> Result<(usize, Arc<Layout>), Error> {
+        let layout = self.layout(parent).await?;
+        match layout.hashed_brick(name.as_bytes(), self.munging) {
+            Some(brick) => Ok((brick, layout)),
+            // A hole: GlusterFS answers EIO until the layout is healed.
+            None => Err(Error::Fop(ErrorCode::Io)),
+        }
+    }
+
+    /// Remembers where the object `iatt` describes lives, found on brick `brick`.
+    fn note_home(&self, iatt: &Iatt, brick: usize) -> Home {
+        let home = match iatt.file_type {
+            FileType::Directory => Home::Everywhere,
+            _ => Home::Brick(brick),
+        };
+        lock(&self.homes).put(iatt.gfid, home);
+        home
+    }
+
+    /// Where object `gfid` lives: remembered, else found by asking every brick.
+    async fn home(&self, creds: &Creds, gfid: Gfid) -> Result<Home, Error> {
+        if gfid.is_root() {
+            return Ok(Home::Everywhere);
+        }
+        if let Some(home) = lock(&self.homes).get(&gfid) {
+            return Ok(*home);
+        }
+        let mut failure = Error::Fop(ErrorCode::Stale);
+        for (i, brick) in self.bricks.iter().enumerate() {
+            match brick.stat(creds, gfid).await {
+                Ok(iatt) if !is_link_file(&iatt) => return Ok(self.note_home(&iatt, i)),
+                Ok(_) | Err(Error::Fop(ErrorCode::Stale | ErrorCode::NoEnt)) => {}
+                Err(e) => failure = e,
+            }
+        }
+        Err(failure)
+    }
+
+    /// Runs `fop` on brick `home` of the object it names, or on every brick for a directory
+    /// (the first brick's answer; a directory missing on another brick is skipped).
+    async fn on_object(
+        &self,
+        creds: &Creds,
+        gfid: Gfid,
+        fop: FopRequest,
+    ) -> Result<FopReply, Error> {
+        match self.home(creds, gfid).await? {
+            Home::Brick(b) => self.bricks[b].call(creds, fop).await,
+            Home::Everywhere if changes_object(&fop) => {
+                let first = self.bricks[0].call(creds, fop.clone()).await?;
+                for brick in &self.bricks[1..] {
+                    match brick.call(creds, fop.clone()).await {
+                        Ok(_) | Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => {}
+                        Err(e) => return Err(e),
+                    }
+                }
+                Ok(first)
+            }
+            Home::Everywhere => {
+                let reply = self.bricks[0].call(creds, fop).await?;
+                self.merged_dir(creds, reply, 0).await
+            }
+        }
+    }
+
+    /// STATFS: the bricks' sums, in the first brick's block size.
+    async fn statfs(&self, creds: &Creds, fop: FopRequest) -> Result<FopReply, Error> {
+        let mut total: Option<FsStats> = None;
+        for brick in &self.bricks {
+            let FopReply::Statfs(r) = brick.call(creds, fop.clone()).await? else {
+                return Err(Error::Protocol("a STATFS answered otherwise".into()));
+            };
+            total = Some(match total {
+                None => r.stats,
+                Some(sum) => add_stats(&sum, &r.stats),
+            });
+        }
+        let stats = total.ok_or(Error::Fop(ErrorCode::Io))?;
+        Ok(FopReply::Statfs(kiln_wire::StatfsReply { stats }))
+    }
+}
+
+impl<L: Layer> Layer for Distribute<L> {
+    type Fd = DistFd<L::Fd>;
+
+    async fn call(&self, creds: &Creds, fop: FopRequest) -> Result<FopReply, Error> {
+        use FopRequest as Q;
+        match fop {
+            Q::Lookup(ref r) => {
+                let (parent, name) = (r.parent, r.name.clone());
+                let found = self.locate(creds, parent, &name, fop).await?;
+                self.looked_up(creds, parent, &name, found).await
+            }
+            Q::LookupXattrs(ref r) => {
+                let (parent, name) = (r.parent, r.name.clone());
+                let found = self.locate(creds, parent, &name, fop).await?;
+                self.looked_up(creds, parent, &name, found).await
+            }
+            Q::Mknod(ref r) => {
+                let (parent, name) = (r.parent, r.name.clone());
+                self.make_file(creds, parent, &name, fop).await
+            }
+            Q::Symlink(ref r) => {
+                let (parent, name) = (r.parent, r.name.clone());
+                self.make_file(creds, parent, &name, fop).await
+            }
+            Q::Put(ref r) => {
+                let (parent, name) = (r.parent, r.name.clone());
+                self.make_file(creds, parent, &name, fop).await
+            }
+            Q::Mkdir(r) => self.mkdir(creds, r).await,
+            Q::Rmdir(r) => self.rmdir(creds, r).await,
+            Q::Unlink(r) => self.unlink(creds, r).await,
+            Q::Rename(r) => self.rename(creds, r).await,
+            Q::Link(r) => self.link(creds, r).await,
+            Q::Statfs(_) => self.statfs(creds, fop).await,
+            Q::Lease(_) => Err(Error::Fop(ErrorCode::NotSupported)),
+            Q::Stat(ref r) => self.on_object(creds, r.gfid, fop.clone()).await,
+            Q::Access(ref r) => self.on_object(creds, r.gfid, fop.clone()).await,
+            Q::Readlink(ref r) => self.on_object(creds, r.gfid, fop.clone()).await,
+            Q::Setxattr(ref r) => self.on_object(creds, r.gfid, fop.clone()).await,
+            Q::Getxattr(ref r) => self.on_object(creds, r.gfid, fop.clone()).await,
+            Q::Listxattr(ref r) => self.on_object(creds, r.gfid, fop.clone()).await,
+            Q::Removexattr(ref r) => self.on_object(creds, r.gfid, fop.clone()).await,
+            Q::Setattr(ref r) => self.on_object(creds, r.gfid, fop.clone()).await,
+            Q::Truncate(ref r) => self.on_object(creds, r.gfid, fop.clone()).await,
+            Q::Get(ref r) => self.on_object(creds, r.gfid, fop.clone()).await,
+            other => Err(Error::Misuse(format!(
+                "{} through Layer::call, which takes fops that name no fd and open nothing",
+                other.code().name()
+            ))),
+        }
+    }
+
+    async fn open(
+        &self,
+        creds: &Creds,
+        gfid: Gfid,
+        access: AccessMode,
+        flags: OpenFlags,
+    ) -> Result<Self::Fd, Error> {
+        let brick = match self.home(creds, gfid).await? {
+            Home::Brick(b) => b,
+            Home::Everywhere => return Err(Error::Fop(ErrorCode::IsDir)),
+        };
+        let fd = self.bricks[brick].open(creds, gfid, access, flags).await?;
+        Ok(DistFd::File { brick, fd })
+    }
+
+    async fn create(
+        &self,
+        creds: &Creds,
+        create: kiln_wire::Create,
+    ) -> Result<(Self::Fd, EntryReply), Error> {
+        let (brick, _) = self.hashed(create.parent, &create.name).await?;
+        let (fd, entry) = self.bricks[brick].create(creds, create).await?;
+        self.note_home(&entry.iatt, brick);
+        Ok((DistFd::File { brick, fd }, entry))
+    }
+
+    async fn opendir(&self, creds: &Creds, gfid: Gfid) -> Result<Self::Fd, Error> {
+        let mut fds = Vec::with_capacity(self.bricks.len());
+        let mut failure = None;
+        for brick in &self.bricks {
+            match brick.opendir(creds, gfid).await {
+                Ok(fd) => fds.push(Some(fd)),
+                Err(e) => {
+                    fds.push(None);
+                    failure = Some(e);
+                }
+            }
+        }
+        match (fds.iter().any(Option::is_some), failure) {
+            (false, Some(e)) => Err(e),
+            _ => Ok(DistFd::Dir(DirFds {
+                fds,
+                offsets: Mutex::new(Vec::new()),
+            })),
+        }
+    }
+
+    async fn call_fd(&self, creds: &Creds, fd: &Self::Fd, fop: FdFop) -> Result<FopReply, Error> {
+        match fd {
+            DistFd::File { brick, fd } => self.bricks[*brick].call_fd(creds, fd, fop).await,
+            DistFd::Dir(fds) => self.call_dir(creds, fds, fop).await,
+        }
+    }
+
+    async fn release(&self, creds: &Creds, fd: Self::Fd) -> Result<(), Error> {
+        match fd {
+            DistFd::File { brick, fd } => self.bricks[brick].release(creds, fd).await,
+            DistFd::Dir(fds) => {
+                let mut result = Ok(());
+                for (brick, fd) in fds.fds.into_iter().enumerate() {
+                    if let Some(fd) = fd {
+                        result = result.and(self.bricks[brick].release(creds, fd).await);
+                    }
+                }
+                result
+            }
+        }
+    }
+
+    /// One fop after another through [`Layer::call`]: each may need several bricks.
+    async fn batch(&self, batch: Batch) -> Result<BatchReply, Error> {
+        batch_one_by_one(self, &batch).await
+    }
+
+    fn leases(&self) -> bool {
+        false
+    }
+
+    fn events(&self) -> broadcast::Receiver<LayerEvent> {
+        self.events.subscribe()
+    }
+}
+
+/// Whether `fop` changes the object it names (and so must reach every copy of a directory).
+fn changes_object(fop: &FopRequest) -> bool {
+    matches!(
+        fop.code(),
+        FopCode::Setattr | FopCode::Setxattr | FopCode::Removexattr | FopCode::Truncate
+    )
+}
+
+/// A link file: a regular file with the sticky bit and no permission bits, and no data.
+fn is_link_file(iatt: &Iatt) -> bool {
+    iatt.file_type == FileType::Regular && iatt.mode.bits() == LINK_FILE_MODE && iatt.size == 0
+}
+
+/// The entry a LOOKUP or a create answered with.
+fn entry_iatt(reply: &FopReply) -> Result<&Iatt, Error> {
+    match reply {
+        FopReply::Lookup(r) => Ok(&r.iatt),
+        FopReply::LookupXattrs(r) => Ok(&r.iatt),
+        FopReply::Mknod(r) | FopReply::Symlink(r) | FopReply::Put(r) => Ok(&r.iatt),
+        other => Err(unexpected(other)),
+    }
+}
+
+/// The layout one brick's copy of directory `dir` carries, if any.
+async fn read_disk_layout<L: Layer>(brick: &L, dir: Gfid) -> Result<Option<DiskLayout>, Error> {
+    let get = kiln_wire::Getxattr {
+        gfid: dir,
+        name: xattr_name(XATTR_NAME),
+    };
+    match brick.call(&Creds::root(), get.into()).await {
+        Ok(FopReply::Getxattr(r)) => DiskLayout::decode(r.value.as_bytes())
+            .map(Some)
+            .map_err(|e| layout_error(dir, &e)),
+        Ok(other) => Err(unexpected(&other)),
+        Err(Error::Fop(ErrorCode::NoData | ErrorCode::NoEnt | ErrorCode::Stale)) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+fn add_stats(sum: &FsStats, more: &FsStats) -> FsStats {
+    // In the first brick's fragment size.
+    let scale = |blocks: u64| {
+        let bytes = u128::from(blocks) * u128::from(more.frsize.max(1));
+        u64::try_from(bytes / u128::from(sum.frsize.max(1))).unwrap_or(u64::MAX)
+    };
+    FsStats {
+        blocks: sum.blocks.saturating_add(scale(more.blocks)),
+        bfree: sum.bfree.saturating_add(scale(more.bfree)),
+        bavail: sum.bavail.saturating_add(scale(more.bavail)),
+        files: sum.files.saturating_add(more.files),
+        ffree: sum.ffree.saturating_add(more.ffree),
+        favail: sum.favail.saturating_add(more.favail),
+        namemax: sum.namemax.min(more.namemax),
+        ..*sum
+    }
+}
+
+fn xattr_name(name: &'static str) -> XattrName {
+    XattrName::new(Bytes::from_static(name.as_bytes()))
+        .unwrap_or_else(|_| unreachable!("{name} is a valid xattr name"))
+}
+
+fn layout_error(dir: Gfid, e: &super::Error) -> Error {
+    tracing::warn!(%dir, error = %e, "a directory's layout is unusable");
+    Error::Fop(ErrorCode::Io)
+}
+
+fn unexpected(reply: &FopReply) -> Error {
+    Error::Protocol(format!("an unexpected {} reply", reply.code().name()))
+}
+
+fn capacity(entries: usize) -> NonZeroUsize {
+    NonZeroUsize::new(entries).unwrap_or(NonZeroUsize::MIN)
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // Every update is one step: a panic elsewhere leaves the caches consistent.
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn link_files_are_told_by_mode_and_size() {
+        let mut iatt = Iatt {
+            gfid: Gfid::ROOT,
+            ino: 1,
+            file_type: FileType::Regular,
+            mode: Mode::new(LINK_FILE_MODE).expect("mode"),
+            nlink: 1,
+            uid: 0,
+            gid: 0,
+            rdev: 0,
+            size: 0,
+            blocks: 0,
+            blksize: 4096,
+            atime: kiln_wire::Timespec::default(),
+            mtime: kiln_wire::Timespec::default(),
+            ctime: kiln_wire::Timespec::default(),
+        };
+        assert!(is_link_file(&iatt));
+        iatt.size = 1;
+        assert!(!is_link_file(&iatt));
+        iatt.size = 0;
+        iatt.mode = Mode::new(0o1644).expect("mode");
+        assert!(!is_link_file(&iatt));
+    }
+}
