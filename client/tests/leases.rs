@@ -200,6 +200,30 @@ fn a_recall_drops_what_the_holder_s_kernel_cached() {
 }
 
 #[test]
+fn a_recall_drops_the_names_the_holder_s_kernel_cached() {
+    // Entries and absences cached for a minute: only the recall can make the first mount's
+    // kernel ask again.
+    let long = [
+        "attr-timeout-ms=60000",
+        "entry-timeout-ms=60000",
+        "negative-timeout-ms=60000",
+    ];
+    let a = Mounted::with_brick(&["--lease-recall-timeout-ms", RECALL_TIMEOUT_MS], &long);
+    let b = a.another("b", &[]);
+    fs::create_dir(a.path("d")).expect("mkdir");
+    fs::write(a.path("d/gone"), b"x").expect("write");
+    assert!(!a.path("d/new").exists(), "absent, and cached so");
+    assert!(a.path("d/gone").exists(), "present, and cached so");
+    fs::write(b.path("d/new"), b"made in b").expect("create in b");
+    fs::remove_file(b.path("d/gone")).expect("unlink in b");
+    assert_eq!(
+        fs::read(a.path("d/new")).expect("seen in a at once"),
+        b"made in b"
+    );
+    assert!(!a.path("d/gone").exists(), "gone in a at once");
+}
+
+#[test]
 fn tar_reads_back_a_tree_the_mount_made_without_seeing_it_change() {
     // The listing's attributes (from the brick) and a stat's (the mount's description of what
     // it made) must be one version: tar compares them around each read.

@@ -35,6 +35,9 @@ struct Held {
     /// Counts the changes to `entries`: a listing that began before one does not make the
     /// entries complete.
     generation: u64,
+    /// Names the kernel was told are absent (a negative entry it caches), to be dropped from
+    /// its cache when the lease goes; at most [`TOLD_ABSENT_MAX`].
+    told_absent: HashSet<Name>,
 }
 
 impl Held {
@@ -44,6 +47,7 @@ impl Held {
             entries: HashMap::new(),
             complete,
             generation: 0,
+            told_absent: HashSet::new(),
         }
     }
 }
@@ -60,6 +64,9 @@ struct State {
 /// Early recalls remembered at most; past it the oldest knowledge is dropped (a grant it
 /// would have stopped is then taken, and the brick revokes it after its bound).
 const RECALLED_UNHELD_MAX: usize = 4096;
+/// Names per held directory the kernel may cache as absent; past it, absent answers there
+/// are not cached.
+const TOLD_ABSENT_MAX: usize = 4096;
 
 /// What a held directory says about a name.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -187,6 +194,42 @@ impl Leases {
         let mut state = self.lock();
         state.dirs.clear();
         state.local.drain().map(|(gfid, _)| gfid).collect()
+    }
+
+    /// Notes that the kernel is told `name` is absent in `dir` (and caches that); whether it
+    /// may be — false when `dir` is held and too many such names are noted already, so
+    /// that the answer must not be cached (its recall could not drop it).
+    pub(super) fn told_absent(&self, dir: &Gfid, name: &Name) -> bool {
+        match self.lock().dirs.get_mut(dir) {
+            None => true,
+            Some(held) if held.told_absent.len() < TOLD_ABSENT_MAX => {
+                held.told_absent.insert(name.clone());
+                true
+            }
+            Some(held) => held.told_absent.contains(name),
+        }
+    }
+
+    /// The names in held directory `dir` the kernel may cache (as entries or as absent):
+    /// what it must forget when the lease goes.
+    pub(super) fn names_told(&self, dir: &Gfid) -> Vec<Name> {
+        let state = self.lock();
+        let Some(held) = state.dirs.get(dir) else {
+            return Vec::new();
+        };
+        held.entries
+            .keys()
+            .chain(&held.told_absent)
+            .cloned()
+            .collect()
+    }
+
+    /// [`Leases::names_told`] of every held directory.
+    pub(super) fn all_names_told(&self) -> Vec<(Gfid, Vec<Name>)> {
+        let dirs: Vec<Gfid> = self.lock().dirs.keys().copied().collect();
+        dirs.into_iter()
+            .map(|dir| (dir, self.names_told(&dir)))
+            .collect()
     }
 
     /// What held directory `dir` has under `name`.
@@ -341,6 +384,29 @@ mod tests {
 
     fn name(s: &str) -> Name {
         Name::new(s.to_owned()).expect("name")
+    }
+
+    #[test]
+    fn names_told_are_bounded_and_listed_for_the_recall() {
+        let leases = Leases::default();
+        assert!(
+            leases.told_absent(&gfid(1), &name("x")),
+            "not held: nothing to track"
+        );
+        assert!(leases.names_told(&gfid(1)).is_empty());
+        leases.hold_new(gfid(1));
+        leases.add_entry(&gfid(1), &name("a"), gfid(2));
+        for i in 0..TOLD_ABSENT_MAX {
+            assert!(leases.told_absent(&gfid(1), &name(&format!("n{i}"))));
+        }
+        assert!(!leases.told_absent(&gfid(1), &name("one-too-many")));
+        assert!(leases.told_absent(&gfid(1), &name("n7")), "already noted");
+        let told = leases.names_told(&gfid(1));
+        assert_eq!(told.len(), TOLD_ABSENT_MAX + 1);
+        assert!(told.contains(&name("a")) && told.contains(&name("n0")));
+        assert_eq!(leases.all_names_told().len(), 1);
+        leases.release(&gfid(1));
+        assert!(leases.names_told(&gfid(1)).is_empty());
     }
 
     #[test]

@@ -606,11 +606,13 @@ impl<L: Layer> Shared<L> {
         loop {
             match events.recv().await {
                 Ok(LayerEvent::Recall(recall)) => {
-                    // What the kernel was told from the mount's descriptions goes stale with
-                    // the lease: another client is about to change it.
+                    // What the kernel was told from the mount's descriptions and entries goes
+                    // stale with the lease: another client is about to change it.
                     let described = self.leases.described_in(&recall.gfid);
+                    let names = self.leases.names_told(&recall.gfid);
                     let held = self.leases.release(&recall.gfid);
                     self.invalidate_attrs(&described).await;
+                    self.invalidate_entries(&recall.gfid, names).await;
                     let give_back = Lease {
                         gfid: recall.gfid,
                         kind: recall.kind,
@@ -637,8 +639,12 @@ impl<L: Layer> Shared<L> {
                 }
                 Ok(LayerEvent::LeasesLost)
                 | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
+                    let names = self.leases.all_names_told();
                     let described = self.leases.release_all();
                     self.invalidate_attrs(&described).await;
+                    for (dir, names) in names {
+                        self.invalidate_entries(&dir, names).await;
+                    }
                 }
                 Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
             }

@@ -77,6 +77,27 @@ impl<L: Layer> Shared<L> {
         let _ = dropped.await;
     }
 
+    /// Has the kernel drop what it caches of `names` in directory `dir` (entries and
+    /// absences); returns once it has, off the runtime's threads like
+    /// [`Shared::invalidate_attrs`].
+    pub(super) async fn invalidate_entries(&self, dir: &Gfid, names: Vec<kiln_wire::Name>) {
+        let (Some(kernel), Some(parent)) = (self.kernel.get().cloned(), self.inodes.ino_of(dir))
+        else {
+            return;
+        };
+        if names.is_empty() {
+            return;
+        }
+        let dropped = tokio::task::spawn_blocking(move || {
+            use std::os::unix::ffi::OsStrExt;
+            for name in names {
+                let name = OsStr::from_bytes(name.as_bytes());
+                let _ = kernel.inval_entry(fuser::INodeNo(parent), name);
+            }
+        });
+        let _ = dropped.await;
+    }
+
     /// The GFID of node `ino`; ESTALE for a node the kernel has forgotten.
     pub(super) fn gfid(&self, ino: u64) -> Result<Gfid> {
         self.inodes.gfid(ino).ok_or(Errno::ESTALE)
@@ -183,7 +204,9 @@ impl<L: Layer> Shared<L> {
         let negative = !self.options.negative_timeout.is_zero();
         match self.leases.lookup(&lookup.parent, &lookup.name) {
             // A held directory knows all its names.
-            Answer::Absent if negative => return Ok(None),
+            Answer::Absent if negative && self.leases.told_absent(&lookup.parent, &lookup.name) => {
+                return Ok(None);
+            }
             Answer::Absent => return Err(Errno::ENOENT),
             Answer::Present(gfid) => {
                 if let Some(local) = self.leases.local(&gfid) {
@@ -193,6 +216,7 @@ impl<L: Layer> Shared<L> {
             Answer::Unknown => {}
         }
         self.behind.settle(&lookup.parent).await;
+        let (parent, name) = (lookup.parent, lookup.name.clone());
         match self.layer.call(c, lookup.into()).await {
             Ok(FopReply::LookupXattrs(r)) => {
                 let (attr, ttl) = self.entry(&r.iatt);
@@ -200,7 +224,11 @@ impl<L: Layer> Shared<L> {
                 Ok(Some((attr, ttl)))
             }
             Ok(other) => Err(unexpected(&other)),
-            Err(Error::Fop(ErrorCode::NoEnt)) if negative => Ok(None),
+            Err(Error::Fop(ErrorCode::NoEnt))
+                if negative && self.leases.told_absent(&parent, &name) =>
+            {
+                Ok(None)
+            }
             Err(e) => Err(errno(e)),
         }
     }
