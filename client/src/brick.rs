@@ -241,7 +241,10 @@ impl BrickClient {
                 let read = self.send(live, creds, kiln_wire::Read { fd, offset, size }.into());
                 let read = read.await;
                 let release = kiln_wire::Release { fd };
-                self.send(live, creds, release.into()).await?;
+                if let Err(e) = self.send(live, creds, release.into()).await {
+                    // The data read stands; the fd goes with the session at the latest.
+                    tracing::debug!(error = %e, "release after a GET's read failed");
+                }
                 match read? {
                     FopReply::Read(r) => Ok(FopReply::Get(r)),
                     _ => Err(unexpected("READ")),

@@ -466,3 +466,77 @@ fn lookup_heals_missing_directory_copies_and_layout_holes() {
         common::assert_brick_checks_clean(volume.brick(i));
     }
 }
+
+/// What looks like a link file without being one is a file; an exchange across bricks is
+/// refused with both files intact; a layer that knows fewer bricks than the layouts name (a
+/// mount older than an add-brick) leaves the layouts alone.
+#[test]
+fn look_alike_link_files_exchanges_and_older_mounts() {
+    let volume = Volume::start();
+    let rt = runtime();
+    let creds = Creds::root();
+    rt.block_on(async {
+        let v = volume.connect().await;
+        let dir = v.mkdir_all(&creds, "/d", 0o755).await.expect("mkdir");
+        let layout = v.layout(dir.gfid).await.expect("layout");
+        let hashed = |n: &str| {
+            layout
+                .hashed_brick(n.as_bytes(), Munging::default())
+                .expect("brick")
+        };
+
+        // `touch sticky; chmod 1000 sticky`: empty, mode 01000, no linkto xattr.
+        v.put(&creds, "/d/sticky", Bytes::new(), 0o1000)
+            .await
+            .expect("put");
+        let listed = v.read_dir(&creds, dir.gfid).await.expect("readdir");
+        assert!(
+            listed.iter().any(|e| e.name.as_bytes() == b"sticky"),
+            "{listed:?}"
+        );
+        let sticky = v.resolve(&creds, "/d/sticky").await.expect("lookup");
+        assert_eq!((sticky.mode.bits(), sticky.size), (0o1000, 0));
+
+        // Two files on two bricks: RENAME_EXCHANGE would need link files.
+        let a = "a0";
+        let b = (1..)
+            .map(|i| format!("b{i}"))
+            .find(|n| hashed(n) != hashed(a))
+            .expect("b");
+        v.put(&creds, &format!("/d/{a}"), Bytes::from_static(b"A"), 0o644)
+            .await
+            .expect("a");
+        v.put(&creds, &format!("/d/{b}"), Bytes::from_static(b"B"), 0o644)
+            .await
+            .expect("b");
+        let exchange = kiln_wire::Rename {
+            old_parent: dir.gfid,
+            old_name: name(a),
+            new_parent: dir.gfid,
+            new_name: name(&b),
+            mode: RenameMode::Exchange,
+        };
+        let refused = v.call(&creds, exchange.into()).await.expect_err("exchange");
+        assert_eq!(refused, Error::Fop(ErrorCode::CrossDevice));
+        assert_eq!(
+            v.read_to_end(&creds, &format!("/d/{a}")).await.expect("a"),
+            b"A"
+        );
+        assert_eq!(
+            v.read_to_end(&creds, &format!("/d/{b}")).await.expect("b"),
+            b"B"
+        );
+
+        // A layer over the first two bricks only: /d's layout has a hole where brick 2's
+        // share is, and that is no reason to rebuild it.
+        let before = xattr(&volume.brick(2).join("d"), XATTR_NAME).expect("brick 2's share");
+        let older = Distribute::new(v.bricks()[..2].to_vec(), "dist").expect("layer");
+        older.resolve(&creds, "/d").await.expect("lookup");
+        older.heal_tree(&creds).await.expect("heal walk");
+        assert_eq!(older.healed(), (0, 0));
+        assert_eq!(xattr(&volume.brick(2).join("d"), XATTR_NAME), Some(before));
+        for brick in v.bricks() {
+            brick.close().await;
+        }
+    });
+}

@@ -107,7 +107,6 @@ impl Cluster {
             .ok_or_else(|| ConfigError::NoSuchVolume(name.to_owned()))
     }
 
-    /// The lowest free brick port at or above `from`.
     /// Whether `brick` may join volume `volume`, which has `siblings` so far: an absolute
     /// path, and a path and a port no brick uses yet.
     fn check_new_brick(
@@ -149,6 +148,7 @@ impl Cluster {
         Ok(())
     }
 
+    /// The lowest free brick port at or above `from`.
     pub fn free_port(&self, from: u16, taken_now: &[u16]) -> u16 {
         let used: Vec<u16> = self
             .volumes

@@ -4,9 +4,11 @@
 //! operands and exits 1 if any failed.
 
 use std::io::{Read as _, Write as _};
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use anyhow::Context as _;
 use bytes::Bytes;
 use clap::Subcommand;
 use kiln_client::path::{components, new_gfid};
@@ -124,6 +126,23 @@ pub(crate) async fn connect(global: &Global) -> Result<BrickClient, Error> {
         options.server_name.clone_from(name);
     }
     BrickClient::connect(options).await
+}
+
+/// A brick client for each of `addrs` (a volume's bricks, in order), as [`connect`] makes one.
+pub(crate) async fn connect_all(
+    global: &Global,
+    addrs: &[SocketAddr],
+) -> anyhow::Result<Vec<BrickClient>> {
+    let mut bricks = Vec::with_capacity(addrs.len());
+    for &addr in addrs {
+        let mut connect_to = global.clone();
+        connect_to.brick_addr = addr;
+        let brick = connect(&connect_to)
+            .await
+            .with_context(|| format!("cannot reach brick {addr}"))?;
+        bricks.push(brick);
+    }
+    Ok(bricks)
 }
 
 /// Prints `kiln: <what>: <error>` and counts one failure.

@@ -16,15 +16,9 @@ pub(crate) fn run(global: &Global, name: &str, json: bool) -> anyhow::Result<()>
         .build()
         .context("cannot start the runtime")?;
     let report = runtime.block_on(async {
-        let mut bricks = Vec::with_capacity(volume.bricks.len());
-        for addr in &volume.bricks {
-            let mut connect_to = global.clone();
-            connect_to.brick_addr = *addr;
-            let brick = crate::files::connect(&connect_to)
-                .await
-                .with_context(|| format!("cannot reach brick {addr} of {name}"))?;
-            bricks.push(brick);
-        }
+        let bricks = crate::files::connect_all(global, &volume.bricks)
+            .await
+            .with_context(|| format!("cannot heal {name}"))?;
         let distribute = Distribute::new(bricks.clone(), name)?;
         let report = distribute.heal_tree(&Creds::root()).await;
         for brick in bricks {
@@ -40,12 +34,19 @@ pub(crate) fn run(global: &Global, name: &str, json: bool) -> anyhow::Result<()>
                 "directories": report.dirs,
                 "copies_made": report.copies_made,
                 "layouts_healed": report.layouts_healed,
+                "failed": report.failed,
             })
         );
     } else {
         println!(
             "{name}: {} directories looked at, {} missing copies made, {} layouts healed",
             report.dirs, report.copies_made, report.layouts_healed
+        );
+    }
+    if report.failed > 0 {
+        anyhow::bail!(
+            "{} directories of {name} could not be healed (see the log)",
+            report.failed
         );
     }
     Ok(())

@@ -145,15 +145,9 @@ async fn serve(
     };
     // The client stack this volume needs: a brick client per brick, and over several a
     // distribution layer.
-    let mut bricks = Vec::with_capacity(brick_addrs.len());
-    for addr in brick_addrs {
-        let mut connect_to = global.clone();
-        connect_to.brick_addr = addr;
-        let brick = crate::files::connect(&connect_to)
-            .await
-            .with_context(|| format!("cannot mount {}: brick {addr}", args.source))?;
-        bricks.push(brick);
-    }
+    let bricks = crate::files::connect_all(global, &brick_addrs)
+        .await
+        .with_context(|| format!("cannot mount {}", args.source))?;
     let runtime = tokio::runtime::Handle::current();
     let mounted = match bricks.as_slice() {
         [brick] => mount::mount(runtime, brick.clone(), mountpoint, options),

@@ -1,6 +1,6 @@
-//! Open files: OPEN, READ (and GET, a read with no fd), WRITE, FSTAT, FSYNC, FALLOCATE (and DISCARD, ZEROFILL), FTRUNCATE,
-//! SEEK, LK, FLUSH, RELEASE. A file is reached through the session's fd table; data changes
-//! run as the caller.
+//! Open files: OPEN, READ (and GET, a read with no fd), WRITE, FSTAT, FSYNC, FALLOCATE (and
+//! DISCARD, ZEROFILL), FTRUNCATE, SEEK, LK, FLUSH, RELEASE. A file is reached through the
+//! session's fd table; data changes run as the caller.
 
 use std::sync::atomic::Ordering;
 

@@ -13,6 +13,8 @@ pub struct HealReport {
     pub copies_made: u64,
     /// Layouts rebuilt over every brick.
     pub layouts_healed: u64,
+    /// Directories that could not be listed or healed (each logged); the walk goes on.
+    pub failed: u64,
 }
 
 /// What the directory self-heal did, counted.
@@ -37,17 +39,23 @@ impl<L: Layer> Distribute<L> {
     /// Writes `layout` of directory `dir` to every brick's copy, and keeps it.
     pub(super) async fn store_layout(&self, dir: Gfid, layout: &Layout) -> Result<(), Error> {
         for brick in 0..self.bricks.len() {
-            if let Some(disk) = layout.disk_layout(brick) {
-                self.set_disk_layout(brick, dir, disk).await?;
+            let Some(disk) = layout.disk_layout(brick) else {
+                continue;
+            };
+            match self.set_disk_layout(brick, dir, disk).await {
+                // No copy there (a MKDIR that did not reach it): the next lookup makes it
+                // and writes its share.
+                Ok(()) | Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => {}
+                Err(e) => return Err(e),
             }
         }
         lock(&self.layouts).put(dir, Arc::new(layout.clone()));
         Ok(())
     }
 
-    /// Replaces the layout of directory `dir`, which has holes or overlaps or leaves a brick
-    /// out, by one over every brick that keeps as many hashes where they are as it can. It
-    /// is written uncommitted: names placed by the old one are still found (a miss on the
+    /// Replaces the layout of directory `dir`, which overlaps or leaves a brick out, by one
+    /// over every brick that keeps as many hashes where they are as it can. It is written
+    /// uncommitted: names placed by the old one are still found (a miss on the
     /// hashed brick asks every brick) until a rebalance moves them.
     pub(super) async fn heal_layout(&self, dir: Gfid, old: &Layout) -> Result<(), Error> {
         let weights = vec![1; self.bricks.len()];
@@ -147,8 +155,7 @@ impl<L: Layer> Distribute<L> {
             tracing::info!(dir = %found.iatt.gfid, brick, "made a directory's missing copy");
         }
         let layout = self.layout(found.iatt.gfid).await?;
-        let covers_every_brick = (0..self.bricks.len()).all(|b| layout.range(b).is_some());
-        if layout.check().is_err() || !covers_every_brick {
+        if self.needs_heal(&layout) {
             self.heal_layout(found.iatt.gfid, &layout).await?;
         }
         Ok(reply)
@@ -192,21 +199,34 @@ impl<L: Layer> Distribute<L> {
     pub async fn heal_tree(&self, creds: &Creds) -> Result<HealReport, Error> {
         let before = self.healed();
         let root = self.layout(Gfid::ROOT).await?;
-        let covers_every_brick = (0..self.bricks.len()).all(|b| root.range(b).is_some());
-        if root.check().is_err() || !covers_every_brick {
+        if self.needs_heal(&root) {
             self.heal_layout(Gfid::ROOT, &root).await?;
         }
-        let (mut pending, mut dirs) = (vec![Gfid::ROOT], 0);
+        let (mut pending, mut dirs, mut failed) = (vec![Gfid::ROOT], 0, 0);
         while let Some(dir) = pending.pop() {
             dirs += 1;
-            for entry in self.read_dir(creds, dir).await? {
-                if entry.iatt.file_type == FileType::Directory {
-                    let lookup = kiln_wire::Lookup {
-                        parent: dir,
-                        name: entry.name,
-                    };
-                    self.call(creds, lookup.into()).await?;
-                    pending.push(entry.iatt.gfid);
+            let entries = match self.read_dir(creds, dir).await {
+                Ok(entries) => entries,
+                Err(e) => {
+                    tracing::warn!(%dir, error = %e, "heal: a directory could not be listed");
+                    failed += 1;
+                    continue;
+                }
+            };
+            for entry in entries {
+                if entry.iatt.file_type != FileType::Directory {
+                    continue;
+                }
+                let lookup = kiln_wire::Lookup {
+                    parent: dir,
+                    name: entry.name,
+                };
+                match self.call(creds, lookup.into()).await {
+                    Ok(_) => pending.push(entry.iatt.gfid),
+                    Err(e) => {
+                        tracing::warn!(%dir, error = %e, "heal: a directory could not be healed");
+                        failed += 1;
+                    }
                 }
             }
         }
@@ -215,7 +235,17 @@ impl<L: Layer> Distribute<L> {
             dirs,
             copies_made: after.0 - before.0,
             layouts_healed: after.1 - before.1,
+            failed,
         })
+    }
+
+    /// Whether `layout` is to be rebuilt: one of this layer's bricks has no range in it, or
+    /// ranges overlap. Holes between the ranges of every brick are left alone: a brick this
+    /// layer does not know (added since it was made, as a mount older than an add-brick)
+    /// may hold them, and rebuilding would take its share away.
+    fn needs_heal(&self, layout: &Layout) -> bool {
+        let covers_every_brick = (0..self.bricks.len()).all(|b| layout.range(b).is_some());
+        !covers_every_brick || layout.anomalies().overlaps > 0
     }
 
     /// How many directory copies and layouts this layer has healed.

@@ -55,7 +55,9 @@ impl<L: Layer> Distribute<L> {
             let mut entries = Vec::new();
             for e in reply.entries {
                 let is_dir = e.iatt.file_type == FileType::Directory;
-                if is_link_file(&e.iatt) || (is_dir && Some(brick) != first) {
+                if (is_dir && Some(brick) != first)
+                    || self.link_file_target(brick, &e.iatt).await?.is_some()
+                {
                     continue;
                 }
                 self.note_home(&e.iatt, brick);

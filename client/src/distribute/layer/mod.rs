@@ -40,7 +40,7 @@ use bytes::Bytes;
 use kiln_wire::{
     AccessMode, Batch, BatchReply, Creds, DirEntry, DirEntryXattrs, EntryReply, ErrorCode,
     FileType, FopCode, FopReply, FopRequest, FsStats, Gfid, Iatt, Mode, Name, NodeType, OpenFlags,
-    ReaddirSize, ReaddirpXattrsReply, XattrName, XattrSetMode, XattrValue,
+    ReaddirSize, ReaddirpXattrsReply, RenameMode, XattrName, XattrSetMode, XattrValue,
 };
 use tokio::sync::broadcast;
 
@@ -171,7 +171,9 @@ impl<L: Layer> Distribute<L> {
         let mut failure = Error::Fop(ErrorCode::Stale);
         for (i, brick) in self.bricks.iter().enumerate() {
             match brick.stat(creds, gfid).await {
-                Ok(iatt) if !is_link_file(&iatt) => return Ok(self.note_home(&iatt, i)),
+                Ok(iatt) if self.link_file_target(i, &iatt).await?.is_none() => {
+                    return Ok(self.note_home(&iatt, i));
+                }
                 Ok(_) | Err(Error::Fop(ErrorCode::Stale | ErrorCode::NoEnt)) => {}
                 Err(e) => failure = e,
             }
@@ -261,6 +263,9 @@ impl<L: Layer> Layer for Distribute<L> {
             Q::Stat(ref r) => self.on_object(creds, r.gfid, fop.clone()).await,
             Q::Access(ref r) => self.on_object(creds, r.gfid, fop.clone()).await,
             Q::Readlink(ref r) => self.on_object(creds, r.gfid, fop.clone()).await,
+            // The layouts and link files are this layer's to write.
+            Q::Setxattr(ref r) if is_dht_xattr(&r.name) => Err(Error::Fop(ErrorCode::Perm)),
+            Q::Removexattr(ref r) if is_dht_xattr(&r.name) => Err(Error::Fop(ErrorCode::Perm)),
             Q::Setxattr(ref r) => self.on_object(creds, r.gfid, fop.clone()).await,
             Q::Getxattr(ref r) => self.on_object(creds, r.gfid, fop.clone()).await,
             Q::Listxattr(ref r) => self.on_object(creds, r.gfid, fop.clone()).await,
@@ -296,7 +301,21 @@ impl<L: Layer> Layer for Distribute<L> {
         create: kiln_wire::Create,
     ) -> Result<(Self::Fd, EntryReply), Error> {
         let (brick, _) = self.hashed(create.parent, &create.name).await?;
+        let (access, flags) = (create.access, create.flags);
         let (fd, entry) = self.bricks[brick].create(creds, create).await?;
+        // A create without EXCL opens a name that exists: one that is a link file is the
+        // file on another brick (the caller's kernel still thought the name free).
+        if let Some(home) = self.link_file_target(brick, &entry.iatt).await? {
+            let _ = self.bricks[brick].release(creds, fd).await;
+            let gfid = entry.iatt.gfid;
+            let fd = self.bricks[home].open(creds, gfid, access, flags).await?;
+            let iatt = self.bricks[home].stat(creds, gfid).await?;
+            self.note_home(&iatt, home);
+            return Ok((
+                DistFd::File { brick: home, fd },
+                EntryReply { iatt, ..entry },
+            ));
+        }
         self.note_home(&entry.iatt, brick);
         Ok((DistFd::File { brick, fd }, entry))
     }
@@ -366,8 +385,14 @@ fn changes_object(fop: &FopRequest) -> bool {
     )
 }
 
-/// A link file: a regular file with the sticky bit and no permission bits, and no data.
-fn is_link_file(iatt: &Iatt) -> bool {
+/// Whether `name` is one of DHT's own xattrs (a layout, a link file's target).
+fn is_dht_xattr(name: &XattrName) -> bool {
+    name.as_bytes() == XATTR_NAME.as_bytes() || name.as_bytes() == LINKTO_XATTR.as_bytes()
+}
+
+/// Whether `iatt` has a link file's looks: a regular file with the sticky bit and no
+/// permission bits, and no data (one is a link file if it also has the `linkto` xattr).
+fn looks_like_link_file(iatt: &Iatt) -> bool {
     iatt.file_type == FileType::Regular && iatt.mode.bits() == LINK_FILE_MODE && iatt.size == 0
 }
 
@@ -445,7 +470,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn link_files_are_told_by_mode_and_size() {
+    fn link_files_look_like_empty_sticky_files() {
         let mut iatt = Iatt {
             gfid: Gfid::ROOT,
             ino: 1,
@@ -462,11 +487,11 @@ mod tests {
             mtime: kiln_wire::Timespec::default(),
             ctime: kiln_wire::Timespec::default(),
         };
-        assert!(is_link_file(&iatt));
+        assert!(looks_like_link_file(&iatt));
         iatt.size = 1;
-        assert!(!is_link_file(&iatt));
+        assert!(!looks_like_link_file(&iatt));
         iatt.size = 0;
         iatt.mode = Mode::new(0o1644).expect("mode");
-        assert!(!is_link_file(&iatt));
+        assert!(!looks_like_link_file(&iatt));
     }
 }

@@ -27,7 +27,7 @@ impl<L: Layer> Distribute<L> {
         match self.bricks[hashed].call(creds, fop.clone()).await {
             Ok(reply) => {
                 let iatt = entry_iatt(&reply)?.clone();
-                if !is_link_file(&iatt) {
+                let Some(home) = self.link_file_target(hashed, &iatt).await? else {
                     self.note_home(&iatt, hashed);
                     return Ok(Located {
                         hashed,
@@ -35,8 +35,7 @@ impl<L: Layer> Distribute<L> {
                         reply,
                         iatt,
                     });
-                }
-                let home = self.link_target(hashed, iatt.gfid).await?;
+                };
                 let reply = self.bricks[home].call(creds, fop).await?;
                 let iatt = entry_iatt(&reply)?.clone();
                 self.note_home(&iatt, home);
@@ -72,7 +71,7 @@ impl<L: Layer> Distribute<L> {
             match brick.call(creds, fop.clone()).await {
                 Ok(reply) => {
                     let iatt = entry_iatt(&reply)?.clone();
-                    if !is_link_file(&iatt) {
+                    if self.link_file_target(i, &iatt).await?.is_none() {
                         self.note_home(&iatt, i);
                         return Ok(Located {
                             hashed,
@@ -89,17 +88,29 @@ impl<L: Layer> Distribute<L> {
         Err(Error::Fop(ErrorCode::NoEnt))
     }
 
-    /// The brick a link file on brick `on` (object `gfid`) points to.
-    pub(super) async fn link_target(&self, on: usize, gfid: Gfid) -> Result<usize, Error> {
+    /// The brick the link file `iatt` on brick `on` points to; `None` when it is no link
+    /// file (GlusterFS's `check_is_linkfile`: the mode and size of one, and its `linkto`
+    /// xattr — an empty file of mode 01000 is a file like any other).
+    pub(super) async fn link_file_target(
+        &self,
+        on: usize,
+        iatt: &Iatt,
+    ) -> Result<Option<usize>, Error> {
+        if !looks_like_link_file(iatt) {
+            return Ok(None);
+        }
         let get = kiln_wire::Getxattr {
-            gfid,
+            gfid: iatt.gfid,
             name: xattr_name(LINKTO_XATTR),
         };
-        let value = match self.bricks[on].call(&Creds::root(), get.into()).await? {
-            FopReply::Getxattr(r) => r.value,
-            other => return Err(unexpected(&other)),
+        let value = match self.bricks[on].call(&Creds::root(), get.into()).await {
+            Ok(FopReply::Getxattr(r)) => r.value,
+            Ok(other) => return Err(unexpected(&other)),
+            Err(Error::Fop(ErrorCode::NoData)) => return Ok(None),
+            Err(e) => return Err(e),
         };
         self.brick_named(value.as_bytes())
+            .map(Some)
             .ok_or_else(|| Error::Protocol(format!("a link file points to unknown {value:?}")))
     }
 
@@ -131,7 +142,7 @@ impl<L: Layer> Distribute<L> {
         // Another name of the object has a link file there already: one more name for it
         // (a GFID is one object per brick).
         if let Ok(iatt) = self.bricks[on].stat(&root, gfid).await
-            && is_link_file(&iatt)
+            && let Ok(Some(_)) = self.link_file_target(on, &iatt).await
         {
             let link = kiln_wire::Link {
                 gfid,
@@ -176,6 +187,15 @@ impl<L: Layer> Distribute<L> {
         }
     }
 
+    /// [`Distribute::remove_link_file`] of a link file whose name is gone from the brick it
+    /// pointed to: one left behind (the brick failed) is only logged — a lookup following it
+    /// finds nothing there, but it keeps its directory from being removed.
+    pub(super) async fn remove_stale_link_file(&self, on: usize, parent: Gfid, name: &Name) {
+        if let Err(e) = self.remove_link_file(on, parent, name).await {
+            tracing::warn!(brick = on, %parent, %name, error = %e, "a stale link file stays");
+        }
+    }
+
     /// A new name made on its hashed brick (MKNOD, SYMLINK, PUT).
     pub(super) async fn make_file(
         &self,
@@ -199,8 +219,8 @@ impl<L: Layer> Distribute<L> {
         let reply = self.bricks[hashed].call(creds, r.clone().into()).await?;
         for (i, brick) in self.bricks.iter().enumerate().filter(|(i, _)| *i != hashed) {
             if let Err(e) = brick.call(creds, r.clone().into()).await {
-                // GlusterFS heals a copy missing on a brick at its next lookup; this layer
-                // does not heal yet, so the gap stays until `kiln volume heal` exists.
+                // The next lookup of the directory makes the missing copy (and its share of
+                // the layout), as GlusterFS's self-heal does.
                 tracing::warn!(brick = i, error = %e, "mkdir did not reach every brick");
             }
         }
@@ -292,7 +312,8 @@ impl<L: Layer> Distribute<L> {
         };
         let reply = self.bricks[found.home].call(creds, unlink.into()).await?;
         if found.home != found.hashed {
-            self.remove_link_file(found.hashed, parent, name).await?;
+            self.remove_stale_link_file(found.hashed, parent, name)
+                .await;
         }
         if found.iatt.nlink <= 1 {
             lock(&self.homes).pop(&found.iatt.gfid);
@@ -300,9 +321,12 @@ impl<L: Layer> Distribute<L> {
         Ok(reply)
     }
 
-    /// RENAME. A directory is renamed on every brick; a file on the brick that holds it
-    /// (its data never moves), with a link file on the new name's hashed brick made first
-    /// when that is another one, and the old name's link file removed after.
+    /// RENAME. A directory is renamed on every brick; a file on the brick that holds it (its
+    /// data never moves) first, and then the other bricks are put right: a target living on
+    /// another brick removed there, a link file on the new name's hashed brick when that is
+    /// another one, the old name's link file removed. Nothing is changed before the rename
+    /// itself succeeds; a failure after it is returned (the rename happened). An EXCHANGE
+    /// that would need link files is refused with EXDEV.
     pub(super) async fn rename(
         &self,
         creds: &Creds,
@@ -327,56 +351,63 @@ impl<L: Layer> Distribute<L> {
             return self.rename_dir(creds, r).await;
         }
         let (new_hashed, _) = self.hashed(r.new_parent, &r.new_name).await?;
-        let target = self
+        let target = match self
             .locate(
                 creds,
                 r.new_parent,
                 &r.new_name,
                 lookup(r.new_parent, &r.new_name),
             )
-            .await;
-        match target {
-            // Two names of one file: nothing moves.
-            Ok(target) if target.iatt.gfid == source.iatt.gfid => {
-                return self.bricks[source.home].call(creds, r.into()).await;
-            }
-            // A target on another brick is removed first; the rest of the rules (a
-            // directory in the way, NOREPLACE) are the source brick's to apply.
-            Ok(target) if target.home != source.home => {
-                if r.mode == kiln_wire::RenameMode::NoReplace {
-                    return Err(Error::Fop(ErrorCode::Exist));
-                }
-                if target.iatt.file_type == FileType::Directory {
-                    return Err(Error::Fop(ErrorCode::IsDir));
-                }
-                self.unlink_located(creds, r.new_parent, &r.new_name, &target)
-                    .await?;
-            }
-            Ok(_) | Err(Error::Fop(ErrorCode::NoEnt)) => {}
+            .await
+        {
+            Ok(target) => Some(target),
+            Err(Error::Fop(ErrorCode::NoEnt)) => None,
             Err(e) => return Err(e),
+        };
+        let home = source.home;
+        if let Some(target) = &target {
+            if target.iatt.gfid == source.iatt.gfid {
+                // Two names of one file: nothing moves.
+                return self.bricks[home].call(creds, r.into()).await;
+            }
+            if r.mode == RenameMode::NoReplace {
+                return Err(Error::Fop(ErrorCode::Exist));
+            }
+            if target.home != home && target.iatt.file_type == FileType::Directory {
+                return Err(Error::Fop(ErrorCode::IsDir));
+            }
         }
-        let linked = new_hashed != source.home;
-        if linked {
+        let one_brick = source.hashed == home
+            && new_hashed == home
+            && target
+                .as_ref()
+                .is_none_or(|t| t.home == home && t.hashed == home);
+        if r.mode == RenameMode::Exchange && !one_brick {
+            return Err(Error::Fop(ErrorCode::CrossDevice));
+        }
+        let reply = self.bricks[home].call(creds, r.clone().into()).await?;
+        if let Some(target) = target.filter(|t| t.home != home) {
+            let unlink = kiln_wire::Unlink {
+                parent: r.new_parent,
+                name: r.new_name.clone(),
+            };
+            self.bricks[target.home].call(creds, unlink.into()).await?;
+        }
+        if new_hashed != home {
             self.remove_link_file(new_hashed, r.new_parent, &r.new_name)
                 .await?;
-            let gfid = source.iatt.gfid;
-            self.make_link_file(new_hashed, r.new_parent, &r.new_name, gfid, source.home)
-                .await?;
+            self.make_link_file(
+                new_hashed,
+                r.new_parent,
+                &r.new_name,
+                source.iatt.gfid,
+                home,
+            )
+            .await?;
         }
-        let reply = match self.bricks[source.home].call(creds, r.clone().into()).await {
-            Ok(reply) => reply,
-            Err(e) => {
-                if linked {
-                    let _ = self
-                        .remove_link_file(new_hashed, r.new_parent, &r.new_name)
-                        .await;
-                }
-                return Err(e);
-            }
-        };
-        if source.hashed != source.home {
-            self.remove_link_file(source.hashed, r.old_parent, &r.old_name)
-                .await?;
+        if source.hashed != home {
+            self.remove_stale_link_file(source.hashed, r.old_parent, &r.old_name)
+                .await;
         }
         Ok(reply)
     }
@@ -397,8 +428,17 @@ impl<L: Layer> Distribute<L> {
             .locate(creds, r.new_parent, &r.new_name, lookup.into())
             .await
         {
-            Ok(target) if target.iatt.file_type == FileType::Directory => {
-                if !self.read_dir(creds, target.iatt.gfid).await?.is_empty() {
+            // Emptiness is the bricks' to see, not the caller's (rename needs no read
+            // permission on the directory it replaces); an exchange replaces nothing.
+            Ok(target)
+                if target.iatt.file_type == FileType::Directory
+                    && r.mode != RenameMode::Exchange =>
+            {
+                if !self
+                    .read_dir(&Creds::root(), target.iatt.gfid)
+                    .await?
+                    .is_empty()
+                {
                     return Err(Error::Fop(ErrorCode::NotEmpty));
                 }
             }
