@@ -35,9 +35,10 @@ struct Held {
     /// Counts the changes to `entries`: a listing that began before one does not make the
     /// entries complete.
     generation: u64,
-    /// Names the kernel was told are absent (a negative entry it caches), to be dropped from
-    /// its cache when the lease goes; at most [`TOLD_ABSENT_MAX`].
-    told_absent: HashSet<Name>,
+    /// Names the kernel was told of besides `entries` (an entry or an absence the brick
+    /// answered, or an absence the lease did), to be dropped from its cache when the lease
+    /// goes; at most [`TOLD_NAMES_MAX`].
+    told: HashSet<Name>,
 }
 
 impl Held {
@@ -47,7 +48,7 @@ impl Held {
             entries: HashMap::new(),
             complete,
             generation: 0,
-            told_absent: HashSet::new(),
+            told: HashSet::new(),
         }
     }
 }
@@ -64,9 +65,9 @@ struct State {
 /// Early recalls remembered at most; past it the oldest knowledge is dropped (a grant it
 /// would have stopped is then taken, and the brick revokes it after its bound).
 const RECALLED_UNHELD_MAX: usize = 4096;
-/// Names per held directory the kernel may cache as absent; past it, absent answers there
-/// are not cached.
-const TOLD_ABSENT_MAX: usize = 4096;
+/// Names per held directory the kernel may cache besides the entries the lease knows; past
+/// it, answers there are given uncached.
+const TOLD_NAMES_MAX: usize = 4096;
 
 /// What a held directory says about a name.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -196,17 +197,17 @@ impl Leases {
         state.local.drain().map(|(gfid, _)| gfid).collect()
     }
 
-    /// Notes that the kernel is told `name` is absent in `dir` (and caches that); whether it
-    /// may be — false when `dir` is held and too many such names are noted already, so
-    /// that the answer must not be cached (its recall could not drop it).
-    pub(super) fn told_absent(&self, dir: &Gfid, name: &Name) -> bool {
+    /// Notes that the kernel is told of `name` in `dir` (an entry or an absence it caches);
+    /// whether it may cache it — false when `dir` is held and too many names are noted
+    /// already, so that the answer must go uncached (its recall could not drop it).
+    pub(super) fn tell(&self, dir: &Gfid, name: &Name) -> bool {
         match self.lock().dirs.get_mut(dir) {
             None => true,
-            Some(held) if held.told_absent.len() < TOLD_ABSENT_MAX => {
-                held.told_absent.insert(name.clone());
+            Some(held) if held.told.len() < TOLD_NAMES_MAX => {
+                held.told.insert(name.clone());
                 true
             }
-            Some(held) => held.told_absent.contains(name),
+            Some(held) => held.told.contains(name),
         }
     }
 
@@ -217,11 +218,7 @@ impl Leases {
         let Some(held) = state.dirs.get(dir) else {
             return Vec::new();
         };
-        held.entries
-            .keys()
-            .chain(&held.told_absent)
-            .cloned()
-            .collect()
+        held.entries.keys().chain(&held.told).cloned().collect()
     }
 
     /// [`Leases::names_told`] of every held directory.
@@ -390,19 +387,19 @@ mod tests {
     fn names_told_are_bounded_and_listed_for_the_recall() {
         let leases = Leases::default();
         assert!(
-            leases.told_absent(&gfid(1), &name("x")),
+            leases.tell(&gfid(1), &name("x")),
             "not held: nothing to track"
         );
         assert!(leases.names_told(&gfid(1)).is_empty());
         leases.hold_new(gfid(1));
         leases.add_entry(&gfid(1), &name("a"), gfid(2));
-        for i in 0..TOLD_ABSENT_MAX {
-            assert!(leases.told_absent(&gfid(1), &name(&format!("n{i}"))));
+        for i in 0..TOLD_NAMES_MAX {
+            assert!(leases.tell(&gfid(1), &name(&format!("n{i}"))));
         }
-        assert!(!leases.told_absent(&gfid(1), &name("one-too-many")));
-        assert!(leases.told_absent(&gfid(1), &name("n7")), "already noted");
+        assert!(!leases.tell(&gfid(1), &name("one-too-many")));
+        assert!(leases.tell(&gfid(1), &name("n7")), "already noted");
         let told = leases.names_told(&gfid(1));
-        assert_eq!(told.len(), TOLD_ABSENT_MAX + 1);
+        assert_eq!(told.len(), TOLD_NAMES_MAX + 1);
         assert!(told.contains(&name("a")) && told.contains(&name("n0")));
         assert_eq!(leases.all_names_told().len(), 1);
         leases.release(&gfid(1));

@@ -204,7 +204,7 @@ impl<L: Layer> Shared<L> {
         let negative = !self.options.negative_timeout.is_zero();
         match self.leases.lookup(&lookup.parent, &lookup.name) {
             // A held directory knows all its names.
-            Answer::Absent if negative && self.leases.told_absent(&lookup.parent, &lookup.name) => {
+            Answer::Absent if negative && self.leases.tell(&lookup.parent, &lookup.name) => {
                 return Ok(None);
             }
             Answer::Absent => return Err(Errno::ENOENT),
@@ -219,14 +219,15 @@ impl<L: Layer> Shared<L> {
         let (parent, name) = (lookup.parent, lookup.name.clone());
         match self.layer.call(c, lookup.into()).await {
             Ok(FopReply::LookupXattrs(r)) => {
-                let (attr, ttl) = self.entry(&r.iatt);
+                let (attr, mut ttl) = self.entry(&r.iatt);
                 self.note_xattrs(attr.ino.0, r.xattrs);
+                if !self.leases.tell(&parent, &name) {
+                    ttl.entry = Duration::ZERO;
+                }
                 Ok(Some((attr, ttl)))
             }
             Ok(other) => Err(unexpected(&other)),
-            Err(Error::Fop(ErrorCode::NoEnt))
-                if negative && self.leases.told_absent(&parent, &name) =>
-            {
+            Err(Error::Fop(ErrorCode::NoEnt)) if negative && self.leases.tell(&parent, &name) => {
                 Ok(None)
             }
             Err(e) => Err(errno(e)),
