@@ -209,10 +209,19 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
     /// The unmount: what is queued behind reaches the brick (bounded); a change the brick
     /// refused is logged, as nobody is left to report it to.
     fn destroy(&mut self) {
-        let behind = &self.shared.behind;
-        let drained = self
-            .runtime
-            .block_on(async { tokio::time::timeout(UNMOUNT_DRAIN_LIMIT, behind.drain()).await });
+        let (behind, runtime) = (&self.shared.behind, &self.runtime);
+        // On a thread of its own: the session may end on one of the runtime's (an unmount
+        // run with `spawn_blocking`), where `block_on` would panic.
+        let drained = std::thread::scope(|scope| {
+            scope
+                .spawn(|| {
+                    runtime.block_on(async {
+                        tokio::time::timeout(UNMOUNT_DRAIN_LIMIT, behind.drain()).await
+                    })
+                })
+                .join()
+        })
+        .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
         if drained.is_err() {
             tracing::error!("unmounted with changes not yet on the brick (they are lost)");
         }

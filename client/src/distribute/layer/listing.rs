@@ -3,12 +3,49 @@
 
 use super::*;
 
+/// The offsets of a directory listing this layer keeps: the latest ones given out, so a
+/// listing goes on from where the kernel stopped and a `seekdir` back a little works,
+/// while the memory one open directory holds stays bounded.
+const OFFSETS_KEPT: usize = 64 * 1024;
+
 /// An open directory: its fd on each brick that has it, and the offsets given out.
 #[derive(Debug)]
 pub struct DirFds<F> {
     pub(super) fds: Vec<Option<F>>,
-    /// Offset `n` (from 1) continues listing brick `.0` after its offset `.1`.
-    pub(super) offsets: Mutex<Vec<(usize, u64)>>,
+    pub(super) offsets: Mutex<Offsets>,
+}
+
+/// This layer's offsets in one directory: offset `n` (from 1) continues listing brick `.0`
+/// after its own offset `.1`; the latest [`OFFSETS_KEPT`] are kept.
+#[derive(Debug, Default)]
+pub(super) struct Offsets {
+    /// The offset of `kept[0]`.
+    first: u64,
+    kept: std::collections::VecDeque<(usize, u64)>,
+}
+
+impl Offsets {
+    /// A new offset for "after brick `brick`'s offset `at`".
+    fn push(&mut self, brick: usize, at: u64) -> u64 {
+        if self.kept.len() == OFFSETS_KEPT {
+            self.kept.pop_front();
+            self.first += 1;
+        }
+        self.kept.push_back((brick, at));
+        self.first + self.kept.len() as u64
+    }
+
+    /// Where offset `n` continues; `None` for one never given or no longer kept.
+    fn get(&self, n: u64) -> Option<(usize, u64)> {
+        let index = n.checked_sub(self.first + 1)?;
+        self.kept.get(usize::try_from(index).ok()?).copied()
+    }
+
+    /// Forgets every offset (a listing from the start); offsets given later are new.
+    fn restart(&mut self) {
+        self.first += self.kept.len() as u64;
+        self.kept.clear();
+    }
 }
 
 impl<L: Layer> Distribute<L> {
@@ -23,14 +60,12 @@ impl<L: Layer> Distribute<L> {
         let (mut brick, mut from) = match offset {
             // A listing from the start: the offsets of earlier ones go.
             0 => {
-                lock(&fds.offsets).clear();
+                lock(&fds.offsets).restart();
                 (0, 0)
             }
-            n => {
-                let offsets = lock(&fds.offsets);
-                let index = usize::try_from(n - 1).map_err(|_| Error::Fop(ErrorCode::Inval))?;
-                *offsets.get(index).ok_or(Error::Fop(ErrorCode::Inval))?
-            }
+            n => lock(&fds.offsets)
+                .get(n)
+                .ok_or(Error::Fop(ErrorCode::Inval))?,
         };
         let first = fds.fds.iter().position(Option::is_some);
         while brick < fds.fds.len() {
@@ -61,12 +96,8 @@ impl<L: Layer> Distribute<L> {
                     continue;
                 }
                 self.note_home(&e.iatt, brick);
-                let mut offsets = lock(&fds.offsets);
-                offsets.push((brick, e.offset));
-                entries.push(DirEntryXattrs {
-                    offset: offsets.len() as u64,
-                    ..e
-                });
+                let offset = lock(&fds.offsets).push(brick, e.offset);
+                entries.push(DirEntryXattrs { offset, ..e });
             }
             if !entries.is_empty() {
                 let eof = reply.eof && brick + 1 == fds.fds.len();
@@ -145,5 +176,34 @@ impl<L: Layer> Distribute<L> {
             .iter()
             .enumerate()
             .filter_map(|(i, fd)| fd.as_ref().map(|fd| (i, fd)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn offsets_are_kept_in_a_window_and_never_reused() {
+        let mut offsets = Offsets::default();
+        assert_eq!(offsets.get(1), None);
+        assert_eq!(offsets.push(0, 10), 1);
+        assert_eq!(offsets.push(1, 20), 2);
+        assert_eq!(
+            (offsets.get(1), offsets.get(2)),
+            (Some((0, 10)), Some((1, 20)))
+        );
+        offsets.restart();
+        assert_eq!(offsets.get(2), None, "a new listing's offsets are new");
+        assert_eq!(offsets.push(2, 30), 3);
+        for i in 0..OFFSETS_KEPT as u64 {
+            offsets.push(0, i);
+        }
+        assert_eq!(offsets.get(3), None, "the oldest went");
+        assert_eq!(
+            offsets.get(3 + OFFSETS_KEPT as u64),
+            Some((0, OFFSETS_KEPT as u64 - 1))
+        );
+        assert_eq!(offsets.get(0), None);
     }
 }

@@ -336,7 +336,7 @@ impl<L: Layer> Layer for Distribute<L> {
             (false, Some(e)) => Err(e),
             _ => Ok(DistFd::Dir(DirFds {
                 fds,
-                offsets: Mutex::new(Vec::new()),
+                offsets: Mutex::new(listing::Offsets::default()),
             })),
         }
     }

@@ -446,15 +446,38 @@ impl<L: Layer> Distribute<L> {
             Err(e) => return Err(e),
         }
         let reply = self.bricks[hashed].call(creds, r.clone().into()).await?;
+        let mut renamed = vec![hashed];
         for (i, brick) in self.bricks.iter().enumerate().filter(|(i, _)| *i != hashed) {
             match brick.call(creds, r.clone().into()).await {
-                Ok(_) | Err(Error::Fop(ErrorCode::NoEnt)) => {}
+                Ok(_) => renamed.push(i),
+                Err(Error::Fop(ErrorCode::NoEnt)) => {}
                 Err(e) => {
-                    tracing::warn!(brick = i, error = %e, "rename of a directory did not reach every brick");
+                    // One name per directory on every brick: the copies renamed go back.
+                    self.rename_back(&r, &renamed).await;
+                    return Err(e);
                 }
             }
         }
         Ok(reply)
+    }
+
+    /// Undoes rename `r` of a directory on `bricks` (a rename that failed on another).
+    async fn rename_back(&self, r: &kiln_wire::Rename, bricks: &[usize]) {
+        let back = kiln_wire::Rename {
+            old_parent: r.new_parent,
+            old_name: r.new_name.clone(),
+            new_parent: r.old_parent,
+            new_name: r.old_name.clone(),
+            mode: RenameMode::NoReplace,
+        };
+        for &brick in bricks {
+            if let Err(e) = self.bricks[brick]
+                .call(&Creds::root(), back.clone().into())
+                .await
+            {
+                tracing::warn!(brick, error = %e, "a directory keeps its new name on one brick");
+            }
+        }
     }
 
     /// LINK on the brick holding the object, with a link file on the new name's hashed
