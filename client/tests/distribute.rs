@@ -60,6 +60,13 @@ impl Volume {
     }
 }
 
+/// Closes the connections of `v`'s brick clients.
+async fn close(v: &Distribute<BrickClient>) {
+    for brick in v.bricks() {
+        brick.close().await;
+    }
+}
+
 fn name(s: &str) -> Name {
     Name::new(s.to_owned()).expect("name")
 }
@@ -141,9 +148,7 @@ fn files_spread_over_bricks_by_name_hash() {
         }
         let root = v.stat(&creds, Gfid::ROOT).await.expect("stat root");
         assert_eq!(root.file_type, FileType::Directory);
-        for brick in v.bricks() {
-            brick.close().await;
-        }
+        close(&v).await;
     });
 }
 
@@ -254,9 +259,7 @@ fn renames_and_links_across_bricks_leave_link_files() {
             total.stats.files >= 3 * one.stats.files - 100,
             "{total:?} {one:?}"
         );
-        for brick in v.bricks() {
-            brick.close().await;
-        }
+        close(&v).await;
     });
 }
 
@@ -307,9 +310,7 @@ fn rmdir_keeps_a_directory_that_is_not_empty_on_some_brick() {
         v.call(&creds, unlink.into()).await.expect("unlink");
         v.call(&creds, rmdir.into()).await.expect("rmdir");
         assert!(volume.holders("d").is_empty());
-        for brick in v.bricks() {
-            brick.close().await;
-        }
+        close(&v).await;
     });
     for i in 0..BRICKS {
         common::assert_brick_checks_clean(volume.brick(i));
@@ -458,9 +459,8 @@ fn lookup_heals_missing_directory_copies_and_layout_holes() {
                 .expect("read");
             assert_eq!(data, format!("{i}").as_bytes());
         }
-        for brick in v.bricks().iter().chain(fresh.bricks()) {
-            brick.close().await;
-        }
+        close(&v).await;
+        close(&fresh).await;
     });
     for i in 0..BRICKS {
         common::assert_brick_checks_clean(volume.brick(i));
@@ -535,8 +535,6 @@ fn look_alike_link_files_exchanges_and_older_mounts() {
         older.heal_tree(&creds).await.expect("heal walk");
         assert_eq!(older.healed(), (0, 0));
         assert_eq!(xattr(&volume.brick(2).join("d"), XATTR_NAME), Some(before));
-        for brick in v.bricks() {
-            brick.close().await;
-        }
+        close(&v).await;
     });
 }

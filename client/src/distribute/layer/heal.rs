@@ -25,19 +25,22 @@ pub(super) struct Healed {
 }
 
 impl<L: Layer> Distribute<L> {
-    /// Gives directory `dir` a new layout over every brick, equal shares.
-    pub(super) async fn write_new_layout(&self, dir: Gfid) -> Result<Layout, Error> {
+    /// Gives directory `dir` a new layout over every brick, equal shares; the layout kept.
+    pub(super) async fn write_new_layout(&self, dir: Gfid) -> Result<Arc<Layout>, Error> {
         let n = self.bricks.len();
         let first =
             first_brick(dir.to_string().as_bytes(), n).map_err(|e| layout_error(dir, &e))?;
         let layout =
             Layout::new_directory(&vec![1; n], first, 0).map_err(|e| layout_error(dir, &e))?;
-        self.store_layout(dir, &layout).await?;
-        Ok(layout)
+        self.store_layout(dir, layout).await
     }
 
     /// Writes `layout` of directory `dir` to every brick's copy, and keeps it.
-    pub(super) async fn store_layout(&self, dir: Gfid, layout: &Layout) -> Result<(), Error> {
+    pub(super) async fn store_layout(
+        &self,
+        dir: Gfid,
+        layout: Layout,
+    ) -> Result<Arc<Layout>, Error> {
         for brick in 0..self.bricks.len() {
             let Some(disk) = layout.disk_layout(brick) else {
                 continue;
@@ -49,8 +52,9 @@ impl<L: Layer> Distribute<L> {
                 Err(e) => return Err(e),
             }
         }
-        lock(&self.layouts).put(dir, Arc::new(layout.clone()));
-        Ok(())
+        let layout = Arc::new(layout);
+        lock(&self.layouts).put(dir, layout.clone());
+        Ok(layout)
     }
 
     /// Replaces the layout of directory `dir`, which overlaps or leaves a brick out, by one
@@ -63,7 +67,7 @@ impl<L: Layer> Distribute<L> {
             .rebalanced(&weights)
             .map_err(|e| layout_error(dir, &e))?
             .with_commit_hash(COMMIT_HASH_INVALID);
-        self.store_layout(dir, &healed).await?;
+        self.store_layout(dir, healed).await?;
         self.healed.layouts.fetch_add(1, Ordering::Relaxed);
         tracing::info!(%dir, "healed a directory's layout");
         Ok(())
@@ -88,30 +92,37 @@ impl<L: Layer> Distribute<L> {
             .map(drop)
     }
 
-    /// A directory's attributes as one: those in `reply` (from brick `from`) with the latest
-    /// times of every copy, so that a change on any brick shows in the directory's mtime and
-    /// ctime (GlusterFS's `dht_iatt_merge`). Any other reply is returned as it is.
+    /// A directory's attributes as one: a STAT's (from brick `from`) with the latest times of
+    /// every copy, so that a change on any brick shows in the directory's mtime and ctime
+    /// (GlusterFS's `dht_iatt_merge`; a LOOKUP's are merged by [`Distribute::looked_up`]).
+    /// Any other reply is returned as it is.
     pub(super) async fn merged_dir(
         &self,
         creds: &Creds,
         mut reply: FopReply,
         from: usize,
     ) -> Result<FopReply, Error> {
-        let iatt = match &mut reply {
-            FopReply::Lookup(r) => &mut r.iatt,
-            FopReply::LookupXattrs(r) => &mut r.iatt,
-            FopReply::Stat(r) => &mut r.iatt,
-            _ => return Ok(reply),
-        };
-        if iatt.file_type != FileType::Directory {
-            return Ok(reply);
-        }
-        for (_, brick) in self.bricks.iter().enumerate().filter(|(i, _)| *i != from) {
-            if let Ok(copy) = brick.stat(creds, iatt.gfid).await {
-                merge_times(iatt, &copy);
-            }
+        if let FopReply::Stat(r) = &mut reply
+            && r.iatt.file_type == FileType::Directory
+        {
+            self.merge_copies(creds, &mut r.iatt, from).await;
         }
         Ok(reply)
+    }
+
+    /// Merges the times of directory `iatt`'s copies on every brick but `from` into it; the
+    /// bricks that have no copy.
+    async fn merge_copies(&self, creds: &Creds, iatt: &mut Iatt, from: usize) -> Vec<usize> {
+        let mut missing = Vec::new();
+        for (i, brick) in self.bricks.iter().enumerate().filter(|(i, _)| *i != from) {
+            match brick.stat(creds, iatt.gfid).await {
+                Ok(copy) => merge_times(iatt, &copy),
+                Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => missing.push(i),
+                // A brick out of reach has nothing to merge or heal now.
+                Err(_) => {}
+            }
+        }
+        missing
     }
 
     /// The answer to a LOOKUP that found `found` (`name` in `parent`); a directory is made
@@ -135,20 +146,7 @@ impl<L: Layer> Distribute<L> {
             FopReply::LookupXattrs(r) => &mut r.iatt,
             other => return Err(unexpected(other)),
         };
-        let mut missing = Vec::new();
-        for (i, brick) in self
-            .bricks
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| *i != found.home)
-        {
-            match brick.stat(creds, iatt.gfid).await {
-                Ok(copy) => merge_times(iatt, &copy),
-                Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => missing.push(i),
-                // A brick out of reach has nothing to heal now.
-                Err(_) => {}
-            }
-        }
+        let missing = self.merge_copies(creds, iatt, found.home).await;
         for &brick in &missing {
             self.make_dir_copy(brick, parent, name, &found.iatt).await?;
             self.healed.dirs.fetch_add(1, Ordering::Relaxed);

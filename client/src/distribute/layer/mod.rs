@@ -130,12 +130,10 @@ impl<L: Layer> Distribute<L> {
         for brick in &self.bricks {
             disks.push(read_disk_layout(brick, dir).await?);
         }
-        let layout = if disks.iter().all(Option::is_none) {
-            self.write_new_layout(dir).await?
-        } else {
-            Layout::from_disk(&disks).map_err(|e| layout_error(dir, &e))?
-        };
-        let layout = Arc::new(layout);
+        if disks.iter().all(Option::is_none) {
+            return self.write_new_layout(dir).await;
+        }
+        let layout = Arc::new(Layout::from_disk(&disks).map_err(|e| layout_error(dir, &e))?);
         lock(&self.layouts).put(dir, layout.clone());
         Ok(layout)
     }

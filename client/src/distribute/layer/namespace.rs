@@ -59,6 +59,21 @@ impl<L: Layer> Distribute<L> {
         }
     }
 
+    /// [`Distribute::locate`] of `name` in `parent` with a plain LOOKUP: what a namespace
+    /// fop needs to know of the entry it changes.
+    pub(super) async fn find(
+        &self,
+        creds: &Creds,
+        parent: Gfid,
+        name: &Name,
+    ) -> Result<Located, Error> {
+        let lookup = kiln_wire::Lookup {
+            parent,
+            name: name.clone(),
+        };
+        self.locate(creds, parent, name, lookup.into()).await
+    }
+
     /// LOOKUP `fop` on every brick but `hashed`: the first that has the entry (not a link
     /// file).
     pub(super) async fn locate_everywhere(
@@ -224,8 +239,7 @@ impl<L: Layer> Distribute<L> {
                 tracing::warn!(brick = i, error = %e, "mkdir did not reach every brick");
             }
         }
-        let layout = self.write_new_layout(r.gfid).await?;
-        lock(&self.layouts).put(r.gfid, Arc::new(layout));
+        self.write_new_layout(r.gfid).await?;
         lock(&self.homes).put(r.gfid, Home::Everywhere);
         Ok(reply)
     }
@@ -238,11 +252,7 @@ impl<L: Layer> Distribute<L> {
         creds: &Creds,
         r: kiln_wire::Rmdir,
     ) -> Result<FopReply, Error> {
-        let lookup = kiln_wire::Lookup {
-            parent: r.parent,
-            name: r.name.clone(),
-        };
-        let found = self.locate(creds, r.parent, &r.name, lookup.into()).await?;
+        let found = self.find(creds, r.parent, &r.name).await?;
         if found.iatt.file_type != FileType::Directory {
             return Err(Error::Fop(ErrorCode::NotDir));
         }
@@ -289,11 +299,7 @@ impl<L: Layer> Distribute<L> {
         creds: &Creds,
         r: kiln_wire::Unlink,
     ) -> Result<FopReply, Error> {
-        let lookup = kiln_wire::Lookup {
-            parent: r.parent,
-            name: r.name.clone(),
-        };
-        let found = self.locate(creds, r.parent, &r.name, lookup.into()).await?;
+        let found = self.find(creds, r.parent, &r.name).await?;
         self.unlink_located(creds, r.parent, &r.name, &found).await
     }
 
@@ -332,34 +338,12 @@ impl<L: Layer> Distribute<L> {
         creds: &Creds,
         r: kiln_wire::Rename,
     ) -> Result<FopReply, Error> {
-        let lookup = |parent, name: &Name| -> FopRequest {
-            kiln_wire::Lookup {
-                parent,
-                name: name.clone(),
-            }
-            .into()
-        };
-        let source = self
-            .locate(
-                creds,
-                r.old_parent,
-                &r.old_name,
-                lookup(r.old_parent, &r.old_name),
-            )
-            .await?;
+        let source = self.find(creds, r.old_parent, &r.old_name).await?;
         if source.iatt.file_type == FileType::Directory {
             return self.rename_dir(creds, r).await;
         }
         let (new_hashed, _) = self.hashed(r.new_parent, &r.new_name).await?;
-        let target = match self
-            .locate(
-                creds,
-                r.new_parent,
-                &r.new_name,
-                lookup(r.new_parent, &r.new_name),
-            )
-            .await
-        {
+        let target = match self.find(creds, r.new_parent, &r.new_name).await {
             Ok(target) => Some(target),
             Err(Error::Fop(ErrorCode::NoEnt)) => None,
             Err(e) => return Err(e),
@@ -420,14 +404,7 @@ impl<L: Layer> Distribute<L> {
         r: kiln_wire::Rename,
     ) -> Result<FopReply, Error> {
         let (hashed, _) = self.hashed(r.new_parent, &r.new_name).await?;
-        let lookup = kiln_wire::Lookup {
-            parent: r.new_parent,
-            name: r.new_name.clone(),
-        };
-        match self
-            .locate(creds, r.new_parent, &r.new_name, lookup.into())
-            .await
-        {
+        match self.find(creds, r.new_parent, &r.new_name).await {
             // Emptiness is the bricks' to see, not the caller's (rename needs no read
             // permission on the directory it replaces); an exchange replaces nothing.
             Ok(target)
