@@ -7,6 +7,7 @@ mod common;
 mod mount_common;
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use bytes::Bytes;
 use common::{Brickd, Cluster, runtime};
@@ -537,4 +538,148 @@ fn look_alike_link_files_exchanges_and_older_mounts() {
         assert_eq!(xattr(&volume.brick(2).join("d"), XATTR_NAME), Some(before));
         close(&v).await;
     });
+}
+
+/// A volume grown from two bricks to three: a rebalance lays every directory out over the
+/// three and moves each file off its hashed brick there — renamed ones behind a link file
+/// too — while another client keeps writing one of the files it moves. Afterwards every file
+/// is on its hashed brick alone and reads back what was written, the writer's every write
+/// included (those that raced with the copy, and those after the switch through the fd it
+/// opened before).
+#[test]
+fn a_rebalance_moves_files_while_a_client_writes_one() {
+    const PER_DIR: usize = 40;
+    const BIG_BYTES: usize = 24 << 20;
+    const BLOCK_BYTES: usize = 4096;
+    let volume = Volume::start();
+    let rt = runtime();
+    let creds = Creds::root();
+    rt.block_on(async {
+        let all = volume.connect().await;
+        let two = Distribute::new(all.bricks()[..2].to_vec(), "dist").expect("two bricks");
+        let mut files = Vec::new();
+        for dir in ["/a", "/a/b"] {
+            two.mkdir_all(&creds, dir, 0o755).await.expect("mkdir");
+            for i in 0..PER_DIR {
+                let path = format!("{dir}/f{i}");
+                two.put(&creds, &path, Bytes::from(path.clone()), 0o640)
+                    .await
+                    .expect("put");
+                files.push(path);
+            }
+        }
+        let a = two.resolve(&creds, "/a").await.expect("/a");
+        for i in 0..5 {
+            let rename = kiln_wire::Rename {
+                old_parent: a.gfid,
+                old_name: name(&format!("f{i}")),
+                new_parent: a.gfid,
+                new_name: name(&format!("renamed{i}")),
+                mode: RenameMode::Replace,
+            };
+            two.call(&creds, rename.into()).await.expect("rename");
+            files.retain(|f| *f != format!("/a/f{i}"));
+            files.push(format!("/a/renamed{i}"));
+        }
+        let contents = |path: &str| match path.strip_prefix("/a/renamed") {
+            Some(i) => format!("/a/f{i}"),
+            None => path.to_owned(),
+        };
+
+        // Laid out over three bricks; a file that will move made big.
+        all.heal_tree(&creds).await.expect("fix-layout");
+        let layout = all.layout(a.gfid).await.expect("layout");
+        let hashed = |name: &str| layout.hashed_brick(name.as_bytes(), Munging::default());
+        let big = (5..PER_DIR)
+            .map(|i| format!("f{i}"))
+            .find(|f| volume.holders(&format!("a/{f}")) != [hashed(f).expect("a brick")])
+            .expect("a file off its hashed brick");
+        let big_path = format!("/a/{big}");
+        let mut model: Vec<u8> = (0..BIG_BYTES).map(|i| (i % 251) as u8).collect();
+        all.write_file(&creds, &big_path, Bytes::from(model.clone()), 0o640)
+            .await
+            .expect("write the big file");
+
+        let writer = volume.connect().await;
+        let rebalancer = volume.connect().await;
+        let file = writer.resolve(&creds, &big_path).await.expect("lookup");
+        let fd = writer
+            .open(
+                &creds,
+                file.gfid,
+                kiln_wire::AccessMode::ReadWrite,
+                kiln_wire::OpenFlags::empty(),
+            )
+            .await
+            .expect("open");
+        let (stop, done) = (AtomicBool::new(false), AtomicBool::new(false));
+        let writes = async {
+            let (mut writes, mut state) = (0_u64, 0x9e37_79b9_7f4a_7c15_u64);
+            while !done.load(Ordering::Relaxed) {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                let offset = (state as usize % (BIG_BYTES / BLOCK_BYTES)) * BLOCK_BYTES;
+                let block = vec![(writes % 256) as u8; BLOCK_BYTES];
+                writer
+                    .write(&creds, &fd, offset as u64, Bytes::from(block.clone()))
+                    .await
+                    .expect("a write during the rebalance");
+                model[offset..offset + BLOCK_BYTES].copy_from_slice(&block);
+                writes += 1;
+            }
+            writes
+        };
+        let rebalance = async {
+            let report = rebalancer.rebalance(&stop, &mut |_| {}).await;
+            done.store(true, Ordering::Relaxed);
+            report.expect("rebalance")
+        };
+        let (writes, report) = tokio::join!(writes, rebalance);
+        writer.release(&creds, fd).await.expect("release");
+        assert!(writes > 10, "{writes} writes during the rebalance");
+        assert_eq!((report.skipped, report.failed), (0, 0), "{report:?}");
+        assert!(
+            report.moved >= 1 && report.files as usize == files.len(),
+            "{report:?}"
+        );
+
+        let fresh = volume.connect().await;
+        for path in &files {
+            let (dir, file) = path.rsplit_once('/').expect("a parent");
+            let dir = fresh.resolve(&creds, dir).await.expect("dir");
+            let layout = fresh.layout(dir.gfid).await.expect("layout");
+            let hashed = layout.hashed_brick(file.as_bytes(), Munging::default());
+            assert_eq!(
+                volume.holders(&path[1..]).first(),
+                hashed.as_ref(),
+                "{path} on its hashed brick"
+            );
+            assert_eq!(volume.holders(&path[1..]).len(), 1, "{path}: no link file");
+            let data = fresh.read_to_end(&creds, path).await.expect("read");
+            if *path == big_path {
+                let wrong: Vec<(usize, u8, u8)> = (0..BIG_BYTES / BLOCK_BYTES)
+                    .map(|b| b * BLOCK_BYTES)
+                    .filter(|&o| data.get(o..o + BLOCK_BYTES) != Some(&model[o..o + BLOCK_BYTES]))
+                    .map(|o| (o / BLOCK_BYTES, data.get(o).copied().unwrap_or(0), model[o]))
+                    .collect();
+                assert!(
+                    data.len() == model.len() && wrong.is_empty(),
+                    "{path}: the writer's writes are not all there: {} bytes, blocks (block, \
+                     byte read, byte written) {wrong:?}",
+                    data.len()
+                );
+            } else {
+                assert_eq!(data, contents(path).as_bytes(), "{path}");
+            }
+        }
+        let again = fresh.rebalance(&stop, &mut |_| {}).await.expect("again");
+        assert_eq!((again.moved, again.link_files_removed), (0, 0), "{again:?}");
+        for v in [&all, &two, &writer, &rebalancer, &fresh] {
+            close(v).await;
+        }
+    });
+    for i in 0..BRICKS {
+        common::assert_brick_checks_clean(volume.brick(i));
+    }
 }

@@ -16,6 +16,7 @@
 mod files;
 mod heal;
 mod mount;
+mod rebalance;
 mod up;
 mod volume;
 
@@ -183,13 +184,17 @@ fn main() -> ExitCode {
             .map_err(anyhow::Error::from),
         Command::Volume {
             json,
-            command:
-                volume::VolumeCommand::Heal { name }
-                | volume::VolumeCommand::Rebalance {
-                    name,
-                    action: volume::RebalanceArg::FixLayout,
-                },
+            command: volume::VolumeCommand::Heal { name },
         } => heal::run(&cli.global, &name, json),
+        Command::Volume {
+            json,
+            command: volume::VolumeCommand::Rebalance { name, action },
+        } => match action {
+            volume::RebalanceArg::Start => rebalance::start(&cli.global, &name, json),
+            volume::RebalanceArg::Status => rebalance::status(&cli.global, &name, json),
+            volume::RebalanceArg::Stop => rebalance::stop(&cli.global, &name, json),
+            volume::RebalanceArg::FixLayout => heal::run(&cli.global, &name, json),
+        },
         Command::Volume { json, command } => volume::run(&cli.global.socket, json, command),
         Command::Mount(args) => mount::run(&cli.global, args),
         Command::Umount(args) => mount::umount(&args),

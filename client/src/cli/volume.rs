@@ -72,7 +72,10 @@ pub(crate) enum VolumeCommand {
     Heal { name: String },
     /// Spread a volume over bricks added since its directories were laid out: `fix-layout`
     /// gives every directory a layout over every brick (new names go to the new bricks;
-    /// existing files stay where they are and are still found). Moving files is not built.
+    /// existing files stay where they are and are still found); `start` does that and then
+    /// moves every file to the brick its name hashes to while clients keep using it, with
+    /// a progress bar, until done or stopped (Ctrl-C, or `stop` from another shell);
+    /// `status` shows the progress of the running or last rebalance.
     Rebalance {
         name: String,
         #[arg(value_enum)]
@@ -83,6 +86,9 @@ pub(crate) enum VolumeCommand {
 #[derive(Clone, Copy, clap::ValueEnum)]
 pub(crate) enum RebalanceArg {
     FixLayout,
+    Start,
+    Status,
+    Stop,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -140,7 +146,9 @@ pub(crate) fn run(socket: &Path, json: bool, command: VolumeCommand) -> anyhow::
             }
         }
         VolumeCommand::Heal { .. } | VolumeCommand::Rebalance { .. } => {
-            bail!("`kiln volume heal` and `rebalance` run in the client (crate::heal)")
+            bail!(
+                "`kiln volume heal` and `rebalance` run in the client (crate::heal, crate::rebalance)"
+            )
         }
     };
     let list_only = matches!(&request, Request::VolumeInfo { name: None });

@@ -18,6 +18,10 @@ pub const BRICKS_MAX: usize = 1024;
 /// committed (GlusterFS heals the volume root with it), so a lookup that misses on the hashed
 /// brick must still look on the others.
 pub const COMMIT_HASH_INVALID: u32 = 1;
+/// The commit hash Kiln writes with a layout every name of the directory follows (each on its
+/// hashed brick, or behind a link file there): a new directory's, or one a rebalance went
+/// through.
+pub const COMMIT_HASH_COMMITTED: u32 = 0;
 
 /// How many distinct hashes there are.
 const HASH_SPACE: u64 = 1 << 32;

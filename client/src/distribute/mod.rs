@@ -20,10 +20,10 @@ mod layer;
 pub mod layout;
 
 pub use hash::{Munging, dm_hash, name_hash};
-pub use layer::{DirFds, DistFd, Distribute, HealReport, LINKTO_XATTR};
+pub use layer::{DirFds, DistFd, Distribute, FileFd, HealReport, LINKTO_XATTR, RebalanceReport};
 pub use layout::{
-    Anomalies, BRICKS_MAX, COMMIT_HASH_INVALID, DiskLayout, HashRange, HashType, Layout, XATTR_LEN,
-    XATTR_NAME, first_brick, size_chunks, weights_for,
+    Anomalies, BRICKS_MAX, COMMIT_HASH_COMMITTED, COMMIT_HASH_INVALID, DiskLayout, HashRange,
+    HashType, Layout, XATTR_LEN, XATTR_NAME, first_brick, size_chunks, weights_for,
 };
 
 /// Why a layout could not be decoded or built.

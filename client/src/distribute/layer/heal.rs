@@ -30,8 +30,8 @@ impl<L: Layer> Distribute<L> {
         let n = self.bricks.len();
         let first =
             first_brick(dir.to_string().as_bytes(), n).map_err(|e| layout_error(dir, &e))?;
-        let layout =
-            Layout::new_directory(&vec![1; n], first, 0).map_err(|e| layout_error(dir, &e))?;
+        let layout = Layout::new_directory(&vec![1; n], first, COMMIT_HASH_COMMITTED)
+            .map_err(|e| layout_error(dir, &e))?;
         self.store_layout(dir, layout).await
     }
 

@@ -44,17 +44,24 @@ use kiln_wire::{
 };
 use tokio::sync::broadcast;
 
-use super::{COMMIT_HASH_INVALID, DiskLayout, Layout, Munging, XATTR_NAME, first_brick};
+use super::{
+    COMMIT_HASH_COMMITTED, COMMIT_HASH_INVALID, DiskLayout, Layout, Munging, XATTR_NAME,
+    first_brick,
+};
 use crate::layer::{FdFop, Layer, LayerEvent, batch_one_by_one};
 use crate::{Error, LayerExt, Paths};
 
+mod files;
 mod heal;
 mod listing;
+mod migrate;
 mod namespace;
 
+pub use files::FileFd;
 pub use heal::HealReport;
 use heal::Healed;
 pub use listing::DirFds;
+pub use migrate::RebalanceReport;
 use namespace::Located;
 
 /// The xattr of a link file: the name of the subvolume (brick) that holds the data.
@@ -94,7 +101,7 @@ pub struct Distribute<L: Layer> {
 /// This layer's handle on an open file (its brick's fd) or directory (every brick's).
 #[derive(Debug)]
 pub enum DistFd<F> {
-    File { brick: usize, fd: F },
+    File(FileFd<F>),
     Dir(DirFds<F>),
 }
 
@@ -188,7 +195,7 @@ impl<L: Layer> Distribute<L> {
         fop: FopRequest,
     ) -> Result<FopReply, Error> {
         match self.home(creds, gfid).await? {
-            Home::Brick(b) => self.bricks[b].call(creds, fop).await,
+            Home::Brick(b) => self.call_on_file(creds, gfid, b, fop).await,
             Home::Everywhere if changes_object(&fop) => {
                 let first = self.bricks[0].call(creds, fop.clone()).await?;
                 for brick in &self.bricks[1..] {
@@ -290,7 +297,7 @@ impl<L: Layer> Layer for Distribute<L> {
             Home::Everywhere => return Err(Error::Fop(ErrorCode::IsDir)),
         };
         let fd = self.bricks[brick].open(creds, gfid, access, flags).await?;
-        Ok(DistFd::File { brick, fd })
+        Ok(DistFd::File(FileFd::new(brick, fd, access, flags)))
     }
 
     async fn create(
@@ -298,7 +305,11 @@ impl<L: Layer> Layer for Distribute<L> {
         creds: &Creds,
         create: kiln_wire::Create,
     ) -> Result<(Self::Fd, EntryReply), Error> {
-        let (brick, _) = self.hashed(create.parent, &create.name).await?;
+        let (brick, layout) = self.hashed(create.parent, &create.name).await?;
+        // A name placed by an older layout gets a link file here first, which the create
+        // opens (or, exclusive, fails on).
+        self.exists_unseen(creds, create.parent, &create.name, &layout)
+            .await?;
         let (access, flags) = (create.access, create.flags);
         let (fd, entry) = self.bricks[brick].create(creds, create).await?;
         // A create without EXCL opens a name that exists: one that is a link file is the
@@ -310,12 +321,12 @@ impl<L: Layer> Layer for Distribute<L> {
             let iatt = self.bricks[home].stat(creds, gfid).await?;
             self.note_home(&iatt, home);
             return Ok((
-                DistFd::File { brick: home, fd },
+                DistFd::File(FileFd::new(home, fd, access, flags)),
                 EntryReply { iatt, ..entry },
             ));
         }
         self.note_home(&entry.iatt, brick);
-        Ok((DistFd::File { brick, fd }, entry))
+        Ok((DistFd::File(FileFd::new(brick, fd, access, flags)), entry))
     }
 
     async fn opendir(&self, creds: &Creds, gfid: Gfid) -> Result<Self::Fd, Error> {
@@ -341,14 +352,20 @@ impl<L: Layer> Layer for Distribute<L> {
 
     async fn call_fd(&self, creds: &Creds, fd: &Self::Fd, fop: FdFop) -> Result<FopReply, Error> {
         match fd {
-            DistFd::File { brick, fd } => self.bricks[*brick].call_fd(creds, fd, fop).await,
+            DistFd::File(file) => self.call_file(creds, file, fop).await,
             DistFd::Dir(fds) => self.call_dir(creds, fds, fop).await,
         }
     }
 
     async fn release(&self, creds: &Creds, fd: Self::Fd) -> Result<(), Error> {
         match fd {
-            DistFd::File { brick, fd } => self.bricks[brick].release(creds, fd).await,
+            DistFd::File(file) => {
+                let mut result = Ok(());
+                for (brick, fd) in file.into_fds() {
+                    result = result.and(self.bricks[brick].release(creds, fd).await);
+                }
+                result
+            }
             DistFd::Dir(fds) => {
                 let mut result = Ok(());
                 for (brick, fd) in fds.fds.into_iter().enumerate() {
@@ -389,9 +406,10 @@ fn is_dht_xattr(name: &XattrName) -> bool {
 }
 
 /// Whether `iatt` has a link file's looks: a regular file with the sticky bit and no
-/// permission bits, and no data (one is a link file if it also has the `linkto` xattr).
+/// permission bits (one is a link file if it also has the `linkto` xattr). A link file may
+/// hold data: the destination of a file a rebalance is copying.
 fn looks_like_link_file(iatt: &Iatt) -> bool {
-    iatt.file_type == FileType::Regular && iatt.mode.bits() == LINK_FILE_MODE && iatt.size == 0
+    iatt.file_type == FileType::Regular && iatt.mode.bits() == LINK_FILE_MODE
 }
 
 /// The entry a LOOKUP or a create answered with.
@@ -468,7 +486,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn link_files_look_like_empty_sticky_files() {
+    fn link_files_look_like_sticky_files_with_no_permissions() {
         let mut iatt = Iatt {
             gfid: Gfid::ROOT,
             ino: 1,
@@ -487,8 +505,7 @@ mod tests {
         };
         assert!(looks_like_link_file(&iatt));
         iatt.size = 1;
-        assert!(!looks_like_link_file(&iatt));
-        iatt.size = 0;
+        assert!(looks_like_link_file(&iatt), "a destination being copied");
         iatt.mode = Mode::new(0o1644).expect("mode");
         assert!(!looks_like_link_file(&iatt));
     }

@@ -49,12 +49,43 @@ impl<L: Layer> Distribute<L> {
             // Authoritative when every hash has a brick and the layout was committed
             // (GlusterFS's lookup-optimize): a volume's root, whose layout GlusterFS writes
             // uncommitted, may hold names a client in another locale hashed elsewhere.
-            Err(Error::Fop(ErrorCode::NoEnt))
-                if layout.check().is_ok() && layout.commit_hash() != COMMIT_HASH_INVALID =>
-            {
+            Err(Error::Fop(ErrorCode::NoEnt)) if authoritative(&layout) => {
                 Err(Error::Fop(ErrorCode::NoEnt))
             }
-            Err(Error::Fop(ErrorCode::NoEnt)) => self.locate_everywhere(creds, hashed, fop).await,
+            Err(Error::Fop(ErrorCode::NoEnt)) => {
+                let found = self.locate_everywhere(creds, hashed, fop).await?;
+                // Found off its hashed brick with no link file there (placed by an older
+                // layout): one is made, so the next lookup, and a create of the name, find it
+                // there (GlusterFS's lookup-everywhere does the same).
+                if found.iatt.file_type != FileType::Directory
+                    && let Err(e) = self
+                        .make_link_file(hashed, parent, name, found.iatt.gfid, found.home)
+                        .await
+                {
+                    tracing::debug!(%parent, brick = hashed, error = %e, "no link file made");
+                }
+                Ok(found)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Whether `name` exists in `parent` where its hashed brick in `layout` cannot tell (a
+    /// layout not committed: healed, or GlusterFS's root): found anywhere, and then given a
+    /// link file on the hashed brick. A create must see it before it makes the name anew.
+    pub(super) async fn exists_unseen(
+        &self,
+        creds: &Creds,
+        parent: Gfid,
+        name: &Name,
+        layout: &Layout,
+    ) -> Result<bool, Error> {
+        if authoritative(layout) {
+            return Ok(false);
+        }
+        match self.find(creds, parent, name).await {
+            Ok(_) => Ok(true),
+            Err(Error::Fop(ErrorCode::NoEnt)) => Ok(false),
             Err(e) => Err(e),
         }
     }
@@ -219,7 +250,10 @@ impl<L: Layer> Distribute<L> {
         name: &Name,
         fop: FopRequest,
     ) -> Result<FopReply, Error> {
-        let (hashed, _) = self.hashed(parent, name).await?;
+        let (hashed, layout) = self.hashed(parent, name).await?;
+        if self.exists_unseen(creds, parent, name, &layout).await? {
+            return Err(Error::Fop(ErrorCode::Exist));
+        }
         let reply = self.bricks[hashed].call(creds, fop).await?;
         self.note_home(entry_iatt(&reply)?, hashed);
         Ok(reply)
@@ -230,7 +264,13 @@ impl<L: Layer> Distribute<L> {
         creds: &Creds,
         r: kiln_wire::Mkdir,
     ) -> Result<FopReply, Error> {
-        let (hashed, _) = self.hashed(r.parent, &r.name).await?;
+        let (hashed, layout) = self.hashed(r.parent, &r.name).await?;
+        if self
+            .exists_unseen(creds, r.parent, &r.name, &layout)
+            .await?
+        {
+            return Err(Error::Fop(ErrorCode::Exist));
+        }
         let reply = self.bricks[hashed].call(creds, r.clone().into()).await?;
         for (i, brick) in self.bricks.iter().enumerate().filter(|(i, _)| *i != hashed) {
             if let Err(e) = brick.call(creds, r.clone().into()).await {
@@ -478,4 +518,10 @@ impl<L: Layer> Distribute<L> {
         }
         linked
     }
+}
+
+/// Whether a miss on a name's hashed brick in `layout` means the name does not exist: every
+/// hash has a brick and the layout was committed (GlusterFS's lookup-optimize).
+pub(super) fn authoritative(layout: &Layout) -> bool {
+    layout.check().is_ok() && layout.commit_hash() != COMMIT_HASH_INVALID
 }

@@ -1,0 +1,336 @@
+//! Fops on files, following a file that a rebalance moves to another brick while it is in use
+//! (the client's half of [`super::migrate`], as GlusterFS's DHT follows its migration phases).
+//!
+//! What the reply of a fop on a file shows of its mode says where the file is:
+//!
+//! * **Copying** — the sticky bit with other bits: the rebalancer is copying the file to the
+//!   brick its `linkto` xattr names. A fop that changed its data (WRITE, FTRUNCATE, FALLOCATE,
+//!   DISCARD, ZEROFILL, TRUNCATE, a SETATTR of the size) is sent again to that brick, so the
+//!   copy misses nothing the rebalancer has already copied.
+//! * **Moved** — mode `01000` exactly, a link file's: the data now lives on the brick the
+//!   `linkto` xattr names. The fop is sent again there, and every later fop on the fd too.
+//!
+//! Each look is confirmed by the `linkto` xattr (a user's file may carry the sticky bit), so
+//! only a file with the sticky bit pays a round trip more per fop. GlusterFS marks a copying
+//! file with setgid and sticky; Kiln uses the sticky bit alone, as a brick's WRITE on behalf of
+//! a user clears the setgid bit of a group-executable file.
+
+use std::sync::atomic::AtomicBool;
+
+use super::*;
+
+/// The sticky bit (`S_ISVTX`).
+pub(super) const STICKY: u32 = 0o1000;
+
+/// This layer's handle on an open file: the brick's fd, and the fd on the brick the file is
+/// moving to once a reply showed a migration.
+#[derive(Debug)]
+pub struct FileFd<F> {
+    brick: usize,
+    fd: F,
+    access: AccessMode,
+    flags: OpenFlags,
+    /// The file's fd on the brick it is moving (or moved) to.
+    dst: tokio::sync::OnceCell<(usize, F)>,
+    /// The move is done: every fop goes to `dst`.
+    moved: AtomicBool,
+}
+
+impl<F> FileFd<F> {
+    pub(super) fn new(brick: usize, fd: F, access: AccessMode, flags: OpenFlags) -> FileFd<F> {
+        FileFd {
+            brick,
+            fd,
+            access,
+            flags,
+            dst: tokio::sync::OnceCell::new(),
+            moved: AtomicBool::new(false),
+        }
+    }
+
+    /// The fds this handle holds, with their bricks, for their release.
+    pub(super) fn into_fds(self) -> impl Iterator<Item = (usize, F)> {
+        std::iter::once((self.brick, self.fd)).chain(self.dst.into_inner())
+    }
+}
+
+/// Where a file is, by the mode a reply shows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Look {
+    Settled,
+    Copying,
+    Moved,
+}
+
+impl Look {
+    pub(super) fn of(iatt: &Iatt) -> Look {
+        if iatt.file_type != FileType::Regular {
+            return Look::Settled;
+        }
+        match iatt.mode.bits() {
+            LINK_FILE_MODE => Look::Moved,
+            bits if bits & STICKY != 0 => Look::Copying,
+            _ => Look::Settled,
+        }
+    }
+}
+
+impl<L: Layer> Distribute<L> {
+    /// Runs `fop` on open file `file`, following its migration.
+    pub(super) async fn call_file(
+        &self,
+        creds: &Creds,
+        file: &FileFd<L::Fd>,
+        fop: FdFop,
+    ) -> Result<FopReply, Error> {
+        if file.moved.load(Ordering::Acquire)
+            && let Some((brick, fd)) = file.dst.get()
+        {
+            return self.bricks[*brick].call_fd(creds, fd, fop).await;
+        }
+        let reply = self.bricks[file.brick]
+            .call_fd(creds, &file.fd, fop.clone())
+            .await?;
+        let Some((gfid, look)) = file_iatt(&reply).map(|iatt| (iatt.gfid, Look::of(iatt))) else {
+            return Ok(reply);
+        };
+        if look == Look::Settled || (look == Look::Copying && !changes_data(fop.request())) {
+            return Ok(reply);
+        }
+        let Some(to) = self.moving_to_of(creds, file, gfid, look).await? else {
+            return Ok(reply);
+        };
+        let (brick, fd) = file
+            .dst
+            .get_or_try_init(|| async {
+                // As root: a copying file's destination has no permission bits yet, and the
+                // caller opened the file with this access already.
+                let flags = OpenFlags::from_bits(
+                    file.flags.bits() & !(OpenFlags::TRUNC.bits() | OpenFlags::EXCL.bits()),
+                )
+                .unwrap_or_default();
+                let fd = self.bricks[to]
+                    .open(&Creds::root(), gfid, file.access, flags)
+                    .await?;
+                Ok::<_, Error>((to, fd))
+            })
+            .await?;
+        if look == Look::Moved {
+            file.moved.store(true, Ordering::Release);
+            tracing::debug!(from = file.brick, to, "an open file follows its migration");
+            return self.bricks[*brick].call_fd(creds, fd, fop).await;
+        }
+        self.bricks[*brick]
+            .call_fd(&Creds::root(), fd, fop)
+            .await
+            .map(|_| reply)
+    }
+
+    /// Runs `fop`, which names file `gfid` (no fd), on brick `brick` that holds it, following
+    /// its migration: a file gone from there is looked for again.
+    pub(super) async fn call_on_file(
+        &self,
+        creds: &Creds,
+        gfid: Gfid,
+        brick: usize,
+        fop: FopRequest,
+    ) -> Result<FopReply, Error> {
+        let reply = match self.bricks[brick].call(creds, fop.clone()).await {
+            Err(Error::Fop(code @ (ErrorCode::NoEnt | ErrorCode::Stale))) => {
+                return self.call_on_new_home(creds, gfid, brick, fop, code).await;
+            }
+            other => other?,
+        };
+        let look = file_iatt(&reply).map_or(Look::Settled, Look::of);
+        if look == Look::Settled || (look == Look::Copying && !changes_data(&fop)) {
+            return Ok(reply);
+        }
+        let Some(to) = self.moving_to(brick, gfid).await? else {
+            return Ok(reply);
+        };
+        if look == Look::Moved {
+            return self
+                .call_on_new_home(creds, gfid, brick, fop, ErrorCode::Stale)
+                .await;
+        }
+        match self.bricks[to].call(&Creds::root(), fop).await {
+            Ok(_) | Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => Ok(reply),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Runs `fop` on wherever file `gfid` lives now that brick `was` no longer holds it;
+    /// `code` when it lives nowhere else.
+    async fn call_on_new_home(
+        &self,
+        creds: &Creds,
+        gfid: Gfid,
+        was: usize,
+        fop: FopRequest,
+        code: ErrorCode,
+    ) -> Result<FopReply, Error> {
+        lock(&self.homes).pop(&gfid);
+        match self.home(creds, gfid).await {
+            Ok(Home::Brick(b)) if b != was => self.bricks[b].call(creds, fop).await,
+            Ok(_) | Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => Err(Error::Fop(code)),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The brick open file `file` (object `gfid`, whose replies look `look`) is moving to:
+    /// the one its fd there is open on, else the one its `linkto` xattr names, else — moved
+    /// and its old copy gone, whose xattrs the brick cannot read by GFID any more — wherever
+    /// it is found now.
+    async fn moving_to_of(
+        &self,
+        creds: &Creds,
+        file: &FileFd<L::Fd>,
+        gfid: Gfid,
+        look: Look,
+    ) -> Result<Option<usize>, Error> {
+        if let Some((to, _)) = file.dst.get() {
+            return Ok(Some(*to));
+        }
+        match self.moving_to_fd(file).await? {
+            Some(to) => Ok(Some(to)),
+            None if look == Look::Moved => {
+                lock(&self.homes).pop(&gfid);
+                match self.home(creds, gfid).await {
+                    Ok(Home::Brick(to)) if to != file.brick => Ok(Some(to)),
+                    Ok(_) | Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => Ok(None),
+                    Err(e) => Err(e),
+                }
+            }
+            None => Ok(None),
+        }
+    }
+
+    /// The brick open file `file` is moving to, by its `linkto` xattr.
+    async fn moving_to_fd(&self, file: &FileFd<L::Fd>) -> Result<Option<usize>, Error> {
+        let get = FdFop::new(|fd| {
+            kiln_wire::Fgetxattr {
+                fd,
+                name: xattr_name(LINKTO_XATTR),
+            }
+            .into()
+        });
+        let reply = self.bricks[file.brick]
+            .call_fd(&Creds::root(), &file.fd, get)
+            .await;
+        self.linkto_of(file.brick, reply)
+    }
+
+    /// The brick file `gfid` on brick `brick` is moving to, by its `linkto` xattr.
+    pub(super) async fn moving_to(&self, brick: usize, gfid: Gfid) -> Result<Option<usize>, Error> {
+        let get = kiln_wire::Getxattr {
+            gfid,
+            name: xattr_name(LINKTO_XATTR),
+        };
+        let reply = self.bricks[brick].call(&Creds::root(), get.into()).await;
+        self.linkto_of(brick, reply)
+    }
+
+    fn linkto_of(
+        &self,
+        brick: usize,
+        reply: Result<FopReply, Error>,
+    ) -> Result<Option<usize>, Error> {
+        match reply {
+            Ok(FopReply::Getxattr(r) | FopReply::Fgetxattr(r)) => Ok(self
+                .brick_named(r.value.as_bytes())
+                .filter(|&to| to != brick)),
+            Ok(other) => Err(unexpected(&other)),
+            Err(Error::Fop(ErrorCode::NoData | ErrorCode::NoEnt | ErrorCode::Stale)) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// The attributes of the file a reply describes, after the fop.
+fn file_iatt(reply: &FopReply) -> Option<&Iatt> {
+    match reply {
+        FopReply::Read(r) | FopReply::Get(r) => Some(&r.iatt),
+        FopReply::Stat(r) | FopReply::Fstat(r) => Some(&r.iatt),
+        FopReply::Write(c)
+        | FopReply::Fsync(c)
+        | FopReply::Setattr(c)
+        | FopReply::Fsetattr(c)
+        | FopReply::Truncate(c)
+        | FopReply::Ftruncate(c)
+        | FopReply::Fallocate(c)
+        | FopReply::Discard(c)
+        | FopReply::Zerofill(c) => Some(&c.post),
+        _ => None,
+    }
+}
+
+/// Whether `fop` changes a file's data (and so must reach a copy being made of it).
+fn changes_data(fop: &FopRequest) -> bool {
+    match fop {
+        FopRequest::Setattr(r) => r.attr.size.is_some(),
+        FopRequest::Fsetattr(r) => r.attr.size.is_some(),
+        _ => matches!(
+            fop.code(),
+            FopCode::Write
+                | FopCode::Truncate
+                | FopCode::Ftruncate
+                | FopCode::Fallocate
+                | FopCode::Discard
+                | FopCode::Zerofill
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn iatt(file_type: FileType, mode: u32) -> Iatt {
+        Iatt {
+            gfid: Gfid::ROOT,
+            ino: 1,
+            file_type,
+            mode: Mode::new(mode).expect("mode"),
+            nlink: 1,
+            uid: 0,
+            gid: 0,
+            rdev: 0,
+            size: 7,
+            blocks: 0,
+            blksize: 4096,
+            atime: kiln_wire::Timespec::default(),
+            mtime: kiln_wire::Timespec::default(),
+            ctime: kiln_wire::Timespec::default(),
+        }
+    }
+
+    #[test]
+    fn the_sticky_bit_tells_a_file_s_migration() {
+        assert_eq!(Look::of(&iatt(FileType::Regular, 0o644)), Look::Settled);
+        assert_eq!(Look::of(&iatt(FileType::Regular, 0o1644)), Look::Copying);
+        assert_eq!(Look::of(&iatt(FileType::Regular, 0o1000)), Look::Moved);
+        assert_eq!(Look::of(&iatt(FileType::Directory, 0o1777)), Look::Settled);
+    }
+
+    #[test]
+    fn only_fops_on_data_are_sent_to_the_copy() {
+        let size = |size| kiln_wire::SetAttr {
+            size,
+            ..kiln_wire::SetAttr::default()
+        };
+        let fd = kiln_wire::FdId {
+            slot: 0,
+            generation: 0,
+        };
+        let setattr = |attr| {
+            FopRequest::from(kiln_wire::Setattr {
+                gfid: Gfid::ROOT,
+                attr,
+            })
+        };
+        assert!(changes_data(&setattr(size(Some(0)))));
+        assert!(!changes_data(&setattr(size(None))));
+        assert!(changes_data(&kiln_wire::Ftruncate { fd, size: 0 }.into()));
+        assert!(!changes_data(&kiln_wire::Fstat { fd }.into()));
+    }
+}

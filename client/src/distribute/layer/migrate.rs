@@ -1,0 +1,582 @@
+//! Rebalance: every file moved to the brick its name hashes to, while clients keep using it
+//! (GlusterFS's rebalance migration, in phases that [`super::files`] follows).
+//!
+//! One file moves from brick `from` to its hashed brick `to` so:
+//!
+//! 1. **Destination.** On `to`, a link file to `from` under the file's name and GFID (the one
+//!    a rename left is reused). Lookups still follow it to `from`.
+//! 2. **Copying.** `from`'s copy gets a `linkto` xattr naming `to` and the sticky bit: from
+//!    here each client sends what it changes in the file's data to `to` as well.
+//! 3. **Copy until equal.** Passes over the file compare each chunk of `from` with `to` and
+//!    copy the chunks that differ, until a whole pass finds none. A chunk copied is read from
+//!    `from` again and copied again if it changed: a client's write that landed on `from`
+//!    after the chunk was read may have reached `to` before the copy, which overwrote it.
+//!    A file that keeps changing is left where it is after [`PASSES_MAX`] passes.
+//! 4. **Switch.** `to`'s copy gets the file's xattrs, owner, mode and times and loses its
+//!    `linkto`: it is the file. `from`'s copy gets a link file's mode (`01000`), which sends
+//!    every client still using it to `to`, and its name is removed.
+//!
+//! Files with hard links stay where they are (as GlusterFS's rebalance leaves them by default),
+//! and so do files with the sticky bit or no permission bits, which would read as a phase.
+//! A rename of a file during its move is not guarded (GlusterFS takes a lock on the name).
+
+use std::sync::atomic::AtomicBool;
+
+use super::files::{Look, STICKY};
+use super::namespace::authoritative;
+use super::*;
+
+/// Bytes a copy reads and writes at a time.
+const CHUNK_BYTES: u32 = 1024 * 1024;
+/// Copy passes over a file before it counts as too busy to move.
+const PASSES_MAX: usize = 8;
+/// Copies of one chunk in a pass while clients keep changing it.
+const CHUNK_TRIES_MAX: usize = 8;
+
+/// What [`Distribute::rebalance`] did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct RebalanceReport {
+    /// Directories walked.
+    pub dirs: u64,
+    /// Files looked at (on every brick; link files not counted).
+    pub files: u64,
+    /// Files moved to their hashed brick.
+    pub moved: u64,
+    /// Bytes of data those files held.
+    pub bytes_moved: u64,
+    /// Link files on a brick their name no longer hashes to, removed.
+    pub link_files_removed: u64,
+    /// Files off their hashed brick left there (hard links, a mode that reads as a phase,
+    /// another object under the name there, a file that kept changing); each logged.
+    pub skipped: u64,
+    /// Files or directories that failed (each logged); the walk goes on.
+    pub failed: u64,
+}
+
+/// A chunk of a file made equal on the destination.
+struct Chunk {
+    /// Its length on the source (0 past the end).
+    len: u64,
+    /// Bytes written to the destination.
+    copied: u64,
+    /// Equal on both when last read: not changing faster than it is copied.
+    settled: bool,
+}
+
+/// What the rebalance did with one entry.
+enum Outcome {
+    /// Counted already, or a link file where it belongs.
+    InPlace,
+    /// A file looked at, left where it is as it is where it belongs.
+    Looked,
+    Moved {
+        bytes: u64,
+    },
+    Skipped(&'static str),
+    LinkFileRemoved,
+}
+
+impl RebalanceReport {
+    /// Counts what happened to entry `name` of `dir` (logged); whether it is where the
+    /// layout says.
+    fn count(
+        &mut self,
+        outcome: Result<Outcome, Error>,
+        dir: Gfid,
+        name: &Name,
+        from: usize,
+        to: usize,
+    ) -> bool {
+        let name = name.as_bytes().escape_ascii();
+        match outcome {
+            Ok(Outcome::InPlace) => {}
+            Ok(Outcome::Looked) => self.files += 1,
+            Ok(Outcome::LinkFileRemoved) => self.link_files_removed += 1,
+            Ok(Outcome::Moved { bytes }) => {
+                self.files += 1;
+                self.moved += 1;
+                self.bytes_moved += bytes;
+                tracing::debug!(%dir, %name, from, to, bytes, "rebalance: moved a file");
+            }
+            Ok(Outcome::Skipped(why)) => {
+                self.files += 1;
+                self.skipped += 1;
+                tracing::info!(%dir, %name, from, to, why, "rebalance: left a file in place");
+                return false;
+            }
+            Err(e) => {
+                self.failed += 1;
+                tracing::warn!(%dir, %name, from, to, error = %e, "rebalance: an entry failed");
+                return false;
+            }
+        }
+        true
+    }
+}
+
+impl<L: Layer> Distribute<L> {
+    /// Lays every directory out over every brick (as [`Distribute::heal_tree`]), then walks
+    /// the tree and moves each file off its hashed brick there, reporting after each
+    /// directory; stops between two files once `stop` is set.
+    pub async fn rebalance(
+        &self,
+        stop: &AtomicBool,
+        progress: &mut (dyn FnMut(&RebalanceReport) + Send),
+    ) -> Result<RebalanceReport, Error> {
+        let root = Creds::root();
+        let healed = self.heal_tree(&root).await?;
+        let mut report = RebalanceReport {
+            failed: healed.failed,
+            ..RebalanceReport::default()
+        };
+        let mut pending = vec![Gfid::ROOT];
+        while let Some(dir) = pending.pop() {
+            if stop.load(Ordering::Relaxed) {
+                break;
+            }
+            report.dirs += 1;
+            match self.rebalance_dir(dir, stop, &mut report).await {
+                Ok(subdirs) => pending.extend(subdirs),
+                Err(e) => {
+                    tracing::warn!(%dir, error = %e, "rebalance: a directory failed");
+                    report.failed += 1;
+                }
+            }
+            progress(&report);
+        }
+        Ok(report)
+    }
+
+    /// Moves the files of directory `dir` that are off their hashed brick, and commits its
+    /// layout when every name follows it; its subdirectories.
+    async fn rebalance_dir(
+        &self,
+        dir: Gfid,
+        stop: &AtomicBool,
+        report: &mut RebalanceReport,
+    ) -> Result<Vec<Gfid>, Error> {
+        let root = Creds::root();
+        let layout = self.layout(dir).await?;
+        let mut subdirs = std::collections::BTreeSet::new();
+        // Files looked at: one moved shows again in the listing of the brick it moved to.
+        let mut seen = std::collections::HashSet::new();
+        let mut settled = true;
+        for from in 0..self.bricks.len() {
+            let entries = match self.bricks[from].read_dir(&root, dir).await {
+                Ok(entries) => entries,
+                Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => continue,
+                Err(e) => return Err(e),
+            };
+            for entry in entries {
+                if stop.load(Ordering::Relaxed) {
+                    return Ok(Vec::new());
+                }
+                if entry.iatt.file_type == FileType::Directory {
+                    subdirs.insert(entry.iatt.gfid);
+                    continue;
+                }
+                let Some(to) = layout.hashed_brick(entry.name.as_bytes(), self.munging) else {
+                    settled = false;
+                    continue;
+                };
+                let outcome = self.rebalance_entry(dir, from, &entry, to, &mut seen).await;
+                settled &= report.count(outcome, dir, &entry.name, from, to);
+            }
+        }
+        if settled && !authoritative(&layout) {
+            let committed = (*layout).clone().with_commit_hash(COMMIT_HASH_COMMITTED);
+            self.store_layout(dir, committed).await?;
+        }
+        Ok(subdirs.into_iter().collect())
+    }
+
+    /// Puts entry `entry` of directory `dir`, listed on brick `from`, where its hashed brick
+    /// `to` says: a file moved there, anything else given a link file there, a link file
+    /// elsewhere removed.
+    async fn rebalance_entry(
+        &self,
+        dir: Gfid,
+        from: usize,
+        entry: &kiln_wire::DirEntryPlus,
+        to: usize,
+        seen: &mut std::collections::HashSet<Gfid>,
+    ) -> Result<Outcome, Error> {
+        let (name, iatt) = (&entry.name, &entry.iatt);
+        if self.link_file_target(from, iatt).await?.is_some() {
+            if from == to {
+                return Ok(Outcome::InPlace);
+            }
+            self.remove_link_file(from, dir, name).await?;
+            return Ok(Outcome::LinkFileRemoved);
+        }
+        if !seen.insert(iatt.gfid) {
+            return Ok(Outcome::InPlace);
+        }
+        if from == to {
+            return Ok(Outcome::Looked);
+        }
+        if iatt.file_type != FileType::Regular {
+            // A symlink or special file stays; a link file on its hashed brick finds it.
+            return match self.make_link_file(to, dir, name, iatt.gfid, from).await {
+                Ok(()) | Err(Error::Fop(ErrorCode::Exist)) => Ok(Outcome::Looked),
+                Err(e) => Err(e),
+            };
+        }
+        self.migrate_file(dir, name, from, iatt, to).await
+    }
+
+    /// Moves file `iatt`, `name` in `dir`, from brick `from` to brick `to`.
+    async fn migrate_file(
+        &self,
+        dir: Gfid,
+        name: &Name,
+        from: usize,
+        iatt: &Iatt,
+        to: usize,
+    ) -> Result<Outcome, Error> {
+        let mode = iatt.mode.bits();
+        if iatt.nlink != 1 {
+            return Ok(Outcome::Skipped("it has hard links"));
+        }
+        if mode & STICKY != 0 || mode & 0o777 == 0 {
+            return Ok(Outcome::Skipped("its mode would read as a migration phase"));
+        }
+        if !self
+            .make_destination(dir, name, iatt.gfid, from, to)
+            .await?
+        {
+            return Ok(Outcome::Skipped(
+                "another object holds its name on the hashed brick",
+            ));
+        }
+        let gfid = iatt.gfid;
+        self.set_xattr(from, gfid, LINKTO_XATTR, self.link_value(to))
+            .await?;
+        self.set_mode(from, gfid, mode | STICKY).await?;
+        let copied = self.copy_until_equal(from, to, gfid).await;
+        let bytes = match copied {
+            Ok(Some(bytes)) => bytes,
+            Ok(None) => {
+                self.abandon_move(from, to, gfid).await?;
+                return Ok(Outcome::Skipped("it kept changing"));
+            }
+            Err(e) => {
+                if let Err(undo) = self.abandon_move(from, to, gfid).await {
+                    tracing::warn!(%gfid, error = %undo, "rebalance: a move not undone");
+                }
+                return Err(e);
+            }
+        };
+        self.switch_to(dir, name, from, to, gfid).await?;
+        Ok(Outcome::Moved { bytes })
+    }
+
+    /// Makes the destination of file `gfid` (`name` in `dir`) on brick `to`: a link file to
+    /// `from`, or the one there made empty; `false` when another object holds the name.
+    async fn make_destination(
+        &self,
+        dir: Gfid,
+        name: &Name,
+        gfid: Gfid,
+        from: usize,
+        to: usize,
+    ) -> Result<bool, Error> {
+        let root = Creds::root();
+        match self.bricks[to].lookup(&root, dir, name).await {
+            Ok(there) if there.gfid == gfid && looks_like_link_file(&there) => {
+                if there.size > 0 {
+                    self.set_attr(to, gfid, size_attr(0)).await?;
+                }
+                self.set_xattr(to, gfid, LINKTO_XATTR, self.link_value(from))
+                    .await?;
+                Ok(true)
+            }
+            Ok(_) => Ok(false),
+            Err(Error::Fop(ErrorCode::NoEnt)) => {
+                self.make_link_file(to, dir, name, gfid, from).await?;
+                Ok(true)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Copies file `gfid` from brick `from` to `to` pass after pass until a pass finds the
+    /// copies equal and the source still marked: the bytes copied, or `None` after
+    /// [`PASSES_MAX`] passes.
+    async fn copy_until_equal(
+        &self,
+        from: usize,
+        to: usize,
+        gfid: Gfid,
+    ) -> Result<Option<u64>, Error> {
+        let root = Creds::root();
+        let src = self.bricks[from]
+            .open(&root, gfid, AccessMode::ReadOnly, OpenFlags::empty())
+            .await?;
+        let dst = match self.bricks[to]
+            .open(&root, gfid, AccessMode::ReadWrite, OpenFlags::empty())
+            .await
+        {
+            Ok(dst) => dst,
+            Err(e) => {
+                let _ = self.bricks[from].release(&root, src).await;
+                return Err(e);
+            }
+        };
+        let mut copied = 0;
+        let mut result = Ok(None);
+        for _ in 0..PASSES_MAX {
+            match self.copy_pass(from, &src, to, &dst).await {
+                Ok(Some(bytes)) => copied += bytes,
+                Ok(None) => {
+                    result = self
+                        .still_marked(from, gfid)
+                        .await
+                        .map(|marked| marked.then_some(copied));
+                    if !matches!(result, Ok(None)) {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            }
+        }
+        let released = self.bricks[from].release(&root, src).await;
+        let released = released.and(self.bricks[to].release(&root, dst).await);
+        let copied = result?;
+        released?;
+        Ok(copied)
+    }
+
+    /// One pass: `dst` given `src`'s size, and each chunk of `src` that differs from `dst`'s
+    /// copied; the bytes copied, `None` when the copies were equal.
+    async fn copy_pass(
+        &self,
+        from: usize,
+        src: &L::Fd,
+        to: usize,
+        dst: &L::Fd,
+    ) -> Result<Option<u64>, Error> {
+        let size = fstat(&self.bricks[from], src).await?.size;
+        let mut changed = fstat(&self.bricks[to], dst).await?.size != size;
+        if changed {
+            let truncate = FdFop::new(|fd| kiln_wire::Ftruncate { fd, size }.into());
+            self.bricks[to]
+                .call_fd(&Creds::root(), dst, truncate)
+                .await?;
+        }
+        let (mut offset, mut copied) = (0, 0);
+        while offset < size {
+            let chunk = self.copy_chunk(from, src, to, dst, offset).await?;
+            if chunk.len == 0 {
+                break;
+            }
+            copied += chunk.copied;
+            changed |= chunk.copied > 0 || !chunk.settled;
+            offset += chunk.len;
+        }
+        changed |= fstat(&self.bricks[from], src).await?.size != size;
+        Ok(changed.then_some(copied))
+    }
+
+    /// Makes the chunk of `dst` at `offset` `src`'s: copied, then `src`'s read again, and
+    /// copied again while a client's write changed it meanwhile (whose copy to `dst` may
+    /// have come before this one's, and been overwritten).
+    async fn copy_chunk(
+        &self,
+        from: usize,
+        src: &L::Fd,
+        to: usize,
+        dst: &L::Fd,
+        offset: u64,
+    ) -> Result<Chunk, Error> {
+        let root = Creds::root();
+        let (from, to) = (&self.bricks[from], &self.bricks[to]);
+        let mut data = from.read(&root, src, offset, CHUNK_BYTES).await?;
+        let mut chunk = Chunk {
+            len: data.len() as u64,
+            copied: 0,
+            settled: false,
+        };
+        for _ in 0..CHUNK_TRIES_MAX {
+            if to.read(&root, dst, offset, CHUNK_BYTES).await? == data {
+                chunk.settled = true;
+                break;
+            }
+            to.write(&root, dst, offset, data.clone()).await?;
+            chunk.copied += data.len() as u64;
+            let again = from.read(&root, src, offset, CHUNK_BYTES).await?;
+            if again == data {
+                chunk.settled = true;
+                break;
+            }
+            data = again;
+        }
+        Ok(chunk)
+    }
+
+    /// Whether file `gfid` on brick `from` still has the sticky bit; put back (and `false`)
+    /// when a user's chmod took it, as clients stopped sending their changes to the copy.
+    async fn still_marked(&self, from: usize, gfid: Gfid) -> Result<bool, Error> {
+        let now = self.bricks[from].stat(&Creds::root(), gfid).await?;
+        if Look::of(&now) == Look::Copying {
+            return Ok(true);
+        }
+        self.set_mode(from, gfid, now.mode.bits() | STICKY).await?;
+        Ok(false)
+    }
+
+    /// Makes brick `to`'s copy of file `gfid` the file, and `from`'s a link file to it that
+    /// is then removed (`name` in `dir`).
+    async fn switch_to(
+        &self,
+        dir: Gfid,
+        name: &Name,
+        from: usize,
+        to: usize,
+        gfid: Gfid,
+    ) -> Result<(), Error> {
+        let root = Creds::root();
+        let now = self.bricks[from].stat(&root, gfid).await?;
+        self.copy_xattrs(from, to, gfid).await?;
+        let attr = kiln_wire::SetAttr {
+            mode: Mode::new(now.mode.bits() & !STICKY),
+            uid: Some(now.uid),
+            gid: Some(now.gid),
+            atime: Some(kiln_wire::TimeSet::At(now.atime)),
+            mtime: Some(kiln_wire::TimeSet::At(now.mtime)),
+            ..kiln_wire::SetAttr::default()
+        };
+        self.set_attr(to, gfid, attr).await?;
+        self.remove_xattr(to, gfid, LINKTO_XATTR).await?;
+        self.set_mode(from, gfid, LINK_FILE_MODE).await?;
+        self.note_home(&now, to);
+        // Under the same name still (not renamed meanwhile): removed.
+        match self.bricks[from].lookup(&root, dir, name).await {
+            Ok(there) if there.gfid == gfid => self.remove_link_file(from, dir, name).await,
+            Ok(_) | Err(Error::Fop(ErrorCode::NoEnt)) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Puts file `gfid` back as it was before its move began: brick `from`'s copy unmarked,
+    /// `to`'s an empty link file to it.
+    async fn abandon_move(&self, from: usize, to: usize, gfid: Gfid) -> Result<(), Error> {
+        let now = self.bricks[from].stat(&Creds::root(), gfid).await?;
+        self.set_mode(from, gfid, now.mode.bits() & !STICKY).await?;
+        match self.remove_xattr(from, gfid, LINKTO_XATTR).await {
+            Ok(()) | Err(Error::Fop(ErrorCode::NoData)) => {}
+            Err(e) => return Err(e),
+        }
+        self.set_attr(to, gfid, size_attr(0)).await
+    }
+
+    /// Copies the xattrs of file `gfid` from brick `from` to `to`, but DHT's and the GFID.
+    async fn copy_xattrs(&self, from: usize, to: usize, gfid: Gfid) -> Result<(), Error> {
+        let root = Creds::root();
+        let names = match self.bricks[from]
+            .call(&root, kiln_wire::Listxattr { gfid }.into())
+            .await?
+        {
+            FopReply::Listxattr(r) => r.entries,
+            other => return Err(unexpected(&other)),
+        };
+        for name in names {
+            let bytes = name.as_bytes();
+            if bytes == b"trusted.gfid" || bytes.starts_with(b"trusted.glusterfs.") {
+                continue;
+            }
+            let get = kiln_wire::Getxattr {
+                gfid,
+                name: name.clone(),
+            };
+            let value = match self.bricks[from].call(&root, get.into()).await {
+                Ok(FopReply::Getxattr(r)) => r.value,
+                Ok(other) => return Err(unexpected(&other)),
+                Err(Error::Fop(ErrorCode::NoData)) => continue,
+                Err(e) => return Err(e),
+            };
+            let set = kiln_wire::Setxattr {
+                gfid,
+                name,
+                value,
+                mode: XattrSetMode::Upsert,
+            };
+            self.bricks[to].call(&root, set.into()).await?;
+        }
+        Ok(())
+    }
+
+    async fn set_xattr(
+        &self,
+        brick: usize,
+        gfid: Gfid,
+        name: &'static str,
+        value: XattrValue,
+    ) -> Result<(), Error> {
+        let set = kiln_wire::Setxattr {
+            gfid,
+            name: xattr_name(name),
+            value,
+            mode: XattrSetMode::Upsert,
+        };
+        self.bricks[brick]
+            .call(&Creds::root(), set.into())
+            .await
+            .map(drop)
+    }
+
+    async fn remove_xattr(
+        &self,
+        brick: usize,
+        gfid: Gfid,
+        name: &'static str,
+    ) -> Result<(), Error> {
+        let remove = kiln_wire::Removexattr {
+            gfid,
+            name: xattr_name(name),
+        };
+        self.bricks[brick]
+            .call(&Creds::root(), remove.into())
+            .await
+            .map(drop)
+    }
+
+    async fn set_mode(&self, brick: usize, gfid: Gfid, mode: u32) -> Result<(), Error> {
+        let attr = kiln_wire::SetAttr {
+            mode: Some(Mode::new(mode).ok_or(Error::Fop(ErrorCode::Inval))?),
+            ..kiln_wire::SetAttr::default()
+        };
+        self.set_attr(brick, gfid, attr).await
+    }
+
+    async fn set_attr(
+        &self,
+        brick: usize,
+        gfid: Gfid,
+        attr: kiln_wire::SetAttr,
+    ) -> Result<(), Error> {
+        let setattr = kiln_wire::Setattr { gfid, attr };
+        self.bricks[brick]
+            .call(&Creds::root(), setattr.into())
+            .await
+            .map(drop)
+    }
+}
+
+fn size_attr(size: u64) -> kiln_wire::SetAttr {
+    kiln_wire::SetAttr {
+        size: Some(size),
+        ..kiln_wire::SetAttr::default()
+    }
+}
+
+async fn fstat<L: Layer>(brick: &L, fd: &L::Fd) -> Result<Iatt, Error> {
+    let fop = FdFop::new(|fd| kiln_wire::Fstat { fd }.into());
+    match brick.call_fd(&Creds::root(), fd, fop).await? {
+        FopReply::Fstat(r) => Ok(r.iatt),
+        other => Err(unexpected(&other)),
+    }
+}
