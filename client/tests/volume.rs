@@ -689,8 +689,24 @@ fn files_per_brick(bricks: &[PathBuf], rel: &str) -> Vec<usize> {
         .collect()
 }
 
+/// Per brick, the files in directory `rel` that are no link files (mode `---------T`).
+fn data_files_per_brick(bricks: &[PathBuf], rel: &str) -> Vec<usize> {
+    use std::os::unix::fs::PermissionsExt;
+    let is_data = |e: &std::io::Result<std::fs::DirEntry>| {
+        e.as_ref()
+            .ok()
+            .and_then(|e| e.metadata().ok())
+            .is_some_and(|m| m.permissions().mode() & 0o7777 != 0o1000)
+    };
+    bricks
+        .iter()
+        .map(|b| std::fs::read_dir(b.join(rel)).map_or(0, |d| d.filter(is_data).count()))
+        .collect()
+}
+
 /// A volume of three bricks mounted by name: one tree, its files spread over the bricks; a
-/// layout with a hole healed; a fourth brick added and given a share of every directory.
+/// layout with a hole healed; a fourth brick added and given a share of every directory, then
+/// the files moved onto it by a rebalance.
 #[test]
 fn a_volume_of_three_bricks_mounts_as_one_tree() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -786,7 +802,8 @@ fn a_volume_of_three_bricks_mounts_as_one_tree() {
         assert_eq!(data, i.to_string());
     }
     unmount(&mountpoint, mount);
-    let per_brick = files_per_brick(&bricks, "d");
+    // The old files read through the mount got link files on their new hashed bricks.
+    let per_brick = data_files_per_brick(&bricks, "d");
     assert!(
         per_brick[3] > 10,
         "new files on the new brick: {per_brick:?}"
@@ -796,5 +813,29 @@ fn a_volume_of_three_bricks_mounts_as_one_tree() {
         180,
         "each file on one brick"
     );
+
+    // A rebalance moves the old files onto the fourth brick too; status tells how it ended.
+    let none = m.fails(&["volume", "rebalance", "wide", "status"]);
+    assert!(none.contains("no rebalance of wide has run"), "{none}");
+    let idle = m.fails(&["volume", "rebalance", "wide", "stop"]);
+    assert!(idle.contains("no rebalance of wide is running"), "{idle}");
+    let done = m.ok(&["volume", "--json", "rebalance", "wide", "start"]);
+    let done: serde_json::Value = serde_json::from_str(&done).expect("json");
+    assert_eq!(done["state"], "completed", "{done}");
+    assert_eq!((done["files"].as_u64(), done["failed"].as_u64()), (Some(180), Some(0)));
+    assert!(done["moved"].as_u64() > Some(10), "{done}");
+    let status = m.ok(&["volume", "rebalance", "wide", "status"]);
+    assert!(status.starts_with("wide: completed — "), "{status}");
+    let spread = files_per_brick(&bricks, "d");
+    assert!(
+        spread[3] > per_brick[3] && spread.iter().sum::<usize>() == 180,
+        "the old files spread to the new brick, no link file left: {per_brick:?} then {spread:?}"
+    );
+    let mount = mount_volume(&m, "wide", &mountpoint, &log);
+    for i in 0..180 {
+        let data = std::fs::read_to_string(mountpoint.join(format!("d/f{i}"))).expect("read");
+        assert_eq!(data, i.to_string());
+    }
+    unmount(&mountpoint, mount);
     m.ok(&["volume", "stop", "wide"]);
 }
