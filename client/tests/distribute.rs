@@ -249,7 +249,10 @@ fn renames_and_links_across_bricks_leave_link_files() {
         let FopReply::Statfs(total) = v.call(&creds, statfs.into()).await.expect("statfs") else {
             panic!("statfs")
         };
-        let FopReply::Statfs(one) = v.bricks()[0]
+        let FopReply::Statfs(one) = v
+            .bricks()
+            .next()
+            .expect("a brick")
             .call(&creds, kiln_wire::Statfs { gfid: Gfid::ROOT }.into())
             .await
             .expect("statfs of one")
@@ -378,7 +381,7 @@ fn lookup_heals_missing_directory_copies_and_layout_holes() {
         let v = volume.connect().await;
         // "half" made on bricks 0 and 1 only, as a mkdir cut short would leave it.
         let gfid = kiln_client::path::new_gfid();
-        for brick in &v.bricks()[..2] {
+        for brick in v.bricks().take(2) {
             let mkdir = kiln_wire::Mkdir {
                 parent: Gfid::ROOT,
                 name: name("half"),
@@ -531,7 +534,7 @@ fn look_alike_link_files_exchanges_and_older_mounts() {
         // A layer over the first two bricks only: /d's layout has a hole where brick 2's
         // share is, and that is no reason to rebuild it.
         let before = xattr(&volume.brick(2).join("d"), XATTR_NAME).expect("brick 2's share");
-        let older = Distribute::new(v.bricks()[..2].to_vec(), "dist").expect("layer");
+        let older = Distribute::new(v.bricks().take(2).cloned().collect(), "dist").expect("layer");
         older.resolve(&creds, "/d").await.expect("lookup");
         older.heal_tree(&creds).await.expect("heal walk");
         assert_eq!(older.healed(), (0, 0));
@@ -556,7 +559,8 @@ fn a_rebalance_moves_files_while_a_client_writes_one() {
     let creds = Creds::root();
     rt.block_on(async {
         let all = volume.connect().await;
-        let two = Distribute::new(all.bricks()[..2].to_vec(), "dist").expect("two bricks");
+        let two =
+            Distribute::new(all.bricks().take(2).cloned().collect(), "dist").expect("two bricks");
         let mut files = Vec::new();
         for dir in ["/a", "/a/b"] {
             two.mkdir_all(&creds, dir, 0o755).await.expect("mkdir");

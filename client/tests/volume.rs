@@ -3,8 +3,10 @@
 
 mod common;
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use common::{bin, scrape};
@@ -822,7 +824,10 @@ fn a_volume_of_three_bricks_mounts_as_one_tree() {
     let done = m.ok(&["volume", "--json", "rebalance", "wide", "start"]);
     let done: serde_json::Value = serde_json::from_str(&done).expect("json");
     assert_eq!(done["state"], "completed", "{done}");
-    assert_eq!((done["files"].as_u64(), done["failed"].as_u64()), (Some(180), Some(0)));
+    assert_eq!(
+        (done["files"].as_u64(), done["failed"].as_u64()),
+        (Some(180), Some(0))
+    );
     assert!(done["moved"].as_u64() > Some(10), "{done}");
     let status = m.ok(&["volume", "rebalance", "wide", "status"]);
     assert!(status.starts_with("wide: completed — "), "{status}");
@@ -838,4 +843,190 @@ fn a_volume_of_three_bricks_mounts_as_one_tree() {
     }
     unmount(&mountpoint, mount);
     m.ok(&["volume", "stop", "wide"]);
+}
+
+/// Rounds a workload runs at most (a few hundred milliseconds each).
+const WORKLOAD_ROUNDS_MAX: usize = 1000;
+
+/// Sets its flag when dropped.
+struct StopOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+/// What a workload wrote: path under the mount → the content it last gave it.
+type Written = BTreeMap<String, Vec<u8>>;
+
+/// Rounds of what untar, a build and git do in `dirs` directories of `root` — files written
+/// and rewritten in place, a log appended to, a file written aside and renamed over its
+/// target, a new file per round — until `stop` is set (then one more round), at most
+/// [`WORKLOAD_ROUNDS_MAX`]; every error fails the test.
+fn workload(root: &Path, dirs: usize, rounds: &AtomicUsize, stop: &AtomicBool) -> Written {
+    use std::io::Write as _;
+    const FILES: usize = 25;
+    let mut written = Written::new();
+    for round in 0.. {
+        let last = stop.load(Ordering::Relaxed);
+        for d in 0..dirs {
+            let dir = format!("w{d}");
+            if round == 0 {
+                std::fs::create_dir(root.join(&dir)).expect("mkdir");
+            }
+            for i in (0..FILES).filter(|i| round == 0 || (i + round) % 5 == 0) {
+                let line = format!("{dir}/f{i} round {round}\n");
+                write_to(
+                    root,
+                    &mut written,
+                    format!("{dir}/f{i}"),
+                    line.repeat(1 + i % 7 * 300).into_bytes(),
+                );
+            }
+            write_to(
+                root,
+                &mut written,
+                format!("{dir}/n{round}"),
+                format!("new in {round}").into_bytes(),
+            );
+            let tmp = format!("{dir}/ref.tmp");
+            write_to(
+                root,
+                &mut written,
+                tmp.clone(),
+                format!("ref {round}").into_bytes(),
+            );
+            std::fs::rename(root.join(&tmp), root.join(&dir).join("ref"))
+                .unwrap_or_else(|e| panic!("rename {tmp}: {e}"));
+            let moved = written.remove(&tmp).expect("written");
+            written.insert(format!("{dir}/ref"), moved);
+            let log = format!("{dir}/log");
+            let entry = format!("round {round}\n");
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(root.join(&log))
+                .and_then(|mut f| f.write_all(entry.as_bytes()))
+                .unwrap_or_else(|e| panic!("append to {log}: {e}"));
+            written.entry(log).or_default().extend(entry.as_bytes());
+        }
+        rounds.store(round + 1, Ordering::Relaxed);
+        if last || round + 1 == WORKLOAD_ROUNDS_MAX {
+            break;
+        }
+    }
+    written
+}
+
+fn write_to(root: &Path, written: &mut Written, rel: String, content: Vec<u8>) {
+    std::fs::write(root.join(&rel), &content).unwrap_or_else(|e| panic!("write {rel}: {e}"));
+    written.insert(rel, content);
+}
+
+fn check_written(root: &Path, written: &Written) {
+    for (rel, content) in written {
+        let data = std::fs::read(root.join(rel)).unwrap_or_else(|e| panic!("read {rel}: {e}"));
+        assert!(
+            data == *content,
+            "{rel}: {} bytes read, {} written",
+            data.len(),
+            content.len()
+        );
+    }
+}
+
+/// A brick added to a volume and the volume rebalanced while a mount of it runs a workload:
+/// the mount learns of the new brick by itself, the workload sees no error, and every file
+/// holds what it was last given — through that mount and a fresh one — on its hashed brick
+/// alone (a rebalance run again finds nothing to move).
+#[test]
+fn add_brick_and_rebalance_under_a_workload_lose_nothing() {
+    const DIRS: usize = 4;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let m = Mgmtd::start(dir.path());
+    let bricks: Vec<PathBuf> = (0..3)
+        .map(|i| dir.path().join(format!("bricks/b{i}")))
+        .collect();
+    let mut create = vec!["volume", "create", "grow"];
+    create.extend(bricks[..2].iter().map(|b| b.to_str().expect("utf-8")));
+    create.extend(["--port", "47330"]);
+    m.ok(&create);
+    m.ok(&["volume", "set", "grow", "server.root-allow", "admin"]);
+    m.ok(&["volume", "start", "grow"]);
+    m.healthy("grow");
+    let (mountpoint, log) = (dir.path().join("mnt"), dir.path().join("mount.log"));
+    std::fs::create_dir(&mountpoint).expect("mountpoint");
+    let mount = mount_volume(&m, "grow", &mountpoint, &log);
+
+    let (rounds, stop) = (AtomicUsize::new(0), AtomicBool::new(false));
+    let written = std::thread::scope(|s| {
+        let work = s.spawn(|| workload(&mountpoint, DIRS, &rounds, &stop));
+        // The workload stops however this ends (a failed assertion too).
+        let _stop = StopOnDrop(&stop);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while rounds.load(Ordering::Relaxed) < 2 && !work.is_finished() {
+            assert!(Instant::now() < deadline, "the workload made no progress");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        m.ok(&[
+            "volume",
+            "add-brick",
+            "grow",
+            bricks[2].to_str().expect("utf-8"),
+        ]);
+        m.healthy("grow");
+        let during = m.ok(&["volume", "--json", "rebalance", "grow", "start"]);
+        let during: serde_json::Value = serde_json::from_str(&during).expect("json");
+        assert_eq!(
+            (during["state"].as_str(), during["failed"].as_u64()),
+            (Some("completed"), Some(0)),
+            "{during}"
+        );
+        assert!(during["moved"].as_u64() > Some(0), "{during}");
+        stop.store(true, Ordering::Relaxed);
+        work.join().expect("the workload saw no error")
+    });
+    assert!(
+        rounds.load(Ordering::Relaxed) > 3,
+        "the workload ran during the rebalance"
+    );
+    check_written(&mountpoint, &written);
+    unmount(&mountpoint, mount);
+
+    // What the workload changed during the rebalance moves now; then nothing is left.
+    let after = m.ok(&["volume", "--json", "rebalance", "grow", "start"]);
+    let after: serde_json::Value = serde_json::from_str(&after).expect("json");
+    assert_eq!(
+        (after["skipped"].as_u64(), after["failed"].as_u64()),
+        (Some(0), Some(0)),
+        "{after}"
+    );
+    let last = m.ok(&["volume", "--json", "rebalance", "grow", "start"]);
+    let last: serde_json::Value = serde_json::from_str(&last).expect("json");
+    assert_eq!(
+        (last["moved"].as_u64(), last["link_files_removed"].as_u64()),
+        (Some(0), Some(0)),
+        "{last}"
+    );
+    for d in 0..DIRS {
+        let per_brick = files_per_brick(&bricks, &format!("w{d}"));
+        let files = written
+            .keys()
+            .filter(|k| k.starts_with(&format!("w{d}/")))
+            .count();
+        assert_eq!(
+            per_brick.iter().sum::<usize>(),
+            files,
+            "w{d}: {per_brick:?}"
+        );
+        assert!(
+            per_brick[2] > 0,
+            "w{d}: files on the new brick: {per_brick:?}"
+        );
+    }
+    let mount = mount_volume(&m, "grow", &mountpoint, &log);
+    check_written(&mountpoint, &written);
+    unmount(&mountpoint, mount);
+    m.ok(&["volume", "stop", "grow"]);
 }

@@ -12,17 +12,21 @@
 //! (`kiln_client::distribute`). Without `-f` the command returns once the volume is
 //! mounted and a background process serves it, logging to `--log-file`.
 
+use std::future::Future;
 use std::io::{BufRead as _, BufReader, Write as _};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::pin::Pin;
 use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Args;
 use kiln_admin::command::{Request, Response};
 use kiln_admin::volume::VolumeState;
-use kiln_client::distribute::Distribute;
+use kiln_client::BrickClient;
+use kiln_client::distribute::{BrickSource, Distribute};
 use kiln_client::mount::{self, MountOptions};
 
 use crate::Global;
@@ -129,6 +133,7 @@ async fn serve(
 ) -> anyhow::Result<()> {
     let mountpoint = &args.mountpoint;
     check_mountpoint(mountpoint)?;
+    let by_name = parse_addrs(&args.source).is_none();
     let brick_addrs = match parse_addrs(&args.source) {
         Some(addrs) => addrs,
         None => {
@@ -149,11 +154,19 @@ async fn serve(
         .await
         .with_context(|| format!("cannot mount {}", args.source))?;
     let runtime = tokio::runtime::Handle::current();
+    let added = Arc::new(Mutex::new(Vec::new()));
     let mounted = match bricks.as_slice() {
         [brick] => mount::mount(runtime, brick.clone(), mountpoint, options),
         [first, ..] => {
             let volume = first.hello().await?.volume.to_string();
-            let distribute = Distribute::new(bricks.clone(), &volume)?;
+            let mut distribute = Distribute::new(bricks.clone(), &volume)?;
+            if by_name {
+                distribute = distribute.with_source(VolumeBricks {
+                    global: global.clone(),
+                    volume: args.source.clone(),
+                    added: added.clone(),
+                });
+            }
             mount::mount(runtime, distribute, mountpoint, options)
         }
         [] => bail!("no brick to mount"),
@@ -173,11 +186,49 @@ async fn serve(
         .await
         .context("the unmount task failed")?;
     tracing::info!(result = ?result, "the FUSE session ended");
-    for brick in bricks {
+    let added = std::mem::take(&mut *added.lock().unwrap_or_else(|p| p.into_inner()));
+    for brick in bricks.into_iter().chain(added) {
         brick.close().await;
     }
     tracing::info!("disconnected from the bricks");
     result.context("unmount")
+}
+
+/// The bricks of a volume mounted by name that were added to it while it is mounted, as the
+/// management daemon lists them (`kiln volume add-brick`); each brick client made is kept
+/// in `added`, to be closed at the end.
+struct VolumeBricks {
+    global: Global,
+    volume: String,
+    added: Arc<Mutex<Vec<BrickClient>>>,
+}
+
+impl BrickSource<BrickClient> for VolumeBricks {
+    fn added(
+        &self,
+        known: usize,
+    ) -> Pin<Box<dyn Future<Output = Result<Vec<BrickClient>, kiln_client::Error>> + Send + '_>>
+    {
+        Box::pin(async move {
+            let unreachable = |e: anyhow::Error| kiln_client::Error::Connect {
+                addr: format!("kiln-mgmtd for volume {}", self.volume),
+                reason: format!("{e:#}"),
+            };
+            let (global, volume) = (self.global.clone(), self.volume.clone());
+            let listed = tokio::task::spawn_blocking(move || resolve_volume(&global, &volume))
+                .await
+                .map_err(|e| unreachable(e.into()))?
+                .map_err(unreachable)?;
+            let addrs = listed.bricks.get(known..).unwrap_or_default();
+            let bricks = crate::files::connect_all(&self.global, addrs)
+                .await
+                .map_err(unreachable)?;
+            tracing::info!(added = addrs.len(), "the volume has new bricks");
+            let mut added = self.added.lock().unwrap_or_else(|p| p.into_inner());
+            added.extend(bricks.iter().cloned());
+            Ok(bricks)
+        })
+    }
 }
 
 /// The brick addresses `source` names (one, or several comma-separated); `None` when it is

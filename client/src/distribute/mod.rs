@@ -20,7 +20,10 @@ mod layer;
 pub mod layout;
 
 pub use hash::{Munging, dm_hash, name_hash};
-pub use layer::{DirFds, DistFd, Distribute, FileFd, HealReport, LINKTO_XATTR, RebalanceReport};
+pub use layer::{
+    BrickSource, DirFds, DistFd, Distribute, FileFd, HealReport, LAYOUT_TTL, LINKTO_XATTR,
+    RebalanceReport,
+};
 pub use layout::{
     Anomalies, BRICKS_MAX, COMMIT_HASH_COMMITTED, COMMIT_HASH_INVALID, DiskLayout, HashRange,
     HashType, Layout, XATTR_LEN, XATTR_NAME, first_brick, size_chunks, weights_for,

@@ -21,6 +21,11 @@ use super::*;
 
 /// The sticky bit (`S_ISVTX`).
 pub(super) const STICKY: u32 = 0o1000;
+/// How long a rename, unlink or hard link of a file waits for a rebalance to finish moving
+/// it before it fails with EBUSY.
+const MOVE_WAIT: Duration = Duration::from_secs(60);
+/// How often such a fop looks again whether the move has ended.
+const MOVE_POLL: Duration = Duration::from_millis(20);
 
 /// This layer's handle on an open file: the brick's fd, and the fd on the brick the file is
 /// moving to once a reply showed a migration.
@@ -100,7 +105,7 @@ impl<L: Layer> Distribute<L> {
         let Some(to) = self.moving_to_of(creds, file, gfid, look).await? else {
             return Ok(reply);
         };
-        let (brick, fd) = file
+        let opened = file
             .dst
             .get_or_try_init(|| async {
                 // As root: a copying file's destination has no permission bits yet, and the
@@ -114,7 +119,15 @@ impl<L: Layer> Distribute<L> {
                     .await?;
                 Ok::<_, Error>((to, fd))
             })
-            .await?;
+            .await;
+        let (brick, fd) = match opened {
+            Ok(opened) => opened,
+            // The copy is gone: the rebalancer gave the move up, and its source is the file.
+            Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) if look == Look::Copying => {
+                return Ok(reply);
+            }
+            Err(e) => return Err(e),
+        };
         if look == Look::Moved {
             file.moved.store(true, Ordering::Release);
             tracing::debug!(from = file.brick, to, "an open file follows its migration");
@@ -124,6 +137,60 @@ impl<L: Layer> Distribute<L> {
             .call_fd(&Creds::root(), fd, fop)
             .await
             .map(|_| reply)
+    }
+
+    /// `name` in `parent`, found as [`Distribute::find`] finds it once no rebalance is moving
+    /// it: a rename, unlink or hard link waits for a file's move to end, which would otherwise
+    /// move or remove the name under it (GlusterFS takes an entry lock for it).
+    pub(super) async fn find_settled(
+        &self,
+        creds: &Creds,
+        parent: Gfid,
+        name: &Name,
+    ) -> Result<Located, Error> {
+        let deadline = Instant::now() + MOVE_WAIT;
+        loop {
+            let found = self.find(creds, parent, name).await?;
+            if !self.is_moving(&found.iatt, found.home).await? {
+                return Ok(found);
+            }
+            self.wait_for_move(found.iatt.gfid, deadline).await?;
+        }
+    }
+
+    /// The brick file `gfid` lives on once no rebalance is moving it (as
+    /// [`Distribute::find_settled`]); `None` for a directory.
+    pub(super) async fn home_settled(
+        &self,
+        creds: &Creds,
+        gfid: Gfid,
+    ) -> Result<Option<usize>, Error> {
+        let deadline = Instant::now() + MOVE_WAIT;
+        loop {
+            let Home::Brick(brick) = self.home(creds, gfid).await? else {
+                return Ok(None);
+            };
+            let iatt = self.bricks[brick].stat(creds, gfid).await?;
+            if !self.is_moving(&iatt, brick).await? {
+                return Ok(Some(brick));
+            }
+            self.wait_for_move(gfid, deadline).await?;
+        }
+    }
+
+    /// Whether file `iatt`, on brick `brick`, is being moved by a rebalance.
+    async fn is_moving(&self, iatt: &Iatt, brick: usize) -> Result<bool, Error> {
+        Ok(Look::of(iatt) != Look::Settled && self.moving_to(brick, iatt.gfid).await?.is_some())
+    }
+
+    async fn wait_for_move(&self, gfid: Gfid, deadline: Instant) -> Result<(), Error> {
+        if Instant::now() > deadline {
+            tracing::warn!(%gfid, "a file's move did not end within {MOVE_WAIT:?}");
+            return Err(Error::Fop(ErrorCode::Busy));
+        }
+        lock(&self.homes).pop(&gfid);
+        tokio::time::sleep(MOVE_POLL).await;
+        Ok(())
     }
 
     /// Runs `fop`, which names file `gfid` (no fd), on brick `brick` that holds it, following
@@ -217,7 +284,7 @@ impl<L: Layer> Distribute<L> {
         let reply = self.bricks[file.brick]
             .call_fd(&Creds::root(), &file.fd, get)
             .await;
-        self.linkto_of(file.brick, reply)
+        self.linkto_of(file.brick, reply).await
     }
 
     /// The brick file `gfid` on brick `brick` is moving to, by its `linkto` xattr.
@@ -227,18 +294,22 @@ impl<L: Layer> Distribute<L> {
             name: xattr_name(LINKTO_XATTR),
         };
         let reply = self.bricks[brick].call(&Creds::root(), get.into()).await;
-        self.linkto_of(brick, reply)
+        self.linkto_of(brick, reply).await
     }
 
-    fn linkto_of(
+    /// The brick a `linkto` xattr read from brick `brick` names, if another; one this layer
+    /// does not know is looked for among the bricks added to the volume (a change sent to
+    /// the copy must not be dropped).
+    async fn linkto_of(
         &self,
         brick: usize,
         reply: Result<FopReply, Error>,
     ) -> Result<Option<usize>, Error> {
         match reply {
-            Ok(FopReply::Getxattr(r) | FopReply::Fgetxattr(r)) => Ok(self
-                .brick_named(r.value.as_bytes())
-                .filter(|&to| to != brick)),
+            Ok(FopReply::Getxattr(r) | FopReply::Fgetxattr(r)) => {
+                let to = self.brick_of_link(r.value.as_bytes()).await?;
+                Ok((to != brick).then_some(to))
+            }
             Ok(other) => Err(unexpected(&other)),
             Err(Error::Fop(ErrorCode::NoData | ErrorCode::NoEnt | ErrorCode::Stale)) => Ok(None),
             Err(e) => Err(e),

@@ -53,7 +53,7 @@ impl<L: Layer> Distribute<L> {
             }
         }
         let layout = Arc::new(layout);
-        lock(&self.layouts).put(dir, layout.clone());
+        self.keep_layout(dir, layout.clone());
         Ok(layout)
     }
 

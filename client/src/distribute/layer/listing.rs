@@ -90,10 +90,16 @@ impl<L: Layer> Distribute<L> {
             let mut entries = Vec::new();
             for e in reply.entries {
                 let is_dir = e.iatt.file_type == FileType::Directory;
-                if (is_dir && Some(brick) != first)
-                    || self.link_file_target(brick, &e.iatt).await?.is_some()
-                {
+                if is_dir && Some(brick) != first {
                     continue;
+                }
+                match self.link_file_target(brick, &e.iatt).await {
+                    Ok(None) => {}
+                    // A link file, or an entry removed since it was listed.
+                    Ok(Some(_)) | Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => {
+                        continue;
+                    }
+                    Err(e) => return Err(e),
                 }
                 self.note_home(&e.iatt, brick);
                 let offset = lock(&fds.offsets).push(brick, e.offset);

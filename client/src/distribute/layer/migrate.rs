@@ -89,7 +89,8 @@ impl RebalanceReport {
     ) -> bool {
         let name = name.as_bytes().escape_ascii();
         match outcome {
-            Ok(Outcome::InPlace) => {}
+            // Removed or replaced since it was listed: nothing to move.
+            Ok(Outcome::InPlace) | Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => {}
             Ok(Outcome::Looked) => self.files += 1,
             Ok(Outcome::LinkFileRemoved) => self.link_files_removed += 1,
             Ok(Outcome::Moved { bytes }) => {
@@ -115,9 +116,10 @@ impl RebalanceReport {
 }
 
 impl<L: Layer> Distribute<L> {
-    /// Lays every directory out over every brick (as [`Distribute::heal_tree`]), then walks
-    /// the tree and moves each file off its hashed brick there, reporting after each
-    /// directory; stops between two files once `stop` is set.
+    /// Lays every directory out over every brick (as [`Distribute::heal_tree`]), waits until
+    /// every client uses those layouts ([`LAYOUT_TTL`]), then walks the tree and moves each
+    /// file off its hashed brick there, reporting after each directory; stops between two
+    /// files once `stop` is set.
     pub async fn rebalance(
         &self,
         stop: &AtomicBool,
@@ -125,6 +127,9 @@ impl<L: Layer> Distribute<L> {
     ) -> Result<RebalanceReport, Error> {
         let root = Creds::root();
         let healed = self.heal_tree(&root).await?;
+        // Every client reads the new layouts again before any file moves, or a layout is
+        // committed: none places a new name by the old one after.
+        tokio::time::sleep(LAYOUT_TTL * 2).await;
         let mut report = RebalanceReport {
             failed: healed.failed,
             ..RebalanceReport::default()
@@ -267,6 +272,12 @@ impl<L: Layer> Distribute<L> {
                 return Err(e);
             }
         };
+        // Renamed, unlinked or linked after it was marked, by a client that looked before:
+        // given up (later ones wait for the move to end).
+        if !self.still_alone(dir, name, from, gfid).await? {
+            self.abandon_move(from, to, gfid).await?;
+            return Ok(Outcome::Skipped("it was renamed or linked during its move"));
+        }
         self.switch_to(dir, name, from, to, gfid).await?;
         Ok(Outcome::Moved { bytes })
     }
@@ -428,6 +439,21 @@ impl<L: Layer> Distribute<L> {
         Ok(false)
     }
 
+    /// Whether file `gfid` is still `name` in `dir` on brick `from`, and only that.
+    async fn still_alone(
+        &self,
+        dir: Gfid,
+        name: &Name,
+        from: usize,
+        gfid: Gfid,
+    ) -> Result<bool, Error> {
+        match self.bricks[from].lookup(&Creds::root(), dir, name).await {
+            Ok(there) => Ok(there.gfid == gfid && there.nlink == 1),
+            Err(Error::Fop(ErrorCode::NoEnt)) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Makes brick `to`'s copy of file `gfid` the file, and `from`'s a link file to it that
     /// is then removed (`name` in `dir`).
     async fn switch_to(
@@ -464,13 +490,23 @@ impl<L: Layer> Distribute<L> {
     /// Puts file `gfid` back as it was before its move began: brick `from`'s copy unmarked,
     /// `to`'s an empty link file to it.
     async fn abandon_move(&self, from: usize, to: usize, gfid: Gfid) -> Result<(), Error> {
-        let now = self.bricks[from].stat(&Creds::root(), gfid).await?;
-        self.set_mode(from, gfid, now.mode.bits() & !STICKY).await?;
-        match self.remove_xattr(from, gfid, LINKTO_XATTR).await {
-            Ok(()) | Err(Error::Fop(ErrorCode::NoData)) => {}
+        let gone = |e: &Error| matches!(e, Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale));
+        match self.bricks[from].stat(&Creds::root(), gfid).await {
+            Ok(now) => {
+                self.set_mode(from, gfid, now.mode.bits() & !STICKY).await?;
+                match self.remove_xattr(from, gfid, LINKTO_XATTR).await {
+                    Ok(()) | Err(Error::Fop(ErrorCode::NoData)) => {}
+                    Err(e) => return Err(e),
+                }
+            }
+            // Unlinked meanwhile: nothing to unmark.
+            Err(e) if gone(&e) => {}
             Err(e) => return Err(e),
         }
-        self.set_attr(to, gfid, size_attr(0)).await
+        match self.set_attr(to, gfid, size_attr(0)).await {
+            Err(e) if !gone(&e) => Err(e),
+            _ => Ok(()),
+        }
     }
 
     /// Copies the xattrs of file `gfid` from brick `from` to `to`, but DHT's and the GFID.

@@ -32,9 +32,12 @@
 //! the namespace fops; [`heal`] layouts written and directories healed; [`listing`] open
 //! directories.
 
+use std::fmt::Debug;
+use std::future::Future;
 use std::num::NonZeroUsize;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kiln_wire::{
@@ -51,12 +54,15 @@ use super::{
 use crate::layer::{FdFop, Layer, LayerEvent, batch_one_by_one};
 use crate::{Error, LayerExt, Paths};
 
+mod bricks;
 mod files;
 mod heal;
 mod listing;
 mod migrate;
 mod namespace;
 
+pub use bricks::BrickSource;
+use bricks::Bricks;
 pub use files::FileFd;
 pub use heal::HealReport;
 use heal::Healed;
@@ -71,6 +77,9 @@ pub const LINKTO_XATTR: &str = "trusted.glusterfs.dht.linkto";
 const HOMES_MAX: usize = 1 << 20;
 /// Directory layouts this layer keeps.
 const LAYOUTS_MAX: usize = 64 * 1024;
+/// How long a directory's layout is used before it is read again: how long this layer may
+/// place new names by a layout another client (a fix-layout, a rebalance) has replaced.
+pub const LAYOUT_TTL: Duration = Duration::from_secs(1);
 /// The mode of a link file: the sticky bit alone (`---------T`).
 const LINK_FILE_MODE: u32 = 0o1000;
 
@@ -87,11 +96,12 @@ enum Home {
 /// volume's brick order (GlusterFS's `VOLUME-client-N` is brick N).
 #[derive(Debug)]
 pub struct Distribute<L: Layer> {
-    bricks: Vec<L>,
+    bricks: Bricks<L>,
     /// The volume's name: link files name bricks `VOLUME-client-N`.
     volume: String,
     munging: Munging,
-    layouts: Mutex<lru::LruCache<Gfid, Arc<Layout>>>,
+    /// Each with when it was read.
+    layouts: Mutex<lru::LruCache<Gfid, (Arc<Layout>, Instant)>>,
     homes: Mutex<lru::LruCache<Gfid, Home>>,
     /// Never sent on: no leases through this layer.
     events: broadcast::Sender<LayerEvent>,
@@ -108,11 +118,8 @@ pub enum DistFd<F> {
 impl<L: Layer> Distribute<L> {
     /// The layer over `bricks` of volume `volume` (at least one).
     pub fn new(bricks: Vec<L>, volume: &str) -> Result<Distribute<L>, Error> {
-        if bricks.is_empty() {
-            return Err(Error::Misuse("a distributed volume needs a brick".into()));
-        }
         Ok(Distribute {
-            bricks,
+            bricks: Bricks::new(bricks)?,
             volume: volume.to_owned(),
             munging: Munging::default(),
             layouts: Mutex::new(lru::LruCache::new(capacity(LAYOUTS_MAX))),
@@ -122,37 +129,81 @@ impl<L: Layer> Distribute<L> {
         })
     }
 
-    /// The bricks below, in order.
-    pub fn bricks(&self) -> &[L] {
-        &self.bricks
+    /// The layer that learns of bricks added to the volume from `source`, when a layout or a
+    /// link file names a brick it does not know or an object is on none it knows.
+    pub fn with_source(mut self, source: impl BrickSource<L>) -> Distribute<L> {
+        self.bricks.set_source(Box::new(source));
+        self
     }
 
-    /// The layout of directory `dir`: cached, else read from every brick; a directory with
-    /// no layout on any brick (a volume's fresh root) is given one.
+    /// The bricks below, in order.
+    pub fn bricks(&self) -> impl Iterator<Item = &L> {
+        self.bricks.iter()
+    }
+
+    /// Asks the brick source for bricks added to the volume; whether any were. The layouts
+    /// read before are forgotten.
+    async fn discover_bricks(&self) -> Result<bool, Error> {
+        let found = self.bricks.discover().await?;
+        if found {
+            lock(&self.layouts).clear();
+        }
+        Ok(found)
+    }
+
+    /// The layout of directory `dir`: cached (for [`LAYOUT_TTL`]), else read from every
+    /// brick; a directory with no layout on any brick (a volume's fresh root) is given one.
     pub async fn layout(&self, dir: Gfid) -> Result<Arc<Layout>, Error> {
-        if let Some(layout) = lock(&self.layouts).get(&dir) {
-            return Ok(layout.clone());
+        if let Some(layout) = self.cached_layout(dir) {
+            return Ok(layout);
         }
         let mut disks = Vec::with_capacity(self.bricks.len());
-        for brick in &self.bricks {
+        for brick in self.bricks.iter() {
             disks.push(read_disk_layout(brick, dir).await?);
         }
         if disks.iter().all(Option::is_none) {
             return self.write_new_layout(dir).await;
         }
         let layout = Arc::new(Layout::from_disk(&disks).map_err(|e| layout_error(dir, &e))?);
-        lock(&self.layouts).put(dir, layout.clone());
+        self.keep_layout(dir, layout.clone());
         Ok(layout)
     }
 
-    /// The brick `name` hashes to in directory `parent`.
+    fn cached_layout(&self, dir: Gfid) -> Option<Arc<Layout>> {
+        let mut layouts = lock(&self.layouts);
+        match layouts.get(&dir) {
+            Some((layout, read)) if read.elapsed() < LAYOUT_TTL => Some(layout.clone()),
+            Some(_) => {
+                layouts.pop(&dir);
+                None
+            }
+            None => None,
+        }
+    }
+
+    fn keep_layout(&self, dir: Gfid, layout: Arc<Layout>) {
+        lock(&self.layouts).put(dir, (layout, Instant::now()));
+    }
+
+    fn forget_layout(&self, dir: Gfid) {
+        lock(&self.layouts).pop(&dir);
+    }
+
+    /// The brick `name` hashes to in directory `parent`. A name in a hole of the layout asks
+    /// for bricks added to the volume first: the hole may be a new brick's share.
     async fn hashed(&self, parent: Gfid, name: &Name) -> Result<(usize, Arc<Layout>), Error> {
         let layout = self.layout(parent).await?;
-        match layout.hashed_brick(name.as_bytes(), self.munging) {
-            Some(brick) => Ok((brick, layout)),
-            // A hole: GlusterFS answers EIO until the layout is healed.
-            None => Err(Error::Fop(ErrorCode::Io)),
+        if let Some(brick) = layout.hashed_brick(name.as_bytes(), self.munging) {
+            return Ok((brick, layout));
         }
+        if self.discover_bricks().await? {
+            let layout = self.layout(parent).await?;
+            if let Some(brick) = layout.hashed_brick(name.as_bytes(), self.munging) {
+                return Ok((brick, layout));
+            }
+        }
+        // GlusterFS answers EIO until the layout is healed.
+        Err(Error::Fop(ErrorCode::Io))
     }
 
     /// Remembers where the object `iatt` describes lives, found on brick `brick`.
@@ -165,7 +216,8 @@ impl<L: Layer> Distribute<L> {
         home
     }
 
-    /// Where object `gfid` lives: remembered, else found by asking every brick.
+    /// Where object `gfid` lives: remembered, else found by asking every brick (and, found
+    /// on none, the bricks added to the volume).
     async fn home(&self, creds: &Creds, gfid: Gfid) -> Result<Home, Error> {
         if gfid.is_root() {
             return Ok(Home::Everywhere);
@@ -173,8 +225,19 @@ impl<L: Layer> Distribute<L> {
         if let Some(home) = lock(&self.homes).get(&gfid) {
             return Ok(*home);
         }
+        let known = self.bricks.len();
+        match self.find_home(creds, gfid, 0).await {
+            Err(Error::Fop(ErrorCode::Stale)) if self.discover_bricks().await? => {
+                self.find_home(creds, gfid, known).await
+            }
+            found => found,
+        }
+    }
+
+    /// Where object `gfid` lives, asking bricks `from` on.
+    async fn find_home(&self, creds: &Creds, gfid: Gfid, from: usize) -> Result<Home, Error> {
         let mut failure = Error::Fop(ErrorCode::Stale);
-        for (i, brick) in self.bricks.iter().enumerate() {
+        for (i, brick) in self.bricks.iter().enumerate().skip(from) {
             match brick.stat(creds, gfid).await {
                 Ok(iatt) if self.link_file_target(i, &iatt).await?.is_none() => {
                     return Ok(self.note_home(&iatt, i));
@@ -198,7 +261,7 @@ impl<L: Layer> Distribute<L> {
             Home::Brick(b) => self.call_on_file(creds, gfid, b, fop).await,
             Home::Everywhere if changes_object(&fop) => {
                 let first = self.bricks[0].call(creds, fop.clone()).await?;
-                for brick in &self.bricks[1..] {
+                for brick in self.bricks.iter().skip(1) {
                     match brick.call(creds, fop.clone()).await {
                         Ok(_) | Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => {}
                         Err(e) => return Err(e),
@@ -216,7 +279,7 @@ impl<L: Layer> Distribute<L> {
     /// STATFS: the bricks' sums, in the first brick's block size.
     async fn statfs(&self, creds: &Creds, fop: FopRequest) -> Result<FopReply, Error> {
         let mut total: Option<FsStats> = None;
-        for brick in &self.bricks {
+        for brick in self.bricks.iter() {
             let FopReply::Statfs(r) = brick.call(creds, fop.clone()).await? else {
                 return Err(Error::Protocol("a STATFS answered otherwise".into()));
             };
@@ -332,7 +395,7 @@ impl<L: Layer> Layer for Distribute<L> {
     async fn opendir(&self, creds: &Creds, gfid: Gfid) -> Result<Self::Fd, Error> {
         let mut fds = Vec::with_capacity(self.bricks.len());
         let mut failure = None;
-        for brick in &self.bricks {
+        for brick in self.bricks.iter() {
             match brick.opendir(creds, gfid).await {
                 Ok(fd) => fds.push(Some(fd)),
                 Err(e) => {

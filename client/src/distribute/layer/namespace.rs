@@ -27,7 +27,12 @@ impl<L: Layer> Distribute<L> {
         match self.bricks[hashed].call(creds, fop.clone()).await {
             Ok(reply) => {
                 let iatt = entry_iatt(&reply)?.clone();
-                let Some(home) = self.link_file_target(hashed, &iatt).await? else {
+                let target = match self.link_file_target(hashed, &iatt).await {
+                    // Removed since it was looked up.
+                    Err(Error::Fop(ErrorCode::Stale)) => Err(Error::Fop(ErrorCode::NoEnt)),
+                    target => target,
+                };
+                let Some(home) = target? else {
                     self.note_home(&iatt, hashed);
                     return Ok(Located {
                         hashed,
@@ -155,9 +160,22 @@ impl<L: Layer> Distribute<L> {
             Err(Error::Fop(ErrorCode::NoData)) => return Ok(None),
             Err(e) => return Err(e),
         };
-        self.brick_named(value.as_bytes())
-            .map(Some)
-            .ok_or_else(|| Error::Protocol(format!("a link file points to unknown {value:?}")))
+        self.brick_of_link(value.as_bytes()).await.map(Some)
+    }
+
+    /// The brick a link file's `linkto` value names, asking for bricks added to the volume
+    /// when it names none this layer knows.
+    pub(super) async fn brick_of_link(&self, value: &[u8]) -> Result<usize, Error> {
+        if let Some(brick) = self.brick_named(value) {
+            return Ok(brick);
+        }
+        self.discover_bricks().await?;
+        self.brick_named(value).ok_or_else(|| {
+            Error::Protocol(format!(
+                "a link file points to unknown brick {}",
+                value.escape_ascii()
+            ))
+        })
     }
 
     /// The index of the brick a link file names (`VOLUME-client-N`, maybe NUL-ended).
@@ -303,7 +321,7 @@ impl<L: Layer> Distribute<L> {
         for i in order {
             match self.bricks[i].call(creds, r.clone().into()).await {
                 Ok(reply) if i == found.hashed => {
-                    lock(&self.layouts).pop(&found.iatt.gfid);
+                    self.forget_layout(found.iatt.gfid);
                     lock(&self.homes).pop(&found.iatt.gfid);
                     return Ok(reply);
                 }
@@ -321,7 +339,7 @@ impl<L: Layer> Distribute<L> {
     /// Makes the removed copies of directory `iatt` (`r.name` in `r.parent`) again on
     /// `bricks`, with its layout.
     pub(super) async fn put_back_dir(&self, r: &kiln_wire::Rmdir, iatt: &Iatt, bricks: &[usize]) {
-        let layout = lock(&self.layouts).get(&iatt.gfid).cloned();
+        let layout = self.cached_layout(iatt.gfid);
         for &i in bricks {
             let mut made = self.make_dir_copy(i, r.parent, &r.name, iatt).await;
             if let (Ok(()), Some(disk)) = (&made, layout.as_ref().and_then(|l| l.disk_layout(i))) {
@@ -339,7 +357,7 @@ impl<L: Layer> Distribute<L> {
         creds: &Creds,
         r: kiln_wire::Unlink,
     ) -> Result<FopReply, Error> {
-        let found = self.find(creds, r.parent, &r.name).await?;
+        let found = self.find_settled(creds, r.parent, &r.name).await?;
         self.unlink_located(creds, r.parent, &r.name, &found).await
     }
 
@@ -378,12 +396,12 @@ impl<L: Layer> Distribute<L> {
         creds: &Creds,
         r: kiln_wire::Rename,
     ) -> Result<FopReply, Error> {
-        let source = self.find(creds, r.old_parent, &r.old_name).await?;
+        let source = self.find_settled(creds, r.old_parent, &r.old_name).await?;
         if source.iatt.file_type == FileType::Directory {
             return self.rename_dir(creds, r).await;
         }
         let (new_hashed, _) = self.hashed(r.new_parent, &r.new_name).await?;
-        let target = match self.find(creds, r.new_parent, &r.new_name).await {
+        let target = match self.find_settled(creds, r.new_parent, &r.new_name).await {
             Ok(target) => Some(target),
             Err(Error::Fop(ErrorCode::NoEnt)) => None,
             Err(e) => return Err(e),
@@ -500,9 +518,8 @@ impl<L: Layer> Distribute<L> {
     /// LINK on the brick holding the object, with a link file on the new name's hashed
     /// brick (made first) when that is another one.
     pub(super) async fn link(&self, creds: &Creds, r: kiln_wire::Link) -> Result<FopReply, Error> {
-        let home = match self.home(creds, r.gfid).await? {
-            Home::Brick(b) => b,
-            Home::Everywhere => return Err(Error::Fop(ErrorCode::Perm)),
+        let Some(home) = self.home_settled(creds, r.gfid).await? else {
+            return Err(Error::Fop(ErrorCode::Perm));
         };
         let (hashed, _) = self.hashed(r.new_parent, &r.new_name).await?;
         if hashed == home {
