@@ -1,4 +1,5 @@
-//! A distributed GlusterFS volume, checked against Kiln's DHT and then served by Kiln in place.
+//! A distributed GlusterFS volume checked against Kiln's DHT and served by Kiln in place, and
+//! a Kiln volume served by GlusterFS in place.
 //!
 //! A real three-brick GlusterFS 10 volume gets files through two FUSE mounts — one client in
 //! the C.UTF-8 locale, one in the C locale, which GlusterFS's rsync rewrite tells apart — with
@@ -16,22 +17,34 @@
 //! land on the brick GlusterFS's layout hashes them to, and `kiln-brickd check` finds every
 //! brick clean.
 //!
+//! The other way round, a three-brick Kiln volume gets directories, files of several sizes, a
+//! rename and a hard link to names hashed to other bricks (Kiln leaves link files), symlinks
+//! and user xattrs through `Distribute`; then GlusterFS serves the same brick directories, in
+//! Kiln's brick order and under the volume name Kiln's link files use, and its FUSE mount must
+//! list every directory, read every file by every name with its content and the mtime Kiln
+//! reported, resolve the symlinks and read the xattrs, rewriting no layout. GlusterFS then
+//! writes files of its own (keeping their times in `trusted.glusterfs.mdata`, as it does for
+//! the directories it looks up), `kiln-brickd format` adopts the bricks back (removing that
+//! xattr), Kiln changes files, and GlusterFS serving the bricks once more must show Kiln's
+//! content and mtimes — and, for a control file whose mdata was put back, the stale mtime.
+//!
 //! Needs root and Debian's `glusterfs-server` (`glusterd`, `gluster`, `glusterfs`,
-//! `mount.glusterfs`). Without them the test says why and passes — or fails, when
-//! `KILN_REQUIRE_GLUSTERFS=1`. It starts `glusterd -N` if none runs (and stops it after),
+//! `mount.glusterfs`). Without them each test says why and passes — or fails, when
+//! `KILN_REQUIRE_GLUSTERFS=1`. Each starts `glusterd -N` if none runs (and stops it after),
 //! uses one that runs (and leaves it running), and always stops and deletes its volume,
-//! unmounts and removes its directories (a guard's `Drop`). Every command is bounded.
+//! unmounts and removes its directories (a guard's `Drop`). Every command is bounded. The
+//! tests take turns with glusterd.
 
 mod common;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsStr;
 use std::io::Read;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::sync::{Mutex, MutexGuard, PoisonError, mpsc};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
@@ -41,11 +54,13 @@ use kiln_client::distribute::{
     COMMIT_HASH_INVALID, DiskLayout, Distribute, LINKTO_XATTR, Layout, Munging, XATTR_NAME,
     first_brick, name_hash, size_chunks, weights_for,
 };
+use kiln_client::path::new_gfid;
 use kiln_client::{BrickClient, Layer, LayerExt, Paths};
 use kiln_wire::{
-    AccessMode, Creds, DirEntryPlus, ErrorCode, FileType, FopReply, Gfid, Name, OpenFlags,
-    XattrName,
+    AccessMode, Creds, DirEntryPlus, ErrorCode, FileType, FopReply, FopRequest, Gfid, Name,
+    OpenFlags, RenameMode, SymlinkTarget, XattrName, XattrSetMode, XattrValue,
 };
+use rustix::fs::XattrFlags;
 use rustix::process::{Pid, Signal};
 
 /// Longest `gluster` CLI command (its own `--timeout` is a little shorter).
@@ -102,18 +117,57 @@ const KILN_WRITES: [(&[u8], &[u8]); 5] = [
     (KILN_DIR, "日本語-kiln".as_bytes()),
 ];
 
+/// What the Kiln-to-GlusterFS test makes through Kiln: directories, files of several sizes
+/// (empty, small, around Kiln's 1 MiB I/O unit and over it; by path), a rename and a hard
+/// link to a name hashed to another brick (Kiln leaves link files), symlinks (by path, with
+/// their targets) and user xattrs on a file and a directory.
+const MADE_DIRS: [&str; 3] = ["data", "data/deep", "data/deep/er"];
+const MADE_FILES: [(&str, usize); 11] = [
+    ("empty", 0),
+    ("one-byte", 1),
+    ("small.txt", 100),
+    ("page.bin", 4096),
+    ("to-rename.txt", 777),
+    ("hard-source.bin", 2048),
+    ("big.bin", (3 << 20) + 123),
+    ("data/notes.txt", 300),
+    ("data/odd.bin", 65_537),
+    ("data/deep/mib.bin", 1 << 20),
+    ("data/deep/er/over-a-mib.bin", (1 << 20) + 7),
+];
+const MADE_MOVES: [MoveSpec; 2] = [
+    MoveSpec::rename(b"to-rename.txt", b"data", b"renamed-"),
+    MoveSpec {
+        hard_link: true,
+        ..MoveSpec::rename(b"hard-source.bin", b"data/deep", b"hard-link-")
+    },
+];
+const MADE_SYMLINKS: [(&str, &str); 3] = [
+    ("data/notes-link", "notes.txt"),
+    ("to-big", "big.bin"),
+    ("data/deep/up", "../../small.txt"),
+];
+const MADE_XATTRS: [(&str, &[u8]); 2] = [
+    ("data/notes.txt", b"set through Kiln on a file"),
+    ("data", b"set through Kiln on a directory"),
+];
+/// Files GlusterFS writes on the bricks Kiln made (GlusterFS 10 keeps their times in
+/// [`MDATA_XATTR`]), by path, and their sizes. Kiln changes the first after adopting the
+/// bricks back; [`CONTROL`] too, with its mdata put back as if it had not been adopted.
+const GLUSTERFS_WRITES: [(&str, usize); 2] =
+    [("glusterfs-made.txt", 1000), ("glusterfs-control.txt", 500)];
+const CONTROL: &str = "glusterfs-control.txt";
+/// The file Kiln made that it changes after adopting the bricks back, and the name it adds.
+const KILN_CHANGES: &str = "small.txt";
+const KILN_ADDS: &str = "data/deep/added-by-kiln.txt";
+/// Where GlusterFS 10 keeps an object's times (its ctime feature).
+const MDATA_XATTR: &str = "trusted.glusterfs.mdata";
+
 #[test]
 fn a_glusterfs_volume_is_served_by_kiln_in_place() -> anyhow::Result<()> {
-    if let Some(why) = cannot_run_glusterfs() {
-        if std::env::var("KILN_REQUIRE_GLUSTERFS").as_deref() == Ok("1") {
-            bail!(
-                "KILN_REQUIRE_GLUSTERFS=1, but GlusterFS cannot run here: {why} \
-                 (install Debian's glusterfs-server and run the test as root)"
-            );
-        }
-        eprintln!("skipped: glusterfs-server not installed or not usable ({why})");
+    let Some(_glusterd) = glusterfs_for_this_test()? else {
         return Ok(());
-    }
+    };
     let started = Instant::now();
     let mut gluster = Gluster::set_up()?;
     let utf8 = gluster.mount("C.UTF-8", Munging::RsyncUtf8)?;
@@ -164,6 +218,90 @@ fn a_glusterfs_volume_is_served_by_kiln_in_place() -> anyhow::Result<()> {
         started.elapsed().as_secs_f64(),
     );
     Ok(())
+}
+
+#[test]
+fn a_kiln_volume_is_served_by_glusterfs_in_place() -> anyhow::Result<()> {
+    let Some(_glusterd) = glusterfs_for_this_test()? else {
+        return Ok(());
+    };
+    let started = Instant::now();
+    let mut gluster = Gluster::new(format!("kilnrev{}", std::process::id()))?;
+    let bricks = gluster.bricks.clone();
+    for brick in &bricks {
+        let formatted = gluster.kiln_format(brick)?;
+        ensure!(formatted.contains("formatted"), "{formatted}");
+    }
+    let cluster = Cluster::new();
+    let made = with_kiln(&cluster, &bricks, &gluster.volume, async |volume| {
+        fill_through_kiln(volume, &bricks).await
+    })?;
+    for m in &made.moves {
+        gluster.check_link_file(m)?;
+    }
+    let layouts = dir_layouts(&bricks, &made);
+    let kiln_s = started.elapsed().as_secs_f64();
+
+    // GlusterFS serves the bricks Kiln let go of, as they are.
+    gluster.serve()?;
+    let client = gluster.mount("C.UTF-8", Munging::RsyncUtf8)?;
+    let (mount, expected) = (client.clone(), made.clone());
+    let seen = through_mount("reading what Kiln made", move || {
+        check_through_glusterfs(&mount, &expected)
+    })?;
+    let mount = client.clone();
+    let glusterfs_made = through_mount("writing through GlusterFS", move || {
+        write_through_glusterfs(&mount)
+    })?;
+    gluster.tear_down()?;
+    let relaid = relaid_dirs(&layouts, &dir_layouts(&bricks, &made));
+    ensure!(
+        relaid.is_empty(),
+        "GlusterFS rewrote the layouts Kiln wrote: {relaid:?}"
+    );
+    let glusterfs_s = started.elapsed().as_secs_f64() - kiln_s;
+
+    // Kiln adopts the bricks back and changes files; GlusterFS then shows the new times.
+    let round_trip = mdata_round_trip(&mut gluster, &cluster, &made, &glusterfs_made)?;
+    eprintln!(
+        "{}: written through Kiln: {} files, {} directories, {} symlinks, {} hard link, {} \
+         xattrs, link files for {}; GlusterFS read back {seen}; {round_trip}; {kiln_s:.1} s \
+         with Kiln, {glusterfs_s:.1} s with GlusterFS, {:.1} s in all",
+        gluster.volume,
+        made.files.len(),
+        made.dirs.len(),
+        made.symlinks.len(),
+        made.hard_links.len(),
+        made.xattrs.len(),
+        made.moves
+            .iter()
+            .map(Move::to_string)
+            .collect::<Vec<_>>()
+            .join(", "),
+        started.elapsed().as_secs_f64(),
+    );
+    Ok(())
+}
+
+/// GlusterFS for one test at a time (the tests of this file run on parallel threads, and each
+/// may start and stop glusterd), or None when it cannot run here and the test passes without
+/// it, having said why. With `KILN_REQUIRE_GLUSTERFS=1` that is a failure instead.
+fn glusterfs_for_this_test() -> anyhow::Result<Option<MutexGuard<'static, ()>>> {
+    static GLUSTERD: Mutex<()> = Mutex::new(());
+    if let Some(why) = cannot_run_glusterfs() {
+        if std::env::var("KILN_REQUIRE_GLUSTERFS").as_deref() == Ok("1") {
+            bail!(
+                "KILN_REQUIRE_GLUSTERFS=1, but GlusterFS cannot run here: {why} \
+                 (install Debian's glusterfs-server and run the test as root)"
+            );
+        }
+        eprintln!("skipped: glusterfs-server not installed or not usable ({why})");
+        return Ok(None);
+    }
+    // A test that failed holding it left nothing running (its guards tore down).
+    Ok(Some(
+        GLUSTERD.lock().unwrap_or_else(PoisonError::into_inner),
+    ))
 }
 
 /// Why GlusterFS cannot run here, if it cannot.
@@ -482,7 +620,7 @@ impl Tree {
     /// Sets [`USER_XATTR`] on `path` through `client`.
     fn set_xattr(&mut self, client: &Client, path: &[u8], value: &[u8]) -> anyhow::Result<()> {
         let on_mount = client.path(path);
-        rustix::fs::setxattr(&on_mount, USER_XATTR, value, rustix::fs::XattrFlags::CREATE)
+        rustix::fs::setxattr(&on_mount, USER_XATTR, value, XattrFlags::CREATE)
             .with_context(|| format!("setxattr {USER_XATTR} on {}", on_mount.display()))?;
         self.xattrs.push((path.to_vec(), value.to_vec()));
         Ok(())
@@ -870,61 +1008,60 @@ fn serve_with_kiln(
     listed: &Listings,
 ) -> anyhow::Result<KilnReport> {
     let cluster = Cluster::new();
-    let brickds: Vec<Brickd> = gluster
-        .bricks
+    with_kiln(&cluster, &gluster.bricks, &gluster.volume, async |volume| {
+        let mut report = read_back(volume, tree, listed).await?;
+        let root = listed.get(&b""[..]).context("the root's listing")?;
+        report.written =
+            write_through_kiln(volume, &gluster.bricks, root, &mut report.failures).await?;
+        ensure!(
+            report.failures.is_empty(),
+            "{} checks through Kiln failed:\n{}",
+            report.failures.len(),
+            report.failures.join("\n")
+        );
+        Ok(report)
+    })
+}
+
+/// Serves `bricks` with a `kiln-brickd` each and runs `work` (bounded) on them through
+/// `Distribute` — brick `i` is `VOLUME-client-i`, under the volume's name `volume`, so link
+/// files resolve — then stops the brickds and runs `kiln-brickd check` on every brick.
+fn with_kiln<T>(
+    cluster: &Cluster,
+    bricks: &[PathBuf],
+    volume: &str,
+    work: impl AsyncFnOnce(&Volume) -> anyhow::Result<T>,
+) -> anyhow::Result<T> {
+    let brickds: Vec<Brickd> = bricks
         .iter()
         .map(|brick| cluster.start_brick(brick, "127.0.0.1:0", &[]))
         .collect();
     let rt = common::runtime();
-    let checked = rt.block_on(async {
-        let checks = check_through_kiln(&cluster, &brickds, gluster, tree, listed);
-        tokio::time::timeout(KILN_TIMEOUT, checks).await
+    let worked = rt.block_on(async {
+        let work = async {
+            let mut clients = Vec::with_capacity(brickds.len());
+            for brickd in &brickds {
+                clients.push(cluster.connect(brickd.addr, "alice").await);
+            }
+            let volume = Distribute::new(clients, volume)?;
+            let worked = work(&volume).await;
+            for brick in volume.bricks() {
+                brick.close().await;
+            }
+            worked
+        };
+        tokio::time::timeout(KILN_TIMEOUT, work).await
     });
-    let report =
-        checked.map_err(|_| anyhow::anyhow!("Kiln's checks took more than {KILN_TIMEOUT:?}"))??;
+    let worked =
+        worked.map_err(|_| anyhow::anyhow!("Kiln's work took more than {KILN_TIMEOUT:?}"))??;
     for brickd in brickds {
         let status = brickd.terminate();
         ensure!(status.success(), "kiln-brickd exited with {status}");
     }
-    for brick in &gluster.bricks {
+    for brick in bricks {
         common::assert_brick_checks_clean(brick);
     }
-    Ok(report)
-}
-
-/// Connects `Distribute` to the brickds — brick `i` is `VOLUME-client-i`, under the volume's
-/// own name, so link files resolve — and reads the volume back, then writes to it.
-async fn check_through_kiln(
-    cluster: &Cluster,
-    brickds: &[Brickd],
-    gluster: &Gluster,
-    tree: &Tree,
-    listed: &Listings,
-) -> anyhow::Result<KilnReport> {
-    let mut clients = Vec::with_capacity(brickds.len());
-    for brickd in brickds {
-        clients.push(cluster.connect(brickd.addr, "alice").await);
-    }
-    let volume = Distribute::new(clients, &gluster.volume)?;
-    let checked = async {
-        let mut report = read_back(&volume, tree, listed).await?;
-        let root = listed.get(&b""[..]).context("the root's listing")?;
-        report.written =
-            write_through_kiln(&volume, &gluster.bricks, root, &mut report.failures).await?;
-        anyhow::Ok(report)
-    }
-    .await;
-    for brick in volume.bricks() {
-        brick.close().await;
-    }
-    let report = checked?;
-    ensure!(
-        report.failures.is_empty(),
-        "{} checks through Kiln failed:\n{}",
-        report.failures.len(),
-        report.failures.join("\n")
-    );
-    Ok(report)
+    Ok(worked)
 }
 
 /// Reads the volume back through Kiln: every directory lists what the GlusterFS mount
@@ -1117,6 +1254,547 @@ fn xattr(path: &Path, name: &str) -> Option<Vec<u8>> {
     Some(value)
 }
 
+/// What the test made through Kiln, as GlusterFS must show it. Paths are from the volume's
+/// root, without a leading `/`.
+#[derive(Debug, Clone, Default)]
+struct Made {
+    /// Each directory's names (the root is "").
+    dirs: BTreeMap<String, BTreeSet<String>>,
+    /// Each directory's mtime as Kiln reported it (the latest of its bricks').
+    dir_mtimes: BTreeMap<String, (i64, u32)>,
+    /// Each regular file by path (a hard link is one more path).
+    files: BTreeMap<String, MadeFile>,
+    /// Each symlink's target.
+    symlinks: BTreeMap<String, String>,
+    /// Two paths of one file.
+    hard_links: Vec<(String, String)>,
+    xattrs: Vec<(String, Vec<u8>)>,
+    /// The rename and the hard link to a name hashed to another brick.
+    moves: Vec<Move>,
+}
+
+/// A file's content and its mtime (seconds, nanoseconds) as the side that wrote it reported.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct MadeFile {
+    content: Vec<u8>,
+    mtime: (i64, u32),
+}
+
+impl Made {
+    /// Notes the new name `path` in its directory.
+    fn name(&mut self, path: &str) {
+        let (dir, name) = path.rsplit_once('/').unwrap_or(("", path));
+        self.dirs
+            .entry(dir.to_owned())
+            .or_default()
+            .insert(name.to_owned());
+    }
+}
+
+fn mtime_of(iatt: &kiln_wire::Iatt) -> (i64, u32) {
+    (iatt.mtime.sec(), iatt.mtime.nsec())
+}
+
+fn mtime_on(meta: &std::fs::Metadata) -> (i64, u32) {
+    (
+        meta.mtime(),
+        u32::try_from(meta.mtime_nsec()).unwrap_or(u32::MAX),
+    )
+}
+
+/// Makes [`MADE_DIRS`], [`MADE_FILES`], [`MADE_MOVES`], [`MADE_SYMLINKS`] and
+/// [`MADE_XATTRS`] through Kiln, then notes the mtime Kiln reports for every directory and
+/// file.
+async fn fill_through_kiln(volume: &Volume, bricks: &[PathBuf]) -> anyhow::Result<Made> {
+    let creds = Creds::root();
+    let mut made = Made::default();
+    made.dirs.insert(String::new(), BTreeSet::new());
+    for dir in MADE_DIRS {
+        volume.mkdir_all(&creds, &format!("/{dir}"), 0o755).await?;
+        made.name(dir);
+        made.dirs.insert(dir.to_owned(), BTreeSet::new());
+    }
+    let mut contents = BTreeMap::new();
+    for (path, len) in MADE_FILES {
+        let data = content(path.as_bytes(), Some(len));
+        let bytes = Bytes::from(data.clone());
+        volume
+            .write_file(&creds, &format!("/{path}"), bytes, 0o644)
+            .await?;
+        made.name(path);
+        contents.insert(path.to_owned(), data);
+    }
+    for spec in MADE_MOVES {
+        let m = move_through_kiln(volume, bricks, &spec).await?;
+        let (from, to) = (
+            String::from_utf8(m.from.path())?,
+            String::from_utf8(m.to.path())?,
+        );
+        let data = contents.get(&from).context("the moved file")?.clone();
+        if m.hard_link {
+            made.hard_links.push((from, to.clone()));
+        } else {
+            contents.remove(&from);
+            made.dirs.entry(String::new()).or_default().remove(&from);
+        }
+        made.name(&to);
+        contents.insert(to, data);
+        made.moves.push(m);
+    }
+    for (path, target) in MADE_SYMLINKS {
+        let (parent, name) = volume.resolve_parent(&creds, &format!("/{path}")).await?;
+        let symlink = kiln_wire::Symlink {
+            parent,
+            name,
+            gfid: new_gfid(),
+            target: SymlinkTarget::new(Bytes::from(target))?,
+        };
+        volume.call(&creds, symlink.into()).await?;
+        made.name(path);
+        made.symlinks.insert(path.to_owned(), target.to_owned());
+    }
+    for (path, value) in MADE_XATTRS {
+        let set = kiln_wire::Setxattr {
+            gfid: volume.resolve(&creds, &format!("/{path}")).await?.gfid,
+            name: XattrName::new(USER_XATTR)?,
+            value: XattrValue::new(Bytes::from(value))?,
+            mode: XattrSetMode::Create,
+        };
+        volume.call(&creds, set.into()).await?;
+        made.xattrs.push((path.to_owned(), value.to_vec()));
+    }
+    // Last: nothing after changes an mtime.
+    for dir in made.dirs.keys() {
+        let iatt = volume.resolve(&creds, &format!("/{dir}")).await?;
+        made.dir_mtimes.insert(dir.clone(), mtime_of(&iatt));
+    }
+    for (path, content) in contents {
+        let iatt = volume.resolve(&creds, &format!("/{path}")).await?;
+        let mtime = mtime_of(&iatt);
+        made.files.insert(path, MadeFile { content, mtime });
+    }
+    Ok(made)
+}
+
+/// Renames (or hard-links) `spec`'s file through Kiln to the first name under its prefix
+/// that hashes to another brick than the one holding the data.
+async fn move_through_kiln(
+    volume: &Volume,
+    bricks: &[PathBuf],
+    spec: &MoveSpec,
+) -> anyhow::Result<Move> {
+    let creds = Creds::root();
+    let from = At::new(b"", spec.name);
+    let home = match on_disk(bricks, &from)[..] {
+        [(home, false)] => home,
+        ref found => bail!("{from} written through Kiln: (brick, is a link file) {found:?}"),
+    };
+    let new_parent = volume
+        .resolve(&creds, &path_from_root(spec.to_dir)?)
+        .await?
+        .gfid;
+    let layout = volume.layout(new_parent).await?;
+    let (to, hashed) = (0..NAME_TRIES)
+        .find_map(|k| {
+            let name = [spec.prefix, k.to_string().as_bytes()].concat();
+            let hashed = layout.hashed_brick(&name, Munging::default())?;
+            (hashed != home).then(|| (At::new(spec.to_dir, &name), hashed))
+        })
+        .with_context(|| format!("no new name for {from} hashes off brick {home}"))?;
+    let new_name = Name::new(to.name.clone())?;
+    let fop: FopRequest = if spec.hard_link {
+        let gfid = volume
+            .resolve(&creds, &path_from_root(&from.path())?)
+            .await?
+            .gfid;
+        kiln_wire::Link {
+            gfid,
+            new_parent,
+            new_name,
+        }
+        .into()
+    } else {
+        kiln_wire::Rename {
+            old_parent: Gfid::ROOT,
+            old_name: Name::new(spec.name)?,
+            new_parent,
+            new_name,
+            mode: RenameMode::Replace,
+        }
+        .into()
+    };
+    volume.call(&creds, fop).await?;
+    Ok(Move {
+        from,
+        to,
+        home,
+        hashed,
+        hard_link: spec.hard_link,
+    })
+}
+
+/// Each directory's layout xattr on each brick: (directory, brick) → its value.
+type DirLayouts = BTreeMap<(String, usize), Option<Vec<u8>>>;
+
+fn dir_layouts(bricks: &[PathBuf], made: &Made) -> DirLayouts {
+    let mut layouts = DirLayouts::new();
+    for dir in made.dirs.keys() {
+        for (b, brick) in bricks.iter().enumerate() {
+            let value = xattr(&brick.join(dir), XATTR_NAME);
+            layouts.insert((dir.clone(), b), value);
+        }
+    }
+    layouts
+}
+
+/// The (directory, brick) pairs whose layout changed from `before` to `after`.
+fn relaid_dirs(before: &DirLayouts, after: &DirLayouts) -> Vec<String> {
+    before
+        .iter()
+        .filter(|(key, value)| after.get(*key) != Some(*value))
+        .map(|((dir, b), value)| {
+            let now = after.get(&(dir.clone(), *b));
+            format!("/{dir} on brick {b}: {value:02x?}, then {now:02x?}")
+        })
+        .collect()
+}
+
+/// Checks through GlusterFS's mount what Kiln made: every directory lists its names and has
+/// the mtime Kiln reported, every file (by each of its names, behind link files too) reads
+/// back with its content and the mtime Kiln reported, symlinks read back and resolve, hard
+/// links are one file, the user xattrs read back. What it checked.
+fn check_through_glusterfs(client: &Client, made: &Made) -> anyhow::Result<String> {
+    let mut failures = Vec::new();
+    for (dir, names) in &made.dirs {
+        let at = client.path(dir.as_bytes());
+        let mut listed = std::fs::read_dir(&at)
+            .and_then(|entries| {
+                entries
+                    .map(|e| Ok(e?.file_name().to_string_lossy().into_owned()))
+                    .collect::<std::io::Result<Vec<_>>>()
+            })
+            .with_context(|| format!("list {}", at.display()))?;
+        listed.sort();
+        let want: Vec<String> = names.iter().cloned().collect();
+        if listed != want {
+            failures.push(format!(
+                "GlusterFS lists /{dir} as {listed:?}, not {want:?}"
+            ));
+        }
+        let shown = std::fs::metadata(&at).map(|m| mtime_on(&m));
+        let want = made.dir_mtimes.get(dir);
+        if shown.as_ref().ok() != want {
+            failures.push(format!(
+                "/{dir}: GlusterFS shows mtime {shown:?}, Kiln reported {want:?}"
+            ));
+        }
+    }
+    for (path, file) in &made.files {
+        let on_mount = client.path(path.as_bytes());
+        match std::fs::read(&on_mount) {
+            Ok(data) if data == file.content => {}
+            Ok(data) => failures.push(format!(
+                "/{path}: {} bytes read through GlusterFS, {} written through Kiln",
+                data.len(),
+                file.content.len()
+            )),
+            Err(e) => failures.push(format!("/{path}: read through GlusterFS: {e}")),
+        }
+        match std::fs::symlink_metadata(&on_mount) {
+            Ok(meta) if meta.is_file() && mtime_on(&meta) == file.mtime => {}
+            Ok(meta) => failures.push(format!(
+                "/{path}: GlusterFS shows mtime {:?} ({:?}), Kiln reported {:?}",
+                mtime_on(&meta),
+                meta.file_type(),
+                file.mtime
+            )),
+            Err(e) => failures.push(format!("/{path}: stat through GlusterFS: {e}")),
+        }
+    }
+    for (path, target) in &made.symlinks {
+        let on_mount = client.path(path.as_bytes());
+        let read = std::fs::read_link(&on_mount);
+        if read.as_ref().ok() != Some(&PathBuf::from(target)) {
+            failures.push(format!("/{path}: readlink through GlusterFS gave {read:?}"));
+        }
+        let dir = path.rsplit_once('/').map_or("", |(dir, _)| dir);
+        let target_path = Path::new(dir).join(target);
+        let target_path = normalize(&target_path);
+        let want = made.files.get(&target_path).map(|f| &f.content);
+        let got = std::fs::read(&on_mount).ok();
+        if want.is_none() || got.as_ref() != want {
+            failures.push(format!(
+                "/{path} → {target} (/{target_path}) does not read as that file through GlusterFS"
+            ));
+        }
+    }
+    for (a, b) in &made.hard_links {
+        let stat = |p: &str| std::fs::symlink_metadata(client.path(p.as_bytes()));
+        match (stat(a), stat(b)) {
+            (Ok(ma), Ok(mb)) if ma.ino() == mb.ino() && ma.nlink() == 2 && mb.nlink() == 2 => {}
+            (ma, mb) => failures.push(format!(
+                "/{a} and /{b} are not one file with two names through GlusterFS: {:?}, {:?}",
+                ma.map(|m| (m.ino(), m.nlink())),
+                mb.map(|m| (m.ino(), m.nlink()))
+            )),
+        }
+    }
+    for (path, value) in &made.xattrs {
+        let found = xattr(&client.path(path.as_bytes()), USER_XATTR);
+        if found.as_ref() != Some(value) {
+            failures.push(format!(
+                "/{path}: {USER_XATTR} through GlusterFS is {:?}",
+                found.map(|v| v.escape_ascii().to_string())
+            ));
+        }
+    }
+    ensure!(
+        failures.is_empty(),
+        "{} checks through GlusterFS failed:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+    Ok(format!(
+        "{} files with their content and mtime, {} directories listed, {} symlinks, {} hard \
+         link, {} xattrs",
+        made.files.len(),
+        made.dirs.len(),
+        made.symlinks.len(),
+        made.hard_links.len(),
+        made.xattrs.len()
+    ))
+}
+
+/// `path` (relative, with `..` components) as a path from the root, without them.
+fn normalize(path: &Path) -> String {
+    let mut parts: Vec<&OsStr> = Vec::new();
+    for part in path.components() {
+        match part {
+            std::path::Component::ParentDir => {
+                parts.pop();
+            }
+            std::path::Component::Normal(p) => parts.push(p),
+            _ => {}
+        }
+    }
+    parts
+        .iter()
+        .map(|p| p.to_string_lossy())
+        .collect::<Vec<_>>()
+        .join("/")
+}
+
+/// Writes [`GLUSTERFS_WRITES`] through GlusterFS's mount; each with the mtime it shows.
+fn write_through_glusterfs(client: &Client) -> anyhow::Result<BTreeMap<String, MadeFile>> {
+    GLUSTERFS_WRITES
+        .iter()
+        .map(|&(path, len)| {
+            let content = content(path.as_bytes(), Some(len));
+            let on_mount = client.path(path.as_bytes());
+            std::fs::write(&on_mount, &content)
+                .with_context(|| format!("write {}", on_mount.display()))?;
+            let mtime = mtime_on(&std::fs::metadata(&on_mount)?);
+            anyhow::Ok((path.to_owned(), MadeFile { content, mtime }))
+        })
+        .collect()
+}
+
+/// GlusterFS's times after Kiln adopts bricks GlusterFS wrote to: `kiln-brickd format` must
+/// remove [`MDATA_XATTR`] (GlusterFS wrote it on `glusterfs_made` and on the directories it
+/// looked up), then Kiln writes new content to a file it made, to the one behind a link file
+/// and to `glusterfs_made`, and adds [`KILN_ADDS`]; GlusterFS serving the bricks again must
+/// show the new content with Kiln's new mtimes, the directory's too — but for [`CONTROL`],
+/// whose mdata is put back after the format, the stale one: what every file would show
+/// without the adoption. What it found.
+fn mdata_round_trip(
+    gluster: &mut Gluster,
+    cluster: &Cluster,
+    made: &Made,
+    glusterfs_made: &BTreeMap<String, MadeFile>,
+) -> anyhow::Result<String> {
+    let bricks = gluster.bricks.clone();
+    let carried = objects_with_mdata(&bricks)?;
+    for path in glusterfs_made.keys() {
+        ensure!(
+            carried.iter().any(|(_, p)| p == path),
+            "GlusterFS wrote no {MDATA_XATTR} on /{path} (is its ctime feature off?); objects \
+             carrying one: {carried:?}"
+        );
+    }
+    let control = data_on_disk(&bricks, CONTROL)?;
+    let stale = xattr(&control, MDATA_XATTR).context("the control's mdata")?;
+    for brick in &bricks {
+        let adopted = gluster.kiln_format(brick)?;
+        ensure!(adopted.contains("adopted"), "{adopted}");
+    }
+    let left = objects_with_mdata(&bricks)?;
+    ensure!(
+        left.is_empty(),
+        "kiln-brickd format left {MDATA_XATTR} on {left:?}"
+    );
+    rustix::fs::lsetxattr(&control, MDATA_XATTR, &stale, XattrFlags::CREATE)?;
+
+    let renamed = made
+        .moves
+        .iter()
+        .find(|m| !m.hard_link)
+        .context("a rename")?;
+    let mut paths = vec![
+        KILN_CHANGES.to_owned(),
+        String::from_utf8(renamed.to.path())?,
+    ];
+    paths.extend(glusterfs_made.keys().cloned());
+    let mut before = Changes::default();
+    for path in &paths {
+        let file = made.files.get(path).or_else(|| glusterfs_made.get(path));
+        let file = file.context("a file made before")?.clone();
+        before.files.insert(path.clone(), file);
+    }
+    let (dir, _) = KILN_ADDS.rsplit_once('/').context("a directory")?;
+    let dir_mtime = *made.dir_mtimes.get(dir).context("the directory's mtime")?;
+    before.dir_mtimes.insert(dir.to_owned(), dir_mtime);
+    let volume = gluster.volume.clone();
+    let changed = with_kiln(cluster, &bricks, &volume, async |volume| {
+        change_through_kiln(volume, &paths).await
+    })?;
+
+    gluster.serve()?;
+    let client = gluster.mount("C.UTF-8", Munging::RsyncUtf8)?;
+    let shown = through_mount("reading what Kiln changed", move || {
+        check_changes(&client, &changed, &before)
+    })?;
+    gluster.tear_down()?;
+    Ok(format!(
+        "{} objects carried {MDATA_XATTR} when Kiln adopted the bricks back; {shown}",
+        carried.len()
+    ))
+}
+
+/// Files (with their content and mtime) and directories' mtimes, before or after Kiln's
+/// changes.
+#[derive(Debug, Clone, Default)]
+struct Changes {
+    files: BTreeMap<String, MadeFile>,
+    dir_mtimes: BTreeMap<String, (i64, u32)>,
+}
+
+/// Writes new content through Kiln to each of `paths` and makes [`KILN_ADDS`]; each with the
+/// mtime Kiln reports after, and that of the directory it added to.
+async fn change_through_kiln(volume: &Volume, paths: &[String]) -> anyhow::Result<Changes> {
+    let creds = Creds::root();
+    let mut changed = Changes::default();
+    for (i, path) in paths.iter().chain([&KILN_ADDS.to_owned()]).enumerate() {
+        let content = content(format!("{path} changed by Kiln").as_bytes(), Some(2000 + i));
+        let at = format!("/{path}");
+        volume
+            .write_file(&creds, &at, Bytes::from(content.clone()), 0o644)
+            .await?;
+        ensure!(
+            volume.read_to_end(&creds, &at).await? == content,
+            "{at} reads back otherwise through Kiln"
+        );
+        let mtime = mtime_of(&volume.resolve(&creds, &at).await?);
+        changed
+            .files
+            .insert(path.clone(), MadeFile { content, mtime });
+    }
+    let (dir, _) = KILN_ADDS.rsplit_once('/').context("a directory")?;
+    let mtime = mtime_of(&volume.resolve(&creds, &format!("/{dir}")).await?);
+    changed.dir_mtimes.insert(dir.to_owned(), mtime);
+    Ok(changed)
+}
+
+/// Checks through GlusterFS's mount that each file Kiln `changed` shows its new content and
+/// the mtime Kiln reported — another than it had `before` — but [`CONTROL`] its stale one;
+/// and that each directory shows the mtime Kiln reported, another than `before`.
+fn check_changes(client: &Client, changed: &Changes, before: &Changes) -> anyhow::Result<String> {
+    let mut failures = Vec::new();
+    for (path, file) in &changed.files {
+        let on_mount = client.path(path.as_bytes());
+        let data = std::fs::read(&on_mount).with_context(|| format!("read /{path}"))?;
+        let shown = mtime_on(&std::fs::metadata(&on_mount)?);
+        let old = before.files.get(path).map(|f| f.mtime);
+        ensure!(
+            old != Some(file.mtime),
+            "/{path}: Kiln's write left its mtime {old:?}"
+        );
+        let want = match old {
+            Some(old) if path == CONTROL => old,
+            _ => file.mtime,
+        };
+        if data != file.content || shown != want {
+            failures.push(format!(
+                "/{path}: GlusterFS shows {} bytes {} Kiln wrote, mtime {shown:?}; Kiln \
+                 reported {:?}, the mtime before was {old:?}",
+                data.len(),
+                if data == file.content {
+                    "as"
+                } else {
+                    "unlike what"
+                },
+                file.mtime
+            ));
+        }
+    }
+    for (dir, mtime) in &changed.dir_mtimes {
+        let shown = mtime_on(&std::fs::metadata(client.path(dir.as_bytes()))?);
+        let old = before.dir_mtimes.get(dir);
+        ensure!(old != Some(mtime), "/{dir}: Kiln's create left its mtime");
+        if shown != *mtime {
+            failures.push(format!(
+                "/{dir}: GlusterFS shows mtime {shown:?}; Kiln reported {mtime:?}, the mtime \
+                 before was {old:?}"
+            ));
+        }
+    }
+    ensure!(
+        failures.is_empty(),
+        "GlusterFS does not show Kiln's changes:\n{}",
+        failures.join("\n")
+    );
+    Ok(format!(
+        "GlusterFS shows the {} files Kiln then changed or made with their content and mtime, \
+         the directory it added to with its mtime, and the control (mdata put back) with its \
+         stale mtime",
+        changed.files.len() - 1
+    ))
+}
+
+/// The objects of `bricks`' named trees (not `.glusterfs`) carrying [`MDATA_XATTR`]: (brick,
+/// path from the root).
+fn objects_with_mdata(bricks: &[PathBuf]) -> anyhow::Result<Vec<(usize, String)>> {
+    let mut found = Vec::new();
+    for (b, brick) in bricks.iter().enumerate() {
+        let mut paths = vec![brick.clone()];
+        while let Some(path) = paths.pop() {
+            if xattr(&path, MDATA_XATTR).is_some() {
+                let rel = path.strip_prefix(brick)?;
+                found.push((b, rel.to_string_lossy().into_owned()));
+            }
+            if !std::fs::symlink_metadata(&path)?.is_dir() {
+                continue;
+            }
+            for entry in std::fs::read_dir(&path)? {
+                let entry = entry?;
+                if path != *brick || entry.file_name() != ".glusterfs" {
+                    paths.push(entry.path());
+                }
+            }
+        }
+    }
+    Ok(found)
+}
+
+/// Where file `path` (from the root) has its data on `bricks`: the one brick holding it that
+/// is not a link file.
+fn data_on_disk(bricks: &[PathBuf], path: &str) -> anyhow::Result<PathBuf> {
+    let at = At::split(path.as_bytes());
+    match on_disk(bricks, &at)[..] {
+        [(b, false)] => Ok(bricks[b].join(path)),
+        ref found => bail!("{at}: (brick, is a link file) {found:?}"),
+    }
+}
+
 /// The volume this test set up, and the glusterd serving it.
 struct Gluster {
     volume: String,
@@ -1136,7 +1814,16 @@ struct Gluster {
     dir: tempfile::TempDir,
 }
 impl Gluster {
+    /// The volume this test sets up on new, empty brick directories, started.
     fn set_up() -> anyhow::Result<Gluster> {
+        let mut g = Gluster::new(format!("kilndht{}", std::process::id()))?;
+        g.serve()?;
+        Ok(g)
+    }
+
+    /// A harness for volume `volume` over [`BRICKS`] new, empty brick directories; nothing
+    /// runs yet.
+    fn new(volume: String) -> anyhow::Result<Gluster> {
         let dir = tempfile::tempdir()?;
         let logs = dir.path().join("logs");
         std::fs::create_dir(&logs)?;
@@ -1146,8 +1833,8 @@ impl Gluster {
         for brick in &bricks {
             std::fs::create_dir(brick)?;
         }
-        let mut g = Gluster {
-            volume: format!("kilndht{}", std::process::id()),
+        Ok(Gluster {
+            volume,
             host: String::new(),
             bricks,
             logs,
@@ -1157,11 +1844,18 @@ impl Gluster {
             brick_pids: Vec::new(),
             mounts: Vec::new(),
             commands: 0,
-            torn_down: false,
+            torn_down: true,
             dir,
-        };
+        })
+    }
+
+    /// Serves the brick directories as the volume, in their order: starts glusterd if none
+    /// runs, creates the volume and starts it. After a [`Gluster::tear_down`] it serves them
+    /// again as a new volume of the same name.
+    fn serve(&mut self) -> anyhow::Result<()> {
+        self.torn_down = false;
         if !process_named("glusterd") {
-            let log = g.logs.join("glusterd.log");
+            let log = self.logs.join("glusterd.log");
             let glusterd = Command::new(which("glusterd").context("glusterd")?)
                 .arg("-N")
                 .arg(format!("--log-file={}", log.display()))
@@ -1170,13 +1864,18 @@ impl Gluster {
                 .stderr(Stdio::null())
                 .spawn()
                 .context("start glusterd -N")?;
-            g.glusterd = Some(glusterd);
+            self.glusterd = Some(glusterd);
         }
-        g.wait_for_glusterd()?;
-        g.create_volume()?;
-        g.place_every_file_on_its_hashed_brick()?;
-        g.start_volume()?;
-        Ok(g)
+        self.wait_for_glusterd()?;
+        self.create_volume()?;
+        self.place_every_file_on_its_hashed_brick()?;
+        self.start_volume()
+    }
+
+    /// Runs `kiln-brickd format` on `brick` (bounded, logged like every command); its output.
+    fn kiln_format(&mut self, brick: &Path) -> anyhow::Result<String> {
+        let mut format = Command::new(common::bin("kiln-brickd"));
+        self.run(format.arg("format").arg(brick), GLUSTER_TIMEOUT)
     }
 
     /// Runs `cmd` (bounded), its output going to a log file; that output, or an error with it.
@@ -1321,8 +2020,9 @@ impl Gluster {
             known.lines().any(|l| normal(l) == normal(locale)),
             "locale {locale} is not available (`locale -a`): the test needs it for the client"
         );
+        // The same point again when the volume is served again.
         let point = self.dir.path().join(format!("mount-{locale}"));
-        std::fs::create_dir(&point)?;
+        std::fs::create_dir_all(&point)?;
         let log = self.logs.join(format!("mount-{locale}.log"));
         let mut cmd = Command::new(which("mount").context("mount")?);
         cmd.args(["-t", "glusterfs", "-o"])

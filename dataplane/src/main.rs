@@ -1,7 +1,9 @@
 //! `kiln-brickd`: the brick process.
 //!
 //! ```text
-//! kiln-brickd format BRICK_DIR      make an empty directory a Kiln brick
+//! kiln-brickd format BRICK_DIR      make an empty directory a Kiln brick, or adopt a
+//!                                   GlusterFS brick in place (its files stay; GlusterFS's
+//!                                   trusted.glusterfs.mdata times are removed)
 //! kiln-brickd check [--repair] BRICK_DIR
 //!                                   find (and repair) stale handles, missing gfids,
 //!                                   dangling directory handles, interrupted fops
@@ -42,6 +44,12 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Make an empty directory (or an existing GlusterFS brick) a Kiln brick.
+    ///
+    /// A GlusterFS brick (`.glusterfs/` and the root gfid on its root) is adopted in place: no
+    /// file is copied or moved, and `trusted.glusterfs.mdata` is removed from every object, so
+    /// GlusterFS, if it serves the brick again, shows the times Kiln keeps on the inodes. Run it
+    /// while nothing serves the brick, and again each time the brick comes back from GlusterFS.
+    /// Any other directory that holds data is refused.
     Format { brick_dir: PathBuf },
     /// Find (and with --repair, fix) stale handles, missing gfids and interrupted fops.
     Check {
@@ -100,9 +108,7 @@ fn main() -> ExitCode {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let result = match Cli::parse().command {
-        Command::Format { brick_dir } => Brick::format(&brick_dir)
-            .map(|id| println!("formatted {} as brick {id}", brick_dir.display()))
-            .map_err(anyhow::Error::from),
+        Command::Format { brick_dir } => format(&brick_dir),
         Command::Check { repair, brick_dir } => check(&brick_dir, repair),
         Command::Serve(args) => serve(&args),
     };
@@ -113,6 +119,19 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+fn format(dir: &std::path::Path) -> anyhow::Result<()> {
+    let formatted = Brick::format(dir)?;
+    match formatted.adopted {
+        None => println!("formatted {} as brick {}", dir.display(), formatted.id),
+        Some(adoption) => println!(
+            "adopted {} in place as brick {}: {adoption}",
+            dir.display(),
+            formatted.id
+        ),
+    }
+    Ok(())
 }
 
 fn check(dir: &std::path::Path, repair: bool) -> anyhow::Result<()> {

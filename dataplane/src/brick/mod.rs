@@ -10,8 +10,10 @@
 //!
 //! The brick root, `.glusterfs`, the pending directory and the 256 `.glusterfs/XX` directories
 //! are opened once, `O_PATH`, and every name operation is relative to one of them. GFIDs are
-//! resolved on this layout by [`layout`]; interrupted namespace fops are named by [`intent`].
+//! resolved on this layout by [`layout`]; interrupted namespace fops are named by [`intent`];
+//! a GlusterFS brick is made a Kiln brick in place by [`adopt`].
 
+pub mod adopt;
 pub mod intent;
 pub mod layout;
 
@@ -51,10 +53,26 @@ pub enum BrickError {
     NotABrick(PathBuf),
     #[error("{path}: the root's trusted.gfid is {found}, not the root gfid")]
     WrongRootGfid { path: PathBuf, found: String },
-    #[error("{0} is not empty; refusing to format a directory that holds data")]
+    #[error(
+        "{0} is not empty; refusing to format a directory that holds data (only a GlusterFS \
+         brick is adopted: .glusterfs/ and the root gfid in trusted.gfid on its root)"
+    )]
     NotEmpty(PathBuf),
+    #[error(
+        "{0}: directories were renamed while the brick was being adopted; stop whatever serves \
+         it and format it again"
+    )]
+    TreeChanged(PathBuf),
     #[error("the brick needs root (CAP_SYS_ADMIN) for trusted.* xattrs and per-caller credentials")]
     NotRoot,
+}
+
+/// What `format` made of a directory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Formatted {
+    pub id: BrickId,
+    /// What adopting it did, when it was a GlusterFS (or Kiln) brick already.
+    pub adopted: Option<adopt::Adoption>,
 }
 
 /// An open brick: its identity and the directory fds every fop works relative to.
@@ -118,19 +136,22 @@ impl Brick {
     /// Formats an empty directory (or a new one) as a Kiln brick: the root GFID, the brick id,
     /// `.glusterfs` with its 256 first-level handle directories and the root's handle. The
     /// second-level `XX/YY` directories are made lazily, on first use.
-    pub fn format(path: &Path) -> Result<BrickId, BrickError> {
+    ///
+    /// A directory GlusterFS laid out as a brick (`.glusterfs/` and the root GFID on its root)
+    /// is adopted in place instead ([`adopt`]): every file stays, GlusterFS's times
+    /// (`trusted.glusterfs.mdata`) are removed, the housekeeping above is made, and the brick
+    /// id is kept (a Kiln brick's) or taken from the volume id. Formatting a brick again is
+    /// harmless. Any other directory that holds data is refused.
+    pub fn format(path: &Path) -> Result<Formatted, BrickError> {
         require_root()?;
         std::fs::create_dir_all(path).map_err(|source| BrickError::Io {
             path: path.to_owned(),
             source,
         })?;
-        let entries = std::fs::read_dir(path).map_err(|source| BrickError::Io {
+        let mut entries = std::fs::read_dir(path).map_err(|source| BrickError::Io {
             path: path.to_owned(),
             source,
         })?;
-        if entries.count() > 0 {
-            return Err(BrickError::NotEmpty(path.to_owned()));
-        }
         let err = io_err(path);
         let root = rustix::fs::open(
             path,
@@ -138,8 +159,19 @@ impl Brick {
             Mode::empty(),
         )
         .map_err(&err)?;
-        let id = BrickId(uuid::Uuid::new_v4().into_bytes());
         let proc_path = fd_path(root.as_fd());
+        if entries.next().is_some() {
+            let adoption = adopt::adopt(root.as_fd(), path)?;
+            make_housekeeping(root.as_fd()).map_err(&err)?;
+            // Last, so a brick with a Kiln id has been adopted whole.
+            let id = brick_id_or_adopt(&proc_path).map_err(&err)?;
+            rustix::fs::fsync(&root).map_err(&err)?;
+            return Ok(Formatted {
+                id,
+                adopted: Some(adoption),
+            });
+        }
+        let id = BrickId(uuid::Uuid::new_v4().into_bytes());
         rustix::fs::setxattr(
             &proc_path,
             GFID_XATTR,
@@ -151,7 +183,7 @@ impl Brick {
             .map_err(&err)?;
         make_housekeeping(root.as_fd()).map_err(&err)?;
         rustix::fs::fsync(&root).map_err(&err)?;
-        Ok(id)
+        Ok(Formatted { id, adopted: None })
     }
 
     /// Opens a brick formatted by Kiln or written by GlusterFS (adopting it: a GlusterFS brick
@@ -176,24 +208,7 @@ impl Brick {
             }
             Some(_) => {}
         }
-        let proc_path = fd_path(root_rd.as_fd());
-        let mut id = [0u8; 16];
-        let id = match rustix::fs::getxattr(&proc_path, BRICK_ID_XATTR, &mut id[..]) {
-            Ok(16) => BrickId(id),
-            Ok(_) | Err(Errno::NODATA) => {
-                // A GlusterFS brick: keep its volume id as the brick id when it has one.
-                let mut vol = [0u8; 16];
-                let new =
-                    match rustix::fs::getxattr(&proc_path, GLUSTER_VOLUME_ID_XATTR, &mut vol[..]) {
-                        Ok(16) => vol,
-                        _ => uuid::Uuid::new_v4().into_bytes(),
-                    };
-                rustix::fs::setxattr(&proc_path, BRICK_ID_XATTR, &new, XattrFlags::empty())
-                    .map_err(&err)?;
-                BrickId(new)
-            }
-            Err(e) => return Err(err(e)),
-        };
+        let id = brick_id_or_adopt(&fd_path(root_rd.as_fd())).map_err(&err)?;
         make_housekeeping(root_rd.as_fd()).map_err(&err)?;
         let root = open_dir(root_rd.as_fd(), ".").map_err(&err)?;
         let glusterfs = open_dir(root.as_fd(), GLUSTERFS_DIR).map_err(&err)?;
@@ -285,6 +300,24 @@ impl Brick {
         word.fetch_or(1 << (bit % 64), Ordering::Relaxed);
         Ok(())
     }
+}
+
+/// The brick id on the root at `root_path`; a brick without one (GlusterFS's) gets its volume
+/// id when it has one, else a new one.
+fn brick_id_or_adopt(root_path: &str) -> Result<BrickId, Errno> {
+    let mut id = [0u8; 16];
+    match rustix::fs::getxattr(root_path, BRICK_ID_XATTR, &mut id[..]) {
+        Ok(16) => return Ok(BrickId(id)),
+        Ok(_) | Err(Errno::NODATA) => {}
+        Err(e) => return Err(e),
+    }
+    let mut volume = [0u8; 16];
+    let new = match rustix::fs::getxattr(root_path, GLUSTER_VOLUME_ID_XATTR, &mut volume[..]) {
+        Ok(16) => volume,
+        _ => uuid::Uuid::new_v4().into_bytes(),
+    };
+    rustix::fs::setxattr(root_path, BRICK_ID_XATTR, &new, XattrFlags::empty())?;
+    Ok(BrickId(new))
 }
 
 /// Mode of `.glusterfs/XX` and `XX/YY`: searchable by everyone, listable by root only. Callers'
