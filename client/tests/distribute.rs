@@ -687,3 +687,123 @@ fn a_rebalance_moves_files_while_a_client_writes_one() {
         common::assert_brick_checks_clean(volume.brick(i));
     }
 }
+
+/// A rebalance that died mid-move leaves a file marked: the next one undoes a move still
+/// copying (the source unmarked, the half-filled link file emptied) and moves the file anew,
+/// and finishes a move whose destination had become the file (the source removed).
+#[test]
+fn a_rebalance_finishes_or_undoes_a_move_left_half_done() {
+    let volume = Volume::start();
+    let rt = runtime();
+    let creds = Creds::root();
+    rt.block_on(async {
+        let v = volume.connect().await;
+        let dir = v.mkdir_all(&creds, "/m", 0o755).await.expect("mkdir");
+        let layout = v.layout(dir.gfid).await.expect("layout");
+        let hashed = |n: &str| {
+            layout
+                .hashed_brick(n.as_bytes(), Munging::default())
+                .expect("a brick")
+        };
+        let brick = |i: usize| v.bricks().nth(i).expect("a brick");
+        let linkto = |i: usize| Bytes::from(format!("dist-client-{i}\0"));
+        // Two files each on a brick its name does not hash to, as a crash left them.
+        let mut placed = Vec::new();
+        for label in ["copying", "switched"] {
+            let to = hashed(label);
+            let from = (to + 1) % BRICKS;
+            let data = Bytes::from(label.repeat(50_000));
+            brick(from)
+                .put(&creds, &format!("/m/{label}"), data.clone(), 0o640)
+                .await
+                .expect("put");
+            let file = brick(from)
+                .resolve(&creds, &format!("/m/{label}"))
+                .await
+                .expect("file");
+            let set = |gfid, value: Bytes| kiln_wire::Setxattr {
+                gfid,
+                name: kiln_wire::XattrName::new(Bytes::from_static(LINKTO_XATTR.as_bytes()))
+                    .expect("name"),
+                value: kiln_wire::XattrValue::new(value).expect("value"),
+                mode: kiln_wire::XattrSetMode::Upsert,
+            };
+            brick(from)
+                .call(&creds, set(file.gfid, linkto(to)).into())
+                .await
+                .expect("linkto");
+            let sticky = kiln_wire::Setattr {
+                gfid: file.gfid,
+                attr: kiln_wire::SetAttr {
+                    mode: kiln_wire::Mode::new(0o1640),
+                    ..kiln_wire::SetAttr::default()
+                },
+            };
+            brick(from)
+                .call(&creds, sticky.into())
+                .await
+                .expect("sticky");
+            // The destination: a link file half filled, or (switched) the file itself.
+            let mode = if label == "copying" { 0o1000 } else { 0o640 };
+            let mknod = kiln_wire::Mknod {
+                parent: dir.gfid,
+                name: name(label),
+                gfid: file.gfid,
+                node_type: kiln_wire::NodeType::Regular,
+                mode: kiln_wire::Mode::new(mode).expect("mode"),
+                umask: kiln_wire::Mode::new(0).expect("mode"),
+                rdev: 0,
+            };
+            brick(to)
+                .call(&creds, mknod.into())
+                .await
+                .expect("destination");
+            let fd = brick(to)
+                .open(
+                    &creds,
+                    file.gfid,
+                    kiln_wire::AccessMode::WriteOnly,
+                    kiln_wire::OpenFlags::empty(),
+                )
+                .await
+                .expect("open");
+            let part = if label == "copying" {
+                data.slice(..1000)
+            } else {
+                data.clone()
+            };
+            brick(to).write(&creds, &fd, 0, part).await.expect("write");
+            brick(to).release(&creds, fd).await.expect("release");
+            if label == "copying" {
+                brick(to)
+                    .call(&creds, set(file.gfid, linkto(from)).into())
+                    .await
+                    .expect("linkto");
+            }
+            placed.push((label, to, data));
+        }
+        let stop = AtomicBool::new(false);
+        let report = v.rebalance(&stop, &mut |_| {}).await.expect("rebalance");
+        assert_eq!(
+            (report.moved, report.skipped, report.failed),
+            (2, 0, 0),
+            "{report:?}"
+        );
+        let fresh = volume.connect().await;
+        for (label, to, data) in placed {
+            assert_eq!(volume.holders(&format!("m/{label}")), [to], "{label}");
+            let read = fresh
+                .read_to_end(&creds, &format!("/m/{label}"))
+                .await
+                .expect("read");
+            assert!(read == data, "{label}: {} bytes read", read.len());
+            let iatt = fresh
+                .resolve(&creds, &format!("/m/{label}"))
+                .await
+                .expect("stat");
+            assert_eq!(iatt.mode.bits(), 0o640, "{label}: unmarked");
+        }
+        close(&v).await;
+        close(&fresh).await;
+    });
+}

@@ -239,7 +239,22 @@ impl<L: Layer> Distribute<L> {
         iatt: &Iatt,
         to: usize,
     ) -> Result<Outcome, Error> {
-        let mode = iatt.mode.bits();
+        let mut mode = iatt.mode.bits();
+        if Look::of(iatt) == Look::Copying
+            && let Some(was_to) = self.moving_to(from, iatt.gfid).await?
+        {
+            // Left marked by a rebalance that was stopped or died mid-move: finished when
+            // its destination had become the file, else undone and started again.
+            let there = self.bricks[was_to].stat(&Creds::root(), iatt.gfid).await?;
+            if !looks_like_link_file(&there) {
+                self.set_mode(from, iatt.gfid, LINK_FILE_MODE).await?;
+                self.note_home(&there, was_to);
+                self.remove_if_still(dir, name, from, iatt.gfid).await?;
+                return Ok(Outcome::Moved { bytes: 0 });
+            }
+            self.abandon_move(from, was_to, iatt.gfid).await?;
+            mode &= !STICKY;
+        }
         if iatt.nlink != 1 {
             return Ok(Outcome::Skipped("it has hard links"));
         }
@@ -479,8 +494,18 @@ impl<L: Layer> Distribute<L> {
         self.remove_xattr(to, gfid, LINKTO_XATTR).await?;
         self.set_mode(from, gfid, LINK_FILE_MODE).await?;
         self.note_home(&now, to);
-        // Under the same name still (not renamed meanwhile): removed.
-        match self.bricks[from].lookup(&root, dir, name).await {
+        self.remove_if_still(dir, name, from, gfid).await
+    }
+
+    /// Removes `name` in `dir` on brick `from` if it still names object `gfid`.
+    async fn remove_if_still(
+        &self,
+        dir: Gfid,
+        name: &Name,
+        from: usize,
+        gfid: Gfid,
+    ) -> Result<(), Error> {
+        match self.bricks[from].lookup(&Creds::root(), dir, name).await {
             Ok(there) if there.gfid == gfid => self.remove_link_file(from, dir, name).await,
             Ok(_) | Err(Error::Fop(ErrorCode::NoEnt)) => Ok(()),
             Err(e) => Err(e),
@@ -503,9 +528,17 @@ impl<L: Layer> Distribute<L> {
             Err(e) if gone(&e) => {}
             Err(e) => return Err(e),
         }
-        match self.set_attr(to, gfid, size_attr(0)).await {
-            Err(e) if !gone(&e) => Err(e),
-            _ => Ok(()),
+        // Emptied only while it is a link file still: never the file itself.
+        match self.bricks[to].stat(&Creds::root(), gfid).await {
+            Ok(there) if looks_like_link_file(&there) => {
+                match self.set_attr(to, gfid, size_attr(0)).await {
+                    Err(e) if !gone(&e) => Err(e),
+                    _ => Ok(()),
+                }
+            }
+            Ok(_) => Ok(()),
+            Err(e) if gone(&e) => Ok(()),
+            Err(e) => Err(e),
         }
     }
 
