@@ -821,6 +821,33 @@ fn a_volume_of_three_bricks_mounts_as_one_tree() {
     assert!(none.contains("no rebalance of wide has run"), "{none}");
     let idle = m.fails(&["volume", "rebalance", "wide", "stop"]);
     assert!(idle.contains("no rebalance of wide is running"), "{idle}");
+    // One started in the background is seen running, refuses a second, and stops when told.
+    let mut running = Command::new(bin("kiln"))
+        .args(["volume", "rebalance", "wide", "start"])
+        .env("KILN_MGMT_SOCKET", &m.socket)
+        .env("KILN_TLS_DIR", m.state.join("tls"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("kiln volume rebalance start");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    // No status until it has started; `status` fails until then.
+    let status = || m.kiln(&["volume", "rebalance", "wide", "status"]).stdout;
+    while !String::from_utf8_lossy(&status()).contains(": running") {
+        assert!(
+            Instant::now() < deadline,
+            "the rebalance never showed as running"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let second = m.fails(&["volume", "rebalance", "wide", "start"]);
+    assert!(
+        second.contains("a rebalance of wide is running"),
+        "{second}"
+    );
+    let stopped = m.ok(&["volume", "rebalance", "wide", "stop"]);
+    assert!(stopped.starts_with("wide: stopped — "), "{stopped}");
+    assert!(running.wait().expect("exits").success());
     let done = m.ok(&["volume", "--json", "rebalance", "wide", "start"]);
     let done: serde_json::Value = serde_json::from_str(&done).expect("json");
     assert_eq!(done["state"], "completed", "{done}");

@@ -136,6 +136,16 @@ pub(crate) fn start(global: &Global, name: &str, json: bool) -> anyhow::Result<(
         .enable_all()
         .build()
         .context("cannot start the runtime")?;
+    // Listened for before the status says "running", so a `stop` never kills it mid-move.
+    let (interrupt, terminate) = runtime
+        .block_on(async {
+            use tokio::signal::unix::{SignalKind, signal};
+            Ok::<_, std::io::Error>((
+                signal(SignalKind::interrupt())?,
+                signal(SignalKind::terminate())?,
+            ))
+        })
+        .context("cannot listen for SIGINT and SIGTERM")?;
     let stop = Arc::new(AtomicBool::new(false));
     let started = Instant::now();
     let bar = indicatif::ProgressBar::new_spinner();
@@ -149,7 +159,7 @@ pub(crate) fn start(global: &Global, name: &str, json: bool) -> anyhow::Result<(
         let bricks = crate::files::connect_all(global, &volume.bricks)
             .await
             .with_context(|| format!("cannot rebalance {name}"))?;
-        let signals = tokio::spawn(stop_on_signal(stop.clone()));
+        let signals = tokio::spawn(stop_on_signal(interrupt, terminate, stop.clone()));
         let distribute = Distribute::new(bricks.clone(), name)?;
         let mut progress = |r: &RebalanceReport| {
             let status = running(r);
@@ -251,17 +261,14 @@ fn print(status: &Status, json: bool) -> anyhow::Result<()> {
 }
 
 /// Sets `stop` at the first SIGINT or SIGTERM.
-async fn stop_on_signal(stop: Arc<AtomicBool>) {
-    use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut int), Ok(mut term)) = (
-        signal(SignalKind::interrupt()),
-        signal(SignalKind::terminate()),
-    ) else {
-        return;
-    };
+async fn stop_on_signal(
+    mut interrupt: tokio::signal::unix::Signal,
+    mut terminate: tokio::signal::unix::Signal,
+    stop: Arc<AtomicBool>,
+) {
     tokio::select! {
-        _ = int.recv() => {}
-        _ = term.recv() => {}
+        _ = interrupt.recv() => {}
+        _ = terminate.recv() => {}
     }
     stop.store(true, Ordering::Relaxed);
 }
