@@ -17,6 +17,7 @@ pub mod openfds;
 pub mod plot;
 pub mod process;
 pub mod progress;
+pub mod rebalance;
 pub mod report;
 pub mod rng;
 pub mod scratch;

@@ -14,6 +14,8 @@
 //!                  [--targets local,engine,volume] [--plot FILE.svg|FILE.png] [--json]
 //! kiln-bench lookup-scale [--max-entries 2M] [--checkpoints 1k,10k,100k,1M,2M] [--samples N]
 //!                  [--fanout N] [--depth N] [--seed S] [--plot FILE.svg|FILE.png] [--json]
+//! kiln-bench rebalance [--bricks N] [--files N] [--file-kib K] [--dirs N] [--glusterfs]
+//!                  [--json]
 //! ```
 //!
 //! Every workload takes `--json`, `--scratch DIR` and, as root, `--loop-fs-mib M` (a fresh
@@ -30,6 +32,7 @@ use kiln_bench::mgmt::{self, MgmtBench};
 use kiln_bench::mount::{self, MountBench, Target};
 use kiln_bench::net::{self, NetBench};
 use kiln_bench::openfds::{self, OpenTarget, OpenfdsBench};
+use kiln_bench::rebalance::{self, RebalanceBench};
 use kiln_bench::report::{Reporter, environment};
 use kiln_bench::scratch::Scratch;
 use kiln_bench::smallfile::{self, SmallfileBench, SmallfileOp, TargetSpec};
@@ -90,6 +93,10 @@ enum Workload {
     /// LOOKUP latency by name and by GFID, cold and warm, as the brick's handle index grows
     /// to millions of entries, against fstatat on the same file system.
     LookupScale(LookupScaleArgs),
+    /// A distributed volume of fresh bricks (each its own kiln-brickd) filled, a brick added
+    /// and Kiln's rebalance timed (files and MiB moved per second, the 2 s layout wait left
+    /// out), against a std::fs copy + unlink of as many files on the same disk, one thread.
+    Rebalance(RebalanceArgs),
 }
 
 #[derive(Debug, Args)]
@@ -289,6 +296,25 @@ struct LookupScaleArgs {
     plot: Vec<PathBuf>,
 }
 
+#[derive(Debug, Args)]
+struct RebalanceArgs {
+    /// Bricks of the volume before one is added.
+    #[arg(long, default_value_t = 2)]
+    bricks: usize,
+    /// Files written before the brick is added.
+    #[arg(long, default_value_t = 10_000)]
+    files: usize,
+    /// Size of every file, in KiB.
+    #[arg(long, default_value_t = 16)]
+    file_kib: usize,
+    /// Directories the files are spread over.
+    #[arg(long, default_value_t = 100)]
+    dirs: usize,
+    /// Also measure GlusterFS's rebalance (not available yet: the run says so).
+    #[arg(long)]
+    glusterfs: bool,
+}
+
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
 enum EngineArg {
     Uring,
@@ -325,6 +351,7 @@ impl Workload {
             Workload::Mount(args) => Some(args.seed),
             Workload::Smallfile(args) => Some(args.seed),
             Workload::LookupScale(args) => Some(args.seed),
+            Workload::Rebalance(_) => Some(rebalance::SEED),
             _ => None,
         }
     }
@@ -338,6 +365,7 @@ impl Workload {
             Workload::Smallfile(args) => smallfile::run(&args.bench()?, scratch, out)?,
             Workload::Openfds(args) => openfds::run(&args.bench(), scratch, out)?,
             Workload::LookupScale(args) => lookup_scale::run(&args.bench(), scratch, out)?,
+            Workload::Rebalance(args) => rebalance::run(&args.bench(), scratch, out)?,
         };
         Ok(())
     }
@@ -448,6 +476,18 @@ impl LookupScaleArgs {
             depth: self.depth,
             seed: self.seed,
             plots: self.plot,
+        }
+    }
+}
+
+impl RebalanceArgs {
+    fn bench(self) -> RebalanceBench {
+        RebalanceBench {
+            bricks: self.bricks,
+            files: self.files,
+            file_kib: self.file_kib,
+            dirs: self.dirs,
+            glusterfs: self.glusterfs,
         }
     }
 }

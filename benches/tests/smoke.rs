@@ -550,6 +550,35 @@ mod needs_root {
     use super::*;
 
     #[test]
+    fn rebalance_workload_moves_files_and_reports_a_ratio() {
+        require_root("kiln-bench rebalance formats bricks (trusted xattrs)");
+        let lines = run_json(&["rebalance", "--files", "200", "--dirs", "5"]);
+        let records = records(&lines);
+        let reference = find(&records, "the reference", |r| {
+            r["target"] == "std_copy_unlink"
+        });
+        let kiln = find(&records, "kiln", |r| r["target"] == "kiln");
+        assert_ratio(reference, 1.0);
+        assert_ratio(kiln, num(kiln, "ops_per_s") / num(reference, "ops_per_s"));
+        let moved = lines
+            .iter()
+            .find_map(|l| l.get("rebalance_kiln"))
+            .expect("the rebalance_kiln note");
+        assert!(num(moved, "moved") > 0.0, "{moved}");
+        assert_eq!(
+            num(moved, "moved"),
+            num(&reference["params"], "files"),
+            "{moved}"
+        );
+        assert_eq!(
+            (num(moved, "skipped"), num(moved, "failed")),
+            (0.0, 0.0),
+            "{moved}"
+        );
+        assert_eq!(num(moved, "files_read_back"), 200.0, "{moved}");
+    }
+
+    #[test]
     fn mount_workload_runs_and_reports_every_phase() {
         require_root("kiln-bench mount mounts FUSE and drops the kernel's caches");
         let out = Command::new(env!("CARGO_BIN_EXE_kiln-bench"))
