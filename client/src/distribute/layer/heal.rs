@@ -113,9 +113,15 @@ impl<L: Layer> Distribute<L> {
     /// Merges the times of directory `iatt`'s copies on every brick but `from` into it; the
     /// bricks that have no copy.
     async fn merge_copies(&self, creds: &Creds, iatt: &mut Iatt, from: usize) -> Vec<usize> {
+        let gfid = iatt.gfid;
+        let others = self.bricks.iter().enumerate().filter(|(i, _)| *i != from);
+        let copies = futures_util::future::join_all(
+            others.map(|(i, brick)| async move { (i, brick.stat(creds, gfid).await) }),
+        )
+        .await;
         let mut missing = Vec::new();
-        for (i, brick) in self.bricks.iter().enumerate().filter(|(i, _)| *i != from) {
-            match brick.stat(creds, iatt.gfid).await {
+        for (i, copy) in copies {
+            match copy {
                 Ok(copy) => merge_times(iatt, &copy),
                 Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => missing.push(i),
                 // A brick out of reach has nothing to merge or heal now.

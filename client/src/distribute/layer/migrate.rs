@@ -22,6 +22,8 @@
 
 use std::sync::atomic::AtomicBool;
 
+use futures_util::StreamExt as _;
+
 use super::files::{Look, STICKY};
 use super::namespace::authoritative;
 use super::*;
@@ -32,6 +34,8 @@ const CHUNK_BYTES: u32 = 1024 * 1024;
 const PASSES_MAX: usize = 8;
 /// Copies of one chunk in a pass while clients keep changing it.
 const CHUNK_TRIES_MAX: usize = 8;
+/// Files of one directory moved at a time (each holds two 1 MiB chunks while it copies).
+const MOVES_IN_FLIGHT: usize = 16;
 
 /// What [`Distribute::rebalance`] did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -164,7 +168,7 @@ impl<L: Layer> Distribute<L> {
         let layout = self.layout(dir).await?;
         let mut subdirs = std::collections::BTreeSet::new();
         // Files looked at: one moved shows again in the listing of the brick it moved to.
-        let mut seen = std::collections::HashSet::new();
+        let seen = Mutex::new(std::collections::HashSet::new());
         let mut settled = true;
         for from in 0..self.bricks.len() {
             let entries = match self.bricks[from].read_dir(&root, dir).await {
@@ -172,20 +176,36 @@ impl<L: Layer> Distribute<L> {
                 Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => continue,
                 Err(e) => return Err(e),
             };
-            for entry in entries {
+            let (dirs, others): (Vec<_>, Vec<_>) = entries
+                .into_iter()
+                .partition(|e| e.iatt.file_type == FileType::Directory);
+            subdirs.extend(dirs.iter().map(|d| d.iatt.gfid));
+            // Several files at a time: a move is a few dozen round trips one after another.
+            let (layout, seen) = (&layout, &seen);
+            let mut moves = futures_util::stream::iter(others.iter().map(|entry| async move {
                 if stop.load(Ordering::Relaxed) {
-                    return Ok(Vec::new());
+                    return None;
                 }
-                if entry.iatt.file_type == FileType::Directory {
-                    subdirs.insert(entry.iatt.gfid);
-                    continue;
-                }
-                let Some(to) = layout.hashed_brick(entry.name.as_bytes(), self.munging) else {
-                    settled = false;
-                    continue;
+                let to = layout.hashed_brick(entry.name.as_bytes(), self.munging);
+                let outcome = match to {
+                    Some(to) => Some(self.rebalance_entry(dir, from, entry, to, seen).await),
+                    None => None,
                 };
-                let outcome = self.rebalance_entry(dir, from, &entry, to, &mut seen).await;
-                settled &= report.count(outcome, dir, &entry.name, from, to);
+                Some((entry, to, outcome))
+            }))
+            .buffer_unordered(MOVES_IN_FLIGHT);
+            while let Some(done) = moves.next().await {
+                match done {
+                    Some((entry, Some(to), Some(outcome))) => {
+                        settled &= report.count(outcome, dir, &entry.name, from, to);
+                    }
+                    // In a hole of the layout: nowhere to go.
+                    Some(_) => settled = false,
+                    None => {}
+                }
+            }
+            if stop.load(Ordering::Relaxed) {
+                return Ok(Vec::new());
             }
         }
         if settled && !authoritative(&layout) {
@@ -204,7 +224,7 @@ impl<L: Layer> Distribute<L> {
         from: usize,
         entry: &kiln_wire::DirEntryPlus,
         to: usize,
-        seen: &mut std::collections::HashSet<Gfid>,
+        seen: &Mutex<std::collections::HashSet<Gfid>>,
     ) -> Result<Outcome, Error> {
         let (name, iatt) = (&entry.name, &entry.iatt);
         if self.link_file_target(from, iatt).await?.is_some() {
@@ -214,7 +234,7 @@ impl<L: Layer> Distribute<L> {
             self.remove_link_file(from, dir, name).await?;
             return Ok(Outcome::LinkFileRemoved);
         }
-        if !seen.insert(iatt.gfid) {
+        if !lock(seen).insert(iatt.gfid) {
             return Ok(Outcome::InPlace);
         }
         if from == to {

@@ -157,10 +157,10 @@ impl<L: Layer> Distribute<L> {
         if let Some(layout) = self.cached_layout(dir) {
             return Ok(layout);
         }
-        let mut disks = Vec::with_capacity(self.bricks.len());
-        for brick in self.bricks.iter() {
-            disks.push(read_disk_layout(brick, dir).await?);
-        }
+        let disks = futures_util::future::try_join_all(
+            self.bricks.iter().map(|brick| read_disk_layout(brick, dir)),
+        )
+        .await?;
         if disks.iter().all(Option::is_none) {
             return self.write_new_layout(dir).await;
         }
@@ -393,10 +393,14 @@ impl<L: Layer> Layer for Distribute<L> {
     }
 
     async fn opendir(&self, creds: &Creds, gfid: Gfid) -> Result<Self::Fd, Error> {
-        let mut fds = Vec::with_capacity(self.bricks.len());
+        let opened = futures_util::future::join_all(
+            self.bricks.iter().map(|brick| brick.opendir(creds, gfid)),
+        )
+        .await;
+        let mut fds = Vec::with_capacity(opened.len());
         let mut failure = None;
-        for brick in self.bricks.iter() {
-            match brick.opendir(creds, gfid).await {
+        for result in opened {
+            match result {
                 Ok(fd) => fds.push(Some(fd)),
                 Err(e) => {
                     fds.push(None);
