@@ -355,3 +355,36 @@ pub fn version(name: &str) -> String {
         })
         .unwrap_or_default()
 }
+
+/// How long a `kiln-brickd serve` may take to print the address it listens on.
+const BRICKD_LISTEN_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The address a starting `kiln-brickd serve` prints first on `stdout` (`listening on ADDR`),
+/// waited for at most [`BRICKD_LISTEN_TIMEOUT`]; the rest of its output is drained so the
+/// brick never blocks on a full pipe. The error shows the tail of its log `log`.
+pub fn brickd_address(
+    stdout: std::process::ChildStdout,
+    log: &Path,
+) -> anyhow::Result<std::net::SocketAddr> {
+    use std::io::BufRead as _;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut lines = std::io::BufReader::new(stdout).lines();
+        let _ = tx.send(lines.next().and_then(Result::ok));
+        for _ in lines {}
+    });
+    let deadline = Instant::now() + BRICKD_LISTEN_TIMEOUT;
+    let line = loop {
+        check_stop()?;
+        match rx.recv_timeout(WAIT_SLICE) {
+            Ok(line) => break line.unwrap_or_default(),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) if Instant::now() < deadline => {}
+            Err(_) => break String::new(),
+        }
+    };
+    let addr = line
+        .trim()
+        .strip_prefix("listening on ")
+        .with_context(|| format!("kiln-brickd did not start ({line:?}):\n{}", log_tail(log)))?;
+    addr.parse().context("kiln-brickd's address")
+}

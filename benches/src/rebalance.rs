@@ -41,7 +41,7 @@ use rustix::process::Signal;
 use serde_json::json;
 
 use crate::process::{
-    Bins, KILL_TIMEOUT, STOP_TIMEOUT, WAIT_SLICE, check_stop, log_tail, pid_of, run_bounded,
+    Bins, KILL_TIMEOUT, STOP_TIMEOUT, brickd_address, check_stop, log_tail, pid_of, run_bounded,
     stopping, version, wait_exit, watch_signals,
 };
 use crate::report::{Record, Reporter};
@@ -60,8 +60,6 @@ const REFERENCE: &str = "std_copy_unlink";
 const FILL_TASKS: usize = 16;
 /// Longest `kiln-brickd format`.
 const COMMAND_TIMEOUT: Duration = Duration::from_secs(60);
-/// How long `kiln-brickd serve` may take to print its address.
-const LISTEN_TIMEOUT: Duration = Duration::from_secs(30);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 /// Longest fill, read-back or rebalance.
 const PHASE_TIMEOUT: Duration = Duration::from_secs(3600);
@@ -513,28 +511,7 @@ impl Brickd {
             log: log.to_owned(),
         };
         let stdout = stdout.context("no pipe from kiln-brickd")?;
-        // The first line is the address; the rest is drained so the brick never blocks.
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            use std::io::BufRead as _;
-            let mut lines = std::io::BufReader::new(stdout).lines();
-            let _ = tx.send(lines.next().and_then(Result::ok));
-            for _ in lines {}
-        });
-        let deadline = Instant::now() + LISTEN_TIMEOUT;
-        let line = loop {
-            check_stop()?;
-            match rx.recv_timeout(WAIT_SLICE) {
-                Ok(line) => break line.unwrap_or_default(),
-                Err(std::sync::mpsc::RecvTimeoutError::Timeout) if Instant::now() < deadline => {}
-                Err(_) => break String::new(),
-            }
-        };
-        let addr = line
-            .trim()
-            .strip_prefix("listening on ")
-            .with_context(|| format!("kiln-brickd did not start ({line:?}):\n{}", log_tail(log)))?;
-        brickd.addr = addr.parse().context("kiln-brickd's address")?;
+        brickd.addr = brickd_address(stdout, log)?;
         Ok(brickd)
     }
 

@@ -4,7 +4,6 @@
 //! lends the Kiln target to the other workloads. The Kiln target's brick can keep a fop
 //! profile, read on its control socket ([`Place::control`]).
 
-use std::io::{BufRead as _, BufReader};
 use std::os::unix::fs::DirBuilderExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -20,7 +19,7 @@ use super::{MountBench, Target};
 /// The executables the Kiln target runs, from beside kiln-bench.
 pub(super) use crate::process::Bins;
 use crate::process::{
-    KILL_TIMEOUT, STOP_TIMEOUT, WAIT_SLICE, check_stop, log_tail, pid_of, run_bounded, version,
+    KILL_TIMEOUT, STOP_TIMEOUT, brickd_address, check_stop, log_tail, pid_of, run_bounded, version,
     wait_exit,
 };
 
@@ -31,8 +30,6 @@ const BRICK_NAME: &str = "b";
 const COMMAND_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long a mount may take to appear, and its server to exit after the unmount.
 const MOUNT_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long `kiln-brickd` may take to print its address.
-const LISTEN_TIMEOUT: Duration = Duration::from_secs(30);
 /// Pause between polls of a mount table or the stop flag.
 const POLL_INTERVAL: Duration = Duration::from_millis(20);
 
@@ -366,30 +363,7 @@ impl Place {
             .as_mut()
             .and_then(|c| c.stdout.take())
             .context("no pipe from kiln-brickd")?;
-        // The first line is the address; the rest of its output is drained (there is none
-        // so far) so the brick never blocks on a full pipe.
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut lines = BufReader::new(stdout).lines();
-            let _ = tx.send(lines.next().and_then(Result::ok));
-            for _ in lines {}
-        });
-        let deadline = Instant::now() + LISTEN_TIMEOUT;
-        let line = loop {
-            check_stop()?;
-            match rx.recv_timeout(WAIT_SLICE) {
-                Ok(line) => break line.unwrap_or_default(),
-                Err(std::sync::mpsc::RecvTimeoutError::Timeout) if Instant::now() < deadline => {}
-                Err(_) => break String::new(),
-            }
-        };
-        let addr = line.trim().strip_prefix("listening on ").with_context(|| {
-            format!(
-                "kiln-brickd did not start ({line:?}):\n{}",
-                log_tail(&brick_log)
-            )
-        })?;
-        let addr: std::net::SocketAddr = addr.parse().context("kiln-brickd's address")?;
+        let addr = brickd_address(stdout, &brick_log)?;
         self.brickd = Some(brickd);
 
         let mnt = dir.join("mnt");

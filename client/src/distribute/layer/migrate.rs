@@ -57,6 +57,16 @@ pub struct RebalanceReport {
     pub failed: u64,
 }
 
+/// The files of one directory a rebalance has seen (each counted once, wherever listed), and
+/// those it moved (listed again on the brick they moved to, where nothing is left to do). A
+/// file in place on its hashed brick does not hide another copy of it elsewhere: a move a
+/// dead rebalance left half done.
+#[derive(Default)]
+struct Walked {
+    seen: Mutex<std::collections::HashSet<Gfid>>,
+    moved: Mutex<std::collections::HashSet<Gfid>>,
+}
+
 /// A chunk of a file made equal on the destination.
 struct Chunk {
     /// Its length on the source (0 past the end).
@@ -69,10 +79,8 @@ struct Chunk {
 
 /// What the rebalance did with one entry.
 enum Outcome {
-    /// Counted already, or a link file where it belongs.
+    /// Nothing: where it belongs, or moved there by this walk already.
     InPlace,
-    /// A file looked at, left where it is as it is where it belongs.
-    Looked,
     Moved {
         bytes: u64,
     },
@@ -95,16 +103,13 @@ impl RebalanceReport {
         match outcome {
             // Removed or replaced since it was listed: nothing to move.
             Ok(Outcome::InPlace) | Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => {}
-            Ok(Outcome::Looked) => self.files += 1,
             Ok(Outcome::LinkFileRemoved) => self.link_files_removed += 1,
             Ok(Outcome::Moved { bytes }) => {
-                self.files += 1;
                 self.moved += 1;
                 self.bytes_moved += bytes;
                 tracing::debug!(%dir, %name, from, to, bytes, "rebalance: moved a file");
             }
             Ok(Outcome::Skipped(why)) => {
-                self.files += 1;
                 self.skipped += 1;
                 tracing::info!(%dir, %name, from, to, why, "rebalance: left a file in place");
                 return false;
@@ -167,8 +172,7 @@ impl<L: Layer> Distribute<L> {
         let root = Creds::root();
         let layout = self.layout(dir).await?;
         let mut subdirs = std::collections::BTreeSet::new();
-        // Files looked at: one moved shows again in the listing of the brick it moved to.
-        let seen = Mutex::new(std::collections::HashSet::new());
+        let walked = Walked::default();
         let mut settled = true;
         for from in 0..self.bricks.len() {
             let entries = match self.bricks[from].read_dir(&root, dir).await {
@@ -181,14 +185,14 @@ impl<L: Layer> Distribute<L> {
                 .partition(|e| e.iatt.file_type == FileType::Directory);
             subdirs.extend(dirs.iter().map(|d| d.iatt.gfid));
             // Several files at a time: a move is a few dozen round trips one after another.
-            let (layout, seen) = (&layout, &seen);
+            let (layout, walked) = (&layout, &walked);
             let mut moves = futures_util::stream::iter(others.iter().map(|entry| async move {
                 if stop.load(Ordering::Relaxed) {
                     return None;
                 }
                 let to = layout.hashed_brick(entry.name.as_bytes(), self.munging);
                 let outcome = match to {
-                    Some(to) => Some(self.rebalance_entry(dir, from, entry, to, seen).await),
+                    Some(to) => Some(self.rebalance_entry(dir, from, entry, to, walked).await),
                     None => None,
                 };
                 Some((entry, to, outcome))
@@ -208,6 +212,7 @@ impl<L: Layer> Distribute<L> {
                 return Ok(Vec::new());
             }
         }
+        report.files += lock(&walked.seen).len() as u64;
         if settled && !authoritative(&layout) {
             let committed = (*layout).clone().with_commit_hash(COMMIT_HASH_COMMITTED);
             self.store_layout(dir, committed).await?;
@@ -224,7 +229,7 @@ impl<L: Layer> Distribute<L> {
         from: usize,
         entry: &kiln_wire::DirEntryPlus,
         to: usize,
-        seen: &Mutex<std::collections::HashSet<Gfid>>,
+        walked: &Walked,
     ) -> Result<Outcome, Error> {
         let (name, iatt) = (&entry.name, &entry.iatt);
         if self.link_file_target(from, iatt).await?.is_some() {
@@ -234,20 +239,22 @@ impl<L: Layer> Distribute<L> {
             self.remove_link_file(from, dir, name).await?;
             return Ok(Outcome::LinkFileRemoved);
         }
-        if !lock(seen).insert(iatt.gfid) {
+        lock(&walked.seen).insert(iatt.gfid);
+        if from == to || lock(&walked.moved).contains(&iatt.gfid) {
             return Ok(Outcome::InPlace);
-        }
-        if from == to {
-            return Ok(Outcome::Looked);
         }
         if iatt.file_type != FileType::Regular {
             // A symlink or special file stays; a link file on its hashed brick finds it.
             return match self.make_link_file(to, dir, name, iatt.gfid, from).await {
-                Ok(()) | Err(Error::Fop(ErrorCode::Exist)) => Ok(Outcome::Looked),
+                Ok(()) | Err(Error::Fop(ErrorCode::Exist)) => Ok(Outcome::InPlace),
                 Err(e) => Err(e),
             };
         }
-        self.migrate_file(dir, name, from, iatt, to).await
+        let outcome = self.migrate_file(dir, name, from, iatt, to).await;
+        if let Ok(Outcome::Moved { .. }) = outcome {
+            lock(&walked.moved).insert(iatt.gfid);
+        }
+        outcome
     }
 
     /// Moves file `iatt`, `name` in `dir`, from brick `from` to brick `to`.
