@@ -617,6 +617,7 @@ fn a_rebalance_moves_files_while_a_client_writes_one() {
             .await
             .expect("open");
         let (stop, done) = (AtomicBool::new(false), AtomicBool::new(false));
+        let mut last_mode = 0o640;
         let writes = async {
             let (mut writes, mut state) = (0_u64, 0x9e37_79b9_7f4a_7c15_u64);
             while !done.load(Ordering::Relaxed) {
@@ -631,6 +632,20 @@ fn a_rebalance_moves_files_while_a_client_writes_one() {
                     .expect("a write during the rebalance");
                 model[offset..offset + BLOCK_BYTES].copy_from_slice(&block);
                 writes += 1;
+                // Now and then a chmod through the fd, which must not take the move's mark off.
+                if writes % 64 == 0 {
+                    last_mode = if last_mode == 0o640 { 0o600 } else { 0o640 };
+                    let attr = kiln_wire::SetAttr {
+                        mode: kiln_wire::Mode::new(last_mode),
+                        ..kiln_wire::SetAttr::default()
+                    };
+                    let chmod =
+                        kiln_client::FdFop::new(|fd| kiln_wire::Fsetattr { fd, attr }.into());
+                    writer
+                        .call_fd(&creds, &fd, chmod)
+                        .await
+                        .expect("fchmod during the rebalance");
+                }
             }
             writes
         };
@@ -662,6 +677,12 @@ fn a_rebalance_moves_files_while_a_client_writes_one() {
             assert_eq!(volume.holders(&path[1..]).len(), 1, "{path}: no link file");
             let data = fresh.read_to_end(&creds, path).await.expect("read");
             if *path == big_path {
+                let iatt = fresh.resolve(&creds, path).await.expect("stat");
+                assert_eq!(
+                    iatt.mode.bits(),
+                    last_mode,
+                    "{path}: the last chmod, unmarked"
+                );
                 let wrong: Vec<(usize, u8, u8)> = (0..BIG_BYTES / BLOCK_BYTES)
                     .map(|b| b * BLOCK_BYTES)
                     .filter(|&o| data.get(o..o + BLOCK_BYTES) != Some(&model[o..o + BLOCK_BYTES]))

@@ -17,6 +17,7 @@
 
 use std::sync::atomic::AtomicBool;
 
+use super::migrate::size_attr;
 use super::*;
 
 /// The sticky bit (`S_ISVTX`).
@@ -96,9 +97,13 @@ impl<L: Layer> Distribute<L> {
         let reply = self.bricks[file.brick]
             .call_fd(creds, &file.fd, fop.clone())
             .await?;
-        let Some((gfid, look)) = file_iatt(&reply).map(|iatt| (iatt.gfid, Look::of(iatt))) else {
+        let Some((gfid, mut look)) = file_iatt(&reply).map(|iatt| (iatt.gfid, Look::of(iatt)))
+        else {
             return Ok(reply);
         };
+        if let Some(before) = self.keep_mark(file.brick, &reply).await? {
+            look = before;
+        }
         if look == Look::Settled || (look == Look::Copying && !changes_data(fop.request())) {
             return Ok(reply);
         }
@@ -133,10 +138,34 @@ impl<L: Layer> Distribute<L> {
             tracing::debug!(from = file.brick, to, "an open file follows its migration");
             return self.bricks[*brick].call_fd(creds, fd, fop).await;
         }
+        let mut change = fop;
+        *change.request_mut() = data_part(change.request().clone());
         self.bricks[*brick]
-            .call_fd(&Creds::root(), fd, fop)
+            .call_fd(&Creds::root(), fd, change)
             .await
             .map(|_| reply)
+    }
+
+    /// Puts back the mark of a file being moved that a caller's change of mode (`reply`, on
+    /// brick `brick`) took off — the sticky bit while it is copied, mode `01000` once moved —
+    /// so clients keep sending its changes where they belong; the look it had before.
+    async fn keep_mark(&self, brick: usize, reply: &FopReply) -> Result<Option<Look>, Error> {
+        let (FopReply::Setattr(change) | FopReply::Fsetattr(change)) = reply else {
+            return Ok(None);
+        };
+        let before = Look::of(&change.pre);
+        if before == Look::Settled
+            || Look::of(&change.post) == before
+            || self.moving_to(brick, change.pre.gfid).await?.is_none()
+        {
+            return Ok(None);
+        }
+        let mark = match before {
+            Look::Copying => change.post.mode.bits() | STICKY,
+            Look::Moved | Look::Settled => LINK_FILE_MODE,
+        };
+        self.set_mode(brick, change.pre.gfid, mark).await?;
+        Ok(Some(before))
     }
 
     /// `name` in `parent`, found as [`Distribute::find`] finds it once no rebalance is moving
@@ -208,7 +237,10 @@ impl<L: Layer> Distribute<L> {
             }
             other => other?,
         };
-        let look = file_iatt(&reply).map_or(Look::Settled, Look::of);
+        let mut look = file_iatt(&reply).map_or(Look::Settled, Look::of);
+        if let Some(before) = self.keep_mark(brick, &reply).await? {
+            look = before;
+        }
         if look == Look::Settled || (look == Look::Copying && !changes_data(&fop)) {
             return Ok(reply);
         }
@@ -220,7 +252,7 @@ impl<L: Layer> Distribute<L> {
                 .call_on_new_home(creds, gfid, brick, fop, ErrorCode::Stale)
                 .await;
         }
-        match self.bricks[to].call(&Creds::root(), fop).await {
+        match self.bricks[to].call(&Creds::root(), data_part(fop)).await {
             Ok(_) | Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => Ok(reply),
             Err(e) => Err(e),
         }
@@ -332,6 +364,24 @@ fn file_iatt(reply: &FopReply) -> Option<&Iatt> {
         | FopReply::Discard(c)
         | FopReply::Zerofill(c) => Some(&c.post),
         _ => None,
+    }
+}
+
+/// What of `fop`, a change of data, a copy being made must get too: a SETATTR's size alone
+/// (its mode would take the copy's link-file look away; the rest is copied at the switch).
+fn data_part(fop: FopRequest) -> FopRequest {
+    match fop {
+        FopRequest::Setattr(r) => kiln_wire::Setattr {
+            gfid: r.gfid,
+            attr: r.attr.size.map(size_attr).unwrap_or_default(),
+        }
+        .into(),
+        FopRequest::Fsetattr(r) => kiln_wire::Fsetattr {
+            fd: r.fd,
+            attr: r.attr.size.map(size_attr).unwrap_or_default(),
+        }
+        .into(),
+        other => other,
     }
 }
 

@@ -18,7 +18,10 @@
 //!
 //! Files with hard links stay where they are (as GlusterFS's rebalance leaves them by default),
 //! and so do files with the sticky bit or no permission bits, which would read as a phase.
-//! A rename of a file during its move is not guarded (GlusterFS takes a lock on the name).
+//! Renames, unlinks and hard links of a file wait for its move to end ([`super::files`]), and
+//! a move is given up when its name changed before the switch; a rename that looked before
+//! the file was marked and lands after that last check is not excluded (GlusterFS takes an
+//! entry lock for it; Kiln has none yet).
 
 use std::sync::atomic::AtomicBool;
 
@@ -266,23 +269,28 @@ impl<L: Layer> Distribute<L> {
         iatt: &Iatt,
         to: usize,
     ) -> Result<Outcome, Error> {
-        let mut mode = iatt.mode.bits();
         if Look::of(iatt) == Look::Copying
             && let Some(was_to) = self.moving_to(from, iatt.gfid).await?
         {
             // Left marked by a rebalance that was stopped or died mid-move: finished when
             // its destination had become the file, else undone and started again.
-            let there = self.bricks[was_to].stat(&Creds::root(), iatt.gfid).await?;
-            if !looks_like_link_file(&there) {
-                self.set_mode(from, iatt.gfid, LINK_FILE_MODE).await?;
-                self.note_home(&there, was_to);
-                self.remove_if_still(dir, name, from, iatt.gfid).await?;
-                return Ok(Outcome::Moved { bytes: 0 });
+            match self.bricks[was_to].stat(&Creds::root(), iatt.gfid).await {
+                Ok(there) if !looks_like_link_file(&there) => {
+                    self.set_mode(from, iatt.gfid, LINK_FILE_MODE).await?;
+                    self.note_home(&there, was_to);
+                    self.remove_if_still(dir, name, from, iatt.gfid).await?;
+                    return Ok(Outcome::Moved { bytes: 0 });
+                }
+                Ok(_) | Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => {
+                    self.abandon_move(from, was_to, iatt.gfid).await?;
+                }
+                Err(e) => return Err(e),
             }
-            self.abandon_move(from, was_to, iatt.gfid).await?;
-            mode &= !STICKY;
         }
-        if iatt.nlink != 1 {
+        // As it is now, not as listed (a chmod since must not be undone).
+        let now = self.bricks[from].stat(&Creds::root(), iatt.gfid).await?;
+        let mode = now.mode.bits();
+        if now.nlink != 1 {
             return Ok(Outcome::Skipped("it has hard links"));
         }
         if mode & STICKY != 0 || mode & 0o777 == 0 {
@@ -640,7 +648,7 @@ impl<L: Layer> Distribute<L> {
             .map(drop)
     }
 
-    async fn set_mode(&self, brick: usize, gfid: Gfid, mode: u32) -> Result<(), Error> {
+    pub(super) async fn set_mode(&self, brick: usize, gfid: Gfid, mode: u32) -> Result<(), Error> {
         let attr = kiln_wire::SetAttr {
             mode: Some(Mode::new(mode).ok_or(Error::Fop(ErrorCode::Inval))?),
             ..kiln_wire::SetAttr::default()
@@ -662,7 +670,7 @@ impl<L: Layer> Distribute<L> {
     }
 }
 
-fn size_attr(size: u64) -> kiln_wire::SetAttr {
+pub(super) fn size_attr(size: u64) -> kiln_wire::SetAttr {
     kiln_wire::SetAttr {
         size: Some(size),
         ..kiln_wire::SetAttr::default()

@@ -154,13 +154,25 @@ impl<L: Layer> Distribute<L> {
     /// The layout of directory `dir`: cached (for [`LAYOUT_TTL`]), else read from every
     /// brick; a directory with no layout on any brick (a volume's fresh root) is given one.
     pub async fn layout(&self, dir: Gfid) -> Result<Arc<Layout>, Error> {
-        if let Some(layout) = self.cached_layout(dir) {
-            return Ok(layout);
-        }
-        let disks = futures_util::future::try_join_all(
+        let stale = match self.cached_layout(dir) {
+            Some((layout, true)) => return Ok(layout),
+            Some((layout, false)) => Some(layout),
+            None => None,
+        };
+        let read = futures_util::future::try_join_all(
             self.bricks.iter().map(|brick| read_disk_layout(brick, dir)),
         )
-        .await?;
+        .await;
+        let disks = match (read, stale) {
+            (Ok(disks), _) => disks,
+            // A brick out of reach: the layout read last is still the best there is, and the
+            // names on the other bricks stay reachable.
+            (Err(e), Some(stale)) => {
+                tracing::debug!(%dir, error = %e, "a layout not read again; the last one kept");
+                return Ok(stale);
+            }
+            (Err(e), None) => return Err(e),
+        };
         if disks.iter().all(Option::is_none) {
             return self.write_new_layout(dir).await;
         }
@@ -169,16 +181,11 @@ impl<L: Layer> Distribute<L> {
         Ok(layout)
     }
 
-    fn cached_layout(&self, dir: Gfid) -> Option<Arc<Layout>> {
-        let mut layouts = lock(&self.layouts);
-        match layouts.get(&dir) {
-            Some((layout, read)) if read.elapsed() < LAYOUT_TTL => Some(layout.clone()),
-            Some(_) => {
-                layouts.pop(&dir);
-                None
-            }
-            None => None,
-        }
+    /// The layout of `dir` read last, and whether it is fresh (read within [`LAYOUT_TTL`]).
+    fn cached_layout(&self, dir: Gfid) -> Option<(Arc<Layout>, bool)> {
+        lock(&self.layouts)
+            .get(&dir)
+            .map(|(layout, read)| (layout.clone(), read.elapsed() < LAYOUT_TTL))
     }
 
     fn keep_layout(&self, dir: Gfid, layout: Arc<Layout>) {
@@ -355,11 +362,22 @@ impl<L: Layer> Layer for Distribute<L> {
         access: AccessMode,
         flags: OpenFlags,
     ) -> Result<Self::Fd, Error> {
-        let brick = match self.home(creds, gfid).await? {
+        let mut brick = match self.home(creds, gfid).await? {
             Home::Brick(b) => b,
             Home::Everywhere => return Err(Error::Fop(ErrorCode::IsDir)),
         };
-        let fd = self.bricks[brick].open(creds, gfid, access, flags).await?;
+        let fd = match self.bricks[brick].open(creds, gfid, access, flags).await {
+            // Moved since this layer last saw it (a rebalance): looked for again.
+            Err(Error::Fop(code @ (ErrorCode::NoEnt | ErrorCode::Stale))) => {
+                lock(&self.homes).pop(&gfid);
+                match self.home(creds, gfid).await? {
+                    Home::Brick(b) if b != brick => brick = b,
+                    _ => return Err(Error::Fop(code)),
+                }
+                self.bricks[brick].open(creds, gfid, access, flags).await?
+            }
+            opened => opened?,
+        };
         Ok(DistFd::File(FileFd::new(brick, fd, access, flags)))
     }
 

@@ -140,8 +140,8 @@ impl<L: Layer> Distribute<L> {
     }
 
     /// The brick the link file `iatt` on brick `on` points to; `None` when it is no link
-    /// file (GlusterFS's `check_is_linkfile`: the mode and size of one, and its `linkto`
-    /// xattr — an empty file of mode 01000 is a file like any other).
+    /// file (GlusterFS's `check_is_linkfile`: a link file's mode, and its `linkto` xattr — a
+    /// file of mode 01000 without it is a file like any other).
     pub(super) async fn link_file_target(
         &self,
         on: usize,
@@ -339,7 +339,7 @@ impl<L: Layer> Distribute<L> {
     /// Makes the removed copies of directory `iatt` (`r.name` in `r.parent`) again on
     /// `bricks`, with its layout.
     pub(super) async fn put_back_dir(&self, r: &kiln_wire::Rmdir, iatt: &Iatt, bricks: &[usize]) {
-        let layout = self.cached_layout(iatt.gfid);
+        let layout = self.cached_layout(iatt.gfid).map(|(layout, _)| layout);
         for &i in bricks {
             let mut made = self.make_dir_copy(i, r.parent, &r.name, iatt).await;
             if let (Ok(()), Some(disk)) = (&made, layout.as_ref().and_then(|l| l.disk_layout(i))) {
