@@ -45,11 +45,11 @@ const MOVES_IN_FLIGHT: usize = 16;
 pub struct RebalanceReport {
     /// Directories walked.
     pub dirs: u64,
-    /// Files looked at (on every brick; link files not counted).
+    /// Files looked at, each once wherever it is listed (link files not counted).
     pub files: u64,
     /// Files moved to their hashed brick.
     pub moved: u64,
-    /// Bytes of data those files held.
+    /// Bytes copied to move them (a chunk copied again counts again).
     pub bytes_moved: u64,
     /// Link files on a brick their name no longer hashes to, removed.
     pub link_files_removed: u64,
