@@ -436,9 +436,13 @@ fn a_reopened_fd_never_reaches_an_object_that_took_its_gfid() {
     first.kill9();
     let second = cluster.start(&addr, &[]);
     rt.block_on(async {
-        // The file goes, and a new one is made with the same GFID.
+        // The file goes, and a new one is made with the same GFID. The old inode is held
+        // open here so the new file cannot get its number: the client tells objects apart by
+        // inode number, and one freed and reused at once is a hole it cannot see (the brick
+        // sends no inode generation yet).
         let _ = v.stat(&creds, Gfid::ROOT).await;
         v.stat(&creds, Gfid::ROOT).await.expect("reconnected");
+        let _old_inode = std::fs::File::open(cluster.brick.join("mine")).expect("the old file");
         v.remove_all(&creds, "/mine").await.expect("unlink");
         let put = kiln_wire::Put {
             parent: Gfid::ROOT,
