@@ -217,7 +217,7 @@ impl Daemon {
         path: PathBuf,
         port: Option<u16>,
     ) -> anyhow::Result<Response> {
-        let (brick, index) = self.store.read(|cluster, _| {
+        let (brick, change, index) = self.store.read(|cluster, _| {
             let brick = Brick {
                 path,
                 port: port.unwrap_or_else(|| cluster.free_port(BRICK_PORT_BASE, &[])),
@@ -227,16 +227,11 @@ impl Daemon {
                 brick: brick.clone(),
             };
             crate::store::State::check(cluster, &change)?;
-            Ok::<_, ConfigError>((brick, cluster.volume(name)?.bricks.len()))
+            Ok::<_, ConfigError>((brick, change, cluster.volume(name)?.bricks.len()))
         })?;
         self.prepare_brick(name, index, &brick)?;
         let (path, port) = (brick.path.display().to_string(), brick.port);
-        let generation = self
-            .commit(Change::AddBrick {
-                volume: name.to_owned(),
-                brick,
-            })
-            .await?;
+        let generation = self.commit(change).await?;
         let volume = self.volume(name)?;
         if volume.state == VolumeState::Started {
             self.supervisor.start_volume(&volume);

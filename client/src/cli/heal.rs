@@ -4,6 +4,9 @@
 //! leaves out a brick added since (`kiln_client::distribute::Distribute::heal_tree`).
 
 use anyhow::Context;
+use std::net::SocketAddr;
+
+use kiln_client::BrickClient;
 use kiln_client::distribute::Distribute;
 use kiln_wire::Creds;
 
@@ -15,17 +18,12 @@ pub(crate) fn run(global: &Global, name: &str, json: bool) -> anyhow::Result<()>
         .enable_all()
         .build()
         .context("cannot start the runtime")?;
-    let report = runtime.block_on(async {
-        let bricks = crate::files::connect_all(global, &volume.bricks)
-            .await
-            .with_context(|| format!("cannot heal {name}"))?;
-        let distribute = Distribute::new(bricks.clone(), name)?;
-        let report = distribute.heal_tree(&Creds::root()).await;
-        for brick in bricks {
-            brick.close().await;
-        }
-        report.with_context(|| format!("healing {name}"))
-    })?;
+    let report = runtime.block_on(on_distributed(
+        global,
+        name,
+        &volume.bricks,
+        async |distribute| distribute.heal_tree(&Creds::root()).await,
+    ))?;
     if json {
         println!(
             "{}",
@@ -50,4 +48,23 @@ pub(crate) fn run(global: &Global, name: &str, json: bool) -> anyhow::Result<()>
         );
     }
     Ok(())
+}
+
+/// Runs `work` on the distribution layer over every brick of volume `name` (at `bricks`),
+/// connected for it and closed after.
+pub(crate) async fn on_distributed<T>(
+    global: &Global,
+    name: &str,
+    bricks: &[SocketAddr],
+    work: impl AsyncFnOnce(&Distribute<BrickClient>) -> Result<T, kiln_client::Error>,
+) -> anyhow::Result<T> {
+    let bricks = crate::files::connect_all(global, bricks)
+        .await
+        .with_context(|| format!("cannot reach the bricks of {name}"))?;
+    let distribute = Distribute::new(bricks.clone(), name)?;
+    let done = work(&distribute).await;
+    for brick in bricks {
+        brick.close().await;
+    }
+    done.with_context(|| format!("on volume {name}"))
 }

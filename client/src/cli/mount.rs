@@ -133,9 +133,8 @@ async fn serve(
 ) -> anyhow::Result<()> {
     let mountpoint = &args.mountpoint;
     check_mountpoint(mountpoint)?;
-    let by_name = parse_addrs(&args.source).is_none();
-    let brick_addrs = match parse_addrs(&args.source) {
-        Some(addrs) => addrs,
+    let (brick_addrs, by_name) = match parse_addrs(&args.source) {
+        Some(addrs) => (addrs, false),
         None => {
             let volume = resolve_volume(global, &args.source)?;
             // The volume's settings, then this mount's own on top.
@@ -145,7 +144,7 @@ async fn serve(
             for (key, value) in overrides {
                 options.set(key, value.as_deref())?;
             }
-            volume.bricks
+            (volume.bricks, true)
         }
     };
     // The client stack this volume needs: a brick client per brick, and over several a

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use kiln_client::distribute::{Distribute, RebalanceReport};
+use kiln_client::distribute::RebalanceReport;
 use serde::{Deserialize, Serialize};
 
 use crate::Global;
@@ -29,46 +29,36 @@ struct Status {
     pid: u32,
     /// `running`, `completed`, `stopped` or `failed`.
     state: String,
-    dirs: u64,
-    files: u64,
-    moved: u64,
-    bytes_moved: u64,
-    link_files_removed: u64,
-    skipped: u64,
-    failed: u64,
+    #[serde(flatten)]
+    report: RebalanceReport,
     elapsed_secs: f64,
 }
 
 impl Status {
-    fn new(volume: &str, state: &str, r: &RebalanceReport, elapsed: Duration) -> Status {
+    fn new(volume: &str, state: &str, report: &RebalanceReport, elapsed: Duration) -> Status {
         Status {
             volume: volume.to_owned(),
             pid: std::process::id(),
             state: state.to_owned(),
-            dirs: r.dirs,
-            files: r.files,
-            moved: r.moved,
-            bytes_moved: r.bytes_moved,
-            link_files_removed: r.link_files_removed,
-            skipped: r.skipped,
-            failed: r.failed,
+            report: *report,
             elapsed_secs: elapsed.as_secs_f64(),
         }
     }
 
     fn line(&self) -> String {
+        let r = &self.report;
         format!(
             "{}: {} — {} directories, {} files looked at, {} moved ({} bytes), {} stale link \
              files removed, {} left in place, {} failed, {:.1} s",
             self.volume,
             self.state,
-            self.dirs,
-            self.files,
-            self.moved,
-            self.bytes_moved,
-            self.link_files_removed,
-            self.skipped,
-            self.failed,
+            r.dirs,
+            r.files,
+            r.moved,
+            r.bytes_moved,
+            r.link_files_removed,
+            r.skipped,
+            r.failed,
             self.elapsed_secs
         )
     }
@@ -156,11 +146,7 @@ pub(crate) fn start(global: &Global, name: &str, json: bool) -> anyhow::Result<(
     let running = |r: &RebalanceReport| Status::new(name, "running", r, started.elapsed());
     files.write(&running(&RebalanceReport::default()))?;
     let result = runtime.block_on(async {
-        let bricks = crate::files::connect_all(global, &volume.bricks)
-            .await
-            .with_context(|| format!("cannot rebalance {name}"))?;
         let signals = tokio::spawn(stop_on_signal(interrupt, terminate, stop.clone()));
-        let distribute = Distribute::new(bricks.clone(), name)?;
         let mut progress = |r: &RebalanceReport| {
             let status = running(r);
             bar.set_message(format!(
@@ -175,12 +161,12 @@ pub(crate) fn start(global: &Global, name: &str, json: bool) -> anyhow::Result<(
                 tracing::warn!(error = %e, "rebalance: progress not written");
             }
         };
-        let report = distribute.rebalance(&stop, &mut progress).await;
+        let report = crate::heal::on_distributed(global, name, &volume.bricks, async |d| {
+            d.rebalance(&stop, &mut progress).await
+        })
+        .await;
         signals.abort();
-        for brick in bricks {
-            brick.close().await;
-        }
-        report.with_context(|| format!("rebalancing {name}"))
+        report
     });
     bar.finish_and_clear();
     let report = match result {

@@ -59,7 +59,8 @@ pub(super) fn adopt(root: BorrowedFd<'_>, path: &Path) -> Result<Adoption, Brick
                 found,
             });
         }
-        Some(_) if has_glusterfs_dir(root).map_err(&err)? => {}
+        // `.glusterfs` (GLUSTERFS_DIR), a directory.
+        Some(_) if is_dir(root, c".glusterfs", FileType::Unknown).map_err(&err)? => {}
         _ => return Err(BrickError::NotEmpty(path.to_owned())),
     }
     let adoption = strip_mdata(root, path)?;
@@ -67,19 +68,6 @@ pub(super) fn adopt(root: BorrowedFd<'_>, path: &Path) -> Result<Adoption, Brick
     // removes them.
     rustix::fs::syncfs(root).map_err(&err)?;
     Ok(adoption)
-}
-
-fn has_glusterfs_dir(root: BorrowedFd<'_>) -> Result<bool, Errno> {
-    match rustix::fs::statx(
-        root,
-        GLUSTERFS_DIR,
-        AtFlags::SYMLINK_NOFOLLOW,
-        StatxFlags::TYPE,
-    ) {
-        Ok(st) => Ok(FileType::from_raw_mode(st.stx_mode.into()) == FileType::Directory),
-        Err(Errno::NOENT) => Ok(false),
-        Err(e) => Err(e),
-    }
 }
 
 /// Where the walk left a directory to go down into one of its subdirectories.

@@ -70,13 +70,12 @@ pub(super) enum Look {
 
 impl Look {
     pub(super) fn of(iatt: &Iatt) -> Look {
-        if iatt.file_type != FileType::Regular {
-            return Look::Settled;
-        }
-        match iatt.mode.bits() {
-            LINK_FILE_MODE => Look::Moved,
-            bits if bits & STICKY != 0 => Look::Copying,
-            _ => Look::Settled,
+        if looks_like_link_file(iatt) {
+            Look::Moved
+        } else if iatt.file_type == FileType::Regular && iatt.mode.bits() & STICKY != 0 {
+            Look::Copying
+        } else {
+            Look::Settled
         }
     }
 }
@@ -313,39 +312,27 @@ impl<L: Layer> Distribute<L> {
             }
             .into()
         });
-        let reply = self.bricks[file.brick]
+        let read = self.bricks[file.brick]
             .call_fd(&Creds::root(), &file.fd, get)
             .await;
-        self.linkto_of(file.brick, reply).await
+        elsewhere(file.brick, self.linkto_read(read).await)
     }
 
-    /// The brick file `gfid` on brick `brick` is moving to, by its `linkto` xattr.
+    /// The brick file `gfid` on brick `brick` is moving to, by its `linkto` xattr (one this
+    /// layer does not know is looked for among the bricks added to the volume: a change sent
+    /// to the copy must not be dropped).
     pub(super) async fn moving_to(&self, brick: usize, gfid: Gfid) -> Result<Option<usize>, Error> {
-        let get = kiln_wire::Getxattr {
-            gfid,
-            name: xattr_name(LINKTO_XATTR),
-        };
-        let reply = self.bricks[brick].call(&Creds::root(), get.into()).await;
-        self.linkto_of(brick, reply).await
+        elsewhere(brick, self.linkto(brick, gfid).await)
     }
+}
 
-    /// The brick a `linkto` xattr read from brick `brick` names, if another; one this layer
-    /// does not know is looked for among the bricks added to the volume (a change sent to
-    /// the copy must not be dropped).
-    async fn linkto_of(
-        &self,
-        brick: usize,
-        reply: Result<FopReply, Error>,
-    ) -> Result<Option<usize>, Error> {
-        match reply {
-            Ok(FopReply::Getxattr(r) | FopReply::Fgetxattr(r)) => {
-                let to = self.brick_of_link(r.value.as_bytes()).await?;
-                Ok((to != brick).then_some(to))
-            }
-            Ok(other) => Err(unexpected(&other)),
-            Err(Error::Fop(ErrorCode::NoData | ErrorCode::NoEnt | ErrorCode::Stale)) => Ok(None),
-            Err(e) => Err(e),
-        }
+/// The brick a file on brick `brick` is moving to, from what its `linkto` names: none when it
+/// names that brick itself or the file is gone.
+fn elsewhere(brick: usize, linkto: Result<Option<usize>, Error>) -> Result<Option<usize>, Error> {
+    match linkto {
+        Ok(to) => Ok(to.filter(|&to| to != brick)),
+        Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => Ok(None),
+        Err(e) => Err(e),
     }
 }
 
@@ -404,26 +391,8 @@ fn changes_data(fop: &FopRequest) -> bool {
 
 #[cfg(test)]
 mod tests {
+    use super::super::tests::iatt;
     use super::*;
-
-    fn iatt(file_type: FileType, mode: u32) -> Iatt {
-        Iatt {
-            gfid: Gfid::ROOT,
-            ino: 1,
-            file_type,
-            mode: Mode::new(mode).expect("mode"),
-            nlink: 1,
-            uid: 0,
-            gid: 0,
-            rdev: 0,
-            size: 7,
-            blocks: 0,
-            blksize: 4096,
-            atime: kiln_wire::Timespec::default(),
-            mtime: kiln_wire::Timespec::default(),
-            ctime: kiln_wire::Timespec::default(),
-        }
-    }
 
     #[test]
     fn the_sticky_bit_tells_a_file_s_migration() {

@@ -41,7 +41,7 @@ const CHUNK_TRIES_MAX: usize = 8;
 const MOVES_IN_FLIGHT: usize = 16;
 
 /// What [`Distribute::rebalance`] did.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct RebalanceReport {
     /// Directories walked.
     pub dirs: u64,

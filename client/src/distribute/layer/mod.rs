@@ -570,13 +570,13 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 mod tests {
     use super::*;
 
-    #[test]
-    fn link_files_look_like_sticky_files_with_no_permissions() {
-        let mut iatt = Iatt {
+    /// Attributes of an object of `file_type` and `mode`, the rest made up.
+    pub(super) fn iatt(file_type: FileType, mode: u32) -> Iatt {
+        Iatt {
             gfid: Gfid::ROOT,
             ino: 1,
-            file_type: FileType::Regular,
-            mode: Mode::new(LINK_FILE_MODE).expect("mode"),
+            file_type,
+            mode: Mode::new(mode).expect("mode"),
             nlink: 1,
             uid: 0,
             gid: 0,
@@ -587,7 +587,12 @@ mod tests {
             atime: kiln_wire::Timespec::default(),
             mtime: kiln_wire::Timespec::default(),
             ctime: kiln_wire::Timespec::default(),
-        };
+        }
+    }
+
+    #[test]
+    fn link_files_look_like_sticky_files_with_no_permissions() {
+        let mut iatt = iatt(FileType::Regular, LINK_FILE_MODE);
         assert!(looks_like_link_file(&iatt));
         iatt.size = 1;
         assert!(looks_like_link_file(&iatt), "a destination being copied");

@@ -150,17 +150,32 @@ impl<L: Layer> Distribute<L> {
         if !looks_like_link_file(iatt) {
             return Ok(None);
         }
+        self.linkto(on, iatt.gfid).await
+    }
+
+    /// The brick the `linkto` xattr of object `gfid` on brick `on` names; `None` without one.
+    pub(super) async fn linkto(&self, on: usize, gfid: Gfid) -> Result<Option<usize>, Error> {
         let get = kiln_wire::Getxattr {
-            gfid: iatt.gfid,
+            gfid,
             name: xattr_name(LINKTO_XATTR),
         };
-        let value = match self.bricks[on].call(&Creds::root(), get.into()).await {
-            Ok(FopReply::Getxattr(r)) => r.value,
-            Ok(other) => return Err(unexpected(&other)),
-            Err(Error::Fop(ErrorCode::NoData)) => return Ok(None),
-            Err(e) => return Err(e),
-        };
-        self.brick_of_link(value.as_bytes()).await.map(Some)
+        let read = self.bricks[on].call(&Creds::root(), get.into()).await;
+        self.linkto_read(read).await
+    }
+
+    /// The brick a read of a `linkto` xattr (GETXATTR or FGETXATTR) names; `None` without one.
+    pub(super) async fn linkto_read(
+        &self,
+        read: Result<FopReply, Error>,
+    ) -> Result<Option<usize>, Error> {
+        match read {
+            Ok(FopReply::Getxattr(r) | FopReply::Fgetxattr(r)) => {
+                self.brick_of_link(r.value.as_bytes()).await.map(Some)
+            }
+            Ok(other) => Err(unexpected(&other)),
+            Err(Error::Fop(ErrorCode::NoData)) => Ok(None),
+            Err(e) => Err(e),
+        }
     }
 
     /// The brick a link file's `linkto` value names, asking for bricks added to the volume
