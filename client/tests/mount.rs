@@ -709,6 +709,44 @@ fn posix_locks_exclude_other_processes_until_close() {
 }
 
 #[test]
+fn a_running_program_is_never_truncated_under_it() {
+    let m = Mounted::new(&[]);
+    let program = fs::read("/usr/bin/sleep").expect("sleep");
+    let path = m.path("sleep");
+    fs::write(&path, &program).expect("copy");
+    fs::set_permissions(&path, fs::Permissions::from_mode(0o755)).expect("chmod");
+    let mut running = Command::new(&path)
+        .arg("30")
+        .spawn()
+        .expect("run from the mount");
+    // The kernel checks ETXTBSY only after a truncating open reached the file system.
+    for (what, options) in [
+        ("O_WRONLY", fs::OpenOptions::new().write(true).clone()),
+        (
+            "O_RDONLY|O_TRUNC",
+            fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_TRUNC)
+                .clone(),
+        ),
+    ] {
+        let err = options.open(&path).expect_err(what);
+        assert_eq!(err.raw_os_error(), Some(libc::ETXTBSY), "{what}: {err}");
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        running.try_wait().expect("wait").is_none(),
+        "the program died"
+    );
+    running.kill().expect("kill");
+    running.wait().expect("wait");
+    assert_eq!(
+        fs::read(m.on_brick("sleep")).expect("on the brick"),
+        program
+    );
+}
+
+#[test]
 fn pjdfstest_passes_with_caches_on() {
     let m = Mounted::new(&[]);
     mount_common::pjdfstest_passes(&m);

@@ -31,6 +31,10 @@ use super::shared::{Shared, Ttl};
 use crate::path::new_gfid;
 use crate::{Error, FdFop, Layer, LayerExt};
 
+/// The kernel's `FMODE_EXEC` as FUSE passes it in an OPEN's flags: the file is opened to be
+/// run. While it is open the kernel refuses writers (ETXTBSY).
+const EXEC_OPEN: i32 = 0x20;
+
 /// Bytes of directory entries fetched from the brick per READDIRP; the kernel takes them a
 /// page at a time from the handle's buffer.
 const READDIR_FETCH_BYTES: u32 = 128 * 1024;
@@ -45,6 +49,8 @@ pub(super) struct Open<F> {
     access: AccessMode,
     flags: OpenFlags,
     late_creds: Creds,
+    /// Opened to run the program in it ([`EXEC_OPEN`]).
+    executing: bool,
     /// Directories only: entries fetched but not yet given to the kernel.
     listing: tokio::sync::Mutex<Listing>,
 }
@@ -92,6 +98,11 @@ impl<F> Handles<F> {
         self.lock().remove(&fh.0)
     }
 
+    /// Whether a program runs node `ino` from this mount.
+    fn executing(&self, ino: u64) -> bool {
+        self.lock().values().any(|o| o.ino == ino && o.executing)
+    }
+
     /// Any handle open on node `ino`.
     pub(super) fn any_on(&self, ino: u64) -> Option<Arc<Open<F>>> {
         self.lock().values().find(|o| o.ino == ino).cloned()
@@ -128,6 +139,7 @@ impl<L: Layer> Shared<L> {
             access,
             flags,
             late_creds: late_creds.clone(),
+            executing: false,
             listing: tokio::sync::Mutex::new(Listing::default()),
         })
     }
@@ -135,12 +147,43 @@ impl<L: Layer> Shared<L> {
     /// OPEN of node `ino` with kernel `flags`, as `c`; the new handle.
     pub(super) async fn open_handle(&self, c: &Creds, ino: u64, flags: i32) -> Result<u64> {
         let gfid = self.gfid(ino)?;
+        if flags & libc::O_TRUNC != 0 && self.handles.executing(ino) {
+            // The kernel refuses it too, but only once the file system has opened — and
+            // truncated — the file: the brick must not cut a running program short.
+            return Err(Errno::ETXTBSY);
+        }
         self.settle(ino).await?;
         let (access, open_flags) = open_mode(flags, self.options.writeback_cache);
-        if self.opens_late(access, open_flags) {
-            return Ok(self.add_open(None, ino, access, open_flags, c));
+        let fd = match self.opens_late(access, open_flags) {
+            true => None,
+            false => Some(self.open_below(c, gfid, flags, access, open_flags).await?),
+        };
+        if access != AccessMode::ReadOnly {
+            // Writes (or O_TRUNC) change it on the brick.
+            self.forget_described(ino);
         }
-        let fd = match self.layer.open(c, gfid, access, open_flags).await {
+        let fh = self.handles.add(Open {
+            fd: tokio::sync::OnceCell::new_with(fd),
+            ino,
+            access,
+            flags: open_flags,
+            late_creds: c.clone(),
+            executing: flags & EXEC_OPEN != 0,
+            listing: tokio::sync::Mutex::new(Listing::default()),
+        });
+        Ok(fh)
+    }
+
+    /// Opens `gfid` below for an OPEN with kernel `flags`, as `access` with `open_flags`.
+    async fn open_below(
+        &self,
+        c: &Creds,
+        gfid: Gfid,
+        flags: i32,
+        access: AccessMode,
+        open_flags: OpenFlags,
+    ) -> Result<L::Fd> {
+        match self.layer.open(c, gfid, access, open_flags).await {
             // The writeback cache reads pages of write-only files; a caller allowed
             // only to write gets what it asked for.
             Err(Error::Fop(ErrorCode::Access)) if access != requested_access(flags) => {
@@ -149,12 +192,7 @@ impl<L: Layer> Shared<L> {
             }
             other => other,
         }
-        .map_err(errno)?;
-        if access != AccessMode::ReadOnly {
-            // Writes (or O_TRUNC) change it on the brick.
-            self.forget_described(ino);
-        }
-        Ok(self.add_open(Some(fd), ino, access, open_flags, c))
+        .map_err(errno)
     }
 
     /// OPENDIR of node `ino`, as `c`; the new handle.

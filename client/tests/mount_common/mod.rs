@@ -315,66 +315,30 @@ pub fn tool(name: &str) -> PathBuf {
     })
 }
 
-/// Runs pjdfstest in a fresh directory of mount `m` and checks it passes. Two cases known to
-/// be flaky get three more runs, and must pass in one; any other failure fails at once.
+/// Runs pjdfstest in a fresh directory of mount `m` and checks every case passes.
 pub fn pjdfstest_passes(m: &Mounted) {
     let work = m.path("pjd");
     std::fs::create_dir(&work).expect("mkdir");
     let other_fs = tempfile::tempdir().expect("tempdir");
     let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/posix/pjdfstest.toml");
-    let run = |only: &[String]| {
-        let out = Command::new(tool("pjdfstest"))
-            .arg("-c")
-            .arg(&config)
-            .arg("-p")
-            .arg(&work)
-            .arg("-s")
-            .arg(other_fs.path())
-            .args(only)
-            .output()
-            .expect("pjdfstest");
-        let report = text(&out);
-        let failed: Vec<String> = report
-            .lines()
-            .filter(|l| l.trim_end().ends_with("FAILED"))
-            .filter_map(|l| l.split_whitespace().next().map(str::to_owned))
-            .collect();
-        (out.status.success(), report, failed)
-    };
-    let (passed, report, failed) = run(&[]);
+    let out = Command::new(tool("pjdfstest"))
+        .arg("-c")
+        .arg(&config)
+        .arg("-p")
+        .arg(&work)
+        .arg("-s")
+        .arg(other_fs.path())
+        .output()
+        .expect("pjdfstest");
+    let report = text(&out);
     let summary = report
         .lines()
         .find(|l| l.starts_with("Summary:"))
         .unwrap_or("no summary")
         .to_owned();
     println!("pjdfstest: {summary}");
-    if passed {
-        assert!(summary.starts_with("Summary: 0 failed"), "{summary}");
-        return;
-    }
-    // `open::etxtbsy` and `truncate::etxtbsy` fail about one run in twelve (the `sleep` they
-    // exec from the mount dies right after its exec; cause not found, see the issue note).
-    const KNOWN_FLAKY: [&str; 2] = ["open::etxtbsy", "truncate::etxtbsy"];
     assert!(
-        !failed.is_empty(),
-        "pjdfstest failed with no failing case:\n{report}"
+        out.status.success() && summary.starts_with("Summary: 0 failed"),
+        "pjdfstest failed:\n{report}"
     );
-    let unexpected: Vec<&String> = failed
-        .iter()
-        .filter(|case| !KNOWN_FLAKY.contains(&case.as_str()))
-        .collect();
-    assert!(
-        unexpected.is_empty(),
-        "pjdfstest: {unexpected:?} failed:\n{report}"
-    );
-    let mut last = String::new();
-    for attempt in 1..=3 {
-        println!("pjdfstest: rerun {attempt} of {failed:?}");
-        let (again, report, _) = run(&failed);
-        if again {
-            return;
-        }
-        last = report;
-    }
-    panic!("pjdfstest: {failed:?} failed four times:\n{last}");
 }
