@@ -79,6 +79,8 @@ pub enum Request {
     VolumeStatedump {
         name: String,
     },
+    /// `kiln cluster status`: the store, and every host whose daemon reports.
+    ClusterStatus,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -121,9 +123,35 @@ pub enum Response {
         generation: u64,
         bricks: Vec<BrickReport<Statedump>>,
     },
+    Cluster(ClusterStatus),
     Error {
         message: String,
     },
+}
+
+/// What `kiln cluster status` shows.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterStatus {
+    /// `embedded` (one host), or `etcd <endpoints>`.
+    pub store: String,
+    /// The configuration generation this daemon has.
+    pub generation: u64,
+    /// Every host whose daemon reports (a single-node daemon: itself).
+    pub hosts: Vec<HostReport>,
+}
+
+/// What a daemon reports of its host, into etcd under a lease: gone within the lease's
+/// time when the daemon or its host dies.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostReport {
+    pub host: String,
+    /// The address its bricks listen on.
+    pub listen_ip: std::net::IpAddr,
+    pub daemon_pid: u32,
+    /// The configuration generation its daemon has applied.
+    pub generation: u64,
+    /// Its bricks, by brick name.
+    pub bricks: std::collections::BTreeMap<String, BrickStatus>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -147,6 +175,9 @@ pub struct BrickReport<T> {
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BrickStatus {
+    /// The host serving it (`None`: the daemon's own, single-node).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
     pub path: PathBuf,
     pub port: u16,
     pub pid: Option<u32>,

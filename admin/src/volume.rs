@@ -20,13 +20,30 @@ pub struct Volume {
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Brick {
-    /// The brick directory on this host.
+    /// The host that serves it, as its daemon is named (`kiln-mgmtd --host`); `None` on a
+    /// single-node daemon (its own host).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+    /// The brick directory on its host.
     pub path: PathBuf,
     /// The UDP port its server listens on.
     pub port: u16,
 }
 
 impl Brick {
+    /// Whether `self` and `other` live on the same host.
+    pub fn shares_host(&self, other: &Brick) -> bool {
+        self.host == other.host
+    }
+
+    /// `HOST:PATH`, or the path alone for a single-node daemon's brick.
+    pub fn display(&self) -> String {
+        match &self.host {
+            Some(host) => format!("{host}:{}", self.path.display()),
+            None => self.path.display().to_string(),
+        }
+    }
+
     /// The name of the brick's certificate, log and control socket: `<volume>-b<index>`.
     pub fn name(volume: &str, index: usize) -> String {
         format!("{volume}-b{index}")

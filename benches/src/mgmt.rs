@@ -13,10 +13,10 @@
 //!   * `replace_fsync` — the same bytes replacing a file durably (write a temporary file,
 //!     fsync it, rename it over the target, fsync the directory: `kiln_admin::durable`, how
 //!     Kiln saves a whole file): two durable operations.
-//! * `mgmt.commit` / `store` — [`Store::<Cluster>`](Store) opened on a fresh directory, one
+//! * `mgmt.commit` / `store` — [`LogStore::<Cluster>`](LogStore) opened on a fresh directory, one
 //!   [`Change::Create`] of a volume, then sequential commits of one [`Change::Set`] each,
 //!   timing each `commit().await` (one log append and one fdatasync). `params.fsyncs` is the
-//!   store's own count ([`Store::stats`]) over the measured commits.
+//!   store's own count ([`LogStore::stats`]) over the measured commits.
 //! * `mgmt.commit` / `store_group` — the same number of commits on another fresh store from
 //!   `tasks` concurrent tasks (default 16), so the writer thread groups them: one write and
 //!   one fdatasync per group. Reports commits/s, per-commit p50/p99 (a commit that waits for a
@@ -65,7 +65,7 @@ use anyhow::{Context, bail};
 use hdrhistogram::Histogram;
 use kiln_admin::options;
 use kiln_admin::volume::{Brick, Volume, VolumeState};
-use kiln_mgmt::store::{LOG_FILE, Store, StoreOptions, StoreStats};
+use kiln_mgmt::store::{LOG_FILE, LogStore, StoreOptions, StoreStats};
 use kiln_mgmt::volume::{BRICK_PORT_BASE, Change, Cluster};
 use rustix::process::{Pid, Signal};
 use serde_json::json;
@@ -326,16 +326,17 @@ async fn fresh_store(
     dir: &Path,
     brick: &Path,
     options: StoreOptions,
-) -> anyhow::Result<Store<Cluster>> {
+) -> anyhow::Result<LogStore<Cluster>> {
     if dir.exists() {
         bail!("{} already exists; the store must be fresh", dir.display());
     }
-    let (store, _) = Store::<Cluster>::open(dir, options)
+    let (store, _) = LogStore::<Cluster>::open(dir, options)
         .with_context(|| format!("opening a store in {}", dir.display()))?;
     let volume = Volume {
         name: VOLUME_NAME.into(),
         id: "00000000-0000-4000-8000-00000000b0b0".into(),
         bricks: vec![Brick {
+            host: None,
             path: brick.to_owned(),
             port: BRICK_PORT_BASE,
         }],
@@ -359,7 +360,7 @@ fn set_change(i: usize) -> anyhow::Result<Change> {
 }
 
 /// Commits one change and returns how long `commit().await` took.
-async fn timed_commit(store: &Store<Cluster>, change: Change) -> anyhow::Result<Duration> {
+async fn timed_commit(store: &LogStore<Cluster>, change: Change) -> anyhow::Result<Duration> {
     let t = Instant::now();
     store.commit(vec![change]).await.context("commit")?;
     Ok(t.elapsed())

@@ -9,19 +9,23 @@
 //! <state>/logs/        one log per brick
 //! ```
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use kiln_admin::command::{EXCHANGE, OptionValue, ProfileAction, Request, Response};
+use kiln_admin::command::{
+    BrickStatus, ClusterStatus, EXCHANGE, HostReport, OptionValue, ProfileAction, Request, Response,
+};
 use kiln_admin::exchange::ExchangeError;
 use kiln_admin::options;
 use kiln_admin::pki::{self, Role};
 use kiln_admin::volume::{Brick, Volume, VolumeState};
 use tokio::net::{UnixListener, UnixStream};
 
-use crate::store::{CommitError, Store, StoreOptions};
+use crate::store::etcd::{EtcdStore, EtcdTarget};
+use crate::store::{CommitError, ConfigStore, LogStore, StoreOptions};
 use crate::supervisor::{CurrentConfig, Launch, Supervisor};
 use crate::volume::{BRICK_PORT_BASE, Change, Cluster, ConfigError};
 
@@ -37,12 +41,25 @@ pub struct DaemonConfig {
     pub socket: PathBuf,
     pub brickd: PathBuf,
     pub listen_ip: std::net::IpAddr,
+    /// This host's name in a cluster (how other hosts and clients reach it); required with
+    /// etcd, where every brick names its host.
+    pub host: Option<String>,
+    /// The cluster's configuration in etcd; `None`: the embedded store (one host).
+    pub etcd: Option<EtcdTarget>,
 }
+
+/// How long `volume set` waits for the bricks of other hosts to report a change applied.
+const REMOTE_APPLY_WAIT: Duration = Duration::from_secs(5);
+const REMOTE_APPLY_POLL: Duration = Duration::from_millis(100);
 
 struct Daemon {
     config: DaemonConfig,
-    store: Arc<Store<Cluster>>,
+    store: Arc<ConfigStore<Cluster>>,
     supervisor: Arc<Supervisor>,
+    /// One reconciliation of the bricks here with the configuration at a time.
+    reconciling: tokio::sync::Mutex<()>,
+    /// The generation the bricks here were last brought up to.
+    applied: std::sync::atomic::AtomicU64,
 }
 
 /// Opens the store, starts the bricks of started volumes, and serves the socket until
@@ -52,6 +69,8 @@ pub async fn run(config: DaemonConfig, shutdown: impl Future<Output = ()>) -> an
     let log_dir = config.state_dir.join("logs");
     std::fs::create_dir_all(&log_dir)
         .with_context(|| format!("cannot create {}", log_dir.display()))?;
+    // A cluster's daemons share one CA, which the store checks (and the first one makes).
+    let store = Arc::new(open_store(&config, &tls_dir).await?);
     if !pki::ca_files(&tls_dir).cert.exists() {
         pki::init_ca(&tls_dir)?;
     }
@@ -66,19 +85,6 @@ pub async fn run(config: DaemonConfig, shutdown: impl Future<Output = ()>) -> an
             pki::CERT_VALIDITY_DAYS,
         )?;
     }
-    let (store, report) =
-        Store::<Cluster>::open(&config.state_dir.join("store"), StoreOptions::default())
-            .context("cannot open the configuration store")?;
-    if let Some(dropped) = &report.dropped_tail {
-        tracing::warn!(
-            offset = dropped.offset,
-            bytes = dropped.bytes,
-            reason = %dropped.reason,
-            "dropped a torn or corrupt record at the end of the store"
-        );
-    }
-    tracing::info!(generation = report.generation, "configuration loaded");
-    let store = Arc::new(store);
     // The bricks' control sockets: root-only, like the daemon's own.
     let run_dir = config.state_dir.join("run");
     kiln_admin::durable::private_dir(&run_dir)?;
@@ -93,6 +99,8 @@ pub async fn run(config: DaemonConfig, shutdown: impl Future<Output = ()>) -> an
             log_dir,
             listen_ip: config.listen_ip,
             run_dir,
+            host: config.host.clone(),
+            bricks_outlive_daemon: config.etcd.is_some(),
         },
         current,
     );
@@ -100,13 +108,21 @@ pub async fn run(config: DaemonConfig, shutdown: impl Future<Output = ()>) -> an
         config,
         store,
         supervisor,
+        reconciling: tokio::sync::Mutex::new(()),
+        applied: std::sync::atomic::AtomicU64::new(0),
     });
-    daemon.store.read(|cluster, _| {
-        for volume in cluster.volumes.values() {
-            if volume.state == VolumeState::Started {
-                daemon.supervisor.start_volume(volume);
-            }
-        }
+    daemon.reconcile().await;
+    let reconciler = tokio::spawn(daemon.clone().reconcile_forever());
+    let reporter = daemon.store.etcd().map(|etcd| {
+        let (client, target) = (etcd.client(), etcd.target().clone());
+        let reporting = daemon.clone();
+        let host = reporting.config.host.clone().unwrap_or_default();
+        tokio::spawn(crate::cluster::report_forever(
+            client,
+            target,
+            host,
+            move || reporting.host_report(),
+        ))
     });
 
     let listener = bind_socket(&daemon.config.socket)?;
@@ -128,10 +144,51 @@ pub async fn run(config: DaemonConfig, shutdown: impl Future<Output = ()>) -> an
             () = &mut shutdown => break,
         }
     }
-    tracing::info!("stopping bricks");
-    daemon.supervisor.stop_all().await;
+    reconciler.abort();
+    if let Some(reporter) = reporter {
+        reporter.abort();
+    }
+    if daemon.config.etcd.is_some() {
+        tracing::info!("leaving the bricks running (the next daemon adopts them)");
+        daemon.supervisor.leave_all();
+    } else {
+        tracing::info!("stopping bricks");
+        daemon.supervisor.stop_all().await;
+    }
     let _ = std::fs::remove_file(&daemon.config.socket);
     Ok(())
+}
+
+/// Opens the configuration store the daemon is told to use.
+async fn open_store(config: &DaemonConfig, tls_dir: &Path) -> anyhow::Result<ConfigStore<Cluster>> {
+    let Some(target) = &config.etcd else {
+        let dir = config.state_dir.join("store");
+        let (store, report) = LogStore::<Cluster>::open(&dir, StoreOptions::default())
+            .context("cannot open the configuration store")?;
+        if let Some(dropped) = &report.dropped_tail {
+            tracing::warn!(
+                offset = dropped.offset,
+                bytes = dropped.bytes,
+                reason = %dropped.reason,
+                "dropped a torn or corrupt record at the end of the store"
+            );
+        }
+        tracing::info!(generation = report.generation, "configuration loaded");
+        return Ok(ConfigStore::Log(store));
+    };
+    if config.host.is_none() {
+        anyhow::bail!("a daemon of a cluster on etcd needs its host's name (--host)");
+    }
+    let store = EtcdStore::<Cluster>::open(target.clone())
+        .await
+        .context("cannot open the configuration in etcd")?;
+    crate::cluster::check_ca(&store.client(), target, tls_dir).await?;
+    tracing::info!(
+        cluster = %target.cluster,
+        generation = store.generation(),
+        "configuration loaded from etcd"
+    );
+    Ok(ConfigStore::Etcd(Box::new(store)))
 }
 
 /// Binds the command socket, root-only ([`kiln_admin::exchange::bind_private`]), unless
@@ -192,7 +249,92 @@ impl Daemon {
             Request::VolumeReset { name, key } => self.reset_option(&name, key).await,
             Request::VolumeProfile { name, action } => self.profile(&name, action).await,
             Request::VolumeStatedump { name } => self.statedump(&name).await,
+            Request::ClusterStatus => self.cluster_status().await,
         }
+    }
+
+    // Keeping the bricks here what the configuration says.
+
+    /// Reconciles after every new generation (another daemon's commits included) until the
+    /// daemon stops.
+    async fn reconcile_forever(self: Arc<Self>) {
+        let mut generations = self.store.subscribe();
+        while generations.changed().await.is_ok() {
+            self.reconcile().await;
+        }
+    }
+
+    /// Brings the bricks of this host in line with the configuration: those of started
+    /// volumes run (made and formatted first if new), the others stop, and running ones get
+    /// live options changed elsewhere.
+    async fn reconcile(&self) {
+        let _one_at_a_time = self.reconciling.lock().await;
+        let (cluster, generation) = self.store.read(|c, g| (c.clone(), g));
+        let mut wanted = HashSet::new();
+        for volume in cluster.volumes.values() {
+            if volume.state != VolumeState::Started {
+                continue;
+            }
+            for i in self.supervisor.local_bricks(volume) {
+                let name = Brick::name(&volume.name, i);
+                if !self.supervisor.is_running(&name)
+                    && let Err(e) = self.prepare_brick(&volume.name, i, &volume.bricks[i])
+                {
+                    tracing::error!(brick = %name, error = %format!("{e:#}"), "cannot prepare brick");
+                }
+                wanted.insert(name);
+            }
+            self.supervisor.start_volume(volume);
+            if self.supervisor.options_changed(volume) {
+                self.supervisor.push(volume, generation).await;
+            }
+        }
+        self.supervisor.stop_unwanted(&wanted).await;
+        self.applied
+            .store(generation, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// This host as its daemon reports it into etcd.
+    fn host_report(&self) -> HostReport {
+        let bricks = self.store.read(|cluster, _| {
+            let mut bricks = BTreeMap::new();
+            for volume in cluster.volumes.values() {
+                let status = self.supervisor.status(volume);
+                for (i, brick) in status.into_iter().enumerate() {
+                    if self.supervisor.is_local(&volume.bricks[i]) {
+                        bricks.insert(Brick::name(&volume.name, i), brick);
+                    }
+                }
+            }
+            bricks
+        });
+        HostReport {
+            host: self.config.host.clone().unwrap_or_default(),
+            listen_ip: self.config.listen_ip,
+            daemon_pid: std::process::id(),
+            generation: self.applied.load(std::sync::atomic::Ordering::Relaxed),
+            bricks,
+        }
+    }
+
+    /// Every host whose daemon reports (this one alone without etcd).
+    async fn host_reports(&self) -> anyhow::Result<Vec<HostReport>> {
+        match self.store.etcd() {
+            Some(etcd) => crate::cluster::hosts(&etcd.client(), etcd.target()).await,
+            None => Ok(vec![self.host_report()]),
+        }
+    }
+
+    async fn cluster_status(&self) -> anyhow::Result<Response> {
+        let store = match self.store.etcd() {
+            Some(etcd) => format!("etcd {}", etcd.target().endpoints.join(",")),
+            None => "embedded".to_owned(),
+        };
+        Ok(Response::Cluster(ClusterStatus {
+            store,
+            generation: self.store.generation(),
+            hosts: self.host_reports().await?,
+        }))
     }
 
     // The volume's lifecycle: create, delete, start, stop.
@@ -214,14 +356,14 @@ impl Daemon {
     async fn add_brick(
         &self,
         name: &str,
-        path: PathBuf,
+        spec: PathBuf,
         port: Option<u16>,
     ) -> anyhow::Result<Response> {
+        let (host, path) = self.brick_place(&spec)?;
         let (brick, change, index) = self.store.read(|cluster, _| {
-            let brick = Brick {
-                path,
-                port: port.unwrap_or_else(|| cluster.free_port(BRICK_PORT_BASE, &[])),
-            };
+            let port =
+                port.unwrap_or_else(|| cluster.free_port(host.as_deref(), BRICK_PORT_BASE, &[]));
+            let brick = Brick { host, path, port };
             let change = Change::AddBrick {
                 volume: name.to_owned(),
                 brick: brick.clone(),
@@ -229,20 +371,40 @@ impl Daemon {
             crate::store::State::check(cluster, &change)?;
             Ok::<_, ConfigError>((brick, change, cluster.volume(name)?.bricks.len()))
         })?;
-        self.prepare_brick(name, index, &brick)?;
-        let (path, port) = (brick.path.display().to_string(), brick.port);
-        let generation = self.commit(change).await?;
-        let volume = self.volume(name)?;
-        if volume.state == VolumeState::Started {
-            self.supervisor.start_volume(&volume);
+        if self.supervisor.is_local(&brick) {
+            self.prepare_brick(name, index, &brick)?;
         }
+        let (shown, port) = (brick.display(), brick.port);
+        let generation = self.commit(change).await?;
+        self.reconcile().await;
         Ok(done(
             generation,
             format!(
-                "brick {path} added to volume {name} as brick {index} (port {port}); \
+                "brick {shown} added to volume {name} as brick {index} (port {port}); \
                  `kiln volume rebalance {name} fix-layout` gives it a share of every directory"
             ),
         ))
+    }
+
+    /// The host and path a brick given as `HOST:PATH` or `PATH` (this host) lives at. A
+    /// single-node daemon serves only its own host's.
+    fn brick_place(&self, spec: &Path) -> anyhow::Result<(Option<String>, PathBuf)> {
+        let text = spec.to_string_lossy();
+        let (host, path) = match text.split_once(':') {
+            Some((host, path)) if !host.contains('/') => (Some(host.to_owned()), path.into()),
+            _ => (None, spec.to_owned()),
+        };
+        match (host, &self.config.host) {
+            (None, own) => Ok((own.clone(), path)),
+            (Some(host), Some(own)) if self.store.etcd().is_some() || &host == own => {
+                Ok((Some(host), path))
+            }
+            (Some(host), _) => anyhow::bail!(
+                "brick {} is on host {host}: a volume over several hosts needs a cluster on \
+                 etcd (`kiln-mgmtd --etcd URL --host NAME`)",
+                spec.display()
+            ),
+        }
     }
 
     async fn delete_volume(&self, name: &str) -> anyhow::Result<Response> {
@@ -263,7 +425,7 @@ impl Daemon {
                 volume: name.to_owned(),
             })
             .await?;
-        self.supervisor.start_volume(&self.volume(name)?);
+        self.reconcile().await;
         Ok(done(generation, format!("volume {name} started")))
     }
 
@@ -347,10 +509,20 @@ impl Daemon {
         })?)
     }
 
+    /// Each brick's status: this host's probed here, other hosts' as their daemons report.
     async fn volume_status(&self, name: &str) -> anyhow::Result<Response> {
-        Ok(Response::Status {
-            bricks: self.supervisor.checked_status(&self.volume(name)?).await,
-        })
+        let volume = self.volume(name)?;
+        let mut bricks = self.supervisor.checked_status(&volume).await;
+        if self.store.etcd().is_some() {
+            let reports = self.host_reports().await?;
+            for (i, status) in bricks.iter_mut().enumerate() {
+                let brick = &volume.bricks[i];
+                if !self.supervisor.is_local(brick) {
+                    *status = remote_status(&reports, &Brick::name(name, i), brick);
+                }
+            }
+        }
+        Ok(Response::Status { bricks })
     }
 
     async fn profile(&self, name: &str, action: ProfileAction) -> anyhow::Result<Response> {
@@ -429,7 +601,8 @@ impl Daemon {
             }
             options::Apply::Live => {}
         }
-        let results = self.supervisor.push(&volume, generation).await;
+        let mut results = self.supervisor.push(&volume, generation).await;
+        results.extend(self.remote_applied(&volume, generation).await?);
         let missing: Vec<String> = results
             .into_iter()
             .filter_map(|(brick, r)| r.err().map(|why| format!("{brick} ({why})")))
@@ -443,34 +616,68 @@ impl Daemon {
         })
     }
 
+    /// Per brick of `volume` on other hosts: the generation its daemon reports it runs, once
+    /// at `generation` or later (waiting up to [`REMOTE_APPLY_WAIT`]), or why not.
+    async fn remote_applied(
+        &self,
+        volume: &Volume,
+        generation: u64,
+    ) -> anyhow::Result<Vec<(String, Result<u64, String>)>> {
+        let remote: Vec<(String, &Brick)> = (0..volume.bricks.len())
+            .map(|i| (Brick::name(&volume.name, i), &volume.bricks[i]))
+            .filter(|(_, brick)| !self.supervisor.is_local(brick))
+            .collect();
+        let deadline = Instant::now() + REMOTE_APPLY_WAIT;
+        loop {
+            let reports = self.host_reports().await?;
+            let results: Vec<(String, Result<u64, String>)> = remote
+                .iter()
+                .map(|(name, brick)| {
+                    let status = remote_status(&reports, name, brick);
+                    let applied = match status.generation {
+                        Some(g) if g >= generation => Ok(g),
+                        Some(g) => Err(format!("runs generation {g}")),
+                        None => Err(format!("{} on {}", status.state, status.health)),
+                    };
+                    (name.clone(), applied)
+                })
+                .collect();
+            if results.iter().all(|(_, r)| r.is_ok()) || Instant::now() >= deadline {
+                return Ok(results);
+            }
+            tokio::time::sleep(REMOTE_APPLY_POLL).await;
+        }
+    }
+
     /// Checks a new volume, formats its brick directories and issues their certificates.
     fn prepare_volume(
         &self,
         name: &str,
-        bricks: &[PathBuf],
+        specs: &[PathBuf],
         port: Option<u16>,
     ) -> anyhow::Result<Volume> {
-        let mut ports: Vec<u16> = Vec::new();
+        let places = specs
+            .iter()
+            .map(|spec| self.brick_place(spec))
+            .collect::<anyhow::Result<Vec<_>>>()?;
         let volume = self.store.read(|cluster, _| {
-            let first = port.unwrap_or_else(|| cluster.free_port(BRICK_PORT_BASE, &[]));
-            for (i, _) in bricks.iter().enumerate() {
-                let wanted = first.saturating_add(u16::try_from(i).unwrap_or(u16::MAX));
-                ports.push(match port {
-                    Some(_) => wanted,
-                    None => cluster.free_port(wanted, &ports),
-                });
+            let mut bricks: Vec<Brick> = Vec::with_capacity(places.len());
+            for (i, (host, path)) in places.into_iter().enumerate() {
+                let taken: Vec<u16> = bricks
+                    .iter()
+                    .filter(|b| b.host == host)
+                    .map(|b| b.port)
+                    .collect();
+                let port = match port {
+                    Some(first) => first.saturating_add(u16::try_from(i).unwrap_or(u16::MAX)),
+                    None => cluster.free_port(host.as_deref(), BRICK_PORT_BASE, &taken),
+                };
+                bricks.push(Brick { host, path, port });
             }
             let volume = Volume {
                 name: name.to_owned(),
                 id: uuid(),
-                bricks: bricks
-                    .iter()
-                    .zip(&ports)
-                    .map(|(path, &port)| Brick {
-                        path: path.clone(),
-                        port,
-                    })
-                    .collect(),
+                bricks,
                 options: Default::default(),
                 state: VolumeState::Created,
             };
@@ -478,7 +685,9 @@ impl Daemon {
             Ok::<_, ConfigError>(volume)
         })?;
         for (i, brick) in volume.bricks.iter().enumerate() {
-            self.prepare_brick(name, i, brick)?;
+            if self.supervisor.is_local(brick) {
+                self.prepare_brick(name, i, brick)?;
+            }
         }
         Ok(volume)
     }
@@ -498,7 +707,10 @@ impl Daemon {
                 anyhow::bail!("{}", String::from_utf8_lossy(&out.stderr).trim());
             }
         }
-        let hosts = vec!["localhost".into(), "127.0.0.1".into(), "::1".into()];
+        let mut hosts = vec!["localhost".into(), "127.0.0.1".into(), "::1".into()];
+        hosts.extend(self.config.host.clone());
+        hosts.push(self.config.listen_ip.to_string());
+        hosts.dedup();
         let tls_dir = self.config.state_dir.join("tls");
         pki::issue(
             &tls_dir,
@@ -507,6 +719,30 @@ impl Daemon {
             pki::CERT_VALIDITY_DAYS,
         )?;
         Ok(())
+    }
+}
+
+/// Brick `name` of another host, as its daemon reports it; down when the host does not
+/// report (its daemon or the host is gone, or it cannot reach etcd).
+fn remote_status(reports: &[HostReport], name: &str, brick: &Brick) -> BrickStatus {
+    let host = brick.host.clone().unwrap_or_default();
+    let reported = reports
+        .iter()
+        .find(|r| r.host == host)
+        .and_then(|r| r.bricks.get(name));
+    match reported {
+        Some(status) => status.clone(),
+        None => BrickStatus {
+            host: brick.host.clone(),
+            path: brick.path.clone(),
+            port: brick.port,
+            pid: None,
+            state: "down".to_owned(),
+            uptime_secs: 0,
+            restarts: 0,
+            generation: None,
+            health: format!("host {host} does not report"),
+        },
     }
 }
 

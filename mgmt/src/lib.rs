@@ -1,8 +1,10 @@
 //! Kiln cluster management: the management daemon `kiln-mgmtd` and what it is made of — the
-//! durable configuration store ([`store`]: one durable write per transaction, group commit,
-//! compaction, torn tails dropped at open), the volume configuration and its typed changes
-//! ([`volume`]), the brick supervisor with live option pushes ([`supervisor`]) and the daemon
-//! that serves the command socket ([`daemon`]).
+//! configuration store ([`store`]: the embedded log — one durable write per transaction,
+//! group commit, compaction, torn tails dropped at open — or etcd, shared by a cluster's
+//! daemons), the volume configuration and its typed changes ([`volume`]), the brick
+//! supervisor with live option pushes ([`supervisor`]), what a cluster's daemons share in
+//! etcd beside the configuration ([`cluster`]) and the daemon that serves the command socket
+//! ([`daemon`]).
 //!
 //! What the daemon shares with bricks and clients — the cluster's identities, the option
 //! table, both sockets' protocols, the volume descriptions — is in `kiln-admin`. It does no
@@ -10,7 +12,9 @@
 
 #![forbid(unsafe_code)]
 
+pub mod cluster;
 pub mod daemon;
+pub mod etcd_server;
 pub mod store;
 pub mod supervisor;
 pub mod volume;

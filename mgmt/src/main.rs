@@ -1,6 +1,7 @@
-//! `kiln-mgmtd`: the management daemon. Holds the volume configuration in its state directory,
-//! runs the bricks of started volumes, and takes commands from `kiln volume …` on a root-only
-//! Unix socket. Stops its bricks and exits on SIGTERM or SIGINT.
+//! `kiln-mgmtd`: the management daemon. Holds the volume configuration in its state directory
+//! (or, with `--etcd`, in etcd, shared with the daemons of the other hosts), runs the bricks of
+//! started volumes that live on its host, and takes commands from `kiln volume …` on a
+//! root-only Unix socket. Stops its bricks and exits on SIGTERM or SIGINT.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -8,6 +9,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use kiln_admin::command::DEFAULT_SOCKET;
 use kiln_mgmt::daemon::{self, DaemonConfig};
+use kiln_mgmt::store::etcd::EtcdTarget;
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -27,6 +29,17 @@ struct Args {
     /// Address the bricks listen on.
     #[arg(long, default_value = "127.0.0.1")]
     listen_ip: std::net::IpAddr,
+    /// Keep the configuration in etcd, shared with the other hosts' daemons: the members'
+    /// client URLs (`http://HOST:2379`), comma-separated. Default: the embedded store.
+    #[arg(long, env = "KILN_ETCD", value_delimiter = ',', requires = "host")]
+    etcd: Vec<String>,
+    /// The cluster's name in etcd (its keys are under `/kiln/<cluster>/`).
+    #[arg(long, env = "KILN_CLUSTER", default_value = "kiln")]
+    cluster: String,
+    /// This host's name in the cluster: how clients and other hosts reach its bricks (an
+    /// address, or a name they resolve). Bricks given as `HOST:PATH` live on host HOST.
+    #[arg(long, env = "KILN_HOST")]
+    host: Option<String>,
 }
 
 fn main() -> ExitCode {
@@ -48,6 +61,11 @@ fn main() -> ExitCode {
         socket: args.socket,
         brickd,
         listen_ip: args.listen_ip,
+        host: args.host,
+        etcd: (!args.etcd.is_empty()).then_some(EtcdTarget {
+            endpoints: args.etcd,
+            cluster: args.cluster,
+        }),
     };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

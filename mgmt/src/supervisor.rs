@@ -2,7 +2,7 @@
 //! started again after a backoff (1 s, doubling to 30 s; back to 1 s after a minute of
 //! running); a stopped volume's bricks get SIGTERM, and SIGKILL if they do not drain in time.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
@@ -37,11 +37,49 @@ pub struct Launch {
     pub listen_ip: std::net::IpAddr,
     /// Each brick's control socket is `<run_dir>/<brick name>.sock`.
     pub run_dir: PathBuf,
+    /// This host's name in a cluster: the supervisor runs the bricks that live here.
+    pub host: Option<String>,
+    /// Bricks outlive the daemon (a cluster's): they run in their own process group, are
+    /// left running when the daemon exits or dies, and a daemon that starts adopts those
+    /// still running. Otherwise (one host, `kiln up`) they die with it.
+    pub bricks_outlive_daemon: bool,
 }
 
 impl Launch {
     fn control_socket(&self, brick_name: &str) -> PathBuf {
         self.run_dir.join(format!("{brick_name}.sock"))
+    }
+
+    /// Where the pid of the brick started last is kept.
+    fn pid_file(&self, brick_name: &str) -> PathBuf {
+        self.run_dir.join(format!("{brick_name}.pid"))
+    }
+
+    /// The brick `name` a previous daemon left running: its pid file names a live
+    /// `kiln-brickd` serving that brick (checked against its command line), which answers
+    /// on its control socket.
+    async fn running_brick(&self, name: &str) -> Option<u32> {
+        let pid: u32 = std::fs::read_to_string(self.pid_file(name))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()?;
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+        let args: Vec<&[u8]> = cmdline.split(|&b| b == 0).collect();
+        let serves = args
+            .windows(2)
+            .any(|w| w[0] == b"--name" && w[1] == name.as_bytes());
+        let is_brickd = args
+            .first()
+            .is_some_and(|exe| exe.ends_with(b"kiln-brickd"));
+        if !(serves && is_brickd) {
+            return None;
+        }
+        let probe = control::EXCHANGE.with_exchange_timeout(HEALTH_TIMEOUT);
+        ask(&self.control_socket(name), &ControlRequest::Status, probe)
+            .await
+            .ok()?;
+        Some(pid)
     }
 }
 
@@ -62,6 +100,8 @@ pub struct Supervisor {
     launch: Launch,
     current: CurrentConfig,
     bricks: Mutex<HashMap<String, Running>>,
+    /// Each volume's live brick options as last pushed to (or started with) its bricks here.
+    pushed: Mutex<HashMap<String, BTreeMap<String, String>>>,
 }
 
 impl std::fmt::Debug for Supervisor {
@@ -95,15 +135,35 @@ impl Supervisor {
             launch,
             current,
             bricks: Mutex::new(HashMap::new()),
+            pushed: Mutex::new(HashMap::new()),
         })
     }
 
-    /// Starts every brick of `volume` that is not running yet.
+    /// Whether `brick` lives on this host.
+    pub fn is_local(&self, brick: &Brick) -> bool {
+        brick.host == self.launch.host
+    }
+
+    /// The indexes of `volume`'s bricks that live on this host.
+    pub fn local_bricks<'v>(&self, volume: &'v Volume) -> impl Iterator<Item = usize> + 'v {
+        let host = self.launch.host.clone();
+        (0..volume.bricks.len()).filter(move |&i| volume.bricks[i].host == host)
+    }
+
+    /// Whether brick `name` runs (or is being restarted) here.
+    pub fn is_running(&self, name: &str) -> bool {
+        lock(&self.bricks).contains_key(name)
+    }
+
+    /// Starts every brick of `volume` on this host that is not running yet.
     pub fn start_volume(&self, volume: &Volume) {
         let Ok(mut bricks) = self.bricks.lock() else {
             return;
         };
-        for i in 0..volume.bricks.len() {
+        lock(&self.pushed)
+            .entry(volume.name.clone())
+            .or_insert_with(|| options::live_brick_options(&volume.options));
+        for i in self.local_bricks(volume) {
             let name = Brick::name(&volume.name, i);
             if bricks.contains_key(&name) {
                 continue;
@@ -143,6 +203,42 @@ impl Supervisor {
         }
     }
 
+    /// Stops the bricks running here that are not in `wanted` (their volume was stopped or
+    /// deleted elsewhere).
+    pub async fn stop_unwanted(&self, wanted: &HashSet<String>) {
+        let stopping: Vec<Running> = match self.bricks.lock() {
+            Ok(mut bricks) => {
+                let names: Vec<String> = bricks
+                    .keys()
+                    .filter(|n| !wanted.contains(*n))
+                    .cloned()
+                    .collect();
+                names.iter().filter_map(|n| bricks.remove(n)).collect()
+            }
+            Err(_) => return,
+        };
+        for running in &stopping {
+            let _ = running.stop.send(true);
+        }
+        for running in stopping {
+            let _ = running.task.await;
+        }
+    }
+
+    /// Whether `volume`'s live options differ from those its bricks here run.
+    pub fn options_changed(&self, volume: &Volume) -> bool {
+        lock(&self.pushed)
+            .get(&volume.name)
+            .is_some_and(|pushed| *pushed != options::live_brick_options(&volume.options))
+    }
+
+    /// Stops watching the bricks and leaves them running (for the next daemon to adopt).
+    pub fn leave_all(&self) {
+        for (_, running) in lock(&self.bricks).drain() {
+            running.task.abort();
+        }
+    }
+
     /// Stops every brick.
     pub async fn stop_all(&self) {
         let all: Vec<Running> = match self.bricks.lock() {
@@ -170,6 +266,7 @@ impl Supervisor {
                     .and_then(|b| b.get(&Brick::name(&volume.name, i)))
                     .and_then(|r| r.run.lock().ok().map(|r| r.clone()));
                 BrickStatus {
+                    host: brick.host.clone(),
                     path: brick.path.clone(),
                     port: brick.port,
                     pid: run.as_ref().and_then(|r| r.pid),
@@ -268,8 +365,12 @@ impl Supervisor {
         generation: u64,
     ) -> Vec<(String, Result<u64, String>)> {
         let push = live_push(volume, generation);
+        lock(&self.pushed).insert(
+            volume.name.clone(),
+            options::live_brick_options(&volume.options),
+        );
         let mut results = Vec::new();
-        for i in 0..volume.bricks.len() {
+        for i in self.local_bricks(volume) {
             let name = Brick::name(&volume.name, i);
             let socket = self.launch.control_socket(&name);
             let result = ask(&socket, &push, control::EXCHANGE)
@@ -377,8 +478,10 @@ fn brick_args(launch: &Launch, volume: &Volume, index: usize, generation: u64) -
         launch.control_socket(&name).display().to_string(),
         "--generation".to_owned(),
         generation.to_string(),
-        "--die-with-parent".to_owned(),
     ];
+    if !launch.bricks_outlive_daemon {
+        args.push("--die-with-parent".to_owned());
+    }
     args.extend(options::brick_args(&volume.options, index));
     args
 }
@@ -393,6 +496,25 @@ async fn watch_brick(
 ) {
     let name = Brick::name(&volume, index);
     let mut backoff = RESTART_BACKOFF_MIN;
+    if launch.bricks_outlive_daemon
+        && let Some(pid) = launch.running_brick(&name).await
+    {
+        let generation = current(&volume).map_or(0, |(_, g)| g);
+        update(&run, |r| {
+            r.pid = Some(pid);
+            r.state = "running";
+            r.since = Instant::now();
+            r.generation = generation;
+        });
+        tracing::info!(brick = %name, pid, "adopted the running brick");
+        if !watch_adopted(pid, &name, &mut stopped).await {
+            update(&run, |r| {
+                r.pid = None;
+                r.state = "stopped";
+            });
+            return;
+        }
+    }
     loop {
         let Some((config, generation)) = current(&volume).filter(|(v, _)| index < v.bricks.len())
         else {
@@ -409,7 +531,12 @@ async fn watch_brick(
             .args(&args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .kill_on_drop(true);
+            .kill_on_drop(!launch.bricks_outlive_daemon);
+        if launch.bricks_outlive_daemon {
+            // Not in the daemon's process group: a signal to the daemon's group (Ctrl-C)
+            // is not one to its bricks.
+            command.process_group(0);
+        }
         if let Ok(log) = log {
             command.stderr(log);
         }
@@ -417,6 +544,11 @@ async fn watch_brick(
         match command.spawn() {
             Ok(mut child) => {
                 let pid = child.id();
+                if let Some(pid) = pid
+                    && let Err(e) = std::fs::write(launch.pid_file(&name), format!("{pid}\n"))
+                {
+                    tracing::warn!(brick = %name, error = %e, "cannot write the brick's pid file");
+                }
                 update(&run, |r| {
                     r.pid = pid;
                     r.state = "running";
@@ -472,9 +604,51 @@ async fn watch_brick(
     }
 }
 
+/// How often an adopted brick (not this daemon's child, so not waited for) is checked.
+const ADOPTED_POLL: Duration = Duration::from_millis(250);
+
+/// Watches adopted brick `pid` until it exits (`true`: start it again) or is asked to
+/// stop (`false`, after SIGTERM and, past [`STOP_GRACE`], SIGKILL).
+async fn watch_adopted(pid: u32, name: &str, stopped: &mut watch::Receiver<bool>) -> bool {
+    let alive = || Path::new(&format!("/proc/{pid}")).exists();
+    let signal = |signal| {
+        if let Some(pid) = rustix::process::Pid::from_raw(pid as i32) {
+            let _ = rustix::process::kill_process(pid, signal);
+        }
+    };
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(ADOPTED_POLL) => {
+                if !alive() {
+                    tracing::warn!(brick = %name, pid, "adopted brick exited; restarting");
+                    return true;
+                }
+            }
+            () = stop_requested(stopped) => {
+                signal(rustix::process::Signal::TERM);
+                let deadline = Instant::now() + STOP_GRACE;
+                while alive() && Instant::now() < deadline {
+                    tokio::time::sleep(ADOPTED_POLL).await;
+                }
+                if alive() {
+                    signal(rustix::process::Signal::KILL);
+                }
+                tracing::info!(brick = %name, "brick stopped");
+                return false;
+            }
+        }
+    }
+}
+
 /// Completes when the brick is asked to stop (or the supervisor is gone).
 async fn stop_requested(stopped: &mut watch::Receiver<bool>) {
     let _ = stopped.wait_for(|s| *s).await;
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 fn update(run: &Mutex<Run>, f: impl FnOnce(&mut Run)) {

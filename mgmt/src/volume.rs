@@ -10,6 +10,7 @@ use kiln_admin::volume::{Brick, Volume, VolumeState};
 use serde::{Deserialize, Serialize};
 
 use crate::store::State;
+use crate::store::etcd::Objects;
 
 /// Lowest (UDP) port handed to a brick when the caller does not choose one; the first
 /// brick of `kiln up` listens there. Chosen clear of GlusterFS on the same host (glusterd's
@@ -72,10 +73,14 @@ pub enum ConfigError {
     NoBricks,
     #[error("brick {path} must be an absolute path")]
     RelativeBrick { path: PathBuf },
-    #[error("brick {path} already belongs to volume {volume}")]
-    BrickInUse { path: PathBuf, volume: String },
-    #[error("port {port} is already used by volume {volume}")]
-    PortInUse { port: u16, volume: String },
+    #[error("brick {brick} already belongs to volume {volume}")]
+    BrickInUse { brick: String, volume: String },
+    #[error("port {port} of {host} is already used by volume {volume}")]
+    PortInUse {
+        host: String,
+        port: u16,
+        volume: String,
+    },
     #[error("volume {0} is already started")]
     AlreadyStarted(String),
     #[error("volume {0} is not started")]
@@ -108,7 +113,7 @@ impl Cluster {
     }
 
     /// Whether `brick` may join volume `volume`, which has `siblings` so far: an absolute
-    /// path, and a path and a port no brick uses yet.
+    /// path, and a path and a port no brick of its host uses yet.
     fn check_new_brick(
         &self,
         brick: &Brick,
@@ -120,40 +125,38 @@ impl Cluster {
                 path: brick.path.clone(),
             });
         }
-        if siblings
-            .iter()
-            .any(|other| other.path == brick.path || other.port == brick.port)
-        {
-            return Err(ConfigError::BrickInUse {
-                path: brick.path.clone(),
-                volume: volume.to_owned(),
-            });
-        }
-        for v in self.volumes.values() {
-            for other in &v.bricks {
-                if other.path == brick.path {
-                    return Err(ConfigError::BrickInUse {
-                        path: brick.path.clone(),
-                        volume: v.name.clone(),
-                    });
-                }
-                if other.port == brick.port {
-                    return Err(ConfigError::PortInUse {
-                        port: brick.port,
-                        volume: v.name.clone(),
-                    });
-                }
+        let others = self
+            .volumes
+            .values()
+            .flat_map(|v| v.bricks.iter().map(move |b| (v.name.as_str(), b)))
+            .chain(siblings.iter().map(|b| (volume, b)))
+            .filter(|(_, other)| other.shares_host(brick));
+        for (owner, other) in others {
+            if other.path == brick.path {
+                return Err(ConfigError::BrickInUse {
+                    brick: brick.display(),
+                    volume: owner.to_owned(),
+                });
+            }
+            if other.port == brick.port {
+                return Err(ConfigError::PortInUse {
+                    host: brick.host.clone().unwrap_or_else(|| "this host".to_owned()),
+                    port: brick.port,
+                    volume: owner.to_owned(),
+                });
             }
         }
         Ok(())
     }
 
-    /// The lowest free brick port at or above `from`.
-    pub fn free_port(&self, from: u16, taken_now: &[u16]) -> u16 {
+    /// The lowest brick port of `host` free at or above `from`, besides `taken_now`.
+    pub fn free_port(&self, host: Option<&str>, from: u16, taken_now: &[u16]) -> u16 {
         let used: Vec<u16> = self
             .volumes
             .values()
-            .flat_map(|v| v.bricks.iter().map(|b| b.port))
+            .flat_map(|v| &v.bricks)
+            .filter(|b| b.host.as_deref() == host)
+            .map(|b| b.port)
             .chain(taken_now.iter().copied())
             .collect();
         (from..=u16::MAX)
@@ -258,6 +261,35 @@ impl State for Cluster {
     }
 }
 
+/// In etcd, each volume is one object, named by the volume.
+impl Objects for Cluster {
+    fn objects(&self) -> BTreeMap<String, Vec<u8>> {
+        self.volumes
+            .iter()
+            .map(|(name, volume)| {
+                let json = serde_json::to_vec(volume).expect("a volume always encodes");
+                (name.clone(), json)
+            })
+            .collect()
+    }
+
+    fn from_objects(objects: &BTreeMap<String, Vec<u8>>) -> Result<Cluster, String> {
+        let mut volumes = BTreeMap::new();
+        for (name, json) in objects {
+            let volume: Volume = serde_json::from_slice(json)
+                .map_err(|e| format!("volume {name:?} does not decode: {e}"))?;
+            if &volume.name != name {
+                return Err(format!(
+                    "the object {name:?} holds volume {:?}",
+                    volume.name
+                ));
+            }
+            volumes.insert(name.clone(), volume);
+        }
+        Ok(Cluster { volumes })
+    }
+}
+
 /// A known key with a value already in canonical form.
 fn check_option(key: &str, value: &str) -> Result<(), ConfigError> {
     let canonical = options::find(key)?.parse(value)?;
@@ -279,6 +311,7 @@ mod tests {
             name: name.into(),
             id: "00000000-0000-4000-8000-000000000001".into(),
             bricks: vec![Brick {
+                host: None,
                 path: path.into(),
                 port,
             }],
@@ -317,7 +350,8 @@ mod tests {
             commit(&mut c, &Change::Create(volume("../x", "/b/3", 49154))),
             Err(ConfigError::BadVolumeName(_))
         ));
-        assert_eq!(c.free_port(49152, &[49153]), 49154);
+        assert_eq!(c.free_port(None, 49152, &[49153]), 49154);
+        assert_eq!(c.free_port(Some("b"), 49152, &[]), 49152);
         let v = "v1".to_owned();
         assert_eq!(
             commit(&mut c, &Change::Stop { volume: v.clone() }),
@@ -341,6 +375,7 @@ mod tests {
         let add = |volume: &str, path: &str, port| Change::AddBrick {
             volume: volume.into(),
             brick: Brick {
+                host: None,
                 path: path.into(),
                 port,
             },

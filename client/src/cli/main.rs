@@ -90,6 +90,15 @@ enum Command {
         #[command(subcommand)]
         command: volume::VolumeCommand,
     },
+    /// The management daemons: `status` shows the configuration store and every host whose
+    /// daemon reports (a cluster on etcd), with its bricks.
+    Cluster {
+        /// Print the daemon's answer as JSON.
+        #[arg(long)]
+        json: bool,
+        #[command(subcommand)]
+        command: ClusterCommand,
+    },
     /// Mount a volume (FUSE); returns once mounted unless -f.
     Mount(mount::MountArgs),
     /// Unmount a Kiln mount.
@@ -102,6 +111,11 @@ enum Command {
     },
     #[command(flatten)]
     File(files::FileCommand),
+}
+
+#[derive(Subcommand)]
+enum ClusterCommand {
+    Status,
 }
 
 #[derive(Subcommand)]
@@ -196,6 +210,14 @@ fn main() -> ExitCode {
             volume::RebalanceArg::FixLayout => heal::run(&cli.global, &name, json),
         },
         Command::Volume { json, command } => volume::run(&cli.global.socket, json, command),
+        Command::Cluster {
+            json,
+            command: ClusterCommand::Status,
+        } => volume::ask_and_print(
+            &cli.global.socket,
+            json,
+            &kiln_admin::command::Request::ClusterStatus,
+        ),
         Command::Mount(args) => mount::run(&cli.global, args),
         Command::Umount(args) => mount::umount(&args),
         Command::Bench { args } => up::exec_sibling("kiln-bench", &args),

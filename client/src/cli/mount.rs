@@ -375,14 +375,28 @@ pub(crate) fn resolve_volume(global: &Global, name: &str) -> anyhow::Result<Volu
     let bricks = volume
         .bricks
         .iter()
-        .map(|brick| SocketAddr::new(global.brick_addr.ip(), brick.port))
-        .collect();
+        .map(|brick| brick_address(global, brick))
+        .collect::<anyhow::Result<_>>()?;
     let options = volume
         .options
         .iter()
         .filter_map(|(k, v)| Some((k.strip_prefix("performance.")?.to_owned(), v.clone())))
         .collect();
     Ok(VolumeToMount { bricks, options })
+}
+
+/// Where `brick` listens: its host's address (resolved if a name), or — a brick of a
+/// single-node daemon — the daemon's brick address.
+fn brick_address(global: &Global, brick: &kiln_admin::volume::Brick) -> anyhow::Result<SocketAddr> {
+    use std::net::ToSocketAddrs as _;
+    let Some(host) = &brick.host else {
+        return Ok(SocketAddr::new(global.brick_addr.ip(), brick.port));
+    };
+    (host.as_str(), brick.port)
+        .to_socket_addrs()
+        .with_context(|| format!("cannot resolve brick host {host}"))?
+        .next()
+        .with_context(|| format!("brick host {host} has no address"))
 }
 
 /// `kiln umount`.

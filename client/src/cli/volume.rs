@@ -102,8 +102,10 @@ pub(crate) fn run(socket: &Path, json: bool, command: VolumeCommand) -> anyhow::
     let all = |key: String| (key != "all").then_some(key);
     let request = match command {
         VolumeCommand::Create { name, bricks, port } => {
-            let cwd = std::env::current_dir()?;
-            let bricks = bricks.into_iter().map(|b| cwd.join(b)).collect();
+            let bricks = bricks
+                .iter()
+                .map(|b| brick_spec(b))
+                .collect::<Result<_, _>>()?;
             Request::VolumeCreate { name, bricks, port }
         }
         VolumeCommand::Start { name } => Request::VolumeStart { name },
@@ -137,22 +139,24 @@ pub(crate) fn run(socket: &Path, json: bool, command: VolumeCommand) -> anyhow::
             },
         },
         VolumeCommand::Statedump { name } => Request::VolumeStatedump { name },
-        VolumeCommand::AddBrick { name, brick, port } => {
-            let cwd = std::env::current_dir()?;
-            Request::VolumeAddBrick {
-                name,
-                brick: cwd.join(brick),
-                port,
-            }
-        }
+        VolumeCommand::AddBrick { name, brick, port } => Request::VolumeAddBrick {
+            name,
+            brick: brick_spec(&brick)?,
+            port,
+        },
         VolumeCommand::Heal { .. } | VolumeCommand::Rebalance { .. } => {
             bail!(
                 "`kiln volume heal` and `rebalance` run in the client (crate::heal, crate::rebalance)"
             )
         }
     };
-    let list_only = matches!(&request, Request::VolumeInfo { name: None });
-    let response = call(socket, &request)?;
+    ask_and_print(socket, json, &request)
+}
+
+/// Asks the daemon `request` and prints its answer (as JSON with `json`).
+pub(crate) fn ask_and_print(socket: &Path, json: bool, request: &Request) -> anyhow::Result<()> {
+    let list_only = matches!(request, Request::VolumeInfo { name: None });
+    let response = call(socket, request)?;
     if json {
         println!("{}", serde_json::to_string(&response)?);
         return match response {
@@ -161,6 +165,18 @@ pub(crate) fn run(socket: &Path, json: bool, command: VolumeCommand) -> anyhow::
         };
     }
     print(response, list_only)
+}
+
+/// A brick as the daemon takes it: `HOST:PATH` as given, a path of this host made absolute.
+fn brick_spec(brick: &Path) -> anyhow::Result<PathBuf> {
+    let text = brick.to_string_lossy();
+    if text
+        .split_once(':')
+        .is_some_and(|(host, _)| !host.contains('/'))
+    {
+        return Ok(brick.to_owned());
+    }
+    Ok(std::env::current_dir()?.join(brick))
 }
 
 /// One request to the daemon and its answer.
@@ -195,7 +211,7 @@ fn print(response: Response, list_only: bool) -> anyhow::Result<()> {
                 println!("State:   {}", v.state);
                 println!("Bricks:  {}", v.bricks.len());
                 for (i, b) in v.bricks.iter().enumerate() {
-                    println!("  b{i}  port {:<5}  {}", b.port, b.path.display());
+                    println!("  b{i}  port {:<5}  {}", b.port, b.display());
                 }
                 if !v.options.is_empty() {
                     println!("Options set:");
@@ -220,16 +236,33 @@ fn print(response: Response, list_only: bool) -> anyhow::Result<()> {
             for b in bricks {
                 let pid = b.pid.map_or("-".to_owned(), |p| p.to_string());
                 let generation = b.generation.map_or("-".to_owned(), |g| g.to_string());
+                let brick = match &b.host {
+                    Some(host) => format!("{host}:{}", b.path.display()),
+                    None => b.path.display().to_string(),
+                };
                 println!(
                     "{:<40} {:>5} {:>8} {:<10} {:>7}s {:>8} {:>10}  {}",
-                    b.path.display(),
-                    b.port,
-                    pid,
-                    b.state,
-                    b.uptime_secs,
-                    b.restarts,
-                    generation,
-                    b.health
+                    brick, b.port, pid, b.state, b.uptime_secs, b.restarts, generation, b.health
+                );
+            }
+        }
+        Response::Cluster(cluster) => {
+            println!("Store:       {}", cluster.store);
+            println!("Generation:  {}", cluster.generation);
+            println!(
+                "{:<24} {:<16} {:>8} {:>10} {:>7}",
+                "host", "address", "daemon", "generation", "bricks"
+            );
+            for h in cluster.hosts {
+                let running = h.bricks.values().filter(|b| b.pid.is_some()).count();
+                println!(
+                    "{:<24} {:<16} {:>8} {:>10} {:>3}/{:<3}",
+                    h.host,
+                    h.listen_ip,
+                    h.daemon_pid,
+                    h.generation,
+                    running,
+                    h.bricks.len()
                 );
             }
         }

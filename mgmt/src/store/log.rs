@@ -275,7 +275,7 @@ fn sync_dir(dir: &Path) -> Result<(), StoreError> {
 #[cfg(test)]
 mod tests {
     use super::super::test_state::{Map, append_to_log, log_len, open, set, snapshot_of};
-    use super::super::{Store, StoreOptions};
+    use super::super::{LogStore, StoreOptions};
     use super::*;
 
     #[tokio::test]
@@ -292,7 +292,7 @@ mod tests {
         // A byte inside the second record's payload: two acknowledged records follow it.
         bytes[first_end as usize + RECORD_HEADER_BYTES + 2] ^= 0x20;
         std::fs::write(&log, &bytes).expect("write");
-        let opened = Store::<Map>::open(tmp.path(), StoreOptions::default());
+        let opened = LogStore::<Map>::open(tmp.path(), StoreOptions::default());
         let Err(StoreError::CorruptLog { offset, reason, .. }) = opened else {
             panic!(
                 "opened a log corrupt in the middle: {:?}",
@@ -355,7 +355,7 @@ mod tests {
         encode_record(&mut records, 1, &[set("a", "1")]).expect("encode");
         encode_record(&mut records, 3, &[set("b", "1")]).expect("encode");
         std::fs::write(tmp.path().join(LOG_FILE), &records).expect("write log");
-        let err = Store::<Map>::open(tmp.path(), StoreOptions::default()).expect_err("gap");
+        let err = LogStore::<Map>::open(tmp.path(), StoreOptions::default()).expect_err("gap");
         assert!(matches!(err, StoreError::CorruptLog { .. }), "{err}");
         assert!(err.to_string().contains("generation 3"), "{err}");
 
@@ -365,7 +365,7 @@ mod tests {
         record.extend_from_slice(&crc32c::crc32c(payload).to_le_bytes());
         record.extend_from_slice(payload);
         std::fs::write(tmp.path().join(LOG_FILE), &record).expect("write log");
-        let err = Store::<Map>::open(tmp.path(), StoreOptions::default()).expect_err("decode");
+        let err = LogStore::<Map>::open(tmp.path(), StoreOptions::default()).expect_err("decode");
         assert!(
             matches!(err, StoreError::CorruptLog { offset: 0, .. }),
             "{err}"

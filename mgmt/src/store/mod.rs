@@ -23,8 +23,11 @@
 //! the generations, a replayed change its state now refuses — is an error: the store refuses
 //! to open rather than lose configuration that was acknowledged.
 
+pub mod etcd;
 mod log;
 mod snapshot;
+#[cfg(test)]
+mod suite;
 #[cfg(test)]
 mod test_state;
 mod writer;
@@ -98,6 +101,12 @@ pub enum StoreError {
     Thread(io::Error),
     #[error("the store is closed")]
     Closed,
+    #[error("etcd at {endpoints}: {error}")]
+    Etcd { endpoints: String, error: String },
+    #[error("the configuration in etcd cannot be read: {reason}")]
+    Diverged { reason: String },
+    #[error("the change lost {attempts} races with other daemons' changes in a row; try again")]
+    Contended { attempts: usize },
 }
 
 impl From<DurableWriteError> for StoreError {
@@ -174,28 +183,31 @@ pub struct StoreStats {
     pub fsyncs: u64,
 }
 
-/// A durable state; share it as `Arc<Store<S>>`. Dropping it finishes the queued commits
+/// A durable state; share it as `Arc<LogStore<S>>`. Dropping it finishes the queued commits
 /// and stops the writer thread.
-pub struct Store<S: State> {
+pub struct LogStore<S: State> {
     shared: Arc<Shared<S>>,
     /// `None` only while dropping, so the writer sees the queue close.
     requests: Option<mpsc::Sender<Request<S>>>,
     writer: Option<std::thread::JoinHandle<()>>,
 }
 
-impl<S: State> std::fmt::Debug for Store<S> {
+impl<S: State> std::fmt::Debug for LogStore<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Store")
+        f.debug_struct("LogStore")
             .field("dir", &self.shared.dir)
             .field("generation", &self.generation())
             .finish_non_exhaustive()
     }
 }
 
-impl<S: State> Store<S> {
+impl<S: State> LogStore<S> {
     /// Opens the store in `dir` (created 0700 if missing): the snapshot, then the log
     /// replayed over it, cutting off a torn tail.
-    pub fn open(dir: &Path, options: StoreOptions) -> Result<(Store<S>, OpenReport), StoreError> {
+    pub fn open(
+        dir: &Path,
+        options: StoreOptions,
+    ) -> Result<(LogStore<S>, OpenReport), StoreError> {
         create_dir(dir)?;
         snapshot::remove_compaction_leftovers(dir)?;
         let (mut state, snapshot_generation) = snapshot::read::<S>(&dir.join(SNAPSHOT_FILE))?;
@@ -213,7 +225,7 @@ impl<S: State> Store<S> {
             records_replayed: replay.records_replayed,
             dropped_tail: replay.dropped_tail,
         };
-        let store = Store {
+        let store = LogStore {
             shared,
             requests: Some(requests),
             writer: Some(writer),
@@ -255,6 +267,11 @@ impl<S: State> Store<S> {
         self.shared.published().generation
     }
 
+    /// Tells each new generation.
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.shared.generations.subscribe()
+    }
+
     /// Writes a snapshot of the state and starts an empty log (also done automatically when
     /// the log exceeds `options.compact_after_bytes`).
     pub async fn compact(&self) -> Result<(), StoreError> {
@@ -277,7 +294,7 @@ impl<S: State> Store<S> {
     }
 }
 
-impl<S: State> Drop for Store<S> {
+impl<S: State> Drop for LogStore<S> {
     fn drop(&mut self) {
         // Closing the queue lets the writer finish what is queued and return.
         self.requests = None;
@@ -285,6 +302,53 @@ impl<S: State> Drop for Store<S> {
             && writer.join().is_err()
         {
             tracing::error!(dir = %self.shared.dir.display(), "the store's writer thread panicked");
+        }
+    }
+}
+
+/// The configuration store a daemon runs on: the embedded log (one host) or etcd (a
+/// cluster of hosts sharing one configuration).
+#[derive(Debug)]
+pub enum ConfigStore<S: etcd::Objects> {
+    Log(LogStore<S>),
+    /// Boxed: an etcd client is a few KiB.
+    Etcd(Box<etcd::EtcdStore<S>>),
+}
+
+impl<S: etcd::Objects> ConfigStore<S> {
+    /// Commits `changes` as one transaction (all or none); the new generation.
+    pub async fn commit(&self, changes: Vec<S::Change>) -> Result<u64, CommitError<S::Error>> {
+        match self {
+            ConfigStore::Log(store) => store.commit(changes).await,
+            ConfigStore::Etcd(store) => store.commit(changes).await,
+        }
+    }
+
+    /// Calls `f` with the current state and its generation.
+    pub fn read<R>(&self, f: impl FnOnce(&S, u64) -> R) -> R {
+        match self {
+            ConfigStore::Log(store) => store.read(f),
+            ConfigStore::Etcd(store) => store.read(f),
+        }
+    }
+
+    pub fn generation(&self) -> u64 {
+        self.read(|_, generation| generation)
+    }
+
+    /// Tells each new generation (an etcd store's includes other daemons' commits).
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
+        match self {
+            ConfigStore::Log(store) => store.subscribe(),
+            ConfigStore::Etcd(store) => store.subscribe(),
+        }
+    }
+
+    /// The etcd store, when the configuration is in etcd.
+    pub fn etcd(&self) -> Option<&etcd::EtcdStore<S>> {
+        match self {
+            ConfigStore::Log(_) => None,
+            ConfigStore::Etcd(store) => Some(store),
         }
     }
 }

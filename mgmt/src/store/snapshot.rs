@@ -106,7 +106,7 @@ fn remove_if_present(path: &Path) -> Result<(), StoreError> {
 #[cfg(test)]
 mod tests {
     use super::super::test_state::{Map, log_len, set, snapshot_of};
-    use super::super::{Store, StoreOptions};
+    use super::super::{LogStore, StoreOptions};
     use super::*;
 
     #[tokio::test]
@@ -116,7 +116,7 @@ mod tests {
             compact_after_bytes: 512,
             ..StoreOptions::default()
         };
-        let (store, _) = Store::<Map>::open(tmp.path(), options).expect("open");
+        let (store, _) = LogStore::<Map>::open(tmp.path(), options).expect("open");
         for i in 0..100 {
             store
                 .commit(vec![set(&format!("k{}", i % 10), &i.to_string())])
@@ -129,7 +129,7 @@ mod tests {
         // is about 50 bytes: the log was reset several times.
         drop(store);
         assert!(log_len(tmp.path()) <= 512, "{}", log_len(tmp.path()));
-        let (store, report) = Store::<Map>::open(tmp.path(), options).expect("reopen");
+        let (store, report) = LogStore::<Map>::open(tmp.path(), options).expect("reopen");
         assert!(report.snapshot_generation > 0);
         assert_eq!(
             report.snapshot_generation + report.records_replayed as u64,
@@ -148,7 +148,7 @@ mod tests {
         drop(store);
         std::fs::write(tmp.path().join(LOG_FILE), &old_log).expect("restore old log");
 
-        let (store, report) = Store::<Map>::open(tmp.path(), options).expect("reopen");
+        let (store, report) = LogStore::<Map>::open(tmp.path(), options).expect("reopen");
         assert_eq!(report.snapshot_generation, 101);
         assert_eq!(report.generation, 101);
         assert_eq!(report.records_replayed, 0);
@@ -158,7 +158,7 @@ mod tests {
         assert_eq!(store.commit(vec![set("next", "1")]).await.expect("c"), 102);
         let before = snapshot_of(&store);
         drop(store);
-        let (store, report) = Store::<Map>::open(tmp.path(), options).expect("reopen");
+        let (store, report) = LogStore::<Map>::open(tmp.path(), options).expect("reopen");
         assert_eq!(report.generation, 102);
         assert_eq!(snapshot_of(&store), before);
     }
@@ -168,7 +168,7 @@ mod tests {
         let tmp = tempfile::tempdir().expect("tempdir");
         std::fs::write(tmp.path().join(SNAPSHOT_FILE), b"{\"generation\":3,\"sta")
             .expect("write snapshot");
-        let err = Store::<Map>::open(tmp.path(), StoreOptions::default()).expect_err("corrupt");
+        let err = LogStore::<Map>::open(tmp.path(), StoreOptions::default()).expect_err("corrupt");
         assert!(matches!(err, StoreError::CorruptSnapshot { .. }), "{err}");
         assert!(err.to_string().contains("snapshot.json"), "{err}");
     }

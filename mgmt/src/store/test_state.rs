@@ -7,7 +7,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use super::{LOG_FILE, OpenReport, State, Store, StoreOptions};
+use super::{LOG_FILE, LogStore, OpenReport, State, StoreOptions};
 
 /// A map of names to values; deleting a missing name is refused.
 #[derive(Debug, Default, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -45,15 +45,36 @@ impl State for Map {
     }
 }
 
+impl super::etcd::Objects for Map {
+    fn objects(&self) -> BTreeMap<String, Vec<u8>> {
+        self.0
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone().into_bytes()))
+            .collect()
+    }
+
+    fn from_objects(objects: &BTreeMap<String, Vec<u8>>) -> Result<Map, String> {
+        let text = |(k, v): (&String, &Vec<u8>)| {
+            let v = String::from_utf8(v.clone()).map_err(|e| e.to_string())?;
+            Ok((k.clone(), v))
+        };
+        objects
+            .iter()
+            .map(text)
+            .collect::<Result<_, String>>()
+            .map(Map)
+    }
+}
+
 pub(super) fn set(key: &str, value: &str) -> Change {
     Change::Set(key.into(), value.into())
 }
 
-pub(super) fn open(dir: &Path) -> (Store<Map>, OpenReport) {
-    Store::open(dir, StoreOptions::default()).expect("open")
+pub(super) fn open(dir: &Path) -> (LogStore<Map>, OpenReport) {
+    LogStore::open(dir, StoreOptions::default()).expect("open")
 }
 
-pub(super) fn snapshot_of(store: &Store<Map>) -> (Map, u64) {
+pub(super) fn snapshot_of(store: &LogStore<Map>) -> (Map, u64) {
     store.read(|state, generation| (state.clone(), generation))
 }
 

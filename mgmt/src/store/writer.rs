@@ -21,6 +21,8 @@ pub(super) struct Shared<S> {
     /// Replaced whole by the writer, so a reader clones the `Arc` and never holds the lock
     /// while it looks at the state.
     current: RwLock<Arc<Published<S>>>,
+    /// Tells each generation published.
+    pub(super) generations: tokio::sync::watch::Sender<u64>,
     /// Why the store takes no more commits.
     failure: Mutex<Option<String>>,
     pub(super) commits: AtomicU64,
@@ -39,6 +41,7 @@ impl<S> Shared<S> {
         Shared {
             dir: dir.to_owned(),
             current: RwLock::new(Arc::new(Published { state, generation })),
+            generations: tokio::sync::watch::Sender::new(generation),
             failure: Mutex::new(None),
             commits: AtomicU64::new(0),
             batches: AtomicU64::new(0),
@@ -55,7 +58,9 @@ impl<S> Shared<S> {
     }
 
     fn publish(&self, published: Published<S>) {
+        let generation = published.generation;
         *self.current.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(published);
+        self.generations.send_replace(generation);
     }
 
     /// Why the store takes no more commits, if it does not.
