@@ -9,14 +9,17 @@
 //! ```
 
 use std::path::Path;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
-use etcd_client::{Client, Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse};
+use etcd_client::{
+    Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse, WatchOptions,
+};
 use kiln_admin::command::HostReport;
 use kiln_admin::pki;
+use tokio::sync::watch;
 
-use crate::store::etcd::{EtcdTarget, in_time};
+use crate::store::etcd::Etcd;
 
 /// How long a host's report outlives its daemon's last keep-alive, in seconds: a dead host
 /// shows as down within this.
@@ -24,25 +27,29 @@ pub const HOST_LEASE_TTL_SECS: i64 = 5;
 /// How often a daemon reports its host.
 pub const REPORT_EVERY: Duration = Duration::from_secs(1);
 
-fn hosts_prefix(target: &EtcdTarget) -> String {
-    format!("{}hosts/", target.prefix())
+fn hosts_prefix(etcd: &Etcd) -> String {
+    format!("{}hosts/", etcd.target().prefix())
 }
 
 /// Checks this host's cluster CA against the one the cluster recorded; the first daemon of
 /// a cluster makes one (if it has none) and records its certificate.
-pub async fn check_ca(client: &Client, target: &EtcdTarget, tls_dir: &Path) -> anyhow::Result<()> {
-    let key = format!("{}ca.crt", target.prefix());
+pub async fn check_ca(etcd: &Etcd, tls_dir: &Path) -> anyhow::Result<()> {
+    let cluster = &etcd.target().cluster;
+    let key = format!("{}ca.crt", etcd.target().prefix());
     let ca = pki::ca_files(tls_dir);
-    let local = std::fs::read(&ca.cert).ok();
-    let record = match &local {
-        Some(cert) => cert.clone(),
-        None => {
-            let recorded = get(client, target, &key).await?;
-            if recorded.is_some() {
+    let record = match std::fs::read(&ca.cert) {
+        Ok(cert) => cert,
+        Err(_) => {
+            let recorded = etcd
+                .call(|mut client| {
+                    let key = key.clone();
+                    async move { client.get(key, None).await }
+                })
+                .await?;
+            if !recorded.kvs().is_empty() {
                 bail!(
-                    "this host has no copy of cluster {}'s CA: copy ca.crt and ca.key from \
-                     a host of the cluster into {} (mode 0600 for the key)",
-                    target.cluster,
+                    "this host has no copy of cluster {cluster}'s CA: copy ca.crt and ca.key \
+                     from a host of the cluster into {} (mode 0600 for the key)",
                     tls_dir.display()
                 );
             }
@@ -54,10 +61,14 @@ pub async fn check_ca(client: &Client, target: &EtcdTarget, tls_dir: &Path) -> a
         .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
         .and_then([TxnOp::put(key.clone(), record.clone(), None)])
         .or_else([TxnOp::get(key.clone(), None)]);
-    let mut client = client.clone();
-    let answer = in_time(&target.endpoints, client.txn(first)).await?;
+    let answer = etcd
+        .call(|mut client| {
+            let first = first.clone();
+            async move { client.txn(first).await }
+        })
+        .await?;
     if answer.succeeded() {
-        tracing::info!(cluster = %target.cluster, "recorded this host's CA as the cluster's");
+        tracing::info!(%cluster, "recorded this host's CA as the cluster's");
         return Ok(());
     }
     let recorded = match answer.op_responses().into_iter().next() {
@@ -66,78 +77,118 @@ pub async fn check_ca(client: &Client, target: &EtcdTarget, tls_dir: &Path) -> a
     };
     if recorded.as_deref() != Some(&record[..]) {
         bail!(
-            "the CA in {} is not cluster {}'s: copy ca.crt and ca.key from a host of the \
-             cluster",
-            tls_dir.display(),
-            target.cluster
+            "the CA in {} is not cluster {cluster}'s: copy ca.crt and ca.key from a host of \
+             the cluster",
+            tls_dir.display()
         );
     }
     Ok(())
 }
 
-/// Reports this host (`report()`) into etcd every [`REPORT_EVERY`] under a lease, until the
-/// task is dropped; a lost lease (etcd unreachable for longer than its time) is granted
-/// again.
+/// Reports this host (`report()`) into etcd under a lease every [`REPORT_EVERY`], and at
+/// once when `applied` tells a new generation applied here, until the task is dropped; a
+/// lost lease (etcd unreachable for longer than its time) is granted again.
 pub async fn report_forever(
-    client: Client,
-    target: EtcdTarget,
+    etcd: Etcd,
     host: String,
     report: impl Fn() -> HostReport,
+    mut applied: watch::Receiver<u64>,
 ) {
-    let key = format!("{}{host}", hosts_prefix(&target));
+    let key = format!("{}{host}", hosts_prefix(&etcd));
     loop {
-        if let Err(e) = report_under_one_lease(&client, &target, &key, &report).await {
-            tracing::warn!(error = %e, "reporting this host into etcd");
+        if let Err(e) = report_under_one_lease(&etcd, &key, &report, &mut applied).await {
+            tracing::warn!(error = %format!("{e:#}"), "reporting this host into etcd");
         }
         tokio::time::sleep(REPORT_EVERY).await;
     }
 }
 
+/// Grants a lease and keeps this host's report under it fresh until something fails.
 async fn report_under_one_lease(
-    client: &Client,
-    target: &EtcdTarget,
+    etcd: &Etcd,
     key: &str,
     report: &impl Fn() -> HostReport,
+    applied: &mut watch::Receiver<u64>,
 ) -> anyhow::Result<()> {
-    let mut client = client.clone();
-    let lease = in_time(
-        &target.endpoints,
-        client.lease_grant(HOST_LEASE_TTL_SECS, None),
-    )
-    .await?;
-    let (mut keeper, mut answers) =
-        in_time(&target.endpoints, client.lease_keep_alive(lease.id())).await?;
+    let lease = etcd
+        .call(|mut client| async move { client.lease_grant(HOST_LEASE_TTL_SECS, None).await })
+        .await?
+        .id();
     loop {
         let json = serde_json::to_vec(&report()).context("encode the host report")?;
-        let options = PutOptions::new().with_lease(lease.id());
-        in_time(&target.endpoints, client.put(key, json, Some(options))).await?;
-        in_time(&target.endpoints, keeper.keep_alive()).await?;
-        match in_time(&target.endpoints, answers.message()).await? {
-            Some(answer) if answer.ttl() > 0 => {}
-            _ => bail!("the host's lease expired"),
+        etcd.call(|mut client| {
+            let json = json.clone();
+            let options = PutOptions::new().with_lease(lease);
+            async move { client.put(key, json, Some(options)).await }
+        })
+        .await?;
+        tokio::select! {
+            changed = applied.changed() => {
+                if changed.is_err() {
+                    return Ok(());
+                }
+            }
+            () = tokio::time::sleep(REPORT_EVERY) => {
+                // (A put under an expired lease fails, and a new lease is granted.)
+                etcd.call(|mut client| async move {
+                    let (mut keeper, mut answers) = client.lease_keep_alive(lease).await?;
+                    keeper.keep_alive().await?;
+                    answers.message().await
+                })
+                .await?;
+            }
         }
-        tokio::time::sleep(REPORT_EVERY).await;
     }
 }
 
-/// Every host whose daemon reports, by name.
-pub async fn hosts(client: &Client, target: &EtcdTarget) -> anyhow::Result<Vec<HostReport>> {
-    let prefix = hosts_prefix(target);
-    let mut client = client.clone();
-    let options = GetOptions::new().with_prefix();
-    let answer = in_time(&target.endpoints, client.get(prefix, Some(options))).await?;
-    answer
+/// The hosts' reports once `enough` holds for them, or as they are at `deadline`: each
+/// change of a report wakes the check.
+pub async fn wait_for_hosts(
+    etcd: &Etcd,
+    enough: impl Fn(&[HostReport]) -> bool,
+    deadline: Instant,
+) -> anyhow::Result<Vec<HostReport>> {
+    let (mut reports, revision) = hosts_at(etcd).await?;
+    if enough(&reports) {
+        return Ok(reports);
+    }
+    let options = WatchOptions::new()
+        .with_prefix()
+        .with_start_revision(revision + 1);
+    let mut changes = etcd.watch(&hosts_prefix(etcd), options).await?;
+    while !enough(&reports) {
+        match tokio::time::timeout_at(deadline.into(), changes.message()).await {
+            Ok(Ok(Some(_))) => reports = hosts_at(etcd).await?.0,
+            Ok(Ok(None) | Err(_)) | Err(_) => break,
+        }
+    }
+    Ok(reports)
+}
+
+/// Every host whose daemon reports.
+pub async fn hosts(etcd: &Etcd) -> anyhow::Result<Vec<HostReport>> {
+    Ok(hosts_at(etcd).await?.0)
+}
+
+/// Every host whose daemon reports, and the etcd revision read at.
+async fn hosts_at(etcd: &Etcd) -> anyhow::Result<(Vec<HostReport>, i64)> {
+    let prefix = hosts_prefix(etcd);
+    let answer = etcd
+        .call(|mut client| {
+            let prefix = prefix.clone();
+            async move {
+                let options = GetOptions::new().with_prefix();
+                client.get(prefix, Some(options)).await
+            }
+        })
+        .await?;
+    let reports = answer
         .kvs()
         .iter()
         .map(|kv| {
             serde_json::from_slice(kv.value())
                 .with_context(|| format!("the report {}", String::from_utf8_lossy(kv.key())))
         })
-        .collect()
-}
-
-async fn get(client: &Client, target: &EtcdTarget, key: &str) -> anyhow::Result<Option<Vec<u8>>> {
-    let mut client = client.clone();
-    let answer = in_time(&target.endpoints, client.get(key, None)).await?;
-    Ok(answer.kvs().first().map(|kv| kv.value().to_vec()))
+        .collect::<anyhow::Result<_>>()?;
+    Ok((reports, answer.header().map_or(0, |h| h.revision())))
 }

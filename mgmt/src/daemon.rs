@@ -50,7 +50,6 @@ pub struct DaemonConfig {
 
 /// How long `volume set` waits for the bricks of other hosts to report a change applied.
 const REMOTE_APPLY_WAIT: Duration = Duration::from_secs(5);
-const REMOTE_APPLY_POLL: Duration = Duration::from_millis(100);
 
 struct Daemon {
     config: DaemonConfig,
@@ -59,7 +58,7 @@ struct Daemon {
     /// One reconciliation of the bricks here with the configuration at a time.
     reconciling: tokio::sync::Mutex<()>,
     /// The generation the bricks here were last brought up to.
-    applied: std::sync::atomic::AtomicU64,
+    applied: tokio::sync::watch::Sender<u64>,
 }
 
 /// Opens the store, starts the bricks of started volumes, and serves the socket until
@@ -109,19 +108,20 @@ pub async fn run(config: DaemonConfig, shutdown: impl Future<Output = ()>) -> an
         store,
         supervisor,
         reconciling: tokio::sync::Mutex::new(()),
-        applied: std::sync::atomic::AtomicU64::new(0),
+        applied: tokio::sync::watch::Sender::new(0),
     });
     daemon.reconcile().await;
     let reconciler = tokio::spawn(daemon.clone().reconcile_forever());
     let reporter = daemon.store.etcd().map(|etcd| {
-        let (client, target) = (etcd.client(), etcd.target().clone());
+        let etcd = etcd.etcd().clone();
         let reporting = daemon.clone();
         let host = reporting.config.host.clone().unwrap_or_default();
+        let applied = daemon.applied.subscribe();
         tokio::spawn(crate::cluster::report_forever(
-            client,
-            target,
+            etcd,
             host,
             move || reporting.host_report(),
+            applied,
         ))
     });
 
@@ -182,7 +182,7 @@ async fn open_store(config: &DaemonConfig, tls_dir: &Path) -> anyhow::Result<Con
     let store = EtcdStore::<Cluster>::open(target.clone())
         .await
         .context("cannot open the configuration in etcd")?;
-    crate::cluster::check_ca(&store.client(), target, tls_dir).await?;
+    crate::cluster::check_ca(store.etcd(), tls_dir).await?;
     tracing::info!(
         cluster = %target.cluster,
         generation = store.generation(),
@@ -290,8 +290,7 @@ impl Daemon {
             }
         }
         self.supervisor.stop_unwanted(&wanted).await;
-        self.applied
-            .store(generation, std::sync::atomic::Ordering::Relaxed);
+        self.applied.send_replace(generation);
     }
 
     /// This host as its daemon reports it into etcd.
@@ -312,7 +311,7 @@ impl Daemon {
             host: self.config.host.clone().unwrap_or_default(),
             listen_ip: self.config.listen_ip,
             daemon_pid: std::process::id(),
-            generation: self.applied.load(std::sync::atomic::Ordering::Relaxed),
+            generation: *self.applied.borrow(),
             bricks,
         }
     }
@@ -320,14 +319,14 @@ impl Daemon {
     /// Every host whose daemon reports (this one alone without etcd).
     async fn host_reports(&self) -> anyhow::Result<Vec<HostReport>> {
         match self.store.etcd() {
-            Some(etcd) => crate::cluster::hosts(&etcd.client(), etcd.target()).await,
+            Some(etcd) => crate::cluster::hosts(etcd.etcd()).await,
             None => Ok(vec![self.host_report()]),
         }
     }
 
     async fn cluster_status(&self) -> anyhow::Result<Response> {
         let store = match self.store.etcd() {
-            Some(etcd) => format!("etcd {}", etcd.target().endpoints.join(",")),
+            Some(etcd) => format!("etcd {}", etcd.etcd().target().endpoints.join(",")),
             None => "embedded".to_owned(),
         };
         Ok(Response::Cluster(ClusterStatus {
@@ -616,37 +615,50 @@ impl Daemon {
         })
     }
 
-    /// Per brick of `volume` on other hosts: the generation its daemon reports it runs, once
-    /// at `generation` or later (waiting up to [`REMOTE_APPLY_WAIT`]), or why not.
+    /// Per brick of `volume` on other hosts: the generation its host's daemon has applied,
+    /// once at `generation` or later (waiting up to [`REMOTE_APPLY_WAIT`] for the hosts that
+    /// report), or why not.
     async fn remote_applied(
         &self,
         volume: &Volume,
         generation: u64,
     ) -> anyhow::Result<Vec<(String, Result<u64, String>)>> {
+        let Some(etcd) = self.store.etcd() else {
+            return Ok(Vec::new());
+        };
         let remote: Vec<(String, &Brick)> = (0..volume.bricks.len())
             .map(|i| (Brick::name(&volume.name, i), &volume.bricks[i]))
             .filter(|(_, brick)| !self.supervisor.is_local(brick))
             .collect();
+        let host_of = |brick: &Brick| brick.host.clone().unwrap_or_default();
+        let caught_up = |reports: &[HostReport]| {
+            remote.iter().all(|(_, brick)| {
+                let host = host_of(brick);
+                reports
+                    .iter()
+                    .find(|r| r.host == host)
+                    .is_none_or(|r| r.generation >= generation)
+            })
+        };
         let deadline = Instant::now() + REMOTE_APPLY_WAIT;
-        loop {
-            let reports = self.host_reports().await?;
-            let results: Vec<(String, Result<u64, String>)> = remote
-                .iter()
-                .map(|(name, brick)| {
-                    let status = remote_status(&reports, name, brick);
-                    let applied = match status.generation {
-                        Some(g) if g >= generation => Ok(g),
-                        Some(g) => Err(format!("runs generation {g}")),
-                        None => Err(format!("{} on {}", status.state, status.health)),
-                    };
-                    (name.clone(), applied)
-                })
-                .collect();
-            if results.iter().all(|(_, r)| r.is_ok()) || Instant::now() >= deadline {
-                return Ok(results);
-            }
-            tokio::time::sleep(REMOTE_APPLY_POLL).await;
-        }
+        let reports = crate::cluster::wait_for_hosts(etcd.etcd(), caught_up, deadline).await?;
+        let results = remote
+            .iter()
+            .map(|(name, brick)| {
+                let status = remote_status(&reports, name, brick);
+                let applied = reports
+                    .iter()
+                    .find(|r| r.host == host_of(brick))
+                    .map_or(0, |r| r.generation);
+                let result = match status.pid {
+                    Some(_) if applied >= generation => Ok(applied),
+                    Some(_) => Err(format!("its host has applied generation {applied}")),
+                    None => Err(format!("{}: {}", status.state, status.health)),
+                };
+                (name.clone(), result)
+            })
+            .collect();
+        Ok(results)
     }
 
     /// Checks a new volume, formats its brick directories and issues their certificates.

@@ -19,6 +19,7 @@
 //! whose revision etcd has compacted away reloads the whole prefix.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -63,15 +64,125 @@ impl EtcdTarget {
     pub fn prefix(&self) -> String {
         format!("/kiln/{}/", self.cluster)
     }
+}
 
-    /// Connects to the members (each request goes to one that answers).
-    pub async fn connect(&self) -> Result<Client, StoreError> {
+/// Connections to each member of an etcd cluster. A request goes to the member that answered
+/// last, and on to the next when that one cannot be reached or has no leader (etcd-client's
+/// own balancing over several endpoints hands a request to a dead member and fails it).
+#[derive(Clone)]
+pub struct Etcd {
+    target: EtcdTarget,
+    members: Arc<[Client]>,
+    current: Arc<AtomicUsize>,
+}
+
+impl std::fmt::Debug for Etcd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Etcd")
+            .field("target", &self.target)
+            .finish()
+    }
+}
+
+impl Etcd {
+    /// Prepares a connection to each member (made at first use).
+    pub async fn connect(target: &EtcdTarget) -> Result<Etcd, StoreError> {
         let options = ConnectOptions::new()
             .with_connect_timeout(ETCD_CONNECT_TIMEOUT)
             .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2))
-            .with_keep_alive_while_idle(true);
-        let connect = Client::connect(&self.endpoints, Some(options));
-        in_time(&self.endpoints, connect).await
+            .with_keep_alive_while_idle(true)
+            // A member cut off from the others says so at once instead of waiting.
+            .with_require_leader(true);
+        let mut members = Vec::with_capacity(target.endpoints.len());
+        for endpoint in &target.endpoints {
+            let client = Client::connect([endpoint], Some(options.clone()))
+                .await
+                .map_err(|e| unreachable(target, e.to_string()))?;
+            members.push(client);
+        }
+        if members.is_empty() {
+            return Err(unreachable(target, "no endpoints".to_owned()));
+        }
+        Ok(Etcd {
+            target: target.clone(),
+            members: members.into(),
+            current: Arc::new(AtomicUsize::new(0)),
+        })
+    }
+
+    pub fn target(&self) -> &EtcdTarget {
+        &self.target
+    }
+
+    /// `call` on a member, within [`ETCD_REQUEST_TIMEOUT`] each: the one that answered
+    /// last, then each other in turn while a member cannot be reached, has no leader or
+    /// does not answer. (A transaction that timed out may have run: a commit's
+    /// compare-and-set makes trying it again safe.)
+    pub async fn call<T, F, Fut>(&self, call: F) -> Result<T, StoreError>
+    where
+        F: Fn(Client) -> Fut,
+        Fut: Future<Output = Result<T, etcd_client::Error>>,
+    {
+        let first = self.current.load(Ordering::Relaxed);
+        let mut failures = Vec::new();
+        for k in 0..self.members.len() {
+            let i = (first + k) % self.members.len();
+            let endpoint = &self.target.endpoints[i];
+            match tokio::time::timeout(ETCD_REQUEST_TIMEOUT, call(self.members[i].clone())).await {
+                Ok(Ok(value)) => {
+                    self.current.store(i, Ordering::Relaxed);
+                    return Ok(value);
+                }
+                Ok(Err(e)) if elsewhere(&e) => failures.push(format!("{endpoint}: {e}")),
+                Ok(Err(e)) => return Err(unreachable(&self.target, e.to_string())),
+                Err(_) => failures.push(format!(
+                    "{endpoint}: no answer within {ETCD_REQUEST_TIMEOUT:?}"
+                )),
+            }
+        }
+        Err(StoreError::Etcd {
+            endpoints: self.target.endpoints.join(","),
+            error: format!("no member with quorum answered ({})", failures.join("; ")),
+        })
+    }
+
+    /// A watch of `key` on the member that answered last (moving on as [`Etcd::call`]).
+    pub async fn watch(
+        &self,
+        key: &str,
+        options: WatchOptions,
+    ) -> Result<etcd_client::WatchStream, StoreError> {
+        self.call(|mut client| {
+            let options = options.clone();
+            async move { client.watch(key, Some(options)).await }
+        })
+        .await
+    }
+
+    /// Moves requests to the next member (the current one broke a watch).
+    fn next_member(&self) {
+        let next = (self.current.load(Ordering::Relaxed) + 1) % self.members.len();
+        self.current.store(next, Ordering::Relaxed);
+    }
+}
+
+/// Whether a request that failed with `error` may go to another member: it did not reach
+/// this one, or this one has no leader (it ran nothing).
+fn elsewhere(error: &etcd_client::Error) -> bool {
+    match error {
+        etcd_client::Error::TransportError(_) => true,
+        etcd_client::Error::GRpcStatus(status) => matches!(
+            status.code(),
+            tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Cancelled
+        ),
+        _ => false,
+    }
+}
+
+fn unreachable(target: &EtcdTarget, error: String) -> StoreError {
+    StoreError::Etcd {
+        endpoints: target.endpoints.join(","),
+        error,
     }
 }
 
@@ -109,8 +220,7 @@ impl Keys {
 /// The configuration state `S` kept in etcd; share it as `Arc`. Dropping it stops its
 /// watch.
 pub struct EtcdStore<S: Objects> {
-    client: Client,
-    target: EtcdTarget,
+    etcd: Etcd,
     keys: Keys,
     seen: watch::Sender<Arc<Seen<S>>>,
     /// Why the copy stopped following etcd (an object that does not decode).
@@ -121,30 +231,35 @@ pub struct EtcdStore<S: Objects> {
 impl<S: Objects> std::fmt::Debug for EtcdStore<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("EtcdStore")
-            .field("target", &self.target)
+            .field("target", self.etcd.target())
             .field("generation", &self.generation())
             .finish_non_exhaustive()
     }
 }
 
+/// What the commit key holds: the last transaction, and an id its committer knows it by.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Record<C> {
+    id: String,
+    changes: Vec<C>,
+}
+
 impl<S: Objects> EtcdStore<S> {
     /// Connects, reads the configuration, and follows it from there.
     pub async fn open(target: EtcdTarget) -> Result<EtcdStore<S>, StoreError> {
-        let client = target.connect().await?;
+        let etcd = Etcd::connect(&target).await?;
         let keys = Keys::new(&target.prefix());
-        let seen = load::<S>(&client, &target, &keys).await?;
+        let seen = load::<S>(&etcd, &keys).await?;
         let (seen, _) = watch::channel(Arc::new(seen));
         let failure = Arc::new(Mutex::new(None));
         let watcher = tokio::spawn(follow(
-            client.clone(),
-            target.clone(),
+            etcd.clone(),
             keys.clone(),
             seen.clone(),
             failure.clone(),
         ));
         Ok(EtcdStore {
-            client,
-            target,
+            etcd,
             keys,
             seen,
             failure,
@@ -163,7 +278,9 @@ impl<S: Objects> EtcdStore<S> {
         if let Some(reason) = failure {
             return Err(CommitError::Store(StoreError::Diverged { reason }));
         }
-        let record = serde_json::to_vec(&changes).map_err(|error| {
+        let id = uuid::Uuid::new_v4().to_string();
+        let record = Record { id, changes };
+        let encoded = serde_json::to_vec(&record).map_err(|error| {
             CommitError::Store(StoreError::Encode {
                 what: "transaction",
                 error,
@@ -172,13 +289,13 @@ impl<S: Objects> EtcdStore<S> {
         for _ in 0..COMMIT_ATTEMPTS_MAX {
             let base = self.seen.borrow().clone();
             let mut next = base.state.clone();
-            for change in &changes {
+            for change in &record.changes {
                 next.check(change).map_err(CommitError::Rejected)?;
                 next.apply(change);
             }
             let objects = next.objects();
             let mut writes = self.writes(&base.objects, &objects);
-            writes.push(TxnOp::put(self.keys.commit.clone(), record.clone(), None));
+            writes.push(TxnOp::put(self.keys.commit.clone(), encoded.clone(), None));
             let generation = i64::try_from(base.generation).unwrap_or(i64::MAX);
             let txn = Txn::new()
                 .when([Compare::mod_revision(
@@ -191,8 +308,12 @@ impl<S: Objects> EtcdStore<S> {
                     self.keys.config.clone(),
                     Some(GetOptions::new().with_prefix()),
                 )]);
-            let mut client = self.client.clone();
-            let answer = in_time(&self.target.endpoints, client.txn(txn))
+            let answer = self
+                .etcd
+                .call(|mut client| {
+                    let txn = txn.clone();
+                    async move { client.txn(txn).await }
+                })
                 .await
                 .map_err(CommitError::Store)?;
             let revision = answer.header().map_or(0, |h| h.revision());
@@ -207,11 +328,22 @@ impl<S: Objects> EtcdStore<S> {
                 publish(&self.seen, seen);
                 return Ok(generation);
             }
-            // Another daemon committed first: take its state from the answer and try again.
-            if let Some(TxnOpResponse::Get(get)) = answer.op_responses().into_iter().next() {
-                let seen = decode::<S>(&self.keys, get.kvs(), revision)
-                    .map_err(|reason| CommitError::Store(StoreError::Diverged { reason }))?;
-                publish(&self.seen, seen);
+            // Another daemon committed first — or this transaction did, on a member that
+            // did not answer in time: take the state from the answer.
+            let Some(TxnOpResponse::Get(get)) = answer.op_responses().into_iter().next() else {
+                continue;
+            };
+            let seen = decode::<S>(&self.keys, get.kvs(), revision)
+                .map_err(|reason| CommitError::Store(StoreError::Diverged { reason }))?;
+            let ours = get.kvs().iter().any(|kv| {
+                kv.key() == self.keys.commit.as_bytes()
+                    && serde_json::from_slice::<Record<serde::de::IgnoredAny>>(kv.value())
+                        .is_ok_and(|r| r.id == record.id)
+            });
+            let generation = seen.generation;
+            publish(&self.seen, seen);
+            if ours {
+                return Ok(generation);
             }
         }
         Err(CommitError::Store(StoreError::Contended {
@@ -263,13 +395,9 @@ impl<S: Objects> EtcdStore<S> {
         told
     }
 
-    /// A client of the same etcd (for what the daemon keeps beside the configuration).
-    pub fn client(&self) -> Client {
-        self.client.clone()
-    }
-
-    pub fn target(&self) -> &EtcdTarget {
-        &self.target
+    /// The connection to etcd (for what the daemons keep beside the configuration).
+    pub fn etcd(&self) -> &Etcd {
+        &self.etcd
     }
 }
 
@@ -290,33 +418,14 @@ fn publish<S>(current: &watch::Sender<Arc<Seen<S>>>, seen: Seen<S>) {
     });
 }
 
-/// Runs `call` against etcd within [`ETCD_REQUEST_TIMEOUT`].
-pub(crate) async fn in_time<T>(
-    endpoints: &[String],
-    call: impl Future<Output = Result<T, etcd_client::Error>>,
-) -> Result<T, StoreError> {
-    let unreachable = |error: String| StoreError::Etcd {
-        endpoints: endpoints.join(","),
-        error,
-    };
-    match tokio::time::timeout(ETCD_REQUEST_TIMEOUT, call).await {
-        Ok(Ok(value)) => Ok(value),
-        Ok(Err(e)) => Err(unreachable(e.to_string())),
-        Err(_) => Err(unreachable(format!(
-            "no answer within {ETCD_REQUEST_TIMEOUT:?} (no quorum reachable?)"
-        ))),
-    }
-}
-
 /// Reads the whole configuration.
-async fn load<S: Objects>(
-    client: &Client,
-    target: &EtcdTarget,
-    keys: &Keys,
-) -> Result<Seen<S>, StoreError> {
-    let mut client = client.clone();
-    let get = client.get(keys.config.clone(), Some(GetOptions::new().with_prefix()));
-    let answer = in_time(&target.endpoints, get).await?;
+async fn load<S: Objects>(etcd: &Etcd, keys: &Keys) -> Result<Seen<S>, StoreError> {
+    let answer = etcd
+        .call(|mut client| async move {
+            let options = GetOptions::new().with_prefix();
+            client.get(keys.config.as_str(), Some(options)).await
+        })
+        .await?;
     let revision = answer.header().map_or(0, |h| h.revision());
     decode(keys, answer.kvs(), revision).map_err(|reason| StoreError::Diverged { reason })
 }
@@ -344,8 +453,7 @@ fn decode<S: Objects>(keys: &Keys, kvs: &[KeyValue], revision: i64) -> Result<Se
 
 /// Keeps `seen` up to date with etcd until the store is dropped.
 async fn follow<S: Objects>(
-    client: Client,
-    target: EtcdTarget,
+    etcd: Etcd,
     keys: Keys,
     seen: watch::Sender<Arc<Seen<S>>>,
     failure: Arc<Mutex<Option<String>>>,
@@ -353,11 +461,11 @@ async fn follow<S: Objects>(
     let mut backoff = REWATCH_BACKOFF_MIN;
     loop {
         let from = seen.borrow().revision + 1;
-        let why = match watch_from(&client, &keys, &seen, from).await {
+        let why = match watch_from(&etcd, &keys, &seen, from).await {
             Ok(()) => "the watch ended".to_owned(),
             Err(Broken::Compacted) => {
                 // The changes since `from` are gone: read everything again.
-                match load::<S>(&client, &target, &keys).await {
+                match load::<S>(&etcd, &keys).await {
                     Ok(loaded) => {
                         publish(&seen, loaded);
                         continue;
@@ -373,9 +481,10 @@ async fn follow<S: Objects>(
             Err(Broken::Etcd(e)) => e,
         };
         tracing::warn!(why = %why, ?backoff, "watching the configuration in etcd again");
+        etcd.next_member();
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(REWATCH_BACKOFF_MAX);
-        if let Ok(loaded) = load::<S>(&client, &target, &keys).await {
+        if let Ok(loaded) = load::<S>(&etcd, &keys).await {
             publish(&seen, loaded);
             backoff = REWATCH_BACKOFF_MIN;
         }
@@ -390,7 +499,7 @@ enum Broken {
 
 /// Applies the configuration's changes from revision `from` to `seen` as they come.
 async fn watch_from<S: Objects>(
-    client: &Client,
+    etcd: &Etcd,
     keys: &Keys,
     seen: &watch::Sender<Arc<Seen<S>>>,
     from: i64,
@@ -399,9 +508,8 @@ async fn watch_from<S: Objects>(
         .with_prefix()
         .with_start_revision(from)
         .with_progress_notify();
-    let mut client = client.clone();
-    let mut stream = client
-        .watch(keys.config.clone(), Some(options))
+    let mut stream = etcd
+        .watch(&keys.config, options)
         .await
         .map_err(|e| Broken::Etcd(e.to_string()))?;
     loop {

@@ -1,0 +1,464 @@
+//! A cluster of three hosts on this machine: each a network namespace on a bridge, running a
+//! member of one etcd cluster (Debian's `etcd-server`) and a `kiln-mgmtd` that keeps the
+//! configuration there. Volumes span the hosts; any host's daemon takes any command; daemons
+//! and etcd members are killed, and a host is cut off its network, while changes go on.
+//!
+//! Needs root (namespaces) and etcd: where etcd is missing the tests are skipped, unless
+//! `KILN_REQUIRE_ETCD` is set (the test command sets it), which makes them fail.
+
+mod common;
+
+use std::ffi::OsString;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::bin;
+use kiln_admin::command::{BrickStatus, Response};
+use kiln_mgmt::etcd_server::{EtcdServer, Member, etcd_for_test};
+
+const HOSTS: usize = 3;
+const CLUSTER: &str = "test";
+
+/// Three namespaced hosts with an etcd member and a daemon each.
+struct Hosts {
+    dir: tempfile::TempDir,
+    bridge: String,
+    etcd: PathBuf,
+    members: Vec<Member>,
+    hosts: Vec<Host>,
+}
+
+struct Host {
+    ns: String,
+    /// The root namespace's end of the host's link (down: the host is cut off).
+    link: String,
+    ip: Ipv4Addr,
+    state: PathBuf,
+    socket: PathBuf,
+    member: Option<EtcdServer>,
+    daemon: Option<Child>,
+}
+
+impl Host {
+    fn name(&self) -> String {
+        self.ip.to_string()
+    }
+
+    fn wrapper(&self) -> Vec<OsString> {
+        ["ip", "netns", "exec", &self.ns]
+            .into_iter()
+            .map(OsString::from)
+            .collect()
+    }
+}
+
+fn ip(args: &[&str]) {
+    let out = Command::new("ip").args(args).output().expect("ip");
+    assert!(
+        out.status.success(),
+        "ip {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+impl Hosts {
+    /// Three hosts on a fresh bridge; `test` (a small number) keeps the names and the
+    /// subnet of concurrent tests apart.
+    fn start(name: &str, test: u8) -> Option<Hosts> {
+        let etcd = etcd_for_test(name)?;
+        let tag = format!("{}{test}", std::process::id() % 10_000);
+        let third = u8::try_from(std::process::id() % 250).expect("< 250");
+        let bridge = format!("kb{tag}");
+        ip(&["link", "add", &bridge, "type", "bridge"]);
+        let hosts_dir = tempfile::tempdir().expect("tempdir");
+        let mut hosts = Hosts {
+            dir: hosts_dir,
+            bridge: bridge.clone(),
+            etcd,
+            members: Vec::new(),
+            hosts: Vec::new(),
+        };
+        let gateway = format!("10.{}.{third}.254/24", 200 + test);
+        ip(&["addr", "add", &gateway, "dev", &bridge]);
+        ip(&["link", "set", &bridge, "up"]);
+        for i in 0..HOSTS {
+            let ns = format!("kiln-{tag}-{i}");
+            let link = format!("kv{tag}{i}");
+            let addr = Ipv4Addr::new(10, 200 + test, third, 1 + i as u8);
+            ip(&["netns", "add", &ns]);
+            ip(&[
+                "link", "add", &link, "type", "veth", "peer", "name", "eth0", "netns", &ns,
+            ]);
+            ip(&["link", "set", &link, "master", &bridge, "up"]);
+            ip(&[
+                "-n",
+                &ns,
+                "addr",
+                "add",
+                &format!("{addr}/24"),
+                "dev",
+                "eth0",
+            ]);
+            ip(&["-n", &ns, "link", "set", "eth0", "up"]);
+            ip(&["-n", &ns, "link", "set", "lo", "up"]);
+            let dir = hosts.dir.path().join(format!("host{i}"));
+            std::fs::create_dir_all(&dir).expect("host dir");
+            hosts.members.push(Member {
+                name: format!("m{i}"),
+                client: SocketAddr::from((addr, 2379)),
+                peer: SocketAddr::from((addr, 2380)),
+            });
+            hosts.hosts.push(Host {
+                ns,
+                link,
+                ip: addr,
+                state: dir.join("state"),
+                socket: dir.join("run/mgmtd.sock"),
+                member: None,
+                daemon: None,
+            });
+        }
+        for i in 0..HOSTS {
+            hosts.start_member(i);
+        }
+        // The first daemon makes the cluster's CA; the others get a copy of it, as an
+        // operator joining a host would give it one.
+        hosts.start_daemon(0);
+        for i in 1..HOSTS {
+            let tls = hosts.hosts[i].state.join("tls");
+            std::fs::create_dir_all(&tls).expect("tls dir");
+            for file in ["ca.crt", "ca.key"] {
+                std::fs::copy(hosts.hosts[0].state.join("tls").join(file), tls.join(file))
+                    .expect("copy the CA");
+            }
+            hosts.start_daemon(i);
+        }
+        Some(hosts)
+    }
+
+    fn endpoints(&self) -> String {
+        self.members
+            .iter()
+            .map(Member::client_url)
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    fn start_member(&mut self, i: usize) {
+        let host = &self.hosts[i];
+        let data = self.dir.path().join(format!("host{i}/etcd"));
+        let server = EtcdServer::start(
+            &self.etcd,
+            &self.members[i],
+            &self.members,
+            &data,
+            &host.wrapper(),
+        )
+        .expect("etcd member");
+        self.hosts[i].member = Some(server);
+    }
+
+    fn start_daemon(&mut self, i: usize) {
+        let endpoints = self.endpoints();
+        let host = &mut self.hosts[i];
+        let log = std::fs::File::options()
+            .create(true)
+            .append(true)
+            .open(host.state.with_extension("log"))
+            .expect("log");
+        let daemon = Command::new("ip")
+            .args(["netns", "exec", &host.ns])
+            .arg(bin("kiln-mgmtd"))
+            .arg("--state-dir")
+            .arg(&host.state)
+            .arg("--socket")
+            .arg(&host.socket)
+            .args(["--listen-ip", &host.name(), "--host", &host.name()])
+            .args(["--etcd", &endpoints, "--cluster", CLUSTER])
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("kiln-mgmtd");
+        host.daemon = Some(daemon);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while std::os::unix::net::UnixStream::connect(&host.socket).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "kiln-mgmtd of host {i} did not start:\n{}",
+                self.daemon_log(i)
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn kill_daemon(&mut self, i: usize) {
+        if let Some(mut daemon) = self.hosts[i].daemon.take() {
+            let _ = daemon.kill();
+            let _ = daemon.wait();
+        }
+    }
+
+    fn daemon_log(&self, i: usize) -> String {
+        std::fs::read_to_string(self.hosts[i].state.with_extension("log")).unwrap_or_default()
+    }
+
+    /// `kiln ARGS` against host `i`'s daemon, as its `admin`.
+    fn kiln(&self, i: usize, args: &[&str]) -> Output {
+        let host = &self.hosts[i];
+        Command::new(bin("kiln"))
+            .args(args)
+            .env("KILN_MGMT_SOCKET", &host.socket)
+            .env("KILN_TLS_DIR", host.state.join("tls"))
+            .output()
+            .expect("kiln")
+    }
+
+    fn kiln_ok(&self, i: usize, args: &[&str]) -> String {
+        let out = self.kiln(i, args);
+        assert!(
+            out.status.success(),
+            "kiln {args:?} on host {i}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    fn json(&self, i: usize, args: &[&str]) -> Response {
+        let mut all = vec!["volume", "--json"];
+        all.extend_from_slice(args);
+        serde_json::from_str(&self.kiln_ok(i, &all)).expect("JSON answer")
+    }
+
+    fn status(&self, i: usize, volume: &str) -> Vec<BrickStatus> {
+        match self.json(i, &["status", volume]) {
+            Response::Status { bricks } => bricks,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// Waits until `ok` holds for host `i`'s view of `volume`'s bricks.
+    fn wait_status(&self, i: usize, volume: &str, ok: impl Fn(&[BrickStatus]) -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let bricks = self.status(i, volume);
+            if ok(&bricks) {
+                return;
+            }
+            assert!(Instant::now() < deadline, "host {i} sees {bricks:#?}");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    fn option(&self, i: usize, volume: &str, key: &str) -> String {
+        let out = self.kiln_ok(i, &["volume", "get", volume, key]);
+        out.split_whitespace().nth(1).unwrap_or_default().to_owned()
+    }
+
+    /// A volume with one brick on each host, started, its `admin` root on the mount.
+    fn volume(&self, name: &str) -> Vec<PathBuf> {
+        let bricks: Vec<PathBuf> = (0..HOSTS)
+            .map(|i| self.dir.path().join(format!("host{i}/{name}")))
+            .collect();
+        let specs: Vec<String> = bricks
+            .iter()
+            .zip(&self.hosts)
+            .map(|(path, host)| format!("{}:{}", host.name(), path.display()))
+            .collect();
+        let mut args = vec!["volume", "create", name];
+        args.extend(specs.iter().map(String::as_str));
+        self.kiln_ok(0, &args);
+        self.kiln_ok(1, &["volume", "set", name, "server.root-allow", "admin"]);
+        self.kiln_ok(1, &["volume", "start", name]);
+        bricks
+    }
+
+    fn set_link(&self, i: usize, up: bool) {
+        ip(&[
+            "link",
+            "set",
+            &self.hosts[i].link,
+            if up { "up" } else { "down" },
+        ]);
+    }
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        for i in 0..HOSTS {
+            self.kill_daemon(i);
+        }
+        // The bricks outlive their daemons: stop them by their pid files.
+        for host in &self.hosts {
+            for entry in std::fs::read_dir(host.state.join("run"))
+                .into_iter()
+                .flatten()
+            {
+                let path = entry.map(|e| e.path()).unwrap_or_default();
+                if path.extension().is_some_and(|e| e == "pid")
+                    && let Ok(pid) = std::fs::read_to_string(&path)
+                {
+                    let _ = Command::new("kill")
+                        .args(["-9", pid.trim()])
+                        .stderr(Stdio::null())
+                        .status();
+                }
+            }
+        }
+        for host in &mut self.hosts {
+            host.member = None;
+            let _ = Command::new("ip").args(["netns", "del", &host.ns]).status();
+        }
+        let _ = Command::new("ip")
+            .args(["link", "del", &self.bridge])
+            .status();
+    }
+}
+
+fn running(bricks: &[BrickStatus]) -> bool {
+    bricks
+        .iter()
+        .all(|b| b.pid.is_some() && b.state == "running")
+}
+
+fn pids(bricks: &[BrickStatus]) -> Vec<Option<u32>> {
+    bricks.iter().map(|b| b.pid).collect()
+}
+
+#[test]
+fn three_hosts_share_one_configuration_and_serve_one_volume() {
+    let Some(mut hosts) = Hosts::start("three_hosts_share_one_configuration", 1) else {
+        return;
+    };
+    let bricks = hosts.volume("v");
+    // Created on host 0, started on host 1: every host's daemon runs its own brick.
+    hosts.wait_status(2, "v", running);
+    let set = hosts.kiln_ok(2, &["volume", "set", "v", "network.inflight-max", "64"]);
+    assert!(set.contains("applied by 3 running brick(s)"), "{set}");
+    assert_eq!(hosts.option(0, "v", "network.inflight-max"), "64");
+    let cluster = hosts.kiln_ok(1, &["cluster", "status"]);
+    for host in &hosts.hosts {
+        assert!(cluster.contains(&host.name()), "{cluster}");
+    }
+
+    // A mount reaches each brick at its host.
+    let mnt = hosts.dir.path().join("mnt");
+    std::fs::create_dir(&mnt).expect("mountpoint");
+    hosts.kiln_ok(0, &["mount", "v", mnt.to_str().expect("utf-8")]);
+    for n in 0..30 {
+        std::fs::write(mnt.join(format!("f{n}")), format!("file {n}")).expect("write");
+    }
+    let holding = bricks
+        .iter()
+        .filter(|b| {
+            std::fs::read_dir(b)
+                .expect("brick")
+                .filter_map(Result::ok)
+                .any(|e| e.file_name().to_string_lossy().starts_with('f'))
+        })
+        .count();
+    assert!(holding >= 2, "30 files on {holding} brick(s)");
+
+    // Host 1's daemon dies: its brick keeps serving, and its next daemon adopts it.
+    let before = hosts.status(0, "v");
+    hosts.kill_daemon(1);
+    for n in 0..30 {
+        let back = std::fs::read_to_string(mnt.join(format!("f{n}"))).expect("read");
+        assert_eq!(back, format!("file {n}"));
+    }
+    hosts.wait_status(0, "v", |b| b[1].state == "down");
+    hosts.start_daemon(1);
+    hosts.wait_status(0, "v", |b| running(b) && pids(b) == pids(&before));
+    assert!(hosts.daemon_log(1).contains("adopted the running brick"));
+    hosts.kiln_ok(0, &["umount", mnt.to_str().expect("utf-8")]);
+
+    // Stopped from host 2: every host stops its brick.
+    hosts.kiln_ok(2, &["volume", "stop", "v"]);
+    hosts.wait_status(0, "v", |b| b.iter().all(|b| b.pid.is_none()));
+}
+
+#[test]
+fn acknowledged_changes_survive_a_killed_daemon_and_etcd_member() {
+    let Some(mut hosts) = Hosts::start("acknowledged_changes_survive", 2) else {
+        return;
+    };
+    hosts.volume("v");
+    hosts.wait_status(0, "v", running);
+    let before = pids(&hosts.status(0, "v"));
+    const KEYS: [&str; 3] = [
+        "network.inflight-max",
+        "network.connections-max",
+        "features.lease-contention-ms",
+    ];
+    // (generation, key, value) of every acknowledged set.
+    let mut acknowledged: Vec<(u64, &str, String)> = Vec::new();
+    let mut seed: u64 = 0x5eed_c0de;
+    let mut next = || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    for round in 0..60 {
+        if round == 20 {
+            hosts.kill_daemon(2);
+            hosts.hosts[1].member.as_mut().expect("member").kill();
+        }
+        let on = (next() % 3) as usize;
+        let key = KEYS[(next() % 3) as usize];
+        let value = (1 + next() % 4000).to_string();
+        let out = hosts.kiln(on, &["volume", "--json", "set", "v", key, &value]);
+        if let Ok(Response::Done { generation, .. }) = serde_json::from_slice(&out.stdout) {
+            acknowledged.push((generation, key, value));
+        } else {
+            // Only the killed daemon may refuse.
+            assert!(
+                round >= 20 && on == 2,
+                "round {round} on host {on}: {out:?}"
+            );
+        }
+    }
+    acknowledged.sort();
+    let last = |key: &str| -> String {
+        let (_, _, value) = acknowledged
+            .iter()
+            .rev()
+            .find(|(_, k, _)| *k == key)
+            .expect("a set of every key");
+        value.clone()
+    };
+    for key in KEYS {
+        assert_eq!(hosts.option(0, "v", key), last(key), "{key} on host 0");
+        assert_eq!(hosts.option(1, "v", key), last(key), "{key} on host 1");
+    }
+    // The killed member and daemon come back and agree; no brick was restarted.
+    hosts.start_member(1);
+    hosts.start_daemon(2);
+    for key in KEYS {
+        assert_eq!(hosts.option(2, "v", key), last(key), "{key} on host 2");
+    }
+    hosts.wait_status(2, "v", |b| running(b) && pids(b) == before);
+}
+
+#[test]
+fn a_partitioned_host_cannot_commit_and_catches_up() {
+    let Some(hosts) = Hosts::start("a_partitioned_host_cannot_commit", 3) else {
+        return;
+    };
+    hosts.volume("v");
+    hosts.set_link(2, false);
+    let refused = hosts.kiln(2, &["volume", "set", "v", "network.inflight-max", "99"]);
+    assert!(!refused.status.success());
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(said.contains("etcd"), "{said}");
+    hosts.kiln_ok(0, &["volume", "set", "v", "network.inflight-max", "77"]);
+    assert_eq!(hosts.option(2, "v", "network.inflight-max"), "256");
+    hosts.set_link(2, true);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while hosts.option(2, "v", "network.inflight-max") != "77" {
+        assert!(Instant::now() < deadline, "host 2 did not catch up");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
