@@ -3,7 +3,8 @@
 //! ```text
 //! kiln-bench engine [--files N] [--dirs N] [--depths 1,16,256] [--loop-fs-mib M] [--json]
 //! kiln-bench net [--files N] [--concurrency 1,16,128] [--pings N] [--bulk-mib M] [--json]
-//! kiln-bench mgmt [--sets N] [--tasks N] [--loop-fs-mib M] [--json]
+//! kiln-bench mgmt [--sets N] [--tasks N] [--store embedded|etcd] [--no-glusterfs]
+//!                 [--loop-fs-mib M] [--json]
 //! kiln-bench mount [--files N] [--dirs N] [--linux-source auto|off|PATH] [--git-files N]
 //!                  [--targets local,bindfs,kiln,glusterfs] [--mount-options O,...]
 //!                  [--glusterfs-setup | --glusterfs-volume HOST:/VOL] [--json]
@@ -28,7 +29,7 @@ use clap::{Args, Parser, Subcommand};
 use kiln_bench::bricks::BrickOption;
 use kiln_bench::engine::{self, EngineBench};
 use kiln_bench::lookup_scale::{self, LookupScaleBench};
-use kiln_bench::mgmt::{self, MgmtBench};
+use kiln_bench::mgmt::{self, MgmtBench, MgmtStore};
 use kiln_bench::mount::{self, MountBench, Target};
 use kiln_bench::net::{self, NetBench};
 use kiln_bench::openfds::{self, OpenTarget, OpenfdsBench};
@@ -75,7 +76,9 @@ enum Workload {
     /// The management path: `kiln volume set` through a real kiln-mgmtd (volume created, then
     /// started so each set is pushed live to a running brick) and the configuration store's
     /// commits alone and grouped, against this disk's floors: one append + fdatasync of the
-    /// same bytes, and a durable file replacement (temp, fsync, rename, directory fsync).
+    /// same bytes, and a durable file replacement (temp, fsync, rename, directory fsync). The
+    /// store is the daemon's embedded log or (`--store etcd`) one etcd member. Then, where
+    /// GlusterFS is installed, `gluster volume set` on a one-brick volume the run sets up.
     Mgmt(MgmtArgs),
     /// A tree of many small files untarred, `find`-stat'ed, `ls -lR`'d, read, a repository
     /// `git clone`d, and all removed, on the local directory, a bindfs passthrough FUSE mount,
@@ -167,6 +170,15 @@ struct MgmtArgs {
     /// Tasks committing at once in the group-commit run.
     #[arg(long, default_value_t = 16)]
     tasks: usize,
+    /// The configuration store under the commits and the daemon: its embedded log, or one
+    /// etcd member the run starts in the scratch directory.
+    #[arg(long, value_enum, default_value_t = MgmtStore::Embedded)]
+    store: MgmtStore,
+    /// Do not measure `gluster volume set` (by default it is, where `gluster` and `glusterd`
+    /// are installed: glusterd started if none runs, a one-brick volume in the scratch
+    /// directory, all torn down after).
+    #[arg(long)]
+    no_glusterfs: bool,
 }
 
 #[derive(Debug, Args)]
@@ -412,6 +424,8 @@ impl MgmtArgs {
         MgmtBench {
             sets: self.sets,
             tasks: self.tasks,
+            store: self.store,
+            glusterfs: !self.no_glusterfs,
         }
     }
 }

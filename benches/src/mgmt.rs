@@ -1,12 +1,14 @@
 //! `kiln-bench mgmt`: the management path — an option change as a user makes it, and the
 //! configuration store under it — against the durability floor of the scratch disk, all in one
-//! run on the scratch directory.
+//! run on the scratch directory. `--store` picks the configuration store: `embedded` (the
+//! default: the daemon's own log) or `etcd` (one etcd member the run starts; see below).
 //!
-//! Workloads (each phase is `sets` operations, after a few unmeasured warm-up ones):
+//! Workloads (each phase is `sets` operations, after a few unmeasured warm-up ones; every
+//! row's `params.store` names the run's store, so the two runs can be told apart):
 //!
 //! * `mgmt.floor` — the references, each on a file of its own in the scratch directory, with
-//!   as many bytes as one store commit appends to the log (measured first on a store of its
-//!   own: `params.bytes`):
+//!   as many bytes as one store commit appends to the embedded log (measured first on a log
+//!   store of its own, in both runs: `params.bytes`):
 //!   * `append_fdatasync` — one `write` of those bytes to a file opened for appending, then
 //!     `fdatasync`: the one durable operation a store commit makes, bare. The reference of
 //!     every row.
@@ -37,24 +39,60 @@
 //!   also pushes the live options to the running brick over its control socket.
 //!   `params.applied_live` counts the sets whose answer says the brick applied them.
 //!
+//! With `--store etcd` the run starts one etcd member (`etcd` on PATH or Debian's; the run
+//! fails when it is not installed) on free loopback ports, its data directory in the scratch
+//! directory: etcd's write-ahead log and its fdatasyncs are on the disk the floors measure
+//! (and compete with them for it). The floors are the same as in the embedded run (the bytes
+//! of one embedded-log commit), so the two runs' ratios compare. What changes:
+//!
+//! * `mgmt.commit` / `store` and `store_group` measure an [`EtcdStore::<Cluster>`](EtcdStore)
+//!   on a fresh cluster name (key prefix) instead of the log. A commit is one etcd
+//!   transaction: a gRPC round trip on loopback, a compare-and-set on the commit key that
+//!   writes the volume's whole object and the commit record, which etcd appends to its
+//!   write-ahead log and fdatasyncs before it answers (one member is its own quorum; its
+//!   key-value backend commits in the background, with fsyncs of its own). `store_group`'s
+//!   committers share one store, which sends one daemon's commits to etcd one at a time (as
+//!   a daemon does), so they queue in the store rather than race on the commit key. etcd's
+//!   own fsyncs are not counted here: `fsyncs` and `batches` are null.
+//! * `mgmt.set` runs `kiln-mgmtd --etcd URL --host 127.0.0.1 --cluster NAME` (a fresh
+//!   name): each set is an etcd transaction and the daemon's own work.
+//!
 //! `ratio` = the floor's p50 / this p50 (>1 = faster than the floor), against
 //! `append_fdatasync` for every row and, for the store's rows, once more against
-//! `replace_fsync`. A sequential store commit is one append and one fdatasync, so against
-//! `append_fdatasync` it can at best tie: the difference is what the store adds (encoding,
-//! the hand-off to its writer thread and back). For `store_group` "this p50" is the time per
-//! commit of the whole run (wall time ÷ commits, i.e. the ratio is commits/s × the floor's
-//! p50), because a commit that waits in a group is never quicker than one fdatasync; the
-//! group's throughput is what beats the floor. The CLI sets add a process start and a socket
-//! round trip.
+//! `replace_fsync`. A sequential commit is one append and one fdatasync (on etcd: one
+//! write-ahead log append and fdatasync), so against `append_fdatasync` it can at best tie:
+//! the difference is what the store adds (the embedded log's encoding and the hand-off to its
+//! writer thread and back; etcd's round trip, raft and transaction). For `store_group` "this
+//! p50" is the time per commit of the whole run (wall time ÷ commits, i.e. the ratio is
+//! commits/s × the floor's p50), because a commit that waits in a group is never quicker than
+//! one fdatasync; the group's throughput is what beats the floor. The CLI sets add a process
+//! start and a socket round trip.
 //!
 //! The binaries `kiln-mgmtd`, `kiln` and `kiln-brickd` are taken from beside the running
 //! `kiln-bench` (`cargo build --release` builds them all). The brick gets a UDP port that was
-//! free a moment before. At the end `kiln-mgmtd` gets SIGTERM (it stops its brick) and is
-//! waited for, SIGKILL after a bounded wait. Every loop is bounded by a count and every wait
-//! by a time.
+//! free a moment before. At the end `kiln-mgmtd` gets SIGTERM and is waited for, SIGKILL
+//! after a bounded wait; on the embedded store it stops its brick itself, while on etcd a
+//! daemon's bricks outlive it, so the volume is stopped first (`kiln volume stop v`). Either
+//! way the run fails if a brick is left running. etcd is killed when the run ends. Every loop
+//! is bounded by a count and every wait by a time.
 //!
-//! A `gluster` note says whether the `gluster` command is on PATH: with a running glusterd a
-//! `gluster volume set` comparison is possible, but this workload never sets one up.
+//! Last, in the same run and once kiln-mgmtd and etcd are stopped, GlusterFS's own
+//! `volume set`, where `gluster` and `glusterd` are installed (nothing is installed) and
+//! `--no-glusterfs` is not given:
+//!
+//! * `mgmt.set` / `gluster-cli` — glusterd started unless one runs, a one-brick volume
+//!   created (`gluster volume create NAME HOST:BRICK force`, the brick in the scratch
+//!   directory) and started, then each set `gluster --mode=script volume set NAME
+//!   performance.io-thread-count <n>` (a live option: the running brick reconfigures; `n`
+//!   cycles through 1..=64 so every set is a real change), spawned, reaped and timed as the
+//!   kiln CLI's sets, after the same warm-up. Against the floor like the other rows;
+//!   `params.kiln_cli_vs_gluster` is its p50 ÷ the same run's `kiln-cli` p50 (>1 = Kiln's
+//!   set is faster), `kiln_cli_started_vs_gluster` the same against `kiln-cli-started`
+//!   (both volumes running). The volume is then stopped (`--mode=script`) and deleted, and
+//!   glusterd stopped if this run started it (`mount::glusterd`).
+//!
+//! A `gluster` note says what was set up, or why there is no `gluster-cli` row (no `gluster`
+//! on PATH, `--no-glusterfs`, or the set-up failed: the run does not fail for it).
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -65,14 +103,18 @@ use anyhow::{Context, bail};
 use hdrhistogram::Histogram;
 use kiln_admin::options;
 use kiln_admin::volume::{Brick, Volume, VolumeState};
-use kiln_mgmt::store::{LOG_FILE, LogStore, StoreOptions, StoreStats};
+use kiln_mgmt::etcd_server::{EtcdServer, etcd_binary};
+use kiln_mgmt::store::etcd::{EtcdStore, EtcdTarget};
+use kiln_mgmt::store::{ConfigStore, LOG_FILE, LogStore, StoreOptions, StoreStats};
 use kiln_mgmt::volume::{BRICK_PORT_BASE, Change, Cluster};
 use rustix::process::{Pid, Signal};
 use serde_json::json;
 use tokio::task::JoinSet;
 
+use crate::mount::glusterd::Glusterd;
 use crate::process::{
-    Bins, KILL_TIMEOUT, Ran, STOP_TIMEOUT, log_tail, pid_of, run_captured, wait_exit,
+    Bins, KILL_TIMEOUT, Ran, STOP_TIMEOUT, check_stop, log_tail, pid_of, run_captured, wait_exit,
+    which,
 };
 use crate::report::{Record, Reporter, histogram, micros, nanos};
 use crate::scratch::Scratch;
@@ -84,6 +126,30 @@ pub struct MgmtBench {
     pub sets: usize,
     /// Tasks committing at once in the group-commit run.
     pub tasks: usize,
+    /// The configuration store under the commits and the daemon.
+    pub store: MgmtStore,
+    /// Measure `gluster volume set` too, where GlusterFS is installed.
+    pub glusterfs: bool,
+}
+
+/// Which configuration store the commit and set phases run on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum MgmtStore {
+    /// The daemon's embedded log ([`LogStore`]), in the scratch directory.
+    #[default]
+    Embedded,
+    /// One etcd member the run starts, its data in the scratch directory ([`EtcdStore`]).
+    Etcd,
+}
+
+impl MgmtStore {
+    /// Its name, as on the command line and in every row's `params.store`.
+    pub fn name(self) -> &'static str {
+        match self {
+            MgmtStore::Embedded => "embedded",
+            MgmtStore::Etcd => "etcd",
+        }
+    }
 }
 
 /// The option every phase changes (live: pushed to running bricks).
@@ -95,6 +161,20 @@ const VOLUME_NAME: &str = "v";
 const APPEND_FLOOR: &str = "append_fdatasync";
 /// The floor of replacing a file durably: temp file, fsync, rename, directory fsync.
 const REPLACE_FLOOR: &str = "replace_fsync";
+/// The store phases' names: their directories in the scratch directory, or their cluster
+/// names in etcd (each fresh).
+const STORE_PROBE: &str = "store-probe";
+const STORE_SEQUENTIAL: &str = "store-seq";
+const STORE_GROUP: &str = "store-group";
+/// GlusterFS's option the `gluster-cli` row changes: live (a started volume's brick
+/// reconfigures when it changes).
+const GLUSTER_KEY: &str = "performance.io-thread-count";
+/// Its values cycle through 1..=GLUSTER_VALUES (GlusterFS takes 1 to 64).
+const GLUSTER_VALUES: usize = 64;
+/// The cluster name of the daemon on etcd (fresh: the run's etcd starts empty).
+const MGMTD_CLUSTER: &str = "mgmtd";
+/// The host name of the daemon on etcd: its bricks, and it, are on loopback.
+const MGMTD_HOST: &str = "127.0.0.1";
 /// Longest run of one `kiln` command.
 const COMMAND_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long `kiln-mgmtd` may take to listen on its socket.
@@ -116,6 +196,11 @@ fn warmup(n: usize) -> usize {
 /// The value of the `i`-th set: consecutive sets always differ.
 fn value(i: usize) -> String {
     (i % VALUES + 1).to_string()
+}
+
+/// The value of the `i`-th `gluster volume set`: consecutive sets always differ.
+fn gluster_value(i: usize) -> String {
+    (i % GLUSTER_VALUES + 1).to_string()
 }
 
 /// A reference the rows are measured against: its name and p50 in microseconds.
@@ -151,6 +236,37 @@ fn latency_record(
     r
 }
 
+/// The rows of a run, each printed as it is measured and kept, its params naming the store.
+struct Rows<'a> {
+    store: MgmtStore,
+    out: &'a mut Reporter,
+    records: Vec<Record>,
+}
+
+impl Rows<'_> {
+    fn push(&mut self, mut r: Record) {
+        assert!(r.params.is_object(), "params must be an object: {r:?}");
+        r.params["store"] = json!(self.store.name());
+        self.out.print(&r);
+        self.records.push(r);
+    }
+
+    fn note(&mut self, key: &str, value: &serde_json::Value) {
+        self.out.note(key, value);
+    }
+}
+
+/// Where the store phases make their fresh stores.
+enum StoreSite {
+    /// A [`LogStore`] in a new directory under `root`, one per phase.
+    Log {
+        root: PathBuf,
+        options: StoreOptions,
+    },
+    /// An [`EtcdStore`] under a new cluster name, one per phase, in the etcd at `endpoint`.
+    Etcd { endpoint: String },
+}
+
 /// Runs the whole benchmark, printing records as they are measured.
 pub fn run(
     bench: &MgmtBench,
@@ -163,15 +279,26 @@ pub fn run(
     let mgmtd = bins.find("kiln-mgmtd")?;
     let root = std::path::absolute(scratch.path().join("mgmt"))?;
     std::fs::create_dir_all(&root).with_context(|| format!("cannot create {}", root.display()))?;
-    note_gluster(out);
+    // Started before the daemon that uses it, so it is killed after it.
+    let etcd = match bench.store {
+        MgmtStore::Embedded => None,
+        MgmtStore::Etcd => Some(start_etcd(&root, out)?),
+    };
     let store_options = StoreOptions::default();
+    let site = match &etcd {
+        None => StoreSite::Log {
+            root: root.clone(),
+            options: store_options,
+        },
+        Some(server) => StoreSite::Etcd {
+            endpoint: server.member.client_url(),
+        },
+    };
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let commit_bytes = rt.block_on(commit_bytes(
-        &root.join("store-probe"),
-        &root.join("store-brick"),
-    ))?;
+    let brick = root.join("store-brick");
+    let commit_bytes = rt.block_on(commit_bytes(&root, &brick))?;
     out.note(
         "mgmt",
         &json!({
@@ -179,77 +306,130 @@ pub fn run(
             "key": KEY,
             "sets": sets,
             "group_tasks": tasks,
-            "store": { "compact_after_bytes": store_options.compact_after_bytes,
-                       "queue_max": store_options.queue_max,
-                       "bytes_per_commit": commit_bytes },
+            "store": store_note(bench.store, store_options, commit_bytes),
             "floors": {
                 APPEND_FLOOR: format!("write {commit_bytes} B to a file opened for appending, fdatasync"),
                 REPLACE_FLOOR: format!("write {commit_bytes} B to a temp name, fsync, rename over the target, fsync the directory"),
             },
         }),
     );
-    let mut records = Vec::new();
+    let mut rows = Rows {
+        store: bench.store,
+        out,
+        records: Vec::new(),
+    };
 
     // (c) The references first.
-    let (append, replace) = floors(&root.join("floor"), sets, commit_bytes, out, &mut records)?;
+    let floors = floors(&root.join("floor"), sets, commit_bytes, &mut rows)?;
 
     // (b) The store alone: sequential, then grouped.
-    let (rate, h, stats) = rt.block_on(store_sequential(
-        &root.join("store-seq"),
-        &root.join("store-brick"),
-        sets,
-        store_options,
-    ))?;
-    for floor in [append, replace] {
-        let r = latency_record(
-            "mgmt.commit",
-            "store",
-            json!({ "commits": sets, "tasks": 1, "fsyncs": stats.fsyncs, "batches": stats.batches }),
-            rate,
-            &h,
-            floor,
-        );
-        out.print(&r);
-        records.push(r);
-    }
-
-    let (rate, h, stats) = rt.block_on(store_group(
-        &root.join("store-group"),
-        &root.join("store-brick"),
-        sets,
-        tasks,
-        store_options,
-    ))?;
-    for floor in [append, replace] {
-        let mut r = latency_record(
-            "mgmt.commit",
-            "store_group",
-            json!({ "commits": sets, "tasks": tasks, "fsyncs": stats.fsyncs, "batches": stats.batches }),
-            rate,
-            &h,
-            floor,
-        );
-        // A grouped commit waits at least one fdatasync; what beats the floor is throughput.
-        r.ratio = Some(rate * floor.p50_us / 1e6);
-        out.print(&r);
-        records.push(r);
-    }
+    rt.block_on(store_rows(&site, &brick, sets, tasks, floors, &mut rows))?;
     drop(rt);
 
     // (a) `kiln volume set` through a real kiln-mgmtd.
-    records.extend(cli(&bins, &mgmtd, &root, sets, append, out)?);
-    Ok(records)
+    let endpoint = etcd.as_ref().map(|server| server.member.client_url());
+    let kiln = cli(
+        &bins,
+        &mgmtd,
+        &root,
+        endpoint.as_deref(),
+        sets,
+        floors[0],
+        &mut rows,
+    )?;
+    drop(etcd);
+
+    // (d) `gluster volume set`, where GlusterFS is installed.
+    gluster(&root, bench.glusterfs, sets, floors[0], kiln, &mut rows)?;
+    Ok(rows.records)
 }
 
-/// (c) Both floors, `bytes` each, `n` samples each: their rows printed and pushed onto
-/// `records`, the floors returned.
-fn floors(
-    dir: &Path,
-    n: usize,
-    bytes: usize,
-    out: &mut Reporter,
-    records: &mut Vec<Record>,
-) -> anyhow::Result<(Floor, Floor)> {
+/// What the `mgmt` note says of the store. `bytes_per_commit` is an embedded-log commit's in
+/// both runs: the floors write that many bytes.
+fn store_note(store: MgmtStore, options: StoreOptions, commit_bytes: usize) -> serde_json::Value {
+    match store {
+        MgmtStore::Embedded => json!({
+            "kind": store.name(),
+            "compact_after_bytes": options.compact_after_bytes,
+            "queue_max": options.queue_max,
+            "bytes_per_commit": commit_bytes,
+        }),
+        MgmtStore::Etcd => json!({
+            "kind": store.name(),
+            "bytes_per_commit": commit_bytes,
+            "bytes_per_commit_of": "one commit to the embedded log (the floors' size in both runs); an etcd transaction writes the volume's whole object and the commit record",
+        }),
+    }
+}
+
+/// One etcd member with its data directory in `root` (on the scratch disk, as the floors
+/// are), noted.
+fn start_etcd(root: &Path, out: &mut Reporter) -> anyhow::Result<EtcdServer> {
+    let Some(binary) = etcd_binary() else {
+        bail!("etcd is not installed (apt-get install etcd-server)");
+    };
+    let version = run_captured(Command::new(&binary).arg("--version"), COMMAND_TIMEOUT)?;
+    let data_dir = root.join("etcd");
+    let server = EtcdServer::single(&binary, &data_dir).with_context(|| {
+        format!(
+            "cannot start {} in {}",
+            binary.display(),
+            data_dir.display()
+        )
+    })?;
+    out.note(
+        "etcd",
+        &json!({
+            "binary": binary.display().to_string(),
+            "version": version.stdout.lines().next().unwrap_or_default().trim(),
+            "endpoint": server.member.client_url(),
+            "data_dir": data_dir.display().to_string(),
+            "log": data_dir.with_extension("log").display().to_string(),
+        }),
+    );
+    Ok(server)
+}
+
+/// (b) The store's rows: sequential commits against both floors, then grouped ones.
+async fn store_rows(
+    site: &StoreSite,
+    brick: &Path,
+    sets: usize,
+    tasks: usize,
+    floors: [Floor; 2],
+    rows: &mut Rows<'_>,
+) -> anyhow::Result<()> {
+    let sequential = store_sequential(site, brick, sets).await?;
+    for floor in floors {
+        rows.push(latency_record(
+            "mgmt.commit",
+            "store",
+            sequential.params(sets, 1),
+            sequential.rate,
+            &sequential.latency,
+            floor,
+        ));
+    }
+    let group = store_group(site, brick, sets, tasks).await?;
+    for floor in floors {
+        let mut r = latency_record(
+            "mgmt.commit",
+            "store_group",
+            group.params(sets, tasks),
+            group.rate,
+            &group.latency,
+            floor,
+        );
+        // A grouped commit waits at least one fdatasync; what beats the floor is throughput.
+        r.ratio = Some(group.rate * floor.p50_us / 1e6);
+        rows.push(r);
+    }
+    Ok(())
+}
+
+/// (c) Both floors, `bytes` each, `n` samples each: their rows pushed, the floors returned
+/// (the append first).
+fn floors(dir: &Path, n: usize, bytes: usize, rows: &mut Rows<'_>) -> anyhow::Result<[Floor; 2]> {
     std::fs::create_dir_all(dir)?;
     let data = vec![b'k'; bytes];
     let append_file = dir.join("log");
@@ -269,22 +449,22 @@ fn floors(
         kiln_admin::durable::replace_file(&target, &data, 0o600).map_err(|e| e.error)
     })
     .with_context(|| format!("replacing {}", target.display()))?;
-    let mut floors = Vec::new();
-    for (name, (rate, h)) in [(APPEND_FLOOR, append), (REPLACE_FLOOR, replace)] {
+    let floor = |name: &'static str, (rate, h): (f64, Histogram<u64>), rows: &mut Rows<'_>| {
         let floor = Floor::of(name, &h);
-        let r = latency_record(
+        rows.push(latency_record(
             "mgmt.floor",
             name,
             json!({ "samples": n, "bytes": bytes }),
             rate,
             &h,
             floor,
-        );
-        out.print(&r);
-        records.push(r);
-        floors.push(floor);
-    }
-    Ok((floors[0], floors[1]))
+        ));
+        floor
+    };
+    Ok([
+        floor(APPEND_FLOOR, append, rows),
+        floor(REPLACE_FLOOR, replace, rows),
+    ])
 }
 
 /// Runs `op` `warmup(n)` times unmeasured, then `n` times timed: ops/s and each latency.
@@ -305,10 +485,15 @@ fn timed(
     Ok((n as f64 / start.elapsed().as_secs_f64(), h))
 }
 
-/// Bytes one option change appends to the store's log, measured on a fresh store in `dir`.
-async fn commit_bytes(dir: &Path, brick: &Path) -> anyhow::Result<usize> {
-    let store = fresh_store(dir, brick, StoreOptions::default()).await?;
-    let log = dir.join(LOG_FILE);
+/// Bytes one option change appends to the embedded store's log, measured on a fresh log
+/// store under `root` (whatever store the run measures: the floors are the same in both).
+async fn commit_bytes(root: &Path, brick: &Path) -> anyhow::Result<usize> {
+    let site = StoreSite::Log {
+        root: root.to_owned(),
+        options: StoreOptions::default(),
+    };
+    let store = fresh_store(&site, STORE_PROBE, brick).await?;
+    let log = root.join(STORE_PROBE).join(LOG_FILE);
     let len = || -> anyhow::Result<u64> {
         Ok(std::fs::metadata(&log)
             .with_context(|| format!("the store's log {}", log.display()))?
@@ -321,17 +506,36 @@ async fn commit_bytes(dir: &Path, brick: &Path) -> anyhow::Result<usize> {
     Ok(usize::try_from(grown)?)
 }
 
-/// A fresh store with volume `v` created in it.
+/// A fresh store named `name` at `site` with volume `v` created in it.
 async fn fresh_store(
-    dir: &Path,
+    site: &StoreSite,
+    name: &str,
     brick: &Path,
-    options: StoreOptions,
-) -> anyhow::Result<LogStore<Cluster>> {
-    if dir.exists() {
-        bail!("{} already exists; the store must be fresh", dir.display());
-    }
-    let (store, _) = LogStore::<Cluster>::open(dir, options)
-        .with_context(|| format!("opening a store in {}", dir.display()))?;
+) -> anyhow::Result<ConfigStore<Cluster>> {
+    let store = match site {
+        StoreSite::Log { root, options } => {
+            let dir = root.join(name);
+            if dir.exists() {
+                bail!("{} already exists; the store must be fresh", dir.display());
+            }
+            let (store, _) = LogStore::<Cluster>::open(&dir, *options)
+                .with_context(|| format!("opening a store in {}", dir.display()))?;
+            ConfigStore::Log(store)
+        }
+        StoreSite::Etcd { endpoint } => {
+            let target = EtcdTarget {
+                endpoints: vec![endpoint.clone()],
+                cluster: name.to_owned(),
+            };
+            let store = EtcdStore::<Cluster>::open(target)
+                .await
+                .with_context(|| format!("opening cluster {name} in etcd at {endpoint}"))?;
+            if store.generation() != 0 {
+                bail!("cluster {name} in etcd at {endpoint} is not empty; the store must be fresh");
+            }
+            ConfigStore::Etcd(Box::new(store))
+        }
+    };
     let volume = Volume {
         name: VOLUME_NAME.into(),
         id: "00000000-0000-4000-8000-00000000b0b0".into(),
@@ -359,101 +563,170 @@ fn set_change(i: usize) -> anyhow::Result<Change> {
     })
 }
 
-/// Commits one change and returns how long `commit().await` took.
-async fn timed_commit(store: &LogStore<Cluster>, change: Change) -> anyhow::Result<Duration> {
+/// One commit of `change`, timed.
+async fn timed_commit(store: &ConfigStore<Cluster>, change: Change) -> anyhow::Result<Duration> {
     let t = Instant::now();
     store.commit(vec![change]).await.context("commit")?;
     Ok(t.elapsed())
 }
 
-fn stats_since(after: StoreStats, before: StoreStats) -> StoreStats {
-    StoreStats {
+/// The embedded log's own counts (etcd's are not seen from here).
+fn log_stats(store: &ConfigStore<Cluster>) -> Option<StoreStats> {
+    match store {
+        ConfigStore::Log(store) => Some(store.stats()),
+        ConfigStore::Etcd(_) => None,
+    }
+}
+
+/// The counts between `before` and `after`, when the store keeps them.
+fn stats_since(after: Option<StoreStats>, before: Option<StoreStats>) -> Option<StoreStats> {
+    let (after, before) = after.zip(before)?;
+    Some(StoreStats {
         commits: after.commits - before.commits,
         batches: after.batches - before.batches,
         fsyncs: after.fsyncs - before.fsyncs,
+    })
+}
+
+/// The measured commits of one store phase.
+struct Commits {
+    /// Commits per second over the phase.
+    rate: f64,
+    /// Each commit's latency.
+    latency: Histogram<u64>,
+    /// The embedded log's counts over the phase; `None` on etcd.
+    stats: Option<StoreStats>,
+}
+
+impl Commits {
+    fn params(&self, commits: usize, tasks: usize) -> serde_json::Value {
+        json!({ "commits": commits, "tasks": tasks,
+                "fsyncs": self.stats.map(|s| s.fsyncs), "batches": self.stats.map(|s| s.batches) })
     }
 }
 
 /// (b) `n` sequential commits of one option change each.
-async fn store_sequential(
-    dir: &Path,
-    brick: &Path,
-    n: usize,
-    options: StoreOptions,
-) -> anyhow::Result<(f64, Histogram<u64>, StoreStats)> {
-    let store = fresh_store(dir, brick, options).await?;
+async fn store_sequential(site: &StoreSite, brick: &Path, n: usize) -> anyhow::Result<Commits> {
+    let store = fresh_store(site, STORE_SEQUENTIAL, brick).await?;
     let warm = warmup(n);
     for i in 0..warm {
         timed_commit(&store, set_change(i)?).await?;
     }
-    let before = store.stats();
-    let mut h = histogram()?;
+    let before = log_stats(&store);
+    let mut latency = histogram()?;
     let start = Instant::now();
     for i in warm..warm + n {
-        let elapsed = timed_commit(&store, set_change(i)?).await?;
-        h.record(nanos(elapsed))?;
+        latency.record(nanos(timed_commit(&store, set_change(i)?).await?))?;
     }
-    let rate = n as f64 / start.elapsed().as_secs_f64();
-    Ok((rate, h, stats_since(store.stats(), before)))
+    Ok(Commits {
+        rate: n as f64 / start.elapsed().as_secs_f64(),
+        latency,
+        stats: stats_since(log_stats(&store), before),
+    })
 }
 
 /// (b) `n` commits from `tasks` concurrent tasks on one store (group commit).
 async fn store_group(
-    dir: &Path,
+    site: &StoreSite,
     brick: &Path,
     n: usize,
     tasks: usize,
-    options: StoreOptions,
-) -> anyhow::Result<(f64, Histogram<u64>, StoreStats)> {
-    let store = Arc::new(fresh_store(dir, brick, options).await?);
+) -> anyhow::Result<Commits> {
+    let store = Arc::new(fresh_store(site, STORE_GROUP, brick).await?);
     let warm = warmup(n);
     for i in 0..warm {
         timed_commit(&store, set_change(i)?).await?;
     }
-    let before = store.stats();
+    let before = log_stats(&store);
     let start = Instant::now();
     let mut running = JoinSet::new();
     for k in 0..tasks {
         let store = store.clone();
         running.spawn(async move {
-            let mut h = histogram()?;
+            let mut latency = histogram()?;
             for i in (k..n).step_by(tasks) {
-                let elapsed = timed_commit(&store, set_change(warm + i)?).await?;
-                h.record(nanos(elapsed))?;
+                latency.record(nanos(timed_commit(&store, set_change(warm + i)?).await?))?;
             }
-            anyhow::Ok(h)
+            anyhow::Ok(latency)
         });
     }
-    let mut h = histogram()?;
+    let mut latency = histogram()?;
     while let Some(done) = running.join_next().await {
-        h.add(done??)?;
+        latency.add(done??)?;
     }
-    let rate = n as f64 / start.elapsed().as_secs_f64();
-    Ok((rate, h, stats_since(store.stats(), before)))
+    Ok(Commits {
+        rate: n as f64 / start.elapsed().as_secs_f64(),
+        latency,
+        stats: stats_since(log_stats(&store), before),
+    })
 }
 
-/// (d) Whether `gluster` is on PATH.
-fn note_gluster(out: &mut Reporter) {
-    use std::os::unix::fs::PermissionsExt;
-    let found = std::env::var_os("PATH").and_then(|path| {
-        std::env::split_paths(&path)
-            .map(|dir| dir.join("gluster"))
-            .find(|p| {
-                std::fs::metadata(p)
-                    .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-            })
-    });
-    let note = match &found {
-        Some(p) => json!({
-            "found": p.display().to_string(),
-            "note": "GlusterFS comparison possible (`gluster volume set` against a running glusterd); not run: kiln-bench does not set up glusterd",
-        }),
-        None => json!({
-            "found": null,
-            "note": "gluster not found on PATH: no GlusterFS comparison",
-        }),
+/// (d) `gluster volume set` on a one-brick GlusterFS volume in `root`, timed as the kiln
+/// CLI's sets and compared with `kiln`'s p50s; noted and skipped where `gluster` is not on
+/// PATH, with `--no-glusterfs` (`enabled` false), or where GlusterFS cannot be set up.
+fn gluster(
+    root: &Path,
+    enabled: bool,
+    sets: usize,
+    floor: Floor,
+    kiln: KilnSets,
+    rows: &mut Rows<'_>,
+) -> anyhow::Result<()> {
+    let found = which("gluster").map(|p| p.display().to_string());
+    let note = |note: String, setup: serde_json::Value| json!({ "found": found, "note": note, "setup": setup });
+    if found.is_none() {
+        let why = "gluster not found on PATH: no GlusterFS comparison";
+        rows.note("gluster", &note(why.into(), json!(null)));
+        return Ok(());
+    }
+    if !enabled {
+        let why = "--no-glusterfs: no GlusterFS comparison";
+        rows.note("gluster", &note(why.into(), json!(null)));
+        return Ok(());
+    }
+    let dir = root.join("glusterfs");
+    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    // Torn down when dropped, on every path out of here.
+    let mut g = match Glusterd::set_up_installed(&dir, &dir) {
+        Ok(g) => g,
+        Err(e) => {
+            check_stop()?;
+            let why = format!("GlusterFS could not be set up, no comparison: {e:#}");
+            rows.note("gluster", &note(why, json!(null)));
+            return Ok(());
+        }
     };
-    out.note("gluster", &note);
+    let what = format!("`gluster volume set {} {GLUSTER_KEY} <n>`", g.volume());
+    rows.note("gluster", &note(what, g.describe()));
+    let (rate, h) = gluster_sets(&g, sets)?;
+    let p50_us = micros(&h, 0.5);
+    rows.push(latency_record(
+        "mgmt.set",
+        "gluster-cli",
+        json!({ "sets": sets, "key": GLUSTER_KEY, "volume": "started", "bricks": 1,
+                "kiln_cli_vs_gluster": p50_us / kiln.created_p50_us,
+                "kiln_cli_started_vs_gluster": p50_us / kiln.started_p50_us }),
+        rate,
+        &h,
+        floor,
+    ));
+    rows.note("gluster_teardown", &g.tear_down());
+    Ok(())
+}
+
+/// `n` measured `gluster volume set` processes after `warmup(n)` unmeasured ones: sets/s and
+/// the latency of each.
+fn gluster_sets(g: &Glusterd, n: usize) -> anyhow::Result<(f64, Histogram<u64>)> {
+    let warm = warmup(n);
+    for i in 0..warm {
+        g.set(GLUSTER_KEY, &gluster_value(i))?;
+    }
+    let mut h = histogram()?;
+    let start = Instant::now();
+    for i in warm..warm + n {
+        h.record(nanos(g.set(GLUSTER_KEY, &gluster_value(i))?))?;
+    }
+    Ok((n as f64 / start.elapsed().as_secs_f64(), h))
 }
 
 /// A UDP port on 127.0.0.1 that was free (for UDP and TCP, as a brick binds both) just now.
@@ -478,12 +751,15 @@ fn check_socket_path(path: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A running `kiln-mgmtd`, stopped (SIGTERM, bounded wait, SIGKILL) when dropped.
+/// A running `kiln-mgmtd`, stopped (SIGTERM, bounded wait, SIGKILL) when dropped; on etcd,
+/// whose daemons leave their bricks running, its volume is stopped first.
 struct Mgmtd {
     child: Option<Child>,
     kiln: PathBuf,
     socket: PathBuf,
     log: PathBuf,
+    /// The configuration is in etcd: the bricks outlive the daemon.
+    on_etcd: bool,
 }
 
 /// How `kiln-mgmtd` ended.
@@ -494,7 +770,14 @@ struct Stopped {
 }
 
 impl Mgmtd {
-    fn start(bins: &Bins, mgmtd_bin: &Path, dir: &Path) -> anyhow::Result<Mgmtd> {
+    /// Starts `kiln-mgmtd` in `dir`: on its embedded store, or on the etcd at `etcd` as
+    /// host [`MGMTD_HOST`] of cluster [`MGMTD_CLUSTER`].
+    fn start(
+        bins: &Bins,
+        mgmtd_bin: &Path,
+        dir: &Path,
+        etcd: Option<&str>,
+    ) -> anyhow::Result<Mgmtd> {
         let state = dir.join("state");
         let socket = dir.join("run/mgmtd.sock");
         check_socket_path(&socket)?;
@@ -509,13 +792,24 @@ impl Mgmtd {
             .append(true)
             .open(&log)
             .with_context(|| format!("cannot open {}", log.display()))?;
-        let child = Command::new(mgmtd_bin)
+        let mut command = Command::new(mgmtd_bin);
+        command
             .arg("--state-dir")
             .arg(&state)
             .arg("--socket")
             .arg(&socket)
             .arg("--brickd")
             .arg(&bins.brickd)
+            // The store is this run's choice, never the environment's.
+            .env_remove("KILN_ETCD")
+            .env_remove("KILN_HOST")
+            .env_remove("KILN_CLUSTER");
+        if let Some(endpoint) = etcd {
+            command
+                .args(["--etcd", endpoint, "--cluster", MGMTD_CLUSTER])
+                .args(["--host", MGMTD_HOST, "--listen-ip", MGMTD_HOST]);
+        }
+        let child = command
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log_file)
@@ -526,6 +820,7 @@ impl Mgmtd {
             kiln: bins.kiln.clone(),
             socket,
             log,
+            on_etcd: etcd.is_some(),
         };
         let deadline = Instant::now() + LISTEN_TIMEOUT;
         while std::os::unix::net::UnixStream::connect(&mgmtd.socket).is_err() {
@@ -605,6 +900,10 @@ impl Mgmtd {
 impl Drop for Mgmtd {
     fn drop(&mut self) {
         if self.child.is_some() {
+            if self.on_etcd {
+                // Its bricks would outlive it (the run failed before `stop_cleanly`).
+                let _ = self.kiln(&["volume", "stop", VOLUME_NAME]);
+            }
             let _ = self.stop();
         }
     }
@@ -660,12 +959,7 @@ fn cli_sets(m: &Mgmtd, n: usize, next: &mut usize) -> anyhow::Result<(f64, Histo
 /// sets are: `true` (the smallest program: this harness's spawn, exec and reap) and
 /// `kiln --version` (kiln's exec, dynamic linking, runtime start and argument parsing, no
 /// socket).
-fn spawn_floors(
-    m: &Mgmtd,
-    sets: usize,
-    floor: Floor,
-    out: &mut Reporter,
-) -> anyhow::Result<Vec<Record>> {
+fn spawn_floors(m: &Mgmtd, sets: usize, floor: Floor, rows: &mut Rows<'_>) -> anyhow::Result<()> {
     let true_run = || -> anyhow::Result<Duration> {
         let ran = run_captured(&mut Command::new("true"), COMMAND_TIMEOUT)?;
         if !ran.status.success() {
@@ -674,7 +968,6 @@ fn spawn_floors(
         Ok(ran.elapsed)
     };
     let version_run = || Ok(m.ok(&["--version"])?.elapsed);
-    let mut records = Vec::new();
     for (target, run) in [
         ("true", &true_run as &dyn Fn() -> anyhow::Result<Duration>),
         ("kiln-version", &version_run),
@@ -688,38 +981,46 @@ fn spawn_floors(
             h.record(nanos(run()?))?;
         }
         let rate = sets as f64 / start.elapsed().as_secs_f64();
-        let r = latency_record(
+        rows.push(latency_record(
             "mgmt.spawn",
             target,
             json!({ "runs": sets }),
             rate,
             &h,
             floor,
-        );
-        out.print(&r);
-        records.push(r);
+        ));
     }
-    Ok(records)
+    Ok(())
 }
 
-/// (a) `kiln volume set` through a real `kiln-mgmtd`, with the volume created, then started.
+/// The p50s of the kiln CLI's set rows, which the `gluster-cli` row is compared with.
+#[derive(Debug, Clone, Copy)]
+struct KilnSets {
+    /// `kiln-cli`: the volume created, not started.
+    created_p50_us: f64,
+    /// `kiln-cli-started`: each set also pushed to the running brick.
+    started_p50_us: f64,
+}
+
+/// (a) `kiln volume set` through a real `kiln-mgmtd` (on the etcd at `etcd`, if given), with
+/// the volume created, then started; their p50s.
 fn cli(
     bins: &Bins,
     mgmtd_bin: &Path,
     root: &Path,
+    etcd: Option<&str>,
     sets: usize,
     floor: Floor,
-    out: &mut Reporter,
-) -> anyhow::Result<Vec<Record>> {
+    rows: &mut Rows<'_>,
+) -> anyhow::Result<KilnSets> {
     let dir = root.join("mgmtd");
     std::fs::create_dir_all(&dir)?;
     let brick = dir.join("bricks/b0");
-    let mut m = start_with_volume(bins, mgmtd_bin, &dir, &brick, out)?;
-    let mut records = Vec::new();
+    let mut m = start_with_volume(bins, mgmtd_bin, &dir, etcd, &brick, rows)?;
     let mut next = 0;
     let warm = warmup(sets);
 
-    records.extend(spawn_floors(&m, sets, floor, out)?);
+    spawn_floors(&m, sets, floor, rows)?;
 
     // Created, not started: parse, commit, answer.
     for _ in 0..warm {
@@ -727,16 +1028,15 @@ fn cli(
         next += 1;
     }
     let (rate, h, _) = cli_sets(&m, sets, &mut next)?;
-    let r = latency_record(
+    let created_p50_us = micros(&h, 0.5);
+    rows.push(latency_record(
         "mgmt.set",
         "kiln-cli",
         json!({ "sets": sets, "key": KEY, "volume": "created" }),
         rate,
         &h,
         floor,
-    );
-    out.print(&r);
-    records.push(r);
+    ));
 
     // Started: each set is also pushed to the running brick.
     m.ok(&["volume", "start", VOLUME_NAME])?;
@@ -744,7 +1044,8 @@ fn cli(
     let brick_pids = running_bricks(&m, deadline)?;
     warm_up_live(&m, &dir, warm, &mut next, deadline)?;
     let (rate, h, applied) = cli_sets(&m, sets, &mut next)?;
-    let r = latency_record(
+    let started_p50_us = micros(&h, 0.5);
+    rows.push(latency_record(
         "mgmt.set",
         "kiln-cli-started",
         json!({ "sets": sets, "key": KEY, "volume": "started", "bricks": brick_pids.len(),
@@ -752,30 +1053,34 @@ fn cli(
         rate,
         &h,
         floor,
-    );
-    out.print(&r);
-    records.push(r);
+    ));
 
-    stop_cleanly(&mut m, &brick_pids, &brick, out)?;
-    Ok(records)
+    stop_cleanly(&mut m, &brick_pids, &brick, rows)?;
+    Ok(KilnSets {
+        created_p50_us,
+        started_p50_us,
+    })
 }
 
-/// Starts `kiln-mgmtd` in `dir` and creates volume `v` on `brick` with a free port.
+/// Starts `kiln-mgmtd` in `dir` (on the etcd at `etcd`, if given) and creates volume `v` on
+/// `brick` with a free port.
 fn start_with_volume(
     bins: &Bins,
     mgmtd_bin: &Path,
     dir: &Path,
+    etcd: Option<&str>,
     brick: &Path,
-    out: &mut Reporter,
+    rows: &mut Rows<'_>,
 ) -> anyhow::Result<Mgmtd> {
     let brick_s = brick.to_str().context("the scratch path is not UTF-8")?;
     let port = free_port()?;
-    let m = Mgmtd::start(bins, mgmtd_bin, dir)?;
-    out.note(
+    let m = Mgmtd::start(bins, mgmtd_bin, dir, etcd)?;
+    rows.note(
         "mgmtd",
         &json!({
             "pid": m.pid(),
             "socket": m.socket.display().to_string(),
+            "etcd": etcd.map(|endpoint| json!({ "endpoint": endpoint, "cluster": MGMTD_CLUSTER, "host": MGMTD_HOST })),
             "brick": brick_s,
             "brick_port": port,
         }),
@@ -832,22 +1137,28 @@ fn warm_up_live(
 }
 
 /// Stops `kiln-mgmtd` with SIGTERM and notes how; kills bricks it left running, and fails
-/// unless it stopped cleanly and took its bricks with it.
+/// unless it stopped cleanly and its bricks stopped. On etcd, where bricks outlive their
+/// daemon, the volume is stopped first (`kiln volume stop`); on the embedded store the
+/// daemon takes its bricks with it.
 fn stop_cleanly(
     m: &mut Mgmtd,
     brick_pids: &[u32],
     brick: &Path,
-    out: &mut Reporter,
+    rows: &mut Rows<'_>,
 ) -> anyhow::Result<()> {
+    if m.on_etcd {
+        m.ok(&["volume", "stop", VOLUME_NAME])?;
+    }
     let stopped = m.stop()?;
     let left: Vec<u32> = brick_pids
         .iter()
         .copied()
         .filter(|pid| brick_still_running(*pid, brick))
         .collect();
-    out.note(
+    rows.note(
         "mgmtd_stop",
         &json!({
+            "volume_stopped_first": m.on_etcd,
             "status": stopped.status.map(|s| s.to_string()),
             "sigkill": stopped.killed,
             "ms": stopped.took.as_millis(),

@@ -362,21 +362,79 @@ fn assert_net_ratios(records: &[&Value]) {
     }
 }
 
+/// Set (the test command sets it) to fail where the mgmt run has no `gluster volume set` row.
+const REQUIRE_GLUSTERFS_ENV: &str = "KILN_REQUIRE_GLUSTERFS";
+
+/// The mgmt workload on its embedded store with the `gluster volume set` comparison (its row
+/// required with `KILN_REQUIRE_GLUSTERFS`, else only where the run set GlusterFS up), then
+/// on etcd without it (`--no-glusterfs`, to keep the test short; skipped with a note where
+/// etcd is not installed, unless `KILN_REQUIRE_ETCD` is set).
 #[test]
 fn mgmt_workload_runs_and_reports_every_target() {
-    let out = Command::new(env!("CARGO_BIN_EXE_kiln-bench"))
-        .args(["mgmt", "--sets", "20", "--json"])
-        .output()
-        .expect("run kiln-bench");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let lines: Vec<Value> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).expect("JSON Lines"))
-        .collect();
+    let lines = run_json(&["mgmt", "--sets", "20"]);
+    assert_mgmt_run(&lines, "embedded");
+    assert_gluster_row(&lines);
+    let test = "mgmt_workload_runs_and_reports_every_target --store etcd";
+    if kiln_mgmt::etcd_server::etcd_for_test(test).is_some() {
+        let lines = run_json(&["mgmt", "--sets", "20", "--store", "etcd", "--no-glusterfs"]);
+        let etcd = lines
+            .iter()
+            .find_map(|l| l.get("etcd"))
+            .expect("the etcd note");
+        assert!(etcd["endpoint"].is_string(), "{etcd}");
+        assert_mgmt_run(&lines, "etcd");
+        let records = records(&lines);
+        assert!(!records.iter().any(|r| r["target"] == "gluster-cli"));
+        let gluster = lines.iter().find_map(|l| l.get("gluster"));
+        let note = gluster.and_then(|g| g["note"].as_str()).unwrap_or_default();
+        assert!(
+            note.contains("--no-glusterfs") || note.contains("not found"),
+            "{gluster:?}"
+        );
+    }
+}
+
+/// The `gluster-cli` row, where the run has one (it must with `KILN_REQUIRE_GLUSTERFS`):
+/// compared with the same run's `kiln-cli` p50s, and GlusterFS torn down after it.
+fn assert_gluster_row(lines: &[Value]) {
+    let records = records(lines);
+    let Some(gluster) = records.iter().find(|r| r["target"] == "gluster-cli") else {
+        let note = lines.iter().find_map(|l| l.get("gluster"));
+        assert!(
+            std::env::var_os(REQUIRE_GLUSTERFS_ENV).is_none(),
+            "{REQUIRE_GLUSTERFS_ENV} is set, but the mgmt run has no gluster-cli row: {note:?}"
+        );
+        eprintln!("mgmt: no gluster-cli row: {note:?}");
+        return;
+    };
+    // Its ratio against the floor is checked with every row's in `assert_mgmt_run`.
+    assert_eq!(gluster["workload"], "mgmt.set", "{gluster}");
+    assert_eq!(gluster["reference"], "append_fdatasync", "{gluster}");
+    assert_eq!(num(&gluster["params"], "sets"), 20.0, "{gluster}");
+    let p50 = num(gluster, "p50_us");
+    for (key, target) in [
+        ("kiln_cli_vs_gluster", "kiln-cli"),
+        ("kiln_cli_started_vs_gluster", "kiln-cli-started"),
+    ] {
+        let kiln = find(&records, target, |r| r["target"] == target);
+        let want = p50 / num(kiln, "p50_us");
+        let got = num(&gluster["params"], key);
+        assert!(
+            (got - want).abs() <= 1e-9 * want,
+            "{key} {got}, but the run's p50s make it {want}: {gluster}"
+        );
+    }
+    let teardown = lines
+        .iter()
+        .find_map(|l| l.get("gluster_teardown"))
+        .expect("the GlusterFS teardown note");
+    assert_eq!(teardown["stop"], "ok", "{teardown}");
+    assert_eq!(teardown["delete"], "ok", "{teardown}");
+}
+
+/// One mgmt run on `store` reported every target, each row naming the store, with ratios
+/// the run's own numbers make, and stopped its daemon and brick cleanly.
+fn assert_mgmt_run(lines: &[Value], store: &str) {
     assert!(lines[0].get("environment").is_some());
     // Whether gluster is installed or not, the run says so.
     let gluster = lines
@@ -389,7 +447,8 @@ fn mgmt_workload_runs_and_reports_every_target() {
         .find_map(|l| l.get("mgmtd_stop"))
         .expect("the kiln-mgmtd stop note");
     assert_eq!(stop["sigkill"], false, "{stop}");
-    let records = records(&lines);
+    assert_eq!(stop["volume_stopped_first"], store == "etcd", "{stop}");
+    let records = records(lines);
     for (workload, target) in [
         ("mgmt.floor", "append_fdatasync"),
         ("mgmt.floor", "replace_fsync"),
@@ -415,13 +474,15 @@ fn mgmt_workload_runs_and_reports_every_target() {
         num(floor, "p50_us")
     };
     // Both floors write the bytes of one store commit.
-    let bytes = lines
+    let note = lines
         .iter()
         .find_map(|l| l.get("mgmt"))
-        .map(|m| num(&m["store"], "bytes_per_commit"))
         .expect("the mgmt note");
+    assert_eq!(note["store"]["kind"], store, "{note}");
+    let bytes = num(&note["store"], "bytes_per_commit");
     assert!(bytes > 0.0);
     for r in &records {
+        assert_eq!(r["params"]["store"], store, "{r}");
         assert!(positive(&r["ops_per_s"]), "{r}");
         assert!(positive(&r["p50_us"]) && positive(&r["p99_us"]), "{r}");
         let reference = r["reference"].as_str().expect("reference");
@@ -450,16 +511,17 @@ fn mgmt_workload_runs_and_reports_every_target() {
         let r = find(&records, target, |r| r["target"] == target);
         assert_eq!(r["reference"], "append_fdatasync", "{r}");
     }
-    // The group run reports the store's own fsync count, and the started run's sets reached
-    // the brick.
+    // The group run reports the embedded store's own fsync count (etcd's are not seen: null),
+    // and the started run's sets reached the brick.
     let group = records
         .iter()
         .find(|r| r["target"] == "store_group")
         .expect("store_group");
-    assert!(
-        group["params"]["fsyncs"].as_u64().is_some_and(|f| f >= 1),
-        "{group}"
-    );
+    let fsyncs = &group["params"]["fsyncs"];
+    match store {
+        "etcd" => assert!(fsyncs.is_null(), "{group}"),
+        _ => assert!(fsyncs.as_u64().is_some_and(|f| f >= 1), "{group}"),
+    }
     let started = records
         .iter()
         .find(|r| r["target"] == "kiln-cli-started")

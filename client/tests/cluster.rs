@@ -200,6 +200,16 @@ impl Hosts {
         }
     }
 
+    /// SIGTERM to host `i`'s daemon (as `systemctl restart` sends), and waits for its exit.
+    fn stop_daemon(&mut self, i: usize) {
+        let mut daemon = self.hosts[i].daemon.take().expect("a running daemon");
+        let pid = daemon.id().to_string();
+        let term = Command::new("kill").args(["-TERM", &pid]).status();
+        assert!(term.is_ok_and(|s| s.success()), "kill -TERM {pid}");
+        let status = daemon.wait().expect("wait for kiln-mgmtd");
+        assert!(status.success(), "kiln-mgmtd exited {status}");
+    }
+
     fn daemon_log(&self, i: usize) -> String {
         std::fs::read_to_string(self.hosts[i].state.with_extension("log")).unwrap_or_default()
     }
@@ -372,6 +382,14 @@ fn three_hosts_share_one_configuration_and_serve_one_volume() {
     hosts.start_daemon(1);
     hosts.wait_status(0, "v", |b| running(b) && pids(b) == pids(&before));
     assert!(hosts.daemon_log(1).contains("adopted the running brick"));
+    // A daemon restarted as an operator does (SIGTERM, start) leaves its brick running.
+    hosts.stop_daemon(0);
+    assert_eq!(
+        std::fs::read_to_string(mnt.join("f0")).expect("read"),
+        "file 0"
+    );
+    hosts.start_daemon(0);
+    hosts.wait_status(2, "v", |b| running(b) && pids(b) == pids(&before));
     hosts.kiln_ok(0, &["umount", mnt.to_str().expect("utf-8")]);
 
     // Stopped from host 2: every host stops its brick.

@@ -428,7 +428,11 @@ impl Daemon {
         Ok(done(generation, format!("volume {name} started")))
     }
 
+    /// Answers once this host's bricks of the volume have stopped (the reconciliation the
+    /// commit sets off waits, so it cannot take them and answer for them); other hosts'
+    /// daemons stop theirs as they see the change.
     async fn stop_volume(&self, name: &str) -> anyhow::Result<Response> {
+        let _reconciliation = self.reconciling.lock().await;
         let generation = self
             .commit(Change::Stop {
                 volume: name.to_owned(),

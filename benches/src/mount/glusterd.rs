@@ -1,10 +1,12 @@
-//! GlusterFS set up for the glusterfs target (`kiln-bench mount --glusterfs-setup`):
-//! Debian's `glusterfs-server` installed with `apt-get` when `glusterd`, `gluster` or
-//! `glusterfs` is missing; `glusterd -N` started in the background unless a glusterd already
-//! runs (no systemd needed); a single-brick volume created with `force` (its brick in the
-//! scratch directory) on the first address of this host glusterd accepts as its own (the
-//! host name, then `hostname -I`; glusterd refuses `127.0.0.1` and `localhost` for a brick)
-//! and started, with its default options. The target then mounts `HOST:/VOLUME` with
+//! GlusterFS set up for the glusterfs target (`kiln-bench mount --glusterfs-setup`) and for
+//! the `gluster volume set` row of `kiln-bench mgmt`. For the mount, Debian's
+//! `glusterfs-server` is installed with `apt-get` when `glusterd`, `gluster` or `glusterfs`
+//! is missing (`mgmt` installs nothing: [`Glusterd::set_up_installed`]). Then `glusterd -N`
+//! is started in the background unless a glusterd already runs (no systemd needed), and a
+//! single-brick volume created with `force` (its brick in the scratch directory) on the
+//! first address of this host glusterd accepts as its own (the host name, then
+//! `hostname -I`; glusterd refuses `127.0.0.1` and `localhost` for a brick) and started,
+//! with its default options. The mount target then mounts `HOST:/VOLUME` with
 //! `glusterfs -N` as it mounts a named volume.
 //!
 //! [`Glusterd::tear_down`] — or dropping it, on any error — stops and deletes the volume,
@@ -20,7 +22,7 @@ use rustix::process::{Pid, Signal};
 use serde_json::json;
 
 use super::fuse::Daemon;
-use crate::process::{check_stop, log_tail, run_bounded, run_captured, version, which};
+use crate::process::{Ran, check_stop, log_tail, run_bounded, run_captured, version, which};
 
 /// Longest `apt-get` run.
 const INSTALL_TIMEOUT: Duration = Duration::from_secs(1200);
@@ -35,10 +37,12 @@ const BRICK_STOP_TIMEOUT: Duration = Duration::from_secs(15);
 const POLL_INTERVAL: Duration = Duration::from_millis(250);
 /// The package that brings glusterd, the `gluster` CLI and the FUSE client.
 const PACKAGE: &str = "glusterfs-server";
+/// The set-up's log (each `gluster` command and what it said), in the logs directory.
+const SETUP_LOG: &str = "glusterfs-setup.log";
 
 /// A volume this run set up, and the glusterd serving it.
 #[derive(Debug)]
-pub(super) struct Glusterd {
+pub(crate) struct Glusterd {
     volume: String,
     /// The address of this host the brick is on (and the volfile server).
     host: Option<String>,
@@ -57,8 +61,30 @@ impl Glusterd {
     /// Installs, starts and creates what is missing; the error says why GlusterFS cannot
     /// run here (what was set up so far is torn down when the value is dropped).
     pub(super) fn set_up(root: &Path, logs: &Path) -> anyhow::Result<Glusterd> {
-        let log = logs.join("glusterfs-setup.log");
-        let installed = install_if_missing(&log)?;
+        let installed = install_if_missing(&logs.join(SETUP_LOG))?;
+        Glusterd::start_and_create(root, logs, installed.as_deref())
+    }
+
+    /// [`Glusterd::set_up`] where `glusterd` and `gluster` are installed, installing
+    /// nothing: the error says what is missing or why GlusterFS cannot run here.
+    pub(crate) fn set_up_installed(root: &Path, logs: &Path) -> anyhow::Result<Glusterd> {
+        if let Some(missing) = ["glusterd", "gluster"]
+            .into_iter()
+            .find(|p| which(p).is_none())
+        {
+            bail!("{missing} is not on PATH");
+        }
+        Glusterd::start_and_create(root, logs, None)
+    }
+
+    /// Starts glusterd unless one runs, then creates and starts the volume (brick in `root`);
+    /// `installed` is what the set-up installed, for [`Glusterd::describe`].
+    fn start_and_create(
+        root: &Path,
+        logs: &Path,
+        installed: Option<&str>,
+    ) -> anyhow::Result<Glusterd> {
+        let log = logs.join(SETUP_LOG);
         let mut g = Glusterd {
             volume: format!("kilnbench{}", std::process::id()),
             host: None,
@@ -102,31 +128,48 @@ impl Glusterd {
         )
     }
 
-    pub(super) fn describe(&self) -> serde_json::Value {
+    pub(crate) fn describe(&self) -> serde_json::Value {
         let mut d = self.detail.clone();
         d["volume"] = json!(self.spec());
         d["brick"] = json!(self.brick.display().to_string());
         d
     }
 
-    /// Runs `gluster --mode=script ARGS` (bounded); its output, or an error with it.
+    /// The volume's name.
+    pub(crate) fn volume(&self) -> &str {
+        &self.volume
+    }
+
+    /// `gluster volume set VOLUME KEY VALUE`, one `gluster` process spawned and reaped
+    /// (bounded): from spawn to reaped exit, or an error with its output. Logged only when it
+    /// fails, so a long run does not grow the log.
+    pub(crate) fn set(&self, key: &str, value: &str) -> anyhow::Result<Duration> {
+        let args = ["volume", "set", &self.volume, key, value];
+        let ran = gluster_ran(&args)?;
+        if !ran.status.success() {
+            self.log_command(&args, &said(&ran));
+            bail!(failure(&args, &ran));
+        }
+        Ok(ran.elapsed)
+    }
+
+    /// Runs `gluster --mode=script ARGS` (bounded), logged; its output, or an error with it.
     fn gluster(&self, args: &[&str]) -> anyhow::Result<String> {
-        let mut cmd = Command::new("gluster");
-        cmd.arg("--mode=script")
-            .arg(format!("--timeout={GLUSTER_CLI_TIMEOUT_S}"))
-            .args(args)
-            .env("LC_ALL", "C");
-        let ran = run_captured(&mut cmd, GLUSTER_TIMEOUT)
-            .with_context(|| format!("gluster {}", args.join(" ")))?;
-        let said = format!("{}{}", ran.stdout, ran.stderr).trim().to_owned();
+        let ran = gluster_ran(args)?;
+        let said = said(&ran);
+        self.log_command(args, &said);
+        if !ran.status.success() {
+            bail!(failure(args, &ran));
+        }
+        Ok(said)
+    }
+
+    /// Appends `gluster ARGS` and what it said to the set-up's log (best effort).
+    fn log_command(&self, args: &[&str], said: &str) {
         let _ = append(
             &self.log,
             &format!("$ gluster {}\n{said}\n", args.join(" ")),
         );
-        if !ran.status.success() {
-            bail!("gluster {} failed ({}): {said}", args.join(" "), ran.status);
-        }
-        Ok(said)
     }
 
     /// Waits (bounded) until glusterd answers the CLI; fails if the one started exits.
@@ -196,7 +239,7 @@ impl Glusterd {
 
     /// Stops and deletes the volume and stops what this run started; what happened, step by
     /// step (a failed step is reported, the next ones still run).
-    pub(super) fn tear_down(&mut self) -> serde_json::Value {
+    pub(crate) fn tear_down(&mut self) -> serde_json::Value {
         self.torn_down = true;
         let mut note = json!({ "volume": self.volume });
         let outcome = |r: anyhow::Result<String>| match r {
@@ -230,6 +273,32 @@ impl Drop for Glusterd {
             let _ = self.tear_down();
         }
     }
+}
+
+/// Runs `gluster --mode=script ARGS` (bounded, no prompts, the CLI's own timeout a little
+/// shorter); a failure is no error here (see [`Ran::status`]).
+fn gluster_ran(args: &[&str]) -> anyhow::Result<Ran> {
+    let mut cmd = Command::new("gluster");
+    cmd.arg("--mode=script")
+        .arg(format!("--timeout={GLUSTER_CLI_TIMEOUT_S}"))
+        .args(args)
+        .env("LC_ALL", "C");
+    run_captured(&mut cmd, GLUSTER_TIMEOUT).with_context(|| format!("gluster {}", args.join(" ")))
+}
+
+/// What a `gluster` command wrote, both streams.
+fn said(ran: &Ran) -> String {
+    format!("{}{}", ran.stdout, ran.stderr).trim().to_owned()
+}
+
+/// The error of a failed `gluster ARGS`.
+fn failure(args: &[&str], ran: &Ran) -> String {
+    format!(
+        "gluster {} failed ({}): {}",
+        args.join(" "),
+        ran.status,
+        said(ran)
+    )
 }
 
 /// Installs Debian's glusterfs-server with apt-get (after an `apt-get update` if the first

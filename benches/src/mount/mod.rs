@@ -99,7 +99,7 @@ use crate::scratch::{Scratch, drop_caches, sync_file_systems};
 mod fops;
 mod fuse;
 mod git;
-mod glusterd;
+pub(crate) mod glusterd;
 mod tree;
 
 pub use fuse::KilnMount;

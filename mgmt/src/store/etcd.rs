@@ -223,6 +223,9 @@ pub struct EtcdStore<S: Objects> {
     etcd: Etcd,
     keys: Keys,
     seen: watch::Sender<Arc<Seen<S>>>,
+    /// This daemon's commits go one at a time: racing each other on the commit key they
+    /// would only make each other try again.
+    committing: tokio::sync::Mutex<()>,
     /// Why the copy stopped following etcd (an object that does not decode).
     failure: Arc<Mutex<Option<String>>>,
     watcher: tokio::task::JoinHandle<()>,
@@ -262,13 +265,16 @@ impl<S: Objects> EtcdStore<S> {
             etcd,
             keys,
             seen,
+            committing: tokio::sync::Mutex::new(()),
             failure,
             watcher,
         })
     }
 
     /// Checks the changes in order against the configuration (all or none) and commits
-    /// them as one etcd transaction; returns the new generation (its etcd revision).
+    /// them as one etcd transaction; returns the new generation (its etcd revision). This
+    /// daemon's commits are made one after another (no group commit: each is one etcd
+    /// transaction, and etcd batches its own disk writes).
     pub async fn commit(&self, changes: Vec<S::Change>) -> Result<u64, CommitError<S::Error>> {
         let failure = self
             .failure
@@ -280,6 +286,7 @@ impl<S: Objects> EtcdStore<S> {
         }
         let id = uuid::Uuid::new_v4().to_string();
         let record = Record { id, changes };
+        let _one_at_a_time = self.committing.lock().await;
         let encoded = serde_json::to_vec(&record).map_err(|error| {
             CommitError::Store(StoreError::Encode {
                 what: "transaction",
