@@ -480,3 +480,48 @@ fn a_partitioned_host_cannot_commit_and_catches_up() {
         std::thread::sleep(Duration::from_millis(200));
     }
 }
+
+#[test]
+fn a_daemon_without_the_clusters_ca_refuses_to_start() {
+    let Some(etcd) = etcd_for_test("a_daemon_without_the_clusters_ca") else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = EtcdServer::single(&etcd, &dir.path().join("etcd")).expect("etcd");
+    let daemon = |name: &str| {
+        let state = dir.path().join(name);
+        let mut command = Command::new(bin("kiln-mgmtd"));
+        command
+            .arg("--state-dir")
+            .arg(&state)
+            .arg("--socket")
+            .arg(dir.path().join(format!("{name}-run/mgmtd.sock")))
+            .args(["--host", "127.0.0.1", "--cluster", "ca"])
+            .args(["--etcd", &server.member.client_url()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        (command, state)
+    };
+    // The first daemon makes the cluster's CA and records it.
+    let (mut first, first_state) = daemon("first");
+    let mut first = first.spawn().expect("kiln-mgmtd");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !first_state.join("tls/ca.crt").exists() {
+        assert!(Instant::now() < deadline, "no CA made");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // One with no CA, and one with a CA of its own, are refused with what to do.
+    let (mut bare, _) = daemon("bare");
+    let out = bare.output().expect("kiln-mgmtd");
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{said}");
+    assert!(said.contains("no copy of cluster ca's CA"), "{said}");
+    let (mut stranger, stranger_state) = daemon("stranger");
+    kiln_admin::pki::init_ca(&stranger_state.join("tls")).expect("a CA of its own");
+    let out = stranger.output().expect("kiln-mgmtd");
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{said}");
+    assert!(said.contains("is not cluster ca's"), "{said}");
+    let _ = first.kill();
+    let _ = first.wait();
+}

@@ -627,13 +627,13 @@ impl Daemon {
         volume: &Volume,
         generation: u64,
     ) -> anyhow::Result<Vec<(String, Result<u64, String>)>> {
-        let Some(etcd) = self.store.etcd() else {
-            return Ok(Vec::new());
-        };
         let remote: Vec<(String, &Brick)> = (0..volume.bricks.len())
             .map(|i| (Brick::name(&volume.name, i), &volume.bricks[i]))
             .filter(|(_, brick)| !self.supervisor.is_local(brick))
             .collect();
+        let Some(etcd) = self.store.etcd().filter(|_| !remote.is_empty()) else {
+            return Ok(Vec::new());
+        };
         let host_of = |brick: &Brick| brick.host.clone().unwrap_or_default();
         let caught_up = |reports: &[HostReport]| {
             remote.iter().all(|(_, brick)| {
