@@ -182,8 +182,9 @@ impl Hosts {
             .spawn()
             .expect("kiln-mgmtd");
         host.daemon = Some(daemon);
+        // Ready once it answers (it listens before it has opened the store).
         let deadline = Instant::now() + Duration::from_secs(30);
-        while std::os::unix::net::UnixStream::connect(&host.socket).is_err() {
+        while !self.kiln(i, &["cluster", "status"]).status.success() {
             assert!(
                 Instant::now() < deadline,
                 "kiln-mgmtd of host {i} did not start:\n{}",
@@ -309,6 +310,8 @@ impl Drop for Hosts {
                 let path = entry.map(|e| e.path()).unwrap_or_default();
                 if path.extension().is_some_and(|e| e == "pid")
                     && let Ok(pid) = std::fs::read_to_string(&path)
+                    && std::fs::read(format!("/proc/{}/cmdline", pid.trim()))
+                        .is_ok_and(|c| c.windows(11).any(|w| w == b"kiln-brickd"))
                 {
                     let _ = Command::new("kill")
                         .args(["-9", pid.trim()])
@@ -379,9 +382,15 @@ fn three_hosts_share_one_configuration_and_serve_one_volume() {
         assert_eq!(back, format!("file {n}"));
     }
     hosts.wait_status(0, "v", |b| b[1].state == "down");
+    // A change made meanwhile reaches the orphaned brick once a daemon adopts it.
+    let changed = match hosts.json(0, &["set", "v", "network.inflight-max", "32"]) {
+        Response::Done { generation, .. } => generation,
+        other => panic!("{other:?}"),
+    };
     hosts.start_daemon(1);
     hosts.wait_status(0, "v", |b| running(b) && pids(b) == pids(&before));
     assert!(hosts.daemon_log(1).contains("adopted the running brick"));
+    hosts.wait_status(0, "v", |b| b[1].generation >= Some(changed));
     // A daemon restarted as an operator does (SIGTERM, start) leaves its brick running.
     hosts.stop_daemon(0);
     assert_eq!(
@@ -481,6 +490,22 @@ fn a_partitioned_host_cannot_commit_and_catches_up() {
     }
 }
 
+/// Runs `daemon`, which must exit with an error within 30 s; what it said.
+fn refused(mut daemon: Command) -> String {
+    let mut child = daemon.spawn().expect("kiln-mgmtd");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while child.try_wait().expect("wait").is_none() {
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            panic!("kiln-mgmtd started, or hung, instead of refusing");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().expect("output");
+    assert!(!out.status.success(), "kiln-mgmtd exited 0");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
 #[test]
 fn a_daemon_without_the_clusters_ca_refuses_to_start() {
     let Some(etcd) = etcd_for_test("a_daemon_without_the_clusters_ca") else {
@@ -511,16 +536,12 @@ fn a_daemon_without_the_clusters_ca_refuses_to_start() {
         std::thread::sleep(Duration::from_millis(50));
     }
     // One with no CA, and one with a CA of its own, are refused with what to do.
-    let (mut bare, _) = daemon("bare");
-    let out = bare.output().expect("kiln-mgmtd");
-    let said = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{said}");
+    let (bare, _) = daemon("bare");
+    let said = refused(bare);
     assert!(said.contains("no copy of cluster ca's CA"), "{said}");
-    let (mut stranger, stranger_state) = daemon("stranger");
+    let (stranger, stranger_state) = daemon("stranger");
     kiln_admin::pki::init_ca(&stranger_state.join("tls")).expect("a CA of its own");
-    let out = stranger.output().expect("kiln-mgmtd");
-    let said = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{said}");
+    let said = refused(stranger);
     assert!(said.contains("is not cluster ca's"), "{said}");
     let _ = first.kill();
     let _ = first.wait();

@@ -114,6 +114,9 @@ async fn report_under_one_lease(
         .call(|mut client| async move { client.lease_grant(HOST_LEASE_TTL_SECS, None).await })
         .await?
         .id();
+    // Kept alive on its own clock: reports sent at every generation do not renew a lease.
+    let mut keep_alive = tokio::time::interval(REPORT_EVERY);
+    keep_alive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         let json = serde_json::to_vec(&report()).context("encode the host report")?;
         etcd.call(|mut client| {
@@ -128,7 +131,7 @@ async fn report_under_one_lease(
                     return Ok(());
                 }
             }
-            () = tokio::time::sleep(REPORT_EVERY) => {
+            _ = keep_alive.tick() => {
                 // (A put under an expired lease fails, and a new lease is granted.)
                 etcd.call(|mut client| async move {
                     let (mut keeper, mut answers) = client.lease_keep_alive(lease).await?;

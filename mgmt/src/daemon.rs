@@ -64,6 +64,9 @@ struct Daemon {
 /// Opens the store, starts the bricks of started volumes, and serves the socket until
 /// `shutdown` completes; then stops the bricks.
 pub async fn run(config: DaemonConfig, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+    // First, so a second daemon started by mistake touches nothing (bricks of a cluster
+    // outlive the daemon that starts them).
+    let listener = bind_socket(&config.socket)?;
     let tls_dir = config.state_dir.join("tls");
     let log_dir = config.state_dir.join("logs");
     std::fs::create_dir_all(&log_dir)
@@ -110,8 +113,11 @@ pub async fn run(config: DaemonConfig, shutdown: impl Future<Output = ()>) -> an
         reconciling: tokio::sync::Mutex::new(()),
         applied: tokio::sync::watch::Sender::new(0),
     });
+    // Subscribed before the first reconciliation, so no generation falls between them.
+    let generations = daemon.store.subscribe();
     daemon.reconcile().await;
-    let reconciler = tokio::spawn(daemon.clone().reconcile_forever());
+    daemon.supervisor.stop_orphans().await;
+    let reconciler = tokio::spawn(daemon.clone().reconcile_forever(generations));
     let reporter = daemon.store.etcd().map(|etcd| {
         let etcd = etcd.etcd().clone();
         let reporting = daemon.clone();
@@ -125,7 +131,6 @@ pub async fn run(config: DaemonConfig, shutdown: impl Future<Output = ()>) -> an
         ))
     });
 
-    let listener = bind_socket(&daemon.config.socket)?;
     tracing::info!(socket = %daemon.config.socket.display(), "listening");
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
@@ -223,6 +228,8 @@ impl Daemon {
     async fn commit(&self, change: Change) -> anyhow::Result<u64> {
         self.store.commit(vec![change]).await.map_err(|e| match e {
             CommitError::Rejected(e) => anyhow::Error::from(e),
+            CommitError::Store(e @ crate::store::StoreError::Etcd { .. }) => anyhow::Error::from(e)
+                .context("the change may or may not have been saved (etcd did not answer)"),
             CommitError::Store(e) => anyhow::Error::from(e).context("the change was not saved"),
         })
     }
@@ -257,8 +264,10 @@ impl Daemon {
 
     /// Reconciles after every new generation (another daemon's commits included) until the
     /// daemon stops.
-    async fn reconcile_forever(self: Arc<Self>) {
-        let mut generations = self.store.subscribe();
+    async fn reconcile_forever(
+        self: Arc<Self>,
+        mut generations: tokio::sync::watch::Receiver<u64>,
+    ) {
         while generations.changed().await.is_ok() {
             self.reconcile().await;
         }
@@ -742,11 +751,12 @@ impl Daemon {
 /// report (its daemon or the host is gone, or it cannot reach etcd).
 fn remote_status(reports: &[HostReport], name: &str, brick: &Brick) -> BrickStatus {
     let host = brick.host.clone().unwrap_or_default();
-    let reported = reports
-        .iter()
-        .find(|r| r.host == host)
-        .and_then(|r| r.bricks.get(name));
-    match reported {
+    let report = reports.iter().find(|r| r.host == host);
+    let health = match report {
+        Some(_) => format!("host {host} does not run it"),
+        None => format!("host {host} does not report"),
+    };
+    match report.and_then(|r| r.bricks.get(name)) {
         Some(status) => status.clone(),
         None => BrickStatus {
             host: brick.host.clone(),
@@ -757,7 +767,7 @@ fn remote_status(reports: &[HostReport], name: &str, brick: &Brick) -> BrickStat
             uptime_secs: 0,
             restarts: 0,
             generation: None,
-            health: format!("host {host} does not report"),
+            health,
         },
     }
 }

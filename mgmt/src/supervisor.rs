@@ -55,33 +55,52 @@ impl Launch {
         self.run_dir.join(format!("{brick_name}.pid"))
     }
 
-    /// The brick `name` a previous daemon left running: its pid file names a live
-    /// `kiln-brickd` serving that brick (checked against its command line), which answers
-    /// on its control socket.
-    async fn running_brick(&self, name: &str) -> Option<u32> {
+    /// The `kiln-brickd` process pid file `name` names, if it still runs that brick.
+    fn brick_process(&self, name: &str) -> Option<(u32, Vec<String>)> {
         let pid: u32 = std::fs::read_to_string(self.pid_file(name))
             .ok()?
             .trim()
             .parse()
             .ok()?;
         let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
-        let args: Vec<&[u8]> = cmdline.split(|&b| b == 0).collect();
-        let serves = args
-            .windows(2)
-            .any(|w| w[0] == b"--name" && w[1] == name.as_bytes());
-        let is_brickd = args
-            .first()
-            .is_some_and(|exe| exe.ends_with(b"kiln-brickd"));
-        if !(serves && is_brickd) {
+        let args: Vec<String> = cmdline
+            .split(|&b| b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        let is_brickd = args.first().is_some_and(|exe| exe.ends_with("kiln-brickd"));
+        let serves = args.windows(2).any(|w| w[0] == "--name" && w[1] == name);
+        (is_brickd && serves).then_some((pid, args))
+    }
+
+    /// The brick a previous daemon left running as `expected` arguments say (the same brick
+    /// directory and address, whatever the generation and options): its pid and the
+    /// generation it runs, once its control socket answers (tried a few times: a busy brick
+    /// is still the brick).
+    async fn running_brick(&self, name: &str, expected: &[String]) -> Option<(u32, u64)> {
+        let (pid, args) = self.brick_process(name)?;
+        let same_place = |flag: &str| {
+            let value =
+                |args: &[String]| args.windows(2).find(|w| w[0] == flag).map(|w| w[1].clone());
+            value(&args[1..]) == value(expected)
+        };
+        if args.get(2) != expected.get(1) || !same_place("--listen") || !same_place("--volume") {
             return None;
         }
         let probe = control::EXCHANGE.with_exchange_timeout(HEALTH_TIMEOUT);
-        ask(&self.control_socket(name), &ControlRequest::Status, probe)
-            .await
-            .ok()?;
-        Some(pid)
+        for _ in 0..ADOPT_PROBES {
+            if let Ok(answer) =
+                ask(&self.control_socket(name), &ControlRequest::Status, probe).await
+                && let Ok(generation) = generation_of(&answer)
+            {
+                return Some((pid, generation));
+            }
+        }
+        None
     }
 }
+
+/// Probes of a brick left running before it is given up for a new one.
+const ADOPT_PROBES: usize = 3;
 
 /// The current configuration of a volume and its generation, read at every brick start so a
 /// restarted brick runs what was committed last.
@@ -225,6 +244,34 @@ impl Supervisor {
         }
     }
 
+    /// Stops the bricks a previous daemon left running that this one does not run (their
+    /// volume was stopped, deleted or changed while no daemon watched): SIGTERM, and the
+    /// brick drains and exits by itself.
+    pub async fn stop_orphans(&self) {
+        let Ok(entries) = std::fs::read_dir(&self.launch.run_dir) else {
+            return;
+        };
+        for path in entries.filter_map(|e| e.ok().map(|e| e.path())) {
+            let Some(name) = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .and_then(|n| n.strip_suffix(".pid"))
+            else {
+                continue;
+            };
+            if self.is_running(name) {
+                continue;
+            }
+            if let Some((pid, _)) = self.launch.brick_process(name)
+                && let Some(pid) = rustix::process::Pid::from_raw(pid as i32)
+            {
+                tracing::warn!(brick = %name, pid = pid.as_raw_nonzero().get(), "stopping a brick no volume here runs");
+                let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+            }
+            let _ = std::fs::remove_file(&path);
+        }
+    }
+
     /// Whether `volume`'s live options differ from those its bricks here run.
     pub fn options_changed(&self, volume: &Volume) -> bool {
         lock(&self.pushed)
@@ -365,10 +412,6 @@ impl Supervisor {
         generation: u64,
     ) -> Vec<(String, Result<u64, String>)> {
         let push = live_push(volume, generation);
-        lock(&self.pushed).insert(
-            volume.name.clone(),
-            options::live_brick_options(&volume.options),
-        );
         let mut results = Vec::new();
         for i in self.local_bricks(volume) {
             let name = Brick::name(&volume.name, i);
@@ -384,6 +427,12 @@ impl Supervisor {
                 run.generation = applied;
             }
             results.push((name, result));
+        }
+        if results.iter().all(|(_, r)| r.is_ok()) {
+            lock(&self.pushed).insert(
+                volume.name.clone(),
+                options::live_brick_options(&volume.options),
+            );
         }
         results
     }
@@ -497,16 +546,21 @@ async fn watch_brick(
     let name = Brick::name(&volume, index);
     let mut backoff = RESTART_BACKOFF_MIN;
     if launch.bricks_outlive_daemon
-        && let Some(pid) = launch.running_brick(&name).await
+        && let Some((config, generation)) = current(&volume).filter(|(v, _)| index < v.bricks.len())
+        && let Some((pid, runs)) = launch
+            .running_brick(&name, &brick_args(&launch, &config, index, generation))
+            .await
     {
-        let generation = current(&volume).map_or(0, |(_, g)| g);
         update(&run, |r| {
             r.pid = Some(pid);
             r.state = "running";
             r.since = Instant::now();
-            r.generation = generation;
+            r.generation = runs;
         });
-        tracing::info!(brick = %name, pid, "adopted the running brick");
+        tracing::info!(brick = %name, pid, generation = runs, "adopted the running brick");
+        // Changes made while no daemon watched it.
+        let socket = launch.control_socket(&name);
+        catch_up(socket, current.clone(), volume.clone(), runs, run.clone()).await;
         if !watch_adopted(pid, &name, &mut stopped).await {
             update(&run, |r| {
                 r.pid = None;

@@ -389,8 +389,8 @@ impl<S: Objects> EtcdStore<S> {
 
     /// Tells each new generation seen here.
     pub fn subscribe(&self) -> watch::Receiver<u64> {
-        let (tell, told) = watch::channel(self.generation());
         let mut seen = self.seen.subscribe();
+        let (tell, told) = watch::channel(seen.borrow_and_update().generation);
         tokio::spawn(async move {
             while seen.changed().await.is_ok() {
                 let generation = seen.borrow_and_update().generation;
