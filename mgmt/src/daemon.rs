@@ -279,6 +279,8 @@ impl Daemon {
     async fn reconcile(&self) {
         let _one_at_a_time = self.reconciling.lock().await;
         let (cluster, generation) = self.store.read(|c, g| (c.clone(), g));
+        let before = self.supervisor.running_names();
+        let mut pushed = false;
         let mut wanted = HashSet::new();
         for volume in cluster.volumes.values() {
             if volume.state != VolumeState::Started {
@@ -296,10 +298,17 @@ impl Daemon {
             self.supervisor.start_volume(volume);
             if self.supervisor.options_changed(volume) {
                 self.supervisor.push(volume, generation).await;
+                pushed = true;
             }
         }
         self.supervisor.stop_unwanted(&wanted).await;
-        self.applied.send_replace(generation);
+        // The host's report is renewed at once only when its bricks changed (another host's
+        // `volume set` waits for it); otherwise at its next tick, sparing etcd a write.
+        let acted = pushed || self.supervisor.running_names() != before;
+        self.applied.send_if_modified(|applied| {
+            *applied = generation;
+            acted
+        });
     }
 
     /// This host as its daemon reports it into etcd.

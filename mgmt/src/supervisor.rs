@@ -169,6 +169,11 @@ impl Supervisor {
         (0..volume.bricks.len()).filter(move |&i| volume.bricks[i].host == host)
     }
 
+    /// The bricks run (or being restarted) here.
+    pub fn running_names(&self) -> HashSet<String> {
+        lock(&self.bricks).keys().cloned().collect()
+    }
+
     /// Whether brick `name` runs (or is being restarted) here.
     pub fn is_running(&self, name: &str) -> bool {
         lock(&self.bricks).contains_key(name)
