@@ -288,8 +288,12 @@ impl Daemon {
             }
             for i in self.supervisor.local_bricks(volume) {
                 let name = Brick::name(&volume.name, i);
+                // (Formatting runs a process and issuing makes a key: off the runtime's
+                // threads' way.)
                 if !self.supervisor.is_running(&name)
-                    && let Err(e) = self.prepare_brick(&volume.name, i, &volume.bricks[i])
+                    && let Err(e) = tokio::task::block_in_place(|| {
+                        self.prepare_brick(&volume.name, i, &volume.bricks[i])
+                    })
                 {
                     tracing::error!(brick = %name, error = %format!("{e:#}"), "cannot prepare brick");
                 }

@@ -667,30 +667,44 @@ async fn watch_brick(
 const ADOPTED_POLL: Duration = Duration::from_millis(250);
 
 /// Watches adopted brick `pid` until it exits (`true`: start it again) or is asked to
-/// stop (`false`, after SIGTERM and, past [`STOP_GRACE`], SIGKILL).
+/// stop (`false`, after SIGTERM and, past [`STOP_GRACE`], SIGKILL). Through a pidfd: it
+/// names this process for good (a pid reused later is never signalled), and it polls
+/// readable once the process has exited, zombie or not.
 async fn watch_adopted(pid: u32, name: &str, stopped: &mut watch::Receiver<bool>) -> bool {
-    let alive = || Path::new(&format!("/proc/{pid}")).exists();
-    let signal = |signal| {
-        if let Some(pid) = rustix::process::Pid::from_raw(pid as i32) {
-            let _ = rustix::process::kill_process(pid, signal);
-        }
+    use rustix::process::{Pid, PidfdFlags, Signal, pidfd_open, pidfd_send_signal};
+    let Some(pidfd) =
+        Pid::from_raw(pid as i32).and_then(|p| pidfd_open(p, PidfdFlags::empty()).ok())
+    else {
+        tracing::warn!(brick = %name, pid, "adopted brick is gone; restarting");
+        return true;
+    };
+    let exited = || {
+        let mut fds = [rustix::event::PollFd::new(
+            &pidfd,
+            rustix::event::PollFlags::IN,
+        )];
+        let now = rustix::event::Timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        rustix::event::poll(&mut fds, Some(&now)).map_or(true, |ready| ready > 0)
     };
     loop {
         tokio::select! {
             () = tokio::time::sleep(ADOPTED_POLL) => {
-                if !alive() {
+                if exited() {
                     tracing::warn!(brick = %name, pid, "adopted brick exited; restarting");
                     return true;
                 }
             }
             () = stop_requested(stopped) => {
-                signal(rustix::process::Signal::TERM);
+                let _ = pidfd_send_signal(&pidfd, Signal::TERM);
                 let deadline = Instant::now() + STOP_GRACE;
-                while alive() && Instant::now() < deadline {
+                while !exited() && Instant::now() < deadline {
                     tokio::time::sleep(ADOPTED_POLL).await;
                 }
-                if alive() {
-                    signal(rustix::process::Signal::KILL);
+                if !exited() {
+                    let _ = pidfd_send_signal(&pidfd, Signal::KILL);
                 }
                 tracing::info!(brick = %name, "brick stopped");
                 return false;
