@@ -3,7 +3,7 @@
 //! (the configuration state machine) are `kiln-mgmt`'s.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
@@ -31,6 +31,16 @@ pub struct Brick {
 }
 
 impl Brick {
+    /// A brick as a command line gives it: `HOST:PATH` (the host, the path), or a path alone
+    /// (`None`: the host the command is run for). A `:` after a `/` is part of a path.
+    pub fn split_spec(spec: &Path) -> (Option<String>, PathBuf) {
+        let text = spec.to_string_lossy();
+        match text.split_once(':') {
+            Some((host, path)) if !host.contains('/') => (Some(host.to_owned()), path.into()),
+            _ => (None, spec.to_owned()),
+        }
+    }
+
     /// Whether `self` and `other` live on the same host.
     pub fn shares_host(&self, other: &Brick) -> bool {
         self.host == other.host
@@ -38,9 +48,14 @@ impl Brick {
 
     /// `HOST:PATH`, or the path alone for a single-node daemon's brick.
     pub fn display(&self) -> String {
-        match &self.host {
-            Some(host) => format!("{host}:{}", self.path.display()),
-            None => self.path.display().to_string(),
+        Brick::place(self.host.as_deref(), &self.path)
+    }
+
+    /// A brick at `path` of `host` as people read it: `HOST:PATH`, or the path alone.
+    pub fn place(host: Option<&str>, path: &Path) -> String {
+        match host {
+            Some(host) => format!("{host}:{}", path.display()),
+            None => path.display().to_string(),
         }
     }
 

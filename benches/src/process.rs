@@ -388,3 +388,99 @@ pub fn brickd_address(
         .with_context(|| format!("kiln-brickd did not start ({line:?}):\n{}", log_tail(log)))?;
     addr.parse().context("kiln-brickd's address")
 }
+
+/// A fresh cluster CA in `tls`, a certificate for brick `brick` reached on loopback and one
+/// for client `client` (valid a day: a benchmark's).
+pub fn loopback_pki(tls: &Path, brick: &str, client: &str) -> anyhow::Result<()> {
+    use kiln_admin::pki::{self, Role};
+    pki::init_ca(tls).context("cluster CA")?;
+    let brick_role = Role::Brick {
+        hosts: vec!["127.0.0.1".into(), "localhost".into()],
+    };
+    pki::issue(tls, &brick_role, brick, 1).context("brick certificate")?;
+    pki::issue(tls, &Role::Client, client, 1).context("client certificate")?;
+    Ok(())
+}
+
+/// A server process, stopped (SIGTERM, bounded wait, SIGKILL) when dropped.
+#[derive(Debug)]
+pub struct Daemon {
+    pub name: &'static str,
+    child: Option<Child>,
+    /// Where its standard error goes.
+    pub log: PathBuf,
+}
+
+impl Daemon {
+    pub fn spawn(name: &'static str, cmd: &mut Command, log: &Path) -> anyhow::Result<Daemon> {
+        let log_file = std::fs::File::options()
+            .create(true)
+            .append(true)
+            .open(log)
+            .with_context(|| format!("cannot open {}", log.display()))?;
+        let child = cmd
+            .stdin(Stdio::null())
+            .stderr(log_file)
+            .spawn()
+            .with_context(|| format!("cannot run {name}"))?;
+        Ok(Daemon {
+            name,
+            child: Some(child),
+            log: log.to_owned(),
+        })
+    }
+
+    /// Its standard output, when it was spawned with a pipe there (once).
+    pub fn take_stdout(&mut self) -> Option<std::process::ChildStdout> {
+        self.child.as_mut().and_then(|c| c.stdout.take())
+    }
+
+    /// Its exit status if it has exited.
+    pub fn exited(&mut self) -> Option<ExitStatus> {
+        self.child
+            .as_mut()
+            .and_then(|c| c.try_wait().ok().flatten())
+    }
+
+    /// Waits (bounded) for it to exit by itself; its status, or None if it did not.
+    pub fn wait(&mut self, timeout: Duration) -> anyhow::Result<Option<ExitStatus>> {
+        let Some(child) = self.child.as_mut() else {
+            bail!("{} is not running", self.name);
+        };
+        if !wait_exit(child, timeout, || false)? {
+            return Ok(None);
+        }
+        let status = child.wait()?;
+        self.child = None;
+        Ok(Some(status))
+    }
+
+    /// SIGTERM, a bounded wait, then SIGKILL. Returns its status and whether it was killed.
+    pub fn stop(&mut self) -> anyhow::Result<(Option<ExitStatus>, bool)> {
+        let Some(child) = self.child.as_mut() else {
+            bail!("{} is not running", self.name);
+        };
+        if let Ok(Some(status)) = child.try_wait() {
+            self.child = None;
+            return Ok((Some(status), false));
+        }
+        let _ = rustix::process::kill_process(pid_of(child)?, rustix::process::Signal::TERM);
+        if let Some(status) = self.wait(STOP_TIMEOUT)? {
+            return Ok((Some(status), false));
+        }
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = wait_exit(&child, KILL_TIMEOUT, || false);
+            let _ = child.try_wait();
+        }
+        Ok((None, true))
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if self.child.is_some() {
+            let _ = self.stop();
+        }
+    }
+}

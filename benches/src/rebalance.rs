@@ -25,24 +25,22 @@
 
 use std::io::{Read as _, Write as _};
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use bytes::Bytes;
-use kiln_admin::pki::{self, Role};
 use kiln_client::distribute::{Distribute, LAYOUT_TTL, RebalanceReport};
 use kiln_client::{BrickClient, ConnectOptions, Paths};
 use kiln_wire::Creds;
-use rustix::process::Signal;
 use serde_json::json;
 
 use crate::process::{
-    Bins, KILL_TIMEOUT, STOP_TIMEOUT, brickd_address, check_stop, log_tail, pid_of, run_bounded,
-    stopping, version, wait_exit, watch_signals,
+    Bins, Daemon, brickd_address, check_stop, log_tail, loopback_pki, run_bounded, stopping,
+    version, watch_signals,
 };
 use crate::report::{Record, Reporter};
 use crate::rng::Rng;
@@ -219,12 +217,7 @@ fn measure_kiln(
     logs: &Path,
 ) -> anyhow::Result<KilnRun> {
     let tls = root.join("tls");
-    pki::init_ca(&tls).context("cluster CA")?;
-    let brick_role = Role::Brick {
-        hosts: vec!["127.0.0.1".into(), "localhost".into()],
-    };
-    pki::issue(&tls, &brick_role, BRICK_NAME, 1).context("brick certificate")?;
-    pki::issue(&tls, &Role::Client, CLIENT_NAME, 1).context("client certificate")?;
+    loopback_pki(&tls, BRICK_NAME, CLIENT_NAME)?;
     let mut bricks = Vec::with_capacity(bench.bricks + 1);
     for i in 0..=bench.bricks {
         let log = logs.join(format!("kiln-brickd-{i}.log"));
@@ -303,10 +296,13 @@ async fn rebalance_on(
         }
     };
     let start = Instant::now();
-    let report = tokio::time::timeout(PHASE_TIMEOUT, grown.rebalance(&stop, &mut progress))
-        .await
-        .with_context(|| format!("the rebalance took over {PHASE_TIMEOUT:?}"))?
-        .context("rebalancing")?;
+    let rebalance = async {
+        grown
+            .rebalance(&stop, &mut progress)
+            .await
+            .context("rebalancing")
+    };
+    let report = bounded("the rebalance", rebalance).await?;
     let elapsed = start.elapsed();
     check_stop()?;
     if report.failed > 0 || report.skipped > 0 {
@@ -474,9 +470,8 @@ fn contents(i: usize, len: usize) -> Bytes {
 /// SIGKILL) when dropped.
 #[derive(Debug)]
 struct Brickd {
-    child: Option<Child>,
+    daemon: Daemon,
     addr: SocketAddr,
-    log: PathBuf,
 }
 
 impl Brickd {
@@ -488,71 +483,31 @@ impl Brickd {
             log,
             COMMAND_TIMEOUT,
         )?;
-        let log_file = std::fs::File::options()
-            .create(true)
-            .append(true)
-            .open(log)
-            .with_context(|| format!("cannot open {}", log.display()))?;
-        let mut child = Command::new(exe)
+        let mut serve = Command::new(exe);
+        serve
             .arg("serve")
             .arg(brick)
             .args(["--listen", "127.0.0.1:0", "--name", BRICK_NAME, "--tls-dir"])
             .arg(tls)
             .args(["--root-allow", CLIENT_NAME, "--volume", VOLUME])
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(log_file)
-            .spawn()
-            .context("cannot run kiln-brickd")?;
-        let stdout = child.stdout.take();
-        let mut brickd = Brickd {
-            child: Some(child),
-            addr: SocketAddr::from(([127, 0, 0, 1], 0)),
-            log: log.to_owned(),
-        };
-        let stdout = stdout.context("no pipe from kiln-brickd")?;
-        brickd.addr = brickd_address(stdout, log)?;
-        Ok(brickd)
+            .stdout(Stdio::piped());
+        let mut daemon = Daemon::spawn("kiln-brickd", &mut serve, log)?;
+        let stdout = daemon.take_stdout().context("no pipe from kiln-brickd")?;
+        let addr = brickd_address(stdout, log)?;
+        Ok(Brickd { daemon, addr })
     }
 
     /// SIGTERM, a bounded wait, then SIGKILL; fails unless it exits 0 on the SIGTERM.
     fn stop(&mut self) -> anyhow::Result<()> {
-        let Some(mut child) = self.child.take() else {
-            return Ok(());
-        };
-        let status = stop_child(&mut child)?;
-        match status {
-            Some(s) if s.success() => Ok(()),
-            _ => bail!(
+        match self.daemon.stop()? {
+            (Some(status), false) if status.success() => Ok(()),
+            status => bail!(
                 "kiln-brickd of {} did not stop cleanly on SIGTERM ({status:?}):\n{}",
                 self.addr,
-                log_tail(&self.log)
+                log_tail(&self.daemon.log)
             ),
         }
     }
-}
-
-impl Drop for Brickd {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = stop_child(&mut child);
-        }
-    }
-}
-
-/// SIGTERM, a bounded wait, then SIGKILL; its status if it exited on the SIGTERM.
-fn stop_child(child: &mut Child) -> anyhow::Result<Option<ExitStatus>> {
-    if let Some(status) = child.try_wait()? {
-        return Ok(Some(status));
-    }
-    let _ = rustix::process::kill_process(pid_of(child)?, Signal::TERM);
-    if wait_exit(child, STOP_TIMEOUT, || false)? {
-        return Ok(Some(child.wait()?));
-    }
-    let _ = child.kill();
-    let _ = wait_exit(child, KILL_TIMEOUT, || false);
-    let _ = child.try_wait();
-    Ok(None)
 }
 
 #[cfg(test)]

@@ -204,9 +204,7 @@ impl Hosts {
     /// SIGTERM to host `i`'s daemon (as `systemctl restart` sends), and waits for its exit.
     fn stop_daemon(&mut self, i: usize) {
         let mut daemon = self.hosts[i].daemon.take().expect("a running daemon");
-        let pid = daemon.id().to_string();
-        let term = Command::new("kill").args(["-TERM", &pid]).status();
-        assert!(term.is_ok_and(|s| s.success()), "kill -TERM {pid}");
+        common::signal(daemon.id() as i32, rustix::process::Signal::TERM);
         let status = daemon.wait().expect("wait for kiln-mgmtd");
         assert!(status.success(), "kiln-mgmtd exited {status}");
     }
@@ -268,6 +266,19 @@ impl Hosts {
         out.split_whitespace().nth(1).unwrap_or_default().to_owned()
     }
 
+    /// Option `key` of `volume` on host `i` once it is `want`, or as it is after 10 s (each
+    /// daemon's copy follows the others' commits by its watch).
+    fn option_once(&self, i: usize, volume: &str, key: &str, want: &str) -> String {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let value = self.option(i, volume, key);
+            if value == want || Instant::now() >= deadline {
+                return value;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
     /// A volume with one brick on each host, started, its `admin` root on the mount.
     fn volume(&self, name: &str) -> Vec<PathBuf> {
         let bricks: Vec<PathBuf> = (0..HOSTS)
@@ -312,11 +323,13 @@ impl Drop for Hosts {
                     && let Ok(pid) = std::fs::read_to_string(&path)
                     && std::fs::read(format!("/proc/{}/cmdline", pid.trim()))
                         .is_ok_and(|c| c.windows(11).any(|w| w == b"kiln-brickd"))
+                    && let Some(pid) = pid
+                        .trim()
+                        .parse()
+                        .ok()
+                        .and_then(rustix::process::Pid::from_raw)
                 {
-                    let _ = Command::new("kill")
-                        .args(["-9", pid.trim()])
-                        .stderr(Stdio::null())
-                        .status();
+                    let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
                 }
             }
         }
@@ -457,8 +470,16 @@ fn acknowledged_changes_survive_a_killed_daemon_and_etcd_member() {
         value.clone()
     };
     for key in KEYS {
-        assert_eq!(hosts.option(0, "v", key), last(key), "{key} on host 0");
-        assert_eq!(hosts.option(1, "v", key), last(key), "{key} on host 1");
+        assert_eq!(
+            hosts.option_once(0, "v", key, &last(key)),
+            last(key),
+            "{key} on host 0"
+        );
+        assert_eq!(
+            hosts.option_once(1, "v", key, &last(key)),
+            last(key),
+            "{key} on host 1"
+        );
     }
     // The killed member and daemon come back and agree; no brick was restarted.
     hosts.start_member(1);

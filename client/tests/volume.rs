@@ -47,13 +47,17 @@ impl Mgmtd {
         }
     }
 
-    fn kiln(&self, args: &[&str]) -> Output {
-        Command::new(bin("kiln"))
-            .args(args)
+    /// `kiln ARGS` against this daemon, as its `admin`.
+    fn command(&self, args: &[&str]) -> Command {
+        let mut kiln = Command::new(bin("kiln"));
+        kiln.args(args)
             .env("KILN_MGMT_SOCKET", &self.socket)
-            .env("KILN_TLS_DIR", self.state.join("tls"))
-            .output()
-            .expect("run kiln")
+            .env("KILN_TLS_DIR", self.state.join("tls"));
+        kiln
+    }
+
+    fn kiln(&self, args: &[&str]) -> Output {
+        self.command(args).output().expect("run kiln")
     }
 
     fn ok(&self, args: &[&str]) -> String {
@@ -822,10 +826,8 @@ fn a_volume_of_three_bricks_mounts_as_one_tree() {
     let idle = m.fails(&["volume", "rebalance", "wide", "stop"]);
     assert!(idle.contains("no rebalance of wide is running"), "{idle}");
     // One started in the background is seen running, refuses a second, and stops when told.
-    let mut running = Command::new(bin("kiln"))
-        .args(["volume", "rebalance", "wide", "start"])
-        .env("KILN_MGMT_SOCKET", &m.socket)
-        .env("KILN_TLS_DIR", m.state.join("tls"))
+    let mut running = m
+        .command(&["volume", "rebalance", "wide", "start"])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()

@@ -410,11 +410,7 @@ impl Daemon {
     /// The host and path a brick given as `HOST:PATH` or `PATH` (this host) lives at. A
     /// single-node daemon serves only its own host's.
     fn brick_place(&self, spec: &Path) -> anyhow::Result<(Option<String>, PathBuf)> {
-        let text = spec.to_string_lossy();
-        let (host, path) = match text.split_once(':') {
-            Some((host, path)) if !host.contains('/') => (Some(host.to_owned()), path.into()),
-            _ => (None, spec.to_owned()),
-        };
+        let (host, path) = Brick::split_spec(spec);
         match (host, &self.config.host) {
             (None, own) => Ok((own.clone(), path)),
             (Some(host), Some(own)) if self.store.etcd().is_some() || &host == own => {

@@ -6,22 +6,18 @@
 
 use std::os::unix::fs::DirBuilderExt as _;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use kiln_admin::pki::{self, Role};
 use kiln_client::mountinfo;
-use rustix::process::Signal;
 use serde_json::json;
 
 use super::{MountBench, Target};
 /// The executables the Kiln target runs, from beside kiln-bench.
 pub(super) use crate::process::Bins;
-use crate::process::{
-    KILL_TIMEOUT, STOP_TIMEOUT, brickd_address, check_stop, log_tail, pid_of, run_bounded, version,
-    wait_exit,
-};
+pub(super) use crate::process::Daemon;
+use crate::process::{brickd_address, check_stop, log_tail, loopback_pki, run_bounded, version};
 
 /// Name of the client and brick certificates of the Kiln target.
 const CLIENT_NAME: &str = "admin";
@@ -35,87 +31,6 @@ const POLL_INTERVAL: Duration = Duration::from_millis(20);
 
 /// Name of the Kiln brick's control socket, in the target's directory.
 const CONTROL_SOCKET: &str = "brickd.sock";
-
-/// A server process, stopped (SIGTERM, bounded wait, SIGKILL) when dropped.
-#[derive(Debug)]
-pub(super) struct Daemon {
-    name: &'static str,
-    child: Option<Child>,
-    log: PathBuf,
-}
-
-impl Daemon {
-    pub(super) fn spawn(
-        name: &'static str,
-        cmd: &mut Command,
-        log: &Path,
-    ) -> anyhow::Result<Daemon> {
-        let log_file = std::fs::File::options()
-            .create(true)
-            .append(true)
-            .open(log)
-            .with_context(|| format!("cannot open {}", log.display()))?;
-        let child = cmd
-            .stdin(Stdio::null())
-            .stderr(log_file)
-            .spawn()
-            .with_context(|| format!("cannot run {name}"))?;
-        Ok(Daemon {
-            name,
-            child: Some(child),
-            log: log.to_owned(),
-        })
-    }
-
-    /// Its exit status if it has exited.
-    pub(super) fn exited(&mut self) -> Option<ExitStatus> {
-        self.child
-            .as_mut()
-            .and_then(|c| c.try_wait().ok().flatten())
-    }
-
-    /// Waits (bounded) for it to exit by itself; its status, or None if it did not.
-    fn wait(&mut self, timeout: Duration) -> anyhow::Result<Option<ExitStatus>> {
-        let Some(child) = self.child.as_mut() else {
-            bail!("{} is not running", self.name);
-        };
-        if !wait_exit(child, timeout, || false)? {
-            return Ok(None);
-        }
-        let status = child.wait()?;
-        self.child = None;
-        Ok(Some(status))
-    }
-
-    /// SIGTERM, a bounded wait, then SIGKILL. Returns its status and whether it was killed.
-    pub(super) fn stop(&mut self) -> anyhow::Result<(Option<ExitStatus>, bool)> {
-        let Some(child) = self.child.as_mut() else {
-            bail!("{} is not running", self.name);
-        };
-        if let Ok(Some(status)) = child.try_wait() {
-            self.child = None;
-            return Ok((Some(status), false));
-        }
-        let _ = rustix::process::kill_process(pid_of(child)?, Signal::TERM);
-        if let Some(status) = self.wait(STOP_TIMEOUT)? {
-            return Ok((Some(status), false));
-        }
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = wait_exit(&child, KILL_TIMEOUT, || false);
-            let _ = child.try_wait();
-        }
-        Ok((None, true))
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        if self.child.is_some() {
-            let _ = self.stop();
-        }
-    }
-}
 
 /// Whether a file system of type `fstype` is mounted exactly on `point` (canonical).
 fn is_mounted(point: &Path, fstype: &str) -> bool {
@@ -321,12 +236,7 @@ impl Place {
     ) -> anyhow::Result<()> {
         let bins = Bins::beside_this_executable()?;
         let tls = dir.join("tls");
-        pki::init_ca(&tls).context("cluster CA")?;
-        let brick_role = Role::Brick {
-            hosts: vec!["127.0.0.1".into(), "localhost".into()],
-        };
-        pki::issue(&tls, &brick_role, BRICK_NAME, 1).context("brick certificate")?;
-        pki::issue(&tls, &Role::Client, CLIENT_NAME, 1).context("client certificate")?;
+        loopback_pki(&tls, BRICK_NAME, CLIENT_NAME)?;
         let brick = dir.join("brick");
         std::fs::create_dir(&brick)?;
         let brick_log = logs.join("kiln-brickd.log");
@@ -358,11 +268,7 @@ impl Place {
             self.control = Some(socket);
         }
         let mut brickd = Daemon::spawn("kiln-brickd", &mut cmd, &brick_log)?;
-        let stdout = brickd
-            .child
-            .as_mut()
-            .and_then(|c| c.stdout.take())
-            .context("no pipe from kiln-brickd")?;
+        let stdout = brickd.take_stdout().context("no pipe from kiln-brickd")?;
         let addr = brickd_address(stdout, &brick_log)?;
         self.brickd = Some(brickd);
 

@@ -169,14 +169,10 @@ pub(crate) fn ask_and_print(socket: &Path, json: bool, request: &Request) -> any
 
 /// A brick as the daemon takes it: `HOST:PATH` as given, a path of this host made absolute.
 fn brick_spec(brick: &Path) -> anyhow::Result<PathBuf> {
-    let text = brick.to_string_lossy();
-    if text
-        .split_once(':')
-        .is_some_and(|(host, _)| !host.contains('/'))
-    {
-        return Ok(brick.to_owned());
+    match kiln_admin::volume::Brick::split_spec(brick) {
+        (Some(_), _) => Ok(brick.to_owned()),
+        (None, path) => Ok(std::env::current_dir()?.join(path)),
     }
-    Ok(std::env::current_dir()?.join(brick))
 }
 
 /// One request to the daemon and its answer.
@@ -236,10 +232,7 @@ fn print(response: Response, list_only: bool) -> anyhow::Result<()> {
             for b in bricks {
                 let pid = b.pid.map_or("-".to_owned(), |p| p.to_string());
                 let generation = b.generation.map_or("-".to_owned(), |g| g.to_string());
-                let brick = match &b.host {
-                    Some(host) => format!("{host}:{}", b.path.display()),
-                    None => b.path.display().to_string(),
-                };
+                let brick = kiln_admin::volume::Brick::place(b.host.as_deref(), &b.path);
                 println!(
                     "{:<40} {:>5} {:>8} {:<10} {:>7}s {:>8} {:>10}  {}",
                     brick, b.port, pid, b.state, b.uptime_secs, b.restarts, generation, b.health

@@ -55,6 +55,28 @@ pub(super) struct Open<F> {
     listing: tokio::sync::Mutex<Listing>,
 }
 
+impl<F> Open<F> {
+    /// A handle on node `ino`, with its fd or (`None`) one to open as `late_creds` with
+    /// `access` and `flags` at first use.
+    fn new(
+        fd: Option<F>,
+        ino: u64,
+        access: AccessMode,
+        flags: OpenFlags,
+        late_creds: &Creds,
+    ) -> Open<F> {
+        Open {
+            fd: tokio::sync::OnceCell::new_with(fd),
+            ino,
+            access,
+            flags,
+            late_creds: late_creds.clone(),
+            executing: false,
+            listing: tokio::sync::Mutex::new(Listing::default()),
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 struct Listing {
     /// The offset the kernel passes to continue at the first buffered entry.
@@ -123,8 +145,7 @@ impl<F> Handles<F> {
 }
 
 impl<L: Layer> Shared<L> {
-    /// Adds a handle on node `ino`, with its fd or (`None`) one to open as `late_creds`
-    /// with `access` and `flags` at first use.
+    /// Adds a handle ([`Open::new`]).
     fn add_open(
         &self,
         fd: Option<L::Fd>,
@@ -133,15 +154,8 @@ impl<L: Layer> Shared<L> {
         flags: OpenFlags,
         late_creds: &Creds,
     ) -> u64 {
-        self.handles.add(Open {
-            fd: tokio::sync::OnceCell::new_with(fd),
-            ino,
-            access,
-            flags,
-            late_creds: late_creds.clone(),
-            executing: false,
-            listing: tokio::sync::Mutex::new(Listing::default()),
-        })
+        self.handles
+            .add(Open::new(fd, ino, access, flags, late_creds))
     }
 
     /// OPEN of node `ino` with kernel `flags`, as `c`; the new handle.
@@ -162,16 +176,11 @@ impl<L: Layer> Shared<L> {
             // Writes (or O_TRUNC) change it on the brick.
             self.forget_described(ino);
         }
-        let fh = self.handles.add(Open {
-            fd: tokio::sync::OnceCell::new_with(fd),
-            ino,
-            access,
-            flags: open_flags,
-            late_creds: c.clone(),
+        let open = Open {
             executing: flags & EXEC_OPEN != 0,
-            listing: tokio::sync::Mutex::new(Listing::default()),
-        });
-        Ok(fh)
+            ..Open::new(fd, ino, access, open_flags, c)
+        };
+        Ok(self.handles.add(open))
     }
 
     /// Opens `gfid` below for an OPEN with kernel `flags`, as `access` with `open_flags`.

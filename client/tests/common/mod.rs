@@ -215,7 +215,7 @@ impl Drop for Brickd {
     }
 }
 
-fn signal(pid: i32, sig: rustix::process::Signal) {
+pub fn signal(pid: i32, sig: rustix::process::Signal) {
     let pid = rustix::process::Pid::from_raw(pid).expect("pid");
     rustix::process::kill_process(pid, sig).expect("kill");
 }

@@ -17,11 +17,10 @@ use std::ffi::{CStr, CString};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::path::Path;
 
-use kiln_wire::Gfid;
 use rustix::fs::{AtFlags, Dir, FileType, Mode, OFlags, StatxFlags};
 use rustix::io::Errno;
 
-use super::{BrickError, GLUSTERFS_DIR, io_err, read_root_gfid};
+use super::{BrickError, GLUSTERFS_DIR, has_root_gfid, io_err};
 
 /// GlusterFS's per-object times (its ctime feature): version, flags, then ctime, mtime and
 /// atime as big-endian seconds and nanoseconds.
@@ -51,17 +50,11 @@ impl std::fmt::Display for Adoption {
 /// anything else that holds data.
 pub(super) fn adopt(root: BorrowedFd<'_>, path: &Path) -> Result<Adoption, BrickError> {
     let err = io_err(path);
-    match read_root_gfid(root).map_err(&err)? {
-        Some(g) if g != *Gfid::ROOT.as_bytes() => {
-            let found = Gfid::from_bytes(g).map_or("null".to_owned(), |g| g.to_string());
-            return Err(BrickError::WrongRootGfid {
-                path: path.to_owned(),
-                found,
-            });
-        }
-        // `.glusterfs` (GLUSTERFS_DIR), a directory.
-        Some(_) if is_dir(root, c".glusterfs", FileType::Unknown).map_err(&err)? => {}
-        _ => return Err(BrickError::NotEmpty(path.to_owned())),
+    // `.glusterfs` (GLUSTERFS_DIR), a directory, beside the root GFID.
+    if !(has_root_gfid(root, path)?
+        && is_dir(root, c".glusterfs", FileType::Unknown).map_err(&err)?)
+    {
+        return Err(BrickError::NotEmpty(path.to_owned()));
     }
     let adoption = strip_mdata(root, path)?;
     // One flush for every removal: a crash before it leaves some xattrs, and a second format
@@ -216,6 +209,8 @@ mod tests {
     use rustix::fs::XattrFlags;
 
     use super::*;
+    use kiln_wire::Gfid;
+
     use crate::brick::{BRICK_ID_XATTR, Brick, GFID_XATTR, GLUSTER_VOLUME_ID_XATTR};
 
     /// An mdata value as GlusterFS 10 writes it: version 1, flags 7 (all three times set),

@@ -132,6 +132,19 @@ fn read_root_gfid(root: BorrowedFd<'_>) -> Result<Option<[u8; 16]>, Errno> {
     }
 }
 
+/// Whether directory `root` (at `path`) carries the root GFID: `false` when it carries no
+/// GFID, [`BrickError::WrongRootGfid`] when it carries another.
+fn has_root_gfid(root: BorrowedFd<'_>, path: &Path) -> Result<bool, BrickError> {
+    match read_root_gfid(root).map_err(io_err(path))? {
+        None => Ok(false),
+        Some(g) if g == *Gfid::ROOT.as_bytes() => Ok(true),
+        Some(g) => Err(BrickError::WrongRootGfid {
+            path: path.to_owned(),
+            found: Gfid::from_bytes(g).map_or("null".to_owned(), |g| g.to_string()),
+        }),
+    }
+}
+
 impl Brick {
     /// Formats an empty directory (or a new one) as a Kiln brick: the root GFID, the brick id,
     /// `.glusterfs` with its 256 first-level handle directories and the root's handle. The
@@ -197,16 +210,8 @@ impl Brick {
             Mode::empty(),
         )
         .map_err(&err)?;
-        match read_root_gfid(root_rd.as_fd()).map_err(&err)? {
-            None => return Err(BrickError::NotABrick(path.to_owned())),
-            Some(g) if g != *Gfid::ROOT.as_bytes() => {
-                let found = Gfid::from_bytes(g).map_or("null".to_owned(), |g| g.to_string());
-                return Err(BrickError::WrongRootGfid {
-                    path: path.to_owned(),
-                    found,
-                });
-            }
-            Some(_) => {}
+        if !has_root_gfid(root_rd.as_fd(), path)? {
+            return Err(BrickError::NotABrick(path.to_owned()));
         }
         let id = brick_id_or_adopt(&fd_path(root_rd.as_fd())).map_err(&err)?;
         make_housekeeping(root_rd.as_fd()).map_err(&err)?;

@@ -165,8 +165,14 @@ async fn racing_commits_are_each_checked_against_the_state_they_follow<B: Backen
     generations.sort_unstable();
     generations.dedup();
     assert_eq!(generations.len(), 50, "every commit has its own generation");
-    // Both handles end with all 50 keys.
+    // Both handles end with all 50 keys (each once it has seen the last commit: the other
+    // handle's copy follows by its watch).
     let last = *generations.last().expect("commits");
+    let mut heard = one.subscribe();
+    tokio::time::timeout(Duration::from_secs(10), heard.wait_for(|&g| g >= last))
+        .await
+        .expect("caught up")
+        .expect("alive");
     let mut told = two.subscribe();
     tokio::time::timeout(Duration::from_secs(10), told.wait_for(|&g| g >= last))
         .await

@@ -166,9 +166,11 @@ impl<L: Layer> Distribute<L> {
         let disks = match (read, stale) {
             (Ok(disks), _) => disks,
             // A brick out of reach: the layout read last is still the best there is, and the
-            // names on the other bricks stay reachable.
+            // names on the other bricks stay reachable. Kept for another lifetime, so the
+            // fops meanwhile do not each wait for the brick to fail.
             (Err(e), Some(stale)) => {
                 tracing::debug!(%dir, error = %e, "a layout not read again; the last one kept");
+                self.keep_layout(dir, stale.clone());
                 return Ok(stale);
             }
             (Err(e), None) => return Err(e),
