@@ -11,6 +11,10 @@ use std::time::{Duration, Instant};
 
 use common::{bin, scrape};
 
+// Each test's fixed brick ports are a block of its own (271xx, 272xx, …), below the kernel's
+// ephemeral range (32768–60999), so neither another test's brick nor a client socket the
+// kernel gave an ephemeral port can hold one. Ports a daemon picks start at 26100.
+
 struct Mgmtd {
     child: Child,
     state: PathBuf,
@@ -142,7 +146,7 @@ fn volume_lifecycle_options_and_supervision() {
     let b0s = b0.to_str().expect("utf-8");
     let b1s = b1.to_str().expect("utf-8");
 
-    m.ok(&["volume", "create", "vol", b0s, b1s, "--port", "47100"]);
+    m.ok(&["volume", "create", "vol", b0s, b1s, "--port", "27100"]);
     // The file commands below run as root with the admin certificate.
     m.ok(&["volume", "set", "vol", "server.root-allow", "admin"]);
     assert!(b0.join(".glusterfs").exists(), "the brick was formatted");
@@ -157,7 +161,7 @@ fn volume_lifecycle_options_and_supervision() {
     assert_eq!(m.ok(&["volume", "list"]), "vol\n");
     let info = m.ok(&["volume", "info", "vol"]);
     assert!(
-        info.contains("State:   created") && info.contains("port 47101"),
+        info.contains("State:   created") && info.contains("port 27101"),
         "{info}"
     );
 
@@ -206,7 +210,7 @@ fn volume_lifecycle_options_and_supervision() {
     m.ok(&["volume", "start", "vol"]);
     let pids = m.running_pids("vol");
     assert_eq!(pids.len(), 2);
-    let addr = "127.0.0.1:47100";
+    let addr = "127.0.0.1:27100";
     let ls = Command::new(bin("kiln"))
         .args(["mkdir", "/from-mgmtd"])
         .env("KILN_TLS_DIR", m.state.join("tls"))
@@ -361,7 +365,7 @@ fn live_options_reach_running_bricks() {
         "live",
         brick.to_str().expect("utf-8"),
         "--port",
-        "47200",
+        "27200",
     ]);
     m.ok(&["volume", "start", "live"]);
     m.running_pids("live");
@@ -371,7 +375,7 @@ fn live_options_reach_running_bricks() {
         Command::new(bin("kiln"))
             .args(["ls", "/"])
             .env("KILN_TLS_DIR", &tls)
-            .env("KILN_BRICK", "127.0.0.1:47200")
+            .env("KILN_BRICK", "127.0.0.1:27200")
             .env("KILN_CLIENT", client)
             .output()
             .expect("kiln ls")
@@ -480,10 +484,10 @@ fn profile_metrics_and_statedump_match_the_fops_issued() {
         "prof",
         brick.to_str().expect("utf-8"),
         "--port",
-        "47300",
+        "27300",
     ]);
     m.ok(&["volume", "set", "prof", "server.root-allow", "admin"]);
-    let metrics = "127.0.0.1:47310";
+    let metrics = "127.0.0.1:27310";
     m.ok(&[
         "volume",
         "set",
@@ -500,7 +504,7 @@ fn profile_metrics_and_statedump_match_the_fops_issued() {
 
     m.ok(&["volume", "profile", "prof", "start"]);
     let options = ConnectOptions::from_tls_dir(
-        "127.0.0.1:47300".parse().expect("addr"),
+        "127.0.0.1:27300".parse().expect("addr"),
         &m.state.join("tls"),
         "admin",
     )
@@ -627,7 +631,7 @@ fn a_live_change_made_while_a_brick_starts_reaches_it() {
     let m = Mgmtd::start(dir.path());
     let brick = dir.path().join("brick");
     let path = brick.to_str().expect("utf-8");
-    m.ok(&["volume", "create", "early", path, "--port", "47600"]);
+    m.ok(&["volume", "create", "early", path, "--port", "27600"]);
     m.ok(&["volume", "start", "early"]);
     // Committed at once, before the brick's control socket listens: the push finds none.
     m.ok(&["volume", "set", "early", "diagnostics.count-fop-hits", "on"]);
@@ -644,6 +648,30 @@ fn a_live_change_made_while_a_brick_starts_reaches_it() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// A brick given no port gets the lowest one no other process holds: a port that another
+/// program (or another daemon's brick) listens on is skipped, not handed to a brick that
+/// would then fail to start forever.
+#[test]
+fn a_new_brick_skips_a_port_another_process_holds() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let m = Mgmtd::start(dir.path());
+    let held = (26100..26200)
+        .find_map(|port| std::net::UdpSocket::bind(("127.0.0.1", port)).ok())
+        .expect("a free port to hold");
+    let held_port = held.local_addr().expect("addr").port();
+    let brick = dir.path().join("brick");
+    m.ok(&["volume", "create", "ported", brick.to_str().expect("utf-8")]);
+    let json = m.ok(&["volume", "--json", "info", "ported"]);
+    let info: serde_json::Value = serde_json::from_str(&json).expect("json");
+    let port = info["volumes"][0]["bricks"][0]["port"]
+        .as_u64()
+        .expect("port");
+    assert_ne!(port, u64::from(held_port), "{json}");
+    m.ok(&["volume", "start", "ported"]);
+    m.healthy("ported");
+    m.ok(&["volume", "stop", "ported"]);
 }
 
 /// `kiln mount NAME MOUNTPOINT -f` against `m`, waiting (bounded) for the mount.
@@ -722,7 +750,7 @@ fn a_volume_of_three_bricks_mounts_as_one_tree() {
         .collect();
     let mut create = vec!["volume", "create", "wide"];
     create.extend(bricks.iter().map(|b| b.to_str().expect("utf-8")));
-    create.extend(["--port", "47300"]);
+    create.extend(["--port", "27400"]);
     m.ok(&create);
     // The distribution layer writes directory layouts (trusted xattrs) as root.
     m.ok(&["volume", "set", "wide", "server.root-allow", "admin"]);
@@ -791,6 +819,8 @@ fn a_volume_of_three_bricks_mounts_as_one_tree() {
         "add-brick",
         "wide",
         bricks[3].to_str().expect("utf-8"),
+        "--port",
+        "27403",
     ]);
     assert!(added.contains("as brick 3"), "{added}");
     m.healthy("wide");
@@ -979,7 +1009,7 @@ fn add_brick_and_rebalance_under_a_workload_lose_nothing() {
         .collect();
     let mut create = vec!["volume", "create", "grow"];
     create.extend(bricks[..2].iter().map(|b| b.to_str().expect("utf-8")));
-    create.extend(["--port", "47330"]);
+    create.extend(["--port", "27500"]);
     m.ok(&create);
     m.ok(&["volume", "set", "grow", "server.root-allow", "admin"]);
     m.ok(&["volume", "start", "grow"]);
@@ -1003,6 +1033,8 @@ fn add_brick_and_rebalance_under_a_workload_lose_nothing() {
             "add-brick",
             "grow",
             bricks[2].to_str().expect("utf-8"),
+            "--port",
+            "27502",
         ]);
         m.healthy("grow");
         let during = m.ok(&["volume", "--json", "rebalance", "grow", "start"]);

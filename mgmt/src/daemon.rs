@@ -382,8 +382,11 @@ impl Daemon {
     ) -> anyhow::Result<Response> {
         let (host, path) = self.brick_place(&spec)?;
         let (brick, change, index) = self.store.read(|cluster, _| {
-            let port =
-                port.unwrap_or_else(|| cluster.free_port(host.as_deref(), BRICK_PORT_BASE, &[]));
+            let port = port.unwrap_or_else(|| {
+                cluster.free_port(host.as_deref(), BRICK_PORT_BASE, &[], |p| {
+                    self.supervisor.port_is_free(host.as_deref(), p)
+                })
+            });
             let brick = Brick { host, path, port };
             let change = Change::AddBrick {
                 volume: name.to_owned(),
@@ -704,7 +707,9 @@ impl Daemon {
                     .collect();
                 let port = match port {
                     Some(first) => first.saturating_add(u16::try_from(i).unwrap_or(u16::MAX)),
-                    None => cluster.free_port(host.as_deref(), BRICK_PORT_BASE, &taken),
+                    None => cluster.free_port(host.as_deref(), BRICK_PORT_BASE, &taken, |p| {
+                        self.supervisor.port_is_free(host.as_deref(), p)
+                    }),
                 };
                 bricks.push(Brick { host, path, port });
             }

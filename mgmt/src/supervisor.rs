@@ -163,6 +163,17 @@ impl Supervisor {
         brick.host == self.launch.host
     }
 
+    /// Whether a new brick of `host` could listen on `port`: always for another host's
+    /// (its daemon finds out when it starts the brick); here, when no process holds the
+    /// port's UDP (QUIC) or TCP (the brick's claim) socket now.
+    pub fn port_is_free(&self, host: Option<&str>, port: u16) -> bool {
+        if host != self.launch.host.as_deref() {
+            return true;
+        }
+        let addr = std::net::SocketAddr::new(self.launch.listen_ip, port);
+        std::net::UdpSocket::bind(addr).is_ok() && std::net::TcpListener::bind(addr).is_ok()
+    }
+
     /// The indexes of `volume`'s bricks that live on this host.
     pub fn local_bricks<'v>(&self, volume: &'v Volume) -> impl Iterator<Item = usize> + 'v {
         let host = self.launch.host.clone();

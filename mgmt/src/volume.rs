@@ -149,8 +149,15 @@ impl Cluster {
         Ok(())
     }
 
-    /// The lowest brick port of `host` free at or above `from`, besides `taken_now`.
-    pub fn free_port(&self, host: Option<&str>, from: u16, taken_now: &[u16]) -> u16 {
+    /// The lowest brick port of `host` at or above `from` that no brick holds, is not in
+    /// `taken_now`, and passes `usable` (on this host: no other process has bound it).
+    pub fn free_port(
+        &self,
+        host: Option<&str>,
+        from: u16,
+        taken_now: &[u16],
+        usable: impl Fn(u16) -> bool,
+    ) -> u16 {
         let used: Vec<u16> = self
             .volumes
             .values()
@@ -160,7 +167,7 @@ impl Cluster {
             .chain(taken_now.iter().copied())
             .collect();
         (from..=u16::MAX)
-            .find(|p| !used.contains(p))
+            .find(|&p| !used.contains(&p) && usable(p))
             .unwrap_or(from)
     }
 }
@@ -350,8 +357,9 @@ mod tests {
             commit(&mut c, &Change::Create(volume("../x", "/b/3", 49154))),
             Err(ConfigError::BadVolumeName(_))
         ));
-        assert_eq!(c.free_port(None, 49152, &[49153]), 49154);
-        assert_eq!(c.free_port(Some("b"), 49152, &[]), 49152);
+        assert_eq!(c.free_port(None, 49152, &[49153], |_| true), 49154);
+        assert_eq!(c.free_port(None, 49152, &[49153], |p| p != 49154), 49155);
+        assert_eq!(c.free_port(Some("b"), 49152, &[], |_| true), 49152);
         let v = "v1".to_owned();
         assert_eq!(
             commit(&mut c, &Change::Stop { volume: v.clone() }),

@@ -316,11 +316,32 @@ impl ContextParts {
     }
 }
 
+/// How many ports the kernel may pick for a brick asked to listen on port 0 before one is
+/// free in both spaces (the UDP port it picks may be a TCP port in use).
+const PORT_PICKS_MAX: usize = 16;
+
 /// Binds `count` UDP sockets on one port (the first picks it when asked for port 0). With
 /// more than one, `SO_REUSEPORT` would also let another root process join the group and take
 /// a share of the clients, so the port is claimed for this process by a bound TCP socket on
-/// the same number (TCP and UDP ports are separate spaces; nothing else needs it).
+/// the same number (TCP and UDP ports are separate spaces; nothing else needs it). Asked for
+/// port 0, a port whose TCP twin is taken is given back and another picked.
 fn bind(listen: SocketAddr, count: usize) -> Result<Sockets, ServerError> {
+    let mut picks = 1;
+    loop {
+        match bind_once(listen, count) {
+            Err(ServerError::Listen { error, .. })
+                if listen.port() == 0
+                    && error.kind() == std::io::ErrorKind::AddrInUse
+                    && picks < PORT_PICKS_MAX =>
+            {
+                picks += 1;
+            }
+            bound => return bound,
+        }
+    }
+}
+
+fn bind_once(listen: SocketAddr, count: usize) -> Result<Sockets, ServerError> {
     let mut sockets = Vec::with_capacity(count);
     let mut port_guard = None;
     let mut local_addr = listen;
