@@ -359,8 +359,10 @@ fn three_hosts_share_one_configuration_and_serve_one_volume() {
         return;
     };
     let bricks = hosts.volume("v");
-    // Created on host 0, started on host 1: every host's daemon runs its own brick.
+    // Created on host 0, started on host 1: every host's daemon runs its own brick, and
+    // probes it: any host sees every brick answer.
     hosts.wait_status(2, "v", running);
+    hosts.wait_status(2, "v", |b| b.iter().all(|b| b.health == "ok"));
     let set = hosts.kiln_ok(2, &["volume", "set", "v", "network.inflight-max", "64"]);
     assert!(set.contains("applied by 3 running brick(s)"), "{set}");
     assert_eq!(hosts.option(0, "v", "network.inflight-max"), "64");

@@ -91,7 +91,7 @@ pub async fn check_ca(etcd: &Etcd, tls_dir: &Path) -> anyhow::Result<()> {
 pub async fn report_forever(
     etcd: Etcd,
     host: String,
-    report: impl Fn() -> HostReport,
+    report: impl AsyncFn() -> HostReport,
     mut applied: watch::Receiver<u64>,
 ) {
     let key = format!("{}{host}", hosts_prefix(&etcd));
@@ -107,7 +107,7 @@ pub async fn report_forever(
 async fn report_under_one_lease(
     etcd: &Etcd,
     key: &str,
-    report: &impl Fn() -> HostReport,
+    report: &impl AsyncFn() -> HostReport,
     applied: &mut watch::Receiver<u64>,
 ) -> anyhow::Result<()> {
     let lease = etcd
@@ -118,7 +118,7 @@ async fn report_under_one_lease(
     let mut keep_alive = tokio::time::interval(REPORT_EVERY);
     keep_alive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        let json = serde_json::to_vec(&report()).context("encode the host report")?;
+        let json = serde_json::to_vec(&report().await).context("encode the host report")?;
         etcd.call(|mut client| {
             let json = json.clone();
             let options = PutOptions::new().with_lease(lease);

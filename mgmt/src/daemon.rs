@@ -126,7 +126,7 @@ pub async fn run(config: DaemonConfig, shutdown: impl Future<Output = ()>) -> an
         tokio::spawn(crate::cluster::report_forever(
             etcd,
             host,
-            move || reporting.host_report(),
+            async move || reporting.host_report().await,
             applied,
         ))
     });
@@ -279,6 +279,11 @@ impl Daemon {
     async fn reconcile(&self) {
         let _one_at_a_time = self.reconciling.lock().await;
         let (cluster, generation) = self.store.read(|c, g| (c.clone(), g));
+        let foreign = self
+            .store
+            .etcd()
+            .map_or(0, |etcd| etcd.foreign_generation());
+        let previous = *self.applied.borrow();
         let before = self.supervisor.running_names();
         let mut pushed = false;
         let mut wanted = HashSet::new();
@@ -306,29 +311,31 @@ impl Daemon {
             }
         }
         self.supervisor.stop_unwanted(&wanted).await;
-        // The host's report is renewed at once only when its bricks changed (another host's
-        // `volume set` waits for it); otherwise at its next tick, sparing etcd a write.
-        let acted = pushed || self.supervisor.running_names() != before;
+        // The host's report is renewed at once when its bricks changed, or when they were
+        // given options another daemon committed (its `volume set` waits for the report);
+        // otherwise at its next tick, sparing etcd a write (half the writes of a `volume set`
+        // made here).
+        let acted = (pushed && foreign > previous) || self.supervisor.running_names() != before;
         self.applied.send_if_modified(|applied| {
             *applied = generation;
             acted
         });
     }
 
-    /// This host as its daemon reports it into etcd.
-    fn host_report(&self) -> HostReport {
-        let bricks = self.store.read(|cluster, _| {
-            let mut bricks = BTreeMap::new();
-            for volume in cluster.volumes.values() {
-                let status = self.supervisor.status(volume);
-                for (i, brick) in status.into_iter().enumerate() {
-                    if self.supervisor.is_local(&volume.bricks[i]) {
-                        bricks.insert(Brick::name(&volume.name, i), brick);
-                    }
+    /// This host as its daemon reports it into etcd: its bricks, each probed.
+    async fn host_report(&self) -> HostReport {
+        let volumes: Vec<Volume> = self
+            .store
+            .read(|cluster, _| cluster.volumes.values().cloned().collect());
+        let mut bricks = BTreeMap::new();
+        for volume in &volumes {
+            let status = self.supervisor.checked_status(volume).await;
+            for (i, brick) in status.into_iter().enumerate() {
+                if self.supervisor.is_local(&volume.bricks[i]) {
+                    bricks.insert(Brick::name(&volume.name, i), brick);
                 }
             }
-            bricks
-        });
+        }
         HostReport {
             host: self.config.host.clone().unwrap_or_default(),
             listen_ip: self.config.listen_ip,
@@ -342,7 +349,7 @@ impl Daemon {
     async fn host_reports(&self) -> anyhow::Result<Vec<HostReport>> {
         match self.store.etcd() {
             Some(etcd) => crate::cluster::hosts(etcd.etcd()).await,
-            None => Ok(vec![self.host_report()]),
+            None => Ok(vec![self.host_report().await]),
         }
     }
 

@@ -195,6 +195,9 @@ struct Seen<S> {
     generation: u64,
     /// The etcd revision up to which every change of the configuration is in `state`.
     revision: i64,
+    /// The last generation not known to be this store's own commit (another daemon's, or
+    /// one read back from etcd): a daemon elsewhere may be waiting for this host to apply it.
+    foreign: u64,
 }
 
 /// The keys of a cluster's configuration.
@@ -228,6 +231,9 @@ pub struct EtcdStore<S: Objects> {
     committing: tokio::sync::Mutex<()>,
     /// Why the copy stopped following etcd (an object that does not decode).
     failure: Arc<Mutex<Option<String>>>,
+    /// The id of the commit this daemon is making (one at a time): the watch that sees it
+    /// does not take it for another daemon's.
+    in_flight: Arc<Mutex<Option<String>>>,
     watcher: tokio::task::JoinHandle<()>,
 }
 
@@ -255,11 +261,13 @@ impl<S: Objects> EtcdStore<S> {
         let seen = load::<S>(&etcd, &keys).await?;
         let (seen, _) = watch::channel(Arc::new(seen));
         let failure = Arc::new(Mutex::new(None));
+        let in_flight = Arc::new(Mutex::new(None));
         let watcher = tokio::spawn(follow(
             etcd.clone(),
             keys.clone(),
             seen.clone(),
             failure.clone(),
+            in_flight.clone(),
         ));
         Ok(EtcdStore {
             etcd,
@@ -267,6 +275,7 @@ impl<S: Objects> EtcdStore<S> {
             seen,
             committing: tokio::sync::Mutex::new(()),
             failure,
+            in_flight,
             watcher,
         })
     }
@@ -276,18 +285,24 @@ impl<S: Objects> EtcdStore<S> {
     /// daemon's commits are made one after another (no group commit: each is one etcd
     /// transaction, and etcd batches its own disk writes).
     pub async fn commit(&self, changes: Vec<S::Change>) -> Result<u64, CommitError<S::Error>> {
-        let failure = self
-            .failure
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone();
-        if let Some(reason) = failure {
+        if let Some(reason) = lock(&self.failure).clone() {
             return Err(CommitError::Store(StoreError::Diverged { reason }));
         }
         let id = uuid::Uuid::new_v4().to_string();
         let record = Record { id, changes };
         let _one_at_a_time = self.committing.lock().await;
-        let encoded = serde_json::to_vec(&record).map_err(|error| {
+        *lock(&self.in_flight) = Some(record.id.clone());
+        let committed = self.commit_record(&record).await;
+        *lock(&self.in_flight) = None;
+        committed
+    }
+
+    /// [`EtcdStore::commit`] of `record`, tried again while other daemons commit first.
+    async fn commit_record(
+        &self,
+        record: &Record<S::Change>,
+    ) -> Result<u64, CommitError<S::Error>> {
+        let encoded = serde_json::to_vec(record).map_err(|error| {
             CommitError::Store(StoreError::Encode {
                 what: "transaction",
                 error,
@@ -331,6 +346,7 @@ impl<S: Objects> EtcdStore<S> {
                     objects,
                     generation,
                     revision,
+                    foreign: base.foreign,
                 };
                 publish(&self.seen, seen);
                 return Ok(generation);
@@ -387,6 +403,12 @@ impl<S: Objects> EtcdStore<S> {
         self.seen.borrow().generation
     }
 
+    /// The last generation another daemon may wait for this host to apply: committed
+    /// elsewhere, or not known to be this store's.
+    pub fn foreign_generation(&self) -> u64 {
+        self.seen.borrow().foreign
+    }
+
     /// Tells each new generation seen here.
     pub fn subscribe(&self) -> watch::Receiver<u64> {
         let mut seen = self.seen.subscribe();
@@ -415,6 +437,18 @@ impl<S: Objects> Drop for EtcdStore<S> {
 }
 
 /// Replaces the state seen with `seen` unless what is seen is as new already.
+/// Whether commit record `value` is the one this daemon is making.
+fn is_in_flight(value: &[u8], in_flight: &Mutex<Option<String>>) -> bool {
+    let Ok(record) = serde_json::from_slice::<Record<serde::de::IgnoredAny>>(value) else {
+        return false;
+    };
+    lock(in_flight).as_deref() == Some(record.id.as_str())
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
 fn publish<S>(current: &watch::Sender<Arc<Seen<S>>>, seen: Seen<S>) {
     current.send_if_modified(|now| {
         let newer = seen.revision > now.revision;
@@ -455,6 +489,7 @@ fn decode<S: Objects>(keys: &Keys, kvs: &[KeyValue], revision: i64) -> Result<Se
         objects,
         generation,
         revision,
+        foreign: generation,
     })
 }
 
@@ -464,11 +499,12 @@ async fn follow<S: Objects>(
     keys: Keys,
     seen: watch::Sender<Arc<Seen<S>>>,
     failure: Arc<Mutex<Option<String>>>,
+    in_flight: Arc<Mutex<Option<String>>>,
 ) {
     let mut backoff = REWATCH_BACKOFF_MIN;
     loop {
         let from = seen.borrow().revision + 1;
-        let why = match watch_from(&etcd, &keys, &seen, from).await {
+        let why = match watch_from(&etcd, &keys, &seen, &in_flight, from).await {
             Ok(()) => "the watch ended".to_owned(),
             Err(Broken::Compacted) => {
                 // The changes since `from` are gone: read everything again.
@@ -482,7 +518,7 @@ async fn follow<S: Objects>(
             }
             Err(Broken::Undecodable(reason)) => {
                 tracing::error!(%reason, "the configuration in etcd does not decode; no more commits");
-                *failure.lock().unwrap_or_else(PoisonError::into_inner) = Some(reason);
+                *lock(&failure) = Some(reason);
                 return;
             }
             Err(Broken::Etcd(e)) => e,
@@ -498,6 +534,7 @@ async fn follow<S: Objects>(
     }
 }
 
+#[derive(Debug)]
 enum Broken {
     Compacted,
     Undecodable(String),
@@ -509,6 +546,7 @@ async fn watch_from<S: Objects>(
     etcd: &Etcd,
     keys: &Keys,
     seen: &watch::Sender<Arc<Seen<S>>>,
+    in_flight: &Mutex<Option<String>>,
     from: i64,
 ) -> Result<(), Broken> {
     let options = WatchOptions::new()
@@ -539,6 +577,7 @@ async fn watch_from<S: Objects>(
         let now = seen.borrow().clone();
         let mut objects = now.objects.clone();
         let (mut generation, mut revision) = (now.generation, now.revision);
+        let mut foreign = now.foreign;
         for event in answer.events() {
             let Some(kv) = event.kv() else { continue };
             if kv.mod_revision() <= now.revision {
@@ -549,6 +588,9 @@ async fn watch_from<S: Objects>(
             let put = event.event_type() == EventType::Put;
             if key == keys.commit {
                 generation = u64::try_from(kv.mod_revision()).unwrap_or(0);
+                if !is_in_flight(kv.value(), in_flight) {
+                    foreign = generation;
+                }
             } else if let Some(name) = key.strip_prefix(&keys.objects) {
                 match put {
                     true => objects.insert(name.to_owned(), kv.value().to_vec()),
@@ -567,7 +609,79 @@ async fn watch_from<S: Objects>(
                 objects,
                 generation,
                 revision,
+                foreign,
             },
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::etcd_server::{EtcdServer, etcd_for_test};
+    use crate::store::test_state::{Map, set};
+
+    /// A copy that fell behind a compaction (its daemon's watch broke while etcd compacted
+    /// the revisions it had not seen) cannot be caught up change by change: it reads the
+    /// whole configuration again, and follows from there.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_copy_behind_a_compaction_reads_everything_again() {
+        let Some(binary) = etcd_for_test("a_copy_behind_a_compaction_reads_everything_again")
+        else {
+            return;
+        };
+        let dir = tempfile::tempdir().expect("tempdir");
+        let server = EtcdServer::single(&binary, &dir.path().join("member")).expect("etcd");
+        let target = EtcdTarget {
+            endpoints: vec![server.member.client_url()],
+            cluster: "compacted".to_owned(),
+        };
+        let store = EtcdStore::<Map>::open(target.clone()).await.expect("open");
+        let etcd = Etcd::connect(&target).await.expect("connect");
+        let keys = Keys::new(&target.prefix());
+        // A copy as it was before three commits.
+        let behind = load::<Map>(&etcd, &keys).await.expect("load");
+        let from = behind.revision + 1;
+        let mut last = 0;
+        for key in ["a", "b", "c"] {
+            last = store.commit(vec![set(key, "1")]).await.expect("commit");
+        }
+        let revision = i64::try_from(last).expect("revision");
+        etcd.call(|mut client| async move { client.compact(revision, None).await })
+            .await
+            .expect("compact");
+
+        let (seen, mut told) = watch::channel(Arc::new(behind));
+        let in_flight = Mutex::new(None);
+        let broken = watch_from(&etcd, &keys, &seen, &in_flight, from).await;
+        assert!(matches!(broken, Err(Broken::Compacted)), "{broken:?}");
+
+        let follower = tokio::spawn(follow(
+            etcd.clone(),
+            keys,
+            seen.clone(),
+            Arc::new(Mutex::new(None)),
+            Arc::new(in_flight),
+        ));
+        let caught_up = told.wait_for(|s| s.generation >= last);
+        tokio::time::timeout(Duration::from_secs(10), caught_up)
+            .await
+            .expect("caught up after the compaction")
+            .expect("alive");
+        assert_eq!(seen.borrow().state.0.len(), 3);
+        assert_eq!(
+            seen.borrow().foreign,
+            last,
+            "read back: not known to be its own"
+        );
+        // And it follows from there.
+        let next = store.commit(vec![set("d", "1")]).await.expect("commit");
+        let caught_up = told.wait_for(|s| s.generation >= next);
+        tokio::time::timeout(Duration::from_secs(10), caught_up)
+            .await
+            .expect("followed after the reload")
+            .expect("alive");
+        assert_eq!(seen.borrow().state.0.len(), 4);
+        follower.abort();
     }
 }

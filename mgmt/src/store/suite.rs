@@ -225,3 +225,32 @@ both_backends!(
     subscribers_hear_of_commits,
     racing_commits_are_each_checked_against_the_state_they_follow,
 );
+
+/// A daemon on etcd tells its own commits from other daemons' (only another daemon's change
+/// has someone waiting for this host's report of it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_etcd_store_tells_its_own_commits_from_other_daemons() {
+    let Some(backend) = etcd("an_etcd_store_tells_its_own_commits_from_other_daemons") else {
+        return;
+    };
+    let (one, two) = (backend.open().await, backend.open().await);
+    let foreign = |store: &ConfigStore<Map>| store.etcd().expect("etcd").foreign_generation();
+    let caught_up = async |store: &ConfigStore<Map>, generation: u64| {
+        let mut heard = store.subscribe();
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            heard.wait_for(|&g| g >= generation),
+        )
+        .await
+        .expect("caught up")
+        .expect("alive");
+    };
+    let first = one.commit(vec![set("a", "1")]).await.expect("commit");
+    assert_eq!(foreign(&one), 0, "its own commit");
+    caught_up(&two, first).await;
+    assert_eq!(foreign(&two), first, "heard by its watch");
+    let second = two.commit(vec![set("b", "2")]).await.expect("commit");
+    assert_eq!(foreign(&two), first, "its own commit changes nothing");
+    caught_up(&one, second).await;
+    assert_eq!(foreign(&one), second);
+}
