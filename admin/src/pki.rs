@@ -185,6 +185,88 @@ pub fn issue_valid_between(
     Ok(files)
 }
 
+/// An identity is issued again when its certificate expires within this many days.
+pub const RENEW_BEFORE_DAYS: i64 = 30;
+
+/// Whether identity `name` with `role` in `dir` can be kept as it is: its key is there, its
+/// certificate was signed by the CA there now (its authority key id is the CA's key id), is
+/// valid for more than [`RENEW_BEFORE_DAYS`] and, for a brick, names every one of `hosts`.
+/// Anything unreadable counts as not current.
+pub fn is_current(dir: &Path, role: &Role, name: &str) -> bool {
+    let files = identity_files(dir, role, name);
+    let (Ok(ca), Ok(cert)) = (load_certs(&ca_files(dir).cert), load_certs(&files.cert)) else {
+        return false;
+    };
+    let (Some(ca), Some(cert)) = (ca.first(), cert.first()) else {
+        return false;
+    };
+    let (Ok((_, ca)), Ok((_, cert))) = (
+        x509_parser::parse_x509_certificate(ca),
+        x509_parser::parse_x509_certificate(cert),
+    ) else {
+        return false;
+    };
+    files.key.exists() && signed_by(&cert, &ca) && lasts(&cert) && names_hosts(&cert, role)
+}
+
+fn signed_by(
+    cert: &x509_parser::certificate::X509Certificate<'_>,
+    ca: &x509_parser::certificate::X509Certificate<'_>,
+) -> bool {
+    use x509_parser::extensions::ParsedExtension;
+    let ca_key_id = ca
+        .extensions()
+        .iter()
+        .find_map(|e| match e.parsed_extension() {
+            ParsedExtension::SubjectKeyIdentifier(id) => Some(id.0),
+            _ => None,
+        });
+    let issuer_key_id = cert
+        .extensions()
+        .iter()
+        .find_map(|e| match e.parsed_extension() {
+            ParsedExtension::AuthorityKeyIdentifier(aki) => {
+                aki.key_identifier.as_ref().map(|id| id.0)
+            }
+            _ => None,
+        });
+    ca_key_id.is_some() && ca_key_id == issuer_key_id
+}
+
+fn lasts(cert: &x509_parser::certificate::X509Certificate<'_>) -> bool {
+    let renew_at = time::OffsetDateTime::now_utc() + time::Duration::days(RENEW_BEFORE_DAYS);
+    cert.validity().not_after.to_datetime() > renew_at
+}
+
+fn names_hosts(cert: &x509_parser::certificate::X509Certificate<'_>, role: &Role) -> bool {
+    use x509_parser::extensions::GeneralName;
+    let Role::Brick { hosts } = role else {
+        return true;
+    };
+    let Ok(Some(names)) = cert.subject_alternative_name() else {
+        return hosts.is_empty();
+    };
+    let named: Vec<String> = names
+        .value
+        .general_names
+        .iter()
+        .filter_map(|name| match name {
+            GeneralName::DNSName(dns) => Some((*dns).to_owned()),
+            GeneralName::IPAddress(ip) => match ip.len() {
+                4 => <[u8; 4]>::try_from(*ip)
+                    .ok()
+                    .map(|b| std::net::IpAddr::from(b).to_string()),
+                16 => <[u8; 16]>::try_from(*ip)
+                    .ok()
+                    .map(|b| std::net::IpAddr::from(b).to_string()),
+                _ => None,
+            },
+            _ => None,
+        })
+        .collect();
+    hosts.iter().all(|host| named.contains(host))
+}
+
 /// A loaded identity: the trusted CA, this party's certificate chain and its private key.
 #[derive(Debug)]
 pub struct Identity {
@@ -363,6 +445,46 @@ mod tests {
         assert_eq!(peer_name(&id.chain[0]).as_deref(), Some("alice"));
         let id = load_identity(&ca.cert, &b).expect("test setup");
         assert_eq!(peer_name(&id.chain[0]).as_deref(), Some("b1"));
+    }
+
+    /// A brick's certificate is kept while it serves, and issued again when it does not.
+    #[test]
+    fn a_certificate_is_current_until_it_no_longer_serves() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let tls = dir.path().join("tls");
+        let ca = init_ca(&tls).expect("ca");
+        let hosts = vec!["localhost".into(), "127.0.0.1".into(), "::1".into()];
+        let brick = Role::Brick {
+            hosts: hosts.clone(),
+        };
+        assert!(!is_current(&tls, &brick, "b"), "none issued yet");
+        let files = issue(&tls, &brick, "b", CERT_VALIDITY_DAYS).expect("issue");
+        assert!(is_current(&tls, &brick, "b"));
+        let fewer = Role::Brick {
+            hosts: vec!["localhost".into()],
+        };
+        assert!(is_current(&tls, &fewer, "b"), "a subset of its names");
+        let more = Role::Brick {
+            hosts: [hosts.clone(), vec!["10.0.0.7".into()]].concat(),
+        };
+        assert!(!is_current(&tls, &more, "b"), "a host it does not name");
+        assert!(!is_current(&tls, &Role::Client, "alice"), "never issued");
+
+        // Expiring within the renewal window.
+        let now = time::OffsetDateTime::now_utc();
+        let soon = now + time::Duration::days(RENEW_BEFORE_DAYS - 1);
+        issue_valid_between(&tls, &brick, "b", now, soon).expect("issue");
+        assert!(!is_current(&tls, &brick, "b"));
+
+        // Its key gone, or signed by a CA that is no longer the cluster's.
+        issue(&tls, &brick, "b", CERT_VALIDITY_DAYS).expect("issue");
+        std::fs::remove_file(&files.key).expect("remove key");
+        assert!(!is_current(&tls, &brick, "b"));
+        issue(&tls, &brick, "b", CERT_VALIDITY_DAYS).expect("issue");
+        std::fs::remove_file(&ca.cert).expect("remove CA");
+        std::fs::remove_file(&ca.key).expect("remove CA key");
+        init_ca(&tls).expect("another CA");
+        assert!(!is_current(&tls, &brick, "b"));
     }
 
     #[test]

@@ -652,7 +652,7 @@ fn a_live_change_made_while_a_brick_starts_reaches_it() {
 
 /// A brick given no port gets the lowest one no other process holds: a port that another
 /// program (or another daemon's brick) listens on is skipped, not handed to a brick that
-/// would then fail to start forever.
+/// would then fail to start forever. Its certificate is issued once.
 #[test]
 fn a_new_brick_skips_a_port_another_process_holds() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -671,6 +671,14 @@ fn a_new_brick_skips_a_port_another_process_holds() {
     assert_ne!(port, u64::from(held_port), "{json}");
     m.ok(&["volume", "start", "ported"]);
     m.healthy("ported");
+    m.ok(&["volume", "stop", "ported"]);
+
+    // Started again, the brick keeps its certificate (issued once, not at every start).
+    let cert = m.state.join("tls/brick-ported-b0.crt");
+    let issued = std::fs::read(&cert).expect("the brick's certificate");
+    m.ok(&["volume", "start", "ported"]);
+    m.healthy("ported");
+    assert_eq!(std::fs::read(&cert).expect("certificate"), issued);
     m.ok(&["volume", "stop", "ported"]);
 }
 

@@ -757,13 +757,13 @@ impl Daemon {
         hosts.extend(self.config.host.clone());
         hosts.push(self.config.listen_ip.to_string());
         hosts.dedup();
-        let tls_dir = self.config.state_dir.join("tls");
-        pki::issue(
-            &tls_dir,
-            &Role::Brick { hosts },
-            &Brick::name(name, index),
-            pki::CERT_VALIDITY_DAYS,
-        )?;
+        // Issued once, and again only when it no longer serves (another CA, soon expired, a
+        // host name missing): a brick keeps its identity across restarts.
+        let (tls_dir, role) = (self.config.state_dir.join("tls"), Role::Brick { hosts });
+        let brick_name = Brick::name(name, index);
+        if !pki::is_current(&tls_dir, &role, &brick_name) {
+            pki::issue(&tls_dir, &role, &brick_name, pki::CERT_VALIDITY_DAYS)?;
+        }
         Ok(())
     }
 }
