@@ -188,10 +188,11 @@ pub fn issue_valid_between(
 /// An identity is issued again when its certificate expires within this many days.
 pub const RENEW_BEFORE_DAYS: i64 = 30;
 
-/// Whether identity `name` with `role` in `dir` can be kept as it is: its key is there, its
-/// certificate was signed by the CA there now (its authority key id is the CA's key id), is
-/// valid for more than [`RENEW_BEFORE_DAYS`] and, for a brick, names every one of `hosts`.
-/// Anything unreadable counts as not current.
+/// Whether identity `name` with `role` in `dir` can be kept as it is: its key is there and is
+/// its certificate's, the certificate was signed by the CA there now (its authority key id
+/// is the CA's subject key id; a CA without one, not made by `kiln ca init`, never matches),
+/// is valid for more than [`RENEW_BEFORE_DAYS`] and, for a brick, names every one of
+/// `hosts`. Anything unreadable counts as not current.
 pub fn is_current(dir: &Path, role: &Role, name: &str) -> bool {
     let files = identity_files(dir, role, name);
     let (Ok(ca), Ok(cert)) = (load_certs(&ca_files(dir).cert), load_certs(&files.cert)) else {
@@ -206,7 +207,20 @@ pub fn is_current(dir: &Path, role: &Role, name: &str) -> bool {
     ) else {
         return false;
     };
-    files.key.exists() && signed_by(&cert, &ca) && lasts(&cert) && names_hosts(&cert, role)
+    key_matches(&cert, &files.key)
+        && signed_by(&cert, &ca)
+        && lasts(&cert)
+        && names_hosts(&cert, role)
+}
+
+/// Whether the key in `key` is the certificate's (an issue cut short between writing the
+/// key and the certificate leaves a new key beside the old certificate).
+fn key_matches(cert: &x509_parser::certificate::X509Certificate<'_>, key: &Path) -> bool {
+    let Ok(pem) = read_to_string(key) else {
+        return false;
+    };
+    KeyPair::from_pem(&pem)
+        .is_ok_and(|key| key.public_key_raw() == cert.public_key().subject_public_key.data.as_ref())
 }
 
 fn signed_by(
@@ -246,25 +260,25 @@ fn names_hosts(cert: &x509_parser::certificate::X509Certificate<'_>, role: &Role
     let Ok(Some(names)) = cert.subject_alternative_name() else {
         return hosts.is_empty();
     };
-    let named: Vec<String> = names
-        .value
-        .general_names
+    let names = &names.value.general_names;
+    let ips: Vec<std::net::IpAddr> = names
         .iter()
         .filter_map(|name| match name {
-            GeneralName::DNSName(dns) => Some((*dns).to_owned()),
             GeneralName::IPAddress(ip) => match ip.len() {
-                4 => <[u8; 4]>::try_from(*ip)
-                    .ok()
-                    .map(|b| std::net::IpAddr::from(b).to_string()),
-                16 => <[u8; 16]>::try_from(*ip)
-                    .ok()
-                    .map(|b| std::net::IpAddr::from(b).to_string()),
-                _ => None,
+                4 => <[u8; 4]>::try_from(*ip).ok().map(std::net::IpAddr::from),
+                _ => <[u8; 16]>::try_from(*ip).ok().map(std::net::IpAddr::from),
             },
             _ => None,
         })
         .collect();
-    hosts.iter().all(|host| named.contains(host))
+    hosts
+        .iter()
+        .all(|host| match host.parse::<std::net::IpAddr>() {
+            Ok(ip) => ips.contains(&ip),
+            Err(_) => names
+                .iter()
+                .any(|name| matches!(name, GeneralName::DNSName(dns) if dns == host)),
+        })
 }
 
 /// A loaded identity: the trusted CA, this party's certificate chain and its private key.
@@ -454,6 +468,9 @@ mod tests {
         let tls = dir.path().join("tls");
         let ca = init_ca(&tls).expect("ca");
         let hosts = vec!["localhost".into(), "127.0.0.1".into(), "::1".into()];
+        let spelled = Role::Brick {
+            hosts: vec!["0:0:0:0:0:0:0:1".into()],
+        };
         let brick = Role::Brick {
             hosts: hosts.clone(),
         };
@@ -464,6 +481,10 @@ mod tests {
             hosts: vec!["localhost".into()],
         };
         assert!(is_current(&tls, &fewer, "b"), "a subset of its names");
+        assert!(
+            is_current(&tls, &spelled, "b"),
+            "an address however written"
+        );
         let more = Role::Brick {
             hosts: [hosts.clone(), vec!["10.0.0.7".into()]].concat(),
         };
@@ -476,8 +497,11 @@ mod tests {
         issue_valid_between(&tls, &brick, "b", now, soon).expect("issue");
         assert!(!is_current(&tls, &brick, "b"));
 
-        // Its key gone, or signed by a CA that is no longer the cluster's.
+        // Its key gone or another, or signed by a CA that is no longer the cluster's.
         issue(&tls, &brick, "b", CERT_VALIDITY_DAYS).expect("issue");
+        let other_key = KeyPair::generate().expect("key").serialize_pem();
+        std::fs::write(&files.key, other_key).expect("replace key");
+        assert!(!is_current(&tls, &brick, "b"));
         std::fs::remove_file(&files.key).expect("remove key");
         assert!(!is_current(&tls, &brick, "b"));
         issue(&tls, &brick, "b", CERT_VALIDITY_DAYS).expect("issue");

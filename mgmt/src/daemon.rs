@@ -327,9 +327,13 @@ impl Daemon {
         let volumes: Vec<Volume> = self
             .store
             .read(|cluster, _| cluster.volumes.values().cloned().collect());
+        // Every brick probed at once: a hung one costs one timeout, well within the lease.
+        let checked = futures_util::future::join_all(
+            volumes.iter().map(|v| self.supervisor.checked_status(v)),
+        )
+        .await;
         let mut bricks = BTreeMap::new();
-        for volume in &volumes {
-            let status = self.supervisor.checked_status(volume).await;
+        for (volume, status) in volumes.iter().zip(checked) {
             for (i, brick) in status.into_iter().enumerate() {
                 if self.supervisor.is_local(&volume.bricks[i]) {
                     bricks.insert(Brick::name(&volume.name, i), brick);

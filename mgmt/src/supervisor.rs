@@ -164,14 +164,27 @@ impl Supervisor {
     }
 
     /// Whether a new brick of `host` could listen on `port`: always for another host's
-    /// (its daemon finds out when it starts the brick); here, when no process holds the
-    /// port's UDP (QUIC) or TCP (the brick's claim) socket now.
+    /// (its daemon finds out when it starts the brick); here, unless a process holds the
+    /// port's UDP (QUIC) or TCP (the brick's claim) socket now, bound as the brick binds
+    /// them. A port handed to a brick not started yet is not seen: another daemon on this
+    /// machine may still hand it out too.
     pub fn port_is_free(&self, host: Option<&str>, port: u16) -> bool {
+        use rustix::net::{AddressFamily, SocketType};
         if host != self.launch.host.as_deref() {
             return true;
         }
         let addr = std::net::SocketAddr::new(self.launch.listen_ip, port);
-        std::net::UdpSocket::bind(addr).is_ok() && std::net::TcpListener::bind(addr).is_ok()
+        let family = match addr {
+            std::net::SocketAddr::V4(_) => AddressFamily::INET,
+            std::net::SocketAddr::V6(_) => AddressFamily::INET6,
+        };
+        [SocketType::DGRAM, SocketType::STREAM]
+            .into_iter()
+            .all(|kind| {
+                let bound = rustix::net::socket(family, kind, None)
+                    .and_then(|socket| rustix::net::bind(&socket, &addr));
+                bound != Err(rustix::io::Errno::ADDRINUSE)
+            })
     }
 
     /// The indexes of `volume`'s bricks that live on this host.

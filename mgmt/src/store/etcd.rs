@@ -360,8 +360,7 @@ impl<S: Objects> EtcdStore<S> {
                 .map_err(|reason| CommitError::Store(StoreError::Diverged { reason }))?;
             let ours = get.kvs().iter().any(|kv| {
                 kv.key() == self.keys.commit.as_bytes()
-                    && serde_json::from_slice::<Record<serde::de::IgnoredAny>>(kv.value())
-                        .is_ok_and(|r| r.id == record.id)
+                    && record_id(kv.value()).as_ref() == Some(&record.id)
             });
             let generation = seen.generation;
             publish(&self.seen, seen);
@@ -436,19 +435,23 @@ impl<S: Objects> Drop for EtcdStore<S> {
     }
 }
 
-/// Replaces the state seen with `seen` unless what is seen is as new already.
+/// The id of commit record `value`.
+fn record_id(value: &[u8]) -> Option<String> {
+    serde_json::from_slice::<Record<serde::de::IgnoredAny>>(value)
+        .ok()
+        .map(|record| record.id)
+}
+
 /// Whether commit record `value` is the one this daemon is making.
 fn is_in_flight(value: &[u8], in_flight: &Mutex<Option<String>>) -> bool {
-    let Ok(record) = serde_json::from_slice::<Record<serde::de::IgnoredAny>>(value) else {
-        return false;
-    };
-    lock(in_flight).as_deref() == Some(record.id.as_str())
+    record_id(value).is_some_and(|id| lock(in_flight).as_deref() == Some(id.as_str()))
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// Replaces the state seen with `seen` unless what is seen is as new already.
 fn publish<S>(current: &watch::Sender<Arc<Seen<S>>>, seen: Seen<S>) {
     current.send_if_modified(|now| {
         let newer = seen.revision > now.revision;
@@ -620,6 +623,53 @@ mod tests {
     use super::*;
     use crate::etcd_server::{EtcdServer, etcd_for_test};
     use crate::store::test_state::{Map, set};
+
+    /// The watch that sees this daemon's commit in flight does not take it for another's;
+    /// the same commit seen with none in flight is another daemon's.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_watch_knows_the_commit_in_flight_as_its_own() {
+        let Some(binary) = etcd_for_test("the_watch_knows_the_commit_in_flight_as_its_own") else {
+            return;
+        };
+        let dir = tempfile::tempdir().expect("tempdir");
+        let server = EtcdServer::single(&binary, &dir.path().join("member")).expect("etcd");
+        let target = EtcdTarget {
+            endpoints: vec![server.member.client_url()],
+            cluster: "own".to_owned(),
+        };
+        let store = EtcdStore::<Map>::open(target.clone()).await.expect("open");
+        let etcd = Etcd::connect(&target).await.expect("connect");
+        let keys = Keys::new(&target.prefix());
+        let behind = Arc::new(load::<Map>(&etcd, &keys).await.expect("load"));
+        let committed = store.commit(vec![set("a", "1")]).await.expect("commit");
+        let commit_key = keys.commit.clone();
+        let answer = etcd
+            .call(|mut client| {
+                let key = commit_key.clone();
+                async move { client.get(key, None).await }
+            })
+            .await
+            .expect("get");
+        let id = record_id(answer.kvs()[0].value()).expect("a commit record");
+
+        for (in_flight, foreign) in [(Some(id), behind.foreign), (None, committed)] {
+            let (seen, mut told) = watch::channel(behind.clone());
+            let in_flight = Mutex::new(in_flight);
+            let from = behind.revision + 1;
+            tokio::select! {
+                ended = watch_from(&etcd, &keys, &seen, &in_flight, from) => {
+                    panic!("the watch ended: {ended:?}")
+                }
+                heard = tokio::time::timeout(
+                    Duration::from_secs(10),
+                    told.wait_for(|s| s.generation >= committed),
+                ) => {
+                    heard.expect("heard the commit").expect("alive");
+                }
+            }
+            assert_eq!(seen.borrow().foreign, foreign);
+        }
+    }
 
     /// A copy that fell behind a compaction (its daemon's watch broke while etcd compacted
     /// the revisions it had not seen) cannot be caught up change by change: it reads the
