@@ -624,23 +624,44 @@ mod tests {
     use crate::etcd_server::{EtcdServer, etcd_for_test};
     use crate::store::test_state::{Map, set};
 
+    /// A store on a one-member etcd of its own, and a client and the keys to look under it.
+    struct Fixture {
+        store: EtcdStore<Map>,
+        etcd: Etcd,
+        keys: Keys,
+        _server: EtcdServer,
+        _dir: tempfile::TempDir,
+    }
+
+    impl Fixture {
+        async fn start(test: &str) -> Option<Fixture> {
+            let binary = etcd_for_test(test)?;
+            let dir = tempfile::tempdir().expect("tempdir");
+            let server = EtcdServer::single(&binary, &dir.path().join("member")).expect("etcd");
+            let target = EtcdTarget {
+                endpoints: vec![server.member.client_url()],
+                cluster: test.to_owned(),
+            };
+            Some(Fixture {
+                store: EtcdStore::open(target.clone()).await.expect("open"),
+                etcd: Etcd::connect(&target).await.expect("connect"),
+                keys: Keys::new(&target.prefix()),
+                _server: server,
+                _dir: dir,
+            })
+        }
+    }
+
     /// The watch that sees this daemon's commit in flight does not take it for another's;
     /// the same commit seen with none in flight is another daemon's.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_watch_knows_the_commit_in_flight_as_its_own() {
-        let Some(binary) = etcd_for_test("the_watch_knows_the_commit_in_flight_as_its_own") else {
+        let Some(fixture) = Fixture::start("the_watch_knows_the_commit_in_flight_as_its_own").await
+        else {
             return;
         };
-        let dir = tempfile::tempdir().expect("tempdir");
-        let server = EtcdServer::single(&binary, &dir.path().join("member")).expect("etcd");
-        let target = EtcdTarget {
-            endpoints: vec![server.member.client_url()],
-            cluster: "own".to_owned(),
-        };
-        let store = EtcdStore::<Map>::open(target.clone()).await.expect("open");
-        let etcd = Etcd::connect(&target).await.expect("connect");
-        let keys = Keys::new(&target.prefix());
-        let behind = Arc::new(load::<Map>(&etcd, &keys).await.expect("load"));
+        let (store, etcd, keys) = (&fixture.store, &fixture.etcd, &fixture.keys);
+        let behind = Arc::new(load::<Map>(etcd, keys).await.expect("load"));
         let committed = store.commit(vec![set("a", "1")]).await.expect("commit");
         let commit_key = keys.commit.clone();
         let answer = etcd
@@ -657,7 +678,7 @@ mod tests {
             let in_flight = Mutex::new(in_flight);
             let from = behind.revision + 1;
             tokio::select! {
-                ended = watch_from(&etcd, &keys, &seen, &in_flight, from) => {
+                ended = watch_from(etcd, keys, &seen, &in_flight, from) => {
                     panic!("the watch ended: {ended:?}")
                 }
                 heard = tokio::time::timeout(
@@ -676,21 +697,14 @@ mod tests {
     /// whole configuration again, and follows from there.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_copy_behind_a_compaction_reads_everything_again() {
-        let Some(binary) = etcd_for_test("a_copy_behind_a_compaction_reads_everything_again")
+        let Some(fixture) =
+            Fixture::start("a_copy_behind_a_compaction_reads_everything_again").await
         else {
             return;
         };
-        let dir = tempfile::tempdir().expect("tempdir");
-        let server = EtcdServer::single(&binary, &dir.path().join("member")).expect("etcd");
-        let target = EtcdTarget {
-            endpoints: vec![server.member.client_url()],
-            cluster: "compacted".to_owned(),
-        };
-        let store = EtcdStore::<Map>::open(target.clone()).await.expect("open");
-        let etcd = Etcd::connect(&target).await.expect("connect");
-        let keys = Keys::new(&target.prefix());
+        let (store, etcd, keys) = (&fixture.store, &fixture.etcd, &fixture.keys);
         // A copy as it was before three commits.
-        let behind = load::<Map>(&etcd, &keys).await.expect("load");
+        let behind = load::<Map>(etcd, keys).await.expect("load");
         let from = behind.revision + 1;
         let mut last = 0;
         for key in ["a", "b", "c"] {
@@ -703,12 +717,12 @@ mod tests {
 
         let (seen, mut told) = watch::channel(Arc::new(behind));
         let in_flight = Mutex::new(None);
-        let broken = watch_from(&etcd, &keys, &seen, &in_flight, from).await;
+        let broken = watch_from(etcd, keys, &seen, &in_flight, from).await;
         assert!(matches!(broken, Err(Broken::Compacted)), "{broken:?}");
 
         let follower = tokio::spawn(follow(
             etcd.clone(),
-            keys,
+            keys.clone(),
             seen.clone(),
             Arc::new(Mutex::new(None)),
             Arc::new(in_flight),
