@@ -657,10 +657,16 @@ fn a_live_change_made_while_a_brick_starts_reaches_it() {
 fn a_new_brick_skips_a_port_another_process_holds() {
     let dir = tempfile::tempdir().expect("tempdir");
     let m = Mgmtd::start(dir.path());
-    let held = (26100..26200)
+    // One port held on the UDP side (a brick's QUIC), the next free one on the TCP side (a
+    // brick's claim on its number).
+    let udp = (26100..26200)
         .find_map(|port| std::net::UdpSocket::bind(("127.0.0.1", port)).ok())
-        .expect("a free port to hold");
-    let held_port = held.local_addr().expect("addr").port();
+        .expect("a UDP port to hold");
+    let udp_port = udp.local_addr().expect("addr").port();
+    let tcp = (udp_port + 1..26300)
+        .find_map(|port| std::net::TcpListener::bind(("127.0.0.1", port)).ok())
+        .expect("a TCP port to hold");
+    let held = [udp_port, tcp.local_addr().expect("addr").port()].map(u64::from);
     let brick = dir.path().join("brick");
     m.ok(&["volume", "create", "ported", brick.to_str().expect("utf-8")]);
     let json = m.ok(&["volume", "--json", "info", "ported"]);
@@ -668,7 +674,7 @@ fn a_new_brick_skips_a_port_another_process_holds() {
     let port = info["volumes"][0]["bricks"][0]["port"]
         .as_u64()
         .expect("port");
-    assert_ne!(port, u64::from(held_port), "{json}");
+    assert!(!held.contains(&port), "{held:?}: {json}");
     m.ok(&["volume", "start", "ported"]);
     m.healthy("ported");
     m.ok(&["volume", "stop", "ported"]);
