@@ -314,7 +314,7 @@ impl Daemon {
         // The host's report is renewed at once when its bricks changed, or when they were
         // given options another daemon committed (its `volume set` waits for the report);
         // otherwise at its next tick, sparing etcd a write (half the writes of a `volume set`
-        // made here).
+        // made here on a started volume).
         let acted = (pushed && foreign > previous) || self.supervisor.running_names() != before;
         self.applied.send_if_modified(|applied| {
             *applied = generation;
