@@ -19,7 +19,8 @@ net=10.77.0
 hosts=(1 2 3)
 endpoints=$(printf "http://$net.%s:2379," "${hosts[@]}")
 endpoints=${endpoints%,}
-initial=$(printf "m%s=http://$net.%s:2380," "${hosts[0]}" "${hosts[0]}" "${hosts[1]}" "${hosts[1]}" "${hosts[2]}" "${hosts[2]}")
+initial=
+for h in "${hosts[@]}"; do initial+="m$h=http://$net.$h:2380,"; done
 initial=${initial%,}
 
 down() {

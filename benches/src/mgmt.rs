@@ -472,15 +472,27 @@ fn timed(
     n: usize,
     mut op: impl FnMut() -> std::io::Result<()>,
 ) -> anyhow::Result<(f64, Histogram<u64>)> {
-    for _ in 0..warmup(n) {
+    sampled(n, |_| {
+        let t = Instant::now();
         op()?;
+        Ok(t.elapsed())
+    })
+}
+
+/// Runs `op(i)` for `i` in `0..warmup(n)` unmeasured, then for the next `n` values, each
+/// returning the latency it measured: ops/s over those `n`, and their latencies.
+fn sampled(
+    n: usize,
+    mut op: impl FnMut(usize) -> anyhow::Result<Duration>,
+) -> anyhow::Result<(f64, Histogram<u64>)> {
+    let warm = warmup(n);
+    for i in 0..warm {
+        op(i)?;
     }
     let mut h = histogram()?;
     let start = Instant::now();
-    for _ in 0..n {
-        let t = Instant::now();
-        op()?;
-        h.record(nanos(t.elapsed()))?;
+    for i in warm..warm + n {
+        h.record(nanos(op(i)?))?;
     }
     Ok((n as f64 / start.elapsed().as_secs_f64(), h))
 }
@@ -717,16 +729,7 @@ fn gluster(
 /// `n` measured `gluster volume set` processes after `warmup(n)` unmeasured ones: sets/s and
 /// the latency of each.
 fn gluster_sets(g: &Glusterd, n: usize) -> anyhow::Result<(f64, Histogram<u64>)> {
-    let warm = warmup(n);
-    for i in 0..warm {
-        g.set(GLUSTER_KEY, &gluster_value(i))?;
-    }
-    let mut h = histogram()?;
-    let start = Instant::now();
-    for i in warm..warm + n {
-        h.record(nanos(g.set(GLUSTER_KEY, &gluster_value(i))?))?;
-    }
-    Ok((n as f64 / start.elapsed().as_secs_f64(), h))
+    sampled(n, |i| g.set(GLUSTER_KEY, &gluster_value(i)))
 }
 
 /// A UDP port on 127.0.0.1 that was free (for UDP and TCP, as a brick binds both) just now.
@@ -972,15 +975,7 @@ fn spawn_floors(m: &Mgmtd, sets: usize, floor: Floor, rows: &mut Rows<'_>) -> an
         ("true", &true_run as &dyn Fn() -> anyhow::Result<Duration>),
         ("kiln-version", &version_run),
     ] {
-        for _ in 0..warmup(sets) {
-            run()?;
-        }
-        let mut h = histogram()?;
-        let start = Instant::now();
-        for _ in 0..sets {
-            h.record(nanos(run()?))?;
-        }
-        let rate = sets as f64 / start.elapsed().as_secs_f64();
+        let (rate, h) = sampled(sets, |_| run())?;
         rows.push(latency_record(
             "mgmt.spawn",
             target,

@@ -168,8 +168,10 @@ impl Hosts {
             .append(true)
             .open(host.state.with_extension("log"))
             .expect("log");
-        let daemon = Command::new("ip")
-            .args(["netns", "exec", &host.ns])
+        let wrapper = host.wrapper();
+        let (program, netns) = wrapper.split_first().expect("a wrapper");
+        let daemon = Command::new(program)
+            .args(netns)
             .arg(bin("kiln-mgmtd"))
             .arg("--state-dir")
             .arg(&host.state)
@@ -437,12 +439,7 @@ fn acknowledged_changes_survive_a_killed_daemon_and_etcd_member() {
     // (generation, key, value) of every acknowledged set.
     let mut acknowledged: Vec<(u64, &str, String)> = Vec::new();
     let mut seed: u64 = 0x5eed_c0de;
-    let mut next = || {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        seed
-    };
+    let mut next = || common::xorshift(&mut seed);
     for round in 0..60 {
         if round == 20 {
             hosts.kill_daemon(2);

@@ -49,7 +49,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
 use bytes::Bytes;
-use common::{Brickd, Cluster};
+use common::{Brickd, Cluster, xorshift};
 use kiln_client::distribute::{
     COMMIT_HASH_INVALID, DiskLayout, Distribute, LINKTO_XATTR, Layout, Munging, XATTR_NAME,
     first_brick, name_hash, size_chunks, weights_for,
@@ -322,14 +322,6 @@ fn which(program: &str) -> Option<PathBuf> {
         .chain(["/usr/sbin", "/sbin"].map(PathBuf::from))
         .map(|dir| dir.join(program))
         .find(|candidate| candidate.is_file())
-}
-
-/// The next number of a xorshift64 sequence: deterministic, no dependency.
-fn xorshift(state: &mut u64) -> u64 {
-    *state ^= *state << 13;
-    *state ^= *state >> 7;
-    *state ^= *state << 17;
-    *state
 }
 
 /// The names created through each mount: (C.UTF-8 client, C client). About 200 for the

@@ -621,9 +621,7 @@ fn a_rebalance_moves_files_while_a_client_writes_one() {
         let writes = async {
             let (mut writes, mut state) = (0_u64, 0x9e37_79b9_7f4a_7c15_u64);
             while !done.load(Ordering::Relaxed) {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
+                common::xorshift(&mut state);
                 let offset = (state as usize % (BIG_BYTES / BLOCK_BYTES)) * BLOCK_BYTES;
                 let block = vec![(writes % 256) as u8; BLOCK_BYTES];
                 writer

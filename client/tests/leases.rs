@@ -432,12 +432,7 @@ fn two_mounts_agree_with_one_model_op_by_op() {
     let roots = [a.path("d"), b.path("d")];
     let mut model: std::collections::BTreeMap<String, Node> = std::collections::BTreeMap::new();
     let mut state: u64 = 0x2545_F491_4F6C_DD1D;
-    let mut next = |n: u64| {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state % n
-    };
+    let mut next = |n: u64| common::xorshift(&mut state) % n;
     for step in 0..1000 {
         let root = &roots[usize::try_from(next(2)).expect("small")];
         let name = format!("n{}", next(6));

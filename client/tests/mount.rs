@@ -799,12 +799,7 @@ posix_fadvise = 1
 /// Writes a tree of `files` small files (sizes 0 to 8 KiB, 50 per directory) under `root`.
 fn small_file_tree(root: &Path, files: usize) {
     let mut state: u64 = 0x9E37_79B9_7F4A_7C15;
-    let mut next = || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    };
+    let mut next = || common::xorshift(&mut state);
     for i in 0..files {
         let dir = root.join(format!("d{:03}/e{:02}", i / 500, (i / 50) % 10));
         if i % 50 == 0 {

@@ -393,11 +393,7 @@ impl Daemon {
     ) -> anyhow::Result<Response> {
         let (host, path) = self.brick_place(&spec)?;
         let (brick, change, index) = self.store.read(|cluster, _| {
-            let port = port.unwrap_or_else(|| {
-                cluster.free_port(host.as_deref(), BRICK_PORT_BASE, &[], |p| {
-                    self.supervisor.port_is_free(host.as_deref(), p)
-                })
-            });
+            let port = port.unwrap_or_else(|| self.free_port(cluster, host.as_deref(), &[]));
             let brick = Brick { host, path, port };
             let change = Change::AddBrick {
                 volume: name.to_owned(),
@@ -666,14 +662,9 @@ impl Daemon {
         let Some(etcd) = self.store.etcd().filter(|_| !remote.is_empty()) else {
             return Ok(Vec::new());
         };
-        let host_of = |brick: &Brick| brick.host.clone().unwrap_or_default();
         let caught_up = |reports: &[HostReport]| {
             remote.iter().all(|(_, brick)| {
-                let host = host_of(brick);
-                reports
-                    .iter()
-                    .find(|r| r.host == host)
-                    .is_none_or(|r| r.generation >= generation)
+                report_of(reports, brick).is_none_or(|r| r.generation >= generation)
             })
         };
         let deadline = Instant::now() + REMOTE_APPLY_WAIT;
@@ -682,10 +673,7 @@ impl Daemon {
             .iter()
             .map(|(name, brick)| {
                 let status = remote_status(&reports, name, brick);
-                let applied = reports
-                    .iter()
-                    .find(|r| r.host == host_of(brick))
-                    .map_or(0, |r| r.generation);
+                let applied = report_of(&reports, brick).map_or(0, |r| r.generation);
                 let result = match status.pid {
                     Some(_) if applied >= generation => Ok(applied),
                     Some(_) => Err(format!("its host has applied generation {applied}")),
@@ -695,6 +683,15 @@ impl Daemon {
             })
             .collect();
         Ok(results)
+    }
+
+    /// The port a new brick of `host` gets when none is given: the lowest from
+    /// [`BRICK_PORT_BASE`] that no brick of `cluster`, none of `taken` and no process here
+    /// holds.
+    fn free_port(&self, cluster: &Cluster, host: Option<&str>, taken: &[u16]) -> u16 {
+        cluster.free_port(host, BRICK_PORT_BASE, taken, |p| {
+            self.supervisor.port_is_free(host, p)
+        })
     }
 
     /// Checks a new volume, formats its brick directories and issues their certificates.
@@ -718,9 +715,7 @@ impl Daemon {
                     .collect();
                 let port = match port {
                     Some(first) => first.saturating_add(u16::try_from(i).unwrap_or(u16::MAX)),
-                    None => cluster.free_port(host.as_deref(), BRICK_PORT_BASE, &taken, |p| {
-                        self.supervisor.port_is_free(host.as_deref(), p)
-                    }),
+                    None => self.free_port(cluster, host.as_deref(), &taken),
                 };
                 bricks.push(Brick { host, path, port });
             }
@@ -772,11 +767,17 @@ impl Daemon {
     }
 }
 
+/// The report of the host `brick` lives on, if that host reports.
+fn report_of<'r>(reports: &'r [HostReport], brick: &Brick) -> Option<&'r HostReport> {
+    let host = brick.host.as_deref().unwrap_or_default();
+    reports.iter().find(|r| r.host == host)
+}
+
 /// Brick `name` of another host, as its daemon reports it; down when the host does not
 /// report (its daemon or the host is gone, or it cannot reach etcd).
 fn remote_status(reports: &[HostReport], name: &str, brick: &Brick) -> BrickStatus {
-    let host = brick.host.clone().unwrap_or_default();
-    let report = reports.iter().find(|r| r.host == host);
+    let host = brick.host.as_deref().unwrap_or_default();
+    let report = report_of(reports, brick);
     let health = match report {
         Some(_) => format!("host {host} does not run it"),
         None => format!("host {host} does not report"),

@@ -1,6 +1,6 @@
-//! Runs members of a local etcd cluster (Debian's `etcd-server`, v3 API) for the tests, the
-//! benchmark and `deploy/cluster.sh`'s namespaces: each member is an `etcd` process with its
-//! own data directory, stopped (SIGKILL) when dropped.
+//! Runs members of a local etcd cluster (Debian's `etcd-server`, v3 API) for the tests and
+//! the benchmark (`deploy/cluster.sh` starts its own): each member is an `etcd` process with
+//! its own data directory, stopped (SIGKILL) when dropped.
 
 use std::ffi::OsString;
 use std::net::{SocketAddr, TcpStream};

@@ -18,3 +18,11 @@ pub mod etcd_server;
 pub mod store;
 pub mod supervisor;
 pub mod volume;
+
+/// `mutex`, locked; a lock a panicking thread left is taken as it is (what it guards is
+/// replaced whole, never left half changed).
+pub(crate) fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}

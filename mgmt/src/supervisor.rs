@@ -15,6 +15,8 @@ use kiln_admin::options;
 use kiln_admin::volume::{Brick, Volume};
 use tokio::sync::watch;
 
+use crate::lock;
+
 /// First wait before restarting a brick that exited.
 pub const RESTART_BACKOFF_MIN: Duration = Duration::from_secs(1);
 /// Longest wait before restarting a brick.
@@ -743,12 +745,6 @@ async fn watch_adopted(pid: u32, name: &str, stopped: &mut watch::Receiver<bool>
 /// Completes when the brick is asked to stop (or the supervisor is gone).
 async fn stop_requested(stopped: &mut watch::Receiver<bool>) {
     let _ = stopped.wait_for(|s| *s).await;
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 fn update(run: &Mutex<Run>, f: impl FnOnce(&mut Run)) {

@@ -16,7 +16,7 @@ use serde_json::json;
 use super::{MountBench, Target};
 /// The executables the Kiln target runs, from beside kiln-bench.
 pub(super) use crate::process::Bins;
-pub(super) use crate::process::Daemon;
+use crate::process::Daemon;
 use crate::process::{brickd_address, check_stop, log_tail, loopback_pki, run_bounded, version};
 
 /// Name of the client and brick certificates of the Kiln target.

@@ -21,7 +21,7 @@ use anyhow::{Context, bail};
 use rustix::process::{Pid, Signal};
 use serde_json::json;
 
-use super::fuse::Daemon;
+use crate::process::Daemon;
 use crate::process::{Ran, check_stop, log_tail, run_bounded, run_captured, version, which};
 
 /// Longest `apt-get` run.

@@ -14,6 +14,15 @@ use std::time::{Duration, Instant};
 use kiln_admin::pki::{self, Role};
 use kiln_client::{BrickClient, ConnectOptions};
 
+/// The next number of a xorshift64 sequence: deterministic (a test's seed replays it), no
+/// dependency.
+pub fn xorshift(state: &mut u64) -> u64 {
+    *state ^= *state << 13;
+    *state ^= *state >> 7;
+    *state ^= *state << 17;
+    *state
+}
+
 /// A binary of this workspace, built beside the test executable by `cargo test`.
 pub fn bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("test executable");

@@ -20,7 +20,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use etcd_client::{
@@ -30,6 +30,7 @@ use etcd_client::{
 use tokio::sync::watch;
 
 use super::{CommitError, State, StoreError};
+use crate::lock;
 
 /// How long one request to etcd may take before the commit or read fails (a partitioned
 /// member without quorum never answers).
@@ -442,13 +443,11 @@ fn record_id(value: &[u8]) -> Option<String> {
         .map(|record| record.id)
 }
 
-/// Whether commit record `value` is the one this daemon is making.
+/// Whether commit record `value` is the one this daemon is making (decoded only when one is).
 fn is_in_flight(value: &[u8], in_flight: &Mutex<Option<String>>) -> bool {
-    record_id(value).is_some_and(|id| lock(in_flight).as_deref() == Some(id.as_str()))
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+    lock(in_flight)
+        .as_deref()
+        .is_some_and(|id| record_id(value).as_deref() == Some(id))
 }
 
 /// Replaces the state seen with `seen` unless what is seen is as new already.
@@ -633,6 +632,17 @@ mod tests {
         _dir: tempfile::TempDir,
     }
 
+    /// Waits (at most 10 s) until the copy `told` follows has seen generation `generation`.
+    async fn seen_up_to(told: &mut watch::Receiver<Arc<Seen<Map>>>, generation: u64) {
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            told.wait_for(|s| s.generation >= generation),
+        )
+        .await
+        .expect("caught up within 10 s")
+        .expect("the copy is alive");
+    }
+
     impl Fixture {
         async fn start(test: &str) -> Option<Fixture> {
             let binary = etcd_for_test(test)?;
@@ -681,12 +691,7 @@ mod tests {
                 ended = watch_from(etcd, keys, &seen, &in_flight, from) => {
                     panic!("the watch ended: {ended:?}")
                 }
-                heard = tokio::time::timeout(
-                    Duration::from_secs(10),
-                    told.wait_for(|s| s.generation >= committed),
-                ) => {
-                    heard.expect("heard the commit").expect("alive");
-                }
+                () = seen_up_to(&mut told, committed) => {}
             }
             assert_eq!(seen.borrow().foreign, foreign);
         }
@@ -727,11 +732,7 @@ mod tests {
             Arc::new(Mutex::new(None)),
             Arc::new(in_flight),
         ));
-        let caught_up = told.wait_for(|s| s.generation >= last);
-        tokio::time::timeout(Duration::from_secs(10), caught_up)
-            .await
-            .expect("caught up after the compaction")
-            .expect("alive");
+        seen_up_to(&mut told, last).await;
         assert_eq!(seen.borrow().state.0.len(), 3);
         assert_eq!(
             seen.borrow().foreign,
@@ -740,11 +741,7 @@ mod tests {
         );
         // And it follows from there.
         let next = store.commit(vec![set("d", "1")]).await.expect("commit");
-        let caught_up = told.wait_for(|s| s.generation >= next);
-        tokio::time::timeout(Duration::from_secs(10), caught_up)
-            .await
-            .expect("followed after the reload")
-            .expect("alive");
+        seen_up_to(&mut told, next).await;
         assert_eq!(seen.borrow().state.0.len(), 4);
         follower.abort();
     }

@@ -64,6 +64,15 @@ fn etcd(test: &str) -> Option<Etcd> {
     })
 }
 
+/// Waits (at most 10 s) until `store` has seen generation `generation`.
+async fn caught_up(store: &ConfigStore<Map>, generation: u64) {
+    let mut told = store.subscribe();
+    tokio::time::timeout(Duration::from_secs(10), told.wait_for(|&g| g >= generation))
+        .await
+        .expect("caught up within 10 s")
+        .expect("the store is alive");
+}
+
 fn keys(store: &ConfigStore<Map>) -> Vec<String> {
     store.read(|map, _| map.0.keys().cloned().collect())
 }
@@ -130,12 +139,8 @@ async fn subscribers_hear_of_commits<B: Backend>(backend: B) {
         true => Arc::new(backend.open().await),
         false => store.clone(),
     };
-    let mut told = other.subscribe();
     let generation = store.commit(vec![set("x", "1")]).await.expect("commit");
-    tokio::time::timeout(Duration::from_secs(10), told.wait_for(|&g| g >= generation))
-        .await
-        .expect("told within 10 s")
-        .expect("the store is alive");
+    caught_up(&other, generation).await;
     assert_eq!(
         other.read(|map, _| map.0.get("x").cloned()),
         Some("1".into())
@@ -168,25 +173,14 @@ async fn racing_commits_are_each_checked_against_the_state_they_follow<B: Backen
     // Both handles end with all 50 keys (each once it has seen the last commit: the other
     // handle's copy follows by its watch).
     let last = *generations.last().expect("commits");
-    let mut heard = one.subscribe();
-    tokio::time::timeout(Duration::from_secs(10), heard.wait_for(|&g| g >= last))
-        .await
-        .expect("caught up")
-        .expect("alive");
-    let mut told = two.subscribe();
-    tokio::time::timeout(Duration::from_secs(10), told.wait_for(|&g| g >= last))
-        .await
-        .expect("caught up")
-        .expect("alive");
+    caught_up(&one, last).await;
+    caught_up(&two, last).await;
     assert_eq!(one.read(|m, _| m.0.len()), 50);
     assert_eq!(two.read(|m, _| m.0.len()), 50);
 
     // Two deletes of one key, racing: exactly one is refused, as it would be in order.
-    one.commit(vec![set("once", "1")]).await.expect("commit");
-    tokio::time::timeout(Duration::from_secs(10), told.wait_for(|&g| g > last))
-        .await
-        .expect("caught up")
-        .expect("alive");
+    let once = one.commit(vec![set("once", "1")]).await.expect("commit");
+    caught_up(&two, once).await;
     let delete = || vec![Change::Delete("once".into())];
     let (a, b) = tokio::join!(one.commit(delete()), two.commit(delete()));
     let refused = [&a, &b]
@@ -235,16 +229,6 @@ async fn an_etcd_store_tells_its_own_commits_from_other_daemons() {
     };
     let (one, two) = (backend.open().await, backend.open().await);
     let foreign = |store: &ConfigStore<Map>| store.etcd().expect("etcd").foreign_generation();
-    let caught_up = async |store: &ConfigStore<Map>, generation: u64| {
-        let mut heard = store.subscribe();
-        tokio::time::timeout(
-            Duration::from_secs(10),
-            heard.wait_for(|&g| g >= generation),
-        )
-        .await
-        .expect("caught up")
-        .expect("alive");
-    };
     let first = one.commit(vec![set("a", "1")]).await.expect("commit");
     assert_eq!(foreign(&one), 0, "its own commit");
     caught_up(&two, first).await;
