@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Three Kiln hosts on this machine, for trying a cluster out: each a network namespace on a
 # bridge (10.77.0.1-3, the bridge 10.77.0.254), running a member of one etcd cluster (Debian's
-# etcd-server) and a kiln-mgmtd that keeps the configuration there. From a built tree, as root:
+# etcd-server) and a kiln-mgmtd that keeps the configuration there; host 1 makes the cluster
+# (`kiln cluster init`), hosts 2 and 3 join it with tokens. From a built tree, as root:
 #   deploy/cluster.sh up [DATA_DIR]      (default ./kiln-cluster; etcd and ip must be installed)
 #   deploy/cluster.sh down [DATA_DIR]    (kills daemons, bricks and members; keeps DATA_DIR)
 # Then, e.g.:
@@ -54,15 +55,21 @@ up() {
       >"$data/host$h/etcd.log" 2>&1 &
     echo $! >"$data/host$h/etcd.pid"
   done
+  first=${hosts[0]}
   for h in "${hosts[@]}"; do
-    # The first daemon makes the cluster's CA; the others get a copy (as an operator would).
-    if [[ $h != "${hosts[0]}" ]]; then
-      mkdir -p "$data/host$h/state/tls"
-      cp "$data/host${hosts[0]}/state/tls/ca."{crt,key} "$data/host$h/state/tls/"
+    # The first host makes the cluster (and its CA); the others join it with a one-time
+    # token from the first, and get their certificates without the CA's key.
+    if [[ $h == "$first" ]]; then
+      KILN_STATE_DIR=$data/host$h/state "$bin/kiln" cluster init --etcd "$endpoints" \
+        --host "$net.$h" --cluster try
+    else
+      token=$(KILN_MGMT_SOCKET=$data/host$first/run/mgmtd.sock "$bin/kiln" cluster token 2>/dev/null)
+      KILN_STATE_DIR=$data/host$h/state "$bin/kiln" cluster join "$net.$first" \
+        --host "$net.$h" --token "$token"
     fi
     ip netns exec "kc-$h" "$bin/kiln-mgmtd" --state-dir "$data/host$h/state" \
-      --socket "$data/host$h/run/mgmtd.sock" --listen-ip "$net.$h" --host "$net.$h" \
-      --etcd "$endpoints" --cluster try >"$data/host$h/mgmtd.log" 2>&1 &
+      --socket "$data/host$h/run/mgmtd.sock" --listen-ip "$net.$h" \
+      >"$data/host$h/mgmtd.log" 2>&1 &
     echo $! >"$data/host$h/mgmtd.pid"
     for _ in $(seq 300); do [[ -S $data/host$h/run/mgmtd.sock ]] && break; sleep 0.1; done
     [[ -S $data/host$h/run/mgmtd.sock ]] || { echo "kiln-mgmtd of host $h did not start: see $data/host$h/mgmtd.log" >&2; exit 1; }

@@ -81,6 +81,13 @@ pub enum Request {
     },
     /// `kiln cluster status`: the store, and every host whose daemon reports.
     ClusterStatus,
+    /// `kiln cluster token`: a one-time token a host joins the cluster with.
+    ClusterToken {
+        valid_secs: u64,
+    },
+    /// `kiln cluster leave`: this host leaves its cluster (none of its bricks may be in a
+    /// volume); its daemon stops.
+    ClusterLeave,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -124,6 +131,11 @@ pub enum Response {
         bricks: Vec<BrickReport<Statedump>>,
     },
     Cluster(ClusterStatus),
+    /// A join token (`kiln_admin::join::Token` as text), valid for `valid_secs`.
+    Token {
+        token: String,
+        valid_secs: u64,
+    },
     Error {
         message: String,
     },
@@ -138,6 +150,9 @@ pub struct ClusterStatus {
     pub generation: u64,
     /// Every host whose daemon reports (a single-node daemon: itself).
     pub hosts: Vec<HostReport>,
+    /// Member hosts whose daemon does not report: down, or cut off etcd.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub down: Vec<String>,
 }
 
 /// What a daemon reports of its host, into etcd under a lease: gone within the lease's

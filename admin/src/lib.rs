@@ -2,6 +2,8 @@
 //! the management daemon (`kiln-mgmt`) and the client and CLI (`kiln-client`):
 //!
 //! * [`pki`]: the cluster CA and the brick and client certificates it signs;
+//! * [`join`]: the one-time token a host joins a cluster with, and the sealed messages of a
+//!   join;
 //! * [`options`]: the typed volume option table, with how each option reaches a brick (its
 //!   `kiln-brickd serve` flag) and the typed [`BrickSettings`](options::BrickSettings) a brick
 //!   runs with;
@@ -23,6 +25,7 @@ pub mod command;
 pub mod control;
 pub mod durable;
 pub mod exchange;
+pub mod join;
 pub mod options;
 pub mod pki;
 pub mod volume;

@@ -31,6 +31,10 @@ pub const CA_VALIDITY_DAYS: u32 = 3650;
 /// The client certificate `kiln-mgmtd` makes for the local administrator: the default
 /// client of the `kiln` command, trusted with root on the volume `kiln up` makes.
 pub const ADMIN_CLIENT: &str = "admin";
+/// The brick certificate a host that joined a cluster holds (`brick-host.crt`): issued at the
+/// join with the host's names, it serves the host's bricks where the CA's key is not kept.
+/// (No brick is named so: brick names end in `-b<index>`.)
+pub const HOST_IDENTITY: &str = "host";
 
 /// Longest client or brick name, in bytes.
 pub const IDENTITY_NAME_MAX_BYTES: usize = 64;
@@ -39,6 +43,8 @@ pub const IDENTITY_NAME_MAX_BYTES: usize = 64;
 pub enum PkiError {
     #[error("a cluster CA already exists at {0}; remove it to start a new cluster")]
     CaExists(PathBuf),
+    #[error("{0} holds the CA of another cluster: remove it (and its key) to join this one")]
+    OtherCa(PathBuf),
     #[error("no cluster CA at {0}; create one with `kiln ca init`")]
     NoCa(PathBuf),
     #[error(
@@ -144,17 +150,100 @@ pub fn issue_valid_between(
     not_before: time::OffsetDateTime,
     not_after: time::OffsetDateTime,
 ) -> Result<CertFiles, PkiError> {
+    let issuer = ca_issuer(dir)?;
+    let params = identity_params(role, name, not_before, not_after)?;
+    let key = KeyPair::generate()?;
+    let cert = params.signed_by(&key, &issuer)?;
+    install(dir, role, name, &key.serialize_pem(), &cert.pem())
+}
+
+/// A new key for an identity named `name`, and a request to sign it: the key stays on this
+/// host, the request goes to a holder of the CA's key ([`sign_request`]).
+pub fn request(name: &str) -> Result<(String, String), PkiError> {
     check_name(name)?;
-    let ca = ca_files(dir);
-    let ca_key_pem = read_to_string(&ca.key).map_err(|e| match e {
+    let mut params = CertificateParams::default();
+    params.distinguished_name = rcgen::DistinguishedName::new();
+    params.distinguished_name.push(DnType::CommonName, name);
+    let key = KeyPair::generate()?;
+    let csr = params.serialize_request(&key)?;
+    Ok((key.serialize_pem(), csr.pem()?))
+}
+
+/// Signs the key of request `csr` (PEM, whose signature must hold: its sender has the key)
+/// as identity `name` with `role` for `days`, with the CA in `dir`. Only the key is taken from
+/// the request; names, usages and validity are what `role` gives, as [`issue`] would.
+pub fn sign_request(
+    dir: &Path,
+    role: &Role,
+    name: &str,
+    csr: &str,
+    days: u32,
+) -> Result<String, PkiError> {
+    let issuer = ca_issuer(dir)?;
+    let request = rcgen::CertificateSigningRequestParams::from_pem(csr)?;
+    let (not_before, not_after) = validity(days);
+    let params = identity_params(role, name, not_before, not_after)?;
+    Ok(params.signed_by(&request.public_key, &issuer)?.pem())
+}
+
+/// Writes identity `name`'s key and certificate (PEM) into `dir`, the key first.
+pub fn install(
+    dir: &Path,
+    role: &Role,
+    name: &str,
+    key: &str,
+    cert: &str,
+) -> Result<CertFiles, PkiError> {
+    let files = identity_files(dir, role, name);
+    write_secret(&files.key, key.as_bytes())?;
+    write_secret(&files.cert, cert.as_bytes())?;
+    Ok(files)
+}
+
+/// Writes the cluster CA's certificate (without its key: this host cannot issue) into `dir`;
+/// refuses to replace a different one.
+pub fn install_ca_cert(dir: &Path, cert: &str) -> Result<(), PkiError> {
+    let path = ca_files(dir).cert;
+    match std::fs::read(&path) {
+        Ok(held) if held == cert.as_bytes() => Ok(()),
+        Ok(_) => Err(PkiError::OtherCa(path)),
+        Err(_) => write_secret(&path, cert.as_bytes()),
+    }
+}
+
+/// Whether `dir` holds the CA's key: this host may issue certificates.
+pub fn holds_ca_key(dir: &Path) -> bool {
+    ca_files(dir).key.exists()
+}
+
+/// The CA's key as PEM text.
+pub(crate) fn ca_key_pem(dir: &Path) -> Result<String, PkiError> {
+    let key = ca_files(dir).key;
+    read_to_string(&key).map_err(|e| match e {
         PkiError::Read { error, .. } if error.kind() == std::io::ErrorKind::NotFound => {
-            PkiError::NoCa(ca.key.clone())
+            PkiError::NoCa(key.clone())
         }
         e => e,
-    })?;
-    let ca_key = KeyPair::from_pem(&ca_key_pem)?;
-    let issuer = Issuer::from_ca_cert_pem(&read_to_string(&ca.cert)?, ca_key)?;
+    })
+}
 
+/// The CA in `dir` as an issuer of certificates.
+fn ca_issuer(dir: &Path) -> Result<Issuer<'static, KeyPair>, PkiError> {
+    let ca_key = KeyPair::from_pem(&ca_key_pem(dir)?)?;
+    Ok(Issuer::from_ca_cert_pem(
+        &read_to_string(&ca_files(dir).cert)?,
+        ca_key,
+    )?)
+}
+
+/// What a certificate for identity `name` with `role` says, valid in the given window.
+fn identity_params(
+    role: &Role,
+    name: &str,
+    not_before: time::OffsetDateTime,
+    not_after: time::OffsetDateTime,
+) -> Result<CertificateParams, PkiError> {
+    check_name(name)?;
     let mut params = match role {
         Role::Brick { hosts } => {
             for host in hosts {
@@ -176,13 +265,7 @@ pub fn issue_valid_between(
     params.use_authority_key_identifier_extension = true;
     params.not_before = not_before;
     params.not_after = not_after;
-    let key = KeyPair::generate()?;
-    let cert = params.signed_by(&key, &issuer)?;
-
-    let files = identity_files(dir, role, name);
-    write_secret(&files.key, key.serialize_pem().as_bytes())?;
-    write_secret(&files.cert, cert.pem().as_bytes())?;
-    Ok(files)
+    Ok(params)
 }
 
 /// An identity is issued again when its certificate expires within this many days.

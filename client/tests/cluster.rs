@@ -1,7 +1,9 @@
 //! A cluster of three hosts on this machine: each a network namespace on a bridge, running a
 //! member of one etcd cluster (Debian's `etcd-server`) and a `kiln-mgmtd` that keeps the
-//! configuration there. Volumes span the hosts; any host's daemon takes any command; daemons
-//! and etcd members are killed, and a host is cut off its network, while changes go on.
+//! configuration there. The first host makes the cluster (`kiln cluster init`), the others
+//! join it with one-time tokens and never hold the CA's key. Volumes span the hosts; any
+//! host's daemon takes any command; daemons and etcd members are killed, and a host is cut off
+//! its network, while changes go on.
 //!
 //! Needs root (namespaces) and etcd: where etcd is missing the tests are skipped, unless
 //! `KILN_REQUIRE_ETCD` is set (the test command sets it), which makes them fail.
@@ -123,16 +125,40 @@ impl Hosts {
         for i in 0..HOSTS {
             hosts.start_member(i);
         }
-        // The first daemon makes the cluster's CA; the others get a copy of it, as an
-        // operator joining a host would give it one.
+        // The first host makes the cluster (and its CA); each other joins with a token the
+        // first one gives, and gets its certificates without the CA's key.
+        let first = hosts.hosts[0].name();
+        let endpoints = hosts.endpoints();
+        hosts.kiln_ok(
+            0,
+            &[
+                "cluster",
+                "init",
+                "--etcd",
+                &endpoints,
+                "--host",
+                &first,
+                "--cluster",
+                CLUSTER,
+            ],
+        );
         hosts.start_daemon(0);
         for i in 1..HOSTS {
-            let tls = hosts.hosts[i].state.join("tls");
-            std::fs::create_dir_all(&tls).expect("tls dir");
-            for file in ["ca.crt", "ca.key"] {
-                std::fs::copy(hosts.hosts[0].state.join("tls").join(file), tls.join(file))
-                    .expect("copy the CA");
-            }
+            let token = hosts.kiln_ok(0, &["cluster", "token"]);
+            let name = hosts.hosts[i].name();
+            hosts.kiln_ok(
+                i,
+                &[
+                    "cluster",
+                    "join",
+                    &first,
+                    "--host",
+                    &name,
+                    "--token",
+                    token.trim(),
+                ],
+            );
+            assert!(!hosts.hosts[i].state.join("tls/ca.key").exists());
             hosts.start_daemon(i);
         }
         Some(hosts)
@@ -160,8 +186,8 @@ impl Hosts {
         self.hosts[i].member = Some(server);
     }
 
+    /// Starts host `i`'s daemon on the cluster its state directory records.
     fn start_daemon(&mut self, i: usize) {
-        let endpoints = self.endpoints();
         let host = &mut self.hosts[i];
         let log = std::fs::File::options()
             .create(true)
@@ -177,8 +203,7 @@ impl Hosts {
             .arg(&host.state)
             .arg("--socket")
             .arg(&host.socket)
-            .args(["--listen-ip", &host.name(), "--host", &host.name()])
-            .args(["--etcd", &endpoints, "--cluster", CLUSTER])
+            .args(["--listen-ip", &host.name()])
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
@@ -221,6 +246,7 @@ impl Hosts {
         Command::new(bin("kiln"))
             .args(args)
             .env("KILN_MGMT_SOCKET", &host.socket)
+            .env("KILN_STATE_DIR", &host.state)
             .env("KILN_TLS_DIR", host.state.join("tls"))
             .output()
             .expect("kiln")
@@ -240,7 +266,11 @@ impl Hosts {
     fn json(&self, i: usize, args: &[&str]) -> Response {
         let mut all = vec!["volume", "--json"];
         all.extend_from_slice(args);
-        serde_json::from_str(&self.kiln_ok(i, &all)).expect("JSON answer")
+        self.json_of(i, &all)
+    }
+
+    fn json_of(&self, i: usize, args: &[&str]) -> Response {
+        serde_json::from_str(&self.kiln_ok(i, args)).expect("JSON answer")
     }
 
     fn status(&self, i: usize, volume: &str) -> Vec<BrickStatus> {
@@ -399,6 +429,10 @@ fn three_hosts_share_one_configuration_and_serve_one_volume() {
         assert_eq!(back, format!("file {n}"));
     }
     hosts.wait_status(0, "v", |b| b[1].state == "down");
+    match hosts.json_of(0, &["cluster", "--json", "status"]) {
+        Response::Cluster(cluster) => assert_eq!(cluster.down, [hosts.hosts[1].name()]),
+        other => panic!("{other:?}"),
+    }
     // A change made meanwhile reaches the orphaned brick once a daemon adopts it.
     let changed = match hosts.json(0, &["set", "v", "network.inflight-max", "32"]) {
         Response::Done { generation, .. } => generation,
@@ -565,4 +599,233 @@ fn a_daemon_without_the_clusters_ca_refuses_to_start() {
     assert!(said.contains("is not cluster ca's"), "{said}");
     let _ = first.kill();
     let _ = first.wait();
+}
+
+/// A host of a cluster on the loopback etcd `url`: its state directory and socket.
+struct LoopbackHost {
+    state: PathBuf,
+    socket: PathBuf,
+    ip: &'static str,
+    daemon: Option<Child>,
+}
+
+impl LoopbackHost {
+    fn new(dir: &std::path::Path, ip: &'static str) -> LoopbackHost {
+        LoopbackHost {
+            state: dir.join(ip),
+            socket: dir.join(format!("{ip}-run/mgmtd.sock")),
+            ip,
+            daemon: None,
+        }
+    }
+
+    fn kiln(&self, args: &[&str]) -> Output {
+        Command::new(bin("kiln"))
+            .args(args)
+            .env("KILN_MGMT_SOCKET", &self.socket)
+            .env("KILN_STATE_DIR", &self.state)
+            .env("KILN_TLS_DIR", self.state.join("tls"))
+            .output()
+            .expect("kiln")
+    }
+
+    fn kiln_ok(&self, args: &[&str]) -> String {
+        let out = self.kiln(args);
+        let said = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "kiln {args:?} on {}: {said}", self.ip);
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// What `kiln ARGS` said when it failed, as it must.
+    fn kiln_refused(&self, args: &[&str]) -> String {
+        let out = self.kiln(args);
+        assert!(
+            !out.status.success(),
+            "kiln {args:?} on {} succeeded",
+            self.ip
+        );
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    }
+
+    fn start_daemon(&mut self) {
+        let daemon = Command::new(bin("kiln-mgmtd"))
+            .arg("--state-dir")
+            .arg(&self.state)
+            .arg("--socket")
+            .arg(&self.socket)
+            .args(["--listen-ip", self.ip])
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(self.state.with_extension("log")).expect("log"))
+            .spawn()
+            .expect("kiln-mgmtd");
+        self.daemon = Some(daemon);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !self.kiln(&["cluster", "status"]).status.success() {
+            assert!(
+                Instant::now() < deadline,
+                "kiln-mgmtd on {} did not start: {}",
+                self.ip,
+                std::fs::read_to_string(self.state.with_extension("log")).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn kill_daemon(&mut self) {
+        if let Some(mut daemon) = self.daemon.take() {
+            let _ = daemon.kill();
+            let _ = daemon.wait();
+        }
+    }
+
+    fn cluster(&self) -> kiln_admin::command::ClusterStatus {
+        match serde_json::from_str(&self.kiln_ok(&["cluster", "--json", "status"])) {
+            Ok(Response::Cluster(cluster)) => cluster,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// Waits until `ok` holds for this host's view of the cluster.
+    fn wait_cluster(&self, ok: impl Fn(&kiln_admin::command::ClusterStatus) -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let cluster = self.cluster();
+            if ok(&cluster) {
+                return;
+            }
+            assert!(Instant::now() < deadline, "{} sees {cluster:#?}", self.ip);
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+}
+
+impl Drop for LoopbackHost {
+    fn drop(&mut self) {
+        self.kill_daemon();
+    }
+}
+
+fn reports(cluster: &kiln_admin::command::ClusterStatus, host: &str) -> bool {
+    cluster.hosts.iter().any(|h| h.host == host)
+}
+
+#[test]
+fn a_host_joins_once_with_a_token_serves_bricks_and_leaves() {
+    let Some(etcd) = etcd_for_test("a_host_joins_once_with_a_token") else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = EtcdServer::single(&etcd, &dir.path().join("etcd")).expect("etcd");
+    let url = server.member.client_url();
+    let mut first = LoopbackHost::new(dir.path(), "127.0.0.1");
+    let mut second = LoopbackHost::new(dir.path(), "127.0.0.2");
+    let third = LoopbackHost::new(dir.path(), "127.0.0.3");
+    first.kiln_ok(&[
+        "cluster",
+        "init",
+        "--etcd",
+        &url,
+        "--host",
+        first.ip,
+        "--cluster",
+        "j",
+    ]);
+    first.start_daemon();
+    let said = first.kiln_refused(&["cluster", "init", "--etcd", &url, "--host", "x"]);
+    assert!(said.contains("member of cluster j already"), "{said}");
+
+    // Tokens that are not the cluster's: malformed, made up, or of another cluster.
+    let join = |host: &LoopbackHost, token: &str| {
+        host.kiln(&["cluster", "join", &url, "--host", host.ip, "--token", token])
+    };
+    let said = String::from_utf8_lossy(&join(&second, "kiln1-j-12").stderr).into_owned();
+    assert!(said.contains("not a join token"), "{said}");
+    let made_up = format!("kiln1-j-{}-{}", "0".repeat(16), "0".repeat(64));
+    let said = String::from_utf8_lossy(&join(&second, &made_up).stderr).into_owned();
+    assert!(said.contains("refused") && said.contains("seal"), "{said}");
+    assert!(!second.state.join("cluster.json").exists());
+
+    // A real token joins one host, once.
+    let token = first.kiln_ok(&["cluster", "token", "--valid-secs", "600"]);
+    let token = token.trim();
+    let joined = join(&second, token);
+    assert!(
+        joined.status.success(),
+        "{}",
+        String::from_utf8_lossy(&joined.stderr)
+    );
+    let tls = second.state.join("tls");
+    assert!(!tls.join("ca.key").exists(), "the CA's key was copied");
+    let brick = kiln_admin::pki::Role::Brick {
+        hosts: vec![second.ip.into(), "localhost".into()],
+    };
+    assert!(kiln_admin::pki::is_current(
+        &tls,
+        &brick,
+        kiln_admin::pki::HOST_IDENTITY
+    ));
+    let client = kiln_admin::pki::Role::Client;
+    assert!(kiln_admin::pki::is_current(
+        &tls,
+        &client,
+        kiln_admin::pki::ADMIN_CLIENT
+    ));
+    let said = String::from_utf8_lossy(&join(&third, token).stderr).into_owned();
+    assert!(said.contains("used already"), "{said}");
+
+    // The joined host serves a brick with its host certificate; its admin reaches it.
+    second.start_daemon();
+    first.wait_cluster(|c| reports(c, second.ip));
+    let brick_dir = dir.path().join("bricks/v");
+    let spec = format!("{}:{}", second.ip, brick_dir.display());
+    first.kiln_ok(&["volume", "create", "v", &spec]);
+    first.kiln_ok(&["volume", "start", "v"]);
+    let port = {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let status =
+                match serde_json::from_str(&first.kiln_ok(&["volume", "--json", "status", "v"])) {
+                    Ok(Response::Status { bricks }) => bricks,
+                    other => panic!("{other:?}"),
+                };
+            if status[0].health == "ok" {
+                break status[0].port;
+            }
+            assert!(Instant::now() < deadline, "{status:#?}");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    };
+    let addr = format!("{}:{port}", second.ip);
+    let listed = second.kiln_ok(&["--brick-addr", &addr, "ls", "/"]);
+    assert!(listed.is_empty(), "{listed}");
+    let said = second.kiln_refused(&["cluster", "leave"]);
+    assert!(
+        said.contains("bricks of this host are in volumes (v-b0)"),
+        "{said}"
+    );
+    first.kiln_ok(&["volume", "stop", "v"]);
+    first.kiln_ok(&["volume", "delete", "v"]);
+
+    // A member whose daemon dies shows as down; it leaves once back.
+    second.kill_daemon();
+    first.wait_cluster(|c| c.down == [second.ip]);
+    second.start_daemon();
+    first.wait_cluster(|c| reports(c, second.ip) && c.down.is_empty());
+    let said = second.kiln_ok(&["cluster", "leave"]);
+    assert!(said.contains("left cluster j"), "{said}");
+    let mut daemon = second.daemon.take().expect("a daemon");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while daemon.try_wait().expect("wait").is_none() {
+        assert!(
+            Instant::now() < deadline,
+            "the daemon did not stop after leaving"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(!second.state.join("cluster.json").exists());
+    first.wait_cluster(|c| !reports(c, second.ip) && c.down.is_empty());
 }

@@ -2,7 +2,8 @@
 //!
 //! ```text
 //! <prefix>ca.crt          the cluster CA's certificate, recorded by the first daemon; every
-//!                         other daemon must hold the same CA (its key stays on the hosts)
+//!                         other daemon must hold the same CA (its key stays on the hosts
+//!                         that issue certificates; others join, see `membership`)
 //! <prefix>hosts/<host>    each daemon's report of its host (JSON `HostReport`), under an
 //!                         etcd lease: it disappears within HOST_LEASE_TTL of the daemon
 //!                         or its host going away
@@ -48,8 +49,10 @@ pub async fn check_ca(etcd: &Etcd, tls_dir: &Path) -> anyhow::Result<()> {
                 .await?;
             if !recorded.kvs().is_empty() {
                 bail!(
-                    "this host has no copy of cluster {cluster}'s CA: copy ca.crt and ca.key \
-                     from a host of the cluster into {} (mode 0600 for the key)",
+                    "this host has no copy of cluster {cluster}'s CA: join the cluster with \
+                     `kiln cluster join` and a token from `kiln cluster token` on one of its \
+                     hosts (or copy ca.crt, and ca.key to let it issue certificates, from a \
+                     host of the cluster into {})",
                     tls_dir.display()
                 );
             }

@@ -7,6 +7,7 @@
 //! <state>/store/       the durable configuration (see `store`)
 //! <state>/tls/         the cluster CA, every brick's certificate and the `admin` client's
 //! <state>/logs/        one log per brick
+//! <state>/cluster.json the cluster on etcd this host is a member of (`membership`)
 //! ```
 
 use std::collections::{BTreeMap, HashSet};
@@ -24,6 +25,7 @@ use kiln_admin::pki::{self, Role};
 use kiln_admin::volume::{Brick, Volume, VolumeState};
 use tokio::net::{UnixListener, UnixStream};
 
+use crate::membership;
 use crate::store::etcd::{EtcdStore, EtcdTarget};
 use crate::store::{CommitError, ConfigStore, LogStore, StoreOptions};
 use crate::supervisor::{CurrentConfig, Launch, Supervisor};
@@ -59,6 +61,10 @@ struct Daemon {
     reconciling: tokio::sync::Mutex<()>,
     /// The generation the bricks here were last brought up to.
     applied: tokio::sync::watch::Sender<u64>,
+    /// The task reporting this host into etcd (stopped when the host leaves).
+    reporter: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// Told when the host left its cluster: the daemon stops.
+    left: tokio::sync::Notify,
 }
 
 /// Opens the store, starts the bricks of started volumes, and serves the socket until
@@ -112,24 +118,35 @@ pub async fn run(config: DaemonConfig, shutdown: impl Future<Output = ()>) -> an
         supervisor,
         reconciling: tokio::sync::Mutex::new(()),
         applied: tokio::sync::watch::Sender::new(0),
+        reporter: std::sync::Mutex::new(None),
+        left: tokio::sync::Notify::new(),
     });
     // Subscribed before the first reconciliation, so no generation falls between them.
     let generations = daemon.store.subscribe();
     daemon.reconcile().await;
     daemon.supervisor.stop_orphans().await;
     let reconciler = tokio::spawn(daemon.clone().reconcile_forever(generations));
-    let reporter = daemon.store.etcd().map(|etcd| {
+    let mut answering = None;
+    if let Some(etcd) = daemon.store.etcd() {
         let etcd = etcd.etcd().clone();
         let reporting = daemon.clone();
         let host = reporting.config.host.clone().unwrap_or_default();
         let applied = daemon.applied.subscribe();
-        tokio::spawn(crate::cluster::report_forever(
-            etcd,
-            host,
+        let reporter = tokio::spawn(crate::cluster::report_forever(
+            etcd.clone(),
+            host.clone(),
             async move || reporting.host_report().await,
             applied,
-        ))
-    });
+        ));
+        *crate::lock(&daemon.reporter) = Some(reporter);
+        // A host that may issue certificates answers the joins of new hosts.
+        let tls_dir = daemon.config.state_dir.join("tls");
+        if pki::holds_ca_key(&tls_dir) {
+            answering = Some(tokio::spawn(membership::answer_joins_forever(
+                etcd, tls_dir, host,
+            )));
+        }
+    }
 
     tracing::info!(socket = %daemon.config.socket.display(), "listening");
     let mut shutdown = std::pin::pin!(shutdown);
@@ -147,11 +164,15 @@ pub async fn run(config: DaemonConfig, shutdown: impl Future<Output = ()>) -> an
                 Err(e) => tracing::warn!(error = %e, "accept failed"),
             },
             () = &mut shutdown => break,
+            () = daemon.left.notified() => break,
         }
     }
     reconciler.abort();
-    if let Some(reporter) = reporter {
-        reporter.abort();
+    for task in [crate::lock(&daemon.reporter).take(), answering]
+        .into_iter()
+        .flatten()
+    {
+        task.abort();
     }
     if daemon.config.etcd.is_some() {
         tracing::info!("leaving the bricks running (the next daemon adopts them)");
@@ -188,6 +209,7 @@ async fn open_store(config: &DaemonConfig, tls_dir: &Path) -> anyhow::Result<Con
         .await
         .context("cannot open the configuration in etcd")?;
     crate::cluster::check_ca(store.etcd(), tls_dir).await?;
+    membership::register(store.etcd(), config.host.as_deref().unwrap_or_default()).await?;
     tracing::info!(
         cluster = %target.cluster,
         generation = store.generation(),
@@ -257,6 +279,8 @@ impl Daemon {
             Request::VolumeProfile { name, action } => self.profile(&name, action).await,
             Request::VolumeStatedump { name } => self.statedump(&name).await,
             Request::ClusterStatus => self.cluster_status().await,
+            Request::ClusterToken { valid_secs } => self.token(valid_secs).await,
+            Request::ClusterLeave => self.leave().await,
         }
     }
 
@@ -362,11 +386,74 @@ impl Daemon {
             Some(etcd) => format!("etcd {}", etcd.etcd().target().endpoints.join(",")),
             None => "embedded".to_owned(),
         };
+        let hosts = self.host_reports().await?;
+        let down = match self.store.etcd() {
+            Some(etcd) => membership::members(etcd.etcd())
+                .await?
+                .into_iter()
+                .filter(|member| !hosts.iter().any(|h| &h.host == member))
+                .collect(),
+            None => Vec::new(),
+        };
         Ok(Response::Cluster(ClusterStatus {
             store,
             generation: self.store.generation(),
-            hosts: self.host_reports().await?,
+            hosts,
+            down,
         }))
+    }
+
+    async fn token(&self, valid_secs: u64) -> anyhow::Result<Response> {
+        let etcd = self.cluster_etcd()?;
+        let tls_dir = self.config.state_dir.join("tls");
+        let token =
+            membership::new_token(etcd.etcd(), &tls_dir, Duration::from_secs(valid_secs)).await?;
+        Ok(Response::Token {
+            token: token.to_string(),
+            valid_secs,
+        })
+    }
+
+    /// Leaves the cluster if no volume has a brick here: the host is no longer a member,
+    /// its report stops, its cluster file goes, and the daemon stops.
+    async fn leave(&self) -> anyhow::Result<Response> {
+        let etcd = self.cluster_etcd()?;
+        let bricks: Vec<String> = self.store.read(|cluster, _| {
+            let volumes = cluster.volumes.values();
+            volumes
+                .flat_map(|v| {
+                    let local = self.supervisor.local_bricks(v);
+                    local.map(|i| Brick::name(&v.name, i))
+                })
+                .collect()
+        });
+        if !bricks.is_empty() {
+            anyhow::bail!(
+                "bricks of this host are in volumes ({}): delete them or move their data first",
+                bricks.join(", ")
+            );
+        }
+        if let Some(reporter) = crate::lock(&self.reporter).take() {
+            reporter.abort();
+        }
+        let host = self.config.host.as_deref().unwrap_or_default();
+        membership::leave(etcd.etcd(), host).await?;
+        membership::ClusterFile::remove(&self.config.state_dir)?;
+        self.left.notify_one();
+        Ok(done(
+            self.store.generation(),
+            format!(
+                "host {host} left cluster {}; its daemon stops (it starts on the embedded \
+                 store next time)",
+                etcd.etcd().target().cluster
+            ),
+        ))
+    }
+
+    fn cluster_etcd(&self) -> anyhow::Result<&EtcdStore<Cluster>> {
+        self.store
+            .etcd()
+            .context("this daemon keeps its configuration on this host, not in a cluster on etcd")
     }
 
     // The volume's lifecycle: create, delete, start, stop.
@@ -758,11 +845,40 @@ impl Daemon {
         hosts.dedup();
         // Issued once, and again only when it no longer serves (another CA, soon expired, a
         // host name missing): a brick keeps its identity across restarts.
-        let (tls_dir, role) = (self.config.state_dir.join("tls"), Role::Brick { hosts });
+        let tls_dir = self.config.state_dir.join("tls");
+        let role = Role::Brick {
+            hosts: hosts.clone(),
+        };
         let brick_name = Brick::name(name, index);
-        if !pki::is_current(&tls_dir, &role, &brick_name) {
-            pki::issue(&tls_dir, &role, &brick_name, pki::CERT_VALIDITY_DAYS)?;
+        if pki::is_current(&tls_dir, &role, &brick_name) {
+            return Ok(());
         }
+        if pki::holds_ca_key(&tls_dir) {
+            pki::issue(&tls_dir, &role, &brick_name, pki::CERT_VALIDITY_DAYS)?;
+            return Ok(());
+        }
+        // A host that joined without the CA's key serves its bricks with the certificate it
+        // was given at the join.
+        if !pki::is_current(&tls_dir, &role, pki::HOST_IDENTITY) {
+            anyhow::bail!(
+                "this host cannot issue brick certificates (no CA key) and its host certificate \
+                 is missing, expires within {} days or does not name all of {:?}: join again \
+                 with `kiln cluster join … --name` for each",
+                pki::RENEW_BEFORE_DAYS,
+                hosts
+            );
+        }
+        let host = pki::identity_files(&tls_dir, &role, pki::HOST_IDENTITY);
+        let read = |path: &Path| {
+            std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))
+        };
+        pki::install(
+            &tls_dir,
+            &role,
+            &brick_name,
+            &read(&host.key)?,
+            &read(&host.cert)?,
+        )?;
         Ok(())
     }
 }

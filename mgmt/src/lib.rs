@@ -3,8 +3,8 @@
 //! group commit, compaction, torn tails dropped at open — or etcd, shared by a cluster's
 //! daemons), the volume configuration and its typed changes ([`volume`]), the brick
 //! supervisor with live option pushes ([`supervisor`]), what a cluster's daemons share in
-//! etcd beside the configuration ([`cluster`]) and the daemon that serves the command socket
-//! ([`daemon`]).
+//! etcd beside the configuration ([`cluster`]), which hosts are members and how one joins
+//! ([`membership`]) and the daemon that serves the command socket ([`daemon`]).
 //!
 //! What the daemon shares with bricks and clients — the cluster's identities, the option
 //! table, both sockets' protocols, the volume descriptions — is in `kiln-admin`. It does no
@@ -15,6 +15,7 @@
 pub mod cluster;
 pub mod daemon;
 pub mod etcd_server;
+pub mod membership;
 pub mod store;
 pub mod supervisor;
 pub mod volume;

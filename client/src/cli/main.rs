@@ -3,6 +3,7 @@
 //! ```text
 //! kiln up [DATA_DIR]                       serve a one-brick volume from DATA_DIR/brick
 //! kiln ca init                             create the cluster CA
+//! kiln cluster init|join|token|leave|status   a cluster of hosts on etcd
 //! kiln cert issue --brick NAME [--host H]… | --client NAME
 //! kiln volume create|start|stop|delete|info|list|status|set|get|reset …   (via kiln-mgmtd)
 //! kiln volume profile NAME start|info|stop   kiln volume statedump NAME
@@ -92,8 +93,7 @@ enum Command {
         #[command(subcommand)]
         command: volume::VolumeCommand,
     },
-    /// The management daemons: `status` shows the configuration store and every host whose
-    /// daemon reports (a cluster on etcd), with its bricks.
+    /// The management daemons: a cluster of hosts sharing one configuration in etcd.
     Cluster {
         /// Print the daemon's answer as JSON.
         #[arg(long)]
@@ -117,7 +117,31 @@ enum Command {
 
 #[derive(Subcommand)]
 enum ClusterCommand {
+    /// The configuration store and every member host: its daemon, generation and bricks,
+    /// or down.
     Status,
+    /// Make this host the first of a cluster on etcd, before its daemon starts (runs
+    /// `kiln-mgmtd init`; `kiln cluster init --help` for its options).
+    #[command(disable_help_flag = true)]
+    Init {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<std::ffi::OsString>,
+    },
+    /// Print a one-time token a new host joins with (this host must hold the CA's key).
+    Token {
+        /// How long it stays valid, in seconds.
+        #[arg(long, default_value_t = 3600)]
+        valid_secs: u64,
+    },
+    /// Join a cluster with a token, before this host's daemon starts (runs
+    /// `kiln-mgmtd join`; `kiln cluster join --help` for its options).
+    #[command(disable_help_flag = true)]
+    Join {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<std::ffi::OsString>,
+    },
+    /// Leave the cluster (no volume may have a brick on this host); the daemon stops.
+    Leave,
 }
 
 #[derive(Subcommand)]
@@ -212,19 +236,26 @@ fn main() -> ExitCode {
             volume::RebalanceArg::FixLayout => heal::run(&cli.global, &name, json),
         },
         Command::Volume { json, command } => volume::run(&cli.global.socket, json, command),
-        Command::Cluster {
-            json,
-            command: ClusterCommand::Status,
-        } => volume::ask_and_print(
-            &cli.global.socket,
-            json,
-            &kiln_admin::command::Request::ClusterStatus,
-        ),
+        Command::Cluster { json, command } => {
+            use kiln_admin::command::Request;
+            let request = match command {
+                ClusterCommand::Init { args } => return exit(setup("init", args)),
+                ClusterCommand::Join { args } => return exit(setup("join", args)),
+                ClusterCommand::Status => Request::ClusterStatus,
+                ClusterCommand::Token { valid_secs } => Request::ClusterToken { valid_secs },
+                ClusterCommand::Leave => Request::ClusterLeave,
+            };
+            volume::ask_and_print(&cli.global.socket, json, &request)
+        }
         Command::Mount(args) => mount::run(&cli.global, args),
         Command::Umount(args) => mount::umount(&args),
         Command::Bench { args } => up::exec_sibling("kiln-bench", &args),
         Command::File(command) => return files::run(&cli.global, command),
     };
+    exit(result)
+}
+
+fn exit(result: anyhow::Result<()>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -232,6 +263,14 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// `kiln-mgmtd SUBCOMMAND ARGS…`: setting up the daemon's membership is the daemon's own
+/// code (it speaks to etcd; `kiln` does not).
+fn setup(subcommand: &str, args: Vec<std::ffi::OsString>) -> anyhow::Result<()> {
+    let mut all = vec![std::ffi::OsString::from(subcommand)];
+    all.extend(args);
+    up::exec_sibling("kiln-mgmtd", &all)
 }
 
 /// When run as `mount.kiln` (a link to `kiln`, which mount(8) runs for `-t kiln`), the

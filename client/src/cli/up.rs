@@ -179,7 +179,6 @@ fn wait_for_signal(mgmtd: &mut std::process::Child) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A workspace binary, or a message saying how to build it.
 /// Replaces this process with `name` (beside `kiln` or in PATH) run with `args`.
 pub(crate) fn exec_sibling(name: &str, args: &[std::ffi::OsString]) -> anyhow::Result<()> {
     use std::os::unix::process::CommandExt as _;
@@ -187,6 +186,7 @@ pub(crate) fn exec_sibling(name: &str, args: &[std::ffi::OsString]) -> anyhow::R
     Err(error).with_context(|| format!("cannot run {name}"))
 }
 
+/// A workspace binary, or a message saying how to build it.
 fn sibling_binary(name: &str) -> anyhow::Result<PathBuf> {
     kiln_admin::find_binary(name).with_context(|| {
         format!("{name} not found beside kiln or in PATH; build it with `cargo build --release`")

@@ -258,6 +258,16 @@ fn print(response: Response, list_only: bool) -> anyhow::Result<()> {
                     h.bricks.len()
                 );
             }
+            for host in cluster.down {
+                println!("{host:<24} {:<16} {:>8}", "-", "down");
+            }
+        }
+        Response::Token { token, valid_secs } => {
+            println!("{token}");
+            eprintln!(
+                "(valid once, for {valid_secs} s: on the new host, \
+                 `kiln cluster join THIS_HOST --host NEW_HOST --token …`)"
+            );
         }
         Response::Profiles { bricks, .. } => {
             for (i, b) in bricks.iter().enumerate() {
