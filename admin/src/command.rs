@@ -88,6 +88,22 @@ pub enum Request {
     /// `kiln cluster leave`: this host leaves its cluster (none of its bricks may be in a
     /// volume); its daemon stops.
     ClusterLeave,
+    /// `kiln volume rebalance VOLUME start|status|stop`: run by one daemon of the cluster
+    /// (the elected one), whichever daemon is asked.
+    Rebalance {
+        name: String,
+        action: TaskAction,
+    },
+}
+
+/// What to do with a volume's cluster-wide task.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TaskAction {
+    Start,
+    Status,
+    /// Stop after the file being moved.
+    Stop,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -136,6 +152,7 @@ pub enum Response {
         token: String,
         valid_secs: u64,
     },
+    Rebalance(RebalanceStatus),
     Error {
         message: String,
     },
@@ -153,6 +170,9 @@ pub struct ClusterStatus {
     /// Member hosts whose daemon does not report: down, or cut off etcd.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub down: Vec<String>,
+    /// The host whose daemon runs the cluster-wide tasks (none while an election is on).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub leader: Option<String>,
 }
 
 /// What a daemon reports of its host, into etcd under a lease: gone within the lease's
@@ -167,6 +187,61 @@ pub struct HostReport {
     pub generation: u64,
     /// Its bricks, by brick name.
     pub bricks: std::collections::BTreeMap<String, BrickStatus>,
+}
+
+/// What a rebalance did (`kiln_client::distribute::Distribute::rebalance` counts it).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RebalanceReport {
+    /// Directories walked.
+    pub dirs: u64,
+    /// Files looked at, each once wherever it is listed (link files not counted).
+    pub files: u64,
+    /// Files moved to their hashed brick.
+    pub moved: u64,
+    /// Bytes copied to move them (a chunk copied again counts again).
+    pub bytes_moved: u64,
+    /// Link files on a brick their name no longer hashes to, removed.
+    pub link_files_removed: u64,
+    /// Files off their hashed brick left there (hard links, a mode that reads as a phase,
+    /// another object under the name there, a file that kept changing); each logged.
+    pub skipped: u64,
+    /// Files or directories that failed (each logged); the walk goes on.
+    pub failed: u64,
+}
+
+/// A volume's rebalance: how far it got, where it runs. The process running it writes it to
+/// [`rebalance_status_file`] after each directory; on a cluster the elected daemon copies it
+/// into etcd, where every daemon reads it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RebalanceStatus {
+    pub volume: String,
+    /// The host it runs on (`None`: a daemon of one host).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+    /// The process running it (0 before one does).
+    pub pid: u32,
+    /// `wanted` (asked, not yet running), `running`, `completed`, `stopped`, `failed` or
+    /// `interrupted` (its process ended without saying how).
+    pub state: String,
+    #[serde(flatten)]
+    pub report: RebalanceReport,
+    pub elapsed_secs: f64,
+    /// A stop was asked; the rebalance stops after the file it is moving.
+    #[serde(default)]
+    pub stop: bool,
+}
+
+impl RebalanceStatus {
+    /// Whether it is still to run or running.
+    pub fn is_live(&self) -> bool {
+        matches!(self.state.as_str(), "wanted" | "running")
+    }
+}
+
+/// Where the rebalance of `volume` run by a daemon whose socket is in `dir` writes its
+/// status.
+pub fn rebalance_status_file(dir: &std::path::Path, volume: &str) -> PathBuf {
+    dir.join(format!("rebalance-{volume}.json"))
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -544,6 +544,121 @@ fn a_partitioned_host_cannot_commit_and_catches_up() {
     }
 }
 
+#[test]
+fn a_rebalance_runs_on_the_elected_daemon_and_continues_when_it_dies() {
+    let Some(mut hosts) = Hosts::start("a_rebalance_runs_on_the_elected", 4) else {
+        return;
+    };
+    // A volume on hosts 0 and 1, filled through a mount; then a brick of host 2 added.
+    let brick = |i: usize| {
+        let path = hosts.dir.path().join(format!("host{i}/r"));
+        format!("{}:{}", hosts.hosts[i].name(), path.display())
+    };
+    hosts.kiln_ok(0, &["volume", "create", "r", &brick(0), &brick(1)]);
+    hosts.kiln_ok(0, &["volume", "set", "r", "server.root-allow", "admin"]);
+    hosts.kiln_ok(0, &["volume", "start", "r"]);
+    hosts.wait_status(0, "r", |b| b.iter().all(|b| b.health == "ok"));
+    // One daemon leads; the volume is mounted, and its rebalance asked, through another host
+    // (a mount asks its host's daemon for bricks added since it mounted).
+    let leader = |hosts: &Hosts, i: usize| match hosts.json_of(i, &["cluster", "--json", "status"])
+    {
+        Response::Cluster(cluster) => cluster.leader,
+        other => panic!("{other:?}"),
+    };
+    let first_leader = leader(&hosts, 0).expect("a leader");
+    let l = hosts
+        .hosts
+        .iter()
+        .position(|h| h.name() == first_leader)
+        .expect("the leader is a host");
+    let asker = (l + 1) % HOSTS;
+    let mnt = hosts.dir.path().join("mnt-r");
+    std::fs::create_dir(&mnt).expect("mountpoint");
+    hosts.kiln_ok(asker, &["mount", "r", mnt.to_str().expect("utf-8")]);
+    for d in 0..8 {
+        std::fs::create_dir(mnt.join(format!("d{d}"))).expect("mkdir");
+        for n in 0..40 {
+            let path = mnt.join(format!("d{d}/f{n}"));
+            std::fs::write(path, format!("file {d}/{n}")).expect("write");
+        }
+    }
+    hosts.kiln_ok(2, &["volume", "add-brick", "r", &brick(2)]);
+    hosts.wait_status(0, "r", |b| {
+        b.len() == 3 && b.iter().all(|b| b.health == "ok")
+    });
+
+    let host = &hosts.hosts[asker];
+    let follower = Command::new(bin("kiln"))
+        .args(["volume", "--json", "rebalance", "r", "start"])
+        .env("KILN_MGMT_SOCKET", &host.socket)
+        .env("KILN_TLS_DIR", host.state.join("tls"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("kiln volume rebalance start");
+    // (No status until the follower has asked.)
+    let rebalance = |i: usize| {
+        let out = hosts.kiln(i, &["volume", "--json", "rebalance", "r", "status"]);
+        serde_json::from_slice::<kiln_admin::command::RebalanceStatus>(&out.stdout).ok()
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let running = loop {
+        match rebalance(asker) {
+            Some(status) if status.state == "running" => break status,
+            other => assert!(Instant::now() < deadline, "{other:?}"),
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(running.host.as_deref(), Some(first_leader.as_str()));
+    let second = hosts.kiln((asker + 1) % HOSTS, &["volume", "rebalance", "r", "start"]);
+    let said = String::from_utf8_lossy(&second.stderr);
+    assert!(said.contains("a rebalance of r is running"), "{said}");
+
+    // The leader's daemon dies mid-rebalance (its runner with it): another daemon is elected
+    // and runs the rebalance to the end; the follower on the asking host sees it complete.
+    hosts.kill_daemon(l);
+    let done = follower.wait_with_output().expect("the follower");
+    let said = String::from_utf8_lossy(&done.stderr);
+    assert!(done.status.success(), "{said}");
+    let done: kiln_admin::command::RebalanceStatus =
+        serde_json::from_slice(&done.stdout).expect("JSON status");
+    assert_eq!((done.state.as_str(), done.report.failed), ("completed", 0));
+    assert_ne!(
+        done.host.as_deref(),
+        Some(first_leader.as_str()),
+        "{done:?}"
+    );
+    assert_eq!(done.report.files, 320, "{done:?}");
+    assert_ne!(
+        leader(&hosts, asker).as_deref(),
+        Some(first_leader.as_str())
+    );
+    for d in 0..8 {
+        for n in 0..40 {
+            let back = std::fs::read_to_string(mnt.join(format!("d{d}/f{n}"))).expect("read");
+            assert_eq!(back, format!("file {d}/{n}"));
+        }
+    }
+    let on_new = walkdir_files(&hosts.dir.path().join("host2/r"));
+    assert!(on_new > 0, "no file moved to the new brick");
+    hosts.kiln_ok(asker, &["umount", mnt.to_str().expect("utf-8")]);
+}
+
+/// Regular files under `dir`, `.glusterfs` left out.
+fn walkdir_files(dir: &std::path::Path) -> usize {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .filter_map(Result::ok)
+        .filter(|e| e.file_name() != ".glusterfs")
+        .map(|e| match e.file_type() {
+            Ok(t) if t.is_dir() => walkdir_files(&e.path()),
+            Ok(t) if t.is_file() => 1,
+            _ => 0,
+        })
+        .sum()
+}
+
 /// Runs `daemon`, which must exit with an error within 30 s; what it said.
 fn refused(mut daemon: Command) -> String {
     let mut child = daemon.spawn().expect("kiln-mgmtd");

@@ -17,7 +17,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use kiln_admin::command::{
-    BrickStatus, ClusterStatus, EXCHANGE, HostReport, OptionValue, ProfileAction, Request, Response,
+    BrickStatus, ClusterStatus, EXCHANGE, HostReport, OptionValue, ProfileAction, Request,
+    Response, TaskAction,
 };
 use kiln_admin::exchange::ExchangeError;
 use kiln_admin::options;
@@ -29,6 +30,7 @@ use crate::membership;
 use crate::store::etcd::{EtcdStore, EtcdTarget};
 use crate::store::{CommitError, ConfigStore, LogStore, StoreOptions};
 use crate::supervisor::{CurrentConfig, Launch, Supervisor};
+use crate::tasks::Tasks;
 use crate::volume::{BRICK_PORT_BASE, Change, Cluster, ConfigError};
 
 /// The options `kiln volume profile VOL start|stop` switches.
@@ -42,6 +44,8 @@ pub struct DaemonConfig {
     pub state_dir: PathBuf,
     pub socket: PathBuf,
     pub brickd: PathBuf,
+    /// The `kiln` executable, which runs a rebalance for the daemon.
+    pub kiln: PathBuf,
     pub listen_ip: std::net::IpAddr,
     /// This host's name in a cluster (how other hosts and clients reach it); required with
     /// etcd, where every brick names its host.
@@ -65,6 +69,7 @@ struct Daemon {
     reporter: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
     /// Told when the host left its cluster: the daemon stops.
     left: tokio::sync::Notify,
+    tasks: Arc<Tasks>,
 }
 
 /// Opens the store, starts the bricks of started volumes, and serves the socket until
@@ -112,6 +117,16 @@ pub async fn run(config: DaemonConfig, shutdown: impl Future<Output = ()>) -> an
         },
         current,
     );
+    let tasks = Arc::new(Tasks {
+        kiln: config.kiln.clone(),
+        socket: config.socket.clone(),
+        tls_dir: config.state_dir.join("tls"),
+        log_dir: config.state_dir.join("logs"),
+        listen_ip: config.listen_ip,
+        host: config.host.clone(),
+        etcd: store.etcd().map(|etcd| etcd.etcd().clone()),
+        runners: Default::default(),
+    });
     let daemon = Arc::new(Daemon {
         config,
         store,
@@ -120,6 +135,7 @@ pub async fn run(config: DaemonConfig, shutdown: impl Future<Output = ()>) -> an
         applied: tokio::sync::watch::Sender::new(0),
         reporter: std::sync::Mutex::new(None),
         left: tokio::sync::Notify::new(),
+        tasks: tasks.clone(),
     });
     // Subscribed before the first reconciliation, so no generation falls between them.
     let generations = daemon.store.subscribe();
@@ -127,6 +143,10 @@ pub async fn run(config: DaemonConfig, shutdown: impl Future<Output = ()>) -> an
     daemon.supervisor.stop_orphans().await;
     let reconciler = tokio::spawn(daemon.clone().reconcile_forever(generations));
     let mut answering = None;
+    let leading = {
+        let tasks = tasks.clone();
+        tokio::spawn(async move { tasks.lead_forever().await })
+    };
     if let Some(etcd) = daemon.store.etcd() {
         let etcd = etcd.etcd().clone();
         let reporting = daemon.clone();
@@ -168,12 +188,14 @@ pub async fn run(config: DaemonConfig, shutdown: impl Future<Output = ()>) -> an
         }
     }
     reconciler.abort();
+    leading.abort();
     for task in [crate::lock(&daemon.reporter).take(), answering]
         .into_iter()
         .flatten()
     {
         task.abort();
     }
+    tasks.kill_all();
     if daemon.config.etcd.is_some() {
         tracing::info!("leaving the bricks running (the next daemon adopts them)");
         daemon.supervisor.leave_all();
@@ -281,6 +303,7 @@ impl Daemon {
             Request::ClusterStatus => self.cluster_status().await,
             Request::ClusterToken { valid_secs } => self.token(valid_secs).await,
             Request::ClusterLeave => self.leave().await,
+            Request::Rebalance { name, action } => self.rebalance(&name, action).await,
         }
     }
 
@@ -387,19 +410,23 @@ impl Daemon {
             None => "embedded".to_owned(),
         };
         let hosts = self.host_reports().await?;
-        let down = match self.store.etcd() {
-            Some(etcd) => membership::members(etcd.etcd())
-                .await?
-                .into_iter()
-                .filter(|member| !hosts.iter().any(|h| &h.host == member))
-                .collect(),
-            None => Vec::new(),
+        let (down, leader) = match self.store.etcd() {
+            Some(etcd) => (
+                membership::members(etcd.etcd())
+                    .await?
+                    .into_iter()
+                    .filter(|member| !hosts.iter().any(|h| &h.host == member))
+                    .collect(),
+                crate::tasks::leader(etcd.etcd()).await?,
+            ),
+            None => (Vec::new(), self.config.host.clone()),
         };
         Ok(Response::Cluster(ClusterStatus {
             store,
             generation: self.store.generation(),
             hosts,
             down,
+            leader,
         }))
     }
 
@@ -448,6 +475,26 @@ impl Daemon {
                 etcd.etcd().target().cluster
             ),
         ))
+    }
+
+    /// `kiln volume rebalance NAME start|status|stop`: run by this daemon, or on a cluster by
+    /// the elected one (`tasks`).
+    async fn rebalance(&self, name: &str, action: TaskAction) -> anyhow::Result<Response> {
+        let status = match action {
+            TaskAction::Start => {
+                let volume = self.volume(name)?;
+                if volume.state != VolumeState::Started {
+                    anyhow::bail!(
+                        "volume {name} is {}; `kiln volume start {name}` first",
+                        volume.state
+                    );
+                }
+                self.tasks.start(name).await?
+            }
+            TaskAction::Status => self.tasks.status(name).await?,
+            TaskAction::Stop => self.tasks.stop(name).await?,
+        };
+        Ok(Response::Rebalance(status))
     }
 
     fn cluster_etcd(&self) -> anyhow::Result<&EtcdStore<Cluster>> {

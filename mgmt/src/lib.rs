@@ -4,7 +4,8 @@
 //! daemons), the volume configuration and its typed changes ([`volume`]), the brick
 //! supervisor with live option pushes ([`supervisor`]), what a cluster's daemons share in
 //! etcd beside the configuration ([`cluster`]), which hosts are members and how one joins
-//! ([`membership`]) and the daemon that serves the command socket ([`daemon`]).
+//! ([`membership`]), the cluster-wide tasks one elected daemon runs ([`tasks`]) and the daemon
+//! that serves the command socket ([`daemon`]).
 //!
 //! What the daemon shares with bricks and clients — the cluster's identities, the option
 //! table, both sockets' protocols, the volume descriptions — is in `kiln-admin`. It does no
@@ -18,6 +19,7 @@ pub mod etcd_server;
 pub mod membership;
 pub mod store;
 pub mod supervisor;
+pub mod tasks;
 pub mod volume;
 
 /// `mutex`, locked; a lock a panicking thread left is taken as it is (what it guards is

@@ -198,6 +198,7 @@ async fn serve(args: Args) -> anyhow::Result<()> {
         .brickd
         .or_else(|| kiln_admin::find_binary("kiln-brickd"))
         .unwrap_or_else(|| PathBuf::from("kiln-brickd"));
+    let kiln = kiln_admin::find_binary("kiln").unwrap_or_else(|| PathBuf::from("kiln"));
     // The flags win over the state directory's cluster file.
     let (etcd, host) = match (args.etcd.is_empty(), ClusterFile::load(&args.state_dir)?) {
         (true, Some(file)) => (Some(file.target()), Some(file.host)),
@@ -214,6 +215,7 @@ async fn serve(args: Args) -> anyhow::Result<()> {
         state_dir: args.state_dir,
         socket: args.socket,
         brickd,
+        kiln,
         listen_ip: args.listen_ip,
         host,
         etcd,

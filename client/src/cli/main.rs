@@ -228,8 +228,16 @@ fn main() -> ExitCode {
         } => heal::run(&cli.global, &name, json),
         Command::Volume {
             json,
-            command: volume::VolumeCommand::Rebalance { name, action },
+            command:
+                volume::VolumeCommand::Rebalance {
+                    name,
+                    action,
+                    for_daemon,
+                },
         } => match action {
+            volume::RebalanceArg::Start if for_daemon => {
+                rebalance::run_for_daemon(&cli.global, &name)
+            }
             volume::RebalanceArg::Start => rebalance::start(&cli.global, &name, json),
             volume::RebalanceArg::Status => rebalance::status(&cli.global, &name, json),
             volume::RebalanceArg::Stop => rebalance::stop(&cli.global, &name, json),

@@ -1,10 +1,12 @@
 //! `kiln volume rebalance VOLUME start|status|stop`: every file of a distributed volume moved
 //! to the brick its name hashes to (`Distribute::rebalance`), while clients keep using it.
 //!
-//! The rebalance runs in the `start` command's process, with a progress bar, until it is done
-//! or stopped (Ctrl-C, SIGTERM, or `stop` from another shell). It holds a lock file next to the
-//! management daemon's socket, so one rebalance runs per volume, and writes its progress
-//! there after each directory for `status`.
+//! The management daemon runs it — on a cluster, the elected daemon, whichever host is asked
+//! (`kiln_mgmt::tasks`) — as this command's `start --for-daemon` ([`run_for_daemon`]) in a
+//! process of its own, which holds a lock file next to the daemon's socket (one rebalance per
+//! volume and host) and writes its progress there after each directory. `start` asks for it and
+//! follows it with a progress bar until it ends (Ctrl-C stops following, not the rebalance);
+//! `stop` asks it to stop after the file it is moving and waits until it has.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -13,54 +15,55 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use kiln_admin::command::{RebalanceStatus, Request, Response, TaskAction};
 use kiln_client::distribute::RebalanceReport;
-use serde::{Deserialize, Serialize};
 
 use crate::Global;
 
 /// How long `stop` waits for the rebalance to finish the file it is moving.
 const STOP_WAIT: Duration = Duration::from_secs(120);
-const STOP_POLL: Duration = Duration::from_millis(100);
+/// How often a follower asks the daemon how the rebalance is doing.
+const FOLLOW_POLL: Duration = Duration::from_millis(100);
+/// How often a runner checks that the daemon that started it is still there.
+const PARENT_CHECK: Duration = Duration::from_millis(500);
 
-/// What `status` shows: the last progress a rebalance wrote.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct Status {
-    volume: String,
-    pid: u32,
-    /// `running`, `completed`, `stopped` or `failed`.
-    state: String,
-    #[serde(flatten)]
-    report: RebalanceReport,
-    elapsed_secs: f64,
+fn line(status: &RebalanceStatus) -> String {
+    let r = &status.report;
+    let host = status
+        .host
+        .as_ref()
+        .map(|h| format!(" on {h}"))
+        .unwrap_or_default();
+    format!(
+        "{}: {}{host} — {} directories, {} files looked at, {} moved ({} bytes), {} stale link \
+         files removed, {} left in place, {} failed, {:.1} s",
+        status.volume,
+        status.state,
+        r.dirs,
+        r.files,
+        r.moved,
+        r.bytes_moved,
+        r.link_files_removed,
+        r.skipped,
+        r.failed,
+        status.elapsed_secs
+    )
 }
 
-impl Status {
-    fn new(volume: &str, state: &str, report: &RebalanceReport, elapsed: Duration) -> Status {
-        Status {
-            volume: volume.to_owned(),
-            pid: std::process::id(),
-            state: state.to_owned(),
-            report: *report,
-            elapsed_secs: elapsed.as_secs_f64(),
-        }
-    }
-
-    fn line(&self) -> String {
-        let r = &self.report;
-        format!(
-            "{}: {} — {} directories, {} files looked at, {} moved ({} bytes), {} stale link \
-             files removed, {} left in place, {} failed, {:.1} s",
-            self.volume,
-            self.state,
-            r.dirs,
-            r.files,
-            r.moved,
-            r.bytes_moved,
-            r.link_files_removed,
-            r.skipped,
-            r.failed,
-            self.elapsed_secs
-        )
+fn new_status(
+    volume: &str,
+    state: &str,
+    report: &RebalanceReport,
+    elapsed: Duration,
+) -> RebalanceStatus {
+    RebalanceStatus {
+        volume: volume.to_owned(),
+        host: None,
+        pid: std::process::id(),
+        state: state.to_owned(),
+        report: *report,
+        elapsed_secs: elapsed.as_secs_f64(),
+        stop: false,
     }
 }
 
@@ -75,7 +78,7 @@ impl Files {
         let dir = global.socket.parent().unwrap_or(Path::new("."));
         Files {
             lock: dir.join(format!("rebalance-{volume}.lock")),
-            status: dir.join(format!("rebalance-{volume}.json")),
+            status: kiln_admin::command::rebalance_status_file(dir, volume),
         }
     }
 
@@ -94,33 +97,102 @@ impl Files {
         }
     }
 
-    fn running(&self) -> anyhow::Result<bool> {
-        Ok(self.lock.exists() && self.try_lock()?.is_none())
-    }
-
-    fn write(&self, status: &Status) -> anyhow::Result<()> {
+    fn write(&self, status: &RebalanceStatus) -> anyhow::Result<()> {
         let json = serde_json::to_vec_pretty(status)?;
         kiln_admin::durable::replace_file(&self.status, &json, 0o644)
             .with_context(|| format!("cannot write {}", self.status.display()))
     }
+}
 
-    fn read(&self) -> anyhow::Result<Option<Status>> {
-        match std::fs::read(&self.status) {
-            Ok(bytes) => Ok(Some(serde_json::from_slice(&bytes).with_context(|| {
-                format!("{} is not a rebalance status", self.status.display())
-            })?)),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-            Err(e) => Err(e).with_context(|| format!("cannot read {}", self.status.display())),
+/// `rebalance VOLUME start`: asks the daemon to run it, and follows it until it ends.
+pub(crate) fn start(global: &Global, name: &str, json: bool) -> anyhow::Result<()> {
+    ask(global, name, TaskAction::Start)?;
+    follow(global, name, json, true, None)
+}
+
+/// `rebalance VOLUME status`.
+pub(crate) fn status(global: &Global, name: &str, json: bool) -> anyhow::Result<()> {
+    print(&ask(global, name, TaskAction::Status)?, json)
+}
+
+/// `rebalance VOLUME stop`: asks the rebalance to stop after the file it is moving, and waits
+/// until it has.
+pub(crate) fn stop(global: &Global, name: &str, json: bool) -> anyhow::Result<()> {
+    ask(global, name, TaskAction::Stop)?;
+    follow(global, name, json, false, Some(Instant::now() + STOP_WAIT))
+}
+
+fn ask(global: &Global, name: &str, action: TaskAction) -> anyhow::Result<RebalanceStatus> {
+    let request = Request::Rebalance {
+        name: name.to_owned(),
+        action,
+    };
+    match crate::volume::call(&global.socket, &request)? {
+        Response::Rebalance(status) => Ok(status),
+        Response::Error { message } => bail!("{message}"),
+        other => bail!("kiln-mgmtd answered {other:?}"),
+    }
+}
+
+/// Polls the rebalance of `name` until it ends (or `deadline`), with a progress bar if
+/// `bar`; prints how it ended, an error if it failed.
+fn follow(
+    global: &Global,
+    name: &str,
+    json: bool,
+    bar: bool,
+    deadline: Option<Instant>,
+) -> anyhow::Result<()> {
+    let progress = match bar {
+        true => indicatif::ProgressBar::new_spinner(),
+        false => indicatif::ProgressBar::hidden(),
+    };
+    progress.set_style(
+        indicatif::ProgressStyle::with_template("{spinner} [{elapsed_precise}] {msg}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
+    );
+    let status = loop {
+        let status = ask(global, name, TaskAction::Status)?;
+        if !status.is_live() {
+            break status;
+        }
+        if deadline.is_some_and(|d| Instant::now() > d) {
+            bail!("the rebalance of {name} did not stop within {STOP_WAIT:?}");
+        }
+        let r = &status.report;
+        progress.set_message(format!(
+            "{}: {} directories, {} files, {} moved ({} MiB)",
+            status.state,
+            r.dirs,
+            r.files,
+            r.moved,
+            r.bytes_moved >> 20
+        ));
+        progress.tick();
+        std::thread::sleep(FOLLOW_POLL);
+    };
+    progress.finish_and_clear();
+    print(&status, json)?;
+    match (status.state.as_str(), status.report.failed) {
+        ("completed" | "stopped", 0) => Ok(()),
+        ("completed" | "stopped", failed) => {
+            bail!("{failed} files or directories of {name} could not be rebalanced (see the log)")
+        }
+        (state, _) => {
+            bail!("the rebalance of {name} {state} (see its log on the host that ran it)")
         }
     }
 }
 
-/// `rebalance VOLUME start`: runs the rebalance here until it is done or stopped.
-pub(crate) fn start(global: &Global, name: &str, json: bool) -> anyhow::Result<()> {
+/// `rebalance VOLUME start --for-daemon`: the rebalance itself, run here for the daemon that
+/// started this process, until it is done or stopped (SIGINT or SIGTERM); exits when that
+/// daemon is gone.
+pub(crate) fn run_for_daemon(global: &Global, name: &str) -> anyhow::Result<()> {
+    exit_with_parent();
     let volume = crate::mount::resolve_volume(global, name)?;
     let files = Files::of(global, name);
     let Some(_lock) = files.try_lock()? else {
-        bail!("a rebalance of {name} is running; `kiln volume rebalance {name} status`");
+        bail!("a rebalance of {name} is running on this host");
     };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -138,26 +210,12 @@ pub(crate) fn start(global: &Global, name: &str, json: bool) -> anyhow::Result<(
         .context("cannot listen for SIGINT and SIGTERM")?;
     let stop = Arc::new(AtomicBool::new(false));
     let started = Instant::now();
-    let bar = indicatif::ProgressBar::new_spinner();
-    bar.set_style(
-        indicatif::ProgressStyle::with_template("{spinner} [{elapsed_precise}] {msg}")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
-    );
-    let running = |r: &RebalanceReport| Status::new(name, "running", r, started.elapsed());
+    let running = |r: &RebalanceReport| new_status(name, "running", r, started.elapsed());
     files.write(&running(&RebalanceReport::default()))?;
     let result = runtime.block_on(async {
         let signals = tokio::spawn(stop_on_signal(interrupt, terminate, stop.clone()));
         let mut progress = |r: &RebalanceReport| {
-            let status = running(r);
-            bar.set_message(format!(
-                "{} directories, {} files, {} moved ({} MiB)",
-                r.dirs,
-                r.files,
-                r.moved,
-                r.bytes_moved >> 20
-            ));
-            bar.tick();
-            if let Err(e) = files.write(&status) {
+            if let Err(e) = files.write(&running(r)) {
                 tracing::warn!(error = %e, "rebalance: progress not written");
             }
         };
@@ -168,80 +226,37 @@ pub(crate) fn start(global: &Global, name: &str, json: bool) -> anyhow::Result<(
         signals.abort();
         report
     });
-    bar.finish_and_clear();
-    let report = match result {
-        Ok(report) => report,
-        Err(e) => {
-            let failed = Status::new(
-                name,
-                "failed",
-                &RebalanceReport::default(),
-                started.elapsed(),
-            );
-            let _ = files.write(&failed);
-            return Err(e);
+    let (state, report) = match &result {
+        Ok(report) if stop.load(Ordering::Relaxed) => ("stopped", *report),
+        Ok(report) if report.failed == 0 => ("completed", *report),
+        Ok(report) => ("failed", *report),
+        Err(_) => ("failed", RebalanceReport::default()),
+    };
+    files.write(&new_status(name, state, &report, started.elapsed()))?;
+    result.map(|_| ())
+}
+
+/// Exits this process when its parent (the daemon that started it) is gone: a rebalance runs
+/// for one daemon, and another may start it again. (Polled: a parent-death signal follows the
+/// parent's thread, not its process.)
+fn exit_with_parent() {
+    let parent = rustix::process::getppid();
+    std::thread::spawn(move || {
+        loop {
+            std::thread::sleep(PARENT_CHECK);
+            if rustix::process::getppid() != parent {
+                eprintln!("kiln: the daemon that started this rebalance is gone; stopping");
+                std::process::exit(3);
+            }
         }
-    };
-    let state = match (stop.load(Ordering::Relaxed), report.failed) {
-        (true, _) => "stopped",
-        (false, 0) => "completed",
-        (false, _) => "failed",
-    };
-    let status = Status::new(name, state, &report, started.elapsed());
-    files.write(&status)?;
-    print(&status, json)?;
-    if report.failed > 0 {
-        bail!(
-            "{} files or directories of {name} could not be rebalanced (see the log)",
-            report.failed
-        );
-    }
-    Ok(())
+    });
 }
 
-/// `rebalance VOLUME status`.
-pub(crate) fn status(global: &Global, name: &str, json: bool) -> anyhow::Result<()> {
-    let files = Files::of(global, name);
-    let Some(mut status) = files.read()? else {
-        bail!("no rebalance of {name} has run here");
-    };
-    if status.state == "running" && !files.running()? {
-        // Killed before it could say how it ended.
-        status.state = "interrupted".to_owned();
-    }
-    print(&status, json)
-}
-
-/// `rebalance VOLUME stop`: asks the running rebalance to stop after the file it is moving,
-/// and waits until it has.
-pub(crate) fn stop(global: &Global, name: &str, json: bool) -> anyhow::Result<()> {
-    let files = Files::of(global, name);
-    let status = files.read()?;
-    let (Some(status), true) = (status, files.running()?) else {
-        bail!("no rebalance of {name} is running");
-    };
-    let pid = rustix::process::Pid::from_raw(i32::try_from(status.pid)?)
-        .context("the rebalance status names no process")?;
-    rustix::process::kill_process(pid, rustix::process::Signal::INT)
-        .with_context(|| format!("cannot signal the rebalance (pid {pid:?})"))?;
-    let deadline = Instant::now() + STOP_WAIT;
-    while files.running()? {
-        if Instant::now() > deadline {
-            bail!("the rebalance of {name} did not stop within {STOP_WAIT:?}");
-        }
-        std::thread::sleep(STOP_POLL);
-    }
-    match files.read()? {
-        Some(status) => print(&status, json),
-        None => Ok(()),
-    }
-}
-
-fn print(status: &Status, json: bool) -> anyhow::Result<()> {
+pub(crate) fn print(status: &RebalanceStatus, json: bool) -> anyhow::Result<()> {
     if json {
         println!("{}", serde_json::to_string(status)?);
     } else {
-        println!("{}", status.line());
+        println!("{}", line(status));
     }
     Ok(())
 }

@@ -72,14 +72,18 @@ pub(crate) enum VolumeCommand {
     Heal { name: String },
     /// Spread a volume over bricks added since its directories were laid out: `fix-layout`
     /// gives every directory a layout over every brick (new names go to the new bricks;
-    /// existing files stay where they are and are still found); `start` does that and then
-    /// moves every file to the brick its name hashes to while clients keep using it, with
-    /// a progress bar, until done or stopped (Ctrl-C, or `stop` from another shell);
-    /// `status` shows the progress of the running or last rebalance.
+    /// existing files stay where they are and are still found); `start` has the management
+    /// daemon (on a cluster, the elected one) do that and then move every file to the brick
+    /// its name hashes to while clients keep using it, and follows it with a progress bar
+    /// until done or stopped (`stop`; Ctrl-C only stops following); `status` shows the
+    /// progress of the running or last rebalance, and the host running it.
     Rebalance {
         name: String,
         #[arg(value_enum)]
         action: RebalanceArg,
+        /// Run the rebalance in this process (how the daemon runs it).
+        #[arg(long, hide = true)]
+        for_daemon: bool,
     },
 }
 
@@ -239,9 +243,13 @@ fn print(response: Response, list_only: bool) -> anyhow::Result<()> {
                 );
             }
         }
+        Response::Rebalance(status) => crate::rebalance::print(&status, false)?,
         Response::Cluster(cluster) => {
             println!("Store:       {}", cluster.store);
             println!("Generation:  {}", cluster.generation);
+            if let Some(leader) = &cluster.leader {
+                println!("Leader:      {leader} (runs the cluster-wide tasks)");
+            }
             println!(
                 "{:<24} {:<16} {:>8} {:>10} {:>7}",
                 "host", "address", "daemon", "generation", "bricks"

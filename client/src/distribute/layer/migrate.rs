@@ -40,25 +40,9 @@ const CHUNK_TRIES_MAX: usize = 8;
 /// Files of one directory moved at a time (each holds two 1 MiB chunks while it copies).
 const MOVES_IN_FLIGHT: usize = 16;
 
-/// What [`Distribute::rebalance`] did.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct RebalanceReport {
-    /// Directories walked.
-    pub dirs: u64,
-    /// Files looked at, each once wherever it is listed (link files not counted).
-    pub files: u64,
-    /// Files moved to their hashed brick.
-    pub moved: u64,
-    /// Bytes copied to move them (a chunk copied again counts again).
-    pub bytes_moved: u64,
-    /// Link files on a brick their name no longer hashes to, removed.
-    pub link_files_removed: u64,
-    /// Files off their hashed brick left there (hard links, a mode that reads as a phase,
-    /// another object under the name there, a file that kept changing); each logged.
-    pub skipped: u64,
-    /// Files or directories that failed (each logged); the walk goes on.
-    pub failed: u64,
-}
+/// What [`Distribute::rebalance`] did (a type of the command socket: the management daemon
+/// relays it from the rebalance it runs).
+pub use kiln_admin::command::RebalanceReport;
 
 /// The files of one directory a rebalance has seen (each counted once, wherever listed), and
 /// those it moved (listed again on the brick they moved to, where nothing is left to do). A
@@ -91,40 +75,38 @@ enum Outcome {
     LinkFileRemoved,
 }
 
-impl RebalanceReport {
-    /// Counts what happened to entry `name` of `dir` (logged); whether it is where the
-    /// layout says.
-    fn count(
-        &mut self,
-        outcome: Result<Outcome, Error>,
-        dir: Gfid,
-        name: &Name,
-        from: usize,
-        to: usize,
-    ) -> bool {
-        let name = name.as_bytes().escape_ascii();
-        match outcome {
-            // Removed or replaced since it was listed: nothing to move.
-            Ok(Outcome::InPlace) | Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => {}
-            Ok(Outcome::LinkFileRemoved) => self.link_files_removed += 1,
-            Ok(Outcome::Moved { bytes }) => {
-                self.moved += 1;
-                self.bytes_moved += bytes;
-                tracing::debug!(%dir, %name, from, to, bytes, "rebalance: moved a file");
-            }
-            Ok(Outcome::Skipped(why)) => {
-                self.skipped += 1;
-                tracing::info!(%dir, %name, from, to, why, "rebalance: left a file in place");
-                return false;
-            }
-            Err(e) => {
-                self.failed += 1;
-                tracing::warn!(%dir, %name, from, to, error = %e, "rebalance: an entry failed");
-                return false;
-            }
+/// Counts in `report` what happened to entry `name` of `dir` (logged); whether it is where
+/// the layout says.
+fn count(
+    report: &mut RebalanceReport,
+    outcome: Result<Outcome, Error>,
+    dir: Gfid,
+    name: &Name,
+    from: usize,
+    to: usize,
+) -> bool {
+    let name = name.as_bytes().escape_ascii();
+    match outcome {
+        // Removed or replaced since it was listed: nothing to move.
+        Ok(Outcome::InPlace) | Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => {}
+        Ok(Outcome::LinkFileRemoved) => report.link_files_removed += 1,
+        Ok(Outcome::Moved { bytes }) => {
+            report.moved += 1;
+            report.bytes_moved += bytes;
+            tracing::debug!(%dir, %name, from, to, bytes, "rebalance: moved a file");
         }
-        true
+        Ok(Outcome::Skipped(why)) => {
+            report.skipped += 1;
+            tracing::info!(%dir, %name, from, to, why, "rebalance: left a file in place");
+            return false;
+        }
+        Err(e) => {
+            report.failed += 1;
+            tracing::warn!(%dir, %name, from, to, error = %e, "rebalance: an entry failed");
+            return false;
+        }
     }
+    true
 }
 
 impl<L: Layer> Distribute<L> {
@@ -204,7 +186,7 @@ impl<L: Layer> Distribute<L> {
             while let Some(done) = moves.next().await {
                 match done {
                     Some((entry, Some(to), Some(outcome))) => {
-                        settled &= report.count(outcome, dir, &entry.name, from, to);
+                        settled &= count(report, outcome, dir, &entry.name, from, to);
                     }
                     // In a hole of the layout: nowhere to go.
                     Some(_) => settled = false,
