@@ -63,9 +63,9 @@ up() {
       KILN_STATE_DIR=$data/host$h/state "$bin/kiln" cluster init --etcd "$endpoints" \
         --host "$net.$h" --cluster try
     else
-      token=$(KILN_MGMT_SOCKET=$data/host$first/run/mgmtd.sock "$bin/kiln" cluster token 2>/dev/null)
-      KILN_STATE_DIR=$data/host$h/state "$bin/kiln" cluster join "$net.$first" \
-        --host "$net.$h" --token "$token"
+      # (The token through the environment: it stays out of `ps`.)
+      KILN_JOIN_TOKEN=$(KILN_MGMT_SOCKET=$data/host$first/run/mgmtd.sock "$bin/kiln" cluster token 2>/dev/null) \
+        KILN_STATE_DIR=$data/host$h/state "$bin/kiln" cluster join "$net.$first" --host "$net.$h"
     fi
     ip netns exec "kc-$h" "$bin/kiln-mgmtd" --state-dir "$data/host$h/state" \
       --socket "$data/host$h/run/mgmtd.sock" --listen-ip "$net.$h" \

@@ -207,7 +207,8 @@ pub fn install_ca_cert(dir: &Path, cert: &str) -> Result<(), PkiError> {
     match std::fs::read(&path) {
         Ok(held) if held == cert.as_bytes() => Ok(()),
         Ok(_) => Err(PkiError::OtherCa(path)),
-        Err(_) => write_secret(&path, cert.as_bytes()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => write_secret(&path, cert.as_bytes()),
+        Err(error) => Err(PkiError::Read { path, error }),
     }
 }
 

@@ -859,7 +859,7 @@ fn a_host_joins_once_with_a_token_serves_bricks_and_leaves() {
     };
     let said = String::from_utf8_lossy(&join(&second, "kiln1-j-12").stderr).into_owned();
     assert!(said.contains("not a join token"), "{said}");
-    let made_up = format!("kiln1-j-{}-{}", "0".repeat(16), "0".repeat(64));
+    let made_up = format!("kiln1-j-{}-99999999999-{}", "0".repeat(16), "0".repeat(64));
     let said = String::from_utf8_lossy(&join(&second, &made_up).stderr).into_owned();
     assert!(said.contains("refused") && said.contains("seal"), "{said}");
     assert!(!second.state.join("cluster.json").exists());
@@ -891,10 +891,32 @@ fn a_host_joins_once_with_a_token_serves_bricks_and_leaves() {
     ));
     let said = String::from_utf8_lossy(&join(&third, token).stderr).into_owned();
     assert!(said.contains("used already"), "{said}");
+    assert!(!third.state.join("cluster.json").exists());
+    assert!(!third.state.join("tls/brick-host.crt").exists());
+    let short = first.kiln_ok(&["cluster", "token", "--valid-secs", "1"]);
+    std::thread::sleep(Duration::from_millis(2100));
+    let said = String::from_utf8_lossy(&join(&third, short.trim()).stderr).into_owned();
+    assert!(said.contains("expired"), "{said}");
 
     // The joined host serves a brick with its host certificate; its admin reaches it.
     second.start_daemon();
     first.wait_cluster(|c| reports(c, second.ip));
+    // A member's name is not given to another host.
+    let token = first.kiln_ok(&["cluster", "token"]);
+    let out = third.kiln(&[
+        "cluster",
+        "join",
+        &url,
+        "--host",
+        second.ip,
+        "--token",
+        token.trim(),
+    ]);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        said.contains("host 127.0.0.2 is a member already"),
+        "{said}"
+    );
     let brick_dir = dir.path().join("bricks/v");
     let spec = format!("{}:{}", second.ip, brick_dir.display());
     first.kiln_ok(&["volume", "create", "v", &spec]);

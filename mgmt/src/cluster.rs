@@ -32,6 +32,11 @@ fn hosts_prefix(etcd: &Etcd) -> String {
     format!("{}hosts/", etcd.target().prefix())
 }
 
+/// The key of `host`'s report.
+pub(crate) fn host_key(etcd: &Etcd, host: &str) -> String {
+    format!("{}{host}", hosts_prefix(etcd))
+}
+
 /// Checks this host's cluster CA against the one the cluster recorded; the first daemon of
 /// a cluster makes one (if it has none) and records its certificate.
 pub async fn check_ca(etcd: &Etcd, tls_dir: &Path) -> anyhow::Result<()> {
@@ -97,7 +102,7 @@ pub async fn report_forever(
     report: impl AsyncFn() -> HostReport,
     mut applied: watch::Receiver<u64>,
 ) {
-    let key = format!("{}{host}", hosts_prefix(&etcd));
+    let key = host_key(&etcd, &host);
     loop {
         if let Err(e) = report_under_one_lease(&etcd, &key, &report, &mut applied).await {
             tracing::warn!(error = %format!("{e:#}"), "reporting this host into etcd");

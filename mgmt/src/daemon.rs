@@ -67,7 +67,9 @@ struct Daemon {
     applied: tokio::sync::watch::Sender<u64>,
     /// The task reporting this host into etcd (stopped when the host leaves).
     reporter: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
-    /// Told when the host left its cluster: the daemon stops.
+    /// Set when the host left its cluster; `left` told once that is answered: the daemon
+    /// stops.
+    leaving: std::sync::atomic::AtomicBool,
     left: tokio::sync::Notify,
     tasks: Arc<Tasks>,
 }
@@ -134,6 +136,7 @@ pub async fn run(config: DaemonConfig, shutdown: impl Future<Output = ()>) -> an
         reconciling: tokio::sync::Mutex::new(()),
         applied: tokio::sync::watch::Sender::new(0),
         reporter: std::sync::Mutex::new(None),
+        leaving: Default::default(),
         left: tokio::sync::Notify::new(),
         tasks: tasks.clone(),
     });
@@ -257,7 +260,12 @@ impl Daemon {
                 message: format!("bad request: {e}"),
             },
         };
-        EXCHANGE.write_answer(&mut stream, &response).await
+        let written = EXCHANGE.write_answer(&mut stream, &response).await;
+        // (Only once the host's leave is answered does the daemon stop.)
+        if self.leaving.load(std::sync::atomic::Ordering::Relaxed) {
+            self.left.notify_one();
+        }
+        written
     }
 
     async fn handle(&self, request: Request) -> Response {
@@ -433,8 +441,14 @@ impl Daemon {
     async fn token(&self, valid_secs: u64) -> anyhow::Result<Response> {
         let etcd = self.cluster_etcd()?;
         let tls_dir = self.config.state_dir.join("tls");
-        let token =
-            membership::new_token(etcd.etcd(), &tls_dir, Duration::from_secs(valid_secs)).await?;
+        if !pki::holds_ca_key(&tls_dir) {
+            anyhow::bail!(
+                "this host does not hold the cluster CA's key: make the token on one that does"
+            );
+        }
+        let cluster = &etcd.etcd().target().cluster;
+        let valid = Duration::from_secs(valid_secs);
+        let token = kiln_admin::join::Token::new(&tls_dir, cluster, valid)?;
         Ok(Response::Token {
             token: token.to_string(),
             valid_secs,
@@ -466,7 +480,8 @@ impl Daemon {
         let host = self.config.host.as_deref().unwrap_or_default();
         membership::leave(etcd.etcd(), host).await?;
         membership::ClusterFile::remove(&self.config.state_dir)?;
-        self.left.notify_one();
+        self.leaving
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         Ok(done(
             self.store.generation(),
             format!(

@@ -137,7 +137,12 @@ fn main() -> ExitCode {
 async fn set_up(state_dir: &std::path::Path, setup: Setup) -> anyhow::Result<()> {
     match setup {
         Setup::Init { embedded: true, .. } => {
-            ClusterFile::remove(state_dir)?;
+            if let Some(file) = ClusterFile::load(state_dir)? {
+                anyhow::bail!(
+                    "this host is a member of cluster {}: `kiln cluster leave` first",
+                    file.cluster
+                );
+            }
             println!(
                 "this host's daemon keeps its configuration in {}",
                 state_dir.display()
@@ -168,21 +173,14 @@ async fn set_up(state_dir: &std::path::Path, setup: Setup) -> anyhow::Result<()>
             host,
             names,
         } => {
-            let via = via
-                .into_iter()
-                .map(|v| match v.contains("://") {
-                    true => v,
-                    false => format!("http://{v}:2379"),
-                })
-                .collect();
-            let mut all = vec![
-                host.clone(),
-                "localhost".into(),
-                "127.0.0.1".into(),
-                "::1".into(),
-            ];
-            all.extend(names);
-            all.dedup();
+            let via = via.into_iter().map(|v| etcd_url(&v)).collect();
+            let mut all: Vec<String> = Vec::new();
+            let defaults = [host.as_str(), "localhost", "127.0.0.1", "::1"];
+            for name in defaults.into_iter().chain(names.iter().map(String::as_str)) {
+                if !all.iter().any(|n| n == name) {
+                    all.push(name.to_owned());
+                }
+            }
             let file = membership::join(state_dir, via, &token, &host, all).await?;
             println!(
                 "joined cluster {} as host {}; start kiln-mgmtd",
@@ -193,14 +191,32 @@ async fn set_up(state_dir: &std::path::Path, setup: Setup) -> anyhow::Result<()>
     Ok(())
 }
 
+/// An etcd client URL: as given, or `http://HOST:2379` for a host name or address.
+fn etcd_url(via: &str) -> String {
+    match (via.contains("://"), via.parse::<std::net::Ipv6Addr>()) {
+        (true, _) => via.to_owned(),
+        (false, Ok(ip)) => format!("http://[{ip}]:2379"),
+        (false, Err(_)) => format!("http://{via}:2379"),
+    }
+}
+
 async fn serve(args: Args) -> anyhow::Result<()> {
     let brickd = args
         .brickd
         .or_else(|| kiln_admin::find_binary("kiln-brickd"))
         .unwrap_or_else(|| PathBuf::from("kiln-brickd"));
     let kiln = kiln_admin::find_binary("kiln").unwrap_or_else(|| PathBuf::from("kiln"));
-    // The flags win over the state directory's cluster file.
+    // The flags win over the state directory's cluster file, and do not mix with it.
     let (etcd, host) = match (args.etcd.is_empty(), ClusterFile::load(&args.state_dir)?) {
+        (true, Some(file)) if args.host.as_ref().is_some_and(|h| *h != file.host) => {
+            anyhow::bail!(
+                "--host {} is not this host's name in cluster {} ({}, in {})",
+                args.host.unwrap_or_default(),
+                file.cluster,
+                file.host,
+                membership::CLUSTER_FILE
+            )
+        }
         (true, Some(file)) => (Some(file.target()), Some(file.host)),
         (true, None) => (None, args.host),
         (false, _) => {

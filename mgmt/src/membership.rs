@@ -3,17 +3,19 @@
 //! signed — is `kiln_admin::join`; here is how it travels through etcd:
 //!
 //! ```text
-//! <prefix>members/<host>   a member host: written by `init` and by a granted join (and by a
-//!                          daemon started on etcd, for clusters made before joins existed),
-//!                          deleted by `leave`
-//! <prefix>tokens/<id>      an unused join token, under a lease of its lifetime
-//! <prefix>joins/<id>       a joining host's request (`JoinRequest`), one per token
-//! <prefix>joined/<id>      the answer (`JoinAnswer`); a grant is written in the transaction
-//!                          that deletes the token and adds the member: a token joins once
+//! <prefix>members/<host>   a member host: written by `init` and by its daemon when it starts
+//!                          on etcd, deleted by `leave`
+//! <prefix>joins/<id>       a joining host's request (`JoinRequest`), one per token, under a
+//!                          lease that outlives the joiner's wait
+//! <prefix>joined/<id>      the answer (`JoinAnswer`), under the request's lease; written only
+//!                          while the request is there, unchanged
+//! <prefix>used/<id>        a token that was used, until it expires: a grant is written in one
+//!                          transaction with it, so a token joins one host once
 //! ```
 //!
 //! Every daemon that holds the CA's key answers requests ([`answer_joins_forever`]); the first
-//! transaction wins. A host's choice of store is its state directory's `cluster.json`
+//! transaction wins, and a daemon that cannot decide (its own CA files unreadable) leaves the
+//! request to the others. A host's choice of store is its state directory's `cluster.json`
 //! ([`ClusterFile`]), which `init` and `join` write and `leave` removes.
 
 use std::path::{Path, PathBuf};
@@ -21,10 +23,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use etcd_client::{
-    Compare, CompareOp, EventType, GetOptions, PutOptions, Txn, TxnOp, WatchOptions,
+    Compare, CompareOp, EventType, GetOptions, KeyValue, PutOptions, Txn, TxnOp, TxnOpResponse,
+    WatchOptions,
 };
-use kiln_admin::join::{JoinAnswer, JoinClaim, JoinGrant, JoinRequest, Token};
-use kiln_admin::pki::{self, Role};
+use kiln_admin::join::{JoinAnswer, JoinClaim, JoinError, JoinGrant, JoinRequest, Sealed, Token};
+use kiln_admin::pki::{self, PkiError, Role};
 use serde::{Deserialize, Serialize};
 
 use crate::store::etcd::{Etcd, EtcdTarget};
@@ -33,10 +36,11 @@ use crate::store::etcd::{Etcd, EtcdTarget};
 pub const CLUSTER_FILE: &str = "cluster.json";
 /// How long a joining host waits for a host of the cluster to answer.
 pub const JOIN_ANSWER_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long a join token is valid unless asked otherwise.
-pub const TOKEN_VALIDITY: Duration = Duration::from_secs(3600);
-/// Longest a join token may be valid.
-pub const TOKEN_VALIDITY_MAX: Duration = Duration::from_secs(7 * 24 * 3600);
+/// How long a join request and its answer stay in etcd, in seconds (beyond the joiner's wait,
+/// so a joiner that died leaves nothing behind for long).
+const JOIN_KEYS_TTL_SECS: i64 = 120;
+/// Longest reason a refusal gives, in bytes.
+const REFUSAL_MAX_BYTES: usize = 200;
 
 /// The cluster a host's daemon belongs to, as its state directory records it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -85,32 +89,50 @@ impl ClusterFile {
             cluster: self.cluster.clone(),
         }
     }
+
+    /// Refuses when `state_dir` records a cluster already.
+    fn refuse_second(state_dir: &Path) -> anyhow::Result<()> {
+        match ClusterFile::load(state_dir)? {
+            Some(current) => bail!(
+                "this host is a member of cluster {} already (`kiln cluster leave` first)",
+                current.cluster
+            ),
+            None => Ok(()),
+        }
+    }
 }
 
-struct Keys {
+/// The keys of members and joins.
+struct MemberKeys {
     prefix: String,
 }
 
-impl Keys {
-    fn of(etcd: &Etcd) -> Keys {
-        Keys {
+impl MemberKeys {
+    fn of(etcd: &Etcd) -> MemberKeys {
+        MemberKeys {
             prefix: etcd.target().prefix(),
         }
     }
-    fn member(&self, host: &str) -> String {
-        format!("{}members/{host}", self.prefix)
-    }
-    fn members(&self) -> String {
+    fn members_prefix(&self) -> String {
         format!("{}members/", self.prefix)
     }
-    fn token(&self, id: &str) -> String {
-        format!("{}tokens/{id}", self.prefix)
+    fn member(&self, host: &str) -> String {
+        format!("{}{host}", self.members_prefix())
     }
-    fn requests(&self) -> String {
+    fn requests_prefix(&self) -> String {
         format!("{}joins/", self.prefix)
+    }
+    fn request(&self, id: &str) -> String {
+        format!("{}{id}", self.requests_prefix())
     }
     fn answer(&self, id: &str) -> String {
         format!("{}joined/{id}", self.prefix)
+    }
+    fn used(&self, id: &str) -> String {
+        format!("{}used/{id}", self.prefix)
+    }
+    fn recorded_ca(&self) -> String {
+        format!("{}ca.crt", self.prefix)
     }
 }
 
@@ -118,12 +140,7 @@ impl Keys {
 /// made (if it has none) and recorded as the cluster's, the host a member — and records the
 /// cluster in `state_dir` for the daemon.
 pub async fn init(state_dir: &Path, file: &ClusterFile) -> anyhow::Result<()> {
-    if let Some(current) = ClusterFile::load(state_dir)? {
-        bail!(
-            "this host is a member of cluster {} already (`kiln cluster leave` first)",
-            current.cluster
-        );
-    }
+    ClusterFile::refuse_second(state_dir)?;
     let tls_dir = state_dir.join("tls");
     if !pki::ca_files(&tls_dir).cert.exists() {
         pki::init_ca(&tls_dir)?;
@@ -136,80 +153,37 @@ pub async fn init(state_dir: &Path, file: &ClusterFile) -> anyhow::Result<()> {
 
 /// Records `host` as a member (a no-op when it is one).
 pub async fn register(etcd: &Etcd, host: &str) -> anyhow::Result<()> {
-    let key = Keys::of(etcd).member(host);
+    let key = MemberKeys::of(etcd).member(host);
     let put_if_new = Txn::new()
         .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
         .and_then([TxnOp::put(key, "{}", None)]);
-    etcd.call(|mut client| {
-        let txn = put_if_new.clone();
-        async move { client.txn(txn).await }
-    })
-    .await?;
+    etcd.txn(put_if_new).await?;
     Ok(())
 }
 
 /// The member hosts, by name.
 pub async fn members(etcd: &Etcd) -> anyhow::Result<Vec<String>> {
-    let prefix = Keys::of(etcd).members();
-    let answer = etcd
-        .call(|mut client| {
-            let prefix = prefix.clone();
-            let options = GetOptions::new().with_prefix().with_keys_only();
-            async move { client.get(prefix, Some(options)).await }
-        })
-        .await?;
+    let prefix = MemberKeys::of(etcd).members_prefix();
+    let options = GetOptions::new().with_prefix().with_keys_only();
+    let answer = etcd.get(&prefix, Some(options)).await?;
     Ok(answer
         .kvs()
         .iter()
-        .map(|kv| String::from_utf8_lossy(&kv.key()[prefix.len()..]).into_owned())
+        .filter_map(|kv| kv.key_str().ok()?.strip_prefix(&prefix).map(str::to_owned))
         .collect())
 }
 
 /// `kiln cluster leave`: `host` is no longer a member, and its report is gone.
 pub async fn leave(etcd: &Etcd, host: &str) -> anyhow::Result<()> {
-    let keys = Keys::of(etcd);
-    let report = format!("{}hosts/{host}", keys.prefix);
     let both = Txn::new().and_then([
-        TxnOp::delete(keys.member(host), None),
-        TxnOp::delete(report, None),
+        TxnOp::delete(MemberKeys::of(etcd).member(host), None),
+        TxnOp::delete(crate::cluster::host_key(etcd, host), None),
     ]);
-    etcd.call(|mut client| {
-        let txn = both.clone();
-        async move { client.txn(txn).await }
-    })
-    .await?;
+    etcd.txn(both).await?;
     Ok(())
 }
 
-/// `kiln cluster token`: a new one-time join token, valid for `valid` (its key in etcd lives
-/// under a lease of that time). This host must hold the CA's key.
-pub async fn new_token(etcd: &Etcd, tls_dir: &Path, valid: Duration) -> anyhow::Result<Token> {
-    if valid.is_zero() || valid > TOKEN_VALIDITY_MAX {
-        bail!(
-            "a token is valid for 1 s to {} s",
-            TOKEN_VALIDITY_MAX.as_secs()
-        );
-    }
-    if !pki::holds_ca_key(tls_dir) {
-        bail!("this host does not hold the cluster CA's key: make the token on one that does");
-    }
-    let token = Token::new(tls_dir, &etcd.target().cluster)?;
-    let ttl = i64::try_from(valid.as_secs().max(1)).expect("bounded above");
-    let lease = etcd
-        .call(|mut client| async move { client.lease_grant(ttl, None).await })
-        .await?
-        .id();
-    let key = Keys::of(etcd).token(&token.id);
-    etcd.call(|mut client| {
-        let key = key.clone();
-        async move {
-            let options = PutOptions::new().with_lease(lease);
-            client.put(key, "", Some(options)).await
-        }
-    })
-    .await?;
-    Ok(token)
-}
+// The joining host's side.
 
 /// `kiln cluster join`: asks the cluster `token` names, through the etcd members `via`, to
 /// take this host in as `host`, its bricks reached at `names`; installs the CA's certificate
@@ -221,11 +195,9 @@ pub async fn join(
     host: &str,
     names: Vec<String>,
 ) -> anyhow::Result<ClusterFile> {
-    if let Some(current) = ClusterFile::load(state_dir)? {
-        bail!(
-            "this host is a member of cluster {} already (`kiln cluster leave` first)",
-            current.cluster
-        );
+    ClusterFile::refuse_second(state_dir)?;
+    if token.has_expired() {
+        bail!("the token has expired: ask for a new one (`kiln cluster token`)");
     }
     let tls_dir = state_dir.join("tls");
     if pki::holds_ca_key(&tls_dir) {
@@ -250,11 +222,15 @@ pub async fn join(
         cluster: token.cluster.clone(),
     })
     .await?;
-    let answer = ask(&etcd, token, &claim).await?;
-    let grant: JoinGrant = match answer {
-        JoinAnswer::Granted(sealed) => token.open(&sealed, "the grant")?,
+    refuse_other_ca(&etcd, &tls_dir).await?;
+    let sealed = token.seal("claim", &claim);
+    let grant: JoinGrant = match ask(&etcd, token, &sealed).await? {
+        JoinAnswer::Granted(grant) => token.open("grant", &grant)?,
         JoinAnswer::Refused(reason) => bail!("cluster {} refused: {reason}", token.cluster),
     };
+    if grant.claim != sealed.digest() {
+        bail!("the cluster's grant answers another request: join again with a new token");
+    }
     pki::install_ca_cert(&tls_dir, &grant.ca_cert)?;
     let role = Role::Brick { hosts: names };
     pki::install(
@@ -271,6 +247,11 @@ pub async fn join(
         &client_key,
         &grant.client_cert,
     )?;
+    if !pki::is_current(&tls_dir, &role, pki::HOST_IDENTITY)
+        || !pki::is_current(&tls_dir, &Role::Client, pki::ADMIN_CLIENT)
+    {
+        bail!("the certificates the cluster granted do not fit this host's keys and names");
+    }
     let file = ClusterFile {
         cluster: grant.cluster,
         etcd: grant.endpoints,
@@ -280,30 +261,53 @@ pub async fn join(
     Ok(file)
 }
 
+/// Refuses before asking when this host keeps another CA than the one the cluster recorded
+/// (a grant it could not install would use its token up).
+async fn refuse_other_ca(etcd: &Etcd, tls_dir: &Path) -> anyhow::Result<()> {
+    let Ok(held) = std::fs::read(pki::ca_files(tls_dir).cert) else {
+        return Ok(());
+    };
+    let recorded = etcd.get(&MemberKeys::of(etcd).recorded_ca(), None).await?;
+    match recorded.kvs().first() {
+        Some(kv) if kv.value() != held => Err(PkiError::OtherCa(pki::ca_files(tls_dir).cert))?,
+        _ => Ok(()),
+    }
+}
+
 /// Posts the join request of `claim` and waits for the answer; both keys are removed after.
-async fn ask(etcd: &Etcd, token: &Token, claim: &JoinClaim) -> anyhow::Result<JoinAnswer> {
-    let keys = Keys::of(etcd);
-    let request_key = format!("{}{}", keys.requests(), token.id);
-    let answer_key = keys.answer(&token.id);
+async fn ask(etcd: &Etcd, token: &Token, claim: &Sealed) -> anyhow::Result<JoinAnswer> {
+    let keys = MemberKeys::of(etcd);
+    let (request_key, answer_key) = (keys.request(&token.id), keys.answer(&token.id));
     let request = JoinRequest {
         token_id: token.id.clone(),
-        claim: token.seal(claim),
+        expires: token.expires,
+        claim: claim.clone(),
     };
     let json = serde_json::to_vec(&request).expect("a request encodes");
+    let lease = etcd
+        .call(|mut client| async move { client.lease_grant(JOIN_KEYS_TTL_SECS, None).await })
+        .await?
+        .id();
     let post = Txn::new()
         .when([
             Compare::create_revision(request_key.clone(), CompareOp::Equal, 0),
             Compare::create_revision(answer_key.clone(), CompareOp::Equal, 0),
         ])
-        .and_then([TxnOp::put(request_key.clone(), json, None)]);
-    let posted = etcd
-        .call(|mut client| {
-            let txn = post.clone();
-            async move { client.txn(txn).await }
-        })
-        .await?;
-    if !posted.succeeded() {
-        bail!("this token was used already: ask for a new one (`kiln cluster token`)");
+        .and_then([TxnOp::put(
+            request_key.clone(),
+            json.clone(),
+            Some(PutOptions::new().with_lease(lease)),
+        )])
+        .or_else([TxnOp::get(request_key.clone(), None)]);
+    let posted = etcd.txn(post).await?;
+    // A post that timed out on one member may have run before it ran again on another: the
+    // request there, ours to the byte, is ours.
+    let ours = posted.succeeded()
+        || posted.op_responses().iter().any(|op| {
+            matches!(op, TxnOpResponse::Get(get) if get.kvs().first().is_some_and(|kv| kv.value() == json))
+        });
+    if !ours {
+        bail!("a join with this token is under way or done: ask for a new token");
     }
     let revision = posted.header().map_or(0, |h| h.revision());
     let answer = wait_for_answer(etcd, &answer_key, revision).await;
@@ -311,38 +315,42 @@ async fn ask(etcd: &Etcd, token: &Token, claim: &JoinClaim) -> anyhow::Result<Jo
         TxnOp::delete(request_key, None),
         TxnOp::delete(answer_key, None),
     ]);
-    let _ = etcd
-        .call(|mut client| {
-            let txn = forget.clone();
-            async move { client.txn(txn).await }
-        })
-        .await;
+    let _ = etcd.txn(forget).await;
     answer
 }
 
 async fn wait_for_answer(etcd: &Etcd, key: &str, after: i64) -> anyhow::Result<JoinAnswer> {
-    let options = WatchOptions::new().with_start_revision(after + 1);
+    // From the revision of the post on: an answer written since is in the watch.
+    let options = WatchOptions::new().with_start_revision(after);
     let mut changes = etcd.watch(key, options).await?;
     let deadline = Instant::now() + JOIN_ANSWER_TIMEOUT;
     loop {
-        let message = tokio::time::timeout_at(deadline.into(), changes.message()).await;
-        let Ok(Ok(Some(message))) = message else {
-            bail!(
+        let next = tokio::time::timeout_at(deadline.into(), Etcd::next_watched(&mut changes));
+        let message = match next.await {
+            Err(_) => bail!(
                 "no host of the cluster answered within {} s: is kiln-mgmtd running on a \
                  host that holds the cluster CA's key?",
                 JOIN_ANSWER_TIMEOUT.as_secs()
-            );
+            ),
+            Ok(Ok(Some(message))) => message,
+            Ok(Ok(None)) => bail!("etcd ended the watch for the answer"),
+            Ok(Err(e)) => return Err(e).context("watching for the cluster's answer"),
         };
-        if let Some(kv) = message
+        let puts = message
             .events()
             .iter()
             .filter(|e| e.event_type() == EventType::Put)
-            .find_map(|e| e.kv())
-        {
-            return serde_json::from_slice(kv.value()).context("the cluster's answer");
+            .filter_map(|e| e.kv());
+        for kv in puts {
+            match serde_json::from_slice(kv.value()) {
+                Ok(answer) => return Ok(answer),
+                Err(e) => tracing::warn!(error = %e, "an answer that is not one; waiting on"),
+            }
         }
     }
 }
+
+// The answering hosts' side.
 
 /// Answers join requests while the daemon runs (on a host that holds the CA's key): those
 /// waiting now, then each new one; a broken watch is made again.
@@ -356,155 +364,385 @@ pub async fn answer_joins_forever(etcd: Etcd, tls_dir: PathBuf, host: String) {
 }
 
 async fn answer_joins(etcd: &Etcd, tls_dir: &Path, host: &str) -> anyhow::Result<()> {
-    let prefix = Keys::of(etcd).requests();
+    let prefix = MemberKeys::of(etcd).requests_prefix();
     let waiting = etcd
-        .call(|mut client| {
-            let prefix = prefix.clone();
-            async move {
-                client
-                    .get(prefix, Some(GetOptions::new().with_prefix()))
-                    .await
-            }
-        })
+        .get(&prefix, Some(GetOptions::new().with_prefix()))
         .await?;
     for kv in waiting.kvs() {
-        answer_one(etcd, tls_dir, host, kv.key(), kv.value()).await?;
+        answer_logged(etcd, tls_dir, host, kv).await;
     }
     let revision = waiting.header().map_or(0, |h| h.revision());
     let options = WatchOptions::new()
         .with_prefix()
         .with_start_revision(revision + 1);
     let mut changes = etcd.watch(&prefix, options).await?;
-    while let Some(message) = changes.message().await? {
+    while let Some(message) = Etcd::next_watched(&mut changes).await? {
         for event in message.events() {
             if let (EventType::Put, Some(kv)) = (event.event_type(), event.kv()) {
-                answer_one(etcd, tls_dir, host, kv.key(), kv.value()).await?;
+                answer_logged(etcd, tls_dir, host, kv).await;
             }
         }
     }
     bail!("the watch of join requests ended")
 }
 
-/// Answers the request at `key`: granted (in one transaction with the token's deletion and the
-/// new member, so a token joins one host once) or refused with the reason.
+/// [`answer_one`], its failure logged: one request never holds up the others.
+async fn answer_logged(etcd: &Etcd, tls_dir: &Path, issuer: &str, request: &KeyValue) {
+    if let Err(e) = answer_one(etcd, tls_dir, issuer, request).await {
+        let key = String::from_utf8_lossy(request.key());
+        tracing::warn!(%key, error = %format!("{e:#}"), "a join request left unanswered");
+    }
+}
+
+/// What this host decides on a request.
+enum Decision {
+    /// The sealed grant, and the host it makes a member.
+    Grant(Sealed, String),
+    Refuse(String),
+}
+
+/// Answers `request`: granted (in one transaction with the token's use, so a token joins one
+/// host once) or refused with the reason — either only while the request is there unchanged
+/// and unanswered (a joiner that gave up takes nothing).
 async fn answer_one(
     etcd: &Etcd,
     tls_dir: &Path,
     issuer: &str,
-    key: &[u8],
-    value: &[u8],
+    request: &KeyValue,
 ) -> anyhow::Result<()> {
-    let keys = Keys::of(etcd);
-    let id = String::from_utf8_lossy(&key[keys.requests().len()..]).into_owned();
-    let answer_key = keys.answer(&id);
-    let decided = tokio::task::block_in_place(|| grant(etcd, tls_dir, &id, value));
-    let (answer, member) = match decided {
-        Ok((grant, host)) => (JoinAnswer::Granted(grant), Some(host)),
-        Err(e) => (JoinAnswer::Refused(format!("{e:#}")), None),
-    };
-    let json = serde_json::to_vec(&answer).expect("an answer encodes");
-    let mut when = vec![Compare::create_revision(
-        answer_key.clone(),
-        CompareOp::Equal,
-        0,
-    )];
-    let mut then = vec![TxnOp::put(answer_key.clone(), json, None)];
-    if let Some(host) = &member {
-        when.push(Compare::version(keys.token(&id), CompareOp::Greater, 0));
-        when.push(Compare::create_revision(
-            keys.member(host),
-            CompareOp::Equal,
-            0,
-        ));
-        then.push(TxnOp::delete(keys.token(&id), None));
-        then.push(TxnOp::put(keys.member(host), "{}", None));
-    }
-    let txn = Txn::new().when(when).and_then(then);
-    let done = etcd
-        .call(|mut client| {
-            let txn = txn.clone();
-            async move { client.txn(txn).await }
-        })
-        .await?;
-    match (done.succeeded(), member) {
-        (true, Some(host)) => tracing::info!(%host, %issuer, "a host joined the cluster"),
-        (true, None) => tracing::info!(token = %id, "refused a join request"),
-        (false, Some(host)) => refuse_late(etcd, &keys, &id, &host).await?,
-        (false, None) => {}
-    }
-    Ok(())
-}
-
-/// A grant that lost its transaction: answered already (nothing to do), or the token is gone
-/// or the host a member (refused with which).
-async fn refuse_late(etcd: &Etcd, keys: &Keys, id: &str, host: &str) -> anyhow::Result<()> {
-    let member = keys.member(host);
-    let token = keys.token(id);
-    let look = |key: String| async move {
-        etcd.call(|mut client| {
-            let key = key.clone();
-            async move { client.get(key, None).await }
-        })
-        .await
-        .map(|answer| !answer.kvs().is_empty())
-    };
-    let reason = if look(member).await? {
-        format!("host {host} is a member already: run `kiln cluster leave` on it first")
-    } else if !look(token).await? {
-        "the token was used already or has expired: ask for a new one".to_owned()
-    } else {
+    let keys = MemberKeys::of(etcd);
+    let prefix = keys.requests_prefix();
+    let Some(id) = request.key_str().ok().and_then(|k| k.strip_prefix(&prefix)) else {
         return Ok(());
     };
     let answer_key = keys.answer(id);
-    let json = serde_json::to_vec(&JoinAnswer::Refused(reason)).expect("an answer encodes");
+    if !etcd.get(&answer_key, None).await?.kvs().is_empty() {
+        return Ok(());
+    }
+    let members = members(etcd).await?;
+    let decision = tokio::task::block_in_place(|| {
+        decide(etcd.target(), tls_dir, id, request.value(), &members)
+    })?;
+    let unchanged = [
+        Compare::mod_revision(request.key(), CompareOp::Equal, request.mod_revision()),
+        Compare::create_revision(answer_key.clone(), CompareOp::Equal, 0),
+    ];
+    let lease = PutOptions::new().with_lease(request.lease());
+    let put_answer = |answer: &JoinAnswer| {
+        let json = serde_json::to_vec(answer).expect("an answer encodes");
+        TxnOp::put(answer_key.clone(), json, Some(lease.clone()))
+    };
+    let refusal = match decision {
+        Decision::Refuse(reason) => reason,
+        Decision::Grant(grant, host) => {
+            let expires =
+                serde_json::from_slice::<JoinRequest>(request.value()).map_or(0, |r| r.expires);
+            let used_for_secs = expires.saturating_sub(kiln_admin::join::unix_now()) + 60;
+            let used_lease = etcd
+                .call(|mut client| async move {
+                    let ttl = i64::try_from(used_for_secs).unwrap_or(i64::MAX);
+                    client.lease_grant(ttl, None).await
+                })
+                .await?
+                .id();
+            let mut when = unchanged.to_vec();
+            when.push(Compare::create_revision(keys.used(id), CompareOp::Equal, 0));
+            when.push(Compare::create_revision(
+                keys.member(&host),
+                CompareOp::Equal,
+                0,
+            ));
+            let grant_txn = Txn::new().when(when).and_then([
+                put_answer(&JoinAnswer::Granted(grant)),
+                TxnOp::put(
+                    keys.used(id),
+                    host.as_str(),
+                    Some(PutOptions::new().with_lease(used_lease)),
+                ),
+            ]);
+            if etcd.txn(grant_txn).await?.succeeded() {
+                tracing::info!(%host, %issuer, "granted a host's join");
+                return Ok(());
+            }
+            if !etcd.get(&keys.member(&host), None).await?.kvs().is_empty() {
+                format!("host {host} is a member already: `kiln cluster leave` on it first")
+            } else if !etcd.get(&keys.used(id), None).await?.kvs().is_empty() {
+                "the token was used already: ask for a new one".to_owned()
+            } else {
+                return Ok(()); // answered meanwhile, or the joiner gave up
+            }
+        }
+    };
     let refuse = Txn::new()
-        .when([Compare::create_revision(
-            answer_key.clone(),
-            CompareOp::Equal,
-            0,
-        )])
-        .and_then([TxnOp::put(answer_key, json, None)]);
-    etcd.call(|mut client| {
-        let txn = refuse.clone();
-        async move { client.txn(txn).await }
-    })
-    .await?;
+        .when(unchanged)
+        .and_then([put_answer(&JoinAnswer::Refused(refusal))]);
+    etcd.txn(refuse).await?;
     Ok(())
 }
 
-/// What the request `value` (for token `id`) is granted, sealed, and the host it names; or
-/// why it is refused. Signs with the CA in `tls_dir`.
-fn grant(
-    etcd: &Etcd,
+/// This host's decision on the request `value` for token `id`: a refusal for what is wrong
+/// with the request (in a few words, none of them the request's), an error for what is
+/// wrong here (another host may decide).
+fn decide(
+    target: &EtcdTarget,
     tls_dir: &Path,
     id: &str,
     value: &[u8],
-) -> anyhow::Result<(kiln_admin::join::Sealed, String)> {
-    let request: JoinRequest =
-        serde_json::from_slice(value).context("the request is not a join request")?;
+    members: &[String],
+) -> anyhow::Result<Decision> {
+    let refuse = |reason: &str| {
+        let mut reason = reason.to_owned();
+        if reason.len() > REFUSAL_MAX_BYTES {
+            let cut = (0..=REFUSAL_MAX_BYTES)
+                .rev()
+                .find(|&i| reason.is_char_boundary(i))
+                .unwrap_or(0);
+            reason.truncate(cut);
+        }
+        Ok(Decision::Refuse(reason))
+    };
+    let Ok(request) = serde_json::from_slice::<JoinRequest>(value) else {
+        return refuse("the request is not a join request");
+    };
     if request.token_id != id {
-        bail!("the request names token {} under {id}", request.token_id);
+        return refuse("the request names another token than its key");
     }
-    let token = Token::of_ca(tls_dir, &etcd.target().cluster, id)?;
-    let claim: JoinClaim = token.open(&request.claim, "the claim")?;
-    claim.check()?;
+    let token = Token::of_ca(tls_dir, &target.cluster, id, request.expires)
+        .context("deriving the token from this host's CA key")?;
+    let claim: JoinClaim = match token.open("claim", &request.claim) {
+        Ok(claim) => claim,
+        Err(JoinError::BadSeal) => return refuse(&JoinError::BadSeal.to_string()),
+        Err(_) => return refuse("the claim cannot be decoded"),
+    };
+    // (Checked after the seal: only a token's holder learns that it expired.)
+    if token.has_expired() {
+        return refuse("the token has expired: ask for a new one");
+    }
+    if let Err(e) = claim.check() {
+        return refuse(&e.to_string());
+    }
+    let loopback = |name: &str| {
+        name == "localhost"
+            || name
+                .parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| ip.is_loopback())
+    };
+    if let Some(taken) = claim
+        .names
+        .iter()
+        .find(|name| **name != claim.host && !loopback(name) && members.contains(name))
+    {
+        return refuse(&format!("{taken} is the name of another member"));
+    }
     let days = pki::CERT_VALIDITY_DAYS;
     let role = Role::Brick {
         hosts: claim.names.clone(),
     };
+    let sign = |role: &Role, name: &str, csr: &str| match pki::sign_request(
+        tls_dir, role, name, csr, days,
+    ) {
+        Ok(cert) => Ok(Ok(cert)),
+        Err(PkiError::Generate(_) | PkiError::BadHost(_)) => Ok(Err(())),
+        Err(e) => Err(e),
+    };
+    let (Ok(host_cert), Ok(client_cert)) = (
+        sign(&role, pki::HOST_IDENTITY, &claim.brick_csr)?,
+        sign(&Role::Client, pki::ADMIN_CLIENT, &claim.client_csr)?,
+    ) else {
+        return refuse("a signing request is not one, or its signature does not hold");
+    };
     let grant = JoinGrant {
-        cluster: etcd.target().cluster.clone(),
-        endpoints: etcd.target().endpoints.clone(),
+        cluster: target.cluster.clone(),
+        endpoints: target.endpoints.clone(),
         ca_cert: std::fs::read_to_string(pki::ca_files(tls_dir).cert)
             .context("this host's CA certificate")?,
-        host_cert: pki::sign_request(tls_dir, &role, pki::HOST_IDENTITY, &claim.brick_csr, days)?,
-        client_cert: pki::sign_request(
-            tls_dir,
-            &Role::Client,
-            pki::ADMIN_CLIENT,
-            &claim.client_csr,
-            days,
-        )?,
+        host_cert,
+        client_cert,
+        claim: request.claim.digest(),
     };
-    Ok((token.seal(&grant), claim.host))
+    Ok(Decision::Grant(token.seal("grant", &grant), claim.host))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::etcd_server::{EtcdServer, etcd_for_test};
+
+    struct Fixture {
+        etcd: Etcd,
+        tls: PathBuf,
+        _server: EtcdServer,
+        _dir: tempfile::TempDir,
+    }
+
+    impl Fixture {
+        async fn start(test: &str) -> Option<Fixture> {
+            let binary = etcd_for_test(test)?;
+            let dir = tempfile::tempdir().expect("tempdir");
+            let server = EtcdServer::single(&binary, &dir.path().join("member")).expect("etcd");
+            let target = EtcdTarget {
+                endpoints: vec![server.member.client_url()],
+                cluster: "m".to_owned(),
+            };
+            let etcd = Etcd::connect(&target).await.expect("connect");
+            let tls = dir.path().join("tls");
+            pki::init_ca(&tls).expect("ca");
+            Some(Fixture {
+                etcd,
+                tls,
+                _server: server,
+                _dir: dir,
+            })
+        }
+
+        /// Puts `value` as the request of token `id` and answers it; the answer, if any.
+        async fn answer(&self, id: &str, value: &[u8]) -> Option<JoinAnswer> {
+            let keys = MemberKeys::of(&self.etcd);
+            self.etcd
+                .call(|mut client| {
+                    let (key, value) = (keys.request(id), value.to_vec());
+                    async move { client.put(key, value, None).await }
+                })
+                .await
+                .expect("put");
+            let request = self.etcd.get(&keys.request(id), None).await.expect("get");
+            let request = request.kvs().first().expect("the request");
+            answer_one(&self.etcd, &self.tls, "issuer", request)
+                .await
+                .expect("answered");
+            let answer = self.etcd.get(&keys.answer(id), None).await.expect("get");
+            answer
+                .kvs()
+                .first()
+                .map(|kv| serde_json::from_slice(kv.value()).expect("an answer"))
+        }
+    }
+
+    fn claim(host: &str) -> JoinClaim {
+        let (_, brick_csr) = pki::request(pki::HOST_IDENTITY).expect("request");
+        let (_, client_csr) = pki::request(pki::ADMIN_CLIENT).expect("request");
+        JoinClaim {
+            host: host.to_owned(),
+            names: vec![host.to_owned()],
+            brick_csr,
+            client_csr,
+        }
+    }
+
+    fn refused(answer: Option<JoinAnswer>) -> String {
+        match answer {
+            Some(JoinAnswer::Refused(reason)) => reason,
+            other => panic!("not refused: {other:?}"),
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn hostile_requests_are_refused_briefly_and_a_token_grants_once() {
+        let Some(f) = Fixture::start("hostile_join_requests").await else {
+            return;
+        };
+        // Not JSON, a huge value, a forged seal: refused in a few words, nothing repeated.
+        let said = refused(f.answer("0000000000000001", b"\xff not json").await);
+        assert_eq!(said, "the request is not a join request");
+        let huge = vec![b'x'; 1 << 20];
+        let said = refused(f.answer("0000000000000002", &huge).await);
+        assert!(said.len() <= REFUSAL_MAX_BYTES, "{said}");
+        let token = Token::new(&f.tls, "m", Duration::from_secs(600)).expect("token");
+        let forged = JoinRequest {
+            token_id: token.id.clone(),
+            expires: token.expires,
+            claim: Sealed {
+                body: serde_json::to_string(&claim("10.0.0.9")).expect("json"),
+                tag: "00".repeat(32),
+            },
+        };
+        let json = serde_json::to_vec(&forged).expect("json");
+        let said = refused(f.answer(&token.id, &json).await);
+        assert!(said.contains("seal does not match"), "{said}");
+
+        // A real one is granted once; the same token again is refused as used.
+        let real = |host: &str| JoinRequest {
+            token_id: token.id.clone(),
+            expires: token.expires,
+            claim: token.seal("claim", &claim(host)),
+        };
+        let keys = MemberKeys::of(&f.etcd);
+        let forget = |id: String| {
+            let etcd = f.etcd.clone();
+            let keys = MemberKeys::of(&f.etcd);
+            async move {
+                let both = Txn::new().and_then([
+                    TxnOp::delete(keys.request(&id), None),
+                    TxnOp::delete(keys.answer(&id), None),
+                ]);
+                etcd.txn(both).await.expect("delete");
+            }
+        };
+        forget(token.id.clone()).await;
+        let json = serde_json::to_vec(&real("10.0.0.2")).expect("json");
+        match f.answer(&token.id, &json).await {
+            Some(JoinAnswer::Granted(grant)) => {
+                let grant: JoinGrant = token.open("grant", &grant).expect("sealed");
+                assert_eq!(grant.cluster, "m");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(
+            !f.etcd
+                .get(&keys.used(&token.id), None)
+                .await
+                .expect("get")
+                .kvs()
+                .is_empty()
+        );
+        forget(token.id.clone()).await;
+        let json = serde_json::to_vec(&real("10.0.0.3")).expect("json");
+        let said = refused(f.answer(&token.id, &json).await);
+        assert!(said.contains("used already"), "{said}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_request_withdrawn_before_its_answer_gets_none() {
+        let Some(f) = Fixture::start("a_request_withdrawn").await else {
+            return;
+        };
+        let token = Token::new(&f.tls, "m", Duration::from_secs(600)).expect("token");
+        let request = JoinRequest {
+            token_id: token.id.clone(),
+            expires: token.expires,
+            claim: token.seal("claim", &claim("10.0.0.4")),
+        };
+        let keys = MemberKeys::of(&f.etcd);
+        let json = serde_json::to_vec(&request).expect("json");
+        f.etcd
+            .call(|mut client| {
+                let (key, json) = (keys.request(&token.id), json.clone());
+                async move { client.put(key, json, None).await }
+            })
+            .await
+            .expect("put");
+        let read = f
+            .etcd
+            .get(&keys.request(&token.id), None)
+            .await
+            .expect("get");
+        let read = read.kvs().first().expect("the request").clone();
+        // The joiner gives up (deletes its request) before the answer is written.
+        let gone = Txn::new().and_then([TxnOp::delete(keys.request(&token.id), None)]);
+        f.etcd.txn(gone).await.expect("delete");
+        answer_one(&f.etcd, &f.tls, "issuer", &read)
+            .await
+            .expect("answered");
+        let answer = f
+            .etcd
+            .get(&keys.answer(&token.id), None)
+            .await
+            .expect("get");
+        assert!(answer.kvs().is_empty(), "answered a withdrawn request");
+        let used = f.etcd.get(&keys.used(&token.id), None).await.expect("get");
+        assert!(
+            used.kvs().is_empty(),
+            "the token of a withdrawn request was used"
+        );
+    }
 }

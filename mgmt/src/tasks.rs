@@ -334,12 +334,7 @@ fn task_prefix(etcd: &Etcd) -> String {
 /// The task record of `volume` and its mod revision (0: none).
 async fn read_record(etcd: &Etcd, volume: &str) -> anyhow::Result<(Option<RebalanceStatus>, i64)> {
     let key = format!("{}{volume}", task_prefix(etcd));
-    let answer = etcd
-        .call(|mut client| {
-            let key = key.clone();
-            async move { client.get(key, None).await }
-        })
-        .await?;
+    let answer = etcd.get(&key, None).await?;
     match answer.kvs().first() {
         Some(kv) => Ok((
             Some(serde_json::from_slice(kv.value()).context("a rebalance record")?),
@@ -353,14 +348,7 @@ async fn read_record(etcd: &Etcd, volume: &str) -> anyhow::Result<(Option<Rebala
 async fn records(etcd: &Etcd) -> anyhow::Result<Vec<(String, RebalanceStatus, i64)>> {
     let prefix = task_prefix(etcd);
     let answer = etcd
-        .call(|mut client| {
-            let prefix = prefix.clone();
-            async move {
-                client
-                    .get(prefix, Some(GetOptions::new().with_prefix()))
-                    .await
-            }
-        })
+        .get(&prefix, Some(GetOptions::new().with_prefix()))
         .await?;
     let mut records = Vec::new();
     for kv in answer.kvs() {
@@ -388,13 +376,7 @@ async fn write_record(
             revision,
         )])
         .and_then([TxnOp::put(key, json, None)]);
-    let answer = etcd
-        .call(|mut client| {
-            let txn = txn.clone();
-            async move { client.txn(txn).await }
-        })
-        .await?;
-    Ok(answer.succeeded())
+    Ok(etcd.txn(txn).await?.succeeded())
 }
 
 fn leader_key(etcd: &Etcd) -> String {
@@ -403,13 +385,7 @@ fn leader_key(etcd: &Etcd) -> String {
 
 /// The host whose daemon leads, if one does.
 pub async fn leader(etcd: &Etcd) -> anyhow::Result<Option<String>> {
-    let key = leader_key(etcd);
-    let answer = etcd
-        .call(|mut client| {
-            let key = key.clone();
-            async move { client.get(key, None).await }
-        })
-        .await?;
+    let answer = etcd.get(&leader_key(etcd), None).await?;
     Ok(answer
         .kvs()
         .first()
@@ -431,13 +407,7 @@ async fn campaign(etcd: &Etcd, host: &str) -> anyhow::Result<i64> {
                 host,
                 Some(PutOptions::new().with_lease(lease)),
             )]);
-        let taken = etcd
-            .call(|mut client| {
-                let take = take.clone();
-                async move { client.txn(take).await }
-            })
-            .await?;
-        if taken.succeeded() {
+        if etcd.txn(take).await?.succeeded() {
             return Ok(lease);
         }
         // Someone leads: this lease is not needed (it expires by itself if the revoke fails).

@@ -130,7 +130,7 @@ enum ClusterCommand {
     /// Print a one-time token a new host joins with (this host must hold the CA's key).
     Token {
         /// How long it stays valid, in seconds.
-        #[arg(long, default_value_t = 3600)]
+        #[arg(long, default_value_t = kiln_admin::join::TOKEN_VALIDITY.as_secs())]
         valid_secs: u64,
     },
     /// Join a cluster with a token, before this host's daemon starts (runs

@@ -147,6 +147,56 @@ impl Etcd {
         })
     }
 
+    /// `get` of `key` (as [`Etcd::call`]).
+    pub async fn get(
+        &self,
+        key: &str,
+        options: Option<GetOptions>,
+    ) -> Result<etcd_client::GetResponse, StoreError> {
+        self.call(|mut client| {
+            let options = options.clone();
+            async move { client.get(key, options).await }
+        })
+        .await
+    }
+
+    /// Runs transaction `txn` (as [`Etcd::call`]: one that timed out may have run).
+    pub async fn txn(&self, txn: Txn) -> Result<etcd_client::TxnResponse, StoreError> {
+        self.call(|mut client| {
+            let txn = txn.clone();
+            async move { client.txn(txn).await }
+        })
+        .await
+    }
+
+    /// The next answer of watch `stream`: `None` when it ended, an error when etcd cancelled
+    /// it or compacted past it (its watcher reads everything again and watches anew).
+    pub async fn next_watched(
+        stream: &mut etcd_client::WatchStream,
+    ) -> Result<Option<etcd_client::WatchResponse>, StoreError> {
+        let watch_error = |error: String| StoreError::Etcd {
+            endpoints: "(watch)".to_owned(),
+            error,
+        };
+        let Some(answer) = stream
+            .message()
+            .await
+            .map_err(|e| watch_error(e.to_string()))?
+        else {
+            return Ok(None);
+        };
+        if answer.compact_revision() > 0 {
+            return Err(watch_error("compacted past the watch".to_owned()));
+        }
+        if answer.canceled() {
+            return Err(watch_error(format!(
+                "watch canceled: {}",
+                answer.cancel_reason()
+            )));
+        }
+        Ok(Some(answer))
+    }
+
     /// A watch of `key` on the member that answered last (moving on as [`Etcd::call`]).
     pub async fn watch(
         &self,
