@@ -229,9 +229,26 @@ pub struct RebalanceStatus {
     /// A stop was asked; the rebalance stops after the file it is moving.
     #[serde(default)]
     pub stop: bool,
+    /// Why it failed or was interrupted, when that is known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 impl RebalanceStatus {
+    /// A rebalance of `volume` asked for, not yet running.
+    pub fn wanted(volume: &str) -> RebalanceStatus {
+        RebalanceStatus {
+            volume: volume.to_owned(),
+            host: None,
+            pid: 0,
+            state: "wanted".to_owned(),
+            report: RebalanceReport::default(),
+            elapsed_secs: 0.0,
+            stop: false,
+            error: None,
+        }
+    }
+
     /// Whether it is still to run or running.
     pub fn is_live(&self) -> bool {
         matches!(self.state.as_str(), "wanted" | "running")

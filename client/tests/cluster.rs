@@ -597,13 +597,13 @@ fn a_rebalance_runs_on_the_elected_daemon_and_continues_when_it_dies() {
         .spawn()
         .expect("kiln volume rebalance start");
     // (No status until the follower has asked.)
-    let rebalance = |i: usize| {
+    let rebalance = |hosts: &Hosts, i: usize| {
         let out = hosts.kiln(i, &["volume", "--json", "rebalance", "r", "status"]);
         serde_json::from_slice::<kiln_admin::command::RebalanceStatus>(&out.stdout).ok()
     };
     let deadline = Instant::now() + Duration::from_secs(30);
     let running = loop {
-        match rebalance(asker) {
+        match rebalance(&hosts, asker) {
             Some(status) if status.state == "running" => break status,
             other => assert!(Instant::now() < deadline, "{other:?}"),
         }
@@ -614,9 +614,48 @@ fn a_rebalance_runs_on_the_elected_daemon_and_continues_when_it_dies() {
     let said = String::from_utf8_lossy(&second.stderr);
     assert!(said.contains("a rebalance of r is running"), "{said}");
 
-    // The leader's daemon dies mid-rebalance (its runner with it): another daemon is elected
-    // and runs the rebalance to the end; the follower on the asking host sees it complete.
+    // The leader's daemon dies mid-rebalance (its runner frozen first, so the rebalance
+    // cannot end before): the runner, thawed, finds its daemon gone and exits; another daemon
+    // is elected and runs the rebalance to the end, never beside the old runner; the follower
+    // on the asking host sees it complete.
+    let old_runner = i32::try_from(running.pid).expect("a pid");
+    common::signal(old_runner, rustix::process::Signal::STOP);
     hosts.kill_daemon(l);
+    common::signal(old_runner, rustix::process::Signal::CONT);
+    let alive = |pid: i32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+            !stat
+                .rsplit(')')
+                .next()
+                .unwrap_or_default()
+                .starts_with(" Z")
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let now = rebalance(&hosts, asker);
+        if now
+            .as_ref()
+            .is_some_and(|s| s.host.as_deref() != Some(first_leader.as_str()))
+        {
+            assert!(
+                !alive(old_runner),
+                "a second runner while the first lives: {now:?}"
+            );
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no other host took the rebalance: {now:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut follower = follower;
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while follower.try_wait().expect("wait").is_none() {
+        assert!(Instant::now() < deadline, "the follower did not end");
+        std::thread::sleep(Duration::from_millis(100));
+    }
     let done = follower.wait_with_output().expect("the follower");
     let said = String::from_utf8_lossy(&done.stderr);
     assert!(done.status.success(), "{said}");

@@ -891,6 +891,8 @@ fn a_volume_of_three_bricks_mounts_as_one_tree() {
         second.contains("a rebalance of wide is running"),
         "{second}"
     );
+    let stopped = m.fails(&["volume", "stop", "wide"]);
+    assert!(stopped.contains("rebalance wide stop` first"), "{stopped}");
     let stopped = m.ok(&["volume", "rebalance", "wide", "stop"]);
     assert!(stopped.starts_with("wide: stopped — "), "{stopped}");
     assert!(running.wait().expect("exits").success());

@@ -148,7 +148,7 @@ pub async fn run(config: DaemonConfig, shutdown: impl Future<Output = ()>) -> an
     let mut answering = None;
     let leading = {
         let tasks = tasks.clone();
-        tokio::spawn(async move { tasks.lead_forever().await })
+        tokio::spawn(async move { tasks.run_forever().await })
     };
     if let Some(etcd) = daemon.store.etcd() {
         let etcd = etcd.etcd().clone();
@@ -584,15 +584,29 @@ impl Daemon {
     }
 
     async fn delete_volume(&self, name: &str) -> anyhow::Result<Response> {
+        self.refuse_while_rebalancing(name).await?;
         let generation = self
             .commit(Change::Delete {
                 volume: name.to_owned(),
             })
             .await?;
+        if let Err(e) = self.tasks.forget(name).await {
+            tracing::warn!(volume = %name, error = %format!("{e:#}"), "the last rebalance's record is left");
+        }
         Ok(done(
             generation,
             format!("volume {name} deleted; its brick directories and data are left on disk"),
         ))
+    }
+
+    /// A volume is not stopped or deleted under its rebalance.
+    async fn refuse_while_rebalancing(&self, name: &str) -> anyhow::Result<()> {
+        if self.tasks.is_live(name).await? {
+            anyhow::bail!(
+                "a rebalance of {name} is asked or running: `kiln volume rebalance {name} stop` first"
+            );
+        }
+        Ok(())
     }
 
     async fn start_volume(&self, name: &str) -> anyhow::Result<Response> {
@@ -609,6 +623,7 @@ impl Daemon {
     /// commit sets off waits, so it cannot take them and answer for them); other hosts'
     /// daemons stop theirs as they see the change.
     async fn stop_volume(&self, name: &str) -> anyhow::Result<Response> {
+        self.refuse_while_rebalancing(name).await?;
         let _reconciliation = self.reconciling.lock().await;
         let generation = self
             .commit(Change::Stop {

@@ -1,45 +1,55 @@
 //! Cluster-wide tasks — a volume's rebalance — run by one daemon at a time.
 //!
 //! The task itself is `kiln volume rebalance VOLUME start --for-daemon`, a process this daemon
-//! starts (the *runner*), which talks to this daemon's socket, writes its status beside it
-//! after each directory (`rebalance_status_file`) and dies with the daemon (it gets SIGKILL
-//! then: a move it leaves half done is finished or undone by the next rebalance).
+//! starts (the *runner*), which talks to this daemon's socket and writes its status beside it
+//! after each directory (`rebalance_status_file`; the runner is its only writer). The daemon
+//! writes a byte to the runner's stdin every [`BEAT_EVERY`]; a runner that hears nothing for
+//! `RUNNER_FENCE` (2 s), or reads the end of its stdin (its daemon is gone), exits at once —
+//! a move it leaves half done is finished or undone by the next rebalance.
 //!
 //! On one host the daemon runs the task when asked. On a cluster on etcd, any daemon takes
 //! the command and records it; the *leader* runs it:
 //!
 //! ```text
 //! <prefix>leader                the leader's host name, under its lease: the daemons take
-//!                               it in turn as they find it free (a lease-based election)
+//!                               it when they find it free (a lease-based election)
 //! <prefix>tasks/rebalance/<v>   volume v's rebalance (`RebalanceStatus`): `wanted` when asked,
 //!                               then its runner's status as the leader copies it; `stop` set
 //!                               by whoever is asked to stop it
 //! ```
 //!
-//! The leader starts a runner for each live task that has none on its host — a task of a
-//! leader that died continues here, from the start (a rebalance is idempotent) — copies the
-//! runner's status into etcd, and signals it when a stop is asked. A leader that loses its
-//! lease kills its runners before another can take over (fencing by the lease's time).
+//! The leader starts a runner for each live task that has none, copies the runner's status
+//! into etcd, and signals it when a stop is asked. It beats its runners only while its lease
+//! is surely valid (renewed less than the lease's time ago, by its own clock, with a margin),
+//! so a leader cut off from etcd, or frozen, has its runners gone before its lease expires; a
+//! new leader waits one lease time more before it continues a task another host ran (from
+//! the start: a rebalance is idempotent).
 
 use std::collections::HashMap;
+use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use etcd_client::{Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp};
-use kiln_admin::command::{RebalanceReport, RebalanceStatus, rebalance_status_file};
+use kiln_admin::command::{RebalanceStatus, rebalance_status_file};
 use rustix::process::Signal;
 
 use crate::lock;
 use crate::store::etcd::Etcd;
 
-/// How long the leader's lease outlives its last keep-alive, in seconds: a dead leader's
-/// tasks continue on another daemon within about this.
-pub const LEADER_LEASE_TTL_SECS: i64 = 5;
-/// How often the leader renews its lease and looks at the tasks (and a follower tries to
-/// become the leader).
-pub const LEAD_EVERY: Duration = Duration::from_millis(500);
+/// How long the leader's lease outlives its last renewal: a dead leader's tasks continue on
+/// another daemon within about twice this.
+pub const LEADER_LEASE_TTL: Duration = Duration::from_secs(5);
+/// How often the leader renews its lease and looks at the tasks, a follower looks for a free
+/// leader key, and a daemon beats its runners.
+pub const BEAT_EVERY: Duration = Duration::from_millis(500);
+/// Longest wait for one renewal of the leader's lease.
+const RENEW_TIMEOUT: Duration = Duration::from_millis(1500);
+/// How long before its lease's end by its own clock a leader stops beating its runners (more
+/// than a runner's fence: they are gone before the lease is).
+const LEASE_MARGIN: Duration = Duration::from_millis(2500);
 
 /// What runs the tasks of this daemon.
 #[derive(Debug)]
@@ -63,6 +73,8 @@ pub struct Tasks {
 #[derive(Debug)]
 pub struct Runner {
     child: std::process::Child,
+    /// Its stdin: a byte per beat.
+    beats: Option<std::process::ChildStdin>,
     /// Signalled to stop (it finishes the file it is moving).
     stopping: bool,
 }
@@ -70,6 +82,10 @@ pub struct Runner {
 impl Tasks {
     fn status_file(&self, volume: &str) -> PathBuf {
         rebalance_status_file(self.socket.parent().unwrap_or(Path::new(".")), volume)
+    }
+
+    fn log_file(&self, volume: &str) -> PathBuf {
+        self.log_dir.join(format!("rebalance-{volume}.log"))
     }
 
     /// The status the runner of `volume` last wrote.
@@ -84,15 +100,29 @@ impl Tasks {
         }
     }
 
-    /// Starts a runner for `volume` here; its status says `wanted` until it runs.
+    /// Starts a runner for `volume` here, unless one runs; its status says `wanted` until it
+    /// writes its own.
     fn spawn(&self, volume: &str) -> anyhow::Result<RebalanceStatus> {
-        let wanted = wanted(volume, self.host.clone());
-        let json = serde_json::to_vec(&wanted).expect("a status encodes");
-        kiln_admin::durable::replace_file(&self.status_file(volume), &json, 0o644)?;
-        let log = self.log_dir.join(format!("rebalance-{volume}.log"));
-        let log = std::fs::File::create(&log)
-            .with_context(|| format!("cannot create {}", log.display()))?;
-        let child = std::process::Command::new(&self.kiln)
+        let mut runners = lock(&self.runners);
+        if let Some(runner) = runners.get_mut(volume) {
+            if matches!(runner.child.try_wait(), Ok(None)) {
+                bail!(running(volume));
+            }
+            runners.remove(volume);
+        }
+        match std::fs::remove_file(self.status_file(volume)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(e).context("cannot remove the last rebalance's status");
+            }
+            _ => {}
+        }
+        let log = self.log_file(volume);
+        let log = std::fs::File::options()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .with_context(|| format!("cannot open {}", log.display()))?;
+        let mut child = std::process::Command::new(&self.kiln)
             .args(["volume", "rebalance", volume, "start", "--for-daemon"])
             .env("KILN_MGMT_SOCKET", &self.socket)
             .env("KILN_TLS_DIR", &self.tls_dir)
@@ -101,34 +131,49 @@ impl Tasks {
                 "KILN_BRICK",
                 std::net::SocketAddr::new(self.listen_ip, 0).to_string(),
             )
-            .stdin(std::process::Stdio::null())
+            .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::null())
             .stderr(log)
             .spawn()
             .with_context(|| format!("cannot run {}", self.kiln.display()))?;
         tracing::info!(%volume, pid = child.id(), "started a rebalance");
         let runner = Runner {
+            beats: child.stdin.take(),
             child,
             stopping: false,
         };
-        lock(&self.runners).insert(volume.to_owned(), runner);
+        runners.insert(volume.to_owned(), runner);
+        let mut wanted = RebalanceStatus::wanted(volume);
+        wanted.host.clone_from(&self.host);
         Ok(wanted)
     }
 
-    /// The runner of `volume` here: `None` when there is none, else whether it runs (one
-    /// that ended is reaped and forgotten).
-    fn reap(&self, volume: &str) -> Option<bool> {
+    /// The runner of `volume` here: `None` when there is none, else its exit status, `None`
+    /// while it runs (one that ended is reaped and forgotten).
+    fn reap(&self, volume: &str) -> Option<Option<std::process::ExitStatus>> {
         let mut runners = lock(&self.runners);
         let runner = runners.get_mut(volume)?;
-        if matches!(runner.child.try_wait(), Ok(None)) {
-            return Some(true);
+        match runner.child.try_wait() {
+            Ok(None) => Some(None),
+            ended => {
+                runners.remove(volume);
+                Some(Some(ended.ok().flatten().unwrap_or_default()))
+            }
         }
-        runners.remove(volume);
-        Some(false)
     }
 
     fn runs_here(&self, volume: &str) -> bool {
-        self.reap(volume) == Some(true)
+        self.reap(volume) == Some(None)
+    }
+
+    /// A beat to every runner here (they exit when the beats stop), and ended ones reaped.
+    fn beat_all(&self) {
+        let mut runners = lock(&self.runners);
+        for runner in runners.values_mut() {
+            if let Some(beats) = &mut runner.beats {
+                let _ = beats.write_all(b".");
+            }
+        }
     }
 
     /// Asks the runner of `volume` here to stop after the file it is moving.
@@ -151,18 +196,44 @@ impl Tasks {
         }
     }
 
-    /// The status of the runner here as it last wrote it; `interrupted` when it says it
-    /// runs but has ended.
+    /// The status of the runner here as it last wrote it, `wanted` before it wrote one;
+    /// `interrupted` or `failed` when it says it runs but has ended.
     fn local_status(&self, volume: &str) -> anyhow::Result<Option<RebalanceStatus>> {
-        let running = self.runs_here(volume);
-        let mut status = self.read_status_file(volume)?;
-        if let Some(status) = &mut status {
-            if status.is_live() && !running {
-                status.state = "interrupted".to_owned();
+        self.local_status_of(volume, self.reap(volume))
+    }
+
+    /// [`Tasks::local_status`] with its runner here as [`Tasks::reap`] found it.
+    fn local_status_of(
+        &self,
+        volume: &str,
+        here: Option<Option<std::process::ExitStatus>>,
+    ) -> anyhow::Result<Option<RebalanceStatus>> {
+        let mut status = match (self.read_status_file(volume)?, here) {
+            (Some(status), _) => status,
+            (None, Some(_)) => RebalanceStatus::wanted(volume),
+            (None, None) => return Ok(None),
+        };
+        if let (true, Some(Some(exit))) = (status.is_live(), here) {
+            status.state = if exit.success() {
+                "interrupted"
+            } else {
+                "failed"
             }
-            status.host.clone_from(&self.host);
+            .to_owned();
+            status.error.get_or_insert_with(|| {
+                format!(
+                    "its process ended ({exit}); see {}",
+                    self.log_file(volume).display()
+                )
+            });
+        } else if status.is_live() && here.is_none() {
+            status.state = "interrupted".to_owned();
+            status
+                .error
+                .get_or_insert_with(|| "its daemon restarted".to_owned());
         }
-        Ok(status)
+        status.host.clone_from(&self.host);
+        Ok(Some(status))
     }
 
     // What a command asks.
@@ -170,17 +241,14 @@ impl Tasks {
     /// `rebalance VOLUME start` (the volume exists and is started).
     pub async fn start(&self, volume: &str) -> anyhow::Result<RebalanceStatus> {
         let Some(etcd) = &self.etcd else {
-            if self.runs_here(volume) {
-                bail!(running(volume));
-            }
             return self.spawn(volume);
         };
         let (record, revision) = read_record(etcd, volume).await?;
         if record.as_ref().is_some_and(RebalanceStatus::is_live) {
             bail!(running(volume));
         }
-        let wanted = wanted(volume, None);
-        if !write_record(etcd, &wanted, revision).await? {
+        let wanted = RebalanceStatus::wanted(volume);
+        if !write_record(etcd, &wanted, revision, None).await? {
             bail!("the rebalance of {volume} changed meanwhile: ask again");
         }
         Ok(wanted)
@@ -203,7 +271,9 @@ impl Tasks {
                 return Err(not_running());
             }
             self.stop_here(volume);
-            return self.local_status(volume)?.ok_or_else(not_running);
+            let mut status = self.local_status(volume)?.ok_or_else(not_running)?;
+            status.stop = true;
+            return Ok(status);
         };
         loop {
             let (record, revision) = read_record(etcd, volume).await?;
@@ -211,58 +281,124 @@ impl Tasks {
                 .filter(RebalanceStatus::is_live)
                 .ok_or_else(not_running)?;
             record.stop = true;
-            if write_record(etcd, &record, revision).await? {
+            if write_record(etcd, &record, revision, None).await? {
                 return Ok(record);
             }
         }
     }
 
-    // The leader.
+    /// Whether a rebalance of `volume` is asked or runs (a volume with one is not stopped
+    /// or deleted).
+    pub async fn is_live(&self, volume: &str) -> anyhow::Result<bool> {
+        Ok(match self.status(volume).await {
+            Ok(status) => status.is_live(),
+            Err(_) => false,
+        })
+    }
 
-    /// Takes part in the election while the daemon runs; leads while elected. (A cluster
-    /// on etcd only.)
-    pub async fn lead_forever(&self) {
+    /// Forgets the last rebalance of deleted volume `volume`.
+    pub async fn forget(&self, volume: &str) -> anyhow::Result<()> {
+        let _ = std::fs::remove_file(self.status_file(volume));
+        if let Some(etcd) = &self.etcd {
+            let key = format!("{}{volume}", task_prefix(etcd));
+            etcd.txn(Txn::new().and_then([TxnOp::delete(key, None)]))
+                .await?;
+        }
+        Ok(())
+    }
+
+    // The beats, and the leader.
+
+    /// Beats this host's runners while the daemon runs; on a cluster, takes part in the
+    /// election and leads while elected.
+    pub async fn run_forever(&self) {
         let Some(etcd) = &self.etcd else {
-            return;
+            loop {
+                self.beat_all();
+                tokio::time::sleep(BEAT_EVERY).await;
+            }
         };
         let host = self.host.clone().unwrap_or_default();
         loop {
             match campaign(etcd, &host).await {
-                Ok(lease) => {
+                Ok((lease, valid_until)) => {
                     tracing::info!(%host, "leading the cluster-wide tasks");
-                    let why = self.lead(etcd, lease).await;
+                    let why = self.lead(etcd, lease, valid_until).await;
                     tracing::warn!(error = %format!("{why:#}"), "no longer leading");
                     self.kill_all();
+                    let revoke =
+                        etcd.call(|mut client| async move { client.lease_revoke(lease).await });
+                    let _ = tokio::time::timeout(RENEW_TIMEOUT, revoke).await;
                 }
                 Err(e) => tracing::warn!(error = %format!("{e:#}"), "the election"),
             }
-            tokio::time::sleep(LEAD_EVERY).await;
+            tokio::time::sleep(BEAT_EVERY).await;
         }
     }
 
-    /// Leads until the lease is lost (a keep-alive fails or finds it expired).
-    async fn lead(&self, etcd: &Etcd, lease: i64) -> anyhow::Error {
+    /// Leads until the lease is no longer surely valid by this host's clock.
+    async fn lead(&self, etcd: &Etcd, lease: i64, mut valid_until: Instant) -> anyhow::Error {
+        let since = Instant::now();
         loop {
-            if let Err(e) = keep_alive(etcd, lease).await {
-                return e;
+            let sent = Instant::now();
+            match tokio::time::timeout(RENEW_TIMEOUT, renew(etcd, lease)).await {
+                Ok(Ok(Some(ttl))) => valid_until = sent + ttl,
+                Ok(Ok(None)) => return anyhow::anyhow!("the leader's lease expired"),
+                // (A renewal that failed may succeed next time, while the lease lasts.)
+                Ok(Err(e)) => tracing::warn!(error = %e, "renewing the leader's lease"),
+                Err(_) => tracing::warn!("renewing the leader's lease: no answer"),
             }
-            if let Err(e) = self.drive(etcd).await {
-                tracing::warn!(error = %format!("{e:#}"), "running the cluster-wide tasks");
+            let Some(sure_until) = valid_until.checked_sub(LEASE_MARGIN) else {
+                return anyhow::anyhow!("the leader's lease is too short");
+            };
+            if Instant::now() >= sure_until {
+                return anyhow::anyhow!("the leader's lease was not renewed in time");
             }
-            tokio::time::sleep(LEAD_EVERY).await;
+            self.beat_all();
+            let drive = self.drive(etcd, lease, since, sure_until);
+            if tokio::time::timeout_at(sure_until.into(), drive)
+                .await
+                .is_err()
+            {
+                tracing::warn!("etcd is slow: the tasks were not all looked at");
+            }
+            tokio::time::sleep(BEAT_EVERY).await;
         }
     }
 
-    /// One look at every task: start what has no runner here, copy each runner's status
-    /// into etcd, pass stops on.
-    async fn drive(&self, etcd: &Etcd) -> anyhow::Result<()> {
-        for (volume, record, revision) in records(etcd).await? {
-            let next = self.next_record(&volume, &record)?;
-            if next != record && !write_record(etcd, &next, revision).await? {
-                tracing::debug!(%volume, "the task changed meanwhile; next time");
+    /// One look at every task: start what has no runner (while the lease is sure, and a
+    /// task another host ran only a lease time after taking the lead), copy each runner's
+    /// status into etcd, pass stops on. A task that cannot be driven is logged and marked.
+    async fn drive(&self, etcd: &Etcd, lease: i64, since: Instant, sure_until: Instant) {
+        let records = match records(etcd).await {
+            Ok(records) => records,
+            Err(e) => return tracing::warn!(error = %format!("{e:#}"), "reading the tasks"),
+        };
+        for (volume, record, revision) in records {
+            let ran_elsewhere = record.host.is_some() && record.host != self.host;
+            if ran_elsewhere && since.elapsed() < LEADER_LEASE_TTL {
+                continue;
+            }
+            let next = match self.next_record(&volume, &record, Instant::now() < sure_until) {
+                Ok(next) => next,
+                Err(e) => {
+                    tracing::warn!(%volume, error = %format!("{e:#}"), "a rebalance failed");
+                    RebalanceStatus {
+                        state: "failed".to_owned(),
+                        host: self.host.clone(),
+                        error: Some(format!("{e:#}")),
+                        ..record.clone()
+                    }
+                }
+            };
+            if next != record {
+                match write_record(etcd, &next, revision, Some(lease)).await {
+                    Ok(true) => {}
+                    Ok(false) => tracing::debug!(%volume, "the task changed meanwhile"),
+                    Err(e) => tracing::warn!(%volume, error = %e, "copying a rebalance's status"),
+                }
             }
         }
-        Ok(())
     }
 
     /// What the record of `volume`'s task becomes after this look.
@@ -270,14 +406,21 @@ impl Tasks {
         &self,
         volume: &str,
         record: &RebalanceStatus,
+        may_start: bool,
     ) -> anyhow::Result<RebalanceStatus> {
+        // A new run asked for (the last one here, if any, forgotten once it has exited), or
+        // the run of the runner here (running, or just ended), or a run not here.
+        let fresh = record.state == "wanted" && record.host.is_none();
         let here = self.reap(volume);
-        if here.is_some() {
-            // Its runner here runs, or has just ended: the record is what it says.
+        if fresh && here == Some(None) {
+            return Ok(record.clone());
+        }
+        if !fresh && here.is_some() {
             if record.stop {
                 self.stop_here(volume);
             }
-            let mut status = self.local_status(volume)?.unwrap_or_else(|| record.clone());
+            let status = self.local_status_of(volume, here)?;
+            let mut status = status.unwrap_or_else(|| record.clone());
             status.stop = record.stop;
             return Ok(status);
         }
@@ -289,6 +432,9 @@ impl Tasks {
                 state: "stopped".to_owned(),
                 ..record.clone()
             });
+        }
+        if !may_start {
+            return Ok(record.clone());
         }
         // Live and not run here: it starts, or continues from a leader that is gone.
         if let Some(before) = record
@@ -306,18 +452,6 @@ fn running(volume: &str) -> String {
     format!("a rebalance of {volume} is running; `kiln volume rebalance {volume} status`")
 }
 
-fn wanted(volume: &str, host: Option<String>) -> RebalanceStatus {
-    RebalanceStatus {
-        volume: volume.to_owned(),
-        host,
-        pid: 0,
-        state: "wanted".to_owned(),
-        report: RebalanceReport::default(),
-        elapsed_secs: 0.0,
-        stop: false,
-    }
-}
-
 fn signal(child: &std::process::Child, signal: Signal) {
     if let Some(pid) = i32::try_from(child.id())
         .ok()
@@ -329,6 +463,10 @@ fn signal(child: &std::process::Child, signal: Signal) {
 
 fn task_prefix(etcd: &Etcd) -> String {
     format!("{}tasks/rebalance/", etcd.target().prefix())
+}
+
+fn leader_key(etcd: &Etcd) -> String {
+    format!("{}leader", etcd.target().prefix())
 }
 
 /// The task record of `volume` and its mod revision (0: none).
@@ -352,35 +490,39 @@ async fn records(etcd: &Etcd) -> anyhow::Result<Vec<(String, RebalanceStatus, i6
         .await?;
     let mut records = Vec::new();
     for kv in answer.kvs() {
-        let volume = String::from_utf8_lossy(kv.key().get(prefix.len()..).unwrap_or_default());
+        let Some(volume) = kv.key_str().ok().and_then(|k| k.strip_prefix(&prefix)) else {
+            continue;
+        };
         match serde_json::from_slice(kv.value()) {
-            Ok(record) => records.push((volume.into_owned(), record, kv.mod_revision())),
+            Ok(record) => records.push((volume.to_owned(), record, kv.mod_revision())),
             Err(e) => tracing::warn!(%volume, error = %e, "an unreadable rebalance record"),
         }
     }
     Ok(records)
 }
 
-/// Writes `record` if its key is still at mod revision `revision` (0: absent); whether it was.
+/// Writes `record` if its key is still at mod revision `revision` (0: absent) and, for the
+/// leader's writes, the leader key is still under its `lease`; whether it was.
 async fn write_record(
     etcd: &Etcd,
     record: &RebalanceStatus,
     revision: i64,
+    lease: Option<i64>,
 ) -> anyhow::Result<bool> {
     let key = format!("{}{}", task_prefix(etcd), record.volume);
     let json = serde_json::to_vec(record).expect("a status encodes");
+    let mut when = vec![Compare::mod_revision(
+        key.clone(),
+        CompareOp::Equal,
+        revision,
+    )];
+    if let Some(lease) = lease {
+        when.push(Compare::lease(leader_key(etcd), CompareOp::Equal, lease));
+    }
     let txn = Txn::new()
-        .when([Compare::mod_revision(
-            key.clone(),
-            CompareOp::Equal,
-            revision,
-        )])
+        .when(when)
         .and_then([TxnOp::put(key, json, None)]);
     Ok(etcd.txn(txn).await?.succeeded())
-}
-
-fn leader_key(etcd: &Etcd) -> String {
-    format!("{}leader", etcd.target().prefix())
 }
 
 /// The host whose daemon leads, if one does.
@@ -392,12 +534,19 @@ pub async fn leader(etcd: &Etcd) -> anyhow::Result<Option<String>> {
         .map(|kv| String::from_utf8_lossy(kv.value()).into_owned()))
 }
 
-/// Becomes the leader: waits until the leader key is free and takes it under a new lease.
-async fn campaign(etcd: &Etcd, host: &str) -> anyhow::Result<i64> {
+/// Becomes the leader: waits until the leader key is free and takes it under a new lease;
+/// the lease, and until when it is valid by this host's clock.
+async fn campaign(etcd: &Etcd, host: &str) -> anyhow::Result<(i64, Instant)> {
     let key = leader_key(etcd);
     loop {
+        if leader(etcd).await?.is_some() {
+            tokio::time::sleep(BEAT_EVERY).await;
+            continue;
+        }
+        let sent = Instant::now();
+        let ttl = i64::try_from(LEADER_LEASE_TTL.as_secs()).expect("a few seconds");
         let lease = etcd
-            .call(|mut client| async move { client.lease_grant(LEADER_LEASE_TTL_SECS, None).await })
+            .call(|mut client| async move { client.lease_grant(ttl, None).await })
             .await?
             .id();
         let take = Txn::new()
@@ -408,18 +557,18 @@ async fn campaign(etcd: &Etcd, host: &str) -> anyhow::Result<i64> {
                 Some(PutOptions::new().with_lease(lease)),
             )]);
         if etcd.txn(take).await?.succeeded() {
-            return Ok(lease);
+            return Ok((lease, sent + LEADER_LEASE_TTL));
         }
-        // Someone leads: this lease is not needed (it expires by itself if the revoke fails).
+        // Another daemon was quicker: this lease is not needed (it expires by itself if the
+        // revoke fails).
         let _ = etcd
             .call(|mut client| async move { client.lease_revoke(lease).await })
             .await;
-        tokio::time::sleep(LEAD_EVERY).await;
     }
 }
 
-/// Renews `lease`; an error when it has expired (another daemon may lead now).
-async fn keep_alive(etcd: &Etcd, lease: i64) -> anyhow::Result<()> {
+/// Renews `lease`: its time to live, or `None` when it has expired.
+async fn renew(etcd: &Etcd, lease: i64) -> anyhow::Result<Option<Duration>> {
     let answer = etcd
         .call(|mut client| async move {
             let (mut keeper, mut answers) = client.lease_keep_alive(lease).await?;
@@ -427,8 +576,7 @@ async fn keep_alive(etcd: &Etcd, lease: i64) -> anyhow::Result<()> {
             answers.message().await
         })
         .await?;
-    match answer {
-        Some(answer) if answer.ttl() > 0 => Ok(()),
-        _ => bail!("the leader's lease expired"),
-    }
+    Ok(answer
+        .filter(|a| a.ttl() > 0)
+        .map(|a| Duration::from_secs(a.ttl().unsigned_abs())))
 }

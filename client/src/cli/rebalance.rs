@@ -24,8 +24,12 @@ use crate::Global;
 const STOP_WAIT: Duration = Duration::from_secs(120);
 /// How often a follower asks the daemon how the rebalance is doing.
 const FOLLOW_POLL: Duration = Duration::from_millis(100);
-/// How often a runner checks that the daemon that started it is still there.
-const PARENT_CHECK: Duration = Duration::from_millis(500);
+/// How long a runner goes on without a beat from its daemon (`kiln_mgmt::tasks`, which beats
+/// every 500 ms and stops beating well before its leader lease could expire).
+const RUNNER_FENCE: Duration = Duration::from_secs(2);
+/// How long a follower waits for a rebalance asked for to start, and rides out a daemon
+/// that does not answer.
+const FOLLOW_PATIENCE: Duration = Duration::from_secs(60);
 
 fn line(status: &RebalanceStatus) -> String {
     let r = &status.report;
@@ -50,6 +54,7 @@ fn line(status: &RebalanceStatus) -> String {
     )
 }
 
+/// What this runner says of its rebalance.
 fn new_status(
     volume: &str,
     state: &str,
@@ -57,13 +62,11 @@ fn new_status(
     elapsed: Duration,
 ) -> RebalanceStatus {
     RebalanceStatus {
-        volume: volume.to_owned(),
-        host: None,
         pid: std::process::id(),
         state: state.to_owned(),
         report: *report,
         elapsed_secs: elapsed.as_secs_f64(),
-        stop: false,
+        ..RebalanceStatus::wanted(volume)
     }
 }
 
@@ -141,7 +144,7 @@ fn follow(
     name: &str,
     json: bool,
     bar: bool,
-    deadline: Option<Instant>,
+    stop_by: Option<Instant>,
 ) -> anyhow::Result<()> {
     let progress = match bar {
         true => indicatif::ProgressBar::new_spinner(),
@@ -151,13 +154,30 @@ fn follow(
         indicatif::ProgressStyle::with_template("{spinner} [{elapsed_precise}] {msg}")
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
     );
+    let asked = Instant::now();
+    let mut answered = Instant::now();
     let status = loop {
-        let status = ask(global, name, TaskAction::Status)?;
+        // (A daemon that restarts, or an etcd member that fails over, is waited out.)
+        let status = match ask(global, name, TaskAction::Status) {
+            Ok(status) => status,
+            Err(e) if answered.elapsed() > FOLLOW_PATIENCE => return Err(e),
+            Err(_) => {
+                std::thread::sleep(FOLLOW_POLL);
+                continue;
+            }
+        };
+        answered = Instant::now();
         if !status.is_live() {
             break status;
         }
-        if deadline.is_some_and(|d| Instant::now() > d) {
+        if stop_by.is_some_and(|d| Instant::now() > d) {
             bail!("the rebalance of {name} did not stop within {STOP_WAIT:?}");
+        }
+        if status.state == "wanted" && asked.elapsed() > FOLLOW_PATIENCE {
+            bail!(
+                "the rebalance of {name} did not start within {FOLLOW_PATIENCE:?}: is a \
+                 daemon leading (`kiln cluster status`)?"
+            );
         }
         let r = &status.report;
         progress.set_message(format!(
@@ -173,14 +193,13 @@ fn follow(
     };
     progress.finish_and_clear();
     print(&status, json)?;
+    let why = status.error.as_deref().unwrap_or("see the log");
     match (status.state.as_str(), status.report.failed) {
         ("completed" | "stopped", 0) => Ok(()),
         ("completed" | "stopped", failed) => {
-            bail!("{failed} files or directories of {name} could not be rebalanced (see the log)")
+            bail!("{failed} files or directories of {name} could not be rebalanced ({why})")
         }
-        (state, _) => {
-            bail!("the rebalance of {name} {state} (see its log on the host that ran it)")
-        }
+        (state, _) => bail!("the rebalance of {name} {state}: {why}"),
     }
 }
 
@@ -188,17 +207,11 @@ fn follow(
 /// started this process, until it is done or stopped (SIGINT or SIGTERM); exits when that
 /// daemon is gone.
 pub(crate) fn run_for_daemon(global: &Global, name: &str) -> anyhow::Result<()> {
-    exit_with_parent();
-    let volume = crate::mount::resolve_volume(global, name)?;
-    let files = Files::of(global, name);
-    let Some(_lock) = files.try_lock()? else {
-        bail!("a rebalance of {name} is running on this host");
-    };
+    // Listened for first, so a `stop` never kills it, even before it starts moving files.
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .context("cannot start the runtime")?;
-    // Listened for before the status says "running", so a `stop` never kills it mid-move.
     let (interrupt, terminate) = runtime
         .block_on(async {
             use tokio::signal::unix::{SignalKind, signal};
@@ -208,13 +221,62 @@ pub(crate) fn run_for_daemon(global: &Global, name: &str) -> anyhow::Result<()> 
             ))
         })
         .context("cannot listen for SIGINT and SIGTERM")?;
+    exit_without_beats();
+    let files = Files::of(global, name);
+    let started = Instant::now();
+    let last = std::sync::Mutex::new(RebalanceReport::default());
+    let result = run_here(
+        global,
+        name,
+        &files,
+        &runtime,
+        (interrupt, terminate),
+        &last,
+    );
+    let status = match &result {
+        Ok((true, report)) => new_status(name, "stopped", report, started.elapsed()),
+        Ok((false, report)) if report.failed == 0 => {
+            new_status(name, "completed", report, started.elapsed())
+        }
+        Ok((false, report)) => new_status(name, "failed", report, started.elapsed()),
+        Err(e) => RebalanceStatus {
+            error: Some(format!("{e:#}")),
+            ..new_status(
+                name,
+                "failed",
+                &last.lock().unwrap_or_else(|p| p.into_inner()),
+                started.elapsed(),
+            )
+        },
+    };
+    if let Err(e) = files.write(&status) {
+        eprintln!("kiln: the rebalance's last status was not written: {e:#}");
+    }
+    result.map(|_| ())
+}
+
+/// The rebalance of `name`, its progress written to `files` (and kept in `last`): whether
+/// a signal stopped it, and its report.
+fn run_here(
+    global: &Global,
+    name: &str,
+    files: &Files,
+    runtime: &tokio::runtime::Runtime,
+    (interrupt, terminate): (tokio::signal::unix::Signal, tokio::signal::unix::Signal),
+    last: &std::sync::Mutex<RebalanceReport>,
+) -> anyhow::Result<(bool, RebalanceReport)> {
+    let Some(_lock) = files.try_lock()? else {
+        bail!("a rebalance of {name} is running on this host");
+    };
+    let volume = crate::mount::resolve_volume(global, name)?;
     let stop = Arc::new(AtomicBool::new(false));
     let started = Instant::now();
     let running = |r: &RebalanceReport| new_status(name, "running", r, started.elapsed());
     files.write(&running(&RebalanceReport::default()))?;
-    let result = runtime.block_on(async {
+    let report = runtime.block_on(async {
         let signals = tokio::spawn(stop_on_signal(interrupt, terminate, stop.clone()));
         let mut progress = |r: &RebalanceReport| {
+            *last.lock().unwrap_or_else(|p| p.into_inner()) = *r;
             if let Err(e) = files.write(&running(r)) {
                 tracing::warn!(error = %e, "rebalance: progress not written");
             }
@@ -225,27 +287,38 @@ pub(crate) fn run_for_daemon(global: &Global, name: &str) -> anyhow::Result<()> 
         .await;
         signals.abort();
         report
-    });
-    let (state, report) = match &result {
-        Ok(report) if stop.load(Ordering::Relaxed) => ("stopped", *report),
-        Ok(report) if report.failed == 0 => ("completed", *report),
-        Ok(report) => ("failed", *report),
-        Err(_) => ("failed", RebalanceReport::default()),
-    };
-    files.write(&new_status(name, state, &report, started.elapsed()))?;
-    result.map(|_| ())
+    })?;
+    Ok((stop.load(Ordering::Relaxed), report))
 }
 
-/// Exits this process when its parent (the daemon that started it) is gone: a rebalance runs
-/// for one daemon, and another may start it again. (Polled: a parent-death signal follows the
-/// parent's thread, not its process.)
-fn exit_with_parent() {
-    let parent = rustix::process::getppid();
+/// Exits this process at once when its daemon stops beating (a byte on stdin at least every
+/// [`RUNNER_FENCE`]) or is gone (the end of stdin): a rebalance runs for one daemon, and
+/// another may start it again — fenced by the daemon's lease.
+fn exit_without_beats() {
+    use std::io::Read as _;
+    let last_beat = Arc::new(std::sync::Mutex::new(Instant::now()));
+    let heard = last_beat.clone();
+    std::thread::spawn(move || {
+        let mut byte = [0; 64];
+        loop {
+            match std::io::stdin().read(&mut byte) {
+                Ok(0) | Err(_) => {
+                    eprintln!("kiln: the daemon that started this rebalance is gone");
+                    std::process::exit(3);
+                }
+                Ok(_) => *heard.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now(),
+            }
+        }
+    });
     std::thread::spawn(move || {
         loop {
-            std::thread::sleep(PARENT_CHECK);
-            if rustix::process::getppid() != parent {
-                eprintln!("kiln: the daemon that started this rebalance is gone; stopping");
+            std::thread::sleep(RUNNER_FENCE / 4);
+            let since = last_beat
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .elapsed();
+            if since > RUNNER_FENCE {
+                eprintln!("kiln: no beat from the daemon for {since:?}: stopping at once");
                 std::process::exit(3);
             }
         }
