@@ -402,6 +402,21 @@ fn three_hosts_share_one_configuration_and_serve_one_volume() {
     for host in &hosts.hosts {
         assert!(cluster.contains(&host.name()), "{cluster}");
     }
+    // A volume-wide profile and state dump from any host: every host's daemon answers for
+    // its own bricks.
+    match hosts.json(2, &["profile", "v", "start"]) {
+        Response::Profiles { bricks, .. } => {
+            assert_eq!(bricks.len(), HOSTS);
+            assert!(bricks.iter().all(|b| b.report.is_some()), "{bricks:#?}");
+        }
+        other => panic!("{other:?}"),
+    }
+    match hosts.json(0, &["statedump", "v"]) {
+        Response::Statedumps { bricks, .. } => {
+            assert!(bricks.iter().all(|b| b.report.is_some()), "{bricks:#?}");
+        }
+        other => panic!("{other:?}"),
+    }
 
     // A mount reaches each brick at its host.
     let mnt = hosts.dir.path().join("mnt");

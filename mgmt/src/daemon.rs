@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use kiln_admin::command::{
-    BrickStatus, ClusterStatus, EXCHANGE, HostReport, OptionValue, ProfileAction, Request,
-    Response, TaskAction,
+    BrickReport, BrickStatus, ClusterStatus, EXCHANGE, HostReport, OptionValue, ProfileAction,
+    Request, Response, TaskAction,
 };
 use kiln_admin::exchange::ExchangeError;
 use kiln_admin::options;
@@ -26,6 +26,7 @@ use kiln_admin::pki::{self, Role};
 use kiln_admin::volume::{Brick, Volume, VolumeState};
 use tokio::net::{UnixListener, UnixStream};
 
+use crate::fanout::{self, Query};
 use crate::membership;
 use crate::store::etcd::{EtcdStore, EtcdTarget};
 use crate::store::{CommitError, ConfigStore, LogStore, StoreOptions};
@@ -145,7 +146,7 @@ pub async fn run(config: DaemonConfig, shutdown: impl Future<Output = ()>) -> an
     daemon.reconcile().await;
     daemon.supervisor.stop_orphans().await;
     let reconciler = tokio::spawn(daemon.clone().reconcile_forever(generations));
-    let mut answering = None;
+    let (mut answering, mut asking) = (None, None);
     let leading = {
         let tasks = tasks.clone();
         tokio::spawn(async move { tasks.run_forever().await })
@@ -162,6 +163,12 @@ pub async fn run(config: DaemonConfig, shutdown: impl Future<Output = ()>) -> an
             applied,
         ));
         *crate::lock(&daemon.reporter) = Some(reporter);
+        let asked = daemon.clone();
+        asking = Some(tokio::spawn(fanout::answer_asks_forever(
+            etcd.clone(),
+            host.clone(),
+            async move |query, volume: &str| asked.local_reports(query, volume).await,
+        )));
         // A host that may issue certificates answers the joins of new hosts.
         let tls_dir = daemon.config.state_dir.join("tls");
         if pki::holds_ca_key(&tls_dir) {
@@ -192,7 +199,7 @@ pub async fn run(config: DaemonConfig, shutdown: impl Future<Output = ()>) -> an
     }
     reconciler.abort();
     leading.abort();
-    for task in [crate::lock(&daemon.reporter).take(), answering]
+    for task in [crate::lock(&daemon.reporter).take(), answering, asking]
         .into_iter()
         .flatten()
     {
@@ -732,10 +739,86 @@ impl Daemon {
                     .await?
             }
         };
+        let local = self.supervisor.profiles(&volume).await;
         Ok(Response::Profiles {
             generation,
-            bricks: self.supervisor.profiles(&volume).await,
+            bricks: self.cluster_wide(&volume, Query::Profile, local).await?,
         })
+    }
+
+    /// The reports of every brick of `volume`: `local`, one per brick, as this host's bricks
+    /// answered, with those of the other hosts' bricks as their daemons answer (on a cluster).
+    async fn cluster_wide<T: serde::de::DeserializeOwned>(
+        &self,
+        volume: &Volume,
+        query: Query,
+        mut local: Vec<BrickReport<T>>,
+    ) -> anyhow::Result<Vec<BrickReport<T>>> {
+        let Some(etcd) = self.store.etcd() else {
+            return Ok(local);
+        };
+        assert_eq!(local.len(), volume.bricks.len(), "one report per brick");
+        let remote = |b: &&Brick| !self.supervisor.is_local(b);
+        let hosts: std::collections::BTreeSet<String> = volume
+            .bricks
+            .iter()
+            .filter(remote)
+            .filter_map(|b| b.host.clone())
+            .collect();
+        let hosts: Vec<String> = hosts.into_iter().collect();
+        let mut answers = fanout::ask_hosts::<T>(etcd.etcd(), query, &volume.name, &hosts).await?;
+        for (i, brick) in volume.bricks.iter().enumerate() {
+            if self.supervisor.is_local(brick) {
+                continue;
+            }
+            let host = brick.host.clone().unwrap_or_default();
+            let name = Brick::name(&volume.name, i);
+            let answered = answers.get_mut(&host);
+            let error = match &answered {
+                Some(_) => format!("host {host} does not run it"),
+                None => format!(
+                    "host {host} did not answer within {:?}",
+                    fanout::ANSWER_WAIT
+                ),
+            };
+            let found = answered.and_then(|reports| {
+                Some(reports.swap_remove(reports.iter().position(|r| r.brick == name)?))
+            });
+            local[i] = found.unwrap_or_else(|| BrickReport {
+                brick: name,
+                path: brick.path.clone(),
+                report: None,
+                error: Some(error),
+            });
+        }
+        Ok(local)
+    }
+
+    /// `query` answered for the bricks of `volume` this host runs (another host asks), as
+    /// JSON.
+    async fn local_reports(&self, query: Query, volume: &str) -> serde_json::Value {
+        let Ok(volume) = self.volume(volume) else {
+            return serde_json::Value::Array(Vec::new());
+        };
+        let json = match query {
+            Query::Profile => serde_json::to_value(
+                self.local_only(&volume, self.supervisor.profiles(&volume).await),
+            ),
+            Query::Statedump => serde_json::to_value(
+                self.local_only(&volume, self.supervisor.statedumps(&volume).await),
+            ),
+        };
+        json.expect("reports encode")
+    }
+
+    /// The reports, one per brick of `volume`, of the bricks this host runs.
+    fn local_only<T>(&self, volume: &Volume, reports: Vec<BrickReport<T>>) -> Vec<BrickReport<T>> {
+        let bricks = volume.bricks.iter();
+        bricks
+            .zip(reports)
+            .filter(|(brick, _)| self.supervisor.is_local(brick))
+            .map(|(_, report)| report)
+            .collect()
     }
 
     /// Sets the profiling options on or off and pushes them to the bricks; returns the
@@ -758,7 +841,8 @@ impl Daemon {
 
     async fn statedump(&self, name: &str) -> anyhow::Result<Response> {
         let volume = self.volume(name)?;
-        let mut bricks = self.supervisor.statedumps(&volume).await;
+        let local = self.supervisor.statedumps(&volume).await;
+        let mut bricks = self.cluster_wide(&volume, Query::Statedump, local).await?;
         // Beside what each brick runs: every option of the volume as configured now.
         let configured: BTreeMap<String, String> = options::OPTIONS
             .iter()

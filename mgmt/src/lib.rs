@@ -3,7 +3,8 @@
 //! group commit, compaction, torn tails dropped at open — or etcd, shared by a cluster's
 //! daemons), the volume configuration and its typed changes ([`volume`]), the brick
 //! supervisor with live option pushes ([`supervisor`]), what a cluster's daemons share in
-//! etcd beside the configuration ([`cluster`]), which hosts are members and how one joins
+//! etcd beside the configuration ([`cluster`]), asking every host about its bricks
+//! ([`fanout`]), which hosts are members and how one joins
 //! ([`membership`]), the cluster-wide tasks one elected daemon runs ([`tasks`]) and the daemon
 //! that serves the command socket ([`daemon`]).
 //!
@@ -16,6 +17,7 @@
 pub mod cluster;
 pub mod daemon;
 pub mod etcd_server;
+pub mod fanout;
 pub mod membership;
 pub mod store;
 pub mod supervisor;
