@@ -56,6 +56,18 @@ impl Host {
     }
 }
 
+/// `kiln ARGS` as the `admin` of the host whose daemon listens on `socket` with state
+/// directory `state`.
+fn kiln_of(socket: &std::path::Path, state: &std::path::Path, args: &[&str]) -> Output {
+    Command::new(bin("kiln"))
+        .args(args)
+        .env("KILN_MGMT_SOCKET", socket)
+        .env("KILN_STATE_DIR", state)
+        .env("KILN_TLS_DIR", state.join("tls"))
+        .output()
+        .expect("kiln")
+}
+
 fn ip(args: &[&str]) {
     let out = Command::new("ip").args(args).output().expect("ip");
     assert!(
@@ -242,14 +254,7 @@ impl Hosts {
 
     /// `kiln ARGS` against host `i`'s daemon, as its `admin`.
     fn kiln(&self, i: usize, args: &[&str]) -> Output {
-        let host = &self.hosts[i];
-        Command::new(bin("kiln"))
-            .args(args)
-            .env("KILN_MGMT_SOCKET", &host.socket)
-            .env("KILN_STATE_DIR", &host.state)
-            .env("KILN_TLS_DIR", host.state.join("tls"))
-            .output()
-            .expect("kiln")
+        kiln_of(&self.hosts[i].socket, &self.hosts[i].state, args)
     }
 
     fn kiln_ok(&self, i: usize, args: &[&str]) -> String {
@@ -731,11 +736,12 @@ fn refused(mut daemon: Command) -> String {
 
 #[test]
 fn a_daemon_without_the_clusters_ca_refuses_to_start() {
-    let Some(etcd) = etcd_for_test("a_daemon_without_the_clusters_ca") else {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let Some(server) =
+        EtcdServer::single_for_test("a_daemon_without_the_clusters_ca", &dir.path().join("etcd"))
+    else {
         return;
     };
-    let dir = tempfile::tempdir().expect("tempdir");
-    let server = EtcdServer::single(&etcd, &dir.path().join("etcd")).expect("etcd");
     let daemon = |name: &str| {
         let state = dir.path().join(name);
         let mut command = Command::new(bin("kiln-mgmtd"));
@@ -789,13 +795,7 @@ impl LoopbackHost {
     }
 
     fn kiln(&self, args: &[&str]) -> Output {
-        Command::new(bin("kiln"))
-            .args(args)
-            .env("KILN_MGMT_SOCKET", &self.socket)
-            .env("KILN_STATE_DIR", &self.state)
-            .env("KILN_TLS_DIR", self.state.join("tls"))
-            .output()
-            .expect("kiln")
+        kiln_of(&self.socket, &self.state, args)
     }
 
     fn kiln_ok(&self, args: &[&str]) -> String {
@@ -884,11 +884,12 @@ fn reports(cluster: &kiln_admin::command::ClusterStatus, host: &str) -> bool {
 
 #[test]
 fn a_host_joins_once_with_a_token_serves_bricks_and_leaves() {
-    let Some(etcd) = etcd_for_test("a_host_joins_once_with_a_token") else {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let Some(server) =
+        EtcdServer::single_for_test("a_host_joins_once_with_a_token", &dir.path().join("etcd"))
+    else {
         return;
     };
-    let dir = tempfile::tempdir().expect("tempdir");
-    let server = EtcdServer::single(&etcd, &dir.path().join("etcd")).expect("etcd");
     let url = server.member.client_url();
     let mut first = LoopbackHost::new(dir.path(), "127.0.0.1");
     let mut second = LoopbackHost::new(dir.path(), "127.0.0.2");

@@ -137,6 +137,21 @@ impl EtcdServer {
         EtcdServer::start(etcd, &member, std::slice::from_ref(&member), data_dir, &[])
     }
 
+    /// A one-member cluster for test `test`, its data in `data_dir`; `None` where etcd is
+    /// not installed (and may be missing: see [`etcd_for_test`]).
+    pub fn single_for_test(test: &str, data_dir: &Path) -> Option<EtcdServer> {
+        let etcd = etcd_for_test(test)?;
+        Some(EtcdServer::single(&etcd, data_dir).expect("a test's etcd member"))
+    }
+
+    /// Where cluster `cluster` lives on this member.
+    pub fn target(&self, cluster: &str) -> crate::store::etcd::EtcdTarget {
+        crate::store::etcd::EtcdTarget {
+            endpoints: vec![self.member.client_url()],
+            cluster: cluster.to_owned(),
+        }
+    }
+
     fn wait_listening(&mut self) -> anyhow::Result<()> {
         let deadline = Instant::now() + START_WAIT;
         loop {

@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use anyhow::bail;
-use etcd_client::{EventType, GetOptions, PutOptions, WatchOptions};
+use etcd_client::{GetOptions, PutOptions};
 use kiln_admin::command::BrickReport;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -83,20 +83,14 @@ pub async fn ask_hosts<T: DeserializeOwned>(
         .await?;
     let revision = put.header().map_or(0, |h| h.revision());
     let prefix = answers_prefix(etcd, &id);
-    let options = WatchOptions::new()
-        .with_prefix()
-        .with_start_revision(revision);
-    let mut changes = etcd.watch(&prefix, options).await?;
+    let mut changes = etcd.watch_prefix_after(&prefix, revision).await?;
     let mut answers = BTreeMap::new();
     let deadline = Instant::now() + ANSWER_WAIT;
     while !hosts.iter().all(|h| answers.contains_key(h)) {
         let next = tokio::time::timeout_at(deadline.into(), Etcd::next_watched(&mut changes));
         let Ok(message) = next.await else { break };
         let Some(message) = message? else { break };
-        for event in message.events() {
-            let Some(kv) = event.kv().filter(|_| event.event_type() == EventType::Put) else {
-                continue;
-            };
+        for kv in Etcd::puts(&message) {
             let Some(host) = kv.key_str().ok().and_then(|k| k.strip_prefix(&prefix)) else {
                 continue;
             };
@@ -141,15 +135,9 @@ async fn answer_asks(
         .get(&prefix, Some(GetOptions::new().with_count_only()))
         .await?;
     let revision = now.header().map_or(0, |h| h.revision());
-    let options = WatchOptions::new()
-        .with_prefix()
-        .with_start_revision(revision + 1);
-    let mut changes = etcd.watch(&prefix, options).await?;
+    let mut changes = etcd.watch_prefix_after(&prefix, revision).await?;
     while let Some(message) = Etcd::next_watched(&mut changes).await? {
-        for event in message.events() {
-            let Some(kv) = event.kv().filter(|_| event.event_type() == EventType::Put) else {
-                continue;
-            };
+        for kv in Etcd::puts(&message) {
             let Some(id) = kv.key_str().ok().and_then(|k| k.strip_prefix(&prefix)) else {
                 continue;
             };

@@ -23,8 +23,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use etcd_client::{
-    Compare, CompareOp, EventType, GetOptions, KeyValue, PutOptions, Txn, TxnOp, TxnOpResponse,
-    WatchOptions,
+    Compare, CompareOp, GetOptions, KeyValue, PutOptions, Txn, TxnOp, TxnOpResponse, WatchOptions,
 };
 use kiln_admin::join::{JoinAnswer, JoinClaim, JoinError, JoinGrant, JoinRequest, Sealed, Token};
 use kiln_admin::pki::{self, PkiError, Role};
@@ -336,12 +335,7 @@ async fn wait_for_answer(etcd: &Etcd, key: &str, after: i64) -> anyhow::Result<J
             Ok(Ok(None)) => bail!("etcd ended the watch for the answer"),
             Ok(Err(e)) => return Err(e).context("watching for the cluster's answer"),
         };
-        let puts = message
-            .events()
-            .iter()
-            .filter(|e| e.event_type() == EventType::Put)
-            .filter_map(|e| e.kv());
-        for kv in puts {
+        for kv in Etcd::puts(&message) {
             match serde_json::from_slice(kv.value()) {
                 Ok(answer) => return Ok(answer),
                 Err(e) => tracing::warn!(error = %e, "an answer that is not one; waiting on"),
@@ -372,15 +366,10 @@ async fn answer_joins(etcd: &Etcd, tls_dir: &Path, host: &str) -> anyhow::Result
         answer_logged(etcd, tls_dir, host, kv).await;
     }
     let revision = waiting.header().map_or(0, |h| h.revision());
-    let options = WatchOptions::new()
-        .with_prefix()
-        .with_start_revision(revision + 1);
-    let mut changes = etcd.watch(&prefix, options).await?;
+    let mut changes = etcd.watch_prefix_after(&prefix, revision).await?;
     while let Some(message) = Etcd::next_watched(&mut changes).await? {
-        for event in message.events() {
-            if let (EventType::Put, Some(kv)) = (event.event_type(), event.kv()) {
-                answer_logged(etcd, tls_dir, host, kv).await;
-            }
+        for kv in Etcd::puts(&message) {
+            answer_logged(etcd, tls_dir, host, kv).await;
         }
     }
     bail!("the watch of join requests ended")
@@ -566,7 +555,7 @@ fn decide(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::etcd_server::{EtcdServer, etcd_for_test};
+    use crate::etcd_server::EtcdServer;
 
     struct Fixture {
         etcd: Etcd,
@@ -577,14 +566,9 @@ mod tests {
 
     impl Fixture {
         async fn start(test: &str) -> Option<Fixture> {
-            let binary = etcd_for_test(test)?;
             let dir = tempfile::tempdir().expect("tempdir");
-            let server = EtcdServer::single(&binary, &dir.path().join("member")).expect("etcd");
-            let target = EtcdTarget {
-                endpoints: vec![server.member.client_url()],
-                cluster: "m".to_owned(),
-            };
-            let etcd = Etcd::connect(&target).await.expect("connect");
+            let server = EtcdServer::single_for_test(test, &dir.path().join("member"))?;
+            let etcd = Etcd::connect(&server.target("m")).await.expect("connect");
             let tls = dir.path().join("tls");
             pki::init_ca(&tls).expect("ca");
             Some(Fixture {

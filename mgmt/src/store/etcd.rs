@@ -169,6 +169,25 @@ impl Etcd {
         .await
     }
 
+    /// A watch of every key under `prefix` changed after `revision`.
+    pub async fn watch_prefix_after(
+        &self,
+        prefix: &str,
+        revision: i64,
+    ) -> Result<etcd_client::WatchStream, StoreError> {
+        let options = WatchOptions::new()
+            .with_prefix()
+            .with_start_revision(revision + 1);
+        self.watch(prefix, options).await
+    }
+
+    /// The keys a watch answer put (deletions left out).
+    pub fn puts(answer: &etcd_client::WatchResponse) -> impl Iterator<Item = &KeyValue> {
+        let puts = answer.events().iter();
+        puts.filter(|e| e.event_type() == EventType::Put)
+            .filter_map(|e| e.kv())
+    }
+
     /// The next answer of watch `stream`: `None` when it ended, an error when etcd cancelled
     /// it or compacted past it (its watcher reads everything again and watches anew).
     pub async fn next_watched(
@@ -670,7 +689,7 @@ async fn watch_from<S: Objects>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::etcd_server::{EtcdServer, etcd_for_test};
+    use crate::etcd_server::EtcdServer;
     use crate::store::test_state::{Map, set};
 
     /// A store on a one-member etcd of its own, and a client and the keys to look under it.
@@ -695,13 +714,9 @@ mod tests {
 
     impl Fixture {
         async fn start(test: &str) -> Option<Fixture> {
-            let binary = etcd_for_test(test)?;
             let dir = tempfile::tempdir().expect("tempdir");
-            let server = EtcdServer::single(&binary, &dir.path().join("member")).expect("etcd");
-            let target = EtcdTarget {
-                endpoints: vec![server.member.client_url()],
-                cluster: test.to_owned(),
-            };
+            let server = EtcdServer::single_for_test(test, &dir.path().join("member"))?;
+            let target = server.target(test);
             Some(Fixture {
                 store: EtcdStore::open(target.clone()).await.expect("open"),
                 etcd: Etcd::connect(&target).await.expect("connect"),

@@ -10,7 +10,7 @@ use std::time::Duration;
 use super::etcd::{EtcdStore, EtcdTarget};
 use super::test_state::{Change, Map, Missing, set};
 use super::{CommitError, ConfigStore, LogStore, StoreOptions};
-use crate::etcd_server::{EtcdServer, etcd_for_test};
+use crate::etcd_server::EtcdServer;
 
 /// Opens handles on one store: the first, then more on the same store (another daemon's,
 /// for etcd), or again after the first is dropped.
@@ -50,13 +50,9 @@ fn log() -> Log {
 }
 
 fn etcd(test: &str) -> Option<Etcd> {
-    let binary = etcd_for_test(test)?;
     let dir = tempfile::tempdir().expect("tempdir");
-    let server = EtcdServer::single(&binary, &dir.path().join("member")).expect("etcd");
-    let target = EtcdTarget {
-        endpoints: vec![server.member.client_url()],
-        cluster: "suite".to_owned(),
-    };
+    let server = EtcdServer::single_for_test(test, &dir.path().join("member"))?;
+    let target = server.target("suite");
     Some(Etcd {
         _server: server,
         target,
