@@ -1009,8 +1009,9 @@ fn a_host_joins_once_with_a_token_serves_bricks_and_leaves() {
     first.wait_cluster(|c| reports(c, second.ip) && c.down.is_empty());
     let said = second.kiln_ok(&["cluster", "leave"]);
     assert!(said.contains("left cluster j"), "{said}");
-    let mut daemon = second.daemon.take().expect("a daemon");
+    // (Left in its guard until it has exited: a failed wait kills it on drop.)
     let deadline = Instant::now() + Duration::from_secs(30);
+    let daemon = second.daemon.as_mut().expect("a daemon");
     while daemon.try_wait().expect("wait").is_none() {
         assert!(
             Instant::now() < deadline,
