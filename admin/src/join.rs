@@ -31,8 +31,8 @@ const TOKEN_PREFIX: &str = "kiln1";
 pub const TOKEN_VALIDITY: Duration = Duration::from_secs(3600);
 /// Longest a token may be valid.
 pub const TOKEN_VALIDITY_MAX: Duration = Duration::from_secs(7 * 24 * 3600);
-/// Longest host name a join may claim, in bytes (a DNS name's limit).
-pub const HOST_NAME_MAX_BYTES: usize = 253;
+/// Longest host name a join may claim, in bytes.
+pub const HOST_NAME_MAX_BYTES: usize = pki::HOST_NAME_MAX_BYTES;
 /// Most names a joining host may ask its brick certificate to carry.
 pub const HOST_NAMES_MAX: usize = 16;
 

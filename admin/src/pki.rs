@@ -36,6 +36,8 @@ pub const ADMIN_CLIENT: &str = "admin";
 /// (No brick is named so: brick names end in `-b<index>`.)
 pub const HOST_IDENTITY: &str = "host";
 
+/// Longest host name a brick certificate may carry, in bytes (a DNS name's limit).
+pub const HOST_NAME_MAX_BYTES: usize = 253;
 /// Longest client or brick name, in bytes.
 pub const IDENTITY_NAME_MAX_BYTES: usize = 64;
 
@@ -248,7 +250,7 @@ fn identity_params(
     let mut params = match role {
         Role::Brick { hosts } => {
             for host in hosts {
-                if host.is_empty() || host.len() > 253 {
+                if host.is_empty() || host.len() > HOST_NAME_MAX_BYTES {
                     return Err(PkiError::BadHost(host.clone()));
                 }
             }

@@ -13,9 +13,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
-use etcd_client::{
-    Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse, WatchOptions,
-};
+use etcd_client::{Compare, CompareOp, GetOptions, Txn, TxnOp, TxnOpResponse, WatchOptions};
 use kiln_admin::command::HostReport;
 use kiln_admin::pki;
 use tokio::sync::watch;
@@ -32,6 +30,11 @@ fn hosts_prefix(etcd: &Etcd) -> String {
     format!("{}hosts/", etcd.target().prefix())
 }
 
+/// The key of the cluster CA's certificate.
+pub(crate) fn ca_key(etcd: &Etcd) -> String {
+    format!("{}ca.crt", etcd.target().prefix())
+}
+
 /// The key of `host`'s report.
 pub(crate) fn host_key(etcd: &Etcd, host: &str) -> String {
     format!("{}{host}", hosts_prefix(etcd))
@@ -41,7 +44,7 @@ pub(crate) fn host_key(etcd: &Etcd, host: &str) -> String {
 /// a cluster makes one (if it has none) and records its certificate.
 pub async fn check_ca(etcd: &Etcd, tls_dir: &Path) -> anyhow::Result<()> {
     let cluster = &etcd.target().cluster;
-    let key = format!("{}ca.crt", etcd.target().prefix());
+    let key = ca_key(etcd);
     let ca = pki::ca_files(tls_dir);
     let record = match std::fs::read(&ca.cert) {
         Ok(cert) => cert,
@@ -118,21 +121,13 @@ async fn report_under_one_lease(
     report: &impl AsyncFn() -> HostReport,
     applied: &mut watch::Receiver<u64>,
 ) -> anyhow::Result<()> {
-    let lease = etcd
-        .call(|mut client| async move { client.lease_grant(HOST_LEASE_TTL_SECS, None).await })
-        .await?
-        .id();
+    let lease = etcd.grant(HOST_LEASE_TTL_SECS).await?;
     // Kept alive on its own clock: reports sent at every generation do not renew a lease.
     let mut keep_alive = tokio::time::interval(REPORT_EVERY);
     keep_alive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         let json = serde_json::to_vec(&report().await).context("encode the host report")?;
-        etcd.call(|mut client| {
-            let json = json.clone();
-            let options = PutOptions::new().with_lease(lease);
-            async move { client.put(key, json, Some(options)).await }
-        })
-        .await?;
+        etcd.put(key, &json, lease).await?;
         tokio::select! {
             changed = applied.changed() => {
                 if changed.is_err() {
@@ -141,12 +136,7 @@ async fn report_under_one_lease(
             }
             _ = keep_alive.tick() => {
                 // (A put under an expired lease fails, and a new lease is granted.)
-                etcd.call(|mut client| async move {
-                    let (mut keeper, mut answers) = client.lease_keep_alive(lease).await?;
-                    keeper.keep_alive().await?;
-                    answers.message().await
-                })
-                .await?;
+                etcd.keep_alive(lease).await?;
             }
         }
     }

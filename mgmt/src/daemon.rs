@@ -68,9 +68,7 @@ struct Daemon {
     applied: tokio::sync::watch::Sender<u64>,
     /// The task reporting this host into etcd (stopped when the host leaves).
     reporter: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
-    /// Set when the host left its cluster; `left` told once that is answered: the daemon
-    /// stops.
-    leaving: std::sync::atomic::AtomicBool,
+    /// Told once the host's leave of its cluster is answered: the daemon stops.
     left: tokio::sync::Notify,
     tasks: Arc<Tasks>,
 }
@@ -111,8 +109,8 @@ pub async fn run(config: DaemonConfig, shutdown: impl Future<Output = ()>) -> an
     let supervisor = Supervisor::new(
         Launch {
             brickd: config.brickd.clone(),
-            tls_dir,
-            log_dir,
+            tls_dir: tls_dir.clone(),
+            log_dir: log_dir.clone(),
             listen_ip: config.listen_ip,
             run_dir,
             host: config.host.clone(),
@@ -123,8 +121,8 @@ pub async fn run(config: DaemonConfig, shutdown: impl Future<Output = ()>) -> an
     let tasks = Arc::new(Tasks {
         kiln: config.kiln.clone(),
         socket: config.socket.clone(),
-        tls_dir: config.state_dir.join("tls"),
-        log_dir: config.state_dir.join("logs"),
+        tls_dir,
+        log_dir,
         listen_ip: config.listen_ip,
         host: config.host.clone(),
         etcd: store.etcd().map(|etcd| etcd.etcd().clone()),
@@ -137,7 +135,6 @@ pub async fn run(config: DaemonConfig, shutdown: impl Future<Output = ()>) -> an
         reconciling: tokio::sync::Mutex::new(()),
         applied: tokio::sync::watch::Sender::new(0),
         reporter: std::sync::Mutex::new(None),
-        leaving: Default::default(),
         left: tokio::sync::Notify::new(),
         tasks: tasks.clone(),
     });
@@ -261,15 +258,16 @@ fn bind_socket(path: &Path) -> anyhow::Result<UnixListener> {
 
 impl Daemon {
     async fn serve(&self, mut stream: UnixStream) -> Result<(), ExchangeError> {
-        let response = match EXCHANGE.read_request::<Request>(&mut stream).await {
-            Ok(request) => self.handle(request).await,
-            Err(e) => Response::Error {
-                message: format!("bad request: {e}"),
-            },
+        let (leave, response) = match EXCHANGE.read_request::<Request>(&mut stream).await {
+            Ok(request) => (request == Request::ClusterLeave, self.handle(request).await),
+            Err(e) => {
+                let message = format!("bad request: {e}");
+                (false, Response::Error { message })
+            }
         };
         let written = EXCHANGE.write_answer(&mut stream, &response).await;
         // (Only once the host's leave is answered does the daemon stop.)
-        if self.leaving.load(std::sync::atomic::Ordering::Relaxed) {
+        if leave && matches!(response, Response::Done { .. }) {
             self.left.notify_one();
         }
         written
@@ -487,8 +485,6 @@ impl Daemon {
         let host = self.config.host.as_deref().unwrap_or_default();
         membership::leave(etcd.etcd(), host).await?;
         membership::ClusterFile::remove(&self.config.state_dir)?;
-        self.leaving
-            .store(true, std::sync::atomic::Ordering::Relaxed);
         Ok(done(
             self.store.generation(),
             format!(
@@ -608,7 +604,7 @@ impl Daemon {
 
     /// A volume is not stopped or deleted under its rebalance.
     async fn refuse_while_rebalancing(&self, name: &str) -> anyhow::Result<()> {
-        if self.tasks.is_live(name).await? {
+        if self.tasks.is_live(name).await {
             anyhow::bail!(
                 "a rebalance of {name} is asked or running: `kiln volume rebalance {name} stop` first"
             );

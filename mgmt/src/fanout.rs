@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use anyhow::bail;
-use etcd_client::{GetOptions, PutOptions};
+use etcd_client::GetOptions;
 use kiln_admin::command::BrickReport;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -62,25 +62,14 @@ pub async fn ask_hosts<T: DeserializeOwned>(
         return Ok(BTreeMap::new());
     }
     let id = uuid::Uuid::new_v4().simple().to_string();
-    let lease = etcd
-        .call(|mut client| async move { client.lease_grant(ASK_TTL_SECS, None).await })
-        .await?
-        .id();
+    let lease = etcd.grant(ASK_TTL_SECS).await?;
     let ask = serde_json::to_vec(&Ask {
         query,
         volume: volume.to_owned(),
     })
     .expect("an ask encodes");
     let key = format!("{}{id}", asks_prefix(etcd));
-    let put = etcd
-        .call(|mut client| {
-            let (key, ask) = (key.clone(), ask.clone());
-            async move {
-                let options = PutOptions::new().with_lease(lease);
-                client.put(key, ask, Some(options)).await
-            }
-        })
-        .await?;
+    let put = etcd.put(&key, &ask, lease).await?;
     let revision = put.header().map_or(0, |h| h.revision());
     let prefix = answers_prefix(etcd, &id);
     let mut changes = etcd.watch_prefix_after(&prefix, revision).await?;
@@ -103,9 +92,7 @@ pub async fn ask_hosts<T: DeserializeOwned>(
         }
     }
     // Done with it (its lease would drop it anyway).
-    let _ = etcd
-        .call(|mut client| async move { client.lease_revoke(lease).await })
-        .await;
+    let _ = etcd.revoke(lease).await;
     Ok(answers)
 }
 
@@ -147,17 +134,7 @@ async fn answer_asks(
             let reports =
                 serde_json::to_vec(&answer(ask.query, &ask.volume).await).expect("reports encode");
             let key = format!("{}{host}", answers_prefix(etcd, id));
-            let lease = kv.lease();
-            let put = etcd
-                .call(|mut client| {
-                    let (key, reports) = (key.clone(), reports.clone());
-                    async move {
-                        let options = PutOptions::new().with_lease(lease);
-                        client.put(key, reports, Some(options)).await
-                    }
-                })
-                .await;
-            if let Err(e) = put {
+            if let Err(e) = etcd.put(&key, &reports, kv.lease()).await {
                 tracing::warn!(error = %e, "an answer to another host was not written");
             }
         }

@@ -130,9 +130,6 @@ impl MemberKeys {
     fn used(&self, id: &str) -> String {
         format!("{}used/{id}", self.prefix)
     }
-    fn recorded_ca(&self) -> String {
-        format!("{}ca.crt", self.prefix)
-    }
 }
 
 /// `kiln cluster init --etcd`: makes this host the first member of `file.cluster` — its CA
@@ -266,7 +263,7 @@ async fn refuse_other_ca(etcd: &Etcd, tls_dir: &Path) -> anyhow::Result<()> {
     let Ok(held) = std::fs::read(pki::ca_files(tls_dir).cert) else {
         return Ok(());
     };
-    let recorded = etcd.get(&MemberKeys::of(etcd).recorded_ca(), None).await?;
+    let recorded = etcd.get(&crate::cluster::ca_key(etcd), None).await?;
     match recorded.kvs().first() {
         Some(kv) if kv.value() != held => Err(PkiError::OtherCa(pki::ca_files(tls_dir).cert))?,
         _ => Ok(()),
@@ -283,10 +280,7 @@ async fn ask(etcd: &Etcd, token: &Token, claim: &Sealed) -> anyhow::Result<JoinA
         claim: claim.clone(),
     };
     let json = serde_json::to_vec(&request).expect("a request encodes");
-    let lease = etcd
-        .call(|mut client| async move { client.lease_grant(JOIN_KEYS_TTL_SECS, None).await })
-        .await?
-        .id();
+    let lease = etcd.grant(JOIN_KEYS_TTL_SECS).await?;
     let post = Txn::new()
         .when([
             Compare::create_revision(request_key.clone(), CompareOp::Equal, 0),
@@ -385,8 +379,8 @@ async fn answer_logged(etcd: &Etcd, tls_dir: &Path, issuer: &str, request: &KeyV
 
 /// What this host decides on a request.
 enum Decision {
-    /// The sealed grant, and the host it makes a member.
-    Grant(Sealed, String),
+    /// The sealed grant, the host it is for, and when its token expires.
+    Grant(Sealed, String, u64),
     Refuse(String),
 }
 
@@ -423,17 +417,11 @@ async fn answer_one(
     };
     let refusal = match decision {
         Decision::Refuse(reason) => reason,
-        Decision::Grant(grant, host) => {
-            let expires =
-                serde_json::from_slice::<JoinRequest>(request.value()).map_or(0, |r| r.expires);
+        Decision::Grant(grant, host, expires) => {
             let used_for_secs = expires.saturating_sub(kiln_admin::join::unix_now()) + 60;
             let used_lease = etcd
-                .call(|mut client| async move {
-                    let ttl = i64::try_from(used_for_secs).unwrap_or(i64::MAX);
-                    client.lease_grant(ttl, None).await
-                })
-                .await?
-                .id();
+                .grant(i64::try_from(used_for_secs).unwrap_or(i64::MAX))
+                .await?;
             let mut when = unchanged.to_vec();
             when.push(Compare::create_revision(keys.used(id), CompareOp::Equal, 0));
             when.push(Compare::create_revision(
@@ -549,7 +537,11 @@ fn decide(
         client_cert,
         claim: request.claim.digest(),
     };
-    Ok(Decision::Grant(token.seal("grant", &grant), claim.host))
+    Ok(Decision::Grant(
+        token.seal("grant", &grant),
+        claim.host,
+        request.expires,
+    ))
 }
 
 #[cfg(test)]
@@ -583,10 +575,7 @@ mod tests {
         async fn answer(&self, id: &str, value: &[u8]) -> Option<JoinAnswer> {
             let keys = MemberKeys::of(&self.etcd);
             self.etcd
-                .call(|mut client| {
-                    let (key, value) = (keys.request(id), value.to_vec());
-                    async move { client.put(key, value, None).await }
-                })
+                .put(&keys.request(id), value, 0)
                 .await
                 .expect("put");
             let request = self.etcd.get(&keys.request(id), None).await.expect("get");
@@ -699,10 +688,7 @@ mod tests {
         let keys = MemberKeys::of(&f.etcd);
         let json = serde_json::to_vec(&request).expect("json");
         f.etcd
-            .call(|mut client| {
-                let (key, json) = (keys.request(&token.id), json.clone());
-                async move { client.put(key, json, None).await }
-            })
+            .put(&keys.request(&token.id), &json, 0)
             .await
             .expect("put");
         let read = f

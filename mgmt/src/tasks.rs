@@ -162,10 +162,6 @@ impl Tasks {
         }
     }
 
-    fn runs_here(&self, volume: &str) -> bool {
-        self.reap(volume) == Some(None)
-    }
-
     /// A beat to every runner here (they exit when the beats stop), and ended ones reaped.
     fn beat_all(&self) {
         let mut runners = lock(&self.runners);
@@ -267,11 +263,14 @@ impl Tasks {
     pub async fn stop(&self, volume: &str) -> anyhow::Result<RebalanceStatus> {
         let not_running = || anyhow::anyhow!("no rebalance of {volume} is running");
         let Some(etcd) = &self.etcd else {
-            if !self.runs_here(volume) {
+            let here = self.reap(volume);
+            if here != Some(None) {
                 return Err(not_running());
             }
             self.stop_here(volume);
-            let mut status = self.local_status(volume)?.ok_or_else(not_running)?;
+            let mut status = self
+                .local_status_of(volume, here)?
+                .ok_or_else(not_running)?;
             status.stop = true;
             return Ok(status);
         };
@@ -289,18 +288,15 @@ impl Tasks {
 
     /// Whether a rebalance of `volume` is asked or runs (a volume with one is not stopped
     /// or deleted).
-    pub async fn is_live(&self, volume: &str) -> anyhow::Result<bool> {
-        Ok(match self.status(volume).await {
-            Ok(status) => status.is_live(),
-            Err(_) => false,
-        })
+    pub async fn is_live(&self, volume: &str) -> bool {
+        self.status(volume).await.is_ok_and(|s| s.is_live())
     }
 
     /// Forgets the last rebalance of deleted volume `volume`.
     pub async fn forget(&self, volume: &str) -> anyhow::Result<()> {
         let _ = std::fs::remove_file(self.status_file(volume));
         if let Some(etcd) = &self.etcd {
-            let key = format!("{}{volume}", task_prefix(etcd));
+            let key = task_key(etcd, volume);
             etcd.txn(Txn::new().and_then([TxnOp::delete(key, None)]))
                 .await?;
         }
@@ -326,9 +322,7 @@ impl Tasks {
                     let why = self.lead(etcd, lease, valid_until).await;
                     tracing::warn!(error = %format!("{why:#}"), "no longer leading");
                     self.kill_all();
-                    let revoke =
-                        etcd.call(|mut client| async move { client.lease_revoke(lease).await });
-                    let _ = tokio::time::timeout(RENEW_TIMEOUT, revoke).await;
+                    let _ = tokio::time::timeout(RENEW_TIMEOUT, etcd.revoke(lease)).await;
                 }
                 Err(e) => tracing::warn!(error = %format!("{e:#}"), "the election"),
             }
@@ -341,7 +335,7 @@ impl Tasks {
         let since = Instant::now();
         loop {
             let sent = Instant::now();
-            match tokio::time::timeout(RENEW_TIMEOUT, renew(etcd, lease)).await {
+            match tokio::time::timeout(RENEW_TIMEOUT, etcd.keep_alive(lease)).await {
                 Ok(Ok(Some(ttl))) => valid_until = sent + ttl,
                 Ok(Ok(None)) => return anyhow::anyhow!("the leader's lease expired"),
                 // (A renewal that failed may succeed next time, while the lease lasts.)
@@ -465,13 +459,17 @@ fn task_prefix(etcd: &Etcd) -> String {
     format!("{}tasks/rebalance/", etcd.target().prefix())
 }
 
+fn task_key(etcd: &Etcd, volume: &str) -> String {
+    format!("{}{volume}", task_prefix(etcd))
+}
+
 fn leader_key(etcd: &Etcd) -> String {
     format!("{}leader", etcd.target().prefix())
 }
 
 /// The task record of `volume` and its mod revision (0: none).
 async fn read_record(etcd: &Etcd, volume: &str) -> anyhow::Result<(Option<RebalanceStatus>, i64)> {
-    let key = format!("{}{volume}", task_prefix(etcd));
+    let key = task_key(etcd, volume);
     let answer = etcd.get(&key, None).await?;
     match answer.kvs().first() {
         Some(kv) => Ok((
@@ -509,7 +507,7 @@ async fn write_record(
     revision: i64,
     lease: Option<i64>,
 ) -> anyhow::Result<bool> {
-    let key = format!("{}{}", task_prefix(etcd), record.volume);
+    let key = task_key(etcd, &record.volume);
     let json = serde_json::to_vec(record).expect("a status encodes");
     let mut when = vec![Compare::mod_revision(
         key.clone(),
@@ -545,10 +543,7 @@ async fn campaign(etcd: &Etcd, host: &str) -> anyhow::Result<(i64, Instant)> {
         }
         let sent = Instant::now();
         let ttl = i64::try_from(LEADER_LEASE_TTL.as_secs()).expect("a few seconds");
-        let lease = etcd
-            .call(|mut client| async move { client.lease_grant(ttl, None).await })
-            .await?
-            .id();
+        let lease = etcd.grant(ttl).await?;
         let take = Txn::new()
             .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
             .and_then([TxnOp::put(
@@ -561,22 +556,6 @@ async fn campaign(etcd: &Etcd, host: &str) -> anyhow::Result<(i64, Instant)> {
         }
         // Another daemon was quicker: this lease is not needed (it expires by itself if the
         // revoke fails).
-        let _ = etcd
-            .call(|mut client| async move { client.lease_revoke(lease).await })
-            .await;
+        let _ = etcd.revoke(lease).await;
     }
-}
-
-/// Renews `lease`: its time to live, or `None` when it has expired.
-async fn renew(etcd: &Etcd, lease: i64) -> anyhow::Result<Option<Duration>> {
-    let answer = etcd
-        .call(|mut client| async move {
-            let (mut keeper, mut answers) = client.lease_keep_alive(lease).await?;
-            keeper.keep_alive().await?;
-            answers.message().await
-        })
-        .await?;
-    Ok(answer
-        .filter(|a| a.ttl() > 0)
-        .map(|a| Duration::from_secs(a.ttl().unsigned_abs())))
 }

@@ -137,7 +137,7 @@ fn ask(global: &Global, name: &str, action: TaskAction) -> anyhow::Result<Rebala
     }
 }
 
-/// Polls the rebalance of `name` until it ends (or `deadline`), with a progress bar if
+/// Polls the rebalance of `name` until it ends (or `stop_by`), with a progress bar if
 /// `bar`; prints how it ended, an error if it failed.
 fn follow(
     global: &Global,

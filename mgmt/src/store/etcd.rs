@@ -160,6 +160,49 @@ impl Etcd {
         .await
     }
 
+    /// Puts `value` at `key`, under `lease` if it is not 0 (as [`Etcd::call`]).
+    pub async fn put(
+        &self,
+        key: &str,
+        value: &[u8],
+        lease: i64,
+    ) -> Result<etcd_client::PutResponse, StoreError> {
+        self.call(|mut client| async move {
+            let options = etcd_client::PutOptions::new().with_lease(lease);
+            client.put(key, value, Some(options)).await
+        })
+        .await
+    }
+
+    /// A new lease of `ttl_secs` seconds: its id.
+    pub async fn grant(&self, ttl_secs: i64) -> Result<i64, StoreError> {
+        let granted = self
+            .call(|mut client| async move { client.lease_grant(ttl_secs, None).await })
+            .await?;
+        Ok(granted.id())
+    }
+
+    /// Renews `lease` once: its time to live, or `None` when it has expired.
+    pub async fn keep_alive(&self, lease: i64) -> Result<Option<Duration>, StoreError> {
+        let answer = self
+            .call(|mut client| async move {
+                let (mut keeper, mut answers) = client.lease_keep_alive(lease).await?;
+                keeper.keep_alive().await?;
+                answers.message().await
+            })
+            .await?;
+        Ok(answer
+            .filter(|a| a.ttl() > 0)
+            .map(|a| Duration::from_secs(a.ttl().unsigned_abs())))
+    }
+
+    /// Revokes `lease` (its keys go with it).
+    pub async fn revoke(&self, lease: i64) -> Result<(), StoreError> {
+        self.call(|mut client| async move { client.lease_revoke(lease).await })
+            .await
+            .map(|_| ())
+    }
+
     /// Runs transaction `txn` (as [`Etcd::call`]: one that timed out may have run).
     pub async fn txn(&self, txn: Txn) -> Result<etcd_client::TxnResponse, StoreError> {
         self.call(|mut client| {
