@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::control::{ProfileReport, Statedump};
 use crate::exchange::LineExchange;
-use crate::volume::Volume;
+use crate::volume::{BrickRole, Volume};
 
 /// Where the daemon listens unless told otherwise.
 pub const DEFAULT_SOCKET: &str = "/run/kiln/mgmtd.sock";
@@ -94,6 +94,28 @@ pub enum Request {
         name: String,
         action: TaskAction,
     },
+    /// `kiln volume remove-brick VOLUME BRICK start|status|stop|commit`: the brick leaves
+    /// (given no share of any directory, its files moved off by a rebalance), or serves again,
+    /// or — once a rebalance emptied it — is removed.
+    VolumeRemoveBrick {
+        name: String,
+        brick: PathBuf,
+        action: RemoveAction,
+    },
+}
+
+/// What to do with a brick being removed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RemoveAction {
+    /// Mark it leaving and start the rebalance that empties it.
+    Start,
+    /// That rebalance's progress.
+    Status,
+    /// Stop that rebalance; the brick serves again.
+    Stop,
+    /// Remove it from the volume: allowed once a rebalance completed with nothing left on it.
+    Commit,
 }
 
 /// What to do with a volume's cluster-wide task.
@@ -207,6 +229,10 @@ pub struct RebalanceReport {
     pub skipped: u64,
     /// Files or directories that failed (each logged); the walk goes on.
     pub failed: u64,
+    /// Entries other than directories still on a leaving brick when the walk ended (each
+    /// logged): a leaving brick is removed only when a rebalance leaves none.
+    #[serde(default)]
+    pub left_on_leaving: u64,
 }
 
 /// A volume's rebalance: how far it got, where it runs. The process running it writes it to
@@ -232,6 +258,9 @@ pub struct RebalanceStatus {
     /// Why it failed or was interrupted, when that is known.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// The bricks (by index) it empties: those leaving when it started.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub leaving: Vec<usize>,
 }
 
 impl RebalanceStatus {
@@ -246,7 +275,16 @@ impl RebalanceStatus {
             elapsed_secs: 0.0,
             stop: false,
             error: None,
+            leaving: Vec::new(),
         }
+    }
+
+    /// Whether it completed and left nothing on leaving brick `index`.
+    pub fn emptied(&self, index: usize) -> bool {
+        self.state == "completed"
+            && self.report.failed == 0
+            && self.report.left_on_leaving == 0
+            && self.leaving.contains(&index)
     }
 
     /// Whether it is still to run or running.
@@ -287,8 +325,10 @@ pub struct BrickStatus {
     pub host: Option<String>,
     pub path: PathBuf,
     pub port: u16,
+    #[serde(default, skip_serializing_if = "BrickRole::is_serving")]
+    pub role: BrickRole,
     pub pid: Option<u32>,
-    /// `running`, `restarting`, `stopped`.
+    /// `running`, `restarting`, `stopped`, `removed` (`down`: its host does not report).
     pub state: String,
     pub uptime_secs: u64,
     pub restarts: u32,

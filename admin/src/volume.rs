@@ -28,9 +28,70 @@ pub struct Brick {
     pub path: PathBuf,
     /// The UDP port its server listens on.
     pub port: u16,
+    /// Whether it holds files, is being emptied, or is gone.
+    #[serde(default, skip_serializing_if = "BrickRole::is_serving")]
+    pub role: BrickRole,
+}
+
+/// What a brick is to its volume. A brick removed keeps its place in the volume's list, so
+/// every brick after it keeps its index, which link files name (`VOLUME-client-N`), its
+/// certificate and its control socket.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BrickRole {
+    /// Holds the files its share of each directory's hash space names.
+    #[default]
+    Serving,
+    /// Being emptied (`kiln volume remove-brick … start`): given no share of any directory,
+    /// its files moved to the others; still served and still looked in.
+    Leaving,
+    /// Removed (`remove-brick … commit`): not served, not looked in; its path and port are
+    /// free again.
+    Removed,
+}
+
+impl BrickRole {
+    pub fn is_serving(&self) -> bool {
+        *self == BrickRole::Serving
+    }
+
+    /// Whether the brick is served and may hold files.
+    pub fn in_service(self) -> bool {
+        self != BrickRole::Removed
+    }
+}
+
+impl std::fmt::Display for BrickRole {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            BrickRole::Serving => "serving",
+            BrickRole::Leaving => "leaving",
+            BrickRole::Removed => "removed",
+        })
+    }
+}
+
+impl Volume {
+    /// The bricks in service (not removed), with their indexes.
+    pub fn bricks_in_service(&self) -> impl Iterator<Item = (usize, &Brick)> {
+        self.bricks
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.role.in_service())
+    }
 }
 
 impl Brick {
+    /// A serving brick of `host` at `path`, listening on `port`.
+    pub fn new(host: Option<String>, path: PathBuf, port: u16) -> Brick {
+        Brick {
+            host,
+            path,
+            port,
+            role: BrickRole::Serving,
+        }
+    }
+
     /// A brick as a command line gives it: `HOST:PATH` (the host, the path), or a path alone
     /// (`None`: the host the command is run for). A `:` after a `/` is part of a path.
     pub fn split_spec(spec: &Path) -> (Option<String>, PathBuf) {

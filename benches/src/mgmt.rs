@@ -551,11 +551,7 @@ async fn fresh_store(
     let volume = Volume {
         name: VOLUME_NAME.into(),
         id: "00000000-0000-4000-8000-00000000b0b0".into(),
-        bricks: vec![Brick {
-            host: None,
-            path: brick.to_owned(),
-            port: BRICK_PORT_BASE,
-        }],
+        bricks: vec![Brick::new(None, brick.to_owned(), BRICK_PORT_BASE)],
         options: Default::default(),
         state: VolumeState::Created,
     };

@@ -1107,3 +1107,158 @@ fn add_brick_and_rebalance_under_a_workload_lose_nothing() {
     unmount(&mountpoint, mount);
     m.ok(&["volume", "stop", "grow"]);
 }
+
+/// The entries other than directories under brick directory `brick`, `.glusterfs` aside.
+fn non_directories(brick: &Path) -> Vec<PathBuf> {
+    let mut found = Vec::new();
+    let mut pending = vec![brick.to_owned()];
+    while let Some(dir) = pending.pop() {
+        for entry in std::fs::read_dir(&dir).expect("read a brick directory") {
+            let entry = entry.expect("an entry");
+            let path = entry.path();
+            match entry.file_type().expect("its type").is_dir() {
+                true if path == brick.join(".glusterfs") => {}
+                true => pending.push(path),
+                false => found.push(path),
+            }
+        }
+    }
+    found
+}
+
+/// Symlinks and FIFOs under `links` of the mount: some hash to every brick.
+fn make_links(mountpoint: &Path, count: usize) {
+    let links = mountpoint.join("links");
+    std::fs::create_dir(&links).expect("mkdir links");
+    for i in 0..count {
+        std::os::unix::fs::symlink(format!("target-{i}"), links.join(format!("l{i}")))
+            .expect("symlink");
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            links.join(format!("p{i}")),
+            rustix::fs::FileType::Fifo,
+            rustix::fs::Mode::from_raw_mode(0o640),
+            0,
+        )
+        .expect("mkfifo");
+    }
+}
+
+fn check_links(mountpoint: &Path, count: usize) {
+    use std::os::unix::fs::FileTypeExt;
+    let links = mountpoint.join("links");
+    for i in 0..count {
+        let target = std::fs::read_link(links.join(format!("l{i}"))).expect("readlink");
+        assert_eq!(target, Path::new(&format!("target-{i}")));
+        let fifo = std::fs::symlink_metadata(links.join(format!("p{i}"))).expect("fifo");
+        assert!(fifo.file_type().is_fifo(), "p{i} is a FIFO");
+    }
+}
+
+/// A brick removed from a volume of three while a mount of it runs a workload: `commit` is
+/// refused until a rebalance emptied it; `start` makes it leave and moves every file off it
+/// — symlinks and FIFOs too — while the workload sees no error; `commit` then stops it, its
+/// place stays in the volume's list, no file of the volume is left on it, and every file
+/// reads back through the mount and a fresh one.
+#[test]
+fn remove_brick_under_a_workload_loses_nothing() {
+    const DIRS: usize = 4;
+    const LINKS: usize = 24;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let m = Mgmtd::start(dir.path());
+    let bricks: Vec<PathBuf> = (0..3)
+        .map(|i| dir.path().join(format!("bricks/b{i}")))
+        .collect();
+    let mut create = vec!["volume", "create", "shrink"];
+    create.extend(bricks.iter().map(|b| b.to_str().expect("utf-8")));
+    create.extend(["--port", "27600"]);
+    m.ok(&create);
+    m.ok(&["volume", "set", "shrink", "server.root-allow", "admin"]);
+    m.ok(&["volume", "start", "shrink"]);
+    m.healthy("shrink");
+    let (mountpoint, log) = (dir.path().join("mnt"), dir.path().join("mount.log"));
+    std::fs::create_dir(&mountpoint).expect("mountpoint");
+    let mount = mount_volume(&m, "shrink", &mountpoint, &log);
+    make_links(&mountpoint, LINKS);
+    let leaving = bricks[1].to_str().expect("utf-8");
+    let remove = |action| {
+        [
+            "volume",
+            "--json",
+            "remove-brick",
+            "shrink",
+            leaving,
+            action,
+        ]
+    };
+    let refused = m.fails(&remove("commit"));
+    assert!(refused.contains("no rebalance has emptied it"), "{refused}");
+    assert!(!non_directories(&bricks[1]).is_empty());
+
+    let (rounds, stop) = (AtomicUsize::new(0), AtomicBool::new(false));
+    let written = std::thread::scope(|s| {
+        let work = s.spawn(|| workload(&mountpoint, DIRS, &rounds, &stop));
+        let _stop = StopOnDrop(&stop);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while rounds.load(Ordering::Relaxed) < 2 && !work.is_finished() {
+            assert!(Instant::now() < deadline, "the workload made no progress");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        // A file the workload keeps rewriting may be left for the next run.
+        let during = m.kiln(&remove("start"));
+        let stderr = String::from_utf8_lossy(&during.stderr);
+        assert!(
+            during.status.success() || stderr.contains("entries are left on the bricks leaving"),
+            "{stderr}"
+        );
+        let info = m.ok(&["volume", "--json", "info", "shrink"]);
+        let info: serde_json::Value = serde_json::from_str(&info).expect("json");
+        assert_eq!(info["volumes"][0]["bricks"][1]["role"], "leaving", "{info}");
+        stop.store(true, Ordering::Relaxed);
+        work.join().expect("the workload saw no error")
+    });
+    assert!(
+        rounds.load(Ordering::Relaxed) > 3,
+        "the workload ran during the removal"
+    );
+    check_written(&mountpoint, &written);
+    check_links(&mountpoint, LINKS);
+
+    let last = m.ok(&remove("start"));
+    let last: serde_json::Value = serde_json::from_str(&last).expect("json");
+    assert_eq!(
+        (last["state"].as_str(), last["failed"].as_u64()),
+        (Some("completed"), Some(0)),
+        "{last}"
+    );
+    assert_eq!(last["left_on_leaving"], 0, "{last}");
+    assert_eq!(last["leaving"], serde_json::json!([1]), "{last}");
+    m.ok(&remove("commit"));
+    let status = m.ok(&["volume", "--json", "status", "shrink"]);
+    let status: serde_json::Value = serde_json::from_str(&status).expect("json");
+    let removed = &status["bricks"][1];
+    assert_eq!(
+        (removed["state"].as_str(), removed["pid"].as_u64()),
+        (Some("removed"), None),
+        "{status}"
+    );
+    assert_eq!(non_directories(&bricks[1]), Vec::<PathBuf>::new());
+    check_written(&mountpoint, &written);
+    unmount(&mountpoint, mount);
+
+    let mount = mount_volume(&m, "shrink", &mountpoint, &log);
+    check_written(&mountpoint, &written);
+    check_links(&mountpoint, LINKS);
+    for d in 0..DIRS {
+        let names = std::fs::read_dir(mountpoint.join(format!("w{d}")))
+            .expect("readdir")
+            .count();
+        let files = written
+            .keys()
+            .filter(|k| k.starts_with(&format!("w{d}/")))
+            .count();
+        assert_eq!(names, files, "w{d}");
+    }
+    unmount(&mountpoint, mount);
+    m.ok(&["volume", "stop", "shrink"]);
+}

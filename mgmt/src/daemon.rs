@@ -18,12 +18,12 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use kiln_admin::command::{
     BrickReport, BrickStatus, ClusterStatus, EXCHANGE, HostReport, OptionValue, ProfileAction,
-    Request, Response, TaskAction,
+    RemoveAction, Request, Response, TaskAction,
 };
 use kiln_admin::exchange::ExchangeError;
 use kiln_admin::options;
 use kiln_admin::pki::{self, Role};
-use kiln_admin::volume::{Brick, Volume, VolumeState};
+use kiln_admin::volume::{Brick, BrickRole, Volume, VolumeState};
 use tokio::net::{UnixListener, UnixStream};
 
 use crate::fanout::{self, Query};
@@ -317,6 +317,11 @@ impl Daemon {
             Request::ClusterToken { valid_secs } => self.token(valid_secs).await,
             Request::ClusterLeave => self.leave().await,
             Request::Rebalance { name, action } => self.rebalance(&name, action).await,
+            Request::VolumeRemoveBrick {
+                name,
+                brick,
+                action,
+            } => self.remove_brick(&name, &brick, action).await,
         }
     }
 
@@ -515,6 +520,88 @@ impl Daemon {
         Ok(Response::Rebalance(status))
     }
 
+    /// `kiln volume remove-brick NAME BRICK start|status|stop|commit`.
+    async fn remove_brick(
+        &self,
+        name: &str,
+        spec: &Path,
+        action: RemoveAction,
+    ) -> anyhow::Result<Response> {
+        let (host, path) = self.brick_place(spec)?;
+        let volume = self.volume(name)?;
+        let index = volume
+            .bricks_in_service()
+            .find(|(_, b)| b.host == host && b.path == path)
+            .map(|(i, _)| i)
+            .with_context(|| format!("volume {name} has no brick {}", spec.display()))?;
+        let brick = volume.bricks[index].display();
+        let role = |role| Change::SetBrickRole {
+            volume: name.to_owned(),
+            index,
+            role,
+        };
+        match action {
+            RemoveAction::Start => {
+                if volume.state != VolumeState::Started {
+                    anyhow::bail!(
+                        "volume {name} is {}; `kiln volume start {name}` first",
+                        volume.state
+                    );
+                }
+                if self.tasks.status(name).await.is_ok_and(|s| s.is_live()) {
+                    anyhow::bail!(
+                        "a rebalance of {name} is running: `kiln volume rebalance {name} stop` \
+                         it first"
+                    );
+                }
+                if volume.bricks[index].role != BrickRole::Leaving {
+                    self.commit(role(BrickRole::Leaving)).await?;
+                }
+                self.rebalance(name, TaskAction::Start).await
+            }
+            RemoveAction::Status => self.rebalance(name, TaskAction::Status).await,
+            RemoveAction::Stop => {
+                if self.tasks.status(name).await.is_ok_and(|s| s.is_live()) {
+                    self.tasks.stop(name).await?;
+                }
+                let generation = self.commit(role(BrickRole::Serving)).await?;
+                Ok(done(
+                    generation,
+                    format!(
+                        "brick {brick} of volume {name} serves again; the files moved off it \
+                         stay where they are"
+                    ),
+                ))
+            }
+            RemoveAction::Commit => {
+                let last = self.tasks.status(name).await.ok();
+                if !last.as_ref().is_some_and(|s| s.emptied(index)) {
+                    let how = match last {
+                        Some(s) if s.is_live() => "its rebalance is still running".to_owned(),
+                        Some(s) if s.leaving.contains(&index) => format!(
+                            "its last rebalance {} with {} entries left on it and {} failed",
+                            s.state, s.report.left_on_leaving, s.report.failed
+                        ),
+                        _ => "no rebalance has emptied it".to_owned(),
+                    };
+                    anyhow::bail!(
+                        "brick {brick} still holds files of volume {name} ({how}): run \
+                         `kiln volume remove-brick {name} {brick} start` until it completes"
+                    );
+                }
+                let generation = self.commit(role(BrickRole::Removed)).await?;
+                self.reconcile().await;
+                Ok(done(
+                    generation,
+                    format!(
+                        "brick {brick} removed from volume {name}; it holds none of the \
+                         volume's files now and its directory may be deleted"
+                    ),
+                ))
+            }
+        }
+    }
+
     fn cluster_etcd(&self) -> anyhow::Result<&EtcdStore<Cluster>> {
         self.store
             .etcd()
@@ -546,7 +633,7 @@ impl Daemon {
         let (host, path) = self.brick_place(&spec)?;
         let (brick, change, index) = self.store.read(|cluster, _| {
             let port = port.unwrap_or_else(|| self.free_port(cluster, host.as_deref(), &[]));
-            let brick = Brick { host, path, port };
+            let brick = Brick::new(host, path, port);
             let change = Change::AddBrick {
                 volume: name.to_owned(),
                 brick: brick.clone(),
@@ -715,7 +802,7 @@ impl Daemon {
             let reports = self.host_reports().await?;
             for (i, status) in bricks.iter_mut().enumerate() {
                 let brick = &volume.bricks[i];
-                if !self.supervisor.is_local(brick) {
+                if !self.supervisor.is_local(brick) && brick.role.in_service() {
                     *status = remote_status(&reports, &Brick::name(name, i), brick);
                 }
             }
@@ -764,7 +851,7 @@ impl Daemon {
         let hosts: Vec<String> = hosts.into_iter().collect();
         let mut answers = fanout::ask_hosts::<T>(etcd.etcd(), query, &volume.name, &hosts).await?;
         for (i, brick) in volume.bricks.iter().enumerate() {
-            if self.supervisor.is_local(brick) {
+            if self.supervisor.is_local(brick) || !brick.role.in_service() {
                 continue;
             }
             let host = brick.host.clone().unwrap_or_default();
@@ -961,7 +1048,7 @@ impl Daemon {
                     Some(first) => first.saturating_add(u16::try_from(i).unwrap_or(u16::MAX)),
                     None => self.free_port(cluster, host.as_deref(), &taken),
                 };
-                bricks.push(Brick { host, path, port });
+                bricks.push(Brick::new(host, path, port));
             }
             let volume = Volume {
                 name: name.to_owned(),
@@ -1061,6 +1148,7 @@ fn remote_status(reports: &[HostReport], name: &str, brick: &Brick) -> BrickStat
             host: brick.host.clone(),
             path: brick.path.clone(),
             port: brick.port,
+            role: brick.role,
             pid: None,
             state: "down".to_owned(),
             uptime_secs: 0,

@@ -189,10 +189,11 @@ impl Supervisor {
             })
     }
 
-    /// The indexes of `volume`'s bricks that live on this host.
+    /// The indexes of `volume`'s bricks in service that live on this host.
     pub fn local_bricks<'v>(&self, volume: &'v Volume) -> impl Iterator<Item = usize> + 'v {
         let host = self.launch.host.clone();
-        (0..volume.bricks.len()).filter(move |&i| volume.bricks[i].host == host)
+        let local = move |(i, b): (usize, &Brick)| (b.host == host).then_some(i);
+        volume.bricks_in_service().filter_map(local)
     }
 
     /// The bricks run (or being restarted) here.
@@ -347,8 +348,12 @@ impl Supervisor {
                     host: brick.host.clone(),
                     path: brick.path.clone(),
                     port: brick.port,
+                    role: brick.role,
                     pid: run.as_ref().and_then(|r| r.pid),
-                    state: run.as_ref().map_or("stopped", |r| r.state).to_owned(),
+                    state: match brick.role.in_service() {
+                        true => run.as_ref().map_or("stopped", |r| r.state).to_owned(),
+                        false => brick.role.to_string(),
+                    },
                     uptime_secs: run
                         .as_ref()
                         .filter(|r| r.pid.is_some())

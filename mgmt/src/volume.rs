@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use kiln_admin::options::{self, OptionError};
-use kiln_admin::volume::{Brick, Volume, VolumeState};
+use kiln_admin::volume::{Brick, BrickRole, Volume, VolumeState};
 use serde::{Deserialize, Serialize};
 
 use crate::store::State;
@@ -36,6 +36,13 @@ pub enum Change {
     AddBrick {
         volume: String,
         brick: Brick,
+    },
+    /// Brick `index` of the volume becomes `role`: leaving (`remove-brick … start`), serving
+    /// again (`… stop`) or removed (`… commit`); a removed brick keeps its index.
+    SetBrickRole {
+        volume: String,
+        index: usize,
+        role: BrickRole,
     },
     Delete {
         volume: String,
@@ -81,6 +88,16 @@ pub enum ConfigError {
         port: u16,
         volume: String,
     },
+    #[error("volume {volume} has no brick {index}")]
+    NoSuchBrick { volume: String, index: usize },
+    #[error("brick {brick} is {from}; it cannot become {to}")]
+    BrickRole {
+        brick: String,
+        from: BrickRole,
+        to: BrickRole,
+    },
+    #[error("brick {brick} is the last serving brick of volume {volume}")]
+    LastBrick { brick: String, volume: String },
     #[error("volume {0} is already started")]
     AlreadyStarted(String),
     #[error("volume {0} is not started")]
@@ -130,6 +147,7 @@ impl Cluster {
             .values()
             .flat_map(|v| v.bricks.iter().map(move |b| (v.name.as_str(), b)))
             .chain(siblings.iter().map(|b| (volume, b)))
+            .filter(|(_, other)| other.role.in_service())
             .filter(|(_, other)| other.shares_host(brick));
         for (owner, other) in others {
             if other.path == brick.path {
@@ -162,7 +180,7 @@ impl Cluster {
             .volumes
             .values()
             .flat_map(|v| &v.bricks)
-            .filter(|b| b.host.as_deref() == host)
+            .filter(|b| b.host.as_deref() == host && b.role.in_service())
             .map(|b| b.port)
             .chain(taken_now.iter().copied())
             .collect();
@@ -198,6 +216,11 @@ impl State for Cluster {
                 let bricks = &self.volume(volume)?.bricks;
                 self.check_new_brick(brick, bricks, volume)
             }
+            Change::SetBrickRole {
+                volume,
+                index,
+                role,
+            } => check_role_change(self.volume(volume)?, *index, *role),
             Change::Delete { volume } => match self.volume(volume)?.state {
                 VolumeState::Started => Err(ConfigError::StillStarted(volume.clone())),
                 _ => Ok(()),
@@ -232,6 +255,19 @@ impl State for Cluster {
             Change::AddBrick { volume, brick } => {
                 if let Some(v) = self.volumes.get_mut(volume) {
                     v.bricks.push(brick.clone());
+                }
+            }
+            Change::SetBrickRole {
+                volume,
+                index,
+                role,
+            } => {
+                if let Some(brick) = self
+                    .volumes
+                    .get_mut(volume)
+                    .and_then(|v| v.bricks.get_mut(*index))
+                {
+                    brick.role = *role;
                 }
             }
             Change::Delete { volume } => {
@@ -297,6 +333,38 @@ impl Objects for Cluster {
     }
 }
 
+/// Whether brick `index` of `volume` may become `to`: a serving brick leaves (while another
+/// serves), a leaving one serves again or is removed.
+fn check_role_change(volume: &Volume, index: usize, to: BrickRole) -> Result<(), ConfigError> {
+    let brick = volume
+        .bricks
+        .get(index)
+        .ok_or_else(|| ConfigError::NoSuchBrick {
+            volume: volume.name.clone(),
+            index,
+        })?;
+    let from = brick.role;
+    match (from, to) {
+        (BrickRole::Serving, BrickRole::Leaving) => {
+            let others = volume.bricks.iter().enumerate();
+            let serving = others.filter(|(i, b)| *i != index && b.role.is_serving());
+            match serving.count() {
+                0 => Err(ConfigError::LastBrick {
+                    brick: brick.display(),
+                    volume: volume.name.clone(),
+                }),
+                _ => Ok(()),
+            }
+        }
+        (BrickRole::Leaving, BrickRole::Serving | BrickRole::Removed) => Ok(()),
+        _ => Err(ConfigError::BrickRole {
+            brick: brick.display(),
+            from,
+            to,
+        }),
+    }
+}
+
 /// A known key with a value already in canonical form.
 fn check_option(key: &str, value: &str) -> Result<(), ConfigError> {
     let canonical = options::find(key)?.parse(value)?;
@@ -317,11 +385,7 @@ mod tests {
         Volume {
             name: name.into(),
             id: "00000000-0000-4000-8000-000000000001".into(),
-            bricks: vec![Brick {
-                host: None,
-                path: path.into(),
-                port,
-            }],
+            bricks: vec![Brick::new(None, path.into(), port)],
             options: BTreeMap::new(),
             state: VolumeState::Created,
         }
@@ -382,11 +446,7 @@ mod tests {
         commit(&mut c, &Change::Create(volume("v2", "/b/2", 49153))).expect("create");
         let add = |volume: &str, path: &str, port| Change::AddBrick {
             volume: volume.into(),
-            brick: Brick {
-                host: None,
-                path: path.into(),
-                port,
-            },
+            brick: Brick::new(None, path.into(), port),
         };
         for (change, clash) in [
             (add("v1", "/b/2", 49160), "path"),
@@ -408,6 +468,53 @@ mod tests {
         commit(&mut c, &add("v1", "/b/3", 49160)).expect("add");
         let bricks = &c.volume("v1").expect("v1").bricks;
         assert_eq!((bricks.len(), bricks[1].port), (2, 49160));
+    }
+
+    #[test]
+    fn a_brick_leaves_then_is_removed_keeping_its_index() {
+        let mut c = Cluster::default();
+        commit(&mut c, &Change::Create(volume("v", "/b/1", 49152))).expect("create");
+        let add = Change::AddBrick {
+            volume: "v".into(),
+            brick: Brick::new(None, "/b/2".into(), 49153),
+        };
+        commit(&mut c, &add).expect("add");
+        let role = |index, role| Change::SetBrickRole {
+            volume: "v".into(),
+            index,
+            role,
+        };
+        let refused = |c: &mut Cluster, change| commit(c, &change).expect_err("refused");
+        assert!(matches!(
+            refused(&mut c, role(1, BrickRole::Removed)),
+            ConfigError::BrickRole { .. }
+        ));
+        assert!(matches!(
+            refused(&mut c, role(2, BrickRole::Leaving)),
+            ConfigError::NoSuchBrick { index: 2, .. }
+        ));
+        commit(&mut c, &role(1, BrickRole::Leaving)).expect("leave");
+        // The other one is the last that serves.
+        assert!(matches!(
+            refused(&mut c, role(0, BrickRole::Leaving)),
+            ConfigError::LastBrick { .. }
+        ));
+        commit(&mut c, &role(1, BrickRole::Serving)).expect("stay");
+        commit(&mut c, &role(1, BrickRole::Leaving)).expect("leave");
+        commit(&mut c, &role(1, BrickRole::Removed)).expect("remove");
+        assert!(matches!(
+            refused(&mut c, role(1, BrickRole::Serving)),
+            ConfigError::BrickRole { .. }
+        ));
+        // Its place stays; its path and port are free again.
+        assert_eq!(c.volume("v").expect("v").bricks.len(), 2);
+        assert_eq!(c.free_port(None, 49153, &[], |_| true), 49153);
+        let again = Change::AddBrick {
+            volume: "v".into(),
+            brick: Brick::new(None, "/b/2".into(), 49153),
+        };
+        commit(&mut c, &again).expect("the path is free again");
+        assert_eq!(c.volume("v").expect("v").bricks.len(), 3);
     }
 
     #[test]

@@ -11,6 +11,7 @@ use std::process::ExitCode;
 use anyhow::Context as _;
 use bytes::Bytes;
 use clap::Subcommand;
+use kiln_client::distribute::Member;
 use kiln_client::path::{components, new_gfid};
 use kiln_client::{BrickClient, ConnectOptions, Error, Layer, LayerExt, Paths};
 use kiln_wire::limits::IO_SIZE_MAX_BYTES;
@@ -143,6 +144,26 @@ pub(crate) async fn connect_all(
         bricks.push(brick);
     }
     Ok(bricks)
+}
+
+/// A brick client for each of `members` in service (a volume's bricks, in order), as
+/// [`connect`] makes one; a removed brick stays removed.
+pub(crate) async fn connect_members(
+    global: &Global,
+    members: &[Member<SocketAddr>],
+) -> anyhow::Result<Vec<Member<BrickClient>>> {
+    let mut connected = Vec::with_capacity(members.len());
+    for member in members {
+        let brick = match member.brick() {
+            Some(&addr) => Some(connect_all(global, &[addr]).await?.remove(0)),
+            None => None,
+        };
+        connected.push(match brick {
+            Some(brick) => Member::new(brick, member.role()),
+            None => Member::Removed,
+        });
+    }
+    Ok(connected)
 }
 
 /// Prints `kiln: <what>: <error>` and counts one failure.

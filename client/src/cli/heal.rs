@@ -7,7 +7,7 @@ use anyhow::Context;
 use std::net::SocketAddr;
 
 use kiln_client::BrickClient;
-use kiln_client::distribute::Distribute;
+use kiln_client::distribute::{Distribute, Member};
 use kiln_wire::Creds;
 
 use crate::Global;
@@ -50,18 +50,19 @@ pub(crate) fn run(global: &Global, name: &str, json: bool) -> anyhow::Result<()>
     Ok(())
 }
 
-/// Runs `work` on the distribution layer over every brick of volume `name` (at `bricks`),
+/// Runs `work` on the distribution layer over every brick of volume `name` (`members`),
 /// connected for it and closed after.
 pub(crate) async fn on_distributed<T>(
     global: &Global,
     name: &str,
-    bricks: &[SocketAddr],
+    members: &[Member<SocketAddr>],
     work: impl AsyncFnOnce(&Distribute<BrickClient>) -> Result<T, kiln_client::Error>,
 ) -> anyhow::Result<T> {
-    let bricks = crate::files::connect_all(global, bricks)
+    let members = crate::files::connect_members(global, members)
         .await
         .with_context(|| format!("cannot reach the bricks of {name}"))?;
-    let distribute = Distribute::new(bricks.clone(), name)?;
+    let bricks: Vec<BrickClient> = members.iter().filter_map(Member::brick).cloned().collect();
+    let distribute = Distribute::of_members(members, name)?;
     let done = work(&distribute).await;
     for brick in bricks {
         brick.close().await;

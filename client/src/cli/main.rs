@@ -243,6 +243,15 @@ fn main() -> ExitCode {
             volume::RebalanceArg::Stop => rebalance::stop(&cli.global, &name, json),
             volume::RebalanceArg::FixLayout => heal::run(&cli.global, &name, json),
         },
+        Command::Volume {
+            json,
+            command:
+                volume::VolumeCommand::RemoveBrick {
+                    name,
+                    brick,
+                    action,
+                },
+        } => rebalance::remove_brick(&cli.global, &name, &brick, action, json),
         Command::Volume { json, command } => volume::run(&cli.global.socket, json, command),
         Command::Cluster { json, command } => {
             use kiln_admin::command::Request;

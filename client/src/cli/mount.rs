@@ -26,7 +26,7 @@ use clap::Args;
 use kiln_admin::command::{Request, Response};
 use kiln_admin::volume::VolumeState;
 use kiln_client::BrickClient;
-use kiln_client::distribute::{BrickSource, Distribute};
+use kiln_client::distribute::{BrickSource, Distribute, Listed, Member};
 use kiln_client::mount::{self, MountOptions};
 
 use crate::Global;
@@ -133,8 +133,8 @@ async fn serve(
 ) -> anyhow::Result<()> {
     let mountpoint = &args.mountpoint;
     check_mountpoint(mountpoint)?;
-    let (brick_addrs, by_name) = match parse_addrs(&args.source) {
-        Some(addrs) => (addrs, false),
+    let (members, by_name) = match parse_addrs(&args.source) {
+        Some(addrs) => (addrs.into_iter().map(Member::Serving).collect(), false),
         None => {
             let volume = resolve_volume(global, &args.source)?;
             // The volume's settings, then this mount's own on top.
@@ -149,26 +149,29 @@ async fn serve(
     };
     // The client stack this volume needs: a brick client per brick, and over several a
     // distribution layer.
-    let bricks = crate::files::connect_all(global, &brick_addrs)
-        .await
-        .with_context(|| format!("cannot mount {}", args.source))?;
+    let members: Vec<Member<BrickClient>> =
+        crate::files::connect_members(global, &members)
+            .await
+            .with_context(|| format!("cannot mount {}", args.source))?;
+    let bricks: Vec<BrickClient> = members.iter().filter_map(Member::brick).cloned().collect();
     let runtime = tokio::runtime::Handle::current();
     let added = Arc::new(Mutex::new(Vec::new()));
-    let mounted = match bricks.as_slice() {
-        [brick] => mount::mount(runtime, brick.clone(), mountpoint, options),
-        [first, ..] => {
+    let mounted = match (members.as_slice(), bricks.first()) {
+        ([Member::Serving(brick)], _) => mount::mount(runtime, brick.clone(), mountpoint, options),
+        ([_, _, ..], Some(first)) => {
             let volume = first.hello().await?.volume.to_string();
-            let mut distribute = Distribute::new(bricks.clone(), &volume)?;
+            let mut distribute = Distribute::of_members(members, &volume)?;
             if by_name {
                 distribute = distribute.with_source(VolumeBricks {
                     global: global.clone(),
                     volume: args.source.clone(),
                     added: added.clone(),
                 });
+                tokio::spawn(distribute.refresh_forever());
             }
             mount::mount(runtime, distribute, mountpoint, options)
         }
-        [] => bail!("no brick to mount"),
+        _ => bail!("no brick in service to mount"),
     }
     .with_context(|| format!("cannot mount on {}", mountpoint.display()))?;
     tracing::info!(source = %args.source, mountpoint = %mounted.mountpoint().display(), "mounted");
@@ -193,9 +196,9 @@ async fn serve(
     result.context("unmount")
 }
 
-/// The bricks of a volume mounted by name that were added to it while it is mounted, as the
-/// management daemon lists them (`kiln volume add-brick`); each brick client made is kept
-/// in `added`, to be closed at the end.
+/// The bricks of a volume mounted by name as the management daemon lists them: those added
+/// while it is mounted (`kiln volume add-brick`) and every brick's role (`remove-brick`);
+/// each brick client made is kept in `added`, to be closed at the end.
 struct VolumeBricks {
     global: Global,
     volume: String,
@@ -203,10 +206,10 @@ struct VolumeBricks {
 }
 
 impl BrickSource<BrickClient> for VolumeBricks {
-    fn added(
+    fn members(
         &self,
         known: usize,
-    ) -> Pin<Box<dyn Future<Output = Result<Vec<BrickClient>, kiln_client::Error>> + Send + '_>>
+    ) -> Pin<Box<dyn Future<Output = Result<Listed<BrickClient>, kiln_client::Error>> + Send + '_>>
     {
         Box::pin(async move {
             let unreachable = |e: anyhow::Error| kiln_client::Error::Connect {
@@ -218,14 +221,17 @@ impl BrickSource<BrickClient> for VolumeBricks {
                 .await
                 .map_err(|e| unreachable(e.into()))?
                 .map_err(unreachable)?;
-            let addrs = listed.bricks.get(known..).unwrap_or_default();
-            let bricks = crate::files::connect_all(&self.global, addrs)
+            let new = listed.bricks.get(known..).unwrap_or_default();
+            let added = crate::files::connect_members(&self.global, new)
                 .await
                 .map_err(unreachable)?;
-            tracing::info!(added = addrs.len(), "the volume has new bricks");
-            let mut added = self.added.lock().unwrap_or_else(|p| p.into_inner());
-            added.extend(bricks.iter().cloned());
-            Ok(bricks)
+            if !added.is_empty() {
+                tracing::info!(added = added.len(), "the volume has new bricks");
+            }
+            let mut kept = self.added.lock().unwrap_or_else(|p| p.into_inner());
+            kept.extend(added.iter().filter_map(Member::brick).cloned());
+            let roles = listed.bricks.iter().map(Member::role).collect();
+            Ok(Listed { roles, added })
         })
     }
 }
@@ -347,8 +353,8 @@ fn check_mountpoint(mountpoint: &Path) -> anyhow::Result<()> {
 
 /// What a mount needs of a volume of kiln-mgmtd.
 pub(crate) struct VolumeToMount {
-    /// The brick addresses, in brick order.
-    pub(crate) bricks: Vec<SocketAddr>,
+    /// The bricks' addresses and roles, in brick order.
+    pub(crate) bricks: Vec<Member<SocketAddr>>,
     /// Its `performance.*` settings, without the prefix (the mount options they are).
     options: Vec<(String, String)>,
 }
@@ -372,10 +378,14 @@ pub(crate) fn resolve_volume(global: &Global, name: &str) -> anyhow::Result<Volu
             volume.state
         );
     }
+    let member = |brick: &kiln_admin::volume::Brick| match brick.role.in_service() {
+        true => Ok(Member::new(brick_address(global, brick)?, brick.role)),
+        false => Ok(Member::Removed),
+    };
     let bricks = volume
         .bricks
         .iter()
-        .map(|brick| brick_address(global, brick))
+        .map(member)
         .collect::<anyhow::Result<_>>()?;
     let options = volume
         .options

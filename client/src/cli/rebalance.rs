@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use kiln_admin::command::{RebalanceStatus, Request, Response, TaskAction};
+use kiln_admin::command::{RebalanceStatus, RemoveAction, Request, Response, TaskAction};
 use kiln_client::distribute::RebalanceReport;
 
 use crate::Global;
@@ -54,18 +54,26 @@ fn line(status: &RebalanceStatus) -> String {
     )
 }
 
+/// How far this runner got: its report so far, and the bricks it empties.
+#[derive(Default)]
+struct Progress {
+    report: RebalanceReport,
+    leaving: Vec<usize>,
+}
+
 /// What this runner says of its rebalance.
 fn new_status(
     volume: &str,
     state: &str,
-    report: &RebalanceReport,
+    progress: &Progress,
     elapsed: Duration,
 ) -> RebalanceStatus {
     RebalanceStatus {
         pid: std::process::id(),
         state: state.to_owned(),
-        report: *report,
+        report: progress.report,
         elapsed_secs: elapsed.as_secs_f64(),
+        leaving: progress.leaving.clone(),
         ..RebalanceStatus::wanted(volume)
     }
 }
@@ -111,6 +119,33 @@ impl Files {
 pub(crate) fn start(global: &Global, name: &str, json: bool) -> anyhow::Result<()> {
     ask(global, name, TaskAction::Start)?;
     follow(global, name, json, true, None)
+}
+
+/// `remove-brick VOLUME BRICK start|status|stop|commit`: `start` follows the rebalance that
+/// empties the brick until it ends.
+pub(crate) fn remove_brick(
+    global: &Global,
+    name: &str,
+    brick: &Path,
+    action: crate::volume::RemoveArg,
+    json: bool,
+) -> anyhow::Result<()> {
+    use crate::volume::RemoveArg;
+    let request = Request::VolumeRemoveBrick {
+        name: name.to_owned(),
+        brick: crate::volume::brick_spec(brick)?,
+        action: match action {
+            RemoveArg::Start => RemoveAction::Start,
+            RemoveArg::Status => RemoveAction::Status,
+            RemoveArg::Stop => RemoveAction::Stop,
+            RemoveArg::Commit => RemoveAction::Commit,
+        },
+    };
+    match (action, crate::volume::call(&global.socket, &request)?) {
+        (RemoveArg::Start, Response::Rebalance(_)) => follow(global, name, json, true, None),
+        (_, Response::Rebalance(status)) => print(&status, json),
+        (_, other) => crate::volume::print_answer(other, json, false),
+    }
 }
 
 /// `rebalance VOLUME status`.
@@ -194,6 +229,10 @@ fn follow(
     progress.finish_and_clear();
     print(&status, json)?;
     let why = status.error.as_deref().unwrap_or("see the log");
+    let left = status.report.left_on_leaving;
+    if left > 0 {
+        bail!("{left} entries are left on the bricks leaving {name} (see the log)");
+    }
     match (status.state.as_str(), status.report.failed) {
         ("completed" | "stopped", 0) => Ok(()),
         ("completed" | "stopped", failed) => {
@@ -224,7 +263,7 @@ pub(crate) fn run_for_daemon(global: &Global, name: &str) -> anyhow::Result<()> 
     exit_without_beats();
     let files = Files::of(global, name);
     let started = Instant::now();
-    let last = std::sync::Mutex::new(RebalanceReport::default());
+    let last = std::sync::Mutex::new(Progress::default());
     let result = run_here(
         global,
         name,
@@ -233,21 +272,15 @@ pub(crate) fn run_for_daemon(global: &Global, name: &str) -> anyhow::Result<()> 
         (interrupt, terminate),
         &last,
     );
-    let status = match &result {
-        Ok((true, report)) => new_status(name, "stopped", report, started.elapsed()),
-        Ok((false, report)) if report.failed == 0 => {
-            new_status(name, "completed", report, started.elapsed())
-        }
-        Ok((false, report)) => new_status(name, "failed", report, started.elapsed()),
-        Err(e) => RebalanceStatus {
-            error: Some(format!("{e:#}")),
-            ..new_status(
-                name,
-                "failed",
-                &last.lock().unwrap_or_else(|p| p.into_inner()),
-                started.elapsed(),
-            )
-        },
+    let last = last.into_inner().unwrap_or_else(|p| p.into_inner());
+    let state = match &result {
+        Ok(true) => "stopped",
+        Ok(false) if last.report.failed == 0 => "completed",
+        Ok(false) | Err(_) => "failed",
+    };
+    let status = RebalanceStatus {
+        error: result.as_ref().err().map(|e| format!("{e:#}")),
+        ..new_status(name, state, &last, started.elapsed())
     };
     if let Err(e) = files.write(&status) {
         eprintln!("kiln: the rebalance's last status was not written: {e:#}");
@@ -256,39 +289,47 @@ pub(crate) fn run_for_daemon(global: &Global, name: &str) -> anyhow::Result<()> 
 }
 
 /// The rebalance of `name`, its progress written to `files` (and kept in `last`): whether
-/// a signal stopped it, and its report.
+/// a signal stopped it.
 fn run_here(
     global: &Global,
     name: &str,
     files: &Files,
     runtime: &tokio::runtime::Runtime,
     (interrupt, terminate): (tokio::signal::unix::Signal, tokio::signal::unix::Signal),
-    last: &std::sync::Mutex<RebalanceReport>,
-) -> anyhow::Result<(bool, RebalanceReport)> {
+    last: &std::sync::Mutex<Progress>,
+) -> anyhow::Result<bool> {
     let Some(_lock) = files.try_lock()? else {
         bail!("a rebalance of {name} is running on this host");
     };
     let volume = crate::mount::resolve_volume(global, name)?;
     let stop = Arc::new(AtomicBool::new(false));
     let started = Instant::now();
-    let running = |r: &RebalanceReport| new_status(name, "running", r, started.elapsed());
-    files.write(&running(&RebalanceReport::default()))?;
-    let report = runtime.block_on(async {
+    let progress = |report: &RebalanceReport| {
+        let mut last = last.lock().unwrap_or_else(|p| p.into_inner());
+        last.report = *report;
+        new_status(name, "running", &last, started.elapsed())
+    };
+    runtime.block_on(async {
         let signals = tokio::spawn(stop_on_signal(interrupt, terminate, stop.clone()));
-        let mut progress = |r: &RebalanceReport| {
-            *last.lock().unwrap_or_else(|p| p.into_inner()) = *r;
-            if let Err(e) = files.write(&running(r)) {
-                tracing::warn!(error = %e, "rebalance: progress not written");
-            }
-        };
         let report = crate::heal::on_distributed(global, name, &volume.bricks, async |d| {
-            d.rebalance(&stop, &mut progress).await
+            last.lock().unwrap_or_else(|p| p.into_inner()).leaving = d.leaving();
+            files
+                .write(&progress(&RebalanceReport::default()))
+                .map_err(|e| {
+                    kiln_client::Error::Misuse(format!("the rebalance's status: {e:#}"))
+                })?;
+            d.rebalance(&stop, &mut |r: &RebalanceReport| {
+                if let Err(e) = files.write(&progress(r)) {
+                    tracing::warn!(error = %e, "rebalance: progress not written");
+                }
+            })
+            .await
         })
         .await;
         signals.abort();
         report
     })?;
-    Ok((stop.load(Ordering::Relaxed), report))
+    Ok(stop.load(Ordering::Relaxed))
 }
 
 /// Exits this process at once when its daemon stops beating (a byte on stdin at least every

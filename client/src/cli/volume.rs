@@ -31,6 +31,18 @@ pub(crate) enum VolumeCommand {
         #[arg(long)]
         port: Option<u16>,
     },
+    /// Take a brick out of the volume without losing a file: `start` makes it leave (no
+    /// directory gives it a share any more) and has the management daemon rebalance the
+    /// volume, which moves every file off it, followed with a progress bar; `status` shows
+    /// that rebalance; `stop` stops it and the brick serves again; `commit` removes the brick
+    /// once a rebalance completed with nothing left on it (its directory may then be deleted).
+    RemoveBrick {
+        name: String,
+        /// `HOST:PATH`, or a path of this host.
+        brick: PathBuf,
+        #[arg(value_enum)]
+        action: RemoveArg,
+    },
     /// Start the volume's bricks (and keep them running).
     Start { name: String },
     /// Stop the volume's bricks.
@@ -96,6 +108,14 @@ pub(crate) enum RebalanceArg {
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
+pub(crate) enum RemoveArg {
+    Start,
+    Status,
+    Stop,
+    Commit,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
 pub(crate) enum ProfileArg {
     Start,
     Info,
@@ -148,9 +168,12 @@ pub(crate) fn run(socket: &Path, json: bool, command: VolumeCommand) -> anyhow::
             brick: brick_spec(&brick)?,
             port,
         },
-        VolumeCommand::Heal { .. } | VolumeCommand::Rebalance { .. } => {
+        VolumeCommand::Heal { .. }
+        | VolumeCommand::Rebalance { .. }
+        | VolumeCommand::RemoveBrick { .. } => {
             bail!(
-                "`kiln volume heal` and `rebalance` run in the client (crate::heal, crate::rebalance)"
+                "`kiln volume heal`, `rebalance` and `remove-brick` run in the client \
+                 (crate::heal, crate::rebalance)"
             )
         }
     };
@@ -160,7 +183,11 @@ pub(crate) fn run(socket: &Path, json: bool, command: VolumeCommand) -> anyhow::
 /// Asks the daemon `request` and prints its answer (as JSON with `json`).
 pub(crate) fn ask_and_print(socket: &Path, json: bool, request: &Request) -> anyhow::Result<()> {
     let list_only = matches!(request, Request::VolumeInfo { name: None });
-    let response = call(socket, request)?;
+    print_answer(call(socket, request)?, json, list_only)
+}
+
+/// Prints the daemon's answer `response` (as JSON with `json`); an error answer is an error.
+pub(crate) fn print_answer(response: Response, json: bool, list_only: bool) -> anyhow::Result<()> {
     if json {
         println!("{}", serde_json::to_string(&response)?);
         return match response {
@@ -172,7 +199,7 @@ pub(crate) fn ask_and_print(socket: &Path, json: bool, request: &Request) -> any
 }
 
 /// A brick as the daemon takes it: `HOST:PATH` as given, a path of this host made absolute.
-fn brick_spec(brick: &Path) -> anyhow::Result<PathBuf> {
+pub(crate) fn brick_spec(brick: &Path) -> anyhow::Result<PathBuf> {
     match kiln_admin::volume::Brick::split_spec(brick) {
         (Some(_), _) => Ok(brick.to_owned()),
         (None, path) => Ok(std::env::current_dir()?.join(path)),
@@ -211,7 +238,11 @@ fn print(response: Response, list_only: bool) -> anyhow::Result<()> {
                 println!("State:   {}", v.state);
                 println!("Bricks:  {}", v.bricks.len());
                 for (i, b) in v.bricks.iter().enumerate() {
-                    println!("  b{i}  port {:<5}  {}", b.port, b.display());
+                    let role = match b.role.is_serving() {
+                        true => String::new(),
+                        false => format!("  ({})", b.role),
+                    };
+                    println!("  b{i}  port {:<5}  {}{role}", b.port, b.display());
                 }
                 if !v.options.is_empty() {
                     println!("Options set:");

@@ -21,8 +21,8 @@ pub mod layout;
 
 pub use hash::{Munging, dm_hash, name_hash};
 pub use layer::{
-    BrickSource, DirFds, DistFd, Distribute, FileFd, HealReport, LAYOUT_TTL, LINKTO_XATTR,
-    RebalanceReport,
+    BRICKS_REFRESH, BrickSource, DirFds, DistFd, Distribute, FileFd, HealReport, LAYOUT_TTL,
+    LINKTO_XATTR, Listed, Member, RebalanceReport,
 };
 pub use layout::{
     Anomalies, BRICKS_MAX, COMMIT_HASH_COMMITTED, COMMIT_HASH_INVALID, DiskLayout, HashRange,

@@ -1,121 +1,243 @@
 //! The bricks of a volume as the layer sees them: a list that only grows, so a brick added to
 //! the volume joins while fops run (a link file names a brick by its index, which never
-//! changes), and where the layer learns of the bricks added since it was made.
+//! changes), each with its [`BrickRole`] — a brick removed keeps its place, unused — and
+//! where the layer learns of bricks added and roles changed since it was made.
 
-use std::ops::Index;
+use std::ops::Range;
 use std::pin::Pin;
 use std::sync::OnceLock;
-use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::{AtomicU8, AtomicUsize};
 use std::time::{Duration, Instant};
+
+use kiln_admin::volume::BrickRole;
 
 use super::*;
 use crate::distribute::layout::BRICKS_MAX;
 
-/// How often, at most, a layer asks its [`BrickSource`] in vain.
-const DISCOVERY_INTERVAL: Duration = Duration::from_secs(1);
+/// How often, at most, a layer asks its [`BrickSource`]: how long a mount may go on placing
+/// new directories' names by roles a `remove-brick` has changed.
+pub const BRICKS_REFRESH: Duration = Duration::from_secs(1);
 
-/// Where a layer learns of bricks added to its volume since it was made (a mount asks the
-/// management daemon).
+/// A brick of a volume as the layer is given it.
+#[derive(Debug)]
+pub enum Member<L> {
+    Serving(L),
+    /// Being emptied: in service, but given no share of any directory.
+    Leaving(L),
+    /// Removed from the volume: its index stays taken.
+    Removed,
+}
+
+impl<L> Member<L> {
+    /// `brick` in `role` (dropped when removed).
+    pub fn new(brick: L, role: BrickRole) -> Member<L> {
+        match role {
+            BrickRole::Serving => Member::Serving(brick),
+            BrickRole::Leaving => Member::Leaving(brick),
+            BrickRole::Removed => Member::Removed,
+        }
+    }
+
+    pub fn role(&self) -> BrickRole {
+        match self {
+            Member::Serving(_) => BrickRole::Serving,
+            Member::Leaving(_) => BrickRole::Leaving,
+            Member::Removed => BrickRole::Removed,
+        }
+    }
+
+    /// The brick, unless removed.
+    pub fn brick(&self) -> Option<&L> {
+        match self {
+            Member::Serving(brick) | Member::Leaving(brick) => Some(brick),
+            Member::Removed => None,
+        }
+    }
+
+    fn split(self) -> (Option<L>, BrickRole) {
+        match self {
+            Member::Serving(brick) => (Some(brick), BrickRole::Serving),
+            Member::Leaving(brick) => (Some(brick), BrickRole::Leaving),
+            Member::Removed => (None, BrickRole::Removed),
+        }
+    }
+}
+
+/// Where a layer learns of bricks added to its volume, and of bricks leaving or removed,
+/// since it was made (a mount asks the management daemon).
 pub trait BrickSource<L>: Send + Sync + 'static {
-    /// The volume's bricks after its first `known`, connected, in order; none when there are
-    /// no more.
-    fn added(
+    /// The role of every brick of the volume, in order, and the bricks after its first
+    /// `known`, connected unless removed.
+    fn members(
         &self,
         known: usize,
-    ) -> Pin<Box<dyn Future<Output = Result<Vec<L>, Error>> + Send + '_>>;
+    ) -> Pin<Box<dyn Future<Output = Result<Listed<L>, Error>> + Send + '_>>;
+}
+
+/// What a [`BrickSource`] lists.
+#[derive(Debug)]
+pub struct Listed<L> {
+    /// Every brick's role, in order.
+    pub roles: Vec<BrickRole>,
+    /// The bricks after the first `known` asked for.
+    pub added: Vec<Member<L>>,
 }
 
 /// A list of bricks that only grows, read without a lock.
 pub(super) struct Bricks<L> {
     slots: Box<[OnceLock<L>]>,
+    /// Each slot's [`BrickRole`], as `role_code`.
+    roles: Box<[AtomicU8]>,
     len: AtomicUsize,
-    /// Held while bricks are added; when they last were looked for.
-    discovery: tokio::sync::Mutex<Option<Instant>>,
+    /// Held while the source is asked; when it last was.
+    refreshed: tokio::sync::Mutex<Option<Instant>>,
     source: Option<Box<dyn BrickSource<L>>>,
 }
 
 impl<L: Send + Sync + 'static> Bricks<L> {
-    pub(super) fn new(bricks: Vec<L>) -> Result<Bricks<L>, Error> {
-        if bricks.is_empty() || bricks.len() > BRICKS_MAX {
+    pub(super) fn new(members: Vec<Member<L>>) -> Result<Bricks<L>, Error> {
+        if members.is_empty() || members.len() > BRICKS_MAX {
             return Err(Error::Misuse(format!(
                 "a distributed volume has 1 to {BRICKS_MAX} bricks, not {}",
-                bricks.len()
+                members.len()
             )));
         }
-        let slots: Box<[OnceLock<L>]> = (0..BRICKS_MAX).map(|_| OnceLock::new()).collect();
-        let len = bricks.len();
-        for (slot, brick) in slots.iter().zip(bricks) {
-            let _ = slot.set(brick);
-        }
-        Ok(Bricks {
-            slots,
-            len: AtomicUsize::new(len),
-            discovery: tokio::sync::Mutex::new(None),
+        let bricks = Bricks {
+            slots: (0..BRICKS_MAX).map(|_| OnceLock::new()).collect(),
+            roles: (0..BRICKS_MAX).map(|_| AtomicU8::new(0)).collect(),
+            len: AtomicUsize::new(0),
+            refreshed: tokio::sync::Mutex::new(None),
             source: None,
-        })
+        };
+        for member in members {
+            bricks.push(member)?;
+        }
+        if bricks.in_service().next().is_none() {
+            return Err(Error::Misuse("every brick of the volume is removed".into()));
+        }
+        Ok(bricks)
+    }
+
+    fn push(&self, member: Member<L>) -> Result<(), Error> {
+        let n = self.len();
+        let slot = self
+            .slots
+            .get(n)
+            .ok_or_else(|| Error::Misuse(format!("a volume of more than {BRICKS_MAX} bricks")))?;
+        let (brick, role) = member.split();
+        if let Some(brick) = brick {
+            assert!(slot.set(brick).is_ok(), "slot {n} is taken");
+        }
+        self.roles[n].store(role_code(role), Ordering::Release);
+        self.len.store(n + 1, Ordering::Release);
+        Ok(())
     }
 
     pub(super) fn set_source(&mut self, source: Box<dyn BrickSource<L>>) {
         self.source = Some(source);
     }
 
+    /// How many bricks the volume has had: the indexes in use, removed ones included.
     pub(super) fn len(&self) -> usize {
         self.len.load(Ordering::Acquire)
     }
 
-    pub(super) fn iter(&self) -> impl Iterator<Item = &L> {
-        self.slots[..self.len()].iter().filter_map(OnceLock::get)
+    pub(super) fn indexes(&self) -> Range<usize> {
+        0..self.len()
     }
 
-    /// Asks the source for bricks added to the volume; whether any were (by this call or one
-    /// that ran meanwhile).
-    pub(super) async fn discover(&self) -> Result<bool, Error> {
+    pub(super) fn role(&self, brick: usize) -> BrickRole {
+        match self.roles.get(brick).map(|r| r.load(Ordering::Acquire)) {
+            Some(0) => BrickRole::Serving,
+            Some(1) => BrickRole::Leaving,
+            _ => BrickRole::Removed,
+        }
+    }
+
+    /// Brick `brick`, unless it is removed (or not known): `ENOTCONN` then, as for a brick
+    /// out of reach.
+    pub(super) fn get(&self, brick: usize) -> Result<&L, Error> {
+        match self.role(brick).in_service() {
+            true => self.slots[brick].get(),
+            false => None,
+        }
+        .ok_or(Error::Fop(ErrorCode::NotConnected))
+    }
+
+    /// The bricks in service (serving or leaving), with their indexes.
+    pub(super) fn in_service(&self) -> impl Iterator<Item = (usize, &L)> {
+        self.indexes().filter_map(|i| Some((i, self.get(i).ok()?)))
+    }
+
+    /// The first brick in service: where a directory's own attributes are read.
+    pub(super) fn first(&self) -> usize {
+        let first = self.in_service().next().map(|(i, _)| i);
+        first.expect("a volume keeps a brick in service")
+    }
+
+    /// Each brick's share of a new layout: 1 for a serving brick, 0 for the others.
+    pub(super) fn weights(&self) -> Vec<u32> {
+        let share = |i| u32::from(self.role(i).is_serving());
+        self.indexes().map(share).collect()
+    }
+
+    /// Asks the source, at most once per [`BRICKS_REFRESH`], for bricks added to the volume
+    /// and roles changed; whether anything changed (by this call or one that ran meanwhile).
+    pub(super) async fn refresh(&self) -> Result<bool, Error> {
         let Some(source) = &self.source else {
             return Ok(false);
         };
-        let known = self.len();
-        let mut last = self.discovery.lock().await;
-        if self.len() > known {
+        let before = self.fingerprint();
+        let mut last = self.refreshed.lock().await;
+        if self.fingerprint() != before {
             return Ok(true);
         }
-        if last.is_some_and(|at| at.elapsed() < DISCOVERY_INTERVAL) {
+        if last.is_some_and(|at| at.elapsed() < BRICKS_REFRESH) {
             return Ok(false);
         }
         *last = Some(Instant::now());
-        let added = source.added(known).await?;
-        let found = !added.is_empty();
-        for brick in added {
-            let n = self.len();
-            let slot = self.slots.get(n).ok_or_else(|| {
-                Error::Misuse(format!("a volume of more than {BRICKS_MAX} bricks"))
-            })?;
-            assert!(
-                slot.set(brick).is_ok(),
-                "slot {n} of {known} bricks is taken"
-            );
-            self.len.store(n + 1, Ordering::Release);
+        let known = self.len();
+        let listed = source.members(known).await?;
+        if listed.roles.len() != known + listed.added.len() {
+            return Err(Error::Protocol(format!(
+                "the volume lists {} roles for {known} + {} bricks",
+                listed.roles.len(),
+                listed.added.len()
+            )));
         }
-        if found {
-            tracing::info!(bricks = self.len(), "bricks were added to the volume");
+        for member in listed.added {
+            self.push(member)?;
         }
-        Ok(found)
+        for (i, role) in listed.roles.into_iter().enumerate() {
+            // A brick removed stays removed: its client is gone.
+            if self.role(i).in_service() {
+                self.roles[i].store(role_code(role), Ordering::Release);
+            }
+        }
+        let changed = self.fingerprint() != before;
+        if changed {
+            tracing::info!(bricks = self.len(), roles = ?self.indexes().map(|i| self.role(i)).collect::<Vec<_>>(), "the volume's bricks changed");
+        }
+        Ok(changed)
+    }
+
+    /// The bricks' number and roles, to tell a change.
+    fn fingerprint(&self) -> Vec<BrickRole> {
+        self.indexes().map(|i| self.role(i)).collect()
     }
 }
 
-impl<L: Send + Sync + 'static> Index<usize> for Bricks<L> {
-    type Output = L;
-
-    fn index(&self, brick: usize) -> &L {
-        self.slots
-            .get(brick)
-            .and_then(OnceLock::get)
-            .unwrap_or_else(|| panic!("brick {brick} of {}", self.len()))
+fn role_code(role: BrickRole) -> u8 {
+    match role {
+        BrickRole::Serving => 0,
+        BrickRole::Leaving => 1,
+        BrickRole::Removed => 2,
     }
 }
 
 impl<L: Debug + Send + Sync + 'static> Debug for Bricks<L> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_list().entries(self.iter()).finish()
+        f.debug_list().entries(self.in_service()).finish()
     }
 }
 
@@ -126,24 +248,42 @@ mod tests {
     struct Grow;
 
     impl BrickSource<u32> for Grow {
-        fn added(
+        fn members(
             &self,
             known: usize,
-        ) -> Pin<Box<dyn Future<Output = Result<Vec<u32>, Error>> + Send + '_>> {
-            Box::pin(async move { Ok(if known < 3 { vec![7, 8] } else { Vec::new() }) })
+        ) -> Pin<Box<dyn Future<Output = Result<Listed<u32>, Error>> + Send + '_>> {
+            Box::pin(async move {
+                let added = match known {
+                    1 => vec![Member::Removed, Member::Serving(8)],
+                    _ => Vec::new(),
+                };
+                let roles = vec![BrickRole::Leaving, BrickRole::Removed, BrickRole::Serving];
+                Ok(Listed { roles, added })
+            })
         }
     }
 
     #[tokio::test]
-    async fn the_list_grows_by_what_the_source_adds() {
-        let mut bricks = Bricks::new(vec![1_u32]).expect("bricks");
-        assert!(!bricks.discover().await.expect("no source"));
+    async fn the_list_grows_and_its_roles_change_as_the_source_says() {
+        let mut bricks = Bricks::new(vec![Member::Serving(1_u32)]).expect("bricks");
+        assert!(!bricks.refresh().await.expect("no source"));
         bricks.set_source(Box::new(Grow));
-        assert!(bricks.discover().await.expect("discover"));
-        assert_eq!(bricks.iter().copied().collect::<Vec<_>>(), [1, 7, 8]);
-        assert_eq!(bricks[2], 8);
-        // Nothing more, and not asked again within the interval.
-        assert!(!bricks.discover().await.expect("discover"));
+        assert!(bricks.refresh().await.expect("refresh"));
+        // Brick 1 was removed before this layer heard of it: its place stays, unused. Brick
+        // 0 is leaving: in service, with no share.
+        assert_eq!(bricks.len(), 3);
+        let in_service: Vec<_> = bricks.in_service().map(|(i, b)| (i, *b)).collect();
+        assert_eq!(in_service, [(0, 1), (2, 8)]);
+        assert!(matches!(
+            bricks.get(1),
+            Err(Error::Fop(ErrorCode::NotConnected))
+        ));
+        assert_eq!(bricks.weights(), [0, 0, 1]);
+        assert_eq!(bricks.first(), 0);
+        assert_eq!(*bricks.get(2).expect("brick 2"), 8);
+        // Not asked again within the interval.
+        assert!(!bricks.refresh().await.expect("refresh"));
         assert!(Bricks::<u32>::new(Vec::new()).is_err());
+        assert!(Bricks::<u32>::new(vec![Member::Removed]).is_err());
     }
 }

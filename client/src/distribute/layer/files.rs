@@ -91,9 +91,11 @@ impl<L: Layer> Distribute<L> {
         if file.moved.load(Ordering::Acquire)
             && let Some((brick, fd)) = file.dst.get()
         {
-            return self.bricks[*brick].call_fd(creds, fd, fop).await;
+            return self.bricks.get(*brick)?.call_fd(creds, fd, fop).await;
         }
-        let reply = self.bricks[file.brick]
+        let reply = self
+            .bricks
+            .get(file.brick)?
             .call_fd(creds, &file.fd, fop.clone())
             .await?;
         let Some((gfid, mut look)) = file_iatt(&reply).map(|iatt| (iatt.gfid, Look::of(iatt)))
@@ -118,7 +120,9 @@ impl<L: Layer> Distribute<L> {
                     file.flags.bits() & !(OpenFlags::TRUNC.bits() | OpenFlags::EXCL.bits()),
                 )
                 .unwrap_or_default();
-                let fd = self.bricks[to]
+                let fd = self
+                    .bricks
+                    .get(to)?
                     .open(&Creds::root(), gfid, file.access, flags)
                     .await?;
                 Ok::<_, Error>((to, fd))
@@ -135,11 +139,12 @@ impl<L: Layer> Distribute<L> {
         if look == Look::Moved {
             file.moved.store(true, Ordering::Release);
             tracing::debug!(from = file.brick, to, "an open file follows its migration");
-            return self.bricks[*brick].call_fd(creds, fd, fop).await;
+            return self.bricks.get(*brick)?.call_fd(creds, fd, fop).await;
         }
         let mut change = fop;
         *change.request_mut() = data_part(change.request().clone());
-        self.bricks[*brick]
+        self.bricks
+            .get(*brick)?
             .call_fd(&Creds::root(), fd, change)
             .await
             .map(|_| reply)
@@ -198,7 +203,7 @@ impl<L: Layer> Distribute<L> {
             let Home::Brick(brick) = self.home(creds, gfid).await? else {
                 return Ok(None);
             };
-            let iatt = self.bricks[brick].stat(creds, gfid).await?;
+            let iatt = self.bricks.get(brick)?.stat(creds, gfid).await?;
             if !self.is_moving(&iatt, brick).await? {
                 return Ok(Some(brick));
             }
@@ -230,7 +235,7 @@ impl<L: Layer> Distribute<L> {
         brick: usize,
         fop: FopRequest,
     ) -> Result<FopReply, Error> {
-        let reply = match self.bricks[brick].call(creds, fop.clone()).await {
+        let reply = match self.bricks.get(brick)?.call(creds, fop.clone()).await {
             Err(Error::Fop(code @ (ErrorCode::NoEnt | ErrorCode::Stale))) => {
                 return self.call_on_new_home(creds, gfid, brick, fop, code).await;
             }
@@ -251,7 +256,12 @@ impl<L: Layer> Distribute<L> {
                 .call_on_new_home(creds, gfid, brick, fop, ErrorCode::Stale)
                 .await;
         }
-        match self.bricks[to].call(&Creds::root(), data_part(fop)).await {
+        match self
+            .bricks
+            .get(to)?
+            .call(&Creds::root(), data_part(fop))
+            .await
+        {
             Ok(_) | Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => Ok(reply),
             Err(e) => Err(e),
         }
@@ -269,7 +279,7 @@ impl<L: Layer> Distribute<L> {
     ) -> Result<FopReply, Error> {
         lock(&self.homes).pop(&gfid);
         match self.home(creds, gfid).await {
-            Ok(Home::Brick(b)) if b != was => self.bricks[b].call(creds, fop).await,
+            Ok(Home::Brick(b)) if b != was => self.bricks.get(b)?.call(creds, fop).await,
             Ok(_) | Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => Err(Error::Fop(code)),
             Err(e) => Err(e),
         }
@@ -312,7 +322,9 @@ impl<L: Layer> Distribute<L> {
             }
             .into()
         });
-        let read = self.bricks[file.brick]
+        let read = self
+            .bricks
+            .get(file.brick)?
             .call_fd(&Creds::root(), &file.fd, get)
             .await;
         elsewhere(file.brick, self.linkto_read(read).await)

@@ -25,12 +25,15 @@ pub(super) struct Healed {
 }
 
 impl<L: Layer> Distribute<L> {
-    /// Gives directory `dir` a new layout over every brick, equal shares; the layout kept.
+    /// Gives directory `dir` a new layout over every serving brick, equal shares; the layout
+    /// kept. The brick source is asked first (at most once per [`BRICKS_REFRESH`]): a brick
+    /// that has begun to leave gets no share.
     pub(super) async fn write_new_layout(&self, dir: Gfid) -> Result<Arc<Layout>, Error> {
-        let n = self.bricks.len();
-        let first =
-            first_brick(dir.to_string().as_bytes(), n).map_err(|e| layout_error(dir, &e))?;
-        let layout = Layout::new_directory(&vec![1; n], first, COMMIT_HASH_COMMITTED)
+        self.refresh_bricks().await;
+        let weights = self.bricks.weights();
+        let first = first_brick(dir.to_string().as_bytes(), weights.len())
+            .map_err(|e| layout_error(dir, &e))?;
+        let layout = Layout::new_directory(&weights, first, COMMIT_HASH_COMMITTED)
             .map_err(|e| layout_error(dir, &e))?;
         self.store_layout(dir, layout).await
     }
@@ -41,7 +44,7 @@ impl<L: Layer> Distribute<L> {
         dir: Gfid,
         layout: Layout,
     ) -> Result<Arc<Layout>, Error> {
-        for brick in 0..self.bricks.len() {
+        for (brick, _) in self.bricks.in_service() {
             let Some(disk) = layout.disk_layout(brick) else {
                 continue;
             };
@@ -57,12 +60,12 @@ impl<L: Layer> Distribute<L> {
         Ok(layout)
     }
 
-    /// Replaces the layout of directory `dir`, which overlaps or leaves a brick out, by one
-    /// over every brick that keeps as many hashes where they are as it can. It is written
-    /// uncommitted: names placed by the old one are still found (a miss on the
-    /// hashed brick asks every brick) until a rebalance moves them.
+    /// Replaces the layout of directory `dir`, which overlaps, leaves a serving brick out or
+    /// gives a leaving one a share, by one over every serving brick that keeps as many hashes
+    /// where they are as it can. It is written uncommitted: names placed by the old one are
+    /// still found (a miss on the hashed brick asks every brick) until a rebalance moves them.
     pub(super) async fn heal_layout(&self, dir: Gfid, old: &Layout) -> Result<(), Error> {
-        let weights = vec![1; self.bricks.len()];
+        let weights = self.bricks.weights();
         let healed = old
             .rebalanced(&weights)
             .map_err(|e| layout_error(dir, &e))?
@@ -86,7 +89,8 @@ impl<L: Layer> Distribute<L> {
                 .map_err(|e| Error::Protocol(e.to_string()))?,
             mode: XattrSetMode::Upsert,
         };
-        self.bricks[brick]
+        self.bricks
+            .get(brick)?
             .call(&Creds::root(), set.into())
             .await
             .map(drop)
@@ -114,7 +118,7 @@ impl<L: Layer> Distribute<L> {
     /// bricks that have no copy.
     async fn merge_copies(&self, creds: &Creds, iatt: &mut Iatt, from: usize) -> Vec<usize> {
         let gfid = iatt.gfid;
-        let others = self.bricks.iter().enumerate().filter(|(i, _)| *i != from);
+        let others = self.bricks.in_service().filter(|(i, _)| *i != from);
         let copies = futures_util::future::join_all(
             others.map(|(i, brick)| async move { (i, brick.stat(creds, gfid).await) }),
         )
@@ -159,7 +163,7 @@ impl<L: Layer> Distribute<L> {
             tracing::info!(dir = %found.iatt.gfid, brick, "made a directory's missing copy");
         }
         let layout = self.layout(found.iatt.gfid).await?;
-        if self.needs_heal(&layout) {
+        if self.needs_heal(&layout).await {
             self.heal_layout(found.iatt.gfid, &layout).await?;
         }
         Ok(reply)
@@ -182,7 +186,7 @@ impl<L: Layer> Distribute<L> {
             mode: iatt.mode,
             umask: Mode::from_st_mode(0),
         };
-        match self.bricks[brick].call(&root, mkdir.into()).await {
+        match self.bricks.get(brick)?.call(&root, mkdir.into()).await {
             Ok(_) | Err(Error::Fop(ErrorCode::Exist)) => {}
             Err(e) => return Err(e),
         }
@@ -194,7 +198,11 @@ impl<L: Layer> Distribute<L> {
                 ..kiln_wire::SetAttr::default()
             },
         };
-        self.bricks[brick].call(&root, owner.into()).await.map(drop)
+        self.bricks
+            .get(brick)?
+            .call(&root, owner.into())
+            .await
+            .map(drop)
     }
 
     /// Walks the whole tree, looking up every directory, so each is healed (see
@@ -203,7 +211,7 @@ impl<L: Layer> Distribute<L> {
     pub async fn heal_tree(&self, creds: &Creds) -> Result<HealReport, Error> {
         let before = self.healed();
         let root = self.layout(Gfid::ROOT).await?;
-        if self.needs_heal(&root) {
+        if self.needs_heal(&root).await {
             self.heal_layout(Gfid::ROOT, &root).await?;
         }
         let (mut pending, mut dirs, mut failed) = (vec![Gfid::ROOT], 0, 0);
@@ -243,13 +251,21 @@ impl<L: Layer> Distribute<L> {
         })
     }
 
-    /// Whether `layout` is to be rebuilt: one of this layer's bricks has no range in it, or
-    /// ranges overlap. Holes between the ranges of every brick are left alone: a brick this
-    /// layer does not know (added since it was made, as a mount older than an add-brick)
-    /// may hold them, and rebuilding would take its share away.
-    fn needs_heal(&self, layout: &Layout) -> bool {
-        let covers_every_brick = (0..self.bricks.len()).all(|b| layout.range(b).is_some());
-        !covers_every_brick || layout.anomalies().overlaps > 0
+    /// Whether `layout` is to be rebuilt: a serving brick has no range in it, another brick
+    /// has one, or ranges overlap — by the bricks' roles as the source says now (asked when
+    /// the layout does not fit the ones this layer knew: another client may know better).
+    /// Holes between the ranges of every brick are left alone: a brick this layer does not
+    /// know (added since it was made, as a mount older than an add-brick) may hold them, and
+    /// rebuilding would take its share away.
+    async fn needs_heal(&self, layout: &Layout) -> bool {
+        !self.fits(layout) && (!self.refresh_bricks().await || !self.fits(layout))
+    }
+
+    /// Whether `layout` gives a range to the serving bricks alone, without overlaps.
+    fn fits(&self, layout: &Layout) -> bool {
+        let shares = self.bricks.weights();
+        let fits = |b: usize| layout.range(b).is_some() == (shares[b] > 0);
+        self.bricks.indexes().all(fits) && layout.anomalies().overlaps == 0
     }
 
     /// How many directory copies and layouts this layer has healed.

@@ -82,7 +82,7 @@ impl<L: Layer> Distribute<L> {
                 .into()
             });
             let FopReply::ReaddirpXattrs(reply) =
-                self.bricks[brick].call_fd(creds, fd, fop).await?
+                self.bricks.get(brick)?.call_fd(creds, fd, fop).await?
             else {
                 return Err(Error::Protocol("a READDIRP answered otherwise".into()));
             };
@@ -159,7 +159,12 @@ impl<L: Layer> Distribute<L> {
             FopRequest::Fsyncdir(_) => {
                 let mut answer = None;
                 for (brick, fd) in self.dir_fds(fds) {
-                    answer = Some(self.bricks[brick].call_fd(creds, fd, fop.clone()).await?);
+                    answer = Some(
+                        self.bricks
+                            .get(brick)?
+                            .call_fd(creds, fd, fop.clone())
+                            .await?,
+                    );
                 }
                 answer.ok_or(Error::Fop(ErrorCode::BadFd))
             }
@@ -169,7 +174,7 @@ impl<L: Layer> Distribute<L> {
                     .dir_fds(fds)
                     .next()
                     .ok_or(Error::Fop(ErrorCode::BadFd))?;
-                self.bricks[brick].call_fd(creds, fd, fop).await
+                self.bricks.get(brick)?.call_fd(creds, fd, fop).await
             }
         }
     }

@@ -27,6 +27,8 @@ use std::sync::atomic::AtomicBool;
 
 use futures_util::StreamExt as _;
 
+use kiln_admin::volume::BrickRole;
+
 use super::files::{Look, STICKY};
 use super::namespace::authoritative;
 use super::*;
@@ -75,6 +77,16 @@ enum Outcome {
     LinkFileRemoved,
 }
 
+/// Whether an entry is off the brick it was listed on after `outcome`: moved, a link file
+/// removed, or gone meanwhile.
+fn off_the_brick(outcome: &Result<Outcome, Error>) -> bool {
+    matches!(
+        outcome,
+        Ok(Outcome::Moved { .. } | Outcome::LinkFileRemoved)
+            | Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale))
+    )
+}
+
 /// Counts in `report` what happened to entry `name` of `dir` (logged); whether it is where
 /// the layout says.
 fn count(
@@ -110,16 +122,29 @@ fn count(
 }
 
 impl<L: Layer> Distribute<L> {
-    /// Lays every directory out over every brick (as [`Distribute::heal_tree`]), waits until
-    /// every client uses those layouts ([`LAYOUT_TTL`]), then walks the tree and moves each
-    /// file off its hashed brick there, reporting after each directory; stops between two
-    /// files once `stop` is set.
+    /// The bricks leaving the volume, which a rebalance empties.
+    pub fn leaving(&self) -> Vec<usize> {
+        let leaving = |&i: &usize| self.bricks.role(i) == BrickRole::Leaving;
+        self.bricks.indexes().filter(leaving).collect()
+    }
+
+    /// Lays every directory out over every serving brick (as [`Distribute::heal_tree`]; with
+    /// a brick leaving, once every mount knows it: [`BRICKS_REFRESH`]), waits until every
+    /// client uses those layouts ([`LAYOUT_TTL`]), then walks the tree and moves each file
+    /// off its hashed brick there — everything off a leaving brick, symlinks and special
+    /// files too — reporting after each directory; stops between two files once `stop` is
+    /// set.
     pub async fn rebalance(
         &self,
         stop: &AtomicBool,
         progress: &mut (dyn FnMut(&RebalanceReport) + Send),
     ) -> Result<RebalanceReport, Error> {
         let root = Creds::root();
+        if !self.leaving().is_empty() {
+            // Every mount knows a brick leaves before the layouts are rebuilt without it: one
+            // that did not would give it its share back.
+            tokio::time::sleep(BRICKS_REFRESH * 2).await;
+        }
         let healed = self.heal_tree(&root).await?;
         // Every client reads the new layouts again before any file moves, or a layout is
         // committed: none places a new name by the old one after.
@@ -159,8 +184,8 @@ impl<L: Layer> Distribute<L> {
         let mut subdirs = std::collections::BTreeSet::new();
         let walked = Walked::default();
         let mut settled = true;
-        for from in 0..self.bricks.len() {
-            let entries = match self.bricks[from].read_dir(&root, dir).await {
+        for (from, brick) in self.bricks.in_service() {
+            let entries = match brick.read_dir(&root, dir).await {
                 Ok(entries) => entries,
                 Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => continue,
                 Err(e) => return Err(e),
@@ -183,14 +208,25 @@ impl<L: Layer> Distribute<L> {
                 Some((entry, to, outcome))
             }))
             .buffer_unordered(MOVES_IN_FLIGHT);
+            let leaving = self.bricks.role(from) == BrickRole::Leaving;
             while let Some(done) = moves.next().await {
-                match done {
+                let left = match done {
                     Some((entry, Some(to), Some(outcome))) => {
+                        let left = !off_the_brick(&outcome);
                         settled &= count(report, outcome, dir, &entry.name, from, to);
+                        left.then_some(entry)
                     }
                     // In a hole of the layout: nowhere to go.
-                    Some(_) => settled = false,
-                    None => {}
+                    Some((entry, _, _)) => {
+                        settled = false;
+                        Some(entry)
+                    }
+                    None => None,
+                };
+                if let Some(entry) = left.filter(|_| leaving) {
+                    report.left_on_leaving += 1;
+                    let name = entry.name.as_bytes().escape_ascii();
+                    tracing::warn!(%dir, %name, from, "rebalance: an entry is left on a leaving brick");
                 }
             }
             if stop.load(Ordering::Relaxed) {
@@ -229,6 +265,9 @@ impl<L: Layer> Distribute<L> {
             return Ok(Outcome::InPlace);
         }
         if iatt.file_type != FileType::Regular {
+            if self.bricks.role(from) == BrickRole::Leaving {
+                return self.move_node(dir, name, from, iatt.gfid, to).await;
+            }
             // A symlink or special file stays; a link file on its hashed brick finds it.
             return match self.make_link_file(to, dir, name, iatt.gfid, from).await {
                 Ok(()) | Err(Error::Fop(ErrorCode::Exist)) => Ok(Outcome::InPlace),
@@ -256,7 +295,12 @@ impl<L: Layer> Distribute<L> {
         {
             // Left marked by a rebalance that was stopped or died mid-move: finished when
             // its destination had become the file, else undone and started again.
-            match self.bricks[was_to].stat(&Creds::root(), iatt.gfid).await {
+            match self
+                .bricks
+                .get(was_to)?
+                .stat(&Creds::root(), iatt.gfid)
+                .await
+            {
                 Ok(there) if !looks_like_link_file(&there) => {
                     self.set_mode(from, iatt.gfid, LINK_FILE_MODE).await?;
                     self.note_home(&there, was_to);
@@ -270,7 +314,11 @@ impl<L: Layer> Distribute<L> {
             }
         }
         // As it is now, not as listed (a chmod since must not be undone).
-        let now = self.bricks[from].stat(&Creds::root(), iatt.gfid).await?;
+        let now = self
+            .bricks
+            .get(from)?
+            .stat(&Creds::root(), iatt.gfid)
+            .await?;
         let mode = now.mode.bits();
         if now.nlink != 1 {
             return Ok(Outcome::Skipped("it has hard links"));
@@ -314,6 +362,78 @@ impl<L: Layer> Distribute<L> {
         Ok(Outcome::Moved { bytes })
     }
 
+    /// Moves symlink or special file `gfid` (`name` in `dir`) off leaving brick `from` to
+    /// `to`: made again there under its GFID (over the link file a rebalance may have left
+    /// for it) with its owner, times and xattrs, then removed from `from`. While both exist a
+    /// lookup finds the one on `to`; before, the one on `from` (the layout is uncommitted).
+    async fn move_node(
+        &self,
+        dir: Gfid,
+        name: &Name,
+        from: usize,
+        gfid: Gfid,
+        to: usize,
+    ) -> Result<Outcome, Error> {
+        let root = Creds::root();
+        let now = self.bricks.get(from)?.stat(&root, gfid).await?;
+        if now.nlink != 1 {
+            return Ok(Outcome::Skipped("it has hard links"));
+        }
+        match self.bricks.get(to)?.lookup(&root, dir, name).await {
+            Ok(there) if there.gfid == gfid && looks_like_link_file(&there) => {
+                self.remove_link_file(to, dir, name).await?;
+            }
+            Ok(_) => {
+                return Ok(Outcome::Skipped(
+                    "another object holds its name on the hashed brick",
+                ));
+            }
+            Err(Error::Fop(ErrorCode::NoEnt)) => {}
+            Err(e) => return Err(e),
+        }
+        let (parent, name) = (dir, name.clone());
+        let make: FopRequest = match now.file_type {
+            FileType::Symlink => {
+                let read = kiln_wire::Readlink { gfid };
+                let target = match self.bricks.get(from)?.call(&root, read.into()).await? {
+                    FopReply::Readlink(r) => r.target,
+                    other => return Err(unexpected(&other)),
+                };
+                let name = name.clone();
+                kiln_wire::Symlink {
+                    parent,
+                    name,
+                    gfid,
+                    target,
+                }
+                .into()
+            }
+            other => kiln_wire::Mknod {
+                parent,
+                name: name.clone(),
+                gfid,
+                node_type: node_type(other)?,
+                mode: now.mode,
+                umask: Mode::from_st_mode(0),
+                rdev: now.rdev,
+            }
+            .into(),
+        };
+        self.bricks.get(to)?.call(&root, make).await?;
+        self.copy_xattrs(from, to, gfid).await?;
+        let attr = kiln_wire::SetAttr {
+            uid: Some(now.uid),
+            gid: Some(now.gid),
+            atime: Some(kiln_wire::TimeSet::At(now.atime)),
+            mtime: Some(kiln_wire::TimeSet::At(now.mtime)),
+            ..kiln_wire::SetAttr::default()
+        };
+        self.set_attr(to, gfid, attr).await?;
+        self.note_home(&now, to);
+        self.remove_link_file(from, dir, &name).await?;
+        Ok(Outcome::Moved { bytes: 0 })
+    }
+
     /// Makes the destination of file `gfid` (`name` in `dir`) on brick `to`: a link file to
     /// `from`, or the one there made empty; `false` when another object holds the name.
     async fn make_destination(
@@ -325,7 +445,7 @@ impl<L: Layer> Distribute<L> {
         to: usize,
     ) -> Result<bool, Error> {
         let root = Creds::root();
-        match self.bricks[to].lookup(&root, dir, name).await {
+        match self.bricks.get(to)?.lookup(&root, dir, name).await {
             Ok(there) if there.gfid == gfid && looks_like_link_file(&there) => {
                 if there.size > 0 {
                     self.set_attr(to, gfid, size_attr(0)).await?;
@@ -353,16 +473,20 @@ impl<L: Layer> Distribute<L> {
         gfid: Gfid,
     ) -> Result<Option<u64>, Error> {
         let root = Creds::root();
-        let src = self.bricks[from]
+        let src = self
+            .bricks
+            .get(from)?
             .open(&root, gfid, AccessMode::ReadOnly, OpenFlags::empty())
             .await?;
-        let dst = match self.bricks[to]
+        let dst = match self
+            .bricks
+            .get(to)?
             .open(&root, gfid, AccessMode::ReadWrite, OpenFlags::empty())
             .await
         {
             Ok(dst) => dst,
             Err(e) => {
-                let _ = self.bricks[from].release(&root, src).await;
+                let _ = self.bricks.get(from)?.release(&root, src).await;
                 return Err(e);
             }
         };
@@ -386,8 +510,8 @@ impl<L: Layer> Distribute<L> {
                 }
             }
         }
-        let released = self.bricks[from].release(&root, src).await;
-        let released = released.and(self.bricks[to].release(&root, dst).await);
+        let released = self.bricks.get(from)?.release(&root, src).await;
+        let released = released.and(self.bricks.get(to)?.release(&root, dst).await);
         let copied = result?;
         released?;
         Ok(copied)
@@ -402,11 +526,12 @@ impl<L: Layer> Distribute<L> {
         to: usize,
         dst: &L::Fd,
     ) -> Result<Option<u64>, Error> {
-        let size = fstat(&self.bricks[from], src).await?.size;
-        let mut changed = fstat(&self.bricks[to], dst).await?.size != size;
+        let size = fstat(self.bricks.get(from)?, src).await?.size;
+        let mut changed = fstat(self.bricks.get(to)?, dst).await?.size != size;
         if changed {
             let truncate = FdFop::new(|fd| kiln_wire::Ftruncate { fd, size }.into());
-            self.bricks[to]
+            self.bricks
+                .get(to)?
                 .call_fd(&Creds::root(), dst, truncate)
                 .await?;
         }
@@ -420,7 +545,7 @@ impl<L: Layer> Distribute<L> {
             changed |= chunk.copied > 0 || !chunk.settled;
             offset += chunk.len;
         }
-        changed |= fstat(&self.bricks[from], src).await?.size != size;
+        changed |= fstat(self.bricks.get(from)?, src).await?.size != size;
         Ok(changed.then_some(copied))
     }
 
@@ -436,7 +561,7 @@ impl<L: Layer> Distribute<L> {
         offset: u64,
     ) -> Result<Chunk, Error> {
         let root = Creds::root();
-        let (from, to) = (&self.bricks[from], &self.bricks[to]);
+        let (from, to) = (self.bricks.get(from)?, self.bricks.get(to)?);
         let mut data = from.read(&root, src, offset, CHUNK_BYTES).await?;
         let mut chunk = Chunk {
             len: data.len() as u64,
@@ -463,7 +588,7 @@ impl<L: Layer> Distribute<L> {
     /// Whether file `gfid` on brick `from` still has the sticky bit; put back (and `false`)
     /// when a user's chmod took it, as clients stopped sending their changes to the copy.
     async fn still_marked(&self, from: usize, gfid: Gfid) -> Result<bool, Error> {
-        let now = self.bricks[from].stat(&Creds::root(), gfid).await?;
+        let now = self.bricks.get(from)?.stat(&Creds::root(), gfid).await?;
         if Look::of(&now) == Look::Copying {
             return Ok(true);
         }
@@ -479,7 +604,12 @@ impl<L: Layer> Distribute<L> {
         from: usize,
         gfid: Gfid,
     ) -> Result<bool, Error> {
-        match self.bricks[from].lookup(&Creds::root(), dir, name).await {
+        match self
+            .bricks
+            .get(from)?
+            .lookup(&Creds::root(), dir, name)
+            .await
+        {
             Ok(there) => Ok(there.gfid == gfid && there.nlink == 1),
             Err(Error::Fop(ErrorCode::NoEnt)) => Ok(false),
             Err(e) => Err(e),
@@ -497,7 +627,7 @@ impl<L: Layer> Distribute<L> {
         gfid: Gfid,
     ) -> Result<(), Error> {
         let root = Creds::root();
-        let now = self.bricks[from].stat(&root, gfid).await?;
+        let now = self.bricks.get(from)?.stat(&root, gfid).await?;
         self.copy_xattrs(from, to, gfid).await?;
         let attr = kiln_wire::SetAttr {
             mode: Mode::new(now.mode.bits() & !STICKY),
@@ -522,7 +652,12 @@ impl<L: Layer> Distribute<L> {
         from: usize,
         gfid: Gfid,
     ) -> Result<(), Error> {
-        match self.bricks[from].lookup(&Creds::root(), dir, name).await {
+        match self
+            .bricks
+            .get(from)?
+            .lookup(&Creds::root(), dir, name)
+            .await
+        {
             Ok(there) if there.gfid == gfid => self.remove_link_file(from, dir, name).await,
             Ok(_) | Err(Error::Fop(ErrorCode::NoEnt)) => Ok(()),
             Err(e) => Err(e),
@@ -533,7 +668,7 @@ impl<L: Layer> Distribute<L> {
     /// `to`'s an empty link file to it.
     async fn abandon_move(&self, from: usize, to: usize, gfid: Gfid) -> Result<(), Error> {
         let gone = |e: &Error| matches!(e, Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale));
-        match self.bricks[from].stat(&Creds::root(), gfid).await {
+        match self.bricks.get(from)?.stat(&Creds::root(), gfid).await {
             Ok(now) => {
                 self.set_mode(from, gfid, now.mode.bits() & !STICKY).await?;
                 match self.remove_xattr(from, gfid, LINKTO_XATTR).await {
@@ -546,7 +681,7 @@ impl<L: Layer> Distribute<L> {
             Err(e) => return Err(e),
         }
         // Emptied only while it is a link file still: never the file itself.
-        match self.bricks[to].stat(&Creds::root(), gfid).await {
+        match self.bricks.get(to)?.stat(&Creds::root(), gfid).await {
             Ok(there) if looks_like_link_file(&there) => {
                 match self.set_attr(to, gfid, size_attr(0)).await {
                     Err(e) if !gone(&e) => Err(e),
@@ -562,7 +697,9 @@ impl<L: Layer> Distribute<L> {
     /// Copies the xattrs of file `gfid` from brick `from` to `to`, but DHT's and the GFID.
     async fn copy_xattrs(&self, from: usize, to: usize, gfid: Gfid) -> Result<(), Error> {
         let root = Creds::root();
-        let names = match self.bricks[from]
+        let names = match self
+            .bricks
+            .get(from)?
             .call(&root, kiln_wire::Listxattr { gfid }.into())
             .await?
         {
@@ -578,7 +715,7 @@ impl<L: Layer> Distribute<L> {
                 gfid,
                 name: name.clone(),
             };
-            let value = match self.bricks[from].call(&root, get.into()).await {
+            let value = match self.bricks.get(from)?.call(&root, get.into()).await {
                 Ok(FopReply::Getxattr(r)) => r.value,
                 Ok(other) => return Err(unexpected(&other)),
                 Err(Error::Fop(ErrorCode::NoData)) => continue,
@@ -590,7 +727,7 @@ impl<L: Layer> Distribute<L> {
                 value,
                 mode: XattrSetMode::Upsert,
             };
-            self.bricks[to].call(&root, set.into()).await?;
+            self.bricks.get(to)?.call(&root, set.into()).await?;
         }
         Ok(())
     }
@@ -608,7 +745,8 @@ impl<L: Layer> Distribute<L> {
             value,
             mode: XattrSetMode::Upsert,
         };
-        self.bricks[brick]
+        self.bricks
+            .get(brick)?
             .call(&Creds::root(), set.into())
             .await
             .map(drop)
@@ -624,7 +762,8 @@ impl<L: Layer> Distribute<L> {
             gfid,
             name: xattr_name(name),
         };
-        self.bricks[brick]
+        self.bricks
+            .get(brick)?
             .call(&Creds::root(), remove.into())
             .await
             .map(drop)
@@ -645,11 +784,23 @@ impl<L: Layer> Distribute<L> {
         attr: kiln_wire::SetAttr,
     ) -> Result<(), Error> {
         let setattr = kiln_wire::Setattr { gfid, attr };
-        self.bricks[brick]
+        self.bricks
+            .get(brick)?
             .call(&Creds::root(), setattr.into())
             .await
             .map(drop)
     }
+}
+
+/// What MKNOD makes a special file of `file_type` with.
+fn node_type(file_type: FileType) -> Result<NodeType, Error> {
+    Ok(match file_type {
+        FileType::BlockDevice => NodeType::BlockDevice,
+        FileType::CharDevice => NodeType::CharDevice,
+        FileType::Fifo => NodeType::Fifo,
+        FileType::Socket => NodeType::Socket,
+        other => return Err(Error::Protocol(format!("no MKNOD makes a {other:?}"))),
+    })
 }
 
 pub(super) fn size_attr(size: u64) -> kiln_wire::SetAttr {

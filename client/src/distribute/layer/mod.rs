@@ -61,8 +61,8 @@ mod listing;
 mod migrate;
 mod namespace;
 
-pub use bricks::BrickSource;
 use bricks::Bricks;
+pub use bricks::{BRICKS_REFRESH, BrickSource, Listed, Member};
 pub use files::FileFd;
 pub use heal::HealReport;
 use heal::Healed;
@@ -96,7 +96,7 @@ enum Home {
 /// volume's brick order (GlusterFS's `VOLUME-client-N` is brick N).
 #[derive(Debug)]
 pub struct Distribute<L: Layer> {
-    bricks: Bricks<L>,
+    bricks: Arc<Bricks<L>>,
     /// The volume's name: link files name bricks `VOLUME-client-N`.
     volume: String,
     munging: Munging,
@@ -116,10 +116,15 @@ pub enum DistFd<F> {
 }
 
 impl<L: Layer> Distribute<L> {
-    /// The layer over `bricks` of volume `volume` (at least one).
+    /// The layer over `bricks` of volume `volume` (at least one), all serving.
     pub fn new(bricks: Vec<L>, volume: &str) -> Result<Distribute<L>, Error> {
+        Distribute::of_members(bricks.into_iter().map(Member::Serving).collect(), volume)
+    }
+
+    /// The layer over the bricks of volume `volume` (at least one in service), in order.
+    pub fn of_members(members: Vec<Member<L>>, volume: &str) -> Result<Distribute<L>, Error> {
         Ok(Distribute {
-            bricks: Bricks::new(bricks)?,
+            bricks: Arc::new(Bricks::new(members)?),
             volume: volume.to_owned(),
             munging: Munging::default(),
             layouts: Mutex::new(lru::LruCache::new(capacity(LAYOUTS_MAX))),
@@ -129,26 +134,55 @@ impl<L: Layer> Distribute<L> {
         })
     }
 
-    /// The layer that learns of bricks added to the volume from `source`, when a layout or a
-    /// link file names a brick it does not know or an object is on none it knows.
+    /// The layer that learns of bricks added to the volume, and of bricks leaving or removed,
+    /// from `source`: when a layout or a link file names a brick it does not know, an object
+    /// is on none it knows, and before it lays out a directory (at most once per
+    /// [`BRICKS_REFRESH`]).
     pub fn with_source(mut self, source: impl BrickSource<L>) -> Distribute<L> {
-        self.bricks.set_source(Box::new(source));
+        Arc::get_mut(&mut self.bricks)
+            .expect("the bricks are shared only once the layer is made")
+            .set_source(Box::new(source));
         self
     }
 
-    /// The bricks below, in order.
-    pub fn bricks(&self) -> impl Iterator<Item = &L> {
-        self.bricks.iter()
+    /// Asks the brick source every [`BRICKS_REFRESH`] while this layer lives, so a brick
+    /// removed from the volume is left alone within that time (a mount spawns it).
+    pub fn refresh_forever(&self) -> impl Future<Output = ()> + Send + 'static {
+        let bricks = Arc::downgrade(&self.bricks);
+        async move {
+            loop {
+                tokio::time::sleep(BRICKS_REFRESH).await;
+                let Some(bricks) = bricks.upgrade() else {
+                    return;
+                };
+                if let Err(e) = bricks.refresh().await {
+                    tracing::debug!(error = %e, "the volume's bricks could not be asked for");
+                }
+            }
+        }
     }
 
-    /// Asks the brick source for bricks added to the volume; whether any were. The layouts
-    /// read before are forgotten.
-    async fn discover_bricks(&self) -> Result<bool, Error> {
-        let found = self.bricks.discover().await?;
-        if found {
-            lock(&self.layouts).clear();
+    /// The bricks below in service, in order.
+    pub fn bricks(&self) -> impl Iterator<Item = &L> {
+        self.bricks.in_service().map(|(_, brick)| brick)
+    }
+
+    /// Asks the brick source for bricks added to the volume and roles changed; whether
+    /// anything changed. The layouts read before are forgotten then. A source out of reach
+    /// changes nothing (logged): the layer goes on with the bricks it knows.
+    async fn refresh_bricks(&self) -> bool {
+        match self.bricks.refresh().await {
+            Ok(changed) => {
+                if changed {
+                    lock(&self.layouts).clear();
+                }
+                changed
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "the volume's bricks could not be asked for");
+                false
+            }
         }
-        Ok(found)
     }
 
     /// The layout of directory `dir`: cached (for [`LAYOUT_TTL`]), else read from every
@@ -159,9 +193,12 @@ impl<L: Layer> Distribute<L> {
             Some((layout, false)) => Some(layout),
             None => None,
         };
-        let read = futures_util::future::try_join_all(
-            self.bricks.iter().map(|brick| read_disk_layout(brick, dir)),
-        )
+        let read = futures_util::future::try_join_all(self.bricks.indexes().map(|i| async move {
+            match self.bricks.get(i) {
+                Ok(brick) => read_disk_layout(brick, dir).await,
+                Err(_) => Ok(None),
+            }
+        }))
         .await;
         let disks = match (read, stale) {
             (Ok(disks), _) => disks,
@@ -205,7 +242,7 @@ impl<L: Layer> Distribute<L> {
         if let Some(brick) = layout.hashed_brick(name.as_bytes(), self.munging) {
             return Ok((brick, layout));
         }
-        if self.discover_bricks().await? {
+        if self.refresh_bricks().await {
             let layout = self.layout(parent).await?;
             if let Some(brick) = layout.hashed_brick(name.as_bytes(), self.munging) {
                 return Ok((brick, layout));
@@ -236,7 +273,7 @@ impl<L: Layer> Distribute<L> {
         }
         let known = self.bricks.len();
         match self.find_home(creds, gfid, 0).await {
-            Err(Error::Fop(ErrorCode::Stale)) if self.discover_bricks().await? => {
+            Err(Error::Fop(ErrorCode::Stale)) if self.refresh_bricks().await => {
                 self.find_home(creds, gfid, known).await
             }
             found => found,
@@ -246,7 +283,7 @@ impl<L: Layer> Distribute<L> {
     /// Where object `gfid` lives, asking bricks `from` on.
     async fn find_home(&self, creds: &Creds, gfid: Gfid, from: usize) -> Result<Home, Error> {
         let mut failure = Error::Fop(ErrorCode::Stale);
-        for (i, brick) in self.bricks.iter().enumerate().skip(from) {
+        for (i, brick) in self.bricks.in_service().skip_while(|(i, _)| *i < from) {
             match brick.stat(creds, gfid).await {
                 Ok(iatt) if self.link_file_target(i, &iatt).await?.is_none() => {
                     return Ok(self.note_home(&iatt, i));
@@ -269,18 +306,20 @@ impl<L: Layer> Distribute<L> {
         match self.home(creds, gfid).await? {
             Home::Brick(b) => self.call_on_file(creds, gfid, b, fop).await,
             Home::Everywhere if changes_object(&fop) => {
-                let first = self.bricks[0].call(creds, fop.clone()).await?;
-                for brick in self.bricks.iter().skip(1) {
+                let first = self.bricks.first();
+                let answer = self.bricks.get(first)?.call(creds, fop.clone()).await?;
+                for (_, brick) in self.bricks.in_service().filter(|(i, _)| *i != first) {
                     match brick.call(creds, fop.clone()).await {
                         Ok(_) | Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => {}
                         Err(e) => return Err(e),
                     }
                 }
-                Ok(first)
+                Ok(answer)
             }
             Home::Everywhere => {
-                let reply = self.bricks[0].call(creds, fop).await?;
-                self.merged_dir(creds, reply, 0).await
+                let first = self.bricks.first();
+                let reply = self.bricks.get(first)?.call(creds, fop).await?;
+                self.merged_dir(creds, reply, first).await
             }
         }
     }
@@ -288,7 +327,7 @@ impl<L: Layer> Distribute<L> {
     /// STATFS: the bricks' sums, in the first brick's block size.
     async fn statfs(&self, creds: &Creds, fop: FopRequest) -> Result<FopReply, Error> {
         let mut total: Option<FsStats> = None;
-        for brick in self.bricks.iter() {
+        for (_, brick) in self.bricks.in_service() {
             let FopReply::Statfs(r) = brick.call(creds, fop.clone()).await? else {
                 return Err(Error::Protocol("a STATFS answered otherwise".into()));
             };
@@ -368,7 +407,12 @@ impl<L: Layer> Layer for Distribute<L> {
             Home::Brick(b) => b,
             Home::Everywhere => return Err(Error::Fop(ErrorCode::IsDir)),
         };
-        let fd = match self.bricks[brick].open(creds, gfid, access, flags).await {
+        let fd = match self
+            .bricks
+            .get(brick)?
+            .open(creds, gfid, access, flags)
+            .await
+        {
             // Moved since this layer last saw it (a rebalance): looked for again.
             Err(Error::Fop(code @ (ErrorCode::NoEnt | ErrorCode::Stale))) => {
                 lock(&self.homes).pop(&gfid);
@@ -376,7 +420,10 @@ impl<L: Layer> Layer for Distribute<L> {
                     Home::Brick(b) if b != brick => brick = b,
                     _ => return Err(Error::Fop(code)),
                 }
-                self.bricks[brick].open(creds, gfid, access, flags).await?
+                self.bricks
+                    .get(brick)?
+                    .open(creds, gfid, access, flags)
+                    .await?
             }
             opened => opened?,
         };
@@ -394,14 +441,18 @@ impl<L: Layer> Layer for Distribute<L> {
         self.exists_unseen(creds, create.parent, &create.name, &layout)
             .await?;
         let (access, flags) = (create.access, create.flags);
-        let (fd, entry) = self.bricks[brick].create(creds, create).await?;
+        let (fd, entry) = self.bricks.get(brick)?.create(creds, create).await?;
         // A create without EXCL opens a name that exists: one that is a link file is the
         // file on another brick (the caller's kernel still thought the name free).
         if let Some(home) = self.link_file_target(brick, &entry.iatt).await? {
-            let _ = self.bricks[brick].release(creds, fd).await;
+            let _ = self.bricks.get(brick)?.release(creds, fd).await;
             let gfid = entry.iatt.gfid;
-            let fd = self.bricks[home].open(creds, gfid, access, flags).await?;
-            let iatt = self.bricks[home].stat(creds, gfid).await?;
+            let fd = self
+                .bricks
+                .get(home)?
+                .open(creds, gfid, access, flags)
+                .await?;
+            let iatt = self.bricks.get(home)?.stat(creds, gfid).await?;
             self.note_home(&iatt, home);
             return Ok((
                 DistFd::File(FileFd::new(home, fd, access, flags)),
@@ -413,15 +464,18 @@ impl<L: Layer> Layer for Distribute<L> {
     }
 
     async fn opendir(&self, creds: &Creds, gfid: Gfid) -> Result<Self::Fd, Error> {
-        let opened = futures_util::future::join_all(
-            self.bricks.iter().map(|brick| brick.opendir(creds, gfid)),
-        )
+        let opened = futures_util::future::join_all(self.bricks.indexes().map(|i| async move {
+            match self.bricks.get(i) {
+                Ok(brick) => brick.opendir(creds, gfid).await.map(Some),
+                Err(_) => Ok(None),
+            }
+        }))
         .await;
         let mut fds = Vec::with_capacity(opened.len());
         let mut failure = None;
         for result in opened {
             match result {
-                Ok(fd) => fds.push(Some(fd)),
+                Ok(fd) => fds.push(fd),
                 Err(e) => {
                     fds.push(None);
                     failure = Some(e);
@@ -449,7 +503,7 @@ impl<L: Layer> Layer for Distribute<L> {
             DistFd::File(file) => {
                 let mut result = Ok(());
                 for (brick, fd) in file.into_fds() {
-                    result = result.and(self.bricks[brick].release(creds, fd).await);
+                    result = result.and(self.bricks.get(brick)?.release(creds, fd).await);
                 }
                 result
             }
@@ -457,7 +511,7 @@ impl<L: Layer> Layer for Distribute<L> {
                 let mut result = Ok(());
                 for (brick, fd) in fds.fds.into_iter().enumerate() {
                     if let Some(fd) = fd {
-                        result = result.and(self.bricks[brick].release(creds, fd).await);
+                        result = result.and(self.bricks.get(brick)?.release(creds, fd).await);
                     }
                 }
                 result

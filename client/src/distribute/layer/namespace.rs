@@ -24,7 +24,7 @@ impl<L: Layer> Distribute<L> {
         fop: FopRequest,
     ) -> Result<Located, Error> {
         let (hashed, layout) = self.hashed(parent, name).await?;
-        match self.bricks[hashed].call(creds, fop.clone()).await {
+        match self.bricks.get(hashed)?.call(creds, fop.clone()).await {
             Ok(reply) => {
                 let iatt = entry_iatt(&reply)?.clone();
                 let target = match self.link_file_target(hashed, &iatt).await {
@@ -41,7 +41,7 @@ impl<L: Layer> Distribute<L> {
                         iatt,
                     });
                 };
-                let reply = self.bricks[home].call(creds, fop).await?;
+                let reply = self.bricks.get(home)?.call(creds, fop).await?;
                 let iatt = entry_iatt(&reply)?.clone();
                 self.note_home(&iatt, home);
                 Ok(Located {
@@ -118,7 +118,7 @@ impl<L: Layer> Distribute<L> {
         hashed: usize,
         fop: FopRequest,
     ) -> Result<Located, Error> {
-        for (i, brick) in self.bricks.iter().enumerate().filter(|(i, _)| *i != hashed) {
+        for (i, brick) in self.bricks.in_service().filter(|(i, _)| *i != hashed) {
             match brick.call(creds, fop.clone()).await {
                 Ok(reply) => {
                     let iatt = entry_iatt(&reply)?.clone();
@@ -159,7 +159,7 @@ impl<L: Layer> Distribute<L> {
             gfid,
             name: xattr_name(LINKTO_XATTR),
         };
-        let read = self.bricks[on].call(&Creds::root(), get.into()).await;
+        let read = self.bricks.get(on)?.call(&Creds::root(), get.into()).await;
         self.linkto_read(read).await
     }
 
@@ -184,7 +184,7 @@ impl<L: Layer> Distribute<L> {
         if let Some(brick) = self.brick_named(value) {
             return Ok(brick);
         }
-        self.discover_bricks().await?;
+        self.refresh_bricks().await;
         self.brick_named(value).ok_or_else(|| {
             Error::Protocol(format!(
                 "a link file points to unknown brick {}",
@@ -220,7 +220,7 @@ impl<L: Layer> Distribute<L> {
         let root = Creds::root();
         // Another name of the object has a link file there already: one more name for it
         // (a GFID is one object per brick).
-        if let Ok(iatt) = self.bricks[on].stat(&root, gfid).await
+        if let Ok(iatt) = self.bricks.get(on)?.stat(&root, gfid).await
             && let Ok(Some(_)) = self.link_file_target(on, &iatt).await
         {
             let link = kiln_wire::Link {
@@ -228,7 +228,12 @@ impl<L: Layer> Distribute<L> {
                 new_parent: parent,
                 new_name: name.clone(),
             };
-            return self.bricks[on].call(&root, link.into()).await.map(drop);
+            return self
+                .bricks
+                .get(on)?
+                .call(&root, link.into())
+                .await
+                .map(drop);
         }
         let mknod = kiln_wire::Mknod {
             parent,
@@ -239,14 +244,14 @@ impl<L: Layer> Distribute<L> {
             umask: Mode::from_st_mode(0),
             rdev: 0,
         };
-        self.bricks[on].call(&root, mknod.into()).await?;
+        self.bricks.get(on)?.call(&root, mknod.into()).await?;
         let set = kiln_wire::Setxattr {
             gfid,
             name: xattr_name(LINKTO_XATTR),
             value: self.link_value(home),
             mode: XattrSetMode::Create,
         };
-        self.bricks[on].call(&root, set.into()).await.map(drop)
+        self.bricks.get(on)?.call(&root, set.into()).await.map(drop)
     }
 
     /// Removes the link file `name` in `parent` on brick `on`; one already gone is fine.
@@ -260,7 +265,12 @@ impl<L: Layer> Distribute<L> {
             parent,
             name: name.clone(),
         };
-        match self.bricks[on].call(&Creds::root(), unlink.into()).await {
+        match self
+            .bricks
+            .get(on)?
+            .call(&Creds::root(), unlink.into())
+            .await
+        {
             Ok(_) | Err(Error::Fop(ErrorCode::NoEnt)) => Ok(()),
             Err(e) => Err(e),
         }
@@ -287,7 +297,7 @@ impl<L: Layer> Distribute<L> {
         if self.exists_unseen(creds, parent, name, &layout).await? {
             return Err(Error::Fop(ErrorCode::Exist));
         }
-        let reply = self.bricks[hashed].call(creds, fop).await?;
+        let reply = self.bricks.get(hashed)?.call(creds, fop).await?;
         self.note_home(entry_iatt(&reply)?, hashed);
         Ok(reply)
     }
@@ -304,8 +314,12 @@ impl<L: Layer> Distribute<L> {
         {
             return Err(Error::Fop(ErrorCode::Exist));
         }
-        let reply = self.bricks[hashed].call(creds, r.clone().into()).await?;
-        for (i, brick) in self.bricks.iter().enumerate().filter(|(i, _)| *i != hashed) {
+        let reply = self
+            .bricks
+            .get(hashed)?
+            .call(creds, r.clone().into())
+            .await?;
+        for (i, brick) in self.bricks.in_service().filter(|(i, _)| *i != hashed) {
             if let Err(e) = brick.call(creds, r.clone().into()).await {
                 // The next lookup of the directory makes the missing copy (and its share of
                 // the layout), as GlusterFS's self-heal does.
@@ -329,12 +343,12 @@ impl<L: Layer> Distribute<L> {
         if found.iatt.file_type != FileType::Directory {
             return Err(Error::Fop(ErrorCode::NotDir));
         }
-        let order = (0..self.bricks.len())
+        let order = (self.bricks.in_service().map(|(i, _)| i))
             .filter(|&i| i != found.hashed)
             .chain([found.hashed]);
         let mut removed = Vec::new();
         for i in order {
-            match self.bricks[i].call(creds, r.clone().into()).await {
+            match self.bricks.get(i)?.call(creds, r.clone().into()).await {
                 Ok(reply) if i == found.hashed => {
                     self.forget_layout(found.iatt.gfid);
                     lock(&self.homes).pop(&found.iatt.gfid);
@@ -389,7 +403,11 @@ impl<L: Layer> Distribute<L> {
             parent,
             name: name.clone(),
         };
-        let reply = self.bricks[found.home].call(creds, unlink.into()).await?;
+        let reply = self
+            .bricks
+            .get(found.home)?
+            .call(creds, unlink.into())
+            .await?;
         if found.home != found.hashed {
             self.remove_stale_link_file(found.hashed, parent, name)
                 .await;
@@ -425,7 +443,7 @@ impl<L: Layer> Distribute<L> {
         if let Some(target) = &target {
             if target.iatt.gfid == source.iatt.gfid {
                 // Two names of one file: nothing moves.
-                return self.bricks[home].call(creds, r.into()).await;
+                return self.bricks.get(home)?.call(creds, r.into()).await;
             }
             if r.mode == RenameMode::NoReplace {
                 return Err(Error::Fop(ErrorCode::Exist));
@@ -442,13 +460,16 @@ impl<L: Layer> Distribute<L> {
         if r.mode == RenameMode::Exchange && !one_brick {
             return Err(Error::Fop(ErrorCode::CrossDevice));
         }
-        let reply = self.bricks[home].call(creds, r.clone().into()).await?;
+        let reply = self.bricks.get(home)?.call(creds, r.clone().into()).await?;
         if let Some(target) = target.filter(|t| t.home != home) {
             let unlink = kiln_wire::Unlink {
                 parent: r.new_parent,
                 name: r.new_name.clone(),
             };
-            self.bricks[target.home].call(creds, unlink.into()).await?;
+            self.bricks
+                .get(target.home)?
+                .call(creds, unlink.into())
+                .await?;
         }
         if new_hashed != home {
             self.remove_link_file(new_hashed, r.new_parent, &r.new_name)
@@ -495,9 +516,13 @@ impl<L: Layer> Distribute<L> {
             Ok(_) | Err(Error::Fop(ErrorCode::NoEnt)) => {}
             Err(e) => return Err(e),
         }
-        let reply = self.bricks[hashed].call(creds, r.clone().into()).await?;
+        let reply = self
+            .bricks
+            .get(hashed)?
+            .call(creds, r.clone().into())
+            .await?;
         let mut renamed = vec![hashed];
-        for (i, brick) in self.bricks.iter().enumerate().filter(|(i, _)| *i != hashed) {
+        for (i, brick) in self.bricks.in_service().filter(|(i, _)| *i != hashed) {
             match brick.call(creds, r.clone().into()).await {
                 Ok(_) => renamed.push(i),
                 Err(Error::Fop(ErrorCode::NoEnt)) => {}
@@ -521,10 +546,13 @@ impl<L: Layer> Distribute<L> {
             mode: RenameMode::NoReplace,
         };
         for &brick in bricks {
-            if let Err(e) = self.bricks[brick]
-                .call(&Creds::root(), back.clone().into())
-                .await
-            {
+            let back = async {
+                self.bricks
+                    .get(brick)?
+                    .call(&Creds::root(), back.clone().into())
+                    .await
+            };
+            if let Err(e) = back.await {
                 tracing::warn!(brick, error = %e, "a directory keeps its new name on one brick");
             }
         }
@@ -538,11 +566,11 @@ impl<L: Layer> Distribute<L> {
         };
         let (hashed, _) = self.hashed(r.new_parent, &r.new_name).await?;
         if hashed == home {
-            return self.bricks[home].call(creds, r.into()).await;
+            return self.bricks.get(home)?.call(creds, r.into()).await;
         }
         self.make_link_file(hashed, r.new_parent, &r.new_name, r.gfid, home)
             .await?;
-        let linked = self.bricks[home].call(creds, r.clone().into()).await;
+        let linked = self.bricks.get(home)?.call(creds, r.clone().into()).await;
         if linked.is_err() {
             let _ = self
                 .remove_link_file(hashed, r.new_parent, &r.new_name)
