@@ -122,10 +122,36 @@ pub enum RemoveAction {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum TaskAction {
+    /// Start a rebalance.
     Start,
+    /// Start a fix-layout (`kiln volume heal`, `rebalance … fix-layout`).
+    FixLayout,
     Status,
-    /// Stop after the file being moved.
+    /// Stop after the file being moved (the directory being healed).
     Stop,
+}
+
+/// A volume's cluster-wide task: one runs at a time per volume.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TaskKind {
+    /// Every directory laid out over the serving bricks, every file moved to its hashed
+    /// brick.
+    #[default]
+    Rebalance,
+    /// Every directory looked up, which heals it: copies a brick lacks made, layouts with
+    /// holes or overlaps (or that leave out a serving brick) rebuilt; no file moved.
+    FixLayout,
+}
+
+impl TaskKind {
+    /// Its action word in `kiln volume rebalance VOLUME <action> --for-daemon`.
+    pub fn action(self) -> &'static str {
+        match self {
+            TaskKind::Rebalance => "start",
+            TaskKind::FixLayout => "fix-layout",
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -229,6 +255,12 @@ pub struct RebalanceReport {
     pub skipped: u64,
     /// Files or directories that failed (each logged); the walk goes on.
     pub failed: u64,
+    /// Directory copies made on bricks that lacked them.
+    #[serde(default)]
+    pub copies_made: u64,
+    /// Layouts rebuilt over the serving bricks.
+    #[serde(default)]
+    pub layouts_healed: u64,
     /// Entries other than directories still on a leaving brick when the walk ended (each
     /// logged): a leaving brick is removed only when a rebalance leaves none.
     #[serde(default)]
@@ -241,6 +273,8 @@ pub struct RebalanceReport {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RebalanceStatus {
     pub volume: String,
+    #[serde(default)]
+    pub kind: TaskKind,
     /// The host it runs on (`None`: a daemon of one host).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host: Option<String>,
@@ -264,10 +298,11 @@ pub struct RebalanceStatus {
 }
 
 impl RebalanceStatus {
-    /// A rebalance of `volume` asked for, not yet running.
-    pub fn wanted(volume: &str) -> RebalanceStatus {
+    /// A task of `volume` asked for, not yet running.
+    pub fn wanted(volume: &str, kind: TaskKind) -> RebalanceStatus {
         RebalanceStatus {
             volume: volume.to_owned(),
+            kind,
             host: None,
             pid: 0,
             state: "wanted".to_owned(),
@@ -279,9 +314,10 @@ impl RebalanceStatus {
         }
     }
 
-    /// Whether it completed and left nothing on leaving brick `index`.
+    /// Whether it is a rebalance that completed and left nothing on leaving brick `index`.
     pub fn emptied(&self, index: usize) -> bool {
-        self.state == "completed"
+        self.kind == TaskKind::Rebalance
+            && self.state == "completed"
             && self.report.failed == 0
             && self.report.left_on_leaving == 0
             && self.leaving.contains(&index)

@@ -45,8 +45,8 @@ pub enum BrickRole {
     /// Being emptied (`kiln volume remove-brick … start`): given no share of any directory,
     /// its files moved to the others; still served and still looked in.
     Leaving,
-    /// Removed (`remove-brick … commit`): not served, not looked in; its path and port are
-    /// free again.
+    /// Removed (`remove-brick … commit`): not served, not looked in; its port is free again,
+    /// its directory stays its own.
     Removed,
 }
 

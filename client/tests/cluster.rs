@@ -592,6 +592,7 @@ fn a_rebalance_runs_on_the_elected_daemon_and_continues_when_it_dies() {
         .position(|h| h.name() == first_leader)
         .expect("the leader is a host");
     let asker = (l + 1) % HOSTS;
+    let leaving = brick(asker);
     let mnt = hosts.dir.path().join("mnt-r");
     std::fs::create_dir(&mnt).expect("mountpoint");
     hosts.kiln_ok(asker, &["mount", "r", mnt.to_str().expect("utf-8")]);
@@ -632,7 +633,7 @@ fn a_rebalance_runs_on_the_elected_daemon_and_continues_when_it_dies() {
     assert_eq!(running.host.as_deref(), Some(first_leader.as_str()));
     let second = hosts.kiln((asker + 1) % HOSTS, &["volume", "rebalance", "r", "start"]);
     let said = String::from_utf8_lossy(&second.stderr);
-    assert!(said.contains("a rebalance of r is running"), "{said}");
+    assert!(said.contains("a task of r is running"), "{said}");
 
     // The leader's daemon dies mid-rebalance (its runner frozen first, so the rebalance
     // cannot end before): the runner, thawed, finds its daemon gone and exits; another daemon
@@ -700,7 +701,43 @@ fn a_rebalance_runs_on_the_elected_daemon_and_continues_when_it_dies() {
     }
     let on_new = walkdir_files(&hosts.dir.path().join("host2/r"));
     assert!(on_new > 0, "no file moved to the new brick");
+    // A heal asked of any host runs on the leader too.
+    let healed = hosts.kiln_ok(asker, &["volume", "--json", "heal", "r"]);
+    let healed: kiln_admin::command::RebalanceStatus =
+        serde_json::from_str(&healed).expect("JSON status");
+    assert_eq!(healed.kind, kiln_admin::command::TaskKind::FixLayout);
+    assert_eq!(
+        (healed.state.as_str(), healed.report.dirs),
+        ("completed", 9)
+    );
+    assert_eq!(healed.host, leader(&hosts, asker), "{healed:?}");
+    // The asking host's brick removed: its files move off it (on the leader), then it
+    // stops, and every file still reads through the mount.
+    let remove = |action| ["volume", "--json", "remove-brick", "r", &leaving, action];
+    let drained = hosts.kiln_ok(asker, &remove("start"));
+    let drained: kiln_admin::command::RebalanceStatus =
+        serde_json::from_str(&drained).expect("JSON status");
+    assert_eq!(
+        (drained.state.as_str(), drained.report.left_on_leaving),
+        ("completed", 0),
+        "{drained:?}"
+    );
+    assert_eq!(drained.leaving, [asker]);
+    hosts.kiln_ok(asker, &remove("commit"));
+    hosts.wait_status(asker, "r", |b| {
+        b[asker].state == "removed" && b[asker].pid.is_none()
+    });
+    let left = walkdir_files(&hosts.dir.path().join(format!("host{asker}/r")));
+    assert_eq!(left, 0, "files left on the removed brick");
+    for d in 0..8 {
+        for n in 0..40 {
+            let back = std::fs::read_to_string(mnt.join(format!("d{d}/f{n}"))).expect("read");
+            assert_eq!(back, format!("file {d}/{n}"));
+        }
+    }
     hosts.kiln_ok(asker, &["umount", mnt.to_str().expect("utf-8")]);
+    // (`ip netns exec` runs the command in a mount namespace of its own.)
+    let _ = Command::new("umount").arg("-l").arg(&mnt).status();
 }
 
 /// Regular files under `dir`, `.glusterfs` left out.

@@ -10,7 +10,7 @@
 //! <state>/cluster.json the cluster on etcd this host is a member of (`membership`)
 //! ```
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use kiln_admin::command::{
     BrickReport, BrickStatus, ClusterStatus, EXCHANGE, HostReport, OptionValue, ProfileAction,
-    RemoveAction, Request, Response, TaskAction,
+    RemoveAction, Request, Response, TaskAction, TaskKind,
 };
 use kiln_admin::exchange::ExchangeError;
 use kiln_admin::options;
@@ -57,13 +57,21 @@ pub struct DaemonConfig {
 
 /// How long `volume set` waits for the bricks of other hosts to report a change applied.
 const REMOTE_APPLY_WAIT: Duration = Duration::from_secs(5);
+/// How long `remove-brick … stop` waits for the rebalance to finish the file it is moving.
+const TASK_STOP_WAIT: Duration = Duration::from_secs(120);
+/// How long a brick removed from its volume runs on: mounts stop using it within their
+/// brick refresh (1 s, `kiln_client::distribute::BRICKS_REFRESH`), and the ones a moment
+/// late still reach it meanwhile.
+const REMOVED_BRICK_GRACE: Duration = Duration::from_secs(3);
 
 struct Daemon {
     config: DaemonConfig,
     store: Arc<ConfigStore<Cluster>>,
     supervisor: Arc<Supervisor>,
-    /// One reconciliation of the bricks here with the configuration at a time.
-    reconciling: tokio::sync::Mutex<()>,
+    /// One reconciliation of the bricks here with the configuration at a time. Held with it:
+    /// the bricks running here removed from their volume, each with when this daemon first
+    /// saw it removed (it runs on for [`REMOVED_BRICK_GRACE`]).
+    reconciling: tokio::sync::Mutex<HashMap<String, Instant>>,
     /// The generation the bricks here were last brought up to.
     applied: tokio::sync::watch::Sender<u64>,
     /// The task reporting this host into etcd (stopped when the host leaves).
@@ -132,7 +140,7 @@ pub async fn run(config: DaemonConfig, shutdown: impl Future<Output = ()>) -> an
         config,
         store,
         supervisor,
-        reconciling: tokio::sync::Mutex::new(()),
+        reconciling: tokio::sync::Mutex::new(HashMap::new()),
         applied: tokio::sync::watch::Sender::new(0),
         reporter: std::sync::Mutex::new(None),
         left: tokio::sync::Notify::new(),
@@ -333,7 +341,16 @@ impl Daemon {
         self: Arc<Self>,
         mut generations: tokio::sync::watch::Receiver<u64>,
     ) {
-        while generations.changed().await.is_ok() {
+        loop {
+            // (Again when a removed brick's grace ends.)
+            let grace_ends = self.reconciling.lock().await.values().min().copied();
+            let grace_ends = grace_ends.map(|seen| seen + REMOVED_BRICK_GRACE);
+            tokio::select! {
+                changed = generations.changed() => if changed.is_err() {
+                    return;
+                },
+                () = sleep_until(grace_ends) => {}
+            }
             self.reconcile().await;
         }
     }
@@ -342,7 +359,8 @@ impl Daemon {
     /// volumes run (made and formatted first if new), the others stop, and running ones get
     /// live options changed elsewhere.
     async fn reconcile(&self) {
-        let _one_at_a_time = self.reconciling.lock().await;
+        let mut removed = self.reconciling.lock().await;
+        let seen_before = std::mem::take(&mut *removed);
         let (cluster, generation) = self.store.read(|c, g| (c.clone(), g));
         let foreign = self
             .store
@@ -369,6 +387,7 @@ impl Daemon {
                 }
                 wanted.insert(name);
             }
+            self.keep_removed_awhile(volume, &seen_before, &mut removed, &mut wanted);
             self.supervisor.start_volume(volume);
             if self.supervisor.options_changed(volume) {
                 self.supervisor.push(volume, generation).await;
@@ -385,6 +404,32 @@ impl Daemon {
             *applied = generation;
             acted
         });
+    }
+
+    /// Adds to `wanted` the bricks of `volume` removed while running here less than
+    /// [`REMOVED_BRICK_GRACE`] ago, noting in `removed` when each was first seen removed
+    /// (`seen_before`, or now).
+    fn keep_removed_awhile(
+        &self,
+        volume: &Volume,
+        seen_before: &HashMap<String, Instant>,
+        removed: &mut HashMap<String, Instant>,
+        wanted: &mut HashSet<String>,
+    ) {
+        for (i, brick) in volume.bricks.iter().enumerate() {
+            let name = Brick::name(&volume.name, i);
+            if brick.role.in_service()
+                || !self.supervisor.is_local(brick)
+                || !self.supervisor.is_running(&name)
+            {
+                continue;
+            }
+            let seen = seen_before.get(&name).copied().unwrap_or_else(Instant::now);
+            if seen.elapsed() < REMOVED_BRICK_GRACE {
+                removed.insert(name.clone(), seen);
+                wanted.insert(name);
+            }
+        }
     }
 
     /// This host as its daemon reports it into etcd: its bricks, each probed.
@@ -500,11 +545,11 @@ impl Daemon {
         ))
     }
 
-    /// `kiln volume rebalance NAME start|status|stop`: run by this daemon, or on a cluster by
-    /// the elected one (`tasks`).
+    /// `kiln volume rebalance NAME start|fix-layout|status|stop` (and `heal`): run by this
+    /// daemon, or on a cluster by the elected one (`tasks`).
     async fn rebalance(&self, name: &str, action: TaskAction) -> anyhow::Result<Response> {
         let status = match action {
-            TaskAction::Start => {
+            TaskAction::Start | TaskAction::FixLayout => {
                 let volume = self.volume(name)?;
                 if volume.state != VolumeState::Started {
                     anyhow::bail!(
@@ -512,7 +557,11 @@ impl Daemon {
                         volume.state
                     );
                 }
-                self.tasks.start(name).await?
+                let kind = match action {
+                    TaskAction::FixLayout => TaskKind::FixLayout,
+                    _ => TaskKind::Rebalance,
+                };
+                self.tasks.start(name, kind).await?
             }
             TaskAction::Status => self.tasks.status(name).await?,
             TaskAction::Stop => self.tasks.stop(name).await?,
@@ -540,6 +589,8 @@ impl Daemon {
             index,
             role,
         };
+        // The last task's status is forgotten whenever the brick's role changes: a removal
+        // is committed only on a rebalance that began with the brick leaving.
         match action {
             RemoveAction::Start => {
                 if volume.state != VolumeState::Started {
@@ -548,12 +599,13 @@ impl Daemon {
                         volume.state
                     );
                 }
-                if self.tasks.status(name).await.is_ok_and(|s| s.is_live()) {
+                if self.tasks.is_live(name).await {
                     anyhow::bail!(
                         "a rebalance of {name} is running: `kiln volume rebalance {name} stop` \
                          it first"
                     );
                 }
+                self.tasks.forget(name).await?;
                 if volume.bricks[index].role != BrickRole::Leaving {
                     self.commit(role(BrickRole::Leaving)).await?;
                 }
@@ -561,9 +613,14 @@ impl Daemon {
             }
             RemoveAction::Status => self.rebalance(name, TaskAction::Status).await,
             RemoveAction::Stop => {
-                if self.tasks.status(name).await.is_ok_and(|s| s.is_live()) {
+                self.store.read(|cluster, _| {
+                    crate::store::State::check(cluster, &role(BrickRole::Serving))
+                })?;
+                if self.tasks.is_live(name).await {
                     self.tasks.stop(name).await?;
+                    self.tasks.wait_until_ended(name, TASK_STOP_WAIT).await?;
                 }
+                self.tasks.forget(name).await?;
                 let generation = self.commit(role(BrickRole::Serving)).await?;
                 Ok(done(
                     generation,
@@ -970,7 +1027,10 @@ impl Daemon {
             .filter_map(|(brick, r)| r.err().map(|why| format!("{brick} ({why})")))
             .collect();
         Ok(match missing.is_empty() {
-            true => format!("; applied by {} running brick(s)", volume.bricks.len()),
+            true => format!(
+                "; applied by {} running brick(s)",
+                volume.bricks_in_service().count()
+            ),
             false => format!(
                 "; saved, but not yet applied by {}: they get it when they restart",
                 missing.join(", ")
@@ -986,8 +1046,9 @@ impl Daemon {
         volume: &Volume,
         generation: u64,
     ) -> anyhow::Result<Vec<(String, Result<u64, String>)>> {
-        let remote: Vec<(String, &Brick)> = (0..volume.bricks.len())
-            .map(|i| (Brick::name(&volume.name, i), &volume.bricks[i]))
+        let remote: Vec<(String, &Brick)> = volume
+            .bricks_in_service()
+            .map(|(i, brick)| (Brick::name(&volume.name, i), brick))
             .filter(|(_, brick)| !self.supervisor.is_local(brick))
             .collect();
         let Some(etcd) = self.store.etcd().filter(|_| !remote.is_empty()) else {
@@ -1156,6 +1217,14 @@ fn remote_status(reports: &[HostReport], name: &str, brick: &Brick) -> BrickStat
             generation: None,
             health,
         },
+    }
+}
+
+/// Sleeps until `when`; forever without one.
+async fn sleep_until(when: Option<Instant>) {
+    match when {
+        Some(when) => tokio::time::sleep_until(when.into()).await,
+        None => std::future::pending().await,
     }
 }
 

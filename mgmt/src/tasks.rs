@@ -1,9 +1,10 @@
-//! Cluster-wide tasks — a volume's rebalance — run by one daemon at a time.
+//! Cluster-wide tasks — a volume's rebalance or fix-layout (`kiln volume heal`) — run by one
+//! daemon at a time, one per volume.
 //!
-//! The task itself is `kiln volume rebalance VOLUME start --for-daemon`, a process this daemon
-//! starts (the *runner*), which talks to this daemon's socket and writes its status beside it
-//! after each directory (`rebalance_status_file`; the runner is its only writer). The daemon
-//! writes a byte to the runner's stdin every [`BEAT_EVERY`]; a runner that hears nothing for
+//! The task itself is `kiln volume rebalance VOLUME start|fix-layout --for-daemon`, a process
+//! this daemon starts (the *runner*), which talks to this daemon's socket and writes its
+//! status beside it after each directory (`rebalance_status_file`: `wanted` written by the
+//! daemon before the runner starts, then by the runner alone). The daemon writes a byte to the runner's stdin every [`BEAT_EVERY`]; a runner that hears nothing for
 //! `RUNNER_FENCE` (2 s), or reads the end of its stdin (its daemon is gone), exits at once —
 //! a move it leaves half done is finished or undone by the next rebalance.
 //!
@@ -13,7 +14,7 @@
 //! ```text
 //! <prefix>leader                the leader's host name, under its lease: the daemons take
 //!                               it when they find it free (a lease-based election)
-//! <prefix>tasks/rebalance/<v>   volume v's rebalance (`RebalanceStatus`): `wanted` when asked,
+//! <prefix>tasks/rebalance/<v>   volume v's task (`RebalanceStatus`): `wanted` when asked,
 //!                               then its runner's status as the leader copies it; `stop` set
 //!                               by whoever is asked to stop it
 //! ```
@@ -33,7 +34,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use etcd_client::{Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp};
-use kiln_admin::command::{RebalanceStatus, rebalance_status_file};
+use kiln_admin::command::{RebalanceStatus, TaskKind, rebalance_status_file};
 use rustix::process::Signal;
 
 use crate::lock;
@@ -100,9 +101,9 @@ impl Tasks {
         }
     }
 
-    /// Starts a runner for `volume` here, unless one runs; its status says `wanted` until it
-    /// writes its own.
-    fn spawn(&self, volume: &str) -> anyhow::Result<RebalanceStatus> {
+    /// Starts a runner of task `kind` for `volume` here, unless one runs; its status says
+    /// `wanted` until it writes its own.
+    fn spawn(&self, volume: &str, kind: TaskKind) -> anyhow::Result<RebalanceStatus> {
         let mut runners = lock(&self.runners);
         if let Some(runner) = runners.get_mut(volume) {
             if matches!(runner.child.try_wait(), Ok(None)) {
@@ -110,12 +111,12 @@ impl Tasks {
             }
             runners.remove(volume);
         }
-        match std::fs::remove_file(self.status_file(volume)) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                return Err(e).context("cannot remove the last rebalance's status");
-            }
-            _ => {}
-        }
+        // The last run's status replaced; from here the runner is its only writer.
+        let mut wanted = RebalanceStatus::wanted(volume, kind);
+        wanted.host.clone_from(&self.host);
+        let json = serde_json::to_vec(&wanted).expect("a status encodes");
+        kiln_admin::durable::replace_file(&self.status_file(volume), &json, 0o644)
+            .context("cannot replace the last task's status")?;
         let log = self.log_file(volume);
         let log = std::fs::File::options()
             .create(true)
@@ -123,7 +124,7 @@ impl Tasks {
             .open(&log)
             .with_context(|| format!("cannot open {}", log.display()))?;
         let mut child = std::process::Command::new(&self.kiln)
-            .args(["volume", "rebalance", volume, "start", "--for-daemon"])
+            .args(["volume", "rebalance", volume, kind.action(), "--for-daemon"])
             .env("KILN_MGMT_SOCKET", &self.socket)
             .env("KILN_TLS_DIR", &self.tls_dir)
             .env("KILN_CLIENT", kiln_admin::pki::ADMIN_CLIENT)
@@ -136,15 +137,13 @@ impl Tasks {
             .stderr(log)
             .spawn()
             .with_context(|| format!("cannot run {}", self.kiln.display()))?;
-        tracing::info!(%volume, pid = child.id(), "started a rebalance");
+        tracing::info!(%volume, ?kind, pid = child.id(), "started a task");
         let runner = Runner {
             beats: child.stdin.take(),
             child,
             stopping: false,
         };
         runners.insert(volume.to_owned(), runner);
-        let mut wanted = RebalanceStatus::wanted(volume);
-        wanted.host.clone_from(&self.host);
         Ok(wanted)
     }
 
@@ -206,7 +205,7 @@ impl Tasks {
     ) -> anyhow::Result<Option<RebalanceStatus>> {
         let mut status = match (self.read_status_file(volume)?, here) {
             (Some(status), _) => status,
-            (None, Some(_)) => RebalanceStatus::wanted(volume),
+            (None, Some(_)) => RebalanceStatus::wanted(volume, TaskKind::default()),
             (None, None) => return Ok(None),
         };
         if let (true, Some(Some(exit))) = (status.is_live(), here) {
@@ -234,16 +233,16 @@ impl Tasks {
 
     // What a command asks.
 
-    /// `rebalance VOLUME start` (the volume exists and is started).
-    pub async fn start(&self, volume: &str) -> anyhow::Result<RebalanceStatus> {
+    /// `rebalance VOLUME start` or `fix-layout` (the volume exists and is started).
+    pub async fn start(&self, volume: &str, kind: TaskKind) -> anyhow::Result<RebalanceStatus> {
         let Some(etcd) = &self.etcd else {
-            return self.spawn(volume);
+            return self.spawn(volume, kind);
         };
         let (record, revision) = read_record(etcd, volume).await?;
         if record.as_ref().is_some_and(RebalanceStatus::is_live) {
             bail!(running(volume));
         }
-        let wanted = RebalanceStatus::wanted(volume);
+        let wanted = RebalanceStatus::wanted(volume, kind);
         if !write_record(etcd, &wanted, revision, None).await? {
             bail!("the rebalance of {volume} changed meanwhile: ask again");
         }
@@ -256,12 +255,12 @@ impl Tasks {
             Some(etcd) => read_record(etcd, volume).await?.0,
             None => self.local_status(volume)?,
         };
-        status.with_context(|| format!("no rebalance of {volume} has run"))
+        status.with_context(|| format!("no rebalance or heal of {volume} has run"))
     }
 
     /// `rebalance VOLUME stop`: the runner stops after the file it is moving.
     pub async fn stop(&self, volume: &str) -> anyhow::Result<RebalanceStatus> {
-        let not_running = || anyhow::anyhow!("no rebalance of {volume} is running");
+        let not_running = || anyhow::anyhow!("no rebalance or heal of {volume} is running");
         let Some(etcd) = &self.etcd else {
             let here = self.reap(volume);
             if here != Some(None) {
@@ -292,7 +291,19 @@ impl Tasks {
         self.status(volume).await.is_ok_and(|s| s.is_live())
     }
 
-    /// Forgets the last rebalance of deleted volume `volume`.
+    /// Waits until the task of `volume` has ended (a stop was asked), for at most `patience`.
+    pub async fn wait_until_ended(&self, volume: &str, patience: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + patience;
+        while self.is_live(volume).await {
+            if Instant::now() > deadline {
+                bail!("the task of {volume} did not stop within {patience:?}");
+            }
+            tokio::time::sleep(BEAT_EVERY).await;
+        }
+        Ok(())
+    }
+
+    /// Forgets the last task of `volume` (deleted, or a brick's role changed).
     pub async fn forget(&self, volume: &str) -> anyhow::Result<()> {
         let _ = std::fs::remove_file(self.status_file(volume));
         if let Some(etcd) = &self.etcd {
@@ -438,12 +449,12 @@ impl Tasks {
         {
             tracing::warn!(%volume, %before, "the rebalance continues here");
         }
-        self.spawn(volume)
+        self.spawn(volume, record.kind)
     }
 }
 
 fn running(volume: &str) -> String {
-    format!("a rebalance of {volume} is running; `kiln volume rebalance {volume} status`")
+    format!("a task of {volume} is running; `kiln volume rebalance {volume} status`")
 }
 
 fn signal(child: &std::process::Child, signal: Signal) {

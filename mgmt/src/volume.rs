@@ -147,16 +147,17 @@ impl Cluster {
             .values()
             .flat_map(|v| v.bricks.iter().map(move |b| (v.name.as_str(), b)))
             .chain(siblings.iter().map(|b| (volume, b)))
-            .filter(|(_, other)| other.role.in_service())
             .filter(|(_, other)| other.shares_host(brick));
         for (owner, other) in others {
+            // A removed brick's directory stays its own (it still holds the volume's
+            // directories and `.glusterfs`); its port is free.
             if other.path == brick.path {
                 return Err(ConfigError::BrickInUse {
                     brick: brick.display(),
                     volume: owner.to_owned(),
                 });
             }
-            if other.port == brick.port {
+            if other.port == brick.port && other.role.in_service() {
                 return Err(ConfigError::PortInUse {
                     host: brick.host.clone().unwrap_or_else(|| "this host".to_owned()),
                     port: brick.port,
@@ -346,14 +347,13 @@ fn check_role_change(volume: &Volume, index: usize, to: BrickRole) -> Result<(),
     let from = brick.role;
     match (from, to) {
         (BrickRole::Serving, BrickRole::Leaving) => {
-            let others = volume.bricks.iter().enumerate();
-            let serving = others.filter(|(i, b)| *i != index && b.role.is_serving());
-            match serving.count() {
-                0 => Err(ConfigError::LastBrick {
+            let mut others = volume.bricks.iter().enumerate();
+            match others.any(|(i, b)| i != index && b.role.is_serving()) {
+                true => Ok(()),
+                false => Err(ConfigError::LastBrick {
                     brick: brick.display(),
                     volume: volume.name.clone(),
                 }),
-                _ => Ok(()),
             }
         }
         (BrickRole::Leaving, BrickRole::Serving | BrickRole::Removed) => Ok(()),
@@ -506,14 +506,18 @@ mod tests {
             refused(&mut c, role(1, BrickRole::Serving)),
             ConfigError::BrickRole { .. }
         ));
-        // Its place stays; its path and port are free again.
+        // Its place stays, and its path; its port is free again.
         assert_eq!(c.volume("v").expect("v").bricks.len(), 2);
         assert_eq!(c.free_port(None, 49153, &[], |_| true), 49153);
-        let again = Change::AddBrick {
+        let add = |path: &str| Change::AddBrick {
             volume: "v".into(),
-            brick: Brick::new(None, "/b/2".into(), 49153),
+            brick: Brick::new(None, path.into(), 49153),
         };
-        commit(&mut c, &again).expect("the path is free again");
+        assert!(matches!(
+            refused(&mut c, add("/b/2")),
+            ConfigError::BrickInUse { .. }
+        ));
+        commit(&mut c, &add("/b/3")).expect("the port is free again");
         assert_eq!(c.volume("v").expect("v").bricks.len(), 3);
     }
 

@@ -129,21 +129,13 @@ pub(crate) async fn connect(global: &Global) -> Result<BrickClient, Error> {
     BrickClient::connect(options).await
 }
 
-/// A brick client for each of `addrs` (a volume's bricks, in order), as [`connect`] makes one.
-pub(crate) async fn connect_all(
-    global: &Global,
-    addrs: &[SocketAddr],
-) -> anyhow::Result<Vec<BrickClient>> {
-    let mut bricks = Vec::with_capacity(addrs.len());
-    for &addr in addrs {
-        let mut connect_to = global.clone();
-        connect_to.brick_addr = addr;
-        let brick = connect(&connect_to)
-            .await
-            .with_context(|| format!("cannot reach brick {addr}"))?;
-        bricks.push(brick);
-    }
-    Ok(bricks)
+/// A brick client for the brick at `addr`, as [`connect`] makes one.
+async fn connect_to(global: &Global, addr: SocketAddr) -> anyhow::Result<BrickClient> {
+    let mut to = global.clone();
+    to.brick_addr = addr;
+    connect(&to)
+        .await
+        .with_context(|| format!("cannot reach brick {addr}"))
 }
 
 /// A brick client for each of `members` in service (a volume's bricks, in order), as
@@ -154,12 +146,8 @@ pub(crate) async fn connect_members(
 ) -> anyhow::Result<Vec<Member<BrickClient>>> {
     let mut connected = Vec::with_capacity(members.len());
     for member in members {
-        let brick = match member.brick() {
-            Some(&addr) => Some(connect_all(global, &[addr]).await?.remove(0)),
-            None => None,
-        };
-        connected.push(match brick {
-            Some(brick) => Member::new(brick, member.role()),
+        connected.push(match member.brick() {
+            Some(&addr) => Member::new(connect_to(global, addr).await?, member.role()),
             None => Member::Removed,
         });
     }

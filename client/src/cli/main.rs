@@ -15,7 +15,6 @@
 //! `--client` (`KILN_CLIENT`) from `--tls-dir` (`KILN_TLS_DIR`).
 
 mod files;
-mod heal;
 mod mount;
 mod rebalance;
 mod up;
@@ -26,6 +25,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
+use kiln_admin::command::TaskKind;
 use kiln_admin::pki::{self, Role};
 
 // No global allocator of its own (the daemons and the brick use mimalloc): `kiln` starts for
@@ -225,7 +225,7 @@ fn main() -> ExitCode {
         Command::Volume {
             json,
             command: volume::VolumeCommand::Heal { name },
-        } => heal::run(&cli.global, &name, json),
+        } => rebalance::start(&cli.global, &name, TaskKind::FixLayout, json),
         Command::Volume {
             json,
             command:
@@ -234,15 +234,22 @@ fn main() -> ExitCode {
                     action,
                     for_daemon,
                 },
-        } => match action {
-            volume::RebalanceArg::Start if for_daemon => {
-                rebalance::run_for_daemon(&cli.global, &name)
+        } => {
+            let kind = match action {
+                volume::RebalanceArg::FixLayout => TaskKind::FixLayout,
+                _ => TaskKind::Rebalance,
+            };
+            match action {
+                volume::RebalanceArg::Start | volume::RebalanceArg::FixLayout if for_daemon => {
+                    rebalance::run_for_daemon(&cli.global, &name, kind)
+                }
+                volume::RebalanceArg::Start | volume::RebalanceArg::FixLayout => {
+                    rebalance::start(&cli.global, &name, kind, json)
+                }
+                volume::RebalanceArg::Status => rebalance::status(&cli.global, &name, json),
+                volume::RebalanceArg::Stop => rebalance::stop(&cli.global, &name, json),
             }
-            volume::RebalanceArg::Start => rebalance::start(&cli.global, &name, json),
-            volume::RebalanceArg::Status => rebalance::status(&cli.global, &name, json),
-            volume::RebalanceArg::Stop => rebalance::stop(&cli.global, &name, json),
-            volume::RebalanceArg::FixLayout => heal::run(&cli.global, &name, json),
-        },
+        }
         Command::Volume {
             json,
             command:

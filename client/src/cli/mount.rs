@@ -221,16 +221,23 @@ impl BrickSource<BrickClient> for VolumeBricks {
                 .await
                 .map_err(|e| unreachable(e.into()))?
                 .map_err(unreachable)?;
+            let mut roles: Vec<_> = listed.bricks.iter().map(Member::role).collect();
             let new = listed.bricks.get(known..).unwrap_or_default();
-            let added = crate::files::connect_members(&self.global, new)
-                .await
-                .map_err(unreachable)?;
+            // Bricks added but out of reach are asked for again later; the roles of the
+            // others are news meanwhile.
+            let added = match crate::files::connect_members(&self.global, new).await {
+                Ok(added) => added,
+                Err(e) => {
+                    tracing::warn!(error = %format!("{e:#}"), "new bricks out of reach");
+                    roles.truncate(known);
+                    Vec::new()
+                }
+            };
             if !added.is_empty() {
                 tracing::info!(added = added.len(), "the volume has new bricks");
             }
             let mut kept = self.added.lock().unwrap_or_else(|p| p.into_inner());
             kept.extend(added.iter().filter_map(Member::brick).cloned());
-            let roles = listed.bricks.iter().map(Member::role).collect();
             Ok(Listed { roles, added })
         })
     }

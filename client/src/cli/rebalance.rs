@@ -1,22 +1,29 @@
-//! `kiln volume rebalance VOLUME start|status|stop`: every file of a distributed volume moved
-//! to the brick its name hashes to (`Distribute::rebalance`), while clients keep using it.
+//! A volume's cluster-wide task: `kiln volume rebalance VOLUME start|status|stop` — every file
+//! of a distributed volume moved to the brick its name hashes to (`Distribute::rebalance`)
+//! while clients keep using it — and `rebalance VOLUME fix-layout` (also `kiln volume heal`):
+//! every directory looked up, which heals it (`Distribute::heal_tree`); `remove-brick` runs a
+//! rebalance too.
 //!
 //! The management daemon runs it — on a cluster, the elected daemon, whichever host is asked
-//! (`kiln_mgmt::tasks`) — as this command's `start --for-daemon` ([`run_for_daemon`]) in a
-//! process of its own, which holds a lock file next to the daemon's socket (one rebalance per
-//! volume and host) and writes its progress there after each directory. `start` asks for it and
-//! follows it with a progress bar until it ends (Ctrl-C stops following, not the rebalance);
-//! `stop` asks it to stop after the file it is moving and waits until it has.
+//! (`kiln_mgmt::tasks`) — as this command's `start|fix-layout --for-daemon`
+//! ([`run_for_daemon`]) in a process of its own, which holds a lock file next to the daemon's
+//! socket (one task per volume and host) and writes its progress there after each directory.
+//! `start` asks for it and follows it with a progress bar until it ends (Ctrl-C stops
+//! following, not the task); `stop` asks it to stop after the file it is moving and waits
+//! until it has.
 
 use std::fs::File;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use kiln_admin::command::{RebalanceStatus, RemoveAction, Request, Response, TaskAction};
-use kiln_client::distribute::RebalanceReport;
+use kiln_admin::command::{RebalanceStatus, RemoveAction, Request, Response, TaskAction, TaskKind};
+use kiln_client::BrickClient;
+use kiln_client::distribute::{Distribute, HealReport, Member, RebalanceReport};
+use kiln_wire::Creds;
 
 use crate::Global;
 
@@ -38,6 +45,19 @@ fn line(status: &RebalanceStatus) -> String {
         .as_ref()
         .map(|h| format!(" on {h}"))
         .unwrap_or_default();
+    if status.kind == TaskKind::FixLayout {
+        return format!(
+            "{}: fix-layout {}{host} — {} directories looked at, {} missing copies made, {} \
+             layouts healed, {} failed, {:.1} s",
+            status.volume,
+            status.state,
+            r.dirs,
+            r.copies_made,
+            r.layouts_healed,
+            r.failed,
+            status.elapsed_secs
+        );
+    }
     format!(
         "{}: {}{host} — {} directories, {} files looked at, {} moved ({} bytes), {} stale link \
          files removed, {} left in place, {} failed, {:.1} s",
@@ -54,9 +74,10 @@ fn line(status: &RebalanceStatus) -> String {
     )
 }
 
-/// How far this runner got: its report so far, and the bricks it empties.
+/// How far this runner got: its task, its report so far, and the bricks it empties.
 #[derive(Default)]
 struct Progress {
+    kind: TaskKind,
     report: RebalanceReport,
     leaving: Vec<usize>,
 }
@@ -74,7 +95,7 @@ fn new_status(
         report: progress.report,
         elapsed_secs: elapsed.as_secs_f64(),
         leaving: progress.leaving.clone(),
-        ..RebalanceStatus::wanted(volume)
+        ..RebalanceStatus::wanted(volume, progress.kind)
     }
 }
 
@@ -115,9 +136,14 @@ impl Files {
     }
 }
 
-/// `rebalance VOLUME start`: asks the daemon to run it, and follows it until it ends.
-pub(crate) fn start(global: &Global, name: &str, json: bool) -> anyhow::Result<()> {
-    ask(global, name, TaskAction::Start)?;
+/// `rebalance VOLUME start|fix-layout`: asks the daemon to run it, and follows it until it
+/// ends.
+pub(crate) fn start(global: &Global, name: &str, kind: TaskKind, json: bool) -> anyhow::Result<()> {
+    let action = match kind {
+        TaskKind::Rebalance => TaskAction::Start,
+        TaskKind::FixLayout => TaskAction::FixLayout,
+    };
+    ask(global, name, action)?;
     follow(global, name, json, true, None)
 }
 
@@ -206,11 +232,11 @@ fn follow(
             break status;
         }
         if stop_by.is_some_and(|d| Instant::now() > d) {
-            bail!("the rebalance of {name} did not stop within {STOP_WAIT:?}");
+            bail!("the task of {name} did not stop within {STOP_WAIT:?}");
         }
         if status.state == "wanted" && asked.elapsed() > FOLLOW_PATIENCE {
             bail!(
-                "the rebalance of {name} did not start within {FOLLOW_PATIENCE:?}: is a \
+                "the task of {name} did not start within {FOLLOW_PATIENCE:?}: is a \
                  daemon leading (`kiln cluster status`)?"
             );
         }
@@ -236,16 +262,18 @@ fn follow(
     match (status.state.as_str(), status.report.failed) {
         ("completed" | "stopped", 0) => Ok(()),
         ("completed" | "stopped", failed) => {
-            bail!("{failed} files or directories of {name} could not be rebalanced ({why})")
+            bail!(
+                "{failed} files or directories of {name} could not be rebalanced or healed ({why})"
+            )
         }
-        (state, _) => bail!("the rebalance of {name} {state}: {why}"),
+        (state, _) => bail!("the task of {name} {state}: {why}"),
     }
 }
 
 /// `rebalance VOLUME start --for-daemon`: the rebalance itself, run here for the daemon that
 /// started this process, until it is done or stopped (SIGINT or SIGTERM); exits when that
 /// daemon is gone.
-pub(crate) fn run_for_daemon(global: &Global, name: &str) -> anyhow::Result<()> {
+pub(crate) fn run_for_daemon(global: &Global, name: &str, kind: TaskKind) -> anyhow::Result<()> {
     // Listened for first, so a `stop` never kills it, even before it starts moving files.
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -263,7 +291,10 @@ pub(crate) fn run_for_daemon(global: &Global, name: &str) -> anyhow::Result<()> 
     exit_without_beats();
     let files = Files::of(global, name);
     let started = Instant::now();
-    let last = std::sync::Mutex::new(Progress::default());
+    let last = std::sync::Mutex::new(Progress {
+        kind,
+        ..Progress::default()
+    });
     let result = run_here(
         global,
         name,
@@ -283,7 +314,7 @@ pub(crate) fn run_for_daemon(global: &Global, name: &str) -> anyhow::Result<()> 
         ..new_status(name, state, &last, started.elapsed())
     };
     if let Err(e) = files.write(&status) {
-        eprintln!("kiln: the rebalance's last status was not written: {e:#}");
+        eprintln!("kiln: the task's last status was not written: {e:#}");
     }
     result.map(|_| ())
 }
@@ -299,7 +330,7 @@ fn run_here(
     last: &std::sync::Mutex<Progress>,
 ) -> anyhow::Result<bool> {
     let Some(_lock) = files.try_lock()? else {
-        bail!("a rebalance of {name} is running on this host");
+        bail!("a task of {name} is running on this host");
     };
     let volume = crate::mount::resolve_volume(global, name)?;
     let stop = Arc::new(AtomicBool::new(false));
@@ -311,25 +342,70 @@ fn run_here(
     };
     runtime.block_on(async {
         let signals = tokio::spawn(stop_on_signal(interrupt, terminate, stop.clone()));
-        let report = crate::heal::on_distributed(global, name, &volume.bricks, async |d| {
-            last.lock().unwrap_or_else(|p| p.into_inner()).leaving = d.leaving();
+        let done = on_distributed(global, name, &volume.bricks, async |d| {
+            let kind = {
+                let mut last = last.lock().unwrap_or_else(|p| p.into_inner());
+                if last.kind == TaskKind::Rebalance {
+                    last.leaving = d.leaving();
+                }
+                last.kind
+            };
             files
                 .write(&progress(&RebalanceReport::default()))
-                .map_err(|e| {
-                    kiln_client::Error::Misuse(format!("the rebalance's status: {e:#}"))
-                })?;
-            d.rebalance(&stop, &mut |r: &RebalanceReport| {
+                .map_err(|e| kiln_client::Error::Misuse(format!("the task's status: {e:#}")))?;
+            let mut report = |r: &RebalanceReport| {
                 if let Err(e) = files.write(&progress(r)) {
-                    tracing::warn!(error = %e, "rebalance: progress not written");
+                    tracing::warn!(error = %e, "progress not written");
                 }
-            })
-            .await
+            };
+            match kind {
+                TaskKind::Rebalance => d.rebalance(&stop, &mut report).await.map(drop),
+                TaskKind::FixLayout => {
+                    let mut healed = |h: &HealReport| report(&fix_layout_report(h));
+                    let h = d
+                        .heal_tree_reporting(&Creds::root(), &stop, &mut healed)
+                        .await?;
+                    report(&fix_layout_report(&h));
+                    Ok(())
+                }
+            }
         })
         .await;
         signals.abort();
-        report
+        done
     })?;
     Ok(stop.load(Ordering::Relaxed))
+}
+
+/// What a fix-layout says of how far it got.
+fn fix_layout_report(healed: &HealReport) -> RebalanceReport {
+    RebalanceReport {
+        dirs: healed.dirs,
+        copies_made: healed.copies_made,
+        layouts_healed: healed.layouts_healed,
+        failed: healed.failed,
+        ..RebalanceReport::default()
+    }
+}
+
+/// Runs `work` on the distribution layer over every brick of volume `name` (`members`),
+/// connected for it and closed after.
+async fn on_distributed<T>(
+    global: &Global,
+    name: &str,
+    members: &[Member<SocketAddr>],
+    work: impl AsyncFnOnce(&Distribute<BrickClient>) -> Result<T, kiln_client::Error>,
+) -> anyhow::Result<T> {
+    let members = crate::files::connect_members(global, members)
+        .await
+        .with_context(|| format!("cannot reach the bricks of {name}"))?;
+    let bricks: Vec<BrickClient> = members.iter().filter_map(Member::brick).cloned().collect();
+    let distribute = Distribute::of_members(members, name)?;
+    let done = work(&distribute).await;
+    for brick in bricks {
+        brick.close().await;
+    }
+    done.with_context(|| format!("on volume {name}"))
 }
 
 /// Exits this process at once when its daemon stops beating (a byte on stdin at least every
@@ -344,7 +420,7 @@ fn exit_without_beats() {
         loop {
             match std::io::stdin().read(&mut byte) {
                 Ok(0) | Err(_) => {
-                    eprintln!("kiln: the daemon that started this rebalance is gone");
+                    eprintln!("kiln: the daemon that started this task is gone");
                     std::process::exit(3);
                 }
                 Ok(_) => *heard.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now(),

@@ -89,8 +89,14 @@ pub(super) struct Bricks<L> {
     /// Each slot's [`BrickRole`], as `role_code`.
     roles: Box<[AtomicU8]>,
     len: AtomicUsize,
-    /// Held while the source is asked; when it last was.
-    refreshed: tokio::sync::Mutex<Option<Instant>>,
+    /// Held while the source is asked.
+    asking: tokio::sync::Mutex<()>,
+    /// Held while the layer asks; when it last asked in vain.
+    in_vain: tokio::sync::Mutex<Option<Instant>>,
+    /// When the source last answered.
+    answered: Mutex<Option<Instant>>,
+    /// Bumped at every change of the bricks or their roles.
+    generation: AtomicU64,
     source: Option<Box<dyn BrickSource<L>>>,
 }
 
@@ -106,7 +112,10 @@ impl<L: Send + Sync + 'static> Bricks<L> {
             slots: (0..BRICKS_MAX).map(|_| OnceLock::new()).collect(),
             roles: (0..BRICKS_MAX).map(|_| AtomicU8::new(0)).collect(),
             len: AtomicUsize::new(0),
-            refreshed: tokio::sync::Mutex::new(None),
+            asking: tokio::sync::Mutex::new(()),
+            in_vain: tokio::sync::Mutex::new(None),
+            answered: Mutex::new(None),
+            generation: AtomicU64::new(0),
             source: None,
         };
         for member in members {
@@ -133,8 +142,11 @@ impl<L: Send + Sync + 'static> Bricks<L> {
         Ok(())
     }
 
+    /// Makes `source` the one asked; the bricks this list was made with are taken for its
+    /// latest answer.
     pub(super) fn set_source(&mut self, source: Box<dyn BrickSource<L>>) {
         self.source = Some(source);
+        *lock(&self.answered) = Some(Instant::now());
     }
 
     /// How many bricks the volume has had: the indexes in use, removed ones included.
@@ -146,10 +158,14 @@ impl<L: Send + Sync + 'static> Bricks<L> {
         0..self.len()
     }
 
+    /// The role of brick `brick`; one this layer does not know counts as removed.
     pub(super) fn role(&self, brick: usize) -> BrickRole {
-        match self.roles.get(brick).map(|r| r.load(Ordering::Acquire)) {
-            Some(0) => BrickRole::Serving,
-            Some(1) => BrickRole::Leaving,
+        if brick >= self.len() {
+            return BrickRole::Removed;
+        }
+        match self.roles[brick].load(Ordering::Acquire) {
+            0 => BrickRole::Serving,
+            1 => BrickRole::Leaving,
             _ => BrickRole::Removed,
         }
     }
@@ -170,9 +186,9 @@ impl<L: Send + Sync + 'static> Bricks<L> {
     }
 
     /// The first brick in service: where a directory's own attributes are read.
-    pub(super) fn first(&self) -> usize {
+    pub(super) fn first(&self) -> Result<usize, Error> {
         let first = self.in_service().next().map(|(i, _)| i);
-        first.expect("a volume keeps a brick in service")
+        first.ok_or(Error::Fop(ErrorCode::NotConnected))
     }
 
     /// Each brick's share of a new layout: 1 for a serving brick, 0 for the others.
@@ -181,21 +197,34 @@ impl<L: Send + Sync + 'static> Bricks<L> {
         self.indexes().map(share).collect()
     }
 
-    /// Asks the source, at most once per [`BRICKS_REFRESH`], for bricks added to the volume
-    /// and roles changed; whether anything changed (by this call or one that ran meanwhile).
+    /// Asks the source for bricks added to the volume and roles changed — when the layer
+    /// finds something it does not know: at most once per [`BRICKS_REFRESH`] in vain —
+    /// whether anything changed (by this call or one that ran meanwhile).
     pub(super) async fn refresh(&self) -> Result<bool, Error> {
+        if self.source.is_none() {
+            return Ok(false);
+        }
+        let before = self.generation();
+        let mut in_vain = self.in_vain.lock().await;
+        if self.generation() != before {
+            return Ok(true);
+        }
+        if in_vain.is_some_and(|at| at.elapsed() < BRICKS_REFRESH) {
+            return Ok(false);
+        }
+        let changed = self.ask_source().await?;
+        if !changed {
+            *in_vain = Some(Instant::now());
+        }
+        Ok(changed)
+    }
+
+    /// Asks the source (none: nothing changes); whether anything changed.
+    pub(super) async fn ask_source(&self) -> Result<bool, Error> {
         let Some(source) = &self.source else {
             return Ok(false);
         };
-        let before = self.fingerprint();
-        let mut last = self.refreshed.lock().await;
-        if self.fingerprint() != before {
-            return Ok(true);
-        }
-        if last.is_some_and(|at| at.elapsed() < BRICKS_REFRESH) {
-            return Ok(false);
-        }
-        *last = Some(Instant::now());
+        let _one_at_a_time = self.asking.lock().await;
         let known = self.len();
         let listed = source.members(known).await?;
         if listed.roles.len() != known + listed.added.len() {
@@ -205,25 +234,36 @@ impl<L: Send + Sync + 'static> Bricks<L> {
                 listed.added.len()
             )));
         }
+        let mut changed = !listed.added.is_empty();
         for member in listed.added {
             self.push(member)?;
         }
         for (i, role) in listed.roles.into_iter().enumerate() {
             // A brick removed stays removed: its client is gone.
-            if self.role(i).in_service() {
-                self.roles[i].store(role_code(role), Ordering::Release);
+            let code = role_code(role);
+            if self.role(i).in_service() && self.roles[i].swap(code, Ordering::AcqRel) != code {
+                changed = true;
             }
         }
-        let changed = self.fingerprint() != before;
+        *lock(&self.answered) = Some(Instant::now());
         if changed {
-            tracing::info!(bricks = self.len(), roles = ?self.indexes().map(|i| self.role(i)).collect::<Vec<_>>(), "the volume's bricks changed");
+            self.generation.fetch_add(1, Ordering::AcqRel);
+            let roles: Vec<BrickRole> = self.indexes().map(|i| self.role(i)).collect();
+            tracing::info!(bricks = self.len(), ?roles, "the volume's bricks changed");
         }
         Ok(changed)
     }
 
-    /// The bricks' number and roles, to tell a change.
-    fn fingerprint(&self) -> Vec<BrickRole> {
-        self.indexes().map(|i| self.role(i)).collect()
+    /// How many times the bricks or their roles changed since the layer was made.
+    pub(super) fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    /// Whether the roles are known to be current: there is no source (the layer's bricks are
+    /// all there is), or it answered within two [`BRICKS_REFRESH`].
+    pub(super) fn roles_current(&self) -> bool {
+        let answered = *lock(&self.answered);
+        self.source.is_none() || answered.is_some_and(|at| at.elapsed() < BRICKS_REFRESH * 2)
     }
 }
 
@@ -279,7 +319,7 @@ mod tests {
             Err(Error::Fop(ErrorCode::NotConnected))
         ));
         assert_eq!(bricks.weights(), [0, 0, 1]);
-        assert_eq!(bricks.first(), 0);
+        assert_eq!(bricks.first().expect("a brick in service"), 0);
         assert_eq!(*bricks.get(2).expect("brick 2"), 8);
         // Not asked again within the interval.
         assert!(!bricks.refresh().await.expect("refresh"));

@@ -32,6 +32,7 @@ const MOVE_POLL: Duration = Duration::from_millis(20);
 /// moving to once a reply showed a migration.
 #[derive(Debug)]
 pub struct FileFd<F> {
+    gfid: Gfid,
     brick: usize,
     fd: F,
     access: AccessMode,
@@ -43,8 +44,15 @@ pub struct FileFd<F> {
 }
 
 impl<F> FileFd<F> {
-    pub(super) fn new(brick: usize, fd: F, access: AccessMode, flags: OpenFlags) -> FileFd<F> {
+    pub(super) fn new(
+        gfid: Gfid,
+        brick: usize,
+        fd: F,
+        access: AccessMode,
+        flags: OpenFlags,
+    ) -> FileFd<F> {
         FileFd {
+            gfid,
             brick,
             fd,
             access,
@@ -88,6 +96,16 @@ impl<L: Layer> Distribute<L> {
         file: &FileFd<L::Fd>,
         fop: FdFop,
     ) -> Result<FopReply, Error> {
+        if !file.moved.load(Ordering::Acquire) && !self.bricks.role(file.brick).in_service() {
+            // Its brick was removed, every file moved off it first: the file is where its
+            // GFID is now.
+            lock(&self.homes).pop(&file.gfid);
+            let Home::Brick(to) = self.home(&Creds::root(), file.gfid).await? else {
+                return Err(Error::Fop(ErrorCode::Io));
+            };
+            self.destination(file, to).await?;
+            file.moved.store(true, Ordering::Release);
+        }
         if file.moved.load(Ordering::Acquire)
             && let Some((brick, fd)) = file.dst.get()
         {
@@ -111,24 +129,7 @@ impl<L: Layer> Distribute<L> {
         let Some(to) = self.moving_to_of(creds, file, gfid, look).await? else {
             return Ok(reply);
         };
-        let opened = file
-            .dst
-            .get_or_try_init(|| async {
-                // As root: a copying file's destination has no permission bits yet, and the
-                // caller opened the file with this access already.
-                let flags = OpenFlags::from_bits(
-                    file.flags.bits() & !(OpenFlags::TRUNC.bits() | OpenFlags::EXCL.bits()),
-                )
-                .unwrap_or_default();
-                let fd = self
-                    .bricks
-                    .get(to)?
-                    .open(&Creds::root(), gfid, file.access, flags)
-                    .await?;
-                Ok::<_, Error>((to, fd))
-            })
-            .await;
-        let (brick, fd) = match opened {
+        let (brick, fd) = match self.destination(file, to).await {
             Ok(opened) => opened,
             // The copy is gone: the rebalancer gave the move up, and its source is the file.
             Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) if look == Look::Copying => {
@@ -148,6 +149,31 @@ impl<L: Layer> Distribute<L> {
             .call_fd(&Creds::root(), fd, change)
             .await
             .map(|_| reply)
+    }
+
+    /// The fd of open file `file` on brick `to`, where it is moving or has moved, opened the
+    /// first time it is asked for.
+    async fn destination<'f>(
+        &self,
+        file: &'f FileFd<L::Fd>,
+        to: usize,
+    ) -> Result<&'f (usize, L::Fd), Error> {
+        file.dst
+            .get_or_try_init(|| async {
+                // As root: a copying file's destination has no permission bits yet, and the
+                // caller opened the file with this access already.
+                let flags = OpenFlags::from_bits(
+                    file.flags.bits() & !(OpenFlags::TRUNC.bits() | OpenFlags::EXCL.bits()),
+                )
+                .unwrap_or_default();
+                let fd = self
+                    .bricks
+                    .get(to)?
+                    .open(&Creds::root(), file.gfid, file.access, flags)
+                    .await?;
+                Ok::<_, Error>((to, fd))
+            })
+            .await
     }
 
     /// Puts back the mark of a file being moved that a caller's change of mode (`reply`, on

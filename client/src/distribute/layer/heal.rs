@@ -25,11 +25,9 @@ pub(super) struct Healed {
 }
 
 impl<L: Layer> Distribute<L> {
-    /// Gives directory `dir` a new layout over every serving brick, equal shares; the layout
-    /// kept. The brick source is asked first (at most once per [`BRICKS_REFRESH`]): a brick
-    /// that has begun to leave gets no share.
+    /// Gives directory `dir` a new layout over every serving brick (by the roles a mount
+    /// learns every [`BRICKS_REFRESH`]), equal shares; the layout kept.
     pub(super) async fn write_new_layout(&self, dir: Gfid) -> Result<Arc<Layout>, Error> {
-        self.refresh_bricks().await;
         let weights = self.bricks.weights();
         let first = first_brick(dir.to_string().as_bytes(), weights.len())
             .map_err(|e| layout_error(dir, &e))?;
@@ -209,13 +207,38 @@ impl<L: Layer> Distribute<L> {
     /// [`Layer::call`] of LOOKUP): what `kiln volume heal` runs. A directory whose first
     /// brick lacks it is not listed, and so not reached, by this walk.
     pub async fn heal_tree(&self, creds: &Creds) -> Result<HealReport, Error> {
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        self.heal_tree_reporting(creds, &stop, &mut |_| {}).await
+    }
+
+    /// [`Distribute::heal_tree`], reporting after each directory; stops between two
+    /// directories once `stop` is set.
+    pub async fn heal_tree_reporting(
+        &self,
+        creds: &Creds,
+        stop: &std::sync::atomic::AtomicBool,
+        progress: &mut (dyn FnMut(&HealReport) + Send),
+    ) -> Result<HealReport, Error> {
         let before = self.healed();
+        let report = |dirs, failed| {
+            let after = self.healed();
+            HealReport {
+                dirs,
+                copies_made: after.0 - before.0,
+                layouts_healed: after.1 - before.1,
+                failed,
+            }
+        };
         let root = self.layout(Gfid::ROOT).await?;
         if self.needs_heal(&root).await {
             self.heal_layout(Gfid::ROOT, &root).await?;
         }
         let (mut pending, mut dirs, mut failed) = (vec![Gfid::ROOT], 0, 0);
         while let Some(dir) = pending.pop() {
+            if stop.load(Ordering::Relaxed) {
+                break;
+            }
+            progress(&report(dirs, failed));
             dirs += 1;
             let entries = match self.read_dir(creds, dir).await {
                 Ok(entries) => entries,
@@ -242,23 +265,24 @@ impl<L: Layer> Distribute<L> {
                 }
             }
         }
-        let after = self.healed();
-        Ok(HealReport {
-            dirs,
-            copies_made: after.0 - before.0,
-            layouts_healed: after.1 - before.1,
-            failed,
-        })
+        Ok(report(dirs, failed))
     }
 
     /// Whether `layout` is to be rebuilt: a serving brick has no range in it, another brick
     /// has one, or ranges overlap — by the bricks' roles as the source says now (asked when
-    /// the layout does not fit the ones this layer knew: another client may know better).
+    /// the layout does not fit the ones this layer knew: another client may know better);
+    /// not when the source has not answered lately.
     /// Holes between the ranges of every brick are left alone: a brick this layer does not
     /// know (added since it was made, as a mount older than an add-brick) may hold them, and
     /// rebuilding would take its share away.
     async fn needs_heal(&self, layout: &Layout) -> bool {
-        !self.fits(layout) && (!self.refresh_bricks().await || !self.fits(layout))
+        if self.fits(layout) {
+            return false;
+        }
+        // Healed only by roles known to be current: a mount whose source does not answer
+        // could give a leaving brick its share back.
+        self.refresh_bricks().await;
+        self.bricks.roles_current() && !self.fits(layout)
     }
 
     /// Whether `layout` gives a range to the serving bricks alone, without overlaps.

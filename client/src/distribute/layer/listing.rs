@@ -67,9 +67,11 @@ impl<L: Layer> Distribute<L> {
                 .get(n)
                 .ok_or(Error::Fop(ErrorCode::Inval))?,
         };
-        let first = fds.fds.iter().position(Option::is_some);
+        let first = self.dir_fds(fds).next().map(|(i, _)| i);
         while brick < fds.fds.len() {
-            let Some(fd) = &fds.fds[brick] else {
+            // (A brick removed since the directory was opened is left out.)
+            let in_service = self.bricks.role(brick).in_service();
+            let Some(fd) = fds.fds[brick].as_ref().filter(|_| in_service) else {
                 (brick, from) = (brick + 1, 0);
                 continue;
             };
@@ -179,14 +181,16 @@ impl<L: Layer> Distribute<L> {
         }
     }
 
+    /// The fds of open directory `fds` on the bricks in service, with their bricks.
     pub(super) fn dir_fds<'a>(
-        &self,
+        &'a self,
         fds: &'a DirFds<L::Fd>,
     ) -> impl Iterator<Item = (usize, &'a L::Fd)> {
+        let in_service = |i: usize| self.bricks.role(i).in_service();
         fds.fds
             .iter()
             .enumerate()
-            .filter_map(|(i, fd)| fd.as_ref().map(|fd| (i, fd)))
+            .filter_map(move |(i, fd)| fd.as_ref().filter(|_| in_service(i)).map(|fd| (i, fd)))
     }
 }
 

@@ -168,7 +168,60 @@ impl<L: Layer> Distribute<L> {
             }
             progress(&report);
         }
+        if !self.leaving().is_empty() && !stop.load(Ordering::Relaxed) {
+            report.left_on_leaving = self.sweep_leaving(stop, &mut report).await?;
+            progress(&report);
+        }
         Ok(report)
+    }
+
+    /// Moves what the walk missed off the leaving bricks (a file renamed meanwhile into a
+    /// directory walked already), then counts what is still on them: entries other than
+    /// directories, each logged.
+    async fn sweep_leaving(
+        &self,
+        stop: &AtomicBool,
+        report: &mut RebalanceReport,
+    ) -> Result<u64, Error> {
+        let mut left = 0;
+        for brick in self.leaving() {
+            let missed: std::collections::BTreeSet<Gfid> = self
+                .entries_on(brick)
+                .await?
+                .into_iter()
+                .map(|(dir, _)| dir)
+                .collect();
+            for dir in missed {
+                self.rebalance_dir(dir, stop, report).await?;
+            }
+            for (dir, name) in self.entries_on(brick).await? {
+                let name = name.as_bytes().escape_ascii();
+                tracing::warn!(%dir, %name, brick, "rebalance: an entry is left on a leaving brick");
+                left += 1;
+            }
+        }
+        Ok(left)
+    }
+
+    /// The entries other than directories on brick `brick`, with their directories, found
+    /// by walking its own tree.
+    async fn entries_on(&self, brick: usize) -> Result<Vec<(Gfid, Name)>, Error> {
+        let root = Creds::root();
+        let (mut pending, mut found) = (vec![Gfid::ROOT], Vec::new());
+        while let Some(dir) = pending.pop() {
+            let entries = match self.bricks.get(brick)?.read_dir(&root, dir).await {
+                Ok(entries) => entries,
+                Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => continue,
+                Err(e) => return Err(e),
+            };
+            for entry in entries {
+                match entry.iatt.file_type {
+                    FileType::Directory => pending.push(entry.iatt.gfid),
+                    _ => found.push((dir, entry.name)),
+                }
+            }
+        }
+        Ok(found)
     }
 
     /// Moves the files of directory `dir` that are off their hashed brick, and commits its
@@ -430,7 +483,7 @@ impl<L: Layer> Distribute<L> {
         };
         self.set_attr(to, gfid, attr).await?;
         self.note_home(&now, to);
-        self.remove_link_file(from, dir, &name).await?;
+        self.remove_if_still(dir, &name, from, gfid).await?;
         Ok(Outcome::Moved { bytes: 0 })
     }
 

@@ -100,13 +100,16 @@ pub struct Distribute<L: Layer> {
     /// The volume's name: link files name bricks `VOLUME-client-N`.
     volume: String,
     munging: Munging,
-    /// Each with when it was read.
-    layouts: Mutex<lru::LruCache<Gfid, (Arc<Layout>, Instant)>>,
+    layouts: Mutex<lru::LruCache<Gfid, KeptLayout>>,
     homes: Mutex<lru::LruCache<Gfid, Home>>,
     /// Never sent on: no leases through this layer.
     events: broadcast::Sender<LayerEvent>,
     healed: Healed,
 }
+
+/// A directory's layout as this layer keeps it: with when it was read, and the bricks'
+/// generation then.
+type KeptLayout = (Arc<Layout>, Instant, u64);
 
 /// This layer's handle on an open file (its brick's fd) or directory (every brick's).
 #[derive(Debug)]
@@ -155,7 +158,7 @@ impl<L: Layer> Distribute<L> {
                 let Some(bricks) = bricks.upgrade() else {
                     return;
                 };
-                if let Err(e) = bricks.refresh().await {
+                if let Err(e) = bricks.ask_source().await {
                     tracing::debug!(error = %e, "the volume's bricks could not be asked for");
                 }
             }
@@ -168,21 +171,13 @@ impl<L: Layer> Distribute<L> {
     }
 
     /// Asks the brick source for bricks added to the volume and roles changed; whether
-    /// anything changed. The layouts read before are forgotten then. A source out of reach
+    /// anything changed (the layouts read before are read again then). A source out of reach
     /// changes nothing (logged): the layer goes on with the bricks it knows.
     async fn refresh_bricks(&self) -> bool {
-        match self.bricks.refresh().await {
-            Ok(changed) => {
-                if changed {
-                    lock(&self.layouts).clear();
-                }
-                changed
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "the volume's bricks could not be asked for");
-                false
-            }
-        }
+        self.bricks.refresh().await.unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "the volume's bricks could not be asked for");
+            false
+        })
     }
 
     /// The layout of directory `dir`: cached (for [`LAYOUT_TTL`]), else read from every
@@ -220,36 +215,41 @@ impl<L: Layer> Distribute<L> {
         Ok(layout)
     }
 
-    /// The layout of `dir` read last, and whether it is fresh (read within [`LAYOUT_TTL`]).
+    /// The layout of `dir` read last, and whether it is fresh (read within [`LAYOUT_TTL`],
+    /// and no brick added or role changed since).
     fn cached_layout(&self, dir: Gfid) -> Option<(Arc<Layout>, bool)> {
-        lock(&self.layouts)
-            .get(&dir)
-            .map(|(layout, read)| (layout.clone(), read.elapsed() < LAYOUT_TTL))
+        let generation = self.bricks.generation();
+        lock(&self.layouts).get(&dir).map(|(layout, read, seen)| {
+            let fresh = read.elapsed() < LAYOUT_TTL && *seen == generation;
+            (layout.clone(), fresh)
+        })
     }
 
     fn keep_layout(&self, dir: Gfid, layout: Arc<Layout>) {
-        lock(&self.layouts).put(dir, (layout, Instant::now()));
+        let generation = self.bricks.generation();
+        lock(&self.layouts).put(dir, (layout, Instant::now(), generation));
     }
 
     fn forget_layout(&self, dir: Gfid) {
         lock(&self.layouts).pop(&dir);
     }
 
-    /// The brick `name` hashes to in directory `parent`. A name in a hole of the layout asks
-    /// for bricks added to the volume first: the hole may be a new brick's share.
+    /// The brick `name` hashes to in directory `parent`. A name in a hole of the layout reads
+    /// it again (it may have been read while another client wrote it) after asking for bricks
+    /// added to the volume: the hole may be a new brick's share.
     async fn hashed(&self, parent: Gfid, name: &Name) -> Result<(usize, Arc<Layout>), Error> {
         let layout = self.layout(parent).await?;
         if let Some(brick) = layout.hashed_brick(name.as_bytes(), self.munging) {
             return Ok((brick, layout));
         }
-        if self.refresh_bricks().await {
-            let layout = self.layout(parent).await?;
-            if let Some(brick) = layout.hashed_brick(name.as_bytes(), self.munging) {
-                return Ok((brick, layout));
-            }
+        self.refresh_bricks().await;
+        self.forget_layout(parent);
+        let layout = self.layout(parent).await?;
+        match layout.hashed_brick(name.as_bytes(), self.munging) {
+            Some(brick) => Ok((brick, layout)),
+            // GlusterFS answers EIO until the layout is healed.
+            None => Err(Error::Fop(ErrorCode::Io)),
         }
-        // GlusterFS answers EIO until the layout is healed.
-        Err(Error::Fop(ErrorCode::Io))
     }
 
     /// Remembers where the object `iatt` describes lives, found on brick `brick`.
@@ -306,7 +306,7 @@ impl<L: Layer> Distribute<L> {
         match self.home(creds, gfid).await? {
             Home::Brick(b) => self.call_on_file(creds, gfid, b, fop).await,
             Home::Everywhere if changes_object(&fop) => {
-                let first = self.bricks.first();
+                let first = self.bricks.first()?;
                 let answer = self.bricks.get(first)?.call(creds, fop.clone()).await?;
                 for (_, brick) in self.bricks.in_service().filter(|(i, _)| *i != first) {
                     match brick.call(creds, fop.clone()).await {
@@ -317,7 +317,7 @@ impl<L: Layer> Distribute<L> {
                 Ok(answer)
             }
             Home::Everywhere => {
-                let first = self.bricks.first();
+                let first = self.bricks.first()?;
                 let reply = self.bricks.get(first)?.call(creds, fop).await?;
                 self.merged_dir(creds, reply, first).await
             }
@@ -427,7 +427,7 @@ impl<L: Layer> Layer for Distribute<L> {
             }
             opened => opened?,
         };
-        Ok(DistFd::File(FileFd::new(brick, fd, access, flags)))
+        Ok(DistFd::File(FileFd::new(gfid, brick, fd, access, flags)))
     }
 
     async fn create(
@@ -455,12 +455,16 @@ impl<L: Layer> Layer for Distribute<L> {
             let iatt = self.bricks.get(home)?.stat(creds, gfid).await?;
             self.note_home(&iatt, home);
             return Ok((
-                DistFd::File(FileFd::new(home, fd, access, flags)),
+                DistFd::File(FileFd::new(gfid, home, fd, access, flags)),
                 EntryReply { iatt, ..entry },
             ));
         }
         self.note_home(&entry.iatt, brick);
-        Ok((DistFd::File(FileFd::new(brick, fd, access, flags)), entry))
+        let gfid = entry.iatt.gfid;
+        Ok((
+            DistFd::File(FileFd::new(gfid, brick, fd, access, flags)),
+            entry,
+        ))
     }
 
     async fn opendir(&self, creds: &Creds, gfid: Gfid) -> Result<Self::Fd, Error> {
@@ -500,18 +504,21 @@ impl<L: Layer> Layer for Distribute<L> {
 
     async fn release(&self, creds: &Creds, fd: Self::Fd) -> Result<(), Error> {
         match fd {
+            // (An fd on a brick removed since is gone with its brick.)
             DistFd::File(file) => {
                 let mut result = Ok(());
                 for (brick, fd) in file.into_fds() {
-                    result = result.and(self.bricks.get(brick)?.release(creds, fd).await);
+                    if let Ok(brick) = self.bricks.get(brick) {
+                        result = result.and(brick.release(creds, fd).await);
+                    }
                 }
                 result
             }
             DistFd::Dir(fds) => {
                 let mut result = Ok(());
                 for (brick, fd) in fds.fds.into_iter().enumerate() {
-                    if let Some(fd) = fd {
-                        result = result.and(self.bricks.get(brick)?.release(creds, fd).await);
+                    if let (Some(fd), Ok(brick)) = (fd, self.bricks.get(brick)) {
+                        result = result.and(brick.release(creds, fd).await);
                     }
                 }
                 result
