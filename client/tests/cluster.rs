@@ -1039,6 +1039,28 @@ fn a_host_joins_once_with_a_token_serves_bricks_and_leaves() {
     first.kiln_ok(&["volume", "stop", "v"]);
     first.kiln_ok(&["volume", "delete", "v"]);
 
+    // A volume of the first host, which the second reaches until it leaves.
+    let kept = format!("{}:{}", first.ip, dir.path().join("bricks/u").display());
+    first.kiln_ok(&["volume", "create", "u", &kept]);
+    first.kiln_ok(&["volume", "start", "u"]);
+    let port = {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let status =
+                match serde_json::from_str(&first.kiln_ok(&["volume", "--json", "status", "u"])) {
+                    Ok(Response::Status { bricks }) => bricks,
+                    other => panic!("{other:?}"),
+                };
+            if status[0].health == "ok" {
+                break status[0].port;
+            }
+            assert!(Instant::now() < deadline, "{status:#?}");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    };
+    let kept_addr = format!("{}:{port}", first.ip);
+    second.kiln_ok(&["--brick-addr", &kept_addr, "ls", "/"]);
+
     // A member whose daemon dies shows as down; it leaves once back.
     second.kill_daemon();
     first.wait_cluster(|c| c.down == [second.ip]);
@@ -1058,4 +1080,22 @@ fn a_host_joins_once_with_a_token_serves_bricks_and_leaves() {
     }
     assert!(!second.state.join("cluster.json").exists());
     first.wait_cluster(|c| !reports(c, second.ip) && c.down.is_empty());
+    // Its certificate is refused by the volumes there were, and by those made since.
+    let said = second.kiln_refused(&["--brick-addr", &kept_addr, "ls", "/"]);
+    assert!(said.contains("revoked"), "{said}");
+    let cert = kiln_admin::pki::identity_files(
+        &second.state.join("tls"),
+        &kiln_admin::pki::Role::Client,
+        kiln_admin::pki::ADMIN_CLIENT,
+    )
+    .cert;
+    let serial = kiln_admin::pki::serial_of(&cert).expect("the second host's serial");
+    first.kiln_ok(&[
+        "volume",
+        "create",
+        "w",
+        &format!("{}:{}", first.ip, dir.path().join("bricks/w").display()),
+    ]);
+    let revoked = first.kiln_ok(&["volume", "get", "w", "auth.revoked"]);
+    assert!(revoked.contains(&serial), "{revoked}");
 }

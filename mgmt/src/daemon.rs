@@ -529,17 +529,35 @@ impl Daemon {
                 bricks.join(", ")
             );
         }
+        // This host's client certificate is refused by every volume from now on (by the ones
+        // made later too: `membership::revoked`).
+        let tls_dir = self.config.state_dir.join("tls");
+        let cert = pki::identity_files(&tls_dir, &Role::Client, pki::ADMIN_CLIENT).cert;
+        let serial = pki::serial_of(&cert)
+            .with_context(|| format!("the serial of this host's certificate {}", cert.display()))?;
+        let volumes: Vec<(String, String)> = self.store.read(|cluster, _| {
+            let revoked = |v: &Volume| v.options.get(REVOKED).cloned().unwrap_or_default();
+            cluster
+                .volumes
+                .values()
+                .map(|v| (v.name.clone(), revoked(v)))
+                .collect()
+        });
+        for (name, revoked) in volumes {
+            let revoked = with_revoked(&revoked, std::slice::from_ref(&serial))?;
+            self.set_option(&name, REVOKED, &revoked).await?;
+        }
         if let Some(reporter) = crate::lock(&self.reporter).take() {
             reporter.abort();
         }
         let host = self.config.host.as_deref().unwrap_or_default();
-        membership::leave(etcd.etcd(), host).await?;
+        membership::leave(etcd.etcd(), host, &serial).await?;
         membership::ClusterFile::remove(&self.config.state_dir)?;
         Ok(done(
             self.store.generation(),
             format!(
-                "host {host} left cluster {}; its daemon stops (it starts on the embedded \
-                 store next time)",
+                "host {host} left cluster {}; its client certificate ({serial}) is revoked in \
+                 every volume; its daemon stops (it starts on the embedded store next time)",
                 etcd.etcd().target().cluster
             ),
         ))
@@ -673,7 +691,15 @@ impl Daemon {
         bricks: &[PathBuf],
         port: Option<u16>,
     ) -> anyhow::Result<Response> {
-        let volume = self.prepare_volume(name, bricks, port)?;
+        let mut volume = self.prepare_volume(name, bricks, port)?;
+        // The client certificates of hosts that left the cluster are refused here too.
+        if let Some(etcd) = self.store.etcd() {
+            let serials = membership::revoked(etcd.etcd()).await?;
+            if !serials.is_empty() {
+                let revoked = with_revoked("", &serials)?;
+                volume.options.insert(REVOKED.to_owned(), revoked);
+            }
+        }
         let generation = self.commit(Change::Create(volume)).await?;
         Ok(done(
             generation,
@@ -1218,6 +1244,18 @@ fn remote_status(reports: &[HostReport], name: &str, brick: &Brick) -> BrickStat
             health,
         },
     }
+}
+
+/// The option that lists revoked client certificates.
+const REVOKED: &str = "auth.revoked";
+
+/// `auth.revoked`'s value `current` with `serials` added, in canonical form.
+fn with_revoked(current: &str, serials: &[String]) -> anyhow::Result<String> {
+    let all: Vec<&str> = std::iter::once(current)
+        .filter(|c| !c.is_empty())
+        .chain(serials.iter().map(String::as_str))
+        .collect();
+    Ok(options::find(REVOKED)?.parse(&all.join(","))?)
 }
 
 /// Sleeps until `when`; forever without one.

@@ -130,6 +130,9 @@ impl MemberKeys {
     fn used(&self, id: &str) -> String {
         format!("{}used/{id}", self.prefix)
     }
+    fn revoked_prefix(&self) -> String {
+        format!("{}revoked/", self.prefix)
+    }
 }
 
 /// `kiln cluster init --etcd`: makes this host the first member of `file.cluster` — its CA
@@ -159,23 +162,37 @@ pub async fn register(etcd: &Etcd, host: &str) -> anyhow::Result<()> {
 
 /// The member hosts, by name.
 pub async fn members(etcd: &Etcd) -> anyhow::Result<Vec<String>> {
-    let prefix = MemberKeys::of(etcd).members_prefix();
+    names_under(etcd, &MemberKeys::of(etcd).members_prefix()).await
+}
+
+/// The serial numbers of the client certificates of hosts that left (as `auth.revoked`
+/// lists them): every volume refuses them.
+pub async fn revoked(etcd: &Etcd) -> anyhow::Result<Vec<String>> {
+    names_under(etcd, &MemberKeys::of(etcd).revoked_prefix()).await
+}
+
+/// The names of the keys under `prefix`, without it.
+async fn names_under(etcd: &Etcd, prefix: &str) -> anyhow::Result<Vec<String>> {
     let options = GetOptions::new().with_prefix().with_keys_only();
-    let answer = etcd.get(&prefix, Some(options)).await?;
+    let answer = etcd.get(prefix, Some(options)).await?;
     Ok(answer
         .kvs()
         .iter()
-        .filter_map(|kv| kv.key_str().ok()?.strip_prefix(&prefix).map(str::to_owned))
+        .filter_map(|kv| kv.key_str().ok()?.strip_prefix(prefix).map(str::to_owned))
         .collect())
 }
 
-/// `kiln cluster leave`: `host` is no longer a member, and its report is gone.
-pub async fn leave(etcd: &Etcd, host: &str) -> anyhow::Result<()> {
-    let both = Txn::new().and_then([
-        TxnOp::delete(MemberKeys::of(etcd).member(host), None),
+/// `kiln cluster leave`: the client certificate with `serial` of `host` is revoked, `host` is
+/// no longer a member, and its report is gone.
+pub async fn leave(etcd: &Etcd, host: &str, serial: &str) -> anyhow::Result<()> {
+    let keys = MemberKeys::of(etcd);
+    let revoked = format!("{}{serial}", keys.revoked_prefix());
+    let all = Txn::new().and_then([
+        TxnOp::put(revoked, host, None),
+        TxnOp::delete(keys.member(host), None),
         TxnOp::delete(crate::cluster::host_key(etcd, host), None),
     ]);
-    etcd.txn(both).await?;
+    etcd.txn(all).await?;
     Ok(())
 }
 
