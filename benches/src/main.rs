@@ -15,8 +15,8 @@
 //!                  [--targets local,engine,volume] [--plot FILE.svg|FILE.png] [--json]
 //! kiln-bench lookup-scale [--max-entries 2M] [--checkpoints 1k,10k,100k,1M,2M] [--samples N]
 //!                  [--fanout N] [--depth N] [--seed S] [--plot FILE.svg|FILE.png] [--json]
-//! kiln-bench rebalance [--bricks N] [--files N] [--file-kib K] [--dirs N] [--glusterfs]
-//!                  [--json]
+//! kiln-bench rebalance [--bricks N] [--files N] [--file-kib K] [--dirs N] [--remove]
+//!                  [--glusterfs] [--json]
 //! ```
 //!
 //! Every workload takes `--json`, `--scratch DIR` and, as root, `--loop-fs-mib M` (a fresh
@@ -310,10 +310,10 @@ struct LookupScaleArgs {
 
 #[derive(Debug, Args)]
 struct RebalanceArgs {
-    /// Bricks of the volume before one is added.
+    /// Bricks of the volume before one is added (or, with `--remove`, removed).
     #[arg(long, default_value_t = 2)]
     bricks: usize,
-    /// Files written before the brick is added.
+    /// Files written before the brick is added (or removed).
     #[arg(long, default_value_t = 10_000)]
     files: usize,
     /// Size of every file, in KiB.
@@ -322,6 +322,10 @@ struct RebalanceArgs {
     /// Directories the files are spread over.
     #[arg(long, default_value_t = 100)]
     dirs: usize,
+    /// Time a brick's removal instead (`remove-brick`: the last brick leaves, and every
+    /// file on it moves to the others).
+    #[arg(long)]
+    remove: bool,
     /// Also measure GlusterFS's rebalance (not available yet: the run says so).
     #[arg(long)]
     glusterfs: bool,
@@ -501,6 +505,7 @@ impl RebalanceArgs {
             files: self.files,
             file_kib: self.file_kib,
             dirs: self.dirs,
+            remove: self.remove,
             glusterfs: self.glusterfs,
         }
     }

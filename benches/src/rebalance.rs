@@ -1,6 +1,7 @@
 //! `kiln-bench rebalance`: how fast Kiln's rebalance moves files to a brick added to a
-//! distributed volume, against plain syscalls moving as many files of the same size on the
-//! same file system, one at a time as the rebalance moves them.
+//! distributed volume (or, with `--remove`, off a brick being removed), against plain
+//! syscalls moving as many files of the same size on the same file system, one at a time as
+//! the rebalance moves them.
 //!
 //! * **Kiln.** `bricks + 1` fresh bricks (`kiln-brickd format`), each served by its own
 //!   `kiln-brickd serve` on loopback (mutual TLS, the bench's client trusted with root:
@@ -9,9 +10,12 @@
 //!   directories; then a [`Distribute`] over all of them runs [`Distribute::rebalance`]: every
 //!   directory laid out over every brick, a wait of two layout lifetimes
 //!   (`2 × LAYOUT_TTL`, so every client reads the new layouts before any file moves), and
-//!   each file off its hashed brick moved there. The rate is `moved` files (and their bytes)
-//!   over the rebalance's time **less that fixed wait**; the wait is printed beside it. Every
-//!   file is read back and compared afterwards (not timed).
+//!   each file off its hashed brick moved there. With `--remove`, `bricks` bricks are filled
+//!   and the last one leaves (`remove-brick … start`): the rebalance first waits two brick
+//!   refreshes (`2 × BRICKS_REFRESH`, so every mount knows the brick leaves), lays every
+//!   directory out without it and moves every file off it. The rate is `moved` files (and
+//!   their bytes) over the rebalance's time **less those fixed waits**; they are printed
+//!   beside it. Every file is read back and compared afterwards (not timed).
 //! * **Reference** (`std_copy_unlink`). The same tree written with std::fs on the same file
 //!   system, then as many files as the rebalance moved (spread evenly over the tree, taken
 //!   directory by directory) each opened, read, written to a new file in a second tree,
@@ -33,7 +37,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use bytes::Bytes;
-use kiln_client::distribute::{Distribute, LAYOUT_TTL, RebalanceReport};
+use kiln_client::distribute::{BRICKS_REFRESH, Distribute, LAYOUT_TTL, Member, RebalanceReport};
 use kiln_client::{BrickClient, ConnectOptions, Paths};
 use kiln_wire::Creds;
 use serde_json::json;
@@ -67,11 +71,13 @@ const STOP_CHECK_FILES: usize = 256;
 /// What `kiln-bench rebalance` runs.
 #[derive(Debug, Clone)]
 pub struct RebalanceBench {
-    /// Bricks the volume has before one is added.
+    /// Bricks the volume has before one is added (or removed).
     pub bricks: usize,
     pub files: usize,
     pub file_kib: usize,
     pub dirs: usize,
+    /// A brick removed rather than added.
+    pub remove: bool,
     /// Only to say it is not run yet.
     pub glusterfs: bool,
 }
@@ -79,6 +85,25 @@ pub struct RebalanceBench {
 impl RebalanceBench {
     fn file_bytes(&self) -> usize {
         self.file_kib * 1024
+    }
+
+    /// Bricks served: the volume's, and the one added.
+    fn bricks_served(&self) -> usize {
+        self.bricks + usize::from(!self.remove)
+    }
+
+    /// The rebalance's fixed waits: two layout lifetimes, and two brick refreshes before a
+    /// removal.
+    fn wait(&self) -> Duration {
+        LAYOUT_TTL * 2 + BRICKS_REFRESH * 2 * u32::from(self.remove)
+    }
+
+    /// How the volume changes: `2+1` or `3-1`.
+    fn change(&self) -> String {
+        match self.remove {
+            true => format!("{}-1", self.bricks),
+            false => format!("{}+1", self.bricks),
+        }
     }
 }
 
@@ -112,6 +137,9 @@ pub fn run(
     if bench.bricks == 0 || bench.files == 0 || bench.dirs == 0 || bench.file_kib == 0 {
         bail!("--bricks, --files, --dirs and --file-kib must be at least 1");
     }
+    if bench.remove && bench.bricks < 2 {
+        bail!("--remove needs --bricks 2 or more: one brick stays");
+    }
     watch_signals()?;
     let root = scratch.path().join(WORKLOAD);
     let logs = root.join("logs");
@@ -120,13 +148,13 @@ pub fn run(
     out.note(
         "rebalance",
         &json!({
-            "bricks_before": bench.bricks, "bricks_added": 1, "files": bench.files,
+            "bricks_before": bench.bricks, "change": bench.change(), "files": bench.files,
             "file_kib": bench.file_kib, "dirs": bench.dirs, "seed": SEED,
             "kiln_brickd": version(&bins.brickd.to_string_lossy()),
             "brickd_engine": "kiln-brickd serve defaults (one per brick)",
             "mover_threads": 1,
-            "layout_wait_s": (LAYOUT_TTL * 2).as_secs_f64(),
-            "rate": "moved / (rebalance time - layout wait)",
+            "wait_s": bench.wait().as_secs_f64(),
+            "rate": "moved / (rebalance time - wait)",
         }),
     );
     let kiln = measure_kiln(bench, &bins, &root, &logs)?;
@@ -169,14 +197,14 @@ fn report(
     out.print(&row);
     let reference_row = row;
 
-    let wait = LAYOUT_TTL * 2;
+    let wait = bench.wait();
     let kiln_s = kiln.elapsed.saturating_sub(wait).as_secs_f64().max(1e-9);
     let r = &kiln.report;
     let rate = r.moved as f64 / kiln_s;
     let mut row = Record::new(
         WORKLOAD,
         "kiln",
-        json!({ "bricks": format!("{}+1", bench.bricks), "files": bench.files,
+        json!({ "bricks": bench.change(), "files": bench.files,
                 "moved": r.moved, "file_kib": bench.file_kib, "dirs": bench.dirs,
                 "threads": 1, "s": round3(kiln_s),
                 "wait_s": round3(wait.as_secs_f64()) }),
@@ -192,10 +220,10 @@ fn report(
         &json!({
             "dirs": r.dirs, "files": r.files, "moved": r.moved, "bytes_moved": r.bytes_moved,
             "link_files_removed": r.link_files_removed, "skipped": r.skipped,
-            "failed": r.failed,
-            "expected_moved_about": bench.files / (bench.bricks + 1),
+            "failed": r.failed, "left_on_leaving": r.left_on_leaving,
+            "expected_moved_about": bench.files / (bench.bricks + usize::from(!bench.remove)),
             "rebalance_s": round3(kiln.elapsed.as_secs_f64()),
-            "layout_wait_s": round3(wait.as_secs_f64()),
+            "wait_s": round3(wait.as_secs_f64()),
             "to_first_dir_s": round3(kiln.to_first_dir.as_secs_f64()),
             "fill_s": round3(kiln.fill.as_secs_f64()),
             "files_read_back": kiln.verified,
@@ -218,8 +246,8 @@ fn measure_kiln(
 ) -> anyhow::Result<KilnRun> {
     let tls = root.join("tls");
     loopback_pki(&tls, BRICK_NAME, CLIENT_NAME)?;
-    let mut bricks = Vec::with_capacity(bench.bricks + 1);
-    for i in 0..=bench.bricks {
+    let mut bricks = Vec::with_capacity(bench.bricks_served());
+    for i in 0..bench.bricks_served() {
         let log = logs.join(format!("kiln-brickd-{i}.log"));
         bricks.push(Brickd::start(
             &bins.brickd,
@@ -276,6 +304,15 @@ async fn rebalance_on(
 ) -> anyhow::Result<KilnRun> {
     let creds = Creds::root();
     let before = Rc::new(Distribute::new(clients[..bench.bricks].to_vec(), VOLUME)?);
+    // After: every brick, one of them added — or the last leaving.
+    let mut after: Vec<Member<BrickClient>> =
+        clients.iter().cloned().map(Member::Serving).collect();
+    if bench.remove
+        && let Some(last) = after.pop()
+        && let Some(brick) = last.brick()
+    {
+        after.push(Member::Leaving(brick.clone()));
+    }
     let fill_start = Instant::now();
     for d in 0..bench.dirs {
         before.mkdir_all(&creds, &dir_name(d), 0o755).await?;
@@ -286,7 +323,7 @@ async fn rebalance_on(
     sync_file_systems(&[root]);
     check_stop()?;
 
-    let grown = Rc::new(Distribute::new(clients.to_vec(), VOLUME)?);
+    let changed = Rc::new(Distribute::of_members(after, VOLUME)?);
     let stop = AtomicBool::new(false);
     let mut first_dir = None;
     let mut progress = |_: &RebalanceReport| {
@@ -297,7 +334,7 @@ async fn rebalance_on(
     };
     let start = Instant::now();
     let rebalance = async {
-        grown
+        changed
             .rebalance(&stop, &mut progress)
             .await
             .context("rebalancing")
@@ -305,10 +342,10 @@ async fn rebalance_on(
     let report = bounded("the rebalance", rebalance).await?;
     let elapsed = start.elapsed();
     check_stop()?;
-    if report.failed > 0 || report.skipped > 0 {
-        bail!("the rebalance failed on or skipped some files: {report:?}");
+    if report.failed > 0 || report.skipped > 0 || report.left_on_leaving > 0 {
+        bail!("the rebalance failed on, skipped or left some files: {report:?}");
     }
-    let verified = bounded("the read-back", each_file(&grown, bench, Phase::Check)).await?;
+    let verified = bounded("the read-back", each_file(&changed, bench, Phase::Check)).await?;
     Ok(KilnRun {
         report,
         elapsed,

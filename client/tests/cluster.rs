@@ -1098,4 +1098,6 @@ fn a_host_joins_once_with_a_token_serves_bricks_and_leaves() {
     ]);
     let revoked = first.kiln_ok(&["volume", "get", "w", "auth.revoked"]);
     assert!(revoked.contains(&serial), "{revoked}");
+    // (Bricks outlive their daemon.)
+    first.kiln_ok(&["volume", "stop", "u"]);
 }

@@ -607,8 +607,8 @@ impl Daemon {
             index,
             role,
         };
-        // The last task's status is forgotten whenever the brick's role changes: a removal
-        // is committed only on a rebalance that began with the brick leaving.
+        // The last task's status is forgotten when the brick starts or stops leaving: a
+        // removal is committed only on a rebalance that began with the brick leaving.
         match action {
             RemoveAction::Start => {
                 if volume.state != VolumeState::Started {
@@ -617,10 +617,10 @@ impl Daemon {
                         volume.state
                     );
                 }
-                if self.tasks.is_live(name).await {
+                if self.tasks.is_live(name).await? {
                     anyhow::bail!(
-                        "a rebalance of {name} is running: `kiln volume rebalance {name} stop` \
-                         it first"
+                        "a rebalance or heal of {name} is running: `kiln volume rebalance \
+                         {name} stop` it first"
                     );
                 }
                 self.tasks.forget(name).await?;
@@ -634,8 +634,11 @@ impl Daemon {
                 self.store.read(|cluster, _| {
                     crate::store::State::check(cluster, &role(BrickRole::Serving))
                 })?;
-                if self.tasks.is_live(name).await {
-                    self.tasks.stop(name).await?;
+                if self.tasks.is_live(name).await? {
+                    // (One that ended meanwhile has nothing to stop.)
+                    if let Err(e) = self.tasks.stop(name).await {
+                        tracing::info!(volume = %name, error = %format!("{e:#}"), "no task to stop");
+                    }
                     self.tasks.wait_until_ended(name, TASK_STOP_WAIT).await?;
                 }
                 self.tasks.forget(name).await?;
@@ -764,7 +767,7 @@ impl Daemon {
             })
             .await?;
         if let Err(e) = self.tasks.forget(name).await {
-            tracing::warn!(volume = %name, error = %format!("{e:#}"), "the last rebalance's record is left");
+            tracing::warn!(volume = %name, error = %format!("{e:#}"), "the last task's record is left");
         }
         Ok(done(
             generation,
@@ -772,11 +775,12 @@ impl Daemon {
         ))
     }
 
-    /// A volume is not stopped or deleted under its rebalance.
+    /// A volume is not stopped or deleted under its rebalance or heal.
     async fn refuse_while_rebalancing(&self, name: &str) -> anyhow::Result<()> {
-        if self.tasks.is_live(name).await {
+        if self.tasks.is_live(name).await? {
             anyhow::bail!(
-                "a rebalance of {name} is asked or running: `kiln volume rebalance {name} stop` first"
+                "a rebalance or heal of {name} is asked or running: `kiln volume rebalance \
+                 {name} stop` first"
             );
         }
         Ok(())

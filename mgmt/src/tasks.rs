@@ -4,9 +4,10 @@
 //! The task itself is `kiln volume rebalance VOLUME start|fix-layout --for-daemon`, a process
 //! this daemon starts (the *runner*), which talks to this daemon's socket and writes its
 //! status beside it after each directory (`rebalance_status_file`: `wanted` written by the
-//! daemon before the runner starts, then by the runner alone). The daemon writes a byte to the runner's stdin every [`BEAT_EVERY`]; a runner that hears nothing for
-//! `RUNNER_FENCE` (2 s), or reads the end of its stdin (its daemon is gone), exits at once —
-//! a move it leaves half done is finished or undone by the next rebalance.
+//! daemon before the runner starts, then by the runner alone). The daemon writes a byte to
+//! the runner's stdin every [`BEAT_EVERY`]; a runner that hears nothing for `RUNNER_FENCE`
+//! (2 s), or reads the end of its stdin (its daemon is gone), exits at once — a move it
+//! leaves half done is finished or undone by the next rebalance.
 //!
 //! On one host the daemon runs the task when asked. On a cluster on etcd, any daemon takes
 //! the command and records it; the *leader* runs it:
@@ -93,9 +94,11 @@ impl Tasks {
     fn read_status_file(&self, volume: &str) -> anyhow::Result<Option<RebalanceStatus>> {
         let path = self.status_file(volume);
         match std::fs::read(&path) {
-            Ok(bytes) => Ok(Some(serde_json::from_slice(&bytes).with_context(|| {
-                format!("{} is not a rebalance status", path.display())
-            })?)),
+            Ok(bytes) => {
+                Ok(Some(serde_json::from_slice(&bytes).with_context(|| {
+                    format!("{} is not a task status", path.display())
+                })?))
+            }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(e).with_context(|| format!("cannot read {}", path.display())),
         }
@@ -185,7 +188,7 @@ impl Tasks {
     /// leader starts them again).
     pub fn kill_all(&self) {
         for (volume, mut runner) in lock(&self.runners).drain() {
-            tracing::warn!(%volume, "killed a rebalance");
+            tracing::warn!(%volume, "killed a rebalance or heal");
             let _ = runner.child.kill();
             let _ = runner.child.wait();
         }
@@ -205,6 +208,7 @@ impl Tasks {
     ) -> anyhow::Result<Option<RebalanceStatus>> {
         let mut status = match (self.read_status_file(volume)?, here) {
             (Some(status), _) => status,
+            // (The daemon writes `wanted` before it starts a runner: a write that failed.)
             (None, Some(_)) => RebalanceStatus::wanted(volume, TaskKind::default()),
             (None, None) => return Ok(None),
         };
@@ -244,18 +248,24 @@ impl Tasks {
         }
         let wanted = RebalanceStatus::wanted(volume, kind);
         if !write_record(etcd, &wanted, revision, None).await? {
-            bail!("the rebalance of {volume} changed meanwhile: ask again");
+            bail!("the task of {volume} changed meanwhile: ask again");
         }
         Ok(wanted)
     }
 
     /// `rebalance VOLUME status`.
     pub async fn status(&self, volume: &str) -> anyhow::Result<RebalanceStatus> {
-        let status = match &self.etcd {
-            Some(etcd) => read_record(etcd, volume).await?.0,
-            None => self.local_status(volume)?,
-        };
-        status.with_context(|| format!("no rebalance or heal of {volume} has run"))
+        self.last(volume)
+            .await?
+            .with_context(|| format!("no rebalance or heal of {volume} has run"))
+    }
+
+    /// The status of `volume`'s last task; `None` when none has run.
+    async fn last(&self, volume: &str) -> anyhow::Result<Option<RebalanceStatus>> {
+        match &self.etcd {
+            Some(etcd) => Ok(read_record(etcd, volume).await?.0),
+            None => self.local_status(volume),
+        }
     }
 
     /// `rebalance VOLUME stop`: the runner stops after the file it is moving.
@@ -285,16 +295,16 @@ impl Tasks {
         }
     }
 
-    /// Whether a rebalance of `volume` is asked or runs (a volume with one is not stopped
-    /// or deleted).
-    pub async fn is_live(&self, volume: &str) -> bool {
-        self.status(volume).await.is_ok_and(|s| s.is_live())
+    /// Whether a task of `volume` is asked or runs (a volume with one is not stopped or
+    /// deleted, and none of its bricks changes role).
+    pub async fn is_live(&self, volume: &str) -> anyhow::Result<bool> {
+        Ok(self.last(volume).await?.is_some_and(|s| s.is_live()))
     }
 
     /// Waits until the task of `volume` has ended (a stop was asked), for at most `patience`.
     pub async fn wait_until_ended(&self, volume: &str, patience: Duration) -> anyhow::Result<()> {
         let deadline = Instant::now() + patience;
-        while self.is_live(volume).await {
+        while self.is_live(volume).await? {
             if Instant::now() > deadline {
                 bail!("the task of {volume} did not stop within {patience:?}");
             }
@@ -387,7 +397,7 @@ impl Tasks {
             let next = match self.next_record(&volume, &record, Instant::now() < sure_until) {
                 Ok(next) => next,
                 Err(e) => {
-                    tracing::warn!(%volume, error = %format!("{e:#}"), "a rebalance failed");
+                    tracing::warn!(%volume, error = %format!("{e:#}"), "a task failed");
                     RebalanceStatus {
                         state: "failed".to_owned(),
                         host: self.host.clone(),
@@ -400,7 +410,7 @@ impl Tasks {
                 match write_record(etcd, &next, revision, Some(lease)).await {
                     Ok(true) => {}
                     Ok(false) => tracing::debug!(%volume, "the task changed meanwhile"),
-                    Err(e) => tracing::warn!(%volume, error = %e, "copying a rebalance's status"),
+                    Err(e) => tracing::warn!(%volume, error = %e, "copying a task's status"),
                 }
             }
         }
@@ -447,7 +457,7 @@ impl Tasks {
             .as_ref()
             .filter(|h| Some(*h) != self.host.as_ref())
         {
-            tracing::warn!(%volume, %before, "the rebalance continues here");
+            tracing::warn!(%volume, %before, "the task continues here");
         }
         self.spawn(volume, record.kind)
     }
@@ -484,7 +494,7 @@ async fn read_record(etcd: &Etcd, volume: &str) -> anyhow::Result<(Option<Rebala
     let answer = etcd.get(&key, None).await?;
     match answer.kvs().first() {
         Some(kv) => Ok((
-            Some(serde_json::from_slice(kv.value()).context("a rebalance record")?),
+            Some(serde_json::from_slice(kv.value()).context("a task record")?),
             kv.mod_revision(),
         )),
         None => Ok((None, 0)),
@@ -504,7 +514,7 @@ async fn records(etcd: &Etcd) -> anyhow::Result<Vec<(String, RebalanceStatus, i6
         };
         match serde_json::from_slice(kv.value()) {
             Ok(record) => records.push((volume.to_owned(), record, kv.mod_revision())),
-            Err(e) => tracing::warn!(%volume, error = %e, "an unreadable rebalance record"),
+            Err(e) => tracing::warn!(%volume, error = %e, "an unreadable task record"),
         }
     }
     Ok(records)

@@ -27,14 +27,14 @@ use kiln_wire::Creds;
 
 use crate::Global;
 
-/// How long `stop` waits for the rebalance to finish the file it is moving.
+/// How long `stop` waits for the task to finish the file (directory) it is at.
 const STOP_WAIT: Duration = Duration::from_secs(120);
-/// How often a follower asks the daemon how the rebalance is doing.
+/// How often a follower asks the daemon how the task is doing.
 const FOLLOW_POLL: Duration = Duration::from_millis(100);
 /// How long a runner goes on without a beat from its daemon (`kiln_mgmt::tasks`, which beats
 /// every 500 ms and stops beating well before its leader lease could expire).
 const RUNNER_FENCE: Duration = Duration::from_secs(2);
-/// How long a follower waits for a rebalance asked for to start, and rides out a daemon
+/// How long a follower waits for a task asked for to start, and rides out a daemon
 /// that does not answer.
 const FOLLOW_PATIENCE: Duration = Duration::from_secs(60);
 
@@ -82,7 +82,7 @@ struct Progress {
     leaving: Vec<usize>,
 }
 
-/// What this runner says of its rebalance.
+/// What this runner says of its task.
 fn new_status(
     volume: &str,
     state: &str,
@@ -99,7 +99,7 @@ fn new_status(
     }
 }
 
-/// Where a volume's rebalance keeps its lock and progress.
+/// Where a volume's task keeps its lock and progress.
 struct Files {
     lock: PathBuf,
     status: PathBuf,
@@ -114,7 +114,7 @@ impl Files {
         }
     }
 
-    /// The lock, taken; `None` when a rebalance holds it.
+    /// The lock, taken; `None` when a task holds it.
     fn try_lock(&self) -> anyhow::Result<Option<File>> {
         let file = File::options()
             .create(true)
@@ -179,8 +179,8 @@ pub(crate) fn status(global: &Global, name: &str, json: bool) -> anyhow::Result<
     print(&ask(global, name, TaskAction::Status)?, json)
 }
 
-/// `rebalance VOLUME stop`: asks the rebalance to stop after the file it is moving, and waits
-/// until it has.
+/// `rebalance VOLUME stop`: asks the task to stop after the file (directory) it is at, and
+/// waits until it has.
 pub(crate) fn stop(global: &Global, name: &str, json: bool) -> anyhow::Result<()> {
     ask(global, name, TaskAction::Stop)?;
     follow(global, name, json, false, Some(Instant::now() + STOP_WAIT))
@@ -198,7 +198,7 @@ fn ask(global: &Global, name: &str, action: TaskAction) -> anyhow::Result<Rebala
     }
 }
 
-/// Polls the rebalance of `name` until it ends (or `stop_by`), with a progress bar if
+/// Polls the task of `name` until it ends (or `stop_by`), with a progress bar if
 /// `bar`; prints how it ended, an error if it failed.
 fn follow(
     global: &Global,
@@ -241,14 +241,20 @@ fn follow(
             );
         }
         let r = &status.report;
-        progress.set_message(format!(
-            "{}: {} directories, {} files, {} moved ({} MiB)",
-            status.state,
-            r.dirs,
-            r.files,
-            r.moved,
-            r.bytes_moved >> 20
-        ));
+        progress.set_message(match status.kind {
+            TaskKind::Rebalance => format!(
+                "{}: {} directories, {} files, {} moved ({} MiB)",
+                status.state,
+                r.dirs,
+                r.files,
+                r.moved,
+                r.bytes_moved >> 20
+            ),
+            TaskKind::FixLayout => format!(
+                "fix-layout {}: {} directories, {} layouts healed",
+                status.state, r.dirs, r.layouts_healed
+            ),
+        });
         progress.tick();
         std::thread::sleep(FOLLOW_POLL);
     };
@@ -270,9 +276,9 @@ fn follow(
     }
 }
 
-/// `rebalance VOLUME start --for-daemon`: the rebalance itself, run here for the daemon that
-/// started this process, until it is done or stopped (SIGINT or SIGTERM); exits when that
-/// daemon is gone.
+/// `rebalance VOLUME start|fix-layout --for-daemon`: the task itself, run here for the daemon
+/// that started this process, until it is done or stopped (SIGINT or SIGTERM); exits when
+/// that daemon is gone.
 pub(crate) fn run_for_daemon(global: &Global, name: &str, kind: TaskKind) -> anyhow::Result<()> {
     // Listened for first, so a `stop` never kills it, even before it starts moving files.
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -319,7 +325,7 @@ pub(crate) fn run_for_daemon(global: &Global, name: &str, kind: TaskKind) -> any
     result.map(|_| ())
 }
 
-/// The rebalance of `name`, its progress written to `files` (and kept in `last`): whether
+/// The task of `name`, its progress written to `files` (and kept in `last`): whether
 /// a signal stopped it.
 fn run_here(
     global: &Global,
@@ -409,7 +415,7 @@ async fn on_distributed<T>(
 }
 
 /// Exits this process at once when its daemon stops beating (a byte on stdin at least every
-/// [`RUNNER_FENCE`]) or is gone (the end of stdin): a rebalance runs for one daemon, and
+/// [`RUNNER_FENCE`]) or is gone (the end of stdin): a task runs for one daemon, and
 /// another may start it again — fenced by the daemon's lease.
 fn exit_without_beats() {
     use std::io::Read as _;

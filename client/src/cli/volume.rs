@@ -80,7 +80,9 @@ pub(crate) enum VolumeCommand {
     /// profile, the options it runs and the configuration generation.
     Statedump { name: String },
     /// Look up every directory of a distributed volume, which heals it: copies missing on a
-    /// brick are made, layouts with holes or overlaps rebuilt over every brick.
+    /// brick are made, layouts with holes or overlaps rebuilt over every serving brick. The
+    /// management daemon runs it (on a cluster, the elected one) as `rebalance … fix-layout`;
+    /// this follows it until done.
     Heal { name: String },
     /// Spread a volume over bricks added since its directories were laid out: `fix-layout`
     /// gives every directory a layout over every brick (new names go to the new bricks;
@@ -88,12 +90,12 @@ pub(crate) enum VolumeCommand {
     /// daemon (on a cluster, the elected one) do that and then move every file to the brick
     /// its name hashes to while clients keep using it, and follows it with a progress bar
     /// until done or stopped (`stop`; Ctrl-C only stops following); `status` shows the
-    /// progress of the running or last rebalance, and the host running it.
+    /// progress of the running or last rebalance or heal, and the host running it.
     Rebalance {
         name: String,
         #[arg(value_enum)]
         action: RebalanceArg,
-        /// Run the rebalance in this process (how the daemon runs it).
+        /// Run the task in this process (how the daemon runs it).
         #[arg(long, hide = true)]
         for_daemon: bool,
     },
@@ -172,8 +174,8 @@ pub(crate) fn run(socket: &Path, json: bool, command: VolumeCommand) -> anyhow::
         | VolumeCommand::Rebalance { .. }
         | VolumeCommand::RemoveBrick { .. } => {
             bail!(
-                "`kiln volume heal`, `rebalance` and `remove-brick` run in the client \
-                 (crate::heal, crate::rebalance)"
+                "`kiln volume heal`, `rebalance` and `remove-brick` are dispatched by \
+                 crate::rebalance"
             )
         }
     };

@@ -212,7 +212,9 @@ impl<L: Send + Sync + 'static> Bricks<L> {
         if in_vain.is_some_and(|at| at.elapsed() < BRICKS_REFRESH) {
             return Ok(false);
         }
-        let changed = self.ask_source().await?;
+        self.ask_source().await?;
+        // (Or the periodic ask, which ran meanwhile.)
+        let changed = self.generation() != before;
         if !changed {
             *in_vain = Some(Instant::now());
         }

@@ -152,13 +152,14 @@ impl<L: Layer> Distribute<L> {
     }
 
     /// The fd of open file `file` on brick `to`, where it is moving or has moved, opened the
-    /// first time it is asked for.
+    /// first time it is asked for (`ESTALE` if it was opened on another brick).
     async fn destination<'f>(
         &self,
         file: &'f FileFd<L::Fd>,
         to: usize,
     ) -> Result<&'f (usize, L::Fd), Error> {
-        file.dst
+        let dst = file
+            .dst
             .get_or_try_init(|| async {
                 // As root: a copying file's destination has no permission bits yet, and the
                 // caller opened the file with this access already.
@@ -173,7 +174,12 @@ impl<L: Layer> Distribute<L> {
                     .await?;
                 Ok::<_, Error>((to, fd))
             })
-            .await
+            .await?;
+        // One opened for another move, given up since: this fd cannot follow the file.
+        match dst.0 == to {
+            true => Ok(dst),
+            false => Err(Error::Fop(ErrorCode::Stale)),
+        }
     }
 
     /// Puts back the mark of a file being moved that a caller's change of mode (`reply`, on

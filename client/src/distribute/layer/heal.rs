@@ -42,6 +42,7 @@ impl<L: Layer> Distribute<L> {
         dir: Gfid,
         layout: Layout,
     ) -> Result<Arc<Layout>, Error> {
+        let generation = self.bricks.generation();
         for (brick, _) in self.bricks.in_service() {
             let Some(disk) = layout.disk_layout(brick) else {
                 continue;
@@ -54,7 +55,7 @@ impl<L: Layer> Distribute<L> {
             }
         }
         let layout = Arc::new(layout);
-        self.keep_layout(dir, layout.clone());
+        self.keep_layout(dir, layout.clone(), generation);
         Ok(layout)
     }
 
@@ -211,7 +212,7 @@ impl<L: Layer> Distribute<L> {
         self.heal_tree_reporting(creds, &stop, &mut |_| {}).await
     }
 
-    /// [`Distribute::heal_tree`], reporting after each directory; stops between two
+    /// [`Distribute::heal_tree`], reporting before each directory; stops between two
     /// directories once `stop` is set.
     pub async fn heal_tree_reporting(
         &self,
@@ -288,8 +289,8 @@ impl<L: Layer> Distribute<L> {
     /// Whether `layout` gives a range to the serving bricks alone, without overlaps.
     fn fits(&self, layout: &Layout) -> bool {
         let shares = self.bricks.weights();
-        let fits = |b: usize| layout.range(b).is_some() == (shares[b] > 0);
-        self.bricks.indexes().all(fits) && layout.anomalies().overlaps == 0
+        let fits = |(b, share): (usize, &u32)| layout.range(b).is_some() == (*share > 0);
+        shares.iter().enumerate().all(fits) && layout.anomalies().overlaps == 0
     }
 
     /// How many directory copies and layouts this layer has healed.

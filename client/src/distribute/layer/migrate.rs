@@ -145,14 +145,19 @@ impl<L: Layer> Distribute<L> {
             // that did not would give it its share back.
             tokio::time::sleep(BRICKS_REFRESH * 2).await;
         }
-        let healed = self.heal_tree(&root).await?;
+        let healed_so_far = |h: &HealReport| RebalanceReport {
+            copies_made: h.copies_made,
+            layouts_healed: h.layouts_healed,
+            failed: h.failed,
+            ..RebalanceReport::default()
+        };
+        let healed = self
+            .heal_tree_reporting(&root, stop, &mut |h| progress(&healed_so_far(h)))
+            .await?;
+        let mut report = healed_so_far(&healed);
         // Every client reads the new layouts again before any file moves, or a layout is
         // committed: none places a new name by the old one after.
         tokio::time::sleep(LAYOUT_TTL * 2).await;
-        let mut report = RebalanceReport {
-            failed: healed.failed,
-            ..RebalanceReport::default()
-        };
         let mut pending = vec![Gfid::ROOT];
         while let Some(dir) = pending.pop() {
             if stop.load(Ordering::Relaxed) {
@@ -192,7 +197,15 @@ impl<L: Layer> Distribute<L> {
                 .map(|(dir, _)| dir)
                 .collect();
             for dir in missed {
-                self.rebalance_dir(dir, stop, report).await?;
+                // (Only what moves counts again: the rest was counted by the walk.)
+                let mut again = RebalanceReport::default();
+                if let Err(e) = self.rebalance_dir(dir, stop, &mut again).await {
+                    tracing::warn!(%dir, error = %e, "rebalance: a directory failed");
+                    report.failed += 1;
+                }
+                report.moved += again.moved;
+                report.bytes_moved += again.bytes_moved;
+                report.link_files_removed += again.link_files_removed;
             }
             for (dir, name) in self.entries_on(brick).await? {
                 let name = name.as_bytes().escape_ascii();

@@ -188,6 +188,7 @@ impl<L: Layer> Distribute<L> {
             Some((layout, false)) => Some(layout),
             None => None,
         };
+        let generation = self.bricks.generation();
         let read = futures_util::future::try_join_all(self.bricks.indexes().map(|i| async move {
             match self.bricks.get(i) {
                 Ok(brick) => read_disk_layout(brick, dir).await,
@@ -202,7 +203,7 @@ impl<L: Layer> Distribute<L> {
             // fops meanwhile do not each wait for the brick to fail.
             (Err(e), Some(stale)) => {
                 tracing::debug!(%dir, error = %e, "a layout not read again; the last one kept");
-                self.keep_layout(dir, stale.clone());
+                self.keep_layout(dir, stale.clone(), generation);
                 return Ok(stale);
             }
             (Err(e), None) => return Err(e),
@@ -211,7 +212,7 @@ impl<L: Layer> Distribute<L> {
             return self.write_new_layout(dir).await;
         }
         let layout = Arc::new(Layout::from_disk(&disks).map_err(|e| layout_error(dir, &e))?);
-        self.keep_layout(dir, layout.clone());
+        self.keep_layout(dir, layout.clone(), generation);
         Ok(layout)
     }
 
@@ -225,8 +226,8 @@ impl<L: Layer> Distribute<L> {
         })
     }
 
-    fn keep_layout(&self, dir: Gfid, layout: Arc<Layout>) {
-        let generation = self.bricks.generation();
+    /// Keeps `layout` of `dir`, made or read under the bricks' `generation`.
+    fn keep_layout(&self, dir: Gfid, layout: Arc<Layout>, generation: u64) {
         lock(&self.layouts).put(dir, (layout, Instant::now(), generation));
     }
 
