@@ -888,6 +888,24 @@ impl LoopbackHost {
         }
     }
 
+    /// The port of the first brick of `volume`, once it answers (bounded wait).
+    fn healthy_port(&self, volume: &str) -> u16 {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let status = match serde_json::from_str(
+                &self.kiln_ok(&["volume", "--json", "status", volume]),
+            ) {
+                Ok(Response::Status { bricks }) => bricks,
+                other => panic!("{other:?}"),
+            };
+            if status[0].health == "ok" {
+                return status[0].port;
+            }
+            assert!(Instant::now() < deadline, "{status:#?}");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
     fn cluster(&self) -> kiln_admin::command::ClusterStatus {
         match serde_json::from_str(&self.kiln_ok(&["cluster", "--json", "status"])) {
             Ok(Response::Cluster(cluster)) => cluster,
@@ -1013,21 +1031,7 @@ fn a_host_joins_once_with_a_token_serves_bricks_and_leaves() {
     let spec = format!("{}:{}", second.ip, brick_dir.display());
     first.kiln_ok(&["volume", "create", "v", &spec]);
     first.kiln_ok(&["volume", "start", "v"]);
-    let port = {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let status =
-                match serde_json::from_str(&first.kiln_ok(&["volume", "--json", "status", "v"])) {
-                    Ok(Response::Status { bricks }) => bricks,
-                    other => panic!("{other:?}"),
-                };
-            if status[0].health == "ok" {
-                break status[0].port;
-            }
-            assert!(Instant::now() < deadline, "{status:#?}");
-            std::thread::sleep(Duration::from_millis(200));
-        }
-    };
+    let port = first.healthy_port("v");
     let addr = format!("{}:{port}", second.ip);
     let listed = second.kiln_ok(&["--brick-addr", &addr, "ls", "/"]);
     assert!(listed.is_empty(), "{listed}");
@@ -1043,21 +1047,7 @@ fn a_host_joins_once_with_a_token_serves_bricks_and_leaves() {
     let kept = format!("{}:{}", first.ip, dir.path().join("bricks/u").display());
     first.kiln_ok(&["volume", "create", "u", &kept]);
     first.kiln_ok(&["volume", "start", "u"]);
-    let port = {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let status =
-                match serde_json::from_str(&first.kiln_ok(&["volume", "--json", "status", "u"])) {
-                    Ok(Response::Status { bricks }) => bricks,
-                    other => panic!("{other:?}"),
-                };
-            if status[0].health == "ok" {
-                break status[0].port;
-            }
-            assert!(Instant::now() < deadline, "{status:#?}");
-            std::thread::sleep(Duration::from_millis(200));
-        }
-    };
+    let port = first.healthy_port("u");
     let kept_addr = format!("{}:{port}", first.ip);
     second.kiln_ok(&["--brick-addr", &kept_addr, "ls", "/"]);
 

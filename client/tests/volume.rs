@@ -708,6 +708,19 @@ impl Drop for Mount {
     }
 }
 
+/// Creates volume `name` over `bricks` (ports from `port`) and starts it, its client trusted
+/// with root (the distribution layer writes directory layouts, trusted xattrs, as root).
+fn start_distributed(m: &Mgmtd, name: &str, bricks: &[PathBuf], port: u16) {
+    let port = port.to_string();
+    let mut create = vec!["volume", "create", name];
+    create.extend(bricks.iter().map(|b| b.to_str().expect("utf-8")));
+    create.extend(["--port", &port]);
+    m.ok(&create);
+    m.ok(&["volume", "set", name, "server.root-allow", "admin"]);
+    m.ok(&["volume", "start", name]);
+    m.healthy(name);
+}
+
 /// `kiln mount NAME MOUNTPOINT -f` against `m`, waiting (bounded) for the mount.
 fn mount_volume(m: &Mgmtd, name: &str, mountpoint: &Path, log: &Path) -> Mount {
     let child = Command::new(bin("kiln"))
@@ -786,14 +799,7 @@ fn a_volume_of_three_bricks_mounts_as_one_tree() {
     let mut bricks: Vec<PathBuf> = (0..3)
         .map(|i| dir.path().join(format!("bricks/b{i}")))
         .collect();
-    let mut create = vec!["volume", "create", "wide"];
-    create.extend(bricks.iter().map(|b| b.to_str().expect("utf-8")));
-    create.extend(["--port", "27400"]);
-    m.ok(&create);
-    // The distribution layer writes directory layouts (trusted xattrs) as root.
-    m.ok(&["volume", "set", "wide", "server.root-allow", "admin"]);
-    m.ok(&["volume", "start", "wide"]);
-    m.healthy("wide");
+    start_distributed(&m, "wide", &bricks, 27400);
     let (mountpoint, log) = (dir.path().join("mnt"), dir.path().join("mount.log"));
     std::fs::create_dir(&mountpoint).expect("mountpoint");
     let mount = mount_volume(&m, "wide", &mountpoint, &log);
@@ -1024,6 +1030,31 @@ fn workload(root: &Path, dirs: usize, rounds: &AtomicUsize, stop: &AtomicBool) -
     written
 }
 
+/// Runs `change` while [`workload`] runs in `dirs` directories of `root` (from its second
+/// round on, and for at least one more after); what the workload wrote. Every error of the
+/// workload fails the test.
+fn during_workload(root: &Path, dirs: usize, change: impl FnOnce()) -> Written {
+    let (rounds, stop) = (AtomicUsize::new(0), AtomicBool::new(false));
+    let written = std::thread::scope(|s| {
+        let work = s.spawn(|| workload(root, dirs, &rounds, &stop));
+        // The workload stops however this ends (a failed assertion too).
+        let _stop = StopOnDrop(&stop);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while rounds.load(Ordering::Relaxed) < 2 && !work.is_finished() {
+            assert!(Instant::now() < deadline, "the workload made no progress");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        change();
+        stop.store(true, Ordering::Relaxed);
+        work.join().expect("the workload saw no error")
+    });
+    assert!(
+        rounds.load(Ordering::Relaxed) > 3,
+        "the workload ran during the change"
+    );
+    written
+}
+
 fn write_to(root: &Path, written: &mut Written, rel: String, content: Vec<u8>) {
     std::fs::write(root.join(&rel), &content).unwrap_or_else(|e| panic!("write {rel}: {e}"));
     written.insert(rel, content);
@@ -1053,27 +1084,12 @@ fn add_brick_and_rebalance_under_a_workload_lose_nothing() {
     let bricks: Vec<PathBuf> = (0..3)
         .map(|i| dir.path().join(format!("bricks/b{i}")))
         .collect();
-    let mut create = vec!["volume", "create", "grow"];
-    create.extend(bricks[..2].iter().map(|b| b.to_str().expect("utf-8")));
-    create.extend(["--port", "27500"]);
-    m.ok(&create);
-    m.ok(&["volume", "set", "grow", "server.root-allow", "admin"]);
-    m.ok(&["volume", "start", "grow"]);
-    m.healthy("grow");
+    start_distributed(&m, "grow", &bricks[..2], 27500);
     let (mountpoint, log) = (dir.path().join("mnt"), dir.path().join("mount.log"));
     std::fs::create_dir(&mountpoint).expect("mountpoint");
     let mount = mount_volume(&m, "grow", &mountpoint, &log);
 
-    let (rounds, stop) = (AtomicUsize::new(0), AtomicBool::new(false));
-    let written = std::thread::scope(|s| {
-        let work = s.spawn(|| workload(&mountpoint, DIRS, &rounds, &stop));
-        // The workload stops however this ends (a failed assertion too).
-        let _stop = StopOnDrop(&stop);
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while rounds.load(Ordering::Relaxed) < 2 && !work.is_finished() {
-            assert!(Instant::now() < deadline, "the workload made no progress");
-            std::thread::sleep(Duration::from_millis(50));
-        }
+    let written = during_workload(&mountpoint, DIRS, || {
         m.ok(&[
             "volume",
             "add-brick",
@@ -1091,13 +1107,7 @@ fn add_brick_and_rebalance_under_a_workload_lose_nothing() {
             "{during}"
         );
         assert!(during["moved"].as_u64() > Some(0), "{during}");
-        stop.store(true, Ordering::Relaxed);
-        work.join().expect("the workload saw no error")
     });
-    assert!(
-        rounds.load(Ordering::Relaxed) > 3,
-        "the workload ran during the rebalance"
-    );
     check_written(&mountpoint, &written);
     unmount(&mountpoint, mount);
 
@@ -1199,13 +1209,7 @@ fn remove_brick_under_a_workload_loses_nothing() {
     let bricks: Vec<PathBuf> = (0..3)
         .map(|i| dir.path().join(format!("bricks/b{i}")))
         .collect();
-    let mut create = vec!["volume", "create", "shrink"];
-    create.extend(bricks.iter().map(|b| b.to_str().expect("utf-8")));
-    create.extend(["--port", "27600"]);
-    m.ok(&create);
-    m.ok(&["volume", "set", "shrink", "server.root-allow", "admin"]);
-    m.ok(&["volume", "start", "shrink"]);
-    m.healthy("shrink");
+    start_distributed(&m, "shrink", &bricks, 27600);
     let (mountpoint, log) = (dir.path().join("mnt"), dir.path().join("mount.log"));
     std::fs::create_dir(&mountpoint).expect("mountpoint");
     let mount = mount_volume(&m, "shrink", &mountpoint, &log);
@@ -1239,15 +1243,7 @@ fn remove_brick_under_a_workload_loses_nothing() {
     assert!(refused.contains("no rebalance has emptied it"), "{refused}");
     assert!(!non_directories(&bricks[1]).is_empty());
 
-    let (rounds, stop) = (AtomicUsize::new(0), AtomicBool::new(false));
-    let written = std::thread::scope(|s| {
-        let work = s.spawn(|| workload(&mountpoint, DIRS, &rounds, &stop));
-        let _stop = StopOnDrop(&stop);
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while rounds.load(Ordering::Relaxed) < 2 && !work.is_finished() {
-            assert!(Instant::now() < deadline, "the workload made no progress");
-            std::thread::sleep(Duration::from_millis(50));
-        }
+    let written = during_workload(&mountpoint, DIRS, || {
         // A file the workload keeps rewriting may be left for the next run.
         let during = m.kiln(&remove("start"));
         let stderr = String::from_utf8_lossy(&during.stderr);
@@ -1258,13 +1254,7 @@ fn remove_brick_under_a_workload_loses_nothing() {
         let info = m.ok(&["volume", "--json", "info", "shrink"]);
         let info: serde_json::Value = serde_json::from_str(&info).expect("json");
         assert_eq!(info["volumes"][0]["bricks"][1]["role"], "leaving", "{info}");
-        stop.store(true, Ordering::Relaxed);
-        work.join().expect("the workload saw no error")
     });
-    assert!(
-        rounds.load(Ordering::Relaxed) > 3,
-        "the workload ran during the removal"
-    );
     check_written(&mountpoint, &written);
     check_links(&mountpoint, LINKS);
 

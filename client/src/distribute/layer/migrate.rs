@@ -487,14 +487,7 @@ impl<L: Layer> Distribute<L> {
         };
         self.bricks.get(to)?.call(&root, make).await?;
         self.copy_xattrs(from, to, gfid).await?;
-        let attr = kiln_wire::SetAttr {
-            uid: Some(now.uid),
-            gid: Some(now.gid),
-            atime: Some(kiln_wire::TimeSet::At(now.atime)),
-            mtime: Some(kiln_wire::TimeSet::At(now.mtime)),
-            ..kiln_wire::SetAttr::default()
-        };
-        self.set_attr(to, gfid, attr).await?;
+        self.set_attr(to, gfid, owner_and_times(&now)).await?;
         self.note_home(&now, to);
         self.remove_if_still(dir, &name, from, gfid).await?;
         Ok(Outcome::Moved { bytes: 0 })
@@ -697,11 +690,7 @@ impl<L: Layer> Distribute<L> {
         self.copy_xattrs(from, to, gfid).await?;
         let attr = kiln_wire::SetAttr {
             mode: Mode::new(now.mode.bits() & !STICKY),
-            uid: Some(now.uid),
-            gid: Some(now.gid),
-            atime: Some(kiln_wire::TimeSet::At(now.atime)),
-            mtime: Some(kiln_wire::TimeSet::At(now.mtime)),
-            ..kiln_wire::SetAttr::default()
+            ..owner_and_times(&now)
         };
         self.set_attr(to, gfid, attr).await?;
         self.remove_xattr(to, gfid, LINKTO_XATTR).await?;
@@ -855,6 +844,17 @@ impl<L: Layer> Distribute<L> {
             .call(&Creds::root(), setattr.into())
             .await
             .map(drop)
+    }
+}
+
+/// What gives an object's copy the owner and times of `now` (the original's).
+fn owner_and_times(now: &Iatt) -> kiln_wire::SetAttr {
+    kiln_wire::SetAttr {
+        uid: Some(now.uid),
+        gid: Some(now.gid),
+        atime: Some(kiln_wire::TimeSet::At(now.atime)),
+        mtime: Some(kiln_wire::TimeSet::At(now.mtime)),
+        ..kiln_wire::SetAttr::default()
     }
 }
 
