@@ -529,29 +529,12 @@ impl Daemon {
                 bricks.join(", ")
             );
         }
-        // This host's client certificate is refused by every volume from now on (by the ones
-        // made later too: `membership::revoked`).
-        let tls_dir = self.config.state_dir.join("tls");
-        let cert = pki::identity_files(&tls_dir, &Role::Client, pki::ADMIN_CLIENT).cert;
-        let serial = pki::serial_of(&cert)
-            .with_context(|| format!("the serial of this host's certificate {}", cert.display()))?;
-        let volumes: Vec<(String, String)> = self.store.read(|cluster, _| {
-            let revoked = |v: &Volume| v.options.get(REVOKED).cloned().unwrap_or_default();
-            cluster
-                .volumes
-                .values()
-                .map(|v| (v.name.clone(), revoked(v)))
-                .collect()
-        });
-        for (name, revoked) in volumes {
-            let revoked = with_revoked(&revoked, std::slice::from_ref(&serial))?;
-            self.set_option(&name, REVOKED, &revoked).await?;
-        }
+        let host = self.config.host.as_deref().unwrap_or_default();
+        let serial = self.revoke_everywhere(etcd, host).await?;
         if let Some(reporter) = crate::lock(&self.reporter).take() {
             reporter.abort();
         }
-        let host = self.config.host.as_deref().unwrap_or_default();
-        membership::leave(etcd.etcd(), host, &serial).await?;
+        membership::leave(etcd.etcd(), host).await?;
         membership::ClusterFile::remove(&self.config.state_dir)?;
         Ok(done(
             self.store.generation(),
@@ -561,6 +544,42 @@ impl Daemon {
                 etcd.etcd().target().cluster
             ),
         ))
+    }
+
+    /// Revokes this host's client certificate in every volume: recorded first, so volumes
+    /// created from then on take it (`membership::revoked`), then added to each volume's
+    /// `auth.revoked` as it is now (pushed live), until none lacks it; its serial.
+    async fn revoke_everywhere(
+        &self,
+        etcd: &EtcdStore<Cluster>,
+        host: &str,
+    ) -> anyhow::Result<String> {
+        let tls_dir = self.config.state_dir.join("tls");
+        let cert = pki::identity_files(&tls_dir, &Role::Client, pki::ADMIN_CLIENT).cert;
+        let serial = pki::serial_of(&cert)
+            .with_context(|| format!("the serial of this host's certificate {}", cert.display()))?;
+        membership::revoke(etcd.etcd(), &serial, host).await?;
+        // (Again for a volume created while the record was written.)
+        for _ in 0..REVOKE_ROUNDS {
+            let lacking: Vec<(String, String)> = self.store.read(|cluster, _| {
+                let revoked = |v: &Volume| v.options.get(REVOKED).cloned().unwrap_or_default();
+                let volumes = cluster
+                    .volumes
+                    .values()
+                    .map(|v| (v.name.clone(), revoked(v)));
+                volumes
+                    .filter(|(_, r)| !r.split(',').any(|s| s == serial))
+                    .collect()
+            });
+            if lacking.is_empty() {
+                return Ok(serial);
+            }
+            for (name, revoked) in lacking {
+                let revoked = with_revoked(&revoked, std::slice::from_ref(&serial))?;
+                self.set_option(&name, REVOKED, &revoked).await?;
+            }
+        }
+        anyhow::bail!("volumes kept appearing without this host's certificate revoked: try again")
     }
 
     /// `kiln volume rebalance NAME start|fix-layout|status|stop` (and `heal`): run by this
@@ -1252,6 +1271,9 @@ fn remote_status(reports: &[HostReport], name: &str, brick: &Brick) -> BrickStat
 
 /// The option that lists revoked client certificates.
 const REVOKED: &str = "auth.revoked";
+/// Passes over the volumes that revoke a leaving host's certificate (a volume created during
+/// one is seen by the next).
+const REVOKE_ROUNDS: usize = 3;
 
 /// `auth.revoked`'s value `current` with `serials` added, in canonical form.
 fn with_revoked(current: &str, serials: &[String]) -> anyhow::Result<String> {

@@ -182,17 +182,21 @@ async fn names_under(etcd: &Etcd, prefix: &str) -> anyhow::Result<Vec<String>> {
         .collect())
 }
 
-/// `kiln cluster leave`: the client certificate with `serial` of `host` is revoked, `host` is
-/// no longer a member, and its report is gone.
-pub async fn leave(etcd: &Etcd, host: &str, serial: &str) -> anyhow::Result<()> {
-    let keys = MemberKeys::of(etcd);
-    let revoked = format!("{}{serial}", keys.revoked_prefix());
-    let all = Txn::new().and_then([
-        TxnOp::put(revoked, host, None),
-        TxnOp::delete(keys.member(host), None),
+/// Records that the client certificate with `serial`, of `host`, is revoked: volumes created
+/// from now on refuse it ([`revoked`]).
+pub async fn revoke(etcd: &Etcd, serial: &str, host: &str) -> anyhow::Result<()> {
+    let key = format!("{}{serial}", MemberKeys::of(etcd).revoked_prefix());
+    etcd.put(&key, host.as_bytes(), 0).await?;
+    Ok(())
+}
+
+/// `kiln cluster leave`: `host` is no longer a member, and its report is gone.
+pub async fn leave(etcd: &Etcd, host: &str) -> anyhow::Result<()> {
+    let both = Txn::new().and_then([
+        TxnOp::delete(MemberKeys::of(etcd).member(host), None),
         TxnOp::delete(crate::cluster::host_key(etcd, host), None),
     ]);
-    etcd.txn(all).await?;
+    etcd.txn(both).await?;
     Ok(())
 }
 
