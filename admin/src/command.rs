@@ -144,7 +144,26 @@ pub enum TaskKind {
     FixLayout,
 }
 
+impl TaskAction {
+    /// The task this action starts, if it starts one.
+    pub fn starts(self) -> Option<TaskKind> {
+        match self {
+            TaskAction::Start => Some(TaskKind::Rebalance),
+            TaskAction::FixLayout => Some(TaskKind::FixLayout),
+            TaskAction::Status | TaskAction::Stop => None,
+        }
+    }
+}
+
 impl TaskKind {
+    /// The action that starts it.
+    pub fn start(self) -> TaskAction {
+        match self {
+            TaskKind::Rebalance => TaskAction::Start,
+            TaskKind::FixLayout => TaskAction::FixLayout,
+        }
+    }
+
     /// Its action word in `kiln volume rebalance VOLUME <action> --for-daemon`.
     pub fn action(self) -> &'static str {
         match self {

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use kiln_admin::command::{
     BrickReport, BrickStatus, ClusterStatus, EXCHANGE, HostReport, OptionValue, ProfileAction,
-    RemoveAction, Request, Response, TaskAction, TaskKind,
+    RemoveAction, Request, Response, TaskAction,
 };
 use kiln_admin::exchange::ExchangeError;
 use kiln_admin::options;
@@ -585,23 +585,13 @@ impl Daemon {
     /// `kiln volume rebalance NAME start|fix-layout|status|stop` (and `heal`): run by this
     /// daemon, or on a cluster by the elected one (`tasks`).
     async fn rebalance(&self, name: &str, action: TaskAction) -> anyhow::Result<Response> {
-        let status = match action {
-            TaskAction::Start | TaskAction::FixLayout => {
-                let volume = self.volume(name)?;
-                if volume.state != VolumeState::Started {
-                    anyhow::bail!(
-                        "volume {name} is {}; `kiln volume start {name}` first",
-                        volume.state
-                    );
-                }
-                let kind = match action {
-                    TaskAction::FixLayout => TaskKind::FixLayout,
-                    _ => TaskKind::Rebalance,
-                };
+        let status = match action.starts() {
+            Some(kind) => {
+                must_be_started(&self.volume(name)?)?;
                 self.tasks.start(name, kind).await?
             }
-            TaskAction::Status => self.tasks.status(name).await?,
-            TaskAction::Stop => self.tasks.stop(name).await?,
+            None if action == TaskAction::Status => self.tasks.status(name).await?,
+            None => self.tasks.stop(name).await?,
         };
         Ok(Response::Rebalance(status))
     }
@@ -630,12 +620,7 @@ impl Daemon {
         // removal is committed only on a rebalance that began with the brick leaving.
         match action {
             RemoveAction::Start => {
-                if volume.state != VolumeState::Started {
-                    anyhow::bail!(
-                        "volume {name} is {}; `kiln volume start {name}` first",
-                        volume.state
-                    );
-                }
+                must_be_started(&volume)?;
                 if self.tasks.is_live(name).await? {
                     anyhow::bail!(
                         "a rebalance or heal of {name} is running: `kiln volume rebalance \
@@ -1266,6 +1251,17 @@ fn remote_status(reports: &[HostReport], name: &str, brick: &Brick) -> BrickStat
             generation: None,
             health,
         },
+    }
+}
+
+/// A task runs on a started volume only (its runner reaches the bricks).
+fn must_be_started(volume: &Volume) -> anyhow::Result<()> {
+    match volume.state {
+        VolumeState::Started => Ok(()),
+        state => {
+            let name = &volume.name;
+            anyhow::bail!("volume {name} is {state}; `kiln volume start {name}` first")
+        }
     }
 }
 

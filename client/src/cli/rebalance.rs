@@ -139,11 +139,7 @@ impl Files {
 /// `rebalance VOLUME start|fix-layout`: asks the daemon to run it, and follows it until it
 /// ends.
 pub(crate) fn start(global: &Global, name: &str, kind: TaskKind, json: bool) -> anyhow::Result<()> {
-    let action = match kind {
-        TaskKind::Rebalance => TaskAction::Start,
-        TaskKind::FixLayout => TaskAction::FixLayout,
-    };
-    ask(global, name, action)?;
+    ask(global, name, kind.start())?;
     follow(global, name, json, true, None)
 }
 

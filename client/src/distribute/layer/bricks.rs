@@ -55,10 +55,10 @@ impl<L> Member<L> {
     }
 
     fn split(self) -> (Option<L>, BrickRole) {
+        let role = self.role();
         match self {
-            Member::Serving(brick) => (Some(brick), BrickRole::Serving),
-            Member::Leaving(brick) => (Some(brick), BrickRole::Leaving),
-            Member::Removed => (None, BrickRole::Removed),
+            Member::Serving(brick) | Member::Leaving(brick) => (Some(brick), role),
+            Member::Removed => (None, role),
         }
     }
 }
@@ -221,10 +221,10 @@ impl<L: Send + Sync + 'static> Bricks<L> {
         Ok(changed)
     }
 
-    /// Asks the source (none: nothing changes); whether anything changed.
-    pub(super) async fn ask_source(&self) -> Result<bool, Error> {
+    /// Asks the source (none: nothing changes); a change bumps the [`Bricks::generation`].
+    pub(super) async fn ask_source(&self) -> Result<(), Error> {
         let Some(source) = &self.source else {
-            return Ok(false);
+            return Ok(());
         };
         let _one_at_a_time = self.asking.lock().await;
         let known = self.len();
@@ -253,7 +253,7 @@ impl<L: Send + Sync + 'static> Bricks<L> {
             let roles: Vec<BrickRole> = self.indexes().map(|i| self.role(i)).collect();
             tracing::info!(bricks = self.len(), ?roles, "the volume's bricks changed");
         }
-        Ok(changed)
+        Ok(())
     }
 
     /// How many times the bricks or their roles changed since the layer was made.

@@ -288,9 +288,8 @@ impl<L: Layer> Distribute<L> {
 
     /// Whether `layout` gives a range to the serving bricks alone, without overlaps.
     fn fits(&self, layout: &Layout) -> bool {
-        let shares = self.bricks.weights();
-        let fits = |(b, share): (usize, &u32)| layout.range(b).is_some() == (*share > 0);
-        shares.iter().enumerate().all(fits) && layout.anomalies().overlaps == 0
+        let fits = |b: usize| layout.range(b).is_some() == self.bricks.role(b).is_serving();
+        self.bricks.indexes().all(fits) && layout.anomalies().overlaps == 0
     }
 
     /// How many directory copies and layouts this layer has healed.

@@ -77,16 +77,6 @@ enum Outcome {
     LinkFileRemoved,
 }
 
-/// Whether an entry is off the brick it was listed on after `outcome`: moved, a link file
-/// removed, or gone meanwhile.
-fn off_the_brick(outcome: &Result<Outcome, Error>) -> bool {
-    matches!(
-        outcome,
-        Ok(Outcome::Moved { .. } | Outcome::LinkFileRemoved)
-            | Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale))
-    )
-}
-
 /// Counts in `report` what happened to entry `name` of `dir` (logged); whether it is where
 /// the layout says.
 fn count(
@@ -274,25 +264,15 @@ impl<L: Layer> Distribute<L> {
                 Some((entry, to, outcome))
             }))
             .buffer_unordered(MOVES_IN_FLIGHT);
-            let leaving = self.bricks.role(from) == BrickRole::Leaving;
+            // (What stays on a leaving brick is counted by the sweep after the walk.)
             while let Some(done) = moves.next().await {
-                let left = match done {
+                match done {
                     Some((entry, Some(to), Some(outcome))) => {
-                        let left = !off_the_brick(&outcome);
                         settled &= count(report, outcome, dir, &entry.name, from, to);
-                        left.then_some(entry)
                     }
                     // In a hole of the layout: nowhere to go.
-                    Some((entry, _, _)) => {
-                        settled = false;
-                        Some(entry)
-                    }
-                    None => None,
-                };
-                if let Some(entry) = left.filter(|_| leaving) {
-                    report.left_on_leaving += 1;
-                    let name = entry.name.as_bytes().escape_ascii();
-                    tracing::warn!(%dir, %name, from, "rebalance: an entry is left on a leaving brick");
+                    Some(_) => settled = false,
+                    None => {}
                 }
             }
             if stop.load(Ordering::Relaxed) {

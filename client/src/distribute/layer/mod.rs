@@ -138,9 +138,9 @@ impl<L: Layer> Distribute<L> {
     }
 
     /// The layer that learns of bricks added to the volume, and of bricks leaving or removed,
-    /// from `source`: when a layout or a link file names a brick it does not know, an object
-    /// is on none it knows, and before it lays out a directory (at most once per
-    /// [`BRICKS_REFRESH`]).
+    /// from `source`: every [`BRICKS_REFRESH`] ([`Distribute::refresh_forever`]), and when a
+    /// layout has a hole or does not fit the roles, a link file names a brick it does not
+    /// know or an object is on none it knows (at most once per [`BRICKS_REFRESH`] in vain).
     pub fn with_source(mut self, source: impl BrickSource<L>) -> Distribute<L> {
         Arc::get_mut(&mut self.bricks)
             .expect("the bricks are shared only once the layer is made")
