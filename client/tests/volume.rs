@@ -752,11 +752,7 @@ fn mount_volume(m: &Mgmtd, name: &str, mountpoint: &Path, log: &Path) -> Mount {
 
 /// `kiln umount`, and the mount's server exits 0.
 fn unmount(mountpoint: &Path, mut mount: Mount) {
-    let out = Command::new(bin("kiln"))
-        .arg("umount")
-        .arg(mountpoint)
-        .output()
-        .expect("kiln umount");
+    let out = common::kiln_umount(mountpoint);
     assert!(
         out.status.success(),
         "{}",

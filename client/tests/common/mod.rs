@@ -287,6 +287,25 @@ pub fn free_loopback_addr() -> String {
     probe.local_addr().expect("local address").to_string()
 }
 
+/// `kiln umount MOUNTPOINT`, asked again (for 10 s at most) while it answers "target is busy":
+/// a process a parallel test spawns holds copies of this process's open descriptors until it
+/// execs, so a file this test has just closed can still pin the mount for a moment.
+pub fn kiln_umount(mountpoint: &Path) -> std::process::Output {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let out = Command::new(bin("kiln"))
+            .arg("umount")
+            .arg(mountpoint)
+            .output()
+            .expect("kiln umount");
+        let busy = String::from_utf8_lossy(&out.stderr).contains("target is busy");
+        if out.status.success() || !busy || Instant::now() > deadline {
+            return out;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 /// Whether `path` is a Kiln FUSE mount now.
 pub fn is_kiln_mount(path: &Path) -> bool {
     kiln_client::mountinfo::read_self()

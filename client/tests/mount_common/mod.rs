@@ -150,12 +150,7 @@ impl Mounted {
 
     /// Unmounts with `kiln umount` and waits for the server to exit 0.
     pub fn unmount(&mut self) {
-        let out = self
-            .kiln()
-            .arg("umount")
-            .arg(&self.mountpoint)
-            .output()
-            .expect("kiln umount");
+        let out = crate::common::kiln_umount(&self.mountpoint);
         assert!(out.status.success(), "umount: {}", text(&out));
         self.wait_server_exit();
     }
