@@ -12,7 +12,7 @@ mod common;
 
 use std::ffi::OsString;
 use std::net::{Ipv4Addr, SocketAddr};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -58,7 +58,7 @@ impl Host {
 
 /// `kiln ARGS` as the `admin` of the host whose daemon listens on `socket` with state
 /// directory `state`.
-fn kiln_of(socket: &std::path::Path, state: &std::path::Path, args: &[&str]) -> Output {
+fn kiln_of(socket: &Path, state: &Path, args: &[&str]) -> Output {
     Command::new(bin("kiln"))
         .args(args)
         .env("KILN_MGMT_SOCKET", socket)
@@ -268,6 +268,24 @@ impl Hosts {
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
+    /// `kiln umount MNT` on host `i`, asked again (10 s at most) while the mount is busy: a
+    /// process a parallel test spawns holds copies of this one's descriptors until it execs.
+    fn umount(&self, i: usize, mnt: &Path) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let out = self.kiln(i, &["umount", mnt.to_str().expect("utf-8")]);
+            let said = String::from_utf8_lossy(&out.stderr);
+            if out.status.success() {
+                return;
+            }
+            assert!(
+                said.contains("target is busy") && Instant::now() < deadline,
+                "kiln umount on host {i}: {said}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
     fn json(&self, i: usize, args: &[&str]) -> Response {
         let mut all = vec!["volume", "--json"];
         all.extend_from_slice(args);
@@ -470,7 +488,7 @@ fn three_hosts_share_one_configuration_and_serve_one_volume() {
     );
     hosts.start_daemon(0);
     hosts.wait_status(2, "v", |b| running(b) && pids(b) == pids(&before));
-    hosts.kiln_ok(0, &["umount", mnt.to_str().expect("utf-8")]);
+    hosts.umount(0, &mnt);
 
     // Stopped from host 2: every host stops its brick.
     hosts.kiln_ok(2, &["volume", "stop", "v"]);
@@ -735,13 +753,13 @@ fn a_rebalance_runs_on_the_elected_daemon_and_continues_when_it_dies() {
             assert_eq!(back, format!("file {d}/{n}"));
         }
     }
-    hosts.kiln_ok(asker, &["umount", mnt.to_str().expect("utf-8")]);
+    hosts.umount(asker, &mnt);
     // (`ip netns exec` runs the command in a mount namespace of its own.)
     let _ = Command::new("umount").arg("-l").arg(&mnt).status();
 }
 
 /// Regular files under `dir`, `.glusterfs` left out.
-fn walkdir_files(dir: &std::path::Path) -> usize {
+fn walkdir_files(dir: &Path) -> usize {
     std::fs::read_dir(dir)
         .into_iter()
         .flatten()
@@ -822,7 +840,7 @@ struct LoopbackHost {
 }
 
 impl LoopbackHost {
-    fn new(dir: &std::path::Path, ip: &'static str) -> LoopbackHost {
+    fn new(dir: &Path, ip: &'static str) -> LoopbackHost {
         LoopbackHost {
             state: dir.join(ip),
             socket: dir.join(format!("{ip}-run/mgmtd.sock")),
