@@ -1163,10 +1163,16 @@ fn non_directories(brick: &Path) -> Vec<PathBuf> {
 }
 
 /// Symlinks and FIFOs under `links` of the mount: some hash to every brick.
+/// In `links/` of the mount, `count` each of symlinks, FIFOs and files with three names (two
+/// in `links/`, one in `links/sub/`).
 fn make_links(mountpoint: &Path, count: usize) {
     let links = mountpoint.join("links");
-    std::fs::create_dir(&links).expect("mkdir links");
+    std::fs::create_dir_all(links.join("sub")).expect("mkdir links/sub");
     for i in 0..count {
+        let file = links.join(format!("f{i}"));
+        std::fs::write(&file, format!("hard {i}")).expect("write");
+        std::fs::hard_link(&file, links.join(format!("g{i}"))).expect("link");
+        std::fs::hard_link(&file, links.join(format!("sub/g{i}"))).expect("link");
         std::os::unix::fs::symlink(format!("target-{i}"), links.join(format!("l{i}")))
             .expect("symlink");
         rustix::fs::mknodat(
@@ -1181,9 +1187,23 @@ fn make_links(mountpoint: &Path, count: usize) {
 }
 
 fn check_links(mountpoint: &Path, count: usize) {
-    use std::os::unix::fs::FileTypeExt;
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
     let links = mountpoint.join("links");
     for i in 0..count {
+        let names = [format!("f{i}"), format!("g{i}"), format!("sub/g{i}")];
+        let inodes: Vec<(u64, u64)> = names
+            .iter()
+            .map(|name| {
+                let back = std::fs::read_to_string(links.join(name)).expect("read a hard link");
+                assert_eq!(back, format!("hard {i}"), "{name}");
+                let meta = std::fs::metadata(links.join(name)).expect("stat");
+                (meta.ino(), meta.nlink())
+            })
+            .collect();
+        assert!(
+            inodes.iter().all(|&n| n == (inodes[0].0, 3)),
+            "f{i}'s three names, one inode: {inodes:?}"
+        );
         let target = std::fs::read_link(links.join(format!("l{i}"))).expect("readlink");
         assert_eq!(target, Path::new(&format!("target-{i}")));
         let fifo = std::fs::symlink_metadata(links.join(format!("p{i}"))).expect("fifo");
@@ -1193,7 +1213,7 @@ fn check_links(mountpoint: &Path, count: usize) {
 
 /// A brick removed from a volume of three while a mount of it runs a workload: `commit` is
 /// refused until a rebalance emptied it; `start` makes it leave and moves every file off it
-/// — symlinks and FIFOs too — while the workload sees no error; `commit` then stops it, its
+/// — symlinks, FIFOs and files with hard links too — while the workload sees no error; `commit` then stops it, its
 /// place stays in the volume's list, no file of the volume is left on it, and every file
 /// reads back through the mount and a fresh one.
 #[test]
@@ -1210,6 +1230,15 @@ fn remove_brick_under_a_workload_loses_nothing() {
     std::fs::create_dir(&mountpoint).expect("mountpoint");
     let mount = mount_volume(&m, "shrink", &mountpoint, &log);
     make_links(&mountpoint, LINKS);
+    let data_on_leaving = |i| {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::metadata(bricks[1].join(format!("links/f{i}")))
+            .is_ok_and(|m| m.permissions().mode() & 0o7777 != 0o1000)
+    };
+    assert!(
+        (0..LINKS).any(data_on_leaving),
+        "no file with hard links on the leaving brick"
+    );
     // A file of the leaving brick held open throughout, not used until the brick is gone.
     std::fs::create_dir(mountpoint.join("held")).expect("mkdir held");
     for i in 0..16 {

@@ -17,7 +17,10 @@
 //!    every client still using it to `to`, and its name is removed.
 //!
 //! Files with hard links stay where they are (as GlusterFS's rebalance leaves them by default),
-//! and so do files with the sticky bit or no permission bits, which would read as a phase.
+//! but off a leaving brick: there the sweep after the walk, which lists the brick's own tree
+//! and so finds every name of the file, moves it with all its names at once
+//! (`Distribute::move_linked`). Files with the sticky bit or no permission bits, which
+//! would read as a phase, stay.
 //! Renames, unlinks and hard links of a file wait for its move to end ([`super::files`]), and
 //! a move is given up when its name changed before the switch; a rename that looked before
 //! the file was marked and lands after that last check is not excluded (GlusterFS takes an
@@ -75,6 +78,9 @@ enum Outcome {
     },
     Skipped(&'static str),
     LinkFileRemoved,
+    /// A file with hard links on a leaving brick: the sweep after the walk moves it with
+    /// all its names.
+    Deferred,
 }
 
 /// Counts in `report` what happened to entry `name` of `dir` (logged); whether it is where
@@ -97,6 +103,7 @@ fn count(
             report.bytes_moved += bytes;
             tracing::debug!(%dir, %name, from, to, bytes, "rebalance: moved a file");
         }
+        Ok(Outcome::Deferred) => return false,
         Ok(Outcome::Skipped(why)) => {
             report.skipped += 1;
             tracing::info!(%dir, %name, from, to, why, "rebalance: left a file in place");
@@ -170,9 +177,10 @@ impl<L: Layer> Distribute<L> {
         Ok(report)
     }
 
-    /// Moves what the walk missed off the leaving bricks (a file renamed meanwhile into a
-    /// directory walked already), then counts what is still on them: entries other than
-    /// directories, each logged.
+    /// Moves what the walk left on the leaving bricks — files with hard links, with all their
+    /// names, then whatever else is there (a file renamed meanwhile into a directory walked
+    /// already), each directory walked again, which also commits its layout — then counts
+    /// what is still on them: entries other than directories, each logged.
     async fn sweep_leaving(
         &self,
         stop: &AtomicBool,
@@ -180,12 +188,10 @@ impl<L: Layer> Distribute<L> {
     ) -> Result<u64, Error> {
         let mut left = 0;
         for brick in self.leaving() {
-            let missed: std::collections::BTreeSet<Gfid> = self
-                .entries_on(brick)
-                .await?
-                .into_iter()
-                .map(|(dir, _)| dir)
-                .collect();
+            let entries = self.entries_on(brick).await?;
+            let missed: std::collections::BTreeSet<Gfid> =
+                entries.iter().map(|(dir, _)| *dir).collect();
+            self.move_hard_linked(brick, &entries, stop, report).await;
             for dir in missed {
                 // (Only what moves counts again: the rest was counted by the walk.)
                 let mut again = RebalanceReport::default();
@@ -197,8 +203,8 @@ impl<L: Layer> Distribute<L> {
                 report.bytes_moved += again.bytes_moved;
                 report.link_files_removed += again.link_files_removed;
             }
-            for (dir, name) in self.entries_on(brick).await? {
-                let name = name.as_bytes().escape_ascii();
+            for (dir, entry) in self.entries_on(brick).await? {
+                let name = entry.name.as_bytes().escape_ascii();
                 tracing::warn!(%dir, %name, brick, "rebalance: an entry is left on a leaving brick");
                 left += 1;
             }
@@ -206,9 +212,165 @@ impl<L: Layer> Distribute<L> {
         Ok(left)
     }
 
+    /// Moves each file with hard links among `entries` (brick `from`'s, with their
+    /// directories) whose every name is there, stopping between two files once `stop` is set.
+    async fn move_hard_linked(
+        &self,
+        from: usize,
+        entries: &[(Gfid, kiln_wire::DirEntryPlus)],
+        stop: &AtomicBool,
+        report: &mut RebalanceReport,
+    ) {
+        let mut names: std::collections::BTreeMap<Gfid, Vec<(Gfid, Name)>> = Default::default();
+        for (dir, entry) in entries {
+            let (iatt, file) = (&entry.iatt, entry.iatt.file_type == FileType::Regular);
+            if file && iatt.nlink > 1 && !looks_like_link_file(iatt) {
+                let of_file = names.entry(entry.iatt.gfid).or_default();
+                of_file.push((*dir, entry.name.clone()));
+            }
+        }
+        for (gfid, names) in names {
+            if stop.load(Ordering::Relaxed) {
+                return;
+            }
+            let (dir, name) = &names[0];
+            let (to, outcome) = match self.hashed(*dir, name).await {
+                Ok((to, _)) => (to, self.move_linked(from, to, gfid, &names).await),
+                Err(e) => (from, Err(e)),
+            };
+            count(report, outcome, *dir, name, from, to);
+        }
+    }
+
+    /// Moves file `gfid`, whose names on leaving brick `from` are `names`, to brick `to`
+    /// (where its first name hashes), every name with it: its destination there is made, and given
+    /// every other name (hard links of one inode), before the copy; after the switch its
+    /// other names leave `from`, and each name hashed to a third brick gets (or keeps) a
+    /// link file there, pointed at the new brick. Renames, unlinks and links of the file
+    /// wait meanwhile, as for any move ([`super::files`]).
+    async fn move_linked(
+        &self,
+        from: usize,
+        to: usize,
+        gfid: Gfid,
+        names: &[(Gfid, Name)],
+    ) -> Result<Outcome, Error> {
+        let root = Creds::root();
+        let [(dir, name), others @ ..] = names else {
+            return Ok(Outcome::InPlace);
+        };
+        let now = self.bricks.get(from)?.stat(&root, gfid).await?;
+        let mode = now.mode.bits();
+        if now.nlink as usize != names.len() {
+            return Ok(Outcome::Skipped(
+                "it was linked or unlinked during the walk",
+            ));
+        }
+        if mode & STICKY != 0 || mode & 0o777 == 0 {
+            return Ok(Outcome::Skipped("its mode would read as a migration phase"));
+        }
+        if !self.make_destination(*dir, name, gfid, from, to).await? {
+            return Ok(Outcome::Skipped(
+                "another object holds its name on the hashed brick",
+            ));
+        }
+        for (other_dir, other) in others {
+            match self.bricks.get(to)?.lookup(&root, *other_dir, other).await {
+                Ok(there) if there.gfid == gfid => {}
+                Ok(_) => {
+                    return Ok(Outcome::Skipped(
+                        "another object holds one of its names on the brick it moves to",
+                    ));
+                }
+                Err(Error::Fop(ErrorCode::NoEnt)) => {
+                    self.make_link_file(to, *other_dir, other, gfid, from)
+                        .await?;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        self.set_xattr(from, gfid, LINKTO_XATTR, self.link_value(to))
+            .await?;
+        self.set_mode(from, gfid, mode | STICKY).await?;
+        let bytes = match self.copy_until_equal(from, to, gfid).await {
+            Ok(Some(bytes)) => bytes,
+            Ok(None) => {
+                self.abandon_move(from, to, gfid).await?;
+                return Ok(Outcome::Skipped("it kept changing"));
+            }
+            Err(e) => {
+                if let Err(undo) = self.abandon_move(from, to, gfid).await {
+                    tracing::warn!(%gfid, error = %undo, "rebalance: a move not undone");
+                }
+                return Err(e);
+            }
+        };
+        if !self.still_named(from, gfid, names).await? {
+            self.abandon_move(from, to, gfid).await?;
+            return Ok(Outcome::Skipped("it was renamed or linked during its move"));
+        }
+        self.switch_to(*dir, name, from, to, gfid).await?;
+        let mut pointed = std::collections::BTreeSet::new();
+        for (other_dir, other) in others {
+            self.remove_if_still(*other_dir, other, from, gfid).await?;
+        }
+        for (dir, name) in names {
+            let (on, _) = self.hashed(*dir, name).await?;
+            if on == to {
+                continue;
+            }
+            if pointed.insert(on) {
+                self.point_link_files(on, gfid, to).await?;
+            }
+            match self.make_link_file(on, *dir, name, gfid, to).await {
+                Ok(()) | Err(Error::Fop(ErrorCode::Exist)) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(Outcome::Moved { bytes })
+    }
+
+    /// Points the link files of object `gfid` on brick `on` (one inode, whatever its names)
+    /// at brick `to`; none there is fine.
+    async fn point_link_files(&self, on: usize, gfid: Gfid, to: usize) -> Result<(), Error> {
+        match self.bricks.get(on)?.stat(&Creds::root(), gfid).await {
+            Ok(there) if looks_like_link_file(&there) => {
+                self.set_xattr(on, gfid, LINKTO_XATTR, self.link_value(to))
+                    .await
+            }
+            Ok(_) | Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Whether file `gfid` on brick `from` has exactly the names `names` still.
+    async fn still_named(
+        &self,
+        from: usize,
+        gfid: Gfid,
+        names: &[(Gfid, Name)],
+    ) -> Result<bool, Error> {
+        let root = Creds::root();
+        let now = self.bricks.get(from)?.stat(&root, gfid).await?;
+        if now.nlink as usize != names.len() {
+            return Ok(false);
+        }
+        for (dir, name) in names {
+            match self.bricks.get(from)?.lookup(&root, *dir, name).await {
+                Ok(there) if there.gfid == gfid => {}
+                Ok(_) | Err(Error::Fop(ErrorCode::NoEnt)) => return Ok(false),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(true)
+    }
+
     /// The entries other than directories on brick `brick`, with their directories, found
     /// by walking its own tree.
-    async fn entries_on(&self, brick: usize) -> Result<Vec<(Gfid, Name)>, Error> {
+    async fn entries_on(
+        &self,
+        brick: usize,
+    ) -> Result<Vec<(Gfid, kiln_wire::DirEntryPlus)>, Error> {
         let root = Creds::root();
         let (mut pending, mut found) = (vec![Gfid::ROOT], Vec::new());
         while let Some(dir) = pending.pop() {
@@ -220,7 +382,7 @@ impl<L: Layer> Distribute<L> {
             for entry in entries {
                 match entry.iatt.file_type {
                     FileType::Directory => pending.push(entry.iatt.gfid),
-                    _ => found.push((dir, entry.name)),
+                    _ => found.push((dir, entry)),
                 }
             }
         }
@@ -366,6 +528,9 @@ impl<L: Layer> Distribute<L> {
             .stat(&Creds::root(), iatt.gfid)
             .await?;
         let mode = now.mode.bits();
+        if now.nlink != 1 && self.bricks.role(from) == BrickRole::Leaving {
+            return Ok(Outcome::Deferred);
+        }
         if now.nlink != 1 {
             return Ok(Outcome::Skipped("it has hard links"));
         }

@@ -41,8 +41,14 @@ impl<L: Layer> Distribute<L> {
                         iatt,
                     });
                 };
-                let reply = self.bricks.get(home)?.call(creds, fop).await?;
+                let reply = self.bricks.get(home)?.call(creds, fop.clone()).await?;
                 let iatt = entry_iatt(&reply)?.clone();
+                // A link file to a link file: the file moved on since (a name of a file
+                // with hard links, the moment between its move's switch and its link file's
+                // repointing); it is where no link file is.
+                if self.link_file_target(home, &iatt).await?.is_some() {
+                    return self.locate_everywhere(creds, hashed, fop).await;
+                }
                 self.note_home(&iatt, home);
                 Ok(Located {
                     hashed,
