@@ -116,6 +116,10 @@ pub enum RemoveAction {
     Stop,
     /// Remove it from the volume: allowed once a rebalance completed with nothing left on it.
     Commit,
+    /// Remove it from the volume now, its files with it (they stay in its directory, out of
+    /// the volume), and start a rebalance over the bricks left: for a brick whose host is
+    /// gone.
+    Force,
 }
 
 /// What to do with a volume's cluster-wide task.

@@ -1162,9 +1162,8 @@ fn non_directories(brick: &Path) -> Vec<PathBuf> {
     found
 }
 
-/// Symlinks and FIFOs under `links` of the mount: some hash to every brick.
 /// In `links/` of the mount, `count` each of symlinks, FIFOs and files with three names (two
-/// in `links/`, one in `links/sub/`).
+/// in `links/`, one in `links/sub/`): some hash to every brick.
 fn make_links(mountpoint: &Path, count: usize) {
     let links = mountpoint.join("links");
     std::fs::create_dir_all(links.join("sub")).expect("mkdir links/sub");
@@ -1336,4 +1335,81 @@ fn remove_brick_under_a_workload_loses_nothing() {
     }
     unmount(&mountpoint, mount);
     m.ok(&["volume", "stop", "shrink"]);
+}
+
+/// `remove-brick … force`, for a brick whose host is gone: the brick leaves at once with its
+/// files, and the rebalance it starts lays every directory out over the bricks left and
+/// removes the link files that pointed at it — every name then either reads back (its file
+/// lived on another brick) or is free again (ENOENT), and each can be made anew.
+#[test]
+fn a_brick_forced_out_takes_its_files_and_frees_their_names() {
+    const FILES: usize = 60;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let m = Mgmtd::start(dir.path());
+    let bricks: Vec<PathBuf> = (0..3)
+        .map(|i| dir.path().join(format!("bricks/b{i}")))
+        .collect();
+    start_distributed(&m, "gone", &bricks, 27700);
+    let (mountpoint, log) = (dir.path().join("mnt"), dir.path().join("mount.log"));
+    std::fs::create_dir(&mountpoint).expect("mountpoint");
+    let mount = mount_volume(&m, "gone", &mountpoint, &log);
+    std::fs::create_dir(mountpoint.join("d")).expect("mkdir");
+    let name = |i: usize| mountpoint.join(format!("d/r{i}"));
+    for i in 0..FILES {
+        let first = mountpoint.join(format!("d/f{i}"));
+        std::fs::write(&first, i.to_string()).expect("write");
+        // Renamed, most to a name hashed to another brick, which gets a link file.
+        std::fs::rename(&first, name(i)).expect("rename");
+    }
+    let on = |brick: usize, i: usize| bricks[brick].join(format!("d/r{i}"));
+    let data_on = |brick: usize, i: usize| {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::metadata(on(brick, i)).is_ok_and(|m| m.permissions().mode() & 0o7777 != 0o1000)
+    };
+    let lost: Vec<usize> = (0..FILES).filter(|&i| data_on(1, i)).collect();
+    assert!(!lost.is_empty(), "no file on the brick removed");
+    assert!(
+        lost.iter().any(|&i| on(0, i).exists() || on(2, i).exists()),
+        "no link file points at the brick removed"
+    );
+
+    let brick = bricks[1].to_str().expect("utf-8");
+    let forced = m.kiln(&["volume", "--json", "remove-brick", "gone", brick, "force"]);
+    assert!(
+        forced.status.success(),
+        "{}",
+        String::from_utf8_lossy(&forced.stderr)
+    );
+    let forced = String::from_utf8(forced.stdout).expect("utf-8");
+    let forced: serde_json::Value = serde_json::from_str(&forced).expect("json");
+    assert_eq!(
+        (forced["state"].as_str(), forced["failed"].as_u64()),
+        (Some("completed"), Some(0)),
+        "{forced}"
+    );
+    let info = m.ok(&["volume", "--json", "info", "gone"]);
+    let info: serde_json::Value = serde_json::from_str(&info).expect("json");
+    assert_eq!(info["volumes"][0]["bricks"][1]["role"], "removed", "{info}");
+    for i in 0..FILES {
+        match std::fs::read_to_string(name(i)) {
+            Ok(back) => {
+                assert!(!lost.contains(&i), "r{i} lived on the brick removed");
+                assert_eq!(back, i.to_string());
+            }
+            Err(e) => {
+                assert_eq!(e.kind(), std::io::ErrorKind::NotFound, "r{i}: {e}");
+                assert!(lost.contains(&i), "r{i} is gone");
+            }
+        }
+        std::fs::write(name(i), "anew").expect("the name made anew");
+        assert_eq!(std::fs::read_to_string(name(i)).expect("read"), "anew");
+    }
+    let listed = std::fs::read_dir(mountpoint.join("d"))
+        .expect("readdir")
+        .count();
+    assert_eq!(listed, FILES);
+    // The brick's files stay in its directory, out of the volume.
+    assert!(lost.iter().all(|&i| data_on(1, i)));
+    unmount(&mountpoint, mount);
+    m.ok(&["volume", "stop", "gone"]);
 }

@@ -621,12 +621,7 @@ impl Daemon {
         match action {
             RemoveAction::Start => {
                 must_be_started(&volume)?;
-                if self.tasks.is_live(name).await? {
-                    anyhow::bail!(
-                        "a rebalance or heal of {name} is running: `kiln volume rebalance \
-                         {name} stop` it first"
-                    );
-                }
+                self.no_task_running(name).await?;
                 self.tasks.forget(name).await?;
                 if volume.bricks[index].role != BrickRole::Leaving {
                     self.commit(role(BrickRole::Leaving)).await?;
@@ -681,7 +676,40 @@ impl Daemon {
                     ),
                 ))
             }
+            // The files on it leave the volume; a rebalance lays every directory out over
+            // the bricks left and removes the link files that pointed at it.
+            RemoveAction::Force => {
+                self.no_task_running(name).await?;
+                self.tasks.forget(name).await?;
+                if volume.bricks[index].role == BrickRole::Serving {
+                    self.commit(role(BrickRole::Leaving)).await?;
+                }
+                let generation = self.commit(role(BrickRole::Removed)).await?;
+                self.reconcile().await;
+                if volume.state != VolumeState::Started {
+                    return Ok(done(
+                        generation,
+                        format!(
+                            "brick {brick} removed from volume {name} with the files on it; \
+                             run `kiln volume rebalance {name} start` once the volume is \
+                             started"
+                        ),
+                    ));
+                }
+                self.rebalance(name, TaskAction::Start).await
+            }
         }
+    }
+
+    /// Refuses while a rebalance or heal of volume `name` runs.
+    async fn no_task_running(&self, name: &str) -> anyhow::Result<()> {
+        if self.tasks.is_live(name).await? {
+            anyhow::bail!(
+                "a rebalance or heal of {name} is running: `kiln volume rebalance {name} stop` \
+                 it first"
+            );
+        }
+        Ok(())
     }
 
     fn cluster_etcd(&self) -> anyhow::Result<&EtcdStore<Cluster>> {

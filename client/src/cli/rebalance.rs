@@ -143,8 +143,8 @@ pub(crate) fn start(global: &Global, name: &str, kind: TaskKind, json: bool) -> 
     follow(global, name, json, true, None)
 }
 
-/// `remove-brick VOLUME BRICK start|status|stop|commit`: `start` follows the rebalance that
-/// empties the brick until it ends.
+/// `remove-brick VOLUME BRICK start|status|stop|commit|force`: `start` follows the rebalance
+/// that empties the brick until it ends, `force` the one over the bricks left.
 pub(crate) fn remove_brick(
     global: &Global,
     name: &str,
@@ -161,10 +161,13 @@ pub(crate) fn remove_brick(
             RemoveArg::Status => RemoveAction::Status,
             RemoveArg::Stop => RemoveAction::Stop,
             RemoveArg::Commit => RemoveAction::Commit,
+            RemoveArg::Force => RemoveAction::Force,
         },
     };
     match (action, crate::volume::call(&global.socket, &request)?) {
-        (RemoveArg::Start, Response::Rebalance(_)) => follow(global, name, json, true, None),
+        (RemoveArg::Start | RemoveArg::Force, Response::Rebalance(_)) => {
+            follow(global, name, json, true, None)
+        }
         (_, Response::Rebalance(status)) => print(&status, json),
         (_, other) => crate::volume::print_answer(other, json, false),
     }

@@ -111,10 +111,17 @@ pub(crate) enum RebalanceArg {
 
 #[derive(Clone, Copy, clap::ValueEnum)]
 pub(crate) enum RemoveArg {
+    /// Mark the brick leaving and move everything off it.
     Start,
+    /// That move's progress.
     Status,
+    /// Stop the move; the brick serves again.
     Stop,
+    /// Remove the brick, once a move left nothing on it.
     Commit,
+    /// Remove the brick now, without moving its files (they leave the volume): for a brick
+    /// whose host is gone.
+    Force,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]

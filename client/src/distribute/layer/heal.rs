@@ -2,6 +2,8 @@
 //! holes or overlaps (or leaving a brick out) rebuilt over every brick, a directory's times
 //! merged from its copies, and the walk `kiln volume heal` runs.
 
+use kiln_admin::volume::BrickRole;
+
 use super::*;
 
 /// What [`Distribute::heal_tree`] did.
@@ -273,17 +275,22 @@ impl<L: Layer> Distribute<L> {
     /// has one, or ranges overlap — by the bricks' roles as the source says now (asked when
     /// the layout does not fit the ones this layer knew: another client may know better);
     /// not when the source has not answered lately.
-    /// Holes between the ranges of every brick are left alone: a brick this layer does not
-    /// know (added since it was made, as a mount older than an add-brick) may hold them, and
-    /// rebuilding would take its share away.
+    /// Holes between the ranges of every brick are left alone, unless a brick was removed
+    /// (with its files: `remove-brick … force`; its share, kept on it alone, reads as a
+    /// hole): a brick this layer does not know (added since it was made, as a mount older
+    /// than an add-brick) may hold them, and rebuilding would take its share away.
     async fn needs_heal(&self, layout: &Layout) -> bool {
-        if self.fits(layout) {
+        let holed = |layout: &Layout| {
+            let removed = |b| self.bricks.role(b) == BrickRole::Removed;
+            layout.anomalies().holes > 0 && self.bricks.indexes().any(removed)
+        };
+        if self.fits(layout) && !holed(layout) {
             return false;
         }
         // Healed only by roles known to be current: a mount whose source does not answer
         // could give a leaving brick its share back.
         self.refresh_bricks().await;
-        self.bricks.roles_current() && !self.fits(layout)
+        self.bricks.roles_current() && (!self.fits(layout) || holed(layout))
     }
 
     /// Whether `layout` gives a range to the serving bricks alone, without overlaps.

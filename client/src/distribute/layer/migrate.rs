@@ -243,11 +243,13 @@ impl<L: Layer> Distribute<L> {
     }
 
     /// Moves file `gfid`, whose names on leaving brick `from` are `names`, to brick `to`
-    /// (where its first name hashes), every name with it: its destination there is made, and given
-    /// every other name (hard links of one inode), before the copy; after the switch its
-    /// other names leave `from`, and each name hashed to a third brick gets (or keeps) a
-    /// link file there, pointed at the new brick. Renames, unlinks and links of the file
-    /// wait meanwhile, as for any move ([`super::files`]).
+    /// (where its first name hashes), every name with it. Before the file is marked, every
+    /// name gets its entry off `from`: on `to` a name of the destination (hard links of one
+    /// inode), on a third brick a link file to `from`. After the switch the third bricks'
+    /// link files are pointed at `to` (no name is made then: a client may unlink or rename
+    /// one the moment the move ends), and only then do the other names leave `from`.
+    /// Renames, unlinks and links of the file wait meanwhile, as for any move
+    /// ([`super::files`]).
     async fn move_linked(
         &self,
         from: usize,
@@ -274,20 +276,25 @@ impl<L: Layer> Distribute<L> {
                 "another object holds its name on the hashed brick",
             ));
         }
-        for (other_dir, other) in others {
-            match self.bricks.get(to)?.lookup(&root, *other_dir, other).await {
-                Ok(there) if there.gfid == gfid => {}
-                Ok(_) => {
-                    return Ok(Outcome::Skipped(
-                        "another object holds one of its names on the brick it moves to",
-                    ));
-                }
-                Err(Error::Fop(ErrorCode::NoEnt)) => {
-                    self.make_link_file(to, *other_dir, other, gfid, from)
-                        .await?;
-                }
-                Err(e) => return Err(e),
+        let mut third = std::collections::BTreeSet::new();
+        for (dir, name) in names {
+            if let Some(why) = self.give_name(to, *dir, name, gfid, from).await? {
+                return Ok(Outcome::Skipped(why));
             }
+            let (on, _) = self.hashed(*dir, name).await?;
+            if on != to {
+                third.insert(on);
+                if let Some(why) = self.give_name(on, *dir, name, gfid, from).await? {
+                    return Ok(Outcome::Skipped(why));
+                }
+            }
+        }
+        // (An older link file's name of it on `to` would become one more name of the file.)
+        let there = self.bricks.get(to)?.stat(&root, gfid).await?;
+        if there.nlink as usize != names.len() {
+            return Ok(Outcome::Skipped(
+                "the brick it moves to has other names of it",
+            ));
         }
         self.set_xattr(from, gfid, LINKTO_XATTR, self.link_value(to))
             .await?;
@@ -310,24 +317,50 @@ impl<L: Layer> Distribute<L> {
             return Ok(Outcome::Skipped("it was renamed or linked during its move"));
         }
         self.switch_to(*dir, name, from, to, gfid).await?;
-        let mut pointed = std::collections::BTreeSet::new();
+        for on in third {
+            self.point_link_files(on, gfid, to).await?;
+        }
         for (other_dir, other) in others {
             self.remove_if_still(*other_dir, other, from, gfid).await?;
         }
-        for (dir, name) in names {
-            let (on, _) = self.hashed(*dir, name).await?;
-            if on == to {
-                continue;
-            }
-            if pointed.insert(on) {
-                self.point_link_files(on, gfid, to).await?;
-            }
-            match self.make_link_file(on, *dir, name, gfid, to).await {
-                Ok(()) | Err(Error::Fop(ErrorCode::Exist)) => {}
-                Err(e) => return Err(e),
-            }
-        }
         Ok(Outcome::Moved { bytes })
+    }
+
+    /// Gives file `gfid` (moving off brick `from`) the name `name` in `dir` on brick `brick`
+    /// (unless `brick` is `from`): a link file to `from`, or one more name of the one there;
+    /// why the move cannot go on, if it cannot.
+    async fn give_name(
+        &self,
+        brick: usize,
+        dir: Gfid,
+        name: &Name,
+        gfid: Gfid,
+        from: usize,
+    ) -> Result<Option<&'static str>, Error> {
+        if brick == from {
+            return Ok(None);
+        }
+        match self
+            .bricks
+            .get(brick)?
+            .lookup(&Creds::root(), dir, name)
+            .await
+        {
+            Ok(there) if there.gfid == gfid => Ok(None),
+            Ok(_) => Ok(Some(
+                "another object holds one of its names on another brick",
+            )),
+            Err(Error::Fop(ErrorCode::NoEnt)) => {
+                match self.make_link_file(brick, dir, name, gfid, from).await {
+                    Ok(()) => Ok(None),
+                    Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => Ok(Some(
+                        "a directory of one of its names is missing on a brick",
+                    )),
+                    Err(e) => Err(e),
+                }
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// Points the link files of object `gfid` on brick `on` (one inode, whatever its names)
@@ -461,12 +494,28 @@ impl<L: Layer> Distribute<L> {
         walked: &Walked,
     ) -> Result<Outcome, Error> {
         let (name, iatt) = (&entry.name, &entry.iatt);
-        if self.link_file_target(from, iatt).await?.is_some() {
-            if from == to {
+        if let Some(target) = self.link_file_target(from, iatt).await? {
+            if from != to {
+                self.remove_link_file(from, dir, name).await?;
+                return Ok(Outcome::LinkFileRemoved);
+            }
+            if self.bricks.role(target) != BrickRole::Removed {
                 return Ok(Outcome::InPlace);
             }
-            self.remove_link_file(from, dir, name).await?;
-            return Ok(Outcome::LinkFileRemoved);
+            // Its brick was removed: with its files (`remove-brick … force`), or after a
+            // move that did not get to point it at the file's new brick.
+            lock(&self.homes).pop(&iatt.gfid);
+            return match self.find_home(&Creds::root(), iatt.gfid, 0).await {
+                Ok(Home::Brick(home)) => {
+                    self.point_link_files(from, iatt.gfid, home).await?;
+                    Ok(Outcome::InPlace)
+                }
+                Ok(Home::Everywhere) | Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => {
+                    self.remove_link_file(from, dir, name).await?;
+                    Ok(Outcome::LinkFileRemoved)
+                }
+                Err(e) => Err(e),
+            };
         }
         lock(&walked.seen).insert(iatt.gfid);
         if from == to || lock(&walked.moved).contains(&iatt.gfid) {

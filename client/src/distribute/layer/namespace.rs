@@ -2,6 +2,8 @@
 //! the link files renames and hard links leave, and MKDIR, RMDIR, UNLINK, RENAME, LINK and
 //! the creates.
 
+use kiln_admin::volume::BrickRole;
+
 use super::*;
 
 /// An entry found: where its name hashes, where it lives, and the LOOKUP's answer there.
@@ -41,21 +43,8 @@ impl<L: Layer> Distribute<L> {
                         iatt,
                     });
                 };
-                let reply = self.bricks.get(home)?.call(creds, fop.clone()).await?;
-                let iatt = entry_iatt(&reply)?.clone();
-                // A link file to a link file: the file moved on since (a name of a file
-                // with hard links, the moment between its move's switch and its link file's
-                // repointing); it is where no link file is.
-                if self.link_file_target(home, &iatt).await?.is_some() {
-                    return self.locate_everywhere(creds, hashed, fop).await;
-                }
-                self.note_home(&iatt, home);
-                Ok(Located {
-                    hashed,
-                    home,
-                    reply,
-                    iatt,
-                })
+                self.follow_link_file(creds, parent, name, hashed, home, fop)
+                    .await
             }
             // Authoritative when every hash has a brick and the layout was committed
             // (GlusterFS's lookup-optimize): a volume's root, whose layout GlusterFS writes
@@ -79,6 +68,56 @@ impl<L: Layer> Distribute<L> {
             }
             Err(e) => Err(e),
         }
+    }
+
+    /// [`Distribute::locate`] of `name` in `parent` past its link file on brick `hashed`,
+    /// which points to brick `home`. A stale one — its brick removed, or the name not (or
+    /// only as a link file) there — means the file moved on (a file with hard links, between
+    /// its move's switch and its link files' repointing; or a brick removed with its files):
+    /// it is where no link file is, if anywhere.
+    async fn follow_link_file(
+        &self,
+        creds: &Creds,
+        parent: Gfid,
+        name: &Name,
+        hashed: usize,
+        home: usize,
+        fop: FopRequest,
+    ) -> Result<Located, Error> {
+        let gone = |e: &Error| matches!(e, Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale));
+        let at_home = match self.bricks.role(home) {
+            BrickRole::Removed => None,
+            _ => match self.bricks.get(home)?.call(creds, fop.clone()).await {
+                Ok(reply) => Some(reply),
+                Err(e) if gone(&e) => None,
+                Err(e) => return Err(e),
+            },
+        };
+        let Some(reply) = at_home else {
+            let found = self.locate_everywhere(creds, hashed, fop).await;
+            // (Not while the home brick serves: a hard link makes its link file before the
+            // name it points to.)
+            if let Err(Error::Fop(ErrorCode::NoEnt)) = found
+                && self.bricks.role(home) == BrickRole::Removed
+            {
+                self.remove_stale_link_file(hashed, parent, name).await;
+            }
+            return found;
+        };
+        let iatt = entry_iatt(&reply)?.clone();
+        match self.link_file_target(home, &iatt).await {
+            Ok(None) => {}
+            Ok(Some(_)) => return self.locate_everywhere(creds, hashed, fop).await,
+            Err(e) if gone(&e) => return self.locate_everywhere(creds, hashed, fop).await,
+            Err(e) => return Err(e),
+        }
+        self.note_home(&iatt, home);
+        Ok(Located {
+            hashed,
+            home,
+            reply,
+            iatt,
+        })
     }
 
     /// Whether `name` exists in `parent` where its hashed brick in `layout` cannot tell (a
