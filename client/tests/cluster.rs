@@ -9,6 +9,7 @@
 //! `KILN_REQUIRE_ETCD` is set (the test command sets it), which makes them fail.
 
 mod common;
+mod mount_common;
 
 use std::ffi::OsString;
 use std::net::{Ipv4Addr, SocketAddr};
@@ -774,6 +775,72 @@ fn walkdir_files(dir: &Path) -> usize {
 }
 
 /// Runs `daemon`, which must exit with an error within 30 s; what it said.
+/// A volume of four bricks, two on each of two hosts, mounted outside both: pjdfstest, fsx
+/// and real programs (tar, cp, git, rm) see one POSIX file system, its files on every brick.
+#[test]
+fn four_bricks_on_two_hosts_pass_the_mount_suites() {
+    let Some(hosts) = Hosts::start("four_bricks_on_two_hosts", 5) else {
+        return;
+    };
+    let bricks: Vec<PathBuf> = (0..4)
+        .map(|i| hosts.dir.path().join(format!("host{}/w{i}", i / 2)))
+        .collect();
+    let specs: Vec<String> = (0..4)
+        .map(|i| format!("{}:{}", hosts.hosts[i / 2].name(), bricks[i].display()))
+        .collect();
+    let mut create = vec!["volume", "create", "w"];
+    create.extend(specs.iter().map(String::as_str));
+    hosts.kiln_ok(0, &create);
+    hosts.kiln_ok(1, &["volume", "set", "w", "server.root-allow", "admin"]);
+    hosts.kiln_ok(1, &["volume", "start", "w"]);
+    hosts.wait_status(2, "w", running);
+    let mnt = hosts.dir.path().join("mnt");
+    std::fs::create_dir(&mnt).expect("mountpoint");
+    hosts.kiln_ok(2, &["mount", "w", mnt.to_str().expect("utf-8")]);
+
+    mount_common::pjdfstest_passes_in(&mnt.join("pjd"));
+    mount_common::fsx_passes(&mnt.join("fsx.dat"), 3000, 5);
+    let tarball = hosts.dir.path().join("src.tar");
+    let script = format!(
+        "mkdir src && for d in $(seq 1 8); do mkdir src/d$d; \
+         for f in $(seq 1 40); do echo \"$d/$f\" > src/d$d/f$f; done; done && \
+         ln -s d1/f1 src/link && ln src/d2/f2 src/d3/hard && \
+         tar -cf {tar} -C src . && mkdir untar && tar -xf {tar} -C untar && \
+         diff -r src untar && cp -a src copy && diff -r src copy && \
+         git init -q repo && cp -a src/. repo/ && cd repo && git add -A && \
+         git -c user.name=k -c user.email=k@k commit -qm one && git mv d1 d9 && \
+         git -c user.name=k -c user.email=k@k commit -qm two && git fsck --strict --no-progress > /dev/null && \
+         git log --oneline | wc -l",
+        tar = tarball.display()
+    );
+    assert_eq!(mount_common::sh_ok(&mnt, &script), "2\n");
+    let files_on = |brick: &PathBuf| {
+        (1..=8)
+            .map(|d| std::fs::read_dir(brick.join(format!("src/d{d}"))).map_or(0, Iterator::count))
+            .sum::<usize>()
+    };
+    let spread: Vec<usize> = bricks.iter().map(files_on).collect();
+    assert!(spread.iter().all(|&n| n > 0), "files per brick: {spread:?}");
+    let cleaned = mount_common::sh_ok(
+        &mnt,
+        "rm -rf src untar copy repo pjd fsx.dat && ls -A | wc -l",
+    );
+    assert_eq!(cleaned, "0\n");
+    for brick in &bricks {
+        assert!(
+            std::fs::read_dir(brick)
+                .expect("brick")
+                .filter_map(Result::ok)
+                .all(|e| e.file_name() == ".glusterfs"),
+            "{} keeps entries after rm -rf",
+            brick.display()
+        );
+    }
+    hosts.umount(2, &mnt);
+    // (`ip netns exec` runs the command in a mount namespace of its own.)
+    let _ = Command::new("umount").arg("-l").arg(&mnt).status();
+}
+
 fn refused(mut daemon: Command) -> String {
     let mut child = daemon.spawn().expect("kiln-mgmtd");
     let deadline = Instant::now() + Duration::from_secs(30);

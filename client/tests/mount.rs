@@ -11,7 +11,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use mount_common::{Mounted, is_kiln_mount, sh, sh_ok, text, tool};
+use mount_common::{Mounted, is_kiln_mount, sh, sh_ok, text};
 
 /// Long cache lifetimes: a correct answer must not depend on them running out.
 const LONG_CACHES: &[&str] = &[
@@ -754,47 +754,11 @@ fn pjdfstest_passes_with_caches_on() {
 
 #[test]
 fn fsx_finds_no_corruption_with_or_without_the_writeback_cache() {
-    for (writeback, seed) in [("off", "1"), ("on", "2")] {
+    for (writeback, seed) in [("off", 1), ("on", 2)] {
         let m = Mounted::new(&[&format!("writeback-cache={writeback}")]);
-        let config = m.cluster.dir.path().join("fsx.toml");
-        write(&config, FSX_CONFIG.as_bytes());
-        let saved = tempfile::tempdir().expect("tempdir");
-        let out = Command::new(tool("fsx"))
-            .arg("-f")
-            .arg(&config)
-            .args(["-N", "5000", "-S", seed, "-P"])
-            .arg(saved.path())
-            .arg(m.path("fsx.dat"))
-            .output()
-            .expect("fsx");
-        assert!(
-            out.status.success() && text(&out).contains("All operations completed A-OK!"),
-            "fsx (writeback-cache={writeback}, seed {seed}):\n{}",
-            text(&out)
-        );
+        mount_common::fsx_passes(&m.path("fsx.dat"), 5000, seed);
     }
 }
-
-/// Every operation fsx has, reads and writes through mmap included.
-const FSX_CONFIG: &str = "flen = 262144
-[opsize]
-max = 65536
-[weights]
-read = 10
-write = 10
-mapread = 10
-mapwrite = 10
-truncate = 1
-close_open = 1
-invalidate = 1
-fsync = 1
-fdatasync = 1
-posix_fallocate = 1
-punch_hole = 1
-copy_file_range = 1
-sendfile = 1
-posix_fadvise = 1
-";
 
 /// Writes a tree of `files` small files (sizes 0 to 8 KiB, 50 per directory) under `root`.
 fn small_file_tree(root: &Path, files: usize) {

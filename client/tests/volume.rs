@@ -1337,8 +1337,8 @@ fn remove_brick_under_a_workload_loses_nothing() {
     m.ok(&["volume", "stop", "shrink"]);
 }
 
-/// `remove-brick … force`, for a brick whose host is gone: the brick leaves at once with its
-/// files, and the rebalance it starts lays every directory out over the bricks left and
+/// `remove-brick … force`, for a brick whose host is gone (here: stopped by SIGSTOP): the
+/// brick leaves at once with its files, and the rebalance it starts lays every directory out over the bricks left and
 /// removes the link files that pointed at it — every name then either reads back (its file
 /// lived on another brick) or is free again (ENOENT), and each can be made anew.
 #[test]
@@ -1373,8 +1373,16 @@ fn a_brick_forced_out_takes_its_files_and_frees_their_names() {
         "no link file points at the brick removed"
     );
 
+    // Its host gone: the brick answers nothing (stopped, not killed, which the daemon would
+    // see and restart it).
+    let status = m.ok(&["volume", "--json", "status", "gone"]);
+    let status: serde_json::Value = serde_json::from_str(&status).expect("json");
+    let pid = status["bricks"][1]["pid"].as_i64().expect("brick 1 runs");
+    let pid = i32::try_from(pid).expect("a pid");
+    common::signal(pid, rustix::process::Signal::STOP);
     let brick = bricks[1].to_str().expect("utf-8");
     let forced = m.kiln(&["volume", "--json", "remove-brick", "gone", brick, "force"]);
+    common::signal(pid, rustix::process::Signal::CONT);
     assert!(
         forced.status.success(),
         "{}",

@@ -312,15 +312,20 @@ pub fn tool(name: &str) -> PathBuf {
 
 /// Runs pjdfstest in a fresh directory of mount `m` and checks every case passes.
 pub fn pjdfstest_passes(m: &Mounted) {
-    let work = m.path("pjd");
-    std::fs::create_dir(&work).expect("mkdir");
+    pjdfstest_passes_in(&m.path("pjd"));
+}
+
+/// Runs pjdfstest in `work`, a fresh directory it makes on the mount, and checks every case
+/// passes.
+pub fn pjdfstest_passes_in(work: &Path) {
+    std::fs::create_dir(work).expect("mkdir");
     let other_fs = tempfile::tempdir().expect("tempdir");
     let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/posix/pjdfstest.toml");
     let out = Command::new(tool("pjdfstest"))
         .arg("-c")
         .arg(&config)
         .arg("-p")
-        .arg(&work)
+        .arg(work)
         .arg("-s")
         .arg(other_fs.path())
         .output()
@@ -337,3 +342,46 @@ pub fn pjdfstest_passes(m: &Mounted) {
         "pjdfstest failed:\n{report}"
     );
 }
+
+/// Runs fsx (every operation it has, mmap included) for `ops` operations of seed `seed` on
+/// `file`, and checks it finds no corruption.
+pub fn fsx_passes(file: &Path, ops: u32, seed: u32) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = dir.path().join("fsx.toml");
+    std::fs::write(&config, FSX_CONFIG).expect("fsx config");
+    let out = Command::new(tool("fsx"))
+        .arg("-f")
+        .arg(&config)
+        .args(["-N", &ops.to_string(), "-S", &seed.to_string(), "-P"])
+        .arg(dir.path())
+        .arg(file)
+        .output()
+        .expect("fsx");
+    assert!(
+        out.status.success() && text(&out).contains("All operations completed A-OK!"),
+        "fsx (seed {seed}) on {}:\n{}",
+        file.display(),
+        text(&out)
+    );
+}
+
+/// Every operation fsx has, reads and writes through mmap included.
+const FSX_CONFIG: &str = "flen = 262144
+[opsize]
+max = 65536
+[weights]
+read = 10
+write = 10
+mapread = 10
+mapwrite = 10
+truncate = 1
+close_open = 1
+invalidate = 1
+fsync = 1
+fdatasync = 1
+posix_fallocate = 1
+punch_hole = 1
+copy_file_range = 1
+sendfile = 1
+posix_fadvise = 1
+";

@@ -261,6 +261,12 @@ impl<L: Send + Sync + 'static> Bricks<L> {
         self.generation.load(Ordering::Acquire)
     }
 
+    /// Whether this layer knows every brick there is: it has no source to learn of others
+    /// from (a rebalance's, made from the daemon's list of the moment).
+    pub(super) fn knows_all(&self) -> bool {
+        self.source.is_none()
+    }
+
     /// Whether the roles are known to be current: there is no source (the layer's bricks are
     /// all there is), or it answered within two [`BRICKS_REFRESH`].
     pub(super) fn roles_current(&self) -> bool {

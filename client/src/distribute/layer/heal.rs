@@ -117,7 +117,12 @@ impl<L: Layer> Distribute<L> {
 
     /// Merges the times of directory `iatt`'s copies on every brick but `from` into it; the
     /// bricks that have no copy.
-    async fn merge_copies(&self, creds: &Creds, iatt: &mut Iatt, from: usize) -> Vec<usize> {
+    pub(super) async fn merge_copies(
+        &self,
+        creds: &Creds,
+        iatt: &mut Iatt,
+        from: usize,
+    ) -> Vec<usize> {
         let gfid = iatt.gfid;
         let others = self.bricks.in_service().filter(|(i, _)| *i != from);
         let copies = futures_util::future::join_all(
@@ -275,14 +280,17 @@ impl<L: Layer> Distribute<L> {
     /// has one, or ranges overlap — by the bricks' roles as the source says now (asked when
     /// the layout does not fit the ones this layer knew: another client may know better);
     /// not when the source has not answered lately.
-    /// Holes between the ranges of every brick are left alone, unless a brick was removed
-    /// (with its files: `remove-brick … force`; its share, kept on it alone, reads as a
-    /// hole): a brick this layer does not know (added since it was made, as a mount older
-    /// than an add-brick) may hold them, and rebuilding would take its share away.
+    /// Holes between the ranges of every brick are left alone: a brick this layer does not
+    /// know (added since it was made, as a mount older than an add-brick) may hold them, and
+    /// rebuilding would take its share away — but by a layer that knows every brick (a
+    /// rebalance's) once a brick was removed: the share of one removed with its files
+    /// (`remove-brick … force`), kept on it alone, reads as a hole.
     async fn needs_heal(&self, layout: &Layout) -> bool {
         let holed = |layout: &Layout| {
             let removed = |b| self.bricks.role(b) == BrickRole::Removed;
-            layout.anomalies().holes > 0 && self.bricks.indexes().any(removed)
+            layout.anomalies().holes > 0
+                && self.bricks.knows_all()
+                && self.bricks.indexes().any(removed)
         };
         if self.fits(layout) && !holed(layout) {
             return false;

@@ -1,5 +1,5 @@
-//! Open directories: READDIRP (and READDIR) brick after brick, each directory once and no
-//! link files, under offsets of this layer's own.
+//! Open directories: READDIRP (and READDIR) brick after brick, each directory once (with the
+//! latest times of its copies) and no link files, under offsets of this layer's own.
 
 use super::*;
 
@@ -90,10 +90,16 @@ impl<L: Layer> Distribute<L> {
             };
             let last = reply.entries.last().map(|e| e.offset);
             let mut entries = Vec::new();
-            for e in reply.entries {
+            for mut e in reply.entries {
                 let is_dir = e.iatt.file_type == FileType::Directory;
                 if is_dir && Some(brick) != first {
                     continue;
+                }
+                if is_dir {
+                    // Its times as a STAT or LOOKUP of it gives them, the latest of every
+                    // copy: a program that compares them (tar's "file changed as we read
+                    // it") sees one directory.
+                    self.merge_copies(creds, &mut e.iatt, brick).await;
                 }
                 match self.link_file_target(brick, &e.iatt).await {
                     Ok(None) => {}

@@ -137,9 +137,10 @@ impl<L: Layer> Distribute<L> {
         progress: &mut (dyn FnMut(&RebalanceReport) + Send),
     ) -> Result<RebalanceReport, Error> {
         let root = Creds::root();
-        if !self.leaving().is_empty() {
-            // Every mount knows a brick leaves before the layouts are rebuilt without it: one
-            // that did not would give it its share back.
+        let gone = |i| self.bricks.role(i) != BrickRole::Serving;
+        if self.bricks.indexes().any(gone) {
+            // Every mount knows a brick leaves (or was removed) before the layouts are
+            // rebuilt without it: one that did not would give it its share back.
             tokio::time::sleep(BRICKS_REFRESH * 2).await;
         }
         let healed_so_far = |h: &HealReport| RebalanceReport {
@@ -365,7 +366,12 @@ impl<L: Layer> Distribute<L> {
 
     /// Points the link files of object `gfid` on brick `on` (one inode, whatever its names)
     /// at brick `to`; none there is fine.
-    async fn point_link_files(&self, on: usize, gfid: Gfid, to: usize) -> Result<(), Error> {
+    pub(super) async fn point_link_files(
+        &self,
+        on: usize,
+        gfid: Gfid,
+        to: usize,
+    ) -> Result<(), Error> {
         match self.bricks.get(on)?.stat(&Creds::root(), gfid).await {
             Ok(there) if looks_like_link_file(&there) => {
                 self.set_xattr(on, gfid, LINKTO_XATTR, self.link_value(to))
@@ -511,7 +517,8 @@ impl<L: Layer> Distribute<L> {
                     Ok(Outcome::InPlace)
                 }
                 Ok(Home::Everywhere) | Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => {
-                    self.remove_link_file(from, dir, name).await?;
+                    self.remove_link_file_if_still(from, dir, name, iatt.gfid)
+                        .await?;
                     Ok(Outcome::LinkFileRemoved)
                 }
                 Err(e) => Err(e),

@@ -43,8 +43,8 @@ impl<L: Layer> Distribute<L> {
                         iatt,
                     });
                 };
-                self.follow_link_file(creds, parent, name, hashed, home, fop)
-                    .await
+                let link = (parent, name, iatt.gfid);
+                self.follow_link_file(creds, link, hashed, home, fop).await
             }
             // Authoritative when every hash has a brick and the layout was committed
             // (GlusterFS's lookup-optimize): a volume's root, whose layout GlusterFS writes
@@ -70,16 +70,16 @@ impl<L: Layer> Distribute<L> {
         }
     }
 
-    /// [`Distribute::locate`] of `name` in `parent` past its link file on brick `hashed`,
-    /// which points to brick `home`. A stale one — its brick removed, or the name not (or
-    /// only as a link file) there — means the file moved on (a file with hard links, between
-    /// its move's switch and its link files' repointing; or a brick removed with its files):
-    /// it is where no link file is, if anywhere.
+    /// [`Distribute::locate`] of `name` in `parent` past its link file (of GFID `link`) on
+    /// brick `hashed`, which points to brick `home`. A stale one — its brick removed, or the
+    /// name not (or only as a link file) there — means the file moved on (a file with hard
+    /// links, between its move's switch and its link files' repointing; or a brick removed
+    /// with its files): it is where no link file is, if anywhere, and the link file is
+    /// pointed there (or, its brick removed and the name nowhere, removed).
     async fn follow_link_file(
         &self,
         creds: &Creds,
-        parent: Gfid,
-        name: &Name,
+        (parent, name, link): (Gfid, &Name, Gfid),
         hashed: usize,
         home: usize,
         fop: FopRequest,
@@ -93,24 +93,36 @@ impl<L: Layer> Distribute<L> {
                 Err(e) => return Err(e),
             },
         };
-        let Some(reply) = at_home else {
+        let at_home = match at_home {
+            Some(reply) => {
+                let iatt = entry_iatt(&reply)?.clone();
+                match self.link_file_target(home, &iatt).await {
+                    Ok(None) => Some((reply, iatt)),
+                    Ok(Some(_)) => None,
+                    Err(e) if gone(&e) => None,
+                    Err(e) => return Err(e),
+                }
+            }
+            None => None,
+        };
+        let Some((reply, iatt)) = at_home else {
             let found = self.locate_everywhere(creds, hashed, fop).await;
-            // (Not while the home brick serves: a hard link makes its link file before the
-            // name it points to.)
-            if let Err(Error::Fop(ErrorCode::NoEnt)) = found
-                && self.bricks.role(home) == BrickRole::Removed
-            {
-                self.remove_stale_link_file(hashed, parent, name).await;
+            match &found {
+                Ok(found) if found.iatt.gfid == link => {
+                    self.point_link_files(hashed, link, found.home).await?;
+                }
+                // (Not while the home brick serves: a hard link makes its link file before
+                // the name it points to.)
+                Err(Error::Fop(ErrorCode::NoEnt))
+                    if self.bricks.role(home) == BrickRole::Removed =>
+                {
+                    self.remove_link_file_if_still(hashed, parent, name, link)
+                        .await?;
+                }
+                _ => {}
             }
             return found;
         };
-        let iatt = entry_iatt(&reply)?.clone();
-        match self.link_file_target(home, &iatt).await {
-            Ok(None) => {}
-            Ok(Some(_)) => return self.locate_everywhere(creds, hashed, fop).await,
-            Err(e) if gone(&e) => return self.locate_everywhere(creds, hashed, fop).await,
-            Err(e) => return Err(e),
-        }
         self.note_home(&iatt, home);
         Ok(Located {
             hashed,
@@ -316,6 +328,29 @@ impl<L: Layer> Distribute<L> {
             .call(&Creds::root(), unlink.into())
             .await
         {
+            Ok(_) | Err(Error::Fop(ErrorCode::NoEnt)) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// [`Distribute::remove_link_file`] if `name` in `parent` on brick `on` is still a link
+    /// file of object `gfid` (another client may have made the name anew meanwhile).
+    pub(super) async fn remove_link_file_if_still(
+        &self,
+        on: usize,
+        parent: Gfid,
+        name: &Name,
+        gfid: Gfid,
+    ) -> Result<(), Error> {
+        match self
+            .bricks
+            .get(on)?
+            .lookup(&Creds::root(), parent, name)
+            .await
+        {
+            Ok(there) if there.gfid == gfid && looks_like_link_file(&there) => {
+                self.remove_link_file(on, parent, name).await
+            }
             Ok(_) | Err(Error::Fop(ErrorCode::NoEnt)) => Ok(()),
             Err(e) => Err(e),
         }
