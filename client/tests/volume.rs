@@ -721,6 +721,24 @@ fn start_distributed(m: &Mgmtd, name: &str, bricks: &[PathBuf], port: u16) {
     m.healthy(name);
 }
 
+/// Volume `name` over the first `serving` of three bricks in `dir` (ports from `port`),
+/// started and mounted on `dir/mnt`: the three brick paths, the mount point, the mount's log
+/// and the mount.
+fn mount_distributed(
+    m: &Mgmtd,
+    dir: &Path,
+    name: &str,
+    serving: usize,
+    port: u16,
+) -> (Vec<PathBuf>, PathBuf, PathBuf, Mount) {
+    let bricks: Vec<PathBuf> = (0..3).map(|i| dir.join(format!("bricks/b{i}"))).collect();
+    start_distributed(m, name, &bricks[..serving], port);
+    let (mountpoint, log) = (dir.join("mnt"), dir.join("mount.log"));
+    std::fs::create_dir(&mountpoint).expect("mountpoint");
+    let mount = mount_volume(m, name, &mountpoint, &log);
+    (bricks, mountpoint, log, mount)
+}
+
 /// `kiln mount NAME MOUNTPOINT -f` against `m`, waiting (bounded) for the mount.
 fn mount_volume(m: &Mgmtd, name: &str, mountpoint: &Path, log: &Path) -> Mount {
     let child = Command::new(bin("kiln"))
@@ -792,13 +810,7 @@ fn data_files_per_brick(bricks: &[PathBuf], rel: &str) -> Vec<usize> {
 fn a_volume_of_three_bricks_mounts_as_one_tree() {
     let dir = tempfile::tempdir().expect("tempdir");
     let m = Mgmtd::start(dir.path());
-    let mut bricks: Vec<PathBuf> = (0..3)
-        .map(|i| dir.path().join(format!("bricks/b{i}")))
-        .collect();
-    start_distributed(&m, "wide", &bricks, 27400);
-    let (mountpoint, log) = (dir.path().join("mnt"), dir.path().join("mount.log"));
-    std::fs::create_dir(&mountpoint).expect("mountpoint");
-    let mount = mount_volume(&m, "wide", &mountpoint, &log);
+    let (mut bricks, mountpoint, log, mount) = mount_distributed(&m, dir.path(), "wide", 3, 27400);
     std::fs::create_dir(mountpoint.join("d")).expect("mkdir");
     for i in 0..60 {
         std::fs::write(mountpoint.join(format!("d/f{i}")), format!("{i}")).expect("write");
@@ -1077,13 +1089,7 @@ fn add_brick_and_rebalance_under_a_workload_lose_nothing() {
     const DIRS: usize = 4;
     let dir = tempfile::tempdir().expect("tempdir");
     let m = Mgmtd::start(dir.path());
-    let bricks: Vec<PathBuf> = (0..3)
-        .map(|i| dir.path().join(format!("bricks/b{i}")))
-        .collect();
-    start_distributed(&m, "grow", &bricks[..2], 27500);
-    let (mountpoint, log) = (dir.path().join("mnt"), dir.path().join("mount.log"));
-    std::fs::create_dir(&mountpoint).expect("mountpoint");
-    let mount = mount_volume(&m, "grow", &mountpoint, &log);
+    let (bricks, mountpoint, log, mount) = mount_distributed(&m, dir.path(), "grow", 2, 27500);
 
     let written = during_workload(&mountpoint, DIRS, || {
         m.ok(&[
@@ -1221,13 +1227,7 @@ fn remove_brick_under_a_workload_loses_nothing() {
     const LINKS: usize = 24;
     let dir = tempfile::tempdir().expect("tempdir");
     let m = Mgmtd::start(dir.path());
-    let bricks: Vec<PathBuf> = (0..3)
-        .map(|i| dir.path().join(format!("bricks/b{i}")))
-        .collect();
-    start_distributed(&m, "shrink", &bricks, 27600);
-    let (mountpoint, log) = (dir.path().join("mnt"), dir.path().join("mount.log"));
-    std::fs::create_dir(&mountpoint).expect("mountpoint");
-    let mount = mount_volume(&m, "shrink", &mountpoint, &log);
+    let (bricks, mountpoint, log, mount) = mount_distributed(&m, dir.path(), "shrink", 3, 27600);
     make_links(&mountpoint, LINKS);
     let data_on_leaving = |i| {
         use std::os::unix::fs::PermissionsExt;
@@ -1338,21 +1338,16 @@ fn remove_brick_under_a_workload_loses_nothing() {
 }
 
 /// `remove-brick … force`, for a brick whose host is gone (here: stopped by SIGSTOP): the
-/// brick leaves at once with its files, and the rebalance it starts lays every directory out over the bricks left and
-/// removes the link files that pointed at it — every name then either reads back (its file
-/// lived on another brick) or is free again (ENOENT), and each can be made anew.
+/// brick leaves at once with its files, and the rebalance it starts lays every directory out
+/// over the bricks left and removes the link files that pointed at it — every name then
+/// either reads back (its file lived on another brick) or is free again (ENOENT), and each
+/// can be made anew.
 #[test]
 fn a_brick_forced_out_takes_its_files_and_frees_their_names() {
     const FILES: usize = 60;
     let dir = tempfile::tempdir().expect("tempdir");
     let m = Mgmtd::start(dir.path());
-    let bricks: Vec<PathBuf> = (0..3)
-        .map(|i| dir.path().join(format!("bricks/b{i}")))
-        .collect();
-    start_distributed(&m, "gone", &bricks, 27700);
-    let (mountpoint, log) = (dir.path().join("mnt"), dir.path().join("mount.log"));
-    std::fs::create_dir(&mountpoint).expect("mountpoint");
-    let mount = mount_volume(&m, "gone", &mountpoint, &log);
+    let (bricks, mountpoint, _, mount) = mount_distributed(&m, dir.path(), "gone", 3, 27700);
     std::fs::create_dir(mountpoint.join("d")).expect("mkdir");
     let name = |i: usize| mountpoint.join(format!("d/r{i}"));
     for i in 0..FILES {

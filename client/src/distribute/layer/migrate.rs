@@ -297,21 +297,8 @@ impl<L: Layer> Distribute<L> {
                 "the brick it moves to has other names of it",
             ));
         }
-        self.set_xattr(from, gfid, LINKTO_XATTR, self.link_value(to))
-            .await?;
-        self.set_mode(from, gfid, mode | STICKY).await?;
-        let bytes = match self.copy_until_equal(from, to, gfid).await {
-            Ok(Some(bytes)) => bytes,
-            Ok(None) => {
-                self.abandon_move(from, to, gfid).await?;
-                return Ok(Outcome::Skipped("it kept changing"));
-            }
-            Err(e) => {
-                if let Err(undo) = self.abandon_move(from, to, gfid).await {
-                    tracing::warn!(%gfid, error = %undo, "rebalance: a move not undone");
-                }
-                return Err(e);
-            }
+        let Some(bytes) = self.mark_and_copy(from, to, gfid, mode).await? else {
+            return Ok(Outcome::Skipped("it kept changing"));
         };
         if !self.still_named(from, gfid, names).await? {
             self.abandon_move(from, to, gfid).await?;
@@ -602,22 +589,8 @@ impl<L: Layer> Distribute<L> {
             ));
         }
         let gfid = iatt.gfid;
-        self.set_xattr(from, gfid, LINKTO_XATTR, self.link_value(to))
-            .await?;
-        self.set_mode(from, gfid, mode | STICKY).await?;
-        let copied = self.copy_until_equal(from, to, gfid).await;
-        let bytes = match copied {
-            Ok(Some(bytes)) => bytes,
-            Ok(None) => {
-                self.abandon_move(from, to, gfid).await?;
-                return Ok(Outcome::Skipped("it kept changing"));
-            }
-            Err(e) => {
-                if let Err(undo) = self.abandon_move(from, to, gfid).await {
-                    tracing::warn!(%gfid, error = %undo, "rebalance: a move not undone");
-                }
-                return Err(e);
-            }
+        let Some(bytes) = self.mark_and_copy(from, to, gfid, mode).await? else {
+            return Ok(Outcome::Skipped("it kept changing"));
         };
         // Renamed, unlinked or linked after it was marked, by a client that looked before:
         // given up (later ones wait for the move to end).
@@ -720,6 +693,34 @@ impl<L: Layer> Distribute<L> {
                 Ok(true)
             }
             Err(e) => Err(e),
+        }
+    }
+
+    /// Marks file `gfid` (of mode `mode`) on brick `from` as moving to brick `to` — its
+    /// `linkto` xattr and the sticky bit — and copies it there until equal: the bytes copied,
+    /// or `None` when it kept changing. A move not copied is undone.
+    async fn mark_and_copy(
+        &self,
+        from: usize,
+        to: usize,
+        gfid: Gfid,
+        mode: u32,
+    ) -> Result<Option<u64>, Error> {
+        self.set_xattr(from, gfid, LINKTO_XATTR, self.link_value(to))
+            .await?;
+        self.set_mode(from, gfid, mode | STICKY).await?;
+        match self.copy_until_equal(from, to, gfid).await {
+            Ok(Some(bytes)) => Ok(Some(bytes)),
+            Ok(None) => {
+                self.abandon_move(from, to, gfid).await?;
+                Ok(None)
+            }
+            Err(e) => {
+                if let Err(undo) = self.abandon_move(from, to, gfid).await {
+                    tracing::warn!(%gfid, error = %undo, "rebalance: a move not undone");
+                }
+                Err(e)
+            }
         }
     }
 
