@@ -45,15 +45,11 @@ impl<L: Layer> Distribute<L> {
         layout: Layout,
     ) -> Result<Arc<Layout>, Error> {
         let generation = self.bricks.generation();
-        // Every brick's share at once.
-        let shares = (self.bricks.in_service())
-            .filter_map(|(brick, _)| Some((brick, layout.disk_layout(brick)?)));
-        let written = futures_util::future::join_all(
-            shares.map(|(brick, disk)| self.set_disk_layout(brick, dir, disk)),
-        )
-        .await;
-        for result in written {
-            match result {
+        for (brick, _) in self.bricks.in_service() {
+            let Some(disk) = layout.disk_layout(brick) else {
+                continue;
+            };
+            match self.set_disk_layout(brick, dir, disk).await {
                 // No copy there (a MKDIR that did not reach it): the next lookup makes it
                 // and writes its share.
                 Ok(()) | Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => {}

@@ -399,15 +399,8 @@ impl<L: Layer> Distribute<L> {
             .get(hashed)?
             .call(creds, r.clone().into())
             .await?;
-        // The other copies at once.
-        let r = &r;
-        let others = self.bricks.in_service().filter(|(i, _)| *i != hashed);
-        let made = futures_util::future::join_all(
-            others.map(|(i, brick)| async move { (i, brick.call(creds, r.clone().into()).await) }),
-        )
-        .await;
-        for (i, result) in made {
-            if let Err(e) = result {
+        for (i, brick) in self.bricks.in_service().filter(|(i, _)| *i != hashed) {
+            if let Err(e) = brick.call(creds, r.clone().into()).await {
                 // The next lookup of the directory makes the missing copy (and its share of
                 // the layout), as GlusterFS's self-heal does.
                 tracing::warn!(brick = i, error = %e, "mkdir did not reach every brick");
@@ -418,9 +411,9 @@ impl<L: Layer> Distribute<L> {
         Ok(reply)
     }
 
-    /// RMDIR: the copies on other bricks first (all at once), the hashed brick's last; when a
-    /// brick still has entries, the copies removed are put back (same GFID, mode and layout)
-    /// and the answer is ENOTEMPTY.
+    /// RMDIR: the copies on other bricks first, the hashed brick's last; when a brick still
+    /// has entries, the copies removed are put back (same GFID, mode and layout) and the
+    /// answer is ENOTEMPTY.
     pub(super) async fn rmdir(
         &self,
         creds: &Creds,
@@ -430,40 +423,26 @@ impl<L: Layer> Distribute<L> {
         if found.iatt.file_type != FileType::Directory {
             return Err(Error::Fop(ErrorCode::NotDir));
         }
-        // The other copies at once.
-        let rmdir = &r;
-        let others = self.bricks.in_service().filter(|(i, _)| *i != found.hashed);
-        let done =
-            futures_util::future::join_all(others.map(|(i, brick)| async move {
-                (i, brick.call(creds, rmdir.clone().into()).await)
-            }))
-            .await;
-        let (mut removed, mut failure) = (Vec::new(), None);
-        for (i, result) in done {
-            match result {
+        let order = (self.bricks.in_service().map(|(i, _)| i))
+            .filter(|&i| i != found.hashed)
+            .chain([found.hashed]);
+        let mut removed = Vec::new();
+        for i in order {
+            match self.bricks.get(i)?.call(creds, r.clone().into()).await {
+                Ok(reply) if i == found.hashed => {
+                    self.forget_layout(found.iatt.gfid);
+                    lock(&self.homes).pop(&found.iatt.gfid);
+                    return Ok(reply);
+                }
                 Ok(_) => removed.push(i),
-                Err(Error::Fop(ErrorCode::NoEnt)) => {}
-                Err(e) => failure = failure.or(Some(e)),
+                Err(Error::Fop(ErrorCode::NoEnt)) if i != found.hashed => {}
+                Err(e) => {
+                    self.put_back_dir(&r, &found.iatt, &removed).await;
+                    return Err(e);
+                }
             }
         }
-        let result = match failure {
-            Some(e) => Err(e),
-            None => {
-                let hashed = self.bricks.get(found.hashed)?;
-                hashed.call(creds, r.clone().into()).await
-            }
-        };
-        match result {
-            Ok(reply) => {
-                self.forget_layout(found.iatt.gfid);
-                lock(&self.homes).pop(&found.iatt.gfid);
-                Ok(reply)
-            }
-            Err(e) => {
-                self.put_back_dir(&r, &found.iatt, &removed).await;
-                Err(e)
-            }
-        }
+        Err(Error::Fop(ErrorCode::NoEnt))
     }
 
     /// Makes the removed copies of directory `iatt` (`r.name` in `r.parent`) again on
