@@ -344,6 +344,11 @@ impl<L: Layer> Distribute<L> {
                     Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => Ok(Some(
                         "a directory of one of its names is missing on a brick",
                     )),
+                    // Made meanwhile (a client's lookup makes link files too): the next
+                    // run looks again.
+                    Err(Error::Fop(ErrorCode::Exist)) => {
+                        Ok(Some("one of its names was made on another brick meanwhile"))
+                    }
                     Err(e) => Err(e),
                 }
             }
@@ -678,22 +683,30 @@ impl<L: Layer> Distribute<L> {
         to: usize,
     ) -> Result<bool, Error> {
         let root = Creds::root();
-        match self.bricks.get(to)?.lookup(&root, dir, name).await {
-            Ok(there) if there.gfid == gfid && looks_like_link_file(&there) => {
-                if there.size > 0 {
-                    self.set_attr(to, gfid, size_attr(0)).await?;
+        // Twice at most: a client's lookup that finds the file off its hashed brick makes
+        // the same link file, and may make it first.
+        for _ in 0..2 {
+            match self.bricks.get(to)?.lookup(&root, dir, name).await {
+                Ok(there) if there.gfid == gfid && looks_like_link_file(&there) => {
+                    if there.size > 0 {
+                        self.set_attr(to, gfid, size_attr(0)).await?;
+                    }
+                    self.set_xattr(to, gfid, LINKTO_XATTR, self.link_value(from))
+                        .await?;
+                    return Ok(true);
                 }
-                self.set_xattr(to, gfid, LINKTO_XATTR, self.link_value(from))
-                    .await?;
-                Ok(true)
+                Ok(_) => return Ok(false),
+                Err(Error::Fop(ErrorCode::NoEnt)) => {
+                    match self.make_link_file(to, dir, name, gfid, from).await {
+                        Ok(()) => return Ok(true),
+                        Err(Error::Fop(ErrorCode::Exist)) => {}
+                        Err(e) => return Err(e),
+                    }
+                }
+                Err(e) => return Err(e),
             }
-            Ok(_) => Ok(false),
-            Err(Error::Fop(ErrorCode::NoEnt)) => {
-                self.make_link_file(to, dir, name, gfid, from).await?;
-                Ok(true)
-            }
-            Err(e) => Err(e),
         }
+        Ok(false)
     }
 
     /// Marks file `gfid` (of mode `mode`) on brick `from` as moving to brick `to` — its
