@@ -269,22 +269,16 @@ impl Hosts {
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
-    /// `kiln umount MNT` on host `i`, asked again (10 s at most) while the mount is busy: a
-    /// process a parallel test spawns holds copies of this one's descriptors until it execs.
+    /// `kiln umount MNT` on host `i`, asked again while the mount is busy
+    /// ([`common::while_busy`]).
     fn umount(&self, i: usize, mnt: &Path) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let out = self.kiln(i, &["umount", mnt.to_str().expect("utf-8")]);
-            let said = String::from_utf8_lossy(&out.stderr);
-            if out.status.success() {
-                return;
-            }
-            assert!(
-                said.contains("target is busy") && Instant::now() < deadline,
-                "kiln umount on host {i}: {said}"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        let mnt = mnt.to_str().expect("utf-8");
+        let out = common::while_busy(|| self.kiln(i, &["umount", mnt]));
+        assert!(
+            out.status.success(),
+            "kiln umount on host {i}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 
     fn json(&self, i: usize, args: &[&str]) -> Response {

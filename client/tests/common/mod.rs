@@ -287,17 +287,24 @@ pub fn free_loopback_addr() -> String {
     probe.local_addr().expect("local address").to_string()
 }
 
-/// `kiln umount MOUNTPOINT`, asked again (for 10 s at most) while it answers "target is busy":
-/// a process a parallel test spawns holds copies of this process's open descriptors until it
-/// execs, so a file this test has just closed can still pin the mount for a moment.
+/// `kiln umount MOUNTPOINT`, asked again while the mount is busy ([`while_busy`]).
 pub fn kiln_umount(mountpoint: &Path) -> std::process::Output {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let out = Command::new(bin("kiln"))
+    while_busy(|| {
+        Command::new(bin("kiln"))
             .arg("umount")
             .arg(mountpoint)
             .output()
-            .expect("kiln umount");
+            .expect("kiln umount")
+    })
+}
+
+/// Runs `umount` (a `kiln umount`) again (for 10 s at most) while it answers "target is
+/// busy": a process a parallel test spawns holds copies of this process's open descriptors
+/// until it execs, so a file this test has just closed can still pin the mount for a moment.
+pub fn while_busy(mut umount: impl FnMut() -> std::process::Output) -> std::process::Output {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let out = umount();
         let busy = String::from_utf8_lossy(&out.stderr).contains("target is busy");
         if out.status.success() || !busy || Instant::now() > deadline {
             return out;

@@ -269,7 +269,7 @@ impl<L: Layer> Distribute<L> {
                 "it was linked or unlinked during the walk",
             ));
         }
-        if mode & STICKY != 0 || mode & 0o777 == 0 {
+        if reads_as_phase(mode) {
             return Ok(Outcome::Skipped("its mode would read as a migration phase"));
         }
         if !self.make_destination(*dir, name, gfid, from, to).await? {
@@ -309,7 +309,8 @@ impl<L: Layer> Distribute<L> {
             self.point_link_files(on, gfid, to).await?;
         }
         for (other_dir, other) in others {
-            self.remove_if_still(*other_dir, other, from, gfid).await?;
+            self.remove_if_still(from, *other_dir, other, |t| t.gfid == gfid)
+                .await?;
         }
         Ok(Outcome::Moved { bytes })
     }
@@ -382,13 +383,9 @@ impl<L: Layer> Distribute<L> {
         names: &[(Gfid, Name)],
     ) -> Result<bool, Error> {
         let root = Creds::root();
-        let now = self.bricks.get(from)?.stat(&root, gfid).await?;
-        if now.nlink as usize != names.len() {
-            return Ok(false);
-        }
         for (dir, name) in names {
             match self.bricks.get(from)?.lookup(&root, *dir, name).await {
-                Ok(there) if there.gfid == gfid => {}
+                Ok(there) if there.gfid == gfid && there.nlink as usize == names.len() => {}
                 Ok(_) | Err(Error::Fop(ErrorCode::NoEnt)) => return Ok(false),
                 Err(e) => return Err(e),
             }
@@ -509,8 +506,9 @@ impl<L: Layer> Distribute<L> {
                     Ok(Outcome::InPlace)
                 }
                 Ok(Home::Everywhere) | Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => {
-                    self.remove_link_file_if_still(from, dir, name, iatt.gfid)
-                        .await?;
+                    let gfid = iatt.gfid;
+                    let link_file = |t: &Iatt| t.gfid == gfid && looks_like_link_file(t);
+                    self.remove_if_still(from, dir, name, link_file).await?;
                     Ok(Outcome::LinkFileRemoved)
                 }
                 Err(e) => Err(e),
@@ -560,7 +558,9 @@ impl<L: Layer> Distribute<L> {
                 Ok(there) if !looks_like_link_file(&there) => {
                     self.set_mode(from, iatt.gfid, LINK_FILE_MODE).await?;
                     self.note_home(&there, was_to);
-                    self.remove_if_still(dir, name, from, iatt.gfid).await?;
+                    let gfid = iatt.gfid;
+                    self.remove_if_still(from, dir, name, |t| t.gfid == gfid)
+                        .await?;
                     return Ok(Outcome::Moved { bytes: 0 });
                 }
                 Ok(_) | Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => {
@@ -576,13 +576,13 @@ impl<L: Layer> Distribute<L> {
             .stat(&Creds::root(), iatt.gfid)
             .await?;
         let mode = now.mode.bits();
-        if now.nlink != 1 && self.bricks.role(from) == BrickRole::Leaving {
-            return Ok(Outcome::Deferred);
-        }
         if now.nlink != 1 {
-            return Ok(Outcome::Skipped("it has hard links"));
+            return Ok(match self.bricks.role(from) {
+                BrickRole::Leaving => Outcome::Deferred,
+                _ => Outcome::Skipped("it has hard links"),
+            });
         }
-        if mode & STICKY != 0 || mode & 0o777 == 0 {
+        if reads_as_phase(mode) {
             return Ok(Outcome::Skipped("its mode would read as a migration phase"));
         }
         if !self
@@ -599,7 +599,7 @@ impl<L: Layer> Distribute<L> {
         };
         // Renamed, unlinked or linked after it was marked, by a client that looked before:
         // given up (later ones wait for the move to end).
-        if !self.still_alone(dir, name, from, gfid).await? {
+        if !self.still_named(from, gfid, &[(dir, name.clone())]).await? {
             self.abandon_move(from, to, gfid).await?;
             return Ok(Outcome::Skipped("it was renamed or linked during its move"));
         }
@@ -668,7 +668,8 @@ impl<L: Layer> Distribute<L> {
         self.copy_xattrs(from, to, gfid).await?;
         self.set_attr(to, gfid, owner_and_times(&now)).await?;
         self.note_home(&now, to);
-        self.remove_if_still(dir, &name, from, gfid).await?;
+        self.remove_if_still(from, dir, &name, |t| t.gfid == gfid)
+            .await?;
         Ok(Outcome::Moved { bytes: 0 })
     }
 
@@ -870,26 +871,6 @@ impl<L: Layer> Distribute<L> {
         Ok(false)
     }
 
-    /// Whether file `gfid` is still `name` in `dir` on brick `from`, and only that.
-    async fn still_alone(
-        &self,
-        dir: Gfid,
-        name: &Name,
-        from: usize,
-        gfid: Gfid,
-    ) -> Result<bool, Error> {
-        match self
-            .bricks
-            .get(from)?
-            .lookup(&Creds::root(), dir, name)
-            .await
-        {
-            Ok(there) => Ok(there.gfid == gfid && there.nlink == 1),
-            Err(Error::Fop(ErrorCode::NoEnt)) => Ok(false),
-            Err(e) => Err(e),
-        }
-    }
-
     /// Makes brick `to`'s copy of file `gfid` the file, and `from`'s a link file to it that
     /// is then removed (`name` in `dir`).
     async fn switch_to(
@@ -911,27 +892,8 @@ impl<L: Layer> Distribute<L> {
         self.remove_xattr(to, gfid, LINKTO_XATTR).await?;
         self.set_mode(from, gfid, LINK_FILE_MODE).await?;
         self.note_home(&now, to);
-        self.remove_if_still(dir, name, from, gfid).await
-    }
-
-    /// Removes `name` in `dir` on brick `from` if it still names object `gfid`.
-    async fn remove_if_still(
-        &self,
-        dir: Gfid,
-        name: &Name,
-        from: usize,
-        gfid: Gfid,
-    ) -> Result<(), Error> {
-        match self
-            .bricks
-            .get(from)?
-            .lookup(&Creds::root(), dir, name)
+        self.remove_if_still(from, dir, name, |t| t.gfid == gfid)
             .await
-        {
-            Ok(there) if there.gfid == gfid => self.remove_link_file(from, dir, name).await,
-            Ok(_) | Err(Error::Fop(ErrorCode::NoEnt)) => Ok(()),
-            Err(e) => Err(e),
-        }
     }
 
     /// Puts file `gfid` back as it was before its move began: brick `from`'s copy unmarked,
@@ -1063,6 +1025,12 @@ impl<L: Layer> Distribute<L> {
 }
 
 /// What gives an object's copy the owner and times of `now` (the original's).
+/// Whether a file of mode `mode` would read as in a migration phase (the sticky bit, or no
+/// permission bits: a link file's mode).
+fn reads_as_phase(mode: u32) -> bool {
+    mode & STICKY != 0 || mode & 0o777 == 0
+}
+
 fn owner_and_times(now: &Iatt) -> kiln_wire::SetAttr {
     kiln_wire::SetAttr {
         uid: Some(now.uid),

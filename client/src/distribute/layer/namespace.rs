@@ -84,28 +84,7 @@ impl<L: Layer> Distribute<L> {
         home: usize,
         fop: FopRequest,
     ) -> Result<Located, Error> {
-        let gone = |e: &Error| matches!(e, Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale));
-        let at_home = match self.bricks.role(home) {
-            BrickRole::Removed => None,
-            _ => match self.bricks.get(home)?.call(creds, fop.clone()).await {
-                Ok(reply) => Some(reply),
-                Err(e) if gone(&e) => None,
-                Err(e) => return Err(e),
-            },
-        };
-        let at_home = match at_home {
-            Some(reply) => {
-                let iatt = entry_iatt(&reply)?.clone();
-                match self.link_file_target(home, &iatt).await {
-                    Ok(None) => Some((reply, iatt)),
-                    Ok(Some(_)) => None,
-                    Err(e) if gone(&e) => None,
-                    Err(e) => return Err(e),
-                }
-            }
-            None => None,
-        };
-        let Some((reply, iatt)) = at_home else {
+        let Some((reply, iatt)) = self.object_at(creds, home, fop.clone()).await? else {
             let found = self.locate_everywhere(creds, hashed, fop).await;
             match &found {
                 Ok(found) if found.iatt.gfid == link => {
@@ -116,7 +95,8 @@ impl<L: Layer> Distribute<L> {
                 Err(Error::Fop(ErrorCode::NoEnt))
                     if self.bricks.role(home) == BrickRole::Removed =>
                 {
-                    self.remove_link_file_if_still(hashed, parent, name, link)
+                    let link_file = |t: &Iatt| t.gfid == link && looks_like_link_file(t);
+                    self.remove_if_still(hashed, parent, name, link_file)
                         .await?;
                 }
                 _ => {}
@@ -130,6 +110,33 @@ impl<L: Layer> Distribute<L> {
             reply,
             iatt,
         })
+    }
+
+    /// `fop` (a LOOKUP of a name) answered by brick `home`, with the entry's attributes,
+    /// when the entry there is the object itself; `None` when the brick was removed, or has
+    /// the name not or only as a link file.
+    async fn object_at(
+        &self,
+        creds: &Creds,
+        home: usize,
+        fop: FopRequest,
+    ) -> Result<Option<(FopReply, Iatt)>, Error> {
+        let gone = |e: &Error| matches!(e, Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale));
+        if self.bricks.role(home) == BrickRole::Removed {
+            return Ok(None);
+        }
+        let reply = match self.bricks.get(home)?.call(creds, fop).await {
+            Ok(reply) => reply,
+            Err(e) if gone(&e) => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let iatt = entry_iatt(&reply)?.clone();
+        match self.link_file_target(home, &iatt).await {
+            Ok(None) => Ok(Some((reply, iatt))),
+            Ok(Some(_)) => Ok(None),
+            Err(e) if gone(&e) => Ok(None),
+            Err(e) => Err(e),
+        }
     }
 
     /// Whether `name` exists in `parent` where its hashed brick in `layout` cannot tell (a
@@ -333,14 +340,14 @@ impl<L: Layer> Distribute<L> {
         }
     }
 
-    /// [`Distribute::remove_link_file`] if `name` in `parent` on brick `on` is still a link
-    /// file of object `gfid` (another client may have made the name anew meanwhile).
-    pub(super) async fn remove_link_file_if_still(
+    /// [`Distribute::remove_link_file`] of `name` in `parent` on brick `on` if what it names
+    /// is `still` what the caller found there (another client may have made it anew since).
+    pub(super) async fn remove_if_still(
         &self,
         on: usize,
         parent: Gfid,
         name: &Name,
-        gfid: Gfid,
+        still: impl FnOnce(&Iatt) -> bool,
     ) -> Result<(), Error> {
         match self
             .bricks
@@ -348,9 +355,7 @@ impl<L: Layer> Distribute<L> {
             .lookup(&Creds::root(), parent, name)
             .await
         {
-            Ok(there) if there.gfid == gfid && looks_like_link_file(&there) => {
-                self.remove_link_file(on, parent, name).await
-            }
+            Ok(there) if still(&there) => self.remove_link_file(on, parent, name).await,
             Ok(_) | Err(Error::Fop(ErrorCode::NoEnt)) => Ok(()),
             Err(e) => Err(e),
         }
