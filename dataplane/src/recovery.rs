@@ -192,10 +192,11 @@ fn remove_record(brick: &Brick, record: &CString) -> Result<(), Errno> {
     ))
 }
 
-/// Creates of regular files were going on in directory `dir_gfid`: each was made whole as an
-/// unnamed file (GFID and data) and then named, so a crash can have left a named file without
-/// its handle, never a name without its GFID. Every file there gets its handle; the record
-/// goes. Whether any handle was missing.
+/// Creates of regular files or unlinks of files were going on in directory `dir_gfid`: a new
+/// file is made whole as an unnamed file (GFID and data) and then named, and a file's last
+/// name goes after its handle, so a crash can have left a named file without its handle, never
+/// a name without its GFID. Every non-directory there gets its handle; the record goes.
+/// Whether any handle was missing.
 fn settle_dir(brick: &Brick, record: &CString, dir_gfid: &Gfid) -> Result<bool, Errno> {
     let Ok(dir) = open_dir_by_gfid(brick, dir_gfid, 0) else {
         // The directory went after the creates: nothing left to name.
@@ -208,9 +209,9 @@ fn settle_dir(brick: &Brick, record: &CString, dir_gfid: &Gfid) -> Result<bool, 
             continue;
         }
         let name_c = cstr(&name);
-        let regular = lstat(&dir, &name_c)
-            .is_ok_and(|st| u32::from(st.stx_mode) & libc::S_IFMT == libc::S_IFREG);
-        let Some(gfid) = regular
+        let file = lstat(&dir, &name_c)
+            .is_ok_and(|st| u32::from(st.stx_mode) & libc::S_IFMT != libc::S_IFDIR);
+        let Some(gfid) = file
             .then(|| read_gfid(&proc_path(&dir, &name_c)))
             .transpose()?
             .flatten()

@@ -13,12 +13,14 @@ per_engine!(
     crash_during_put,
     crash_during_create,
     crash_during_read_only_create,
-    dir_records_go_a_moment_after_the_last_create,
+    dir_records_go_a_moment_after_the_last_create_and_unlink,
     crash_during_mkdir,
     crash_during_symlink,
     crash_during_mknod,
     crash_during_link,
     crash_during_unlink,
+    crash_during_unlink_of_a_symlink,
+    crash_during_unlink_of_one_of_two_names,
     crash_during_rmdir,
     crash_during_rename_replacing_a_file,
     crash_during_directory_rename,
@@ -145,23 +147,32 @@ fn crash_during_read_only_create(kind: EngineKind) {
     );
 }
 
-/// A burst of creates in one directory shares one record, which goes a moment after the last.
-fn dir_records_go_a_moment_after_the_last_create(kind: EngineKind) {
+/// A burst of creates in one directory shares one record, which goes a moment after the
+/// last; so does a burst of unlinks.
+fn dir_records_go_a_moment_after_the_last_create_and_unlink(kind: EngineKind) {
     let h = Harness::new(kind);
     let pending = h.path().join(".glusterfs/kiln-pending");
     let records = || std::fs::read_dir(&pending).expect("pending dir").count();
+    let records_go = || {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while records() > 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the dir record stayed"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    };
     for i in 0..20 {
         h.put(Gfid::ROOT, &format!("f{i}"), b"data").expect("put");
     }
     assert_eq!(records(), 1, "one record for the directory's creates");
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while records() > 0 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the dir record stayed"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(100));
+    records_go();
+    for i in 0..20 {
+        h.unlink(Gfid::ROOT, &format!("f{i}")).expect("unlink");
     }
+    assert_eq!(records(), 1, "one record for the directory's unlinks");
+    records_go();
     h.assert_consistent();
 }
 
@@ -299,6 +310,85 @@ fn crash_during_unlink(kind: EngineKind) {
                 Some(ErrorCode::Stale),
                 "gone by gfid too"
             );
+        },
+    );
+}
+
+/// A symlink's handle is a hard link like a file's: repair relinks it as it does a file's.
+fn crash_during_unlink_of_a_symlink(kind: EngineKind) {
+    each_crash_point(
+        kind,
+        FopCode::Unlink,
+        |h| {
+            let gfid = h.gfid();
+            let target = SymlinkTarget::new(&b"somewhere"[..]).expect("valid");
+            let symlink = Symlink {
+                parent: Gfid::ROOT,
+                name: name("s"),
+                gfid,
+                target,
+            };
+            h.call(&root(), symlink).expect("symlink");
+            vec![gfid]
+        },
+        |h, _| {
+            h.call(
+                &root(),
+                Unlink {
+                    parent: Gfid::ROOT,
+                    name: name("s"),
+                },
+            )
+        },
+        |h, ids, _| {
+            match h.lookup(Gfid::ROOT, "s") {
+                Ok(found) => {
+                    assert_eq!(found.gfid, ids[0]);
+                    assert_eq!(h.stat(ids[0]).expect("handle in place").gfid, ids[0]);
+                    h.unlink(Gfid::ROOT, "s").expect("retry");
+                }
+                Err(ErrorCode::NoEnt) => {}
+                Err(e) => panic!("{e}"),
+            }
+            assert_eq!(h.stat(ids[0]).err(), Some(ErrorCode::Stale));
+        },
+    );
+}
+
+/// A file with another name keeps its handle whatever step the unlink of one name stopped at.
+fn crash_during_unlink_of_one_of_two_names(kind: EngineKind) {
+    each_crash_point(
+        kind,
+        FopCode::Unlink,
+        |h| {
+            let gfid = h.put(Gfid::ROOT, "f", b"f").expect("put");
+            let link = Link {
+                gfid,
+                new_parent: Gfid::ROOT,
+                new_name: name("g"),
+            };
+            h.call(&root(), link).expect("link");
+            vec![gfid]
+        },
+        |h, _| {
+            h.call(
+                &root(),
+                Unlink {
+                    parent: Gfid::ROOT,
+                    name: name("f"),
+                },
+            )
+        },
+        |h, ids, _| {
+            assert_eq!(h.lookup(Gfid::ROOT, "g").expect("other name").gfid, ids[0]);
+            // The names the file has (the brick does not count its handle).
+            let expected_nlink = match h.lookup(Gfid::ROOT, "f") {
+                Ok(_) => 2,
+                Err(ErrorCode::NoEnt) => 1,
+                Err(e) => panic!("{e}"),
+            };
+            assert_eq!(h.stat(ids[0]).expect("by gfid").nlink, expected_nlink);
+            assert_eq!(h.read_all(ids[0]).expect("still whole"), b"f");
         },
     );
 }

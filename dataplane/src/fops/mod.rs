@@ -108,8 +108,8 @@ pub struct BrickState {
     /// removals hold each: a create must not take such a GFID meanwhile (two objects, one
     /// GFID).
     parked: Mutex<HashMap<Gfid, u32>>,
-    /// Directories where regular files are being created, with their `dir` records.
-    creating: Mutex<HashMap<Gfid, namespace::DirCreates>>,
+    /// Directories where files are being created or unlinked, with their `dir` records.
+    dir_records: Mutex<HashMap<Gfid, namespace::DirRecord>>,
     /// Set by an fsync error: data may be lost, so writes are refused until restart.
     poisoned: AtomicBool,
 }
@@ -123,7 +123,7 @@ impl BrickState {
             locks: Mutex::new(LockTable::new(config.locks_per_client_max)),
             leases: Leases::new(config.leases),
             parked: Mutex::new(HashMap::new()),
-            creating: Mutex::new(HashMap::new()),
+            dir_records: Mutex::new(HashMap::new()),
             poisoned: AtomicBool::new(false),
         }
     }

@@ -4,54 +4,18 @@
 //!
 //! Crash safety: before it is named the file is nothing (the kernel frees an unnamed inode
 //! when its fd goes); once named it carries its GFID and data. The one window left — named
-//! but without its handle — is covered by the parent's `dir` record
-//! ([`crate::brick::intent`]), made before the first create there and kept a moment after the
-//! last one ([`DIR_RECORD_LINGER`]), so a burst of creates in one directory shares one record;
-//! start-up repair gives every file of such a directory its handle.
+//! but without its handle — is covered by the parent's `dir` record ([`super::dir_record`]).
 
 use std::ffi::CString;
-use std::sync::{Arc, Weak};
-use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kiln_wire::{Creds, EntryReply, FopCode, Gfid};
 
 use super::super::chain::{At, Chain};
-use super::super::{BrickState, Fops, R, iatt, lock};
-use crate::brick::intent::{RecordKind, record_name};
+use super::super::{Fops, R, iatt};
 use crate::brick::{Brick, GFID_XATTR};
 use crate::exec::Exec;
 use crate::op::{self, DirFd, FileRef, Stat, Step, cstr};
-
-/// How long a directory's `dir` record stays after its last create: the next create there
-/// in that time needs no new one.
-pub(in crate::fops) const DIR_RECORD_LINGER: Duration = Duration::from_secs(1);
-
-/// A directory with creates under way (or lately), as [`super::super::BrickState`] keeps it.
-#[derive(Debug)]
-pub(in crate::fops) struct DirCreates {
-    record: CString,
-    /// Made (once) by the first create that needs it.
-    made: Arc<tokio::sync::OnceCell<()>>,
-    active: usize,
-    idle_since: Instant,
-}
-
-/// A create under way in `parent`; when it goes, the directory may become idle.
-pub(super) struct Creating<'a, E> {
-    fops: &'a Fops<E>,
-    parent: Gfid,
-}
-
-impl<E> Drop for Creating<'_, E> {
-    fn drop(&mut self) {
-        let mut creating = lock(&self.fops.shared.creating);
-        if let Some(dir) = creating.get_mut(&self.parent) {
-            dir.active -= 1;
-            dir.idle_since = Instant::now();
-        }
-    }
-}
 
 /// What the new file is.
 #[derive(Debug)]
@@ -83,36 +47,6 @@ impl<E: Exec> Fops<E> {
     /// must support it and `O_TMPFILE` needs write access.
     pub(super) fn makes_unnamed(&self, flags: i32) -> bool {
         self.brick.tmpfile && flags & libc::O_ACCMODE != libc::O_RDONLY
-    }
-
-    /// Marks `parent` as having a create under way until the guard goes, making its `dir`
-    /// record first if it has none.
-    pub(super) async fn creating_in(&self, parent: &Gfid) -> R<Creating<'_, E>> {
-        let (made, record) = {
-            let mut creating = lock(&self.shared.creating);
-            let dir = creating.entry(*parent).or_insert_with(|| DirCreates {
-                record: record_name(RecordKind::Dir, parent),
-                made: Default::default(),
-                active: 0,
-                idle_since: Instant::now(),
-            });
-            dir.active += 1;
-            (dir.made.clone(), dir.record.clone())
-        };
-        let guard = Creating {
-            fops: self,
-            parent: *parent,
-        };
-        made.get_or_try_init(|| async {
-            let symlink = op::Symlink {
-                target: cstr(parent.to_string().as_bytes()),
-                dir: self.brick.pending.clone(),
-                name: record,
-            };
-            self.run1(Step::brick(symlink)).await.map(drop)
-        })
-        .await?;
-        Ok(guard)
     }
 
     /// The chain that makes `file`: unnamed, its GFID, its data, its name, its handle.
@@ -171,14 +105,14 @@ impl<E: Exec> Fops<E> {
         creds: &Creds,
         file: &NewFile<'_>,
     ) -> R<(EntryReply, FileRef)> {
-        let creating = self.creating_in(&file.parent).await?;
+        let under_record = self.under_dir_record(&file.parent).await?;
         let (chain, steps) = self.unnamed_file_chain(creds, file);
         let mut results = match self.run_namespace(fop, chain).await {
             Ok(results) => results,
             Err(e) => {
                 // Only a crash point stops a chain, and a killed brick finishes nothing: the
                 // directory's record stays for start-up repair.
-                std::mem::forget(creating);
+                std::mem::forget(under_record);
                 return Err(e);
             }
         };
@@ -208,46 +142,4 @@ impl<E: Exec> Fops<E> {
         };
         Ok((reply, opened))
     }
-}
-
-impl BrickState {
-    /// Removes the `dir` records of directories idle for [`DIR_RECORD_LINGER`].
-    fn sweep_dir_records(&self, pending: &DirFd) {
-        let idle: Vec<CString> = {
-            let mut creating = lock(&self.creating);
-            let mut idle = Vec::new();
-            creating.retain(|_, dir| {
-                let keep = dir.active > 0 || dir.idle_since.elapsed() < DIR_RECORD_LINGER;
-                if !keep && dir.made.initialized() {
-                    idle.push(dir.record.clone());
-                }
-                keep
-            });
-            idle
-        };
-        for record in idle {
-            if let Err(e) = rustix::fs::unlinkat(pending, &*record, rustix::fs::AtFlags::empty()) {
-                tracing::warn!(error = %e, ?record, "dir record left for start-up repair");
-            }
-        }
-    }
-}
-
-/// Starts the thread that removes idle `dir` records, every [`DIR_RECORD_LINGER`], until the
-/// brick's state is gone. Records left at a stop are settled by the next start's repair.
-pub(crate) fn spawn_dir_record_sweeper(
-    brick: &Arc<Brick>,
-    state: &Arc<BrickState>,
-) -> std::io::Result<()> {
-    let (brick, state): (Arc<Brick>, Weak<BrickState>) = (brick.clone(), Arc::downgrade(state));
-    std::thread::Builder::new()
-        .name("kiln-dir-records".into())
-        .spawn(move || {
-            loop {
-                std::thread::sleep(DIR_RECORD_LINGER);
-                let Some(state) = state.upgrade() else { return };
-                state.sweep_dir_records(&brick.pending);
-            }
-        })
-        .map(drop)
 }

@@ -4,10 +4,12 @@
 //! anywhere leaves a record that start-up repair settles.
 //!
 //! [`create`]: CREATE, PUT, MKDIR, MKNOD, SYMLINK and LINK; [`files`]: the cheaper way a new
-//! regular file is made where the file system allows, with one record per busy directory. [`remove`]: UNLINK and RMDIR, and
-//! what a removal does to the handle afterwards. [`rename`]: RENAME.
+//! regular file is made where the file system allows; [`remove`]: UNLINK and RMDIR, and what a
+//! removal does to the handle afterwards; [`dir_record`]: the one record a busy directory's
+//! file creates and unlinks share; [`rename`]: RENAME.
 
 mod create;
+mod dir_record;
 mod files;
 mod remove;
 mod rename;
@@ -23,8 +25,8 @@ use crate::brick::Brick;
 use crate::exec::Exec;
 use crate::op::{self, DirFd, Step};
 use crate::profile;
-pub(super) use files::DirCreates;
-pub(crate) use files::spawn_dir_record_sweeper;
+pub(super) use dir_record::DirRecord;
+pub(crate) use dir_record::spawn_dir_record_sweeper;
 
 impl<E: Exec> Fops<E> {
     fn crash_point_for(&self, fop: FopCode) -> Option<usize> {
