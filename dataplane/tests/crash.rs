@@ -23,6 +23,7 @@ per_engine!(
     crash_during_unlink_of_one_of_two_names,
     crash_during_rmdir,
     crash_during_rename_replacing_a_file,
+    crash_during_rename_replacing_one_of_two_names,
     crash_during_directory_rename,
 );
 
@@ -464,6 +465,47 @@ fn crash_during_rename_replacing_a_file(kind: EngineKind) {
                 Some(ErrorCode::Stale),
                 "the victim is gone"
             );
+        },
+    );
+}
+
+/// A replaced file with another name keeps its handle whatever step the rename stopped at.
+fn crash_during_rename_replacing_one_of_two_names(kind: EngineKind) {
+    each_crash_point(
+        kind,
+        FopCode::Rename,
+        |h| {
+            let a = h.put(Gfid::ROOT, "a", b"a").expect("put");
+            let b = h.put(Gfid::ROOT, "b", b"b").expect("put");
+            let link = Link {
+                gfid: b,
+                new_parent: Gfid::ROOT,
+                new_name: name("c"),
+            };
+            h.call(&root(), link).expect("link");
+            vec![a, b]
+        },
+        |h, _| {
+            h.call(
+                &root(),
+                Rename {
+                    old_parent: Gfid::ROOT,
+                    old_name: name("a"),
+                    new_parent: Gfid::ROOT,
+                    new_name: name("b"),
+                    mode: RenameMode::Replace,
+                },
+            )
+        },
+        |h, ids, _| {
+            assert_eq!(h.lookup(Gfid::ROOT, "c").expect("other name").gfid, ids[1]);
+            let renamed = h.lookup(Gfid::ROOT, "b").expect("b always exists").gfid == ids[0];
+            assert_eq!(
+                h.stat(ids[1]).expect("by gfid").nlink,
+                if renamed { 1 } else { 2 }
+            );
+            assert_eq!(h.read_all(ids[1]).expect("still whole"), b"b");
+            assert_eq!(h.read_all(ids[0]).expect("the moved file"), b"a");
         },
     );
 }

@@ -83,13 +83,7 @@ impl<E: Exec> Fops<E> {
         let (dir, gfid) = (&named.dir, &named.gfid);
         let mut chain = Chain::new();
         let pre = chain.push::<Stat>(Step::brick(op::Fstat::dir(dir)));
-        let unhandled = last_name.then(|| {
-            chain.push::<()>(Step::brick(op::Unlink {
-                dir: self.brick.handle_dir(gfid).clone(),
-                name: Brick::handle_name(gfid),
-                dir_flag: false,
-            }))
-        });
+        let unhandled = last_name.then(|| chain.push::<()>(self.unlink_handle(gfid)));
         let unlink = op::Unlink {
             dir: dir.clone(),
             name: named.name.clone(),
@@ -107,7 +101,8 @@ impl<E: Exec> Fops<E> {
         };
         if let Some(e) = results.error(commit) {
             if unhandled.is_some_and(|at| results.ok(at)) {
-                self.relink_handle(named).await;
+                self.relink_handle(dir, &named.name, gfid, named.stat.ino)
+                    .await;
             }
             return Err(e);
         }
@@ -118,23 +113,36 @@ impl<E: Exec> Fops<E> {
         Ok((results.take(pre)?, results.take(post)?))
     }
 
-    /// A refused unlink: the name keeps the file, so the file gets its handle back — if the
-    /// name is still that file (a racing rename may have put another object there).
-    async fn relink_handle(&self, named: &Named) {
-        let probe = Step::brick(op::Statx::of(&named.dir, &named.name));
-        let same = self.run_one::<Stat>(probe).await;
-        if !same.is_ok_and(|st| st.ino == named.stat.ino) {
+    /// A step unlinking `gfid`'s handle: its last name goes next.
+    pub(super) fn unlink_handle(&self, gfid: &Gfid) -> Step {
+        Step::brick(op::Unlink {
+            dir: self.brick.handle_dir(gfid).clone(),
+            name: Brick::handle_name(gfid),
+            dir_flag: false,
+        })
+    }
+
+    /// A refused removal of `dir/name`, file `gfid` (inode `ino`), after its handle was
+    /// unlinked: the name keeps the file, so the file gets its handle back — if the name is
+    /// still that file (a racing rename may have put another object there).
+    pub(super) async fn relink_handle(&self, dir: &DirFd, name: &CString, gfid: &Gfid, ino: u64) {
+        let probe = Step::brick(op::Statx::of(dir, name));
+        if !self
+            .run_one::<Stat>(probe)
+            .await
+            .is_ok_and(|st| st.ino == ino)
+        {
             return;
         }
         let link = op::Link {
-            old_dir: named.dir.clone(),
-            old_name: named.name.clone(),
-            new_dir: self.brick.handle_dir(&named.gfid).clone(),
-            new_name: Brick::handle_name(&named.gfid),
+            old_dir: dir.clone(),
+            old_name: name.clone(),
+            new_dir: self.brick.handle_dir(gfid).clone(),
+            new_name: Brick::handle_name(gfid),
         };
         if let Err(e) = self.run1(Step::brick(link)).await {
             // Healed by the next lookup of the name (or repair, while the record lasts).
-            tracing::warn!(gfid = %named.gfid, error = %e, "a handle could not be relinked");
+            tracing::warn!(%gfid, error = %e, "a handle could not be relinked");
         }
     }
 
@@ -163,7 +171,8 @@ impl<E: Exec> Fops<E> {
             return Err(e);
         }
         if moved {
-            self.settle_removed(gfid, true, &record).await;
+            self.unlink_quietly(&self.brick.pending, &record, false)
+                .await;
         }
         self.forget_dir(gfid);
         Ok((results.take(pre)?, results.take(post)?))
@@ -178,31 +187,9 @@ impl<E: Exec> Fops<E> {
         }
     }
 
-    /// After a committed removal of one name of `gfid`, whose handle was parked in `record`:
-    /// a file with names left (other hard links, counted now, after the commit, so a LINK or
-    /// UNLINK racing with this one cannot mislead it) gets its handle back; otherwise the
-    /// record goes, and with it the handle.
-    pub(super) async fn settle_removed(&self, gfid: &Gfid, is_dir: bool, record: &CString) {
-        let pending = self.brick.pending.clone();
-        if !is_dir {
-            let probe = Step::brick(op::Statx::of(&pending, record));
-            if self
-                .run_one::<Stat>(probe)
-                .await
-                .is_ok_and(|st| st.nlink >= 2)
-            {
-                self.handle_back(gfid, record).await;
-                // A removal of the last other name may have raced in between.
-                self.drop_handle_if_unnamed(gfid).await;
-                return;
-            }
-        }
-        self.unlink_quietly(&pending, record, false).await;
-    }
-
     /// Removes `gfid`'s handle if it is the file's only link (a missing handle is healed on
     /// lookup; an orphan would keep the file alive).
-    async fn drop_handle_if_unnamed(&self, gfid: &Gfid) {
+    pub(super) async fn drop_handle_if_unnamed(&self, gfid: &Gfid) {
         let dir = self.brick.handle_dir(gfid).clone();
         let handle = Brick::handle_name(gfid);
         let probe = Step::brick(op::Statx::of(&dir, &handle));
