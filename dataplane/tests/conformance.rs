@@ -13,6 +13,7 @@ use kiln_wire::*;
 per_engine!(
     create_write_read_release,
     put_small_files_and_retry,
+    a_put_sets_its_attributes_or_makes_nothing,
     mkdir_readdir_readdirp,
     modes_are_masked_by_the_callers_umask_only,
     errno_cases,
@@ -162,6 +163,68 @@ fn put_small_files_and_retry(kind: EngineKind) {
             .expect("put");
     }
     assert_eq!(h.list(dir).expect("list").len(), 202);
+    h.assert_consistent();
+}
+
+/// A PUT's attributes (owner, mode, times) are set before its file is named: the file
+/// appears with all of them, or — when the caller may not set them — not at all.
+fn a_put_sets_its_attributes_or_makes_nothing(kind: EngineKind) {
+    let h = Harness::new(kind);
+    let put = |n: &str, attr: SetAttr| Put {
+        parent: Gfid::ROOT,
+        name: name(n),
+        gfid: h.gfid(),
+        mode: mode(0o644),
+        umask: mode(0),
+        flags: OpenFlags::empty(),
+        data: Payload::new(Bytes::from_static(b"data")).expect("small"),
+        attr,
+    };
+    let restored = SetAttr {
+        uid: Some(1234),
+        gid: Some(5678),
+        // Set after the owner, so the owner change does not clear the set-uid bit.
+        mode: Some(mode(0o4750)),
+        mtime: Some(TimeSet::At(Timespec::new(1_000_000, 7).expect("valid"))),
+        ..SetAttr::default()
+    };
+    let FopReply::Put(e) = h.call(&root(), put("restored", restored)).expect("put") else {
+        panic!()
+    };
+    let on_disk = h.stat(e.iatt.gfid).expect("stat");
+    for iatt in [e.iatt, on_disk] {
+        assert_eq!(
+            (
+                iatt.uid,
+                iatt.gid,
+                iatt.mode.bits(),
+                iatt.mtime.sec(),
+                iatt.size
+            ),
+            (1234, 5678, 0o4750, 1_000_000, 4)
+        );
+    }
+    let open = SetAttr {
+        mode: Some(mode(0o777)),
+        ..SetAttr::default()
+    };
+    h.call(
+        &root(),
+        Setattr {
+            gfid: Gfid::ROOT,
+            attr: open,
+        },
+    )
+    .expect("chmod root");
+    let give_away = SetAttr {
+        uid: Some(0),
+        ..SetAttr::default()
+    };
+    assert_eq!(
+        h.call(&user(1000), put("given", give_away)).err(),
+        Some(ErrorCode::Perm)
+    );
+    assert_eq!(h.lookup(Gfid::ROOT, "given").err(), Some(ErrorCode::NoEnt));
     h.assert_consistent();
 }
 

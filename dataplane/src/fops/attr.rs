@@ -2,18 +2,17 @@
 
 use kiln_wire::{
     AccessMask, AttrChange, AttrReply, Creds, FsStats, Gfid, LookupReply, LookupXattrsReply, Name,
-    ReadlinkReply, SetAttr, StatfsReply, SymlinkTarget, TimeSet, XattrPresence,
+    ReadlinkReply, SetAttr, StatfsReply, SymlinkTarget, XattrPresence,
 };
-use rustix::fs::{AtFlags, Mode as FsMode, OFlags};
+use rustix::fs::AtFlags;
 use rustix::io::Errno;
 
 use super::chain::Chain;
-use super::resolve::fd_path;
 use super::{Fops, R, iatt};
 use crate::brick::Brick;
 use crate::creds::ActAs;
 use crate::exec::Exec;
-use crate::op::{self, DirFd, Stat, Step, cstr};
+use crate::op::{self, Stat, Step, cstr};
 
 impl<E: Exec> Fops<E> {
     pub(super) async fn lookup(&self, creds: &Creds, parent: &Gfid, name: &Name) -> R<LookupReply> {
@@ -162,60 +161,15 @@ impl<E: Exec> Fops<E> {
         }
         let (creds, fd) = (creds.clone(), pinned.fd.clone());
         self.exec
-            .blocking(move || apply_setattr(&creds, &fd, &attr))
+            .blocking(move || {
+                let _as = ActAs::new(&creds)?;
+                op::set_attrs(std::os::fd::AsFd::as_fd(&*fd), &attr)
+            })
             .await?;
         let post = self.fstat_dir(&pinned.fd).await?;
         Ok(AttrChange {
             pre: iatt(&pre, *gfid),
             post: iatt(&post, *gfid),
         })
-    }
-}
-
-/// SETATTR's system calls on the pinned object `fd`, as the caller, in the order that keeps
-/// explicit values: size, owner (which clears set-id bits), mode, then times.
-fn apply_setattr(creds: &Creds, fd: &DirFd, attr: &SetAttr) -> R<()> {
-    let _as = ActAs::new(creds)?;
-    // `/proc/self/fd/N` ends at the pinned inode itself; it is followed only for calls that
-    // have no `AT_EMPTY_PATH` form, and only on objects checked not to be symlinks.
-    let path = fd_path(fd);
-    if let Some(size) = attr.size {
-        let flags = OFlags::WRONLY | OFlags::CLOEXEC | OFlags::NONBLOCK;
-        let file = rustix::fs::open(&*path, flags, FsMode::empty())?;
-        rustix::fs::ftruncate(&file, size)?;
-    }
-    if attr.uid.is_some() || attr.gid.is_some() {
-        let uid = attr.uid.map(rustix::process::Uid::from_raw);
-        let gid = attr.gid.map(rustix::process::Gid::from_raw);
-        rustix::fs::chownat(fd, c"", uid, gid, AtFlags::EMPTY_PATH)?;
-    }
-    if let Some(mode) = attr.mode {
-        rustix::fs::chmod(&*path, FsMode::from_raw_mode(mode.bits()))?;
-    }
-    if attr.atime.is_some() || attr.mtime.is_some() {
-        let times = rustix::fs::Timestamps {
-            last_access: timespec(attr.atime),
-            last_modification: timespec(attr.mtime),
-        };
-        rustix::fs::utimensat(fd, c"", &times, AtFlags::EMPTY_PATH)?;
-    }
-    Ok(())
-}
-
-/// A time to set as `utimensat` takes it: unchanged, now, or a value.
-fn timespec(t: Option<TimeSet>) -> rustix::fs::Timespec {
-    match t {
-        None => rustix::fs::Timespec {
-            tv_sec: 0,
-            tv_nsec: rustix::fs::UTIME_OMIT,
-        },
-        Some(TimeSet::Now) => rustix::fs::Timespec {
-            tv_sec: 0,
-            tv_nsec: rustix::fs::UTIME_NOW,
-        },
-        Some(TimeSet::At(t)) => rustix::fs::Timespec {
-            tv_sec: t.sec(),
-            tv_nsec: i64::from(t.nsec()),
-        },
     }
 }

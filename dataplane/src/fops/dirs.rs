@@ -11,12 +11,12 @@ use kiln_wire::{
 use rustix::fs::AtFlags;
 use rustix::io::Errno;
 
-use super::resolve::fd_path;
 use super::{Fops, R, iatt, lock};
 use crate::brick::GLUSTERFS_DIR;
 use crate::creds::ActAs;
 use crate::exec::Exec;
 use crate::fdtable::{OpenFile, OpenKind, SessionId};
+use crate::op::fd_path;
 use crate::op::{self, DirFd, FileRef, Stat, Step, cstr};
 
 /// Reply bytes a READDIR entry costs besides its name.

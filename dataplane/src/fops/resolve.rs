@@ -13,7 +13,7 @@ use crate::brick::{Brick, GLUSTERFS_DIR};
 use crate::cache::InodeKey;
 use crate::exec::Exec;
 use crate::fdtable::{OpenFile, SessionId};
-use crate::op::{self, DirFd, FileRef, Stat, Step, cstr, proc_path};
+use crate::op::{self, DirFd, FileRef, Stat, Step, cstr, fd_path, proc_path};
 
 /// How a path-only call (xattrs, access) reaches an object.
 #[derive(Debug, Clone)]
@@ -42,12 +42,6 @@ impl ObjectPath {
 pub(super) struct Pinned {
     pub(super) fd: DirFd,
     pub(super) stat: Stat,
-}
-
-/// `/proc/self/fd/N`: a path to the object `fd` holds (the magic link ends at it).
-pub(super) fn fd_path(fd: &DirFd) -> CString {
-    use std::os::fd::AsRawFd;
-    cstr(format!("/proc/self/fd/{}", fd.as_raw_fd()).as_bytes())
 }
 
 impl<E: Exec> Fops<E> {

@@ -13,11 +13,12 @@ use kiln_wire::{
 };
 use rustix::io::Errno;
 
-use super::resolve::{ObjectPath, fd_path};
+use super::resolve::ObjectPath;
 use super::{Fops, R};
 use crate::brick::GFID_XATTR;
 use crate::creds::ActAs;
 use crate::exec::Exec;
+use crate::op::fd_path;
 use crate::op::{DirFd, cstr};
 
 /// Longest list of xattr names a presence check reads, in bytes; an object with a longer one

@@ -18,6 +18,7 @@
 //! Adding an op: a struct and its [`RingOp`] impl in the family's file, and its name in the
 //! `ops!` list below.
 
+mod attr;
 mod io;
 mod namespace;
 mod open;
@@ -33,6 +34,7 @@ use io_uring::squeue;
 use kiln_wire::{Creds, FileType, Gfid, Iatt, Mode, Timespec};
 use rustix::io::Errno;
 
+pub use attr::{SetAttrs, set_attrs};
 pub use io::{Fallocate, Fsync, Ftruncate, Read, Write};
 pub use namespace::{Link, LinkFile, Mkdir, Mknod, Rename, Symlink, Unlink};
 pub use open::{Close, Open};
@@ -319,7 +321,7 @@ macro_rules! ops {
 
 ops!(
     Statx, Fstat, Open, Close, Mkdir, Mknod, Symlink, Link, LinkFile, Rename, Unlink, FSetXattr,
-    SetXattrAt, Write, Read, Fsync, Fallocate, Ftruncate,
+    SetXattrAt, SetAttrs, Write, Read, Fsync, Fallocate, Ftruncate,
 );
 
 const fn count_some(codes: &[Option<(u8, &str)>]) -> usize {
@@ -445,6 +447,11 @@ pub fn cstr(bytes: &[u8]) -> CString {
 /// The raw fd of a shared directory fd.
 fn raw(dir: &DirFd) -> RawFd {
     dir.as_raw_fd()
+}
+
+/// `/proc/self/fd/N`: a path to the object `fd` holds (the magic link ends at it).
+pub fn fd_path(fd: &impl AsRawFd) -> CString {
+    cstr(format!("/proc/self/fd/{}", fd.as_raw_fd()).as_bytes())
 }
 
 /// `/proc/self/fd/<dir>/<name>` (or `…/<dir>/.`): how path-only calls (`lsetxattr`,

@@ -5,7 +5,7 @@ use std::ffi::CString;
 use bytes::Bytes;
 use kiln_wire::{
     AccessMode, Create, CreateReply, Creds, EntryReply, FileType, FopCode, Gfid, Link, LookupReply,
-    Mkdir, Mknod, Name, OpenFlags, Put, Symlink,
+    Mkdir, Mknod, Name, OpenFlags, Put, SetAttr, Symlink,
 };
 use rustix::io::Errno;
 
@@ -26,6 +26,8 @@ enum NewKind {
         flags: i32,
         mode: u32,
         data: Option<Bytes>,
+        /// Set after the data, before the name, where the file is made unnamed (a PUT's).
+        attr: SetAttr,
         keep_open: bool,
     },
     Dir {
@@ -142,7 +144,11 @@ impl<E: Exec> Fops<E> {
             return same.ok().flatten().map(|e| (e, None)).ok_or(Errno::EXIST);
         }
         if let NewKind::File {
-            flags, mode, data, ..
+            flags,
+            mode,
+            data,
+            attr,
+            ..
         } = &kind
             && self.makes_unnamed(*flags)
         {
@@ -155,6 +161,7 @@ impl<E: Exec> Fops<E> {
                 flags: *flags,
                 mode: *mode,
                 data: data.clone(),
+                attr: *attr,
             };
             return match self.make_file(fop, creds, &file).await {
                 Ok((reply, opened)) => Ok((reply, Some(opened).filter(|_| kind.keeps_open()))),
@@ -375,6 +382,7 @@ impl<E: Exec> Fops<E> {
             flags,
             mode: r.mode.bits() & !r.umask.bits(),
             data: None,
+            attr: SetAttr::default(),
             keep_open: true,
         };
         let made = self
@@ -453,23 +461,33 @@ impl<E: Exec> Fops<E> {
         }
         let flags = libc::O_WRONLY | r.flags.to_libc() & !libc::O_EXCL;
         let data = Some(r.data.clone().into_bytes()).filter(|d| !d.is_empty());
+        // A file made unnamed gets its attributes before its name: one chain, and never named
+        // without them.
+        let attr_in_chain = self.makes_unnamed(flags);
         let kind = NewKind::File {
             flags,
             mode: r.mode.bits() & !r.umask.bits(),
             data,
+            attr: if attr_in_chain {
+                r.attr
+            } else {
+                SetAttr::default()
+            },
             keep_open: false,
         };
         let (mut entry, file) = self
             .make_entry(FopCode::Put, creds, &r.parent, &r.name, r.gfid, kind)
             .await?;
         debug_assert!(file.is_none(), "a PUT keeps no file open");
+        let mut rewritten = false;
         if entry.iatt.size != r.data.len() as u64 {
             // A retried PUT found the file made by the first attempt: write the data again.
             entry.iatt = self
                 .rewrite(creds, &r.gfid, r.data.clone().into_bytes())
                 .await?;
+            rewritten = true;
         }
-        if !r.attr.is_empty() {
+        if !r.attr.is_empty() && (!attr_in_chain || rewritten) {
             entry.iatt = self.setattr(creds, &r.gfid, r.attr).await?.post;
         }
         Ok(entry)

@@ -1,6 +1,6 @@
 //! New regular files made whole before they are named: an unnamed file (`O_TMPFILE`) in the
-//! parent gets its GFID and data, then its name (the commit) and its handle, both linked from
-//! the open file — one submission after the open, no intent record per file.
+//! parent gets its GFID, its data and (a PUT's) attributes, then its name (the commit) and its
+//! handle, both linked from the open file — no intent record per file.
 //!
 //! Crash safety: before it is named the file is nothing (the kernel frees an unnamed inode
 //! when its fd goes); once named it carries its GFID and data. The one window left — named
@@ -9,7 +9,7 @@
 use std::ffi::CString;
 
 use bytes::Bytes;
-use kiln_wire::{Creds, EntryReply, FopCode, Gfid};
+use kiln_wire::{Creds, EntryReply, FopCode, Gfid, SetAttr};
 
 use super::super::chain::{At, Chain};
 use super::super::{Fops, R, iatt};
@@ -28,6 +28,8 @@ pub(super) struct NewFile<'a> {
     pub(super) flags: i32,
     pub(super) mode: u32,
     pub(super) data: Option<Bytes>,
+    /// Attributes set after the data, before the name (a PUT's).
+    pub(super) attr: SetAttr,
 }
 
 /// The steps of an unnamed-file chain the fop reads back.
@@ -73,6 +75,13 @@ impl<E: Exec> Fops<E> {
         chain.push::<()>(Step::brick(gfid).barrier());
         if let Some(data) = &file.data {
             self.push_data(&mut chain, creds, data.clone(), true);
+        }
+        if !file.attr.is_empty() {
+            let attr = op::SetAttrs {
+                file: FileRef::Chain,
+                attr: file.attr,
+            };
+            chain.push::<()>(Step::caller(attr, creds).barrier());
         }
         // Both links from the open file, so the handle is made even when the name fails (and
         // then undone): it never names another object that held the name.
