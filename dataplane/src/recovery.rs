@@ -9,7 +9,8 @@
 //! | record | meaning | settled by |
 //! |---|---|---|
 //! | `new-<gfid>` → `<parent>/<name>` | a create/mkdir/mknod/symlink in flight | name present: finish (GFID, handle); absent: undo |
-//! | `del-<gfid>` (the moved handle) | an unlink/rmdir/replacing rename in flight | object still named: put the handle back; else delete |
+//! | `del-<gfid>` (the moved handle) | an rmdir, an unlink of one of several names, or a replacing rename in flight | object still named: put the handle back; else delete |
+//! | `dir-<gfid>` → the directory's GFID | creates of files, or unlinks of last names, in that directory | every non-directory there gets its handle |
 //! | `mv-<gfid>` → new handle target | a directory rename in flight | directory at the new place: install as handle; else delete |
 //!
 //! [`check`] walks the whole brick (named tree and handle index) and finds what no record

@@ -10,7 +10,10 @@ use common::*;
 use kiln_dataplane::EngineKind;
 use kiln_wire::*;
 
-per_engine!(concurrent_sessions_agree);
+per_engine!(
+    concurrent_sessions_agree,
+    links_racing_unlinks_of_the_last_name_keep_the_file_whole,
+);
 
 const SESSIONS: usize = 32;
 const FILES_PER_SESSION: usize = 20;
@@ -116,5 +119,47 @@ fn concurrent_sessions_agree(kind: EngineKind) {
             format!("session {t} file 0").as_bytes()
         );
     }
+    h.assert_consistent();
+}
+
+/// A LINK of a file racing with the UNLINK of its last name, from two sessions (two workers
+/// on the io_uring engine): either order may win, but a LINK that succeeded leaves a named
+/// file reachable by its GFID (its handle in place), and the brick checks clean.
+fn links_racing_unlinks_of_the_last_name_keep_the_file_whole(kind: EngineKind) {
+    const ROUNDS: usize = 150;
+    let h = Harness::new(kind);
+    let (a, b) = (h.engine.session(), h.engine.session());
+    let mut file = h.put(Gfid::ROOT, "n0", b"x").expect("put");
+    let mut linked_in_time = 0;
+    for i in 0..ROUNDS {
+        let (old, new) = (format!("n{i}"), format!("n{}", i + 1));
+        let link = Link {
+            gfid: file,
+            new_parent: Gfid::ROOT,
+            new_name: name(&new),
+        };
+        let unlink = Unlink {
+            parent: Gfid::ROOT,
+            name: name(&old),
+        };
+        let (linked, unlinked) = h.rt.block_on(async {
+            tokio::join!(a.call(root(), link.into()), b.call(root(), unlink.into()))
+        });
+        unlinked.expect("the unlink of the old name");
+        match linked {
+            Ok(_) => {
+                linked_in_time += 1;
+                let st = h.stat(file).expect("a linked file keeps its handle");
+                assert_eq!((st.nlink, st.gfid), (1, file), "round {i}");
+                assert_eq!(h.lookup(Gfid::ROOT, &new).expect("new name").gfid, file);
+            }
+            // The unlink won: the file is gone, and with it its handle.
+            Err(ErrorCode::NoEnt | ErrorCode::Stale) => {
+                file = h.put(Gfid::ROOT, &new, b"x").expect("put again");
+            }
+            Err(e) => panic!("round {i}: {e}"),
+        }
+    }
+    assert!(linked_in_time > 0, "no LINK ever won the race");
     h.assert_consistent();
 }

@@ -5,9 +5,9 @@
 //! | kind | the record is | made by |
 //! |---|---|---|
 //! | `new` | a symlink to `<parent gfid>/<name>` | create, mkdir, mknod, symlink |
-//! | `del` | the object's handle, moved here | rmdir, a replacing rename |
+//! | `del` | the object's handle, moved here | rmdir, unlink of a name of a file with others, a replacing rename |
 //! | `mv` | a symlink to the directory's new handle target | rename of a directory |
-//! | `dir` | a symlink to a directory's GFID | creates of regular files in that directory (made whole as unnamed files, then named) and unlinks of files there (the handle of a last name goes first): a crash can leave a file there without its handle |
+//! | `dir` | a symlink to a directory's GFID | creates of regular files in that directory (made whole as unnamed files, then named) and unlinks of files' last names there (the handle goes first): a crash can leave a file there without its handle |
 //!
 //! This module names and parses records; the fops make them (`crate::fops::namespace`) and
 //! start-up repair settles them (`crate::recovery`).

@@ -94,8 +94,8 @@ pub struct Fops<E> {
 }
 
 /// What every worker of a brick shares: the profile, session ids, POSIX locks (clients on
-/// different workers contend for the same files), directory leases, the GFIDs whose handles
-/// are parked in removal records, and the poisoned flag.
+/// different workers contend for the same files), directory leases, the GFIDs with a
+/// removal of a name under way, and the poisoned flag.
 #[derive(Debug)]
 pub struct BrickState {
     /// Per-fop counters and histograms (`diagnostics.*`).
@@ -104,10 +104,11 @@ pub struct BrickState {
     locks: Mutex<LockTable>,
     /// Directory leases and the gate every fop passes.
     pub leases: Leases,
-    /// GFIDs whose handle removals have moved into records and may put back, with how many
-    /// removals hold each: a create must not take such a GFID meanwhile (two objects, one
+    /// GFIDs with removals of names under way or waiting (their handles may be gone or parked
+    /// in records, and may come back), each with the turn its removals take one at a time and
+    /// how many there are: a create must not take such a GFID meanwhile (two objects, one
     /// GFID).
-    parked: Mutex<HashMap<Gfid, u32>>,
+    parked: Mutex<HashMap<Gfid, (RemovalTurn, u32)>>,
     /// Directories where files are being created or unlinked, with their `dir` records.
     dir_records: Mutex<HashMap<Gfid, namespace::DirRecord>>,
     /// Set by an fsync error: data may be lost, so writes are refused until restart.
@@ -133,18 +134,42 @@ impl BrickState {
         self.next_session.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Marks `gfid`'s handle as parked in a removal record until the guard goes.
-    fn park(&self, gfid: Gfid) -> Parked<'_> {
-        *lock(&self.parked).entry(gfid).or_insert(0) += 1;
-        Parked { state: self, gfid }
+    /// Waits until no other removal of a name of `gfid` is under way, then marks one as
+    /// under way until the guard goes: removals of one object's names run one at a time, each
+    /// seeing the link count the one before left.
+    async fn removing(&self, gfid: Gfid) -> Removing<'_> {
+        let parked = {
+            let mut parked = lock(&self.parked);
+            let (turn, waiting) = parked.entry(gfid).or_default();
+            *waiting += 1;
+            turn.clone()
+        };
+        let counted = Parked { state: self, gfid };
+        Removing {
+            _turn: parked.lock_owned().await,
+            _counted: counted,
+        }
     }
 
+    /// Whether a removal of a name of `gfid` is under way or waiting.
     fn is_parked(&self, gfid: &Gfid) -> bool {
         lock(&self.parked).contains_key(gfid)
     }
 }
 
-/// A GFID whose handle is parked in a removal record, for as long as this lives.
+/// The turn removals of one object's names take.
+type RemovalTurn = Arc<tokio::sync::Mutex<()>>;
+
+/// A removal's turn on its object (see [`BrickState::removing`]): the turn is released
+/// before the count (fields drop in order).
+#[derive(Debug)]
+struct Removing<'a> {
+    _turn: tokio::sync::OwnedMutexGuard<()>,
+    _counted: Parked<'a>,
+}
+
+/// One removal of `gfid` counted as under way or waiting, for as long as this lives (also
+/// when the fop is dropped while it waits for its turn).
 #[derive(Debug)]
 struct Parked<'a> {
     state: &'a BrickState,
@@ -154,9 +179,9 @@ struct Parked<'a> {
 impl Drop for Parked<'_> {
     fn drop(&mut self) {
         let mut parked = lock(&self.state.parked);
-        if let Some(n) = parked.get_mut(&self.gfid) {
-            *n -= 1;
-            if *n == 0 {
+        if let Some((_, waiting)) = parked.get_mut(&self.gfid) {
+            *waiting -= 1;
+            if *waiting == 0 {
                 parked.remove(&self.gfid);
             }
         }

@@ -4,7 +4,7 @@
 
 use std::ffi::CString;
 
-use kiln_wire::{FdId, Gfid, Name};
+use kiln_wire::{Creds, FdId, Gfid, Name};
 use rustix::io::Errno;
 
 use super::{Fops, R, lock};
@@ -164,6 +164,22 @@ impl<E: Exec> Fops<E> {
             return self.pin_dir(gfid).await;
         }
         Ok(Pinned { fd, stat })
+    }
+
+    /// `dir/name` itself (never what a symlink points at), held by an `O_PATH` fd and looked
+    /// up as the caller.
+    pub(super) async fn hold_as(&self, creds: &Creds, dir: &DirFd, name: &CString) -> R<DirFd> {
+        let open = op::Open {
+            dir: dir.clone(),
+            name: name.clone(),
+            flags: libc::O_PATH | libc::O_NOFOLLOW,
+            mode: 0,
+            fixed: false,
+        };
+        match self.run_one::<FileRef>(Step::caller(open, creds)).await? {
+            FileRef::Fd(fd) => Ok(fd),
+            _ => Err(op::invariant("a plain open gave a direct descriptor")),
+        }
     }
 
     async fn pin_dir(&self, gfid: &Gfid) -> R<Pinned> {

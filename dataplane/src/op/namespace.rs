@@ -63,6 +63,13 @@ impl LinkFile {
             path: CString::default(),
         }
     }
+
+    /// Links the file `held` (a plain fd, `O_PATH` or not) while it has a name.
+    pub fn of(held: &DirFd, new_dir: DirFd, new_name: CString) -> LinkFile {
+        let mut link = LinkFile::chain_file(new_dir, new_name);
+        link.resolve_chain_file(&FileRef::Fd(held.clone()));
+        link
+    }
 }
 
 /// `renameat2` with `RENAME_*` flags.
@@ -190,8 +197,7 @@ impl RingOp for LinkFile {
             self.file = opened.clone();
         }
         if let FileRef::Fd(fd) = &self.file {
-            use std::os::fd::AsRawFd;
-            self.path = super::cstr(format!("/proc/self/fd/{}", fd.as_raw_fd()).as_bytes());
+            self.path = super::fd_path(fd);
         }
     }
 }

@@ -85,25 +85,21 @@ impl<E: Exec> Fops<E> {
 }
 
 impl BrickState {
-    /// Removes the `dir` records of directories idle for [`DIR_RECORD_LINGER`].
+    /// Removes the `dir` records of directories idle for [`DIR_RECORD_LINGER`]. Under the
+    /// lock: a fop that comes for a directory meanwhile finds either its record in place or
+    /// none, never one about to go.
     fn sweep_dir_records(&self, pending: &DirFd) {
-        let idle: Vec<CString> = {
-            let mut records = lock(&self.dir_records);
-            let mut idle = Vec::new();
-            records.retain(|_, dir| {
-                let keep = dir.active > 0 || dir.idle_since.elapsed() < DIR_RECORD_LINGER;
-                if !keep && dir.made.initialized() {
-                    idle.push(dir.record.clone());
+        lock(&self.dir_records).retain(|_, dir| {
+            let keep = dir.active > 0 || dir.idle_since.elapsed() < DIR_RECORD_LINGER;
+            if !keep && dir.made.initialized() {
+                let record = &*dir.record;
+                if let Err(e) = rustix::fs::unlinkat(pending, record, rustix::fs::AtFlags::empty())
+                {
+                    tracing::warn!(error = %e, ?record, "dir record left for start-up repair");
                 }
-                keep
-            });
-            idle
-        };
-        for record in idle {
-            if let Err(e) = rustix::fs::unlinkat(pending, &*record, rustix::fs::AtFlags::empty()) {
-                tracing::warn!(error = %e, ?record, "dir record left for start-up repair");
             }
-        }
+            keep
+        });
     }
 }
 

@@ -31,9 +31,9 @@ impl<E: Exec> Fops<E> {
         self.remove(FopCode::Rmdir, creds, parent, name).await
     }
 
-    /// UNLINK and RMDIR of `parent/name`: a file's name goes under the directory's `dir`
-    /// record ([`Fops::unlink_file`]), a directory's under a removal record of its own
-    /// ([`Fops::remove_dir`]).
+    /// UNLINK and RMDIR of `parent/name`. A file's last name goes under the directory's `dir`
+    /// record ([`Fops::unlink_last_name`]); a directory, or a file with other names, goes
+    /// through a removal record of its own ([`Fops::remove_parked`]).
     async fn remove(
         &self,
         fop: FopCode,
@@ -44,9 +44,17 @@ impl<E: Exec> Fops<E> {
         Self::check_entry(parent, name)?;
         let dir = self.dir(parent).await?;
         let n = cstr(name.as_bytes());
-        let stat: Stat = self
-            .run_one(Step::caller(op::Statx::of(&dir, &n), creds))
-            .await?;
+        // What UNLINK removes is held (`O_PATH`) until it is done; a directory is looked at.
+        let (stat, held) = match fop {
+            FopCode::Unlink => {
+                let held = self.hold_as(creds, &dir, &n).await?;
+                (self.fstat_dir(&held).await?, Some(held))
+            }
+            _ => {
+                let stat = Step::caller(op::Statx::of(&dir, &n), creds);
+                (self.run_one(stat).await?, None)
+            }
+        };
         let is_dir = stat.is_dir();
         match (fop, is_dir) {
             (FopCode::Unlink, true) => return Err(Errno::ISDIR),
@@ -54,17 +62,20 @@ impl<E: Exec> Fops<E> {
             _ => {}
         }
         let gfid = self.gfid_at(parent, &dir, name.as_bytes(), &stat).await?;
-        let _parked = self.shared.park(gfid);
+        let _removing = self.shared.removing(gfid).await;
         let named = Named {
             parent: *parent,
             dir,
             name: n,
             gfid,
-            stat,
+            is_dir,
         };
-        let (pre, post) = match is_dir {
-            true => self.remove_dir(creds, &named).await?,
-            false => self.unlink_file(creds, &named).await?,
+        let (pre, post) = match held {
+            // The link count now that this removal has its turn: this name and the handle.
+            Some(held) if self.fstat_dir(&held).await?.nlink <= 2 => {
+                self.unlink_last_name(creds, &named, &held).await?
+            }
+            _ => self.remove_parked(fop, creds, &named).await?,
         };
         Ok(RemoveReply {
             pre_parent: iatt(&pre, *parent),
@@ -72,18 +83,27 @@ impl<E: Exec> Fops<E> {
         })
     }
 
-    /// UNLINK of a file: when this is its last name, its handle goes first, then the caller's
-    /// unlink commits; a file with other names keeps its handle. A crash between the two
-    /// leaves the file named without its handle, which the directory's `dir` record has
-    /// start-up repair heal. The parent's attributes before and after.
-    async fn unlink_file(&self, creds: &Creds, named: &Named) -> R<(Stat, Stat)> {
+    /// UNLINK of a file's last name, held open as `held`: its handle goes first, then the
+    /// caller's unlink commits, under the directory's `dir` record (a crash between the two
+    /// leaves the file named without its handle, which start-up repair heals). A file still
+    /// named afterwards — the unlink was refused, or a LINK or RENAME of it raced in — gets
+    /// its handle back from `held`. The parent's attributes before and after.
+    async fn unlink_last_name(
+        &self,
+        creds: &Creds,
+        named: &Named,
+        held: &DirFd,
+    ) -> R<(Stat, Stat)> {
         let under_record = self.under_dir_record(&named.parent).await?;
-        // This name and the handle: no other name is left after the commit.
-        let last_name = named.stat.nlink <= 2;
         let (dir, gfid) = (&named.dir, &named.gfid);
         let mut chain = Chain::new();
         let pre = chain.push::<Stat>(Step::brick(op::Fstat::dir(dir)));
-        let unhandled = last_name.then(|| chain.push::<()>(self.unlink_handle(gfid)));
+        // A missing handle (a damaged brick) is no reason to refuse the unlink.
+        chain.push::<()>(Step::brick(op::Unlink {
+            dir: self.brick.handle_dir(gfid).clone(),
+            name: Brick::handle_name(gfid),
+            dir_flag: false,
+        }));
         let unlink = op::Unlink {
             dir: dir.clone(),
             name: named.name.clone(),
@@ -99,69 +119,48 @@ impl<E: Exec> Fops<E> {
                 return Err(e);
             }
         };
-        if let Some(e) = results.error(commit) {
-            if unhandled.is_some_and(|at| results.ok(at)) {
-                self.relink_handle(dir, &named.name, gfid, named.stat.ino)
-                    .await;
-            }
-            return Err(e);
+        if self.fstat_dir(held).await.is_ok_and(|st| st.nlink >= 1) {
+            self.relink_handle(gfid, held).await;
         }
-        if !last_name {
-            // The other names may have gone meanwhile, each counting on this one.
-            self.drop_handle_if_unnamed(gfid).await;
+        if let Some(e) = results.error(commit) {
+            return Err(e);
         }
         Ok((results.take(pre)?, results.take(post)?))
     }
 
-    /// A step unlinking `gfid`'s handle: its last name goes next.
-    pub(super) fn unlink_handle(&self, gfid: &Gfid) -> Step {
-        Step::brick(op::Unlink {
-            dir: self.brick.handle_dir(gfid).clone(),
-            name: Brick::handle_name(gfid),
-            dir_flag: false,
-        })
-    }
-
-    /// A refused removal of `dir/name`, file `gfid` (inode `ino`), after its handle was
-    /// unlinked: the name keeps the file, so the file gets its handle back — if the name is
-    /// still that file (a racing rename may have put another object there).
-    pub(super) async fn relink_handle(&self, dir: &DirFd, name: &CString, gfid: &Gfid, ino: u64) {
-        let probe = Step::brick(op::Statx::of(dir, name));
-        if !self
-            .run_one::<Stat>(probe)
-            .await
-            .is_ok_and(|st| st.ino == ino)
-        {
-            return;
-        }
-        let link = op::Link {
-            old_dir: dir.clone(),
-            old_name: name.clone(),
-            new_dir: self.brick.handle_dir(gfid).clone(),
-            new_name: Brick::handle_name(gfid),
-        };
-        if let Err(e) = self.run1(Step::brick(link)).await {
-            // Healed by the next lookup of the name (or repair, while the record lasts).
-            tracing::warn!(%gfid, error = %e, "a handle could not be relinked");
+    /// Links the handle of `gfid` to the open file `held` again (it is still named).
+    async fn relink_handle(&self, gfid: &Gfid, held: &DirFd) {
+        let link = op::LinkFile::of(
+            held,
+            self.brick.handle_dir(gfid).clone(),
+            Brick::handle_name(gfid),
+        );
+        match self.run1(Step::brick(link)).await {
+            // The handle never went (its unlink failed).
+            Ok(_) | Err(Errno::EXIST) => {}
+            // Healed by a lookup of a name of the file once its GFID is no longer cached.
+            Err(e) => tracing::warn!(%gfid, error = %e, "a handle could not be relinked"),
         }
     }
 
-    /// RMDIR: the handle moves into a removal record, the caller's rmdir commits, the record
-    /// goes (or the handle comes back). The parent's attributes before and after.
-    async fn remove_dir(&self, creds: &Creds, named: &Named) -> R<(Stat, Stat)> {
+    /// UNLINK of a name of a file with others, and RMDIR: the handle moves into a removal
+    /// record, the caller's removal commits, then the handle comes back (names are left, or
+    /// the removal was refused) or goes with the record. The parent's attributes before and
+    /// after.
+    async fn remove_parked(&self, fop: FopCode, creds: &Creds, named: &Named) -> R<(Stat, Stat)> {
         let (dir, gfid) = (&named.dir, &named.gfid);
         let record = record_name(RecordKind::Del, gfid);
         let mut chain = Chain::new();
         let pre = chain.push::<Stat>(Step::brick(op::Fstat::dir(dir)));
         let parked = chain.push::<()>(self.park_handle(gfid, &record));
-        let rmdir = op::Unlink {
+        let remove = op::Unlink {
             dir: dir.clone(),
             name: named.name.clone(),
-            dir_flag: true,
+            dir_flag: named.is_dir,
         };
-        let commit = chain.push::<()>(Step::caller(rmdir, creds).barrier());
+        let commit = chain.push::<()>(Step::caller(remove, creds).barrier());
         let post = chain.push::<Stat>(Step::brick(op::Fstat::dir(dir)));
-        let mut results = self.run_namespace(FopCode::Rmdir, chain).await?;
+        let mut results = self.run_namespace(fop, chain).await?;
         // No handle to move (a damaged brick) is no reason to refuse the removal.
         let moved = results.ok(parked);
         if let Some(e) = results.error(commit) {
@@ -171,10 +170,11 @@ impl<E: Exec> Fops<E> {
             return Err(e);
         }
         if moved {
-            self.unlink_quietly(&self.brick.pending, &record, false)
-                .await;
+            self.settle_removed(gfid, named.is_dir, &record).await;
         }
-        self.forget_dir(gfid);
+        if named.is_dir {
+            self.forget_dir(gfid);
+        }
         Ok((results.take(pre)?, results.take(post)?))
     }
 
@@ -187,9 +187,31 @@ impl<E: Exec> Fops<E> {
         }
     }
 
+    /// After a committed removal of one name of `gfid`, whose handle was parked in `record`:
+    /// a file with names left (other hard links, counted now, after the commit, so a LINK or
+    /// UNLINK racing with this one cannot mislead it) gets its handle back; otherwise the
+    /// record goes, and with it the handle.
+    pub(super) async fn settle_removed(&self, gfid: &Gfid, is_dir: bool, record: &CString) {
+        let pending = self.brick.pending.clone();
+        if !is_dir {
+            let probe = Step::brick(op::Statx::of(&pending, record));
+            if self
+                .run_one::<Stat>(probe)
+                .await
+                .is_ok_and(|st| st.nlink >= 2)
+            {
+                self.handle_back(gfid, record).await;
+                // A removal of the last other name may have raced in between.
+                self.drop_handle_if_unnamed(gfid).await;
+                return;
+            }
+        }
+        self.unlink_quietly(&pending, record, false).await;
+    }
+
     /// Removes `gfid`'s handle if it is the file's only link (a missing handle is healed on
     /// lookup; an orphan would keep the file alive).
-    pub(super) async fn drop_handle_if_unnamed(&self, gfid: &Gfid) {
+    async fn drop_handle_if_unnamed(&self, gfid: &Gfid) {
         let dir = self.brick.handle_dir(gfid).clone();
         let handle = Brick::handle_name(gfid);
         let probe = Step::brick(op::Statx::of(&dir, &handle));
@@ -203,11 +225,11 @@ impl<E: Exec> Fops<E> {
     }
 }
 
-/// The name a removal takes away, and what it named when looked at.
+/// The name a removal takes away, and what it names.
 struct Named {
     parent: Gfid,
     dir: DirFd,
     name: CString,
     gfid: Gfid,
-    stat: Stat,
+    is_dir: bool,
 }

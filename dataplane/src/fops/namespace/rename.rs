@@ -1,7 +1,6 @@
 //! RENAME: the caller's `renameat2` is the commit point; a moved directory's handle symlink
-//! follows it (through an `mv` record), and a replaced target loses a name like an UNLINK or
-//! RMDIR (a file under the target directory's `dir` record, a directory through a `del`
-//! record).
+//! follows it (through an `mv` record), and a replaced target loses a name like an UNLINK
+//! (through a `del` record).
 
 use std::ffi::CString;
 
@@ -26,23 +25,10 @@ struct MovedDir {
 
 /// The object a replacing rename removes.
 #[derive(Debug)]
-enum Victim {
-    /// A directory: its handle parks in a `del` record until the commit.
-    Dir { gfid: Gfid, record: CString },
-    /// A file: when this is its last name, its handle goes before the commit, as in UNLINK.
-    File {
-        gfid: Gfid,
-        ino: u64,
-        last_name: bool,
-    },
-}
-
-impl Victim {
-    fn gfid(&self) -> Gfid {
-        match self {
-            Victim::Dir { gfid, .. } | Victim::File { gfid, .. } => *gfid,
-        }
-    }
+struct Victim {
+    gfid: Gfid,
+    is_dir: bool,
+    record: CString,
 }
 
 /// What the rename does besides the commit.
@@ -86,21 +72,15 @@ impl<E: Exec> Fops<E> {
             new: cstr(r.new_name.as_bytes()),
         };
         let plan = self.plan_rename(creds, &r, &ends).await?;
-        let _parked = plan.victim.as_ref().map(|v| self.shared.park(v.gfid()));
-        let under_record = match &plan.victim {
-            Some(Victim::File { .. }) => Some(self.under_dir_record(&r.new_parent).await?),
-            _ => None,
+        let _removing = match &plan.victim {
+            Some(v) => Some(self.shared.removing(v.gfid).await),
+            None => None,
         };
         let (chain, steps) = self.rename_chain(creds, &r, &ends, &plan);
-        let mut results = match self.run_namespace(FopCode::Rename, chain).await {
-            Ok(results) => results,
-            Err(e) => {
-                // A crash point: the record stays for the reopened brick's repair.
-                std::mem::forget(under_record);
-                return Err(e);
-            }
-        };
-        let victim_step_done = steps.victim.is_some_and(|at| results.ok(at));
+        let mut results = self.run_namespace(FopCode::Rename, chain).await?;
+        let victim = plan
+            .victim
+            .filter(|_| steps.victim.is_some_and(|at| results.ok(at)));
         if let Some(e) = results.error(steps.commit) {
             for (moved, record) in plan.moved.iter().zip(&steps.records) {
                 if results.ok(*record) {
@@ -108,15 +88,8 @@ impl<E: Exec> Fops<E> {
                         .await;
                 }
             }
-            match &plan.victim {
-                Some(Victim::Dir { gfid, record }) if victim_step_done => {
-                    self.handle_back(gfid, record).await;
-                }
-                Some(Victim::File { gfid, ino, .. }) if victim_step_done => {
-                    self.relink_handle(&ends.dst_dir, &ends.new, gfid, *ino)
-                        .await;
-                }
-                _ => {}
+            if let Some(v) = &victim {
+                self.handle_back(&v.gfid, &v.record).await;
             }
             return Err(e);
         }
@@ -126,20 +99,11 @@ impl<E: Exec> Fops<E> {
             // right and `kiln-brickd check --repair` fixes the handle.
             tracing::warn!(error = %e, "rename committed but a handle update failed");
         }
-        match &plan.victim {
-            Some(Victim::Dir { gfid, record }) => {
-                if victim_step_done {
-                    self.unlink_quietly(&self.brick.pending, record, false)
-                        .await;
-                }
-                self.forget_dir(gfid);
+        if let Some(v) = &victim {
+            self.settle_removed(&v.gfid, v.is_dir, &v.record).await;
+            if v.is_dir {
+                self.forget_dir(&v.gfid);
             }
-            Some(Victim::File {
-                gfid,
-                last_name: false,
-                ..
-            }) => self.drop_handle_if_unnamed(gfid).await,
-            _ => {}
         }
         Ok(RenameReply {
             iatt: iatt(&results.take(steps.stat)?, plan.src_gfid),
@@ -181,7 +145,8 @@ impl<E: Exec> Fops<E> {
                 record: record_name(RecordKind::Mv, &src_gfid),
             });
         }
-        // A replaced target loses a name (see `Victim`).
+        // A replaced target loses a name: its handle moves to a record, and after the commit
+        // goes back or away depending on whether a name is left (see `settle_removed`).
         match (dst, r.mode) {
             (Some((st, gfid)), RenameMode::Exchange) if gfid != src_gfid && st.is_dir() => {
                 plan.moved.push(MovedDir {
@@ -192,17 +157,10 @@ impl<E: Exec> Fops<E> {
                 });
             }
             (Some((st, gfid)), RenameMode::Replace) if gfid != src_gfid => {
-                plan.victim = Some(match st.is_dir() {
-                    true => Victim::Dir {
-                        gfid,
-                        record: record_name(RecordKind::Del, &gfid),
-                    },
-                    // This name and the handle: no other name is left after the commit.
-                    false => Victim::File {
-                        gfid,
-                        ino: st.ino,
-                        last_name: st.nlink <= 2,
-                    },
+                plan.victim = Some(Victim {
+                    gfid,
+                    is_dir: st.is_dir(),
+                    record: record_name(RecordKind::Del, &gfid),
                 });
             }
             _ => {}
@@ -210,7 +168,7 @@ impl<E: Exec> Fops<E> {
         Ok(plan)
     }
 
-    /// Records for moved directories, the victim's handle parked or unlinked, the caller's rename (the
+    /// Records for moved directories and the victim's handle, the caller's rename (the
     /// barrier), the moved handles installed, then the stats of the reply.
     fn rename_chain(
         &self,
@@ -233,15 +191,10 @@ impl<E: Exec> Fops<E> {
                 }))
             })
             .collect();
-        let victim = match &plan.victim {
-            Some(Victim::Dir { gfid, record }) => Some(chain.push(self.park_handle(gfid, record))),
-            Some(Victim::File {
-                gfid,
-                last_name: true,
-                ..
-            }) => Some(chain.push(self.unlink_handle(gfid))),
-            _ => None,
-        };
+        let victim = plan
+            .victim
+            .as_ref()
+            .map(|v| chain.push(self.park_handle(&v.gfid, &v.record)));
         let flags = match r.mode {
             RenameMode::Replace => 0,
             RenameMode::NoReplace => libc::RENAME_NOREPLACE,
