@@ -60,6 +60,27 @@ fn each_crash_point(
     }
 }
 
+/// UNLINK of `n` in the root directory.
+fn unlink_root(h: &Harness, n: &str) -> Result<FopReply, ErrorCode> {
+    let unlink = Unlink {
+        parent: Gfid::ROOT,
+        name: name(n),
+    };
+    h.call(&root(), unlink)
+}
+
+/// RENAME of `a` over `b` in the root directory.
+fn rename_a_over_b(h: &Harness) -> Result<FopReply, ErrorCode> {
+    let rename = Rename {
+        old_parent: Gfid::ROOT,
+        old_name: name("a"),
+        new_parent: Gfid::ROOT,
+        new_name: name("b"),
+        mode: RenameMode::Replace,
+    };
+    h.call(&root(), rename)
+}
+
 fn put_x(h: &Harness, gfid: Gfid) -> Result<FopReply, ErrorCode> {
     h.call(
         &root(),
@@ -287,15 +308,7 @@ fn crash_during_unlink(kind: EngineKind) {
         kind,
         FopCode::Unlink,
         |h| vec![h.put(Gfid::ROOT, "f", b"f").expect("put")],
-        |h, _| {
-            h.call(
-                &root(),
-                Unlink {
-                    parent: Gfid::ROOT,
-                    name: name("f"),
-                },
-            )
-        },
+        |h, _| unlink_root(h, "f"),
         |h, ids, _| {
             match h.lookup(Gfid::ROOT, "f") {
                 Ok(found) => {
@@ -332,15 +345,7 @@ fn crash_during_unlink_of_a_symlink(kind: EngineKind) {
             h.call(&root(), symlink).expect("symlink");
             vec![gfid]
         },
-        |h, _| {
-            h.call(
-                &root(),
-                Unlink {
-                    parent: Gfid::ROOT,
-                    name: name("s"),
-                },
-            )
-        },
+        |h, _| unlink_root(h, "s"),
         |h, ids, _| {
             match h.lookup(Gfid::ROOT, "s") {
                 Ok(found) => {
@@ -371,15 +376,7 @@ fn crash_during_unlink_of_one_of_two_names(kind: EngineKind) {
             h.call(&root(), link).expect("link");
             vec![gfid]
         },
-        |h, _| {
-            h.call(
-                &root(),
-                Unlink {
-                    parent: Gfid::ROOT,
-                    name: name("f"),
-                },
-            )
-        },
+        |h, _| unlink_root(h, "f"),
         |h, ids, _| {
             assert_eq!(h.lookup(Gfid::ROOT, "g").expect("other name").gfid, ids[0]);
             // The names the file has (the brick does not count its handle).
@@ -433,18 +430,7 @@ fn crash_during_rename_replacing_a_file(kind: EngineKind) {
                 h.put(Gfid::ROOT, "b", b"b").expect("put"),
             ]
         },
-        |h, _| {
-            h.call(
-                &root(),
-                Rename {
-                    old_parent: Gfid::ROOT,
-                    old_name: name("a"),
-                    new_parent: Gfid::ROOT,
-                    new_name: name("b"),
-                    mode: RenameMode::Replace,
-                },
-            )
-        },
+        |h, _| rename_a_over_b(h),
         |h, ids, _| {
             let b = h.lookup(Gfid::ROOT, "b").expect("b always exists");
             if b.gfid == ids[1] {
@@ -485,18 +471,7 @@ fn crash_during_rename_replacing_one_of_two_names(kind: EngineKind) {
             h.call(&root(), link).expect("link");
             vec![a, b]
         },
-        |h, _| {
-            h.call(
-                &root(),
-                Rename {
-                    old_parent: Gfid::ROOT,
-                    old_name: name("a"),
-                    new_parent: Gfid::ROOT,
-                    new_name: name("b"),
-                    mode: RenameMode::Replace,
-                },
-            )
-        },
+        |h, _| rename_a_over_b(h),
         |h, ids, _| {
             assert_eq!(h.lookup(Gfid::ROOT, "c").expect("other name").gfid, ids[1]);
             let renamed = h.lookup(Gfid::ROOT, "b").expect("b always exists").gfid == ids[0];

@@ -145,18 +145,10 @@ impl<E: Exec> Fops<E> {
         if gfid.is_root() || lock(&self.dirs).get(gfid).is_some() {
             return self.pin_dir(gfid).await;
         }
-        let open = op::Open {
-            dir: self.brick.handle_dir(gfid).clone(),
-            name: Brick::handle_name(gfid),
-            flags: libc::O_PATH | libc::O_NOFOLLOW,
-            mode: 0,
-            fixed: false,
-        };
-        let fd = match self.run_one::<FileRef>(Step::brick(open)).await {
-            Ok(FileRef::Fd(fd)) => fd,
-            Ok(_) => return Err(op::invariant("a plain open gave a direct descriptor")),
+        let open = op::Open::path(self.brick.handle_dir(gfid), &Brick::handle_name(gfid));
+        let fd = match self.hold(Step::brick(open)).await {
             Err(Errno::NOENT | Errno::NOTDIR) => return Err(Errno::STALE),
-            Err(e) => return Err(e),
+            held => held?,
         };
         let stat = self.fstat_dir(&fd).await?;
         if stat.is_symlink() && !self.is_own_handle(gfid).await {
@@ -169,14 +161,13 @@ impl<E: Exec> Fops<E> {
     /// `dir/name` itself (never what a symlink points at), held by an `O_PATH` fd and looked
     /// up as the caller.
     pub(super) async fn hold_as(&self, creds: &Creds, dir: &DirFd, name: &CString) -> R<DirFd> {
-        let open = op::Open {
-            dir: dir.clone(),
-            name: name.clone(),
-            flags: libc::O_PATH | libc::O_NOFOLLOW,
-            mode: 0,
-            fixed: false,
-        };
-        match self.run_one::<FileRef>(Step::caller(open, creds)).await? {
+        self.hold(Step::caller(op::Open::path(dir, name), creds))
+            .await
+    }
+
+    /// Runs an `O_PATH` open ([`op::Open::path`]): the plain fd it gives.
+    async fn hold(&self, open: Step) -> R<DirFd> {
+        match self.run_one::<FileRef>(open).await? {
             FileRef::Fd(fd) => Ok(fd),
             _ => Err(op::invariant("a plain open gave a direct descriptor")),
         }

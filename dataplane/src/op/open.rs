@@ -31,6 +31,19 @@ pub struct Close {
     pub file: FileRef,
 }
 
+impl Open {
+    /// `dir/name` itself (never what a symlink points at), for an `O_PATH` fd to hold it by.
+    pub fn path(dir: &DirFd, name: &CString) -> Open {
+        Open {
+            dir: dir.clone(),
+            name: name.clone(),
+            flags: libc::O_PATH | libc::O_NOFOLLOW,
+            mode: 0,
+            fixed: false,
+        }
+    }
+}
+
 impl RingOp for Open {
     const OPCODE: Option<(u8, &'static str)> = Some((opcode::OpenAt::CODE, "openat"));
 
