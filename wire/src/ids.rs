@@ -7,13 +7,25 @@ use crate::codec::{Decode, DecodeError, Encode, Encoder, Reader};
 
 /// Writes 16 bytes in the canonical 8-4-4-4-12 UUID form.
 fn fmt_uuid(bytes: &[u8; 16], f: &mut fmt::Formatter<'_>) -> fmt::Result {
+    let text = uuid_text(bytes);
+    f.write_str(std::str::from_utf8(&text).map_err(|_| fmt::Error)?)
+}
+
+/// 16 bytes in the canonical 8-4-4-4-12 UUID form, lower-case hex (a GFID is formatted for
+/// every handle a fop opens: no formatter machinery).
+fn uuid_text(bytes: &[u8; 16]) -> [u8; 36] {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut out = [b'-'; 36];
+    let mut at = 0;
     for (i, b) in bytes.iter().enumerate() {
         if matches!(i, 4 | 6 | 8 | 10) {
-            f.write_str("-")?;
+            at += 1;
         }
-        write!(f, "{b:02x}")?;
+        out[at] = HEX[usize::from(b >> 4)];
+        out[at + 1] = HEX[usize::from(b & 0xf)];
+        at += 2;
     }
-    Ok(())
+    out
 }
 
 /// Parses the canonical UUID form (hyphens at 8, 13, 18, 23; either hex case).
@@ -54,6 +66,11 @@ impl Gfid {
 
     pub fn is_root(&self) -> bool {
         *self == Self::ROOT
+    }
+
+    /// The canonical UUID form as ASCII bytes, what `Display` prints.
+    pub fn text(&self) -> [u8; 36] {
+        uuid_text(&self.0)
     }
 }
 

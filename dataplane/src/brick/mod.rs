@@ -244,8 +244,13 @@ impl Brick {
 
     /// `gfid`'s handle relative to [`Brick::handle_dir`]: `YY/<gfid>`.
     pub fn handle_name(gfid: &Gfid) -> CString {
-        let s = format!("{:02x}/{gfid}", gfid.as_bytes()[1]);
-        CString::new(s).unwrap_or_default()
+        let text = gfid.text();
+        // YY is the hex of the GFID's second byte, the text's characters 2 and 3.
+        let mut name = Vec::with_capacity(3 + text.len() + 1);
+        name.extend_from_slice(&text[2..4]);
+        name.push(b'/');
+        name.extend_from_slice(&text);
+        CString::new(name).unwrap_or_default()
     }
 
     /// `gfid`'s handle relative to the brick root: `.glusterfs/XX/YY/<gfid>`.
@@ -405,6 +410,10 @@ mod tests {
         assert_eq!(
             Brick::handle_path(&parent),
             ".glusterfs/0a/1b/0a1b2c3d-0000-4000-8000-000000000009"
+        );
+        assert_eq!(
+            Brick::handle_name(&parent).as_bytes(),
+            b"1b/0a1b2c3d-0000-4000-8000-000000000009"
         );
     }
 }

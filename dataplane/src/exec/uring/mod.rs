@@ -12,8 +12,8 @@
 //! * A step runs as the caller through a registered personality (one per distinct caller,
 //!   captured once, kept in an LRU).
 //! * Ops that run inline (`statx` and plain closes: see `op::stat`) run on the worker at either
-//!   end of a chain; one between ring steps stays in the ring, so a chain is still one
-//!   submission. Ops with no opcode on this kernel (probed at start) and calls io_uring has no
+//!   end of a chain (a chain of nothing else runs there whole, at once); one between ring
+//!   steps stays in the ring, so a chain is still one submission. Ops with no opcode on this kernel (probed at start) and calls io_uring has no
 //!   opcode for run on a small bounded blocking pool.
 //! * A worker with nothing else in flight runs a chain of quick steps (`op::RingOp::quick`)
 //!   as plain system calls: with no other work to overlap, the ring's hand-offs to io-wq
@@ -281,11 +281,17 @@ fn fail_all(n: usize, e: Errno) -> Vec<StepResult> {
 
 impl Exec for UringExec {
     async fn run(&self, steps: Vec<Step>) -> Vec<StepResult> {
+        if steps.iter().all(|s| s.op.inline()) {
+            // Nothing to overlap (a LOOKUP's two statx): no yield, no ring.
+            return super::blocking::run_chain(steps);
+        }
         let _running = Running::enter(&self.running);
-        if self.idle_inline && steps.iter().all(|s| s.op.quick()) {
+        let idle = self.running.get() == 1;
+        if self.idle_inline && idle && steps.iter().all(|s| s.op.quick()) {
             // Fops ready on this worker start first (a chain run inline never yields, so
             // without this every chain would find the worker idle); if one reaches the ring
-            // or waits here, the worker is busy and the ring overlaps the work.
+            // or waits here, the worker is busy and the ring overlaps the work. A worker
+            // with chains in flight is busy already: no yield.
             tokio::task::yield_now().await;
             if self.running.get() == 1 {
                 self.ring.bump(|s| s.idle_chains += 1);
