@@ -1,210 +1,25 @@
-//! Directory leases (`docs/wire.md`, "Leases"): which session holds which lease on which
-//! directory, the recalls under way, the revoked marks, and the check every fop passes before
-//! it runs. One [`Leases`] is shared by every worker of a brick.
-//!
-//! * **Grants** ([`Leases::grant`]) never recall: a lease is granted only when nothing is in
-//!   the way — no other session's conflicting lease, no recall of that directory under way,
-//!   no recall there caused by another session within `features.lease-contention-ms`, no
-//!   other session's conflicting fop running there. Otherwise the answer is less than asked.
-//! * **The check** ([`Leases::admit`]) finds the other sessions' leases a fop conflicts with
-//!   (a write lease: any fop; a read lease: a fop that changes the directory), sends each
-//!   holder a RECALL once, and waits — on a [`Notify`], holding no thread — until every one is
-//!   back: returned by LEASE, its session ended, or revoked `features.lease-recall-timeout-ms`
-//!   after the recall. A revoked session gets ESTALE for fops touching that directory until it
-//!   sends LEASE for it again. A fop that passed the check is registered as running there
-//!   until it ends, so no lease is granted under it.
-//! * **Free when unused.** While no lease and no revoked mark exist the gate is disarmed and a
-//!   fop pays an atomic add and sub on its worker's own counter and three loads
-//!   ([`Leases::enter`]). The first grant arms it, then waits until every fop that passed the
-//!   disarmed gate has ended (they are counted per epoch parity, as SRCU does), so no lease is
-//!   granted under a fop that was never checked.
-//!
-//! The table (`Table`) is plain data: time comes in as an argument, so its rules are tested
-//! without sleeping.
+//! The lease table (`Table`): every lease of a brick, the recalls under way, the revoked
+//! marks and the fops running, with the rules for LEASE and for the check. It is plain data:
+//! time comes in as an argument, so its rules are tested without sleeping.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
-use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use kiln_admin::options::BrickSettings;
-use kiln_wire::{FdId, FopRequest, Gfid, LeaseKind, Name, Recall, RenameMode};
-use rustix::io::Errno;
-use tokio::sync::{Notify, mpsc};
+use kiln_wire::{Gfid, LeaseKind, Recall};
+use tokio::sync::mpsc;
 
+use super::{
+    Access, DIRS_SWEEP_MIN, LEASES_PER_SESSION_MAX, LeaseSettings, LeaseStats, RECALL_TIMEOUTS_MAX,
+    Targets,
+};
 use crate::fdtable::SessionId;
-
-/// Leases one session may hold at once; past it, LEASE answers none.
-pub const LEASES_PER_SESSION_MAX: usize = 65_536;
-/// RECALL events queued for one session's connection; a recall that finds the queue full is
-/// not sent, and its lease is revoked when the recall times out.
-pub const RECALLS_QUEUED_MAX: usize = 1024;
-/// How long a grant that arms the gate waits for fops that passed it disarmed; past it, the
-/// answer is none (a later LEASE tries again).
-pub const DRAIN_WAIT_MAX: Duration = Duration::from_secs(1);
-/// How often an arming grant looks whether those fops have ended.
-const DRAIN_POLL: Duration = Duration::from_millis(1);
-/// A holder still sending fops is giving back what was recalled (its changes queued before
-/// the recall go first): each fop moves the recall's deadline to a full timeout away, up to
-/// this many timeouts after the recall.
-pub const RECALL_TIMEOUTS_MAX: u32 = 12;
-/// Directories remembered (for their last recall, or a fop running there) before the idle
-/// ones are swept out; the sweep runs again when the table has doubled since.
-const DIRS_SWEEP_MIN: usize = 1024;
-
-/// `features.leases`, `features.lease-recall-timeout-ms`, `features.lease-contention-ms`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LeaseSettings {
-    /// Off: every LEASE is answered none (leases held keep being honoured until returned).
-    pub enabled: bool,
-    /// How long a recalled lease may stay out before it is revoked.
-    pub recall_timeout: Duration,
-    /// How long after a recall caused by another session a directory's leases are refused.
-    pub contention: Duration,
-}
-
-impl Default for LeaseSettings {
-    fn default() -> Self {
-        LeaseSettings {
-            enabled: true,
-            recall_timeout: Duration::from_millis(5000),
-            contention: Duration::from_millis(1000),
-        }
-    }
-}
-
-impl From<&BrickSettings> for LeaseSettings {
-    fn from(settings: &BrickSettings) -> LeaseSettings {
-        LeaseSettings {
-            enabled: settings.leases,
-            recall_timeout: Duration::from_millis(settings.lease_recall_timeout_ms),
-            contention: Duration::from_millis(settings.lease_contention_ms),
-        }
-    }
-}
-
-/// A session's RECALL events, for its connection to send.
-pub type RecallEvents = mpsc::Receiver<Recall>;
-
-/// What lease activity a brick has seen: counters since start, and the leases held now.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct LeaseStats {
-    pub grants: u64,
-    pub recalls: u64,
-    /// Leases given back by LEASE (to none, or a downgrade).
-    pub returns: u64,
-    pub revocations: u64,
-    /// Fops that waited for a recall.
-    pub waits: u64,
-    /// Leases held now.
-    pub held: u64,
-}
-
-// ---- what a fop touches ----
-
-/// How a fop uses a directory it touches.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Access {
-    /// Reads it, or names something in it, or works on it without changing it.
-    Look,
-    /// Makes, removes or renames an entry there, sets its attributes or xattrs, removes it.
-    Change,
-}
-
-/// What a fop touches, before its fd and the directory it would remove are resolved.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct Touches {
-    /// Parents of entry fops and the objects of GFID fops.
-    pub dirs: Vec<(Gfid, Access)>,
-    /// The open fd of an fd fop, whose object is touched.
-    pub fd: Option<(FdId, Access)>,
-    /// The entry (parent, name) an RMDIR or a replacing RENAME would remove, if a directory.
-    pub removes: Option<(Gfid, Name)>,
-}
-
-/// What `fop` touches (`docs/wire.md`, "Conflicts"). LEASE touches nothing: it has rules of
-/// its own.
-pub fn touches(fop: &FopRequest) -> Touches {
-    use Access::{Change, Look};
-    use FopRequest as Q;
-    let dirs = |list: &[(Gfid, Access)]| Touches {
-        dirs: list.to_vec(),
-        ..Touches::default()
-    };
-    let fd = |fd: FdId, access: Access| Touches {
-        fd: Some((fd, access)),
-        ..Touches::default()
-    };
-    match fop {
-        Q::Lookup(r) => dirs(&[(r.parent, Look)]),
-        Q::LookupXattrs(r) => dirs(&[(r.parent, Look)]),
-        Q::Mknod(r) => dirs(&[(r.parent, Change)]),
-        Q::Mkdir(r) => dirs(&[(r.parent, Change)]),
-        Q::Symlink(r) => dirs(&[(r.parent, Change)]),
-        Q::Create(r) => dirs(&[(r.parent, Change)]),
-        Q::Put(r) => dirs(&[(r.parent, Change)]),
-        Q::Unlink(r) => dirs(&[(r.parent, Change)]),
-        Q::Rmdir(r) => Touches {
-            removes: Some((r.parent, r.name.clone())),
-            ..dirs(&[(r.parent, Change)])
-        },
-        Q::Rename(r) => Touches {
-            removes: (r.mode == RenameMode::Replace).then(|| (r.new_parent, r.new_name.clone())),
-            ..dirs(&[(r.old_parent, Change), (r.new_parent, Change)])
-        },
-        Q::Link(r) => dirs(&[(r.gfid, Look), (r.new_parent, Change)]),
-        Q::Stat(r) => dirs(&[(r.gfid, Look)]),
-        Q::Access(r) => dirs(&[(r.gfid, Look)]),
-        Q::Readlink(r) => dirs(&[(r.gfid, Look)]),
-        Q::Statfs(r) => dirs(&[(r.gfid, Look)]),
-        Q::Getxattr(r) => dirs(&[(r.gfid, Look)]),
-        Q::Listxattr(r) => dirs(&[(r.gfid, Look)]),
-        Q::Open(r) => dirs(&[(r.gfid, Look)]),
-        Q::Get(r) => dirs(&[(r.gfid, Look)]),
-        Q::Opendir(r) => dirs(&[(r.gfid, Look)]),
-        Q::Setattr(r) => dirs(&[(r.gfid, Change)]),
-        Q::Truncate(r) => dirs(&[(r.gfid, Change)]),
-        Q::Setxattr(r) => dirs(&[(r.gfid, Change)]),
-        Q::Removexattr(r) => dirs(&[(r.gfid, Change)]),
-        Q::Lease(_) => Touches::default(),
-        Q::Write(r) => fd(r.fd, Change),
-        Q::Ftruncate(r) => fd(r.fd, Change),
-        Q::Fallocate(r) => fd(r.fd, Change),
-        Q::Discard(r) => fd(r.fd, Change),
-        Q::Zerofill(r) => fd(r.fd, Change),
-        Q::Fsetxattr(r) => fd(r.fd, Change),
-        Q::Fremovexattr(r) => fd(r.fd, Change),
-        Q::Fsetattr(r) => fd(r.fd, Change),
-        // Every other fop names an fd and only reads through it (or releases it).
-        other => other.fd().map_or_else(Touches::default, |f| fd(f, Look)),
-    }
-}
-
-/// The directories one fop touches, resolved: what the check looks at.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Targets {
-    dirs: Vec<(Gfid, Access)>,
-    /// The directory the fop would remove (also among `dirs`, as a change).
-    removed: Option<Gfid>,
-}
-
-impl Targets {
-    pub fn new(mut dirs: Vec<(Gfid, Access)>, removed: Option<Gfid>) -> Targets {
-        if let Some(gfid) = removed {
-            dirs.push((gfid, Access::Change));
-        }
-        Targets { dirs, removed }
-    }
-}
-
-// ---- the table ----
 
 /// A lease held by a session.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Holder {
+pub(super) struct Holder {
     session: SessionId,
     /// `Read` or `Write`, never `None`.
-    kind: LeaseKind,
+    pub(super) kind: LeaseKind,
     /// When the recall sent for it runs out; `None` while it is not recalled.
     recall_due: Option<Instant>,
     /// When that recall was sent.
@@ -271,7 +86,7 @@ struct Attached {
 
 /// What a LEASE request leads to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Decision {
+pub(super) enum Decision {
     /// Answer this kind (what is held now); nothing changes.
     Keep(LeaseKind),
     /// Hold this smaller kind (none: the lease goes).
@@ -282,7 +97,7 @@ enum Decision {
 
 /// What the check found for one fop.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Check {
+pub(super) enum Check {
     Clear,
     /// The session's lease on a touched directory was revoked.
     Stale,
@@ -292,23 +107,23 @@ enum Check {
 
 /// Every lease of a brick, plain data.
 #[derive(Debug, Default)]
-struct Table {
-    settings: LeaseSettings,
+pub(super) struct Table {
+    pub(super) settings: LeaseSettings,
     dirs: HashMap<Gfid, Dir>,
     sessions: HashMap<SessionId, Attached>,
     /// Leases held and revoked marks, over all directories.
-    held: usize,
+    pub(super) held: usize,
     revoked: usize,
     /// The earliest recall deadline, if any recall is under way (maybe earlier than the
     /// real one once that lease came back: then the scan finds nothing and recomputes it).
     next_due: Option<Instant>,
     /// Gate parity whose fops must end before a lease may be granted.
-    draining: Option<usize>,
+    pub(super) draining: Option<usize>,
     /// Grants waiting for that drain: the gate stays armed for them.
-    arming: usize,
+    pub(super) arming: usize,
     /// Directory count after the last sweep.
     swept_at: usize,
-    stats: LeaseStats,
+    pub(super) stats: LeaseStats,
 }
 
 fn rank(kind: LeaseKind) -> u8 {
@@ -322,7 +137,7 @@ fn conflicts(kind: LeaseKind, access: Access) -> bool {
 }
 
 impl Table {
-    fn attach(&mut self, session: SessionId, events: mpsc::Sender<Recall>) {
+    pub(super) fn attach(&mut self, session: SessionId, events: mpsc::Sender<Recall>) {
         let attached = Attached {
             events,
             dirs: HashSet::new(),
@@ -333,22 +148,28 @@ impl Table {
         debug_assert!(replaced.is_none(), "session {session} attached twice");
     }
 
-    fn is_attached(&self, session: SessionId) -> bool {
+    pub(super) fn is_attached(&self, session: SessionId) -> bool {
         self.sessions.contains_key(&session)
     }
 
     /// Whether nothing needs the gate armed: no lease and no revoked mark.
-    fn is_quiet(&self) -> bool {
+    pub(super) fn is_quiet(&self) -> bool {
         self.held == 0 && self.revoked == 0
     }
 
-    fn holder(&self, session: SessionId, gfid: &Gfid) -> Option<&Holder> {
+    pub(super) fn holder(&self, session: SessionId, gfid: &Gfid) -> Option<&Holder> {
         let dir = self.dirs.get(gfid)?;
         dir.holders.iter().find(|h| h.session == session)
     }
 
     /// What LEASE `asked` on `gfid` from `session` would do now.
-    fn decide(&self, session: SessionId, gfid: &Gfid, asked: LeaseKind, now: Instant) -> Decision {
+    pub(super) fn decide(
+        &self,
+        session: SessionId,
+        gfid: &Gfid,
+        asked: LeaseKind,
+        now: Instant,
+    ) -> Decision {
         let own = self.holder(session, gfid);
         let held = own.map_or(LeaseKind::None, |h| h.kind);
         let asked = if self.settings.enabled {
@@ -402,7 +223,7 @@ impl Table {
     }
 
     /// Clears `session`'s revoked mark on `gfid` (it sent LEASE for it); whether there was one.
-    fn clear_revoked(&mut self, session: SessionId, gfid: &Gfid) -> bool {
+    pub(super) fn clear_revoked(&mut self, session: SessionId, gfid: &Gfid) -> bool {
         let Some(dir) = self.dirs.get_mut(gfid) else {
             return false;
         };
@@ -419,7 +240,7 @@ impl Table {
     }
 
     /// Makes `session` hold `kind` on `gfid` (none: no lease).
-    fn set(&mut self, session: SessionId, gfid: Gfid, kind: LeaseKind) {
+    pub(super) fn set(&mut self, session: SessionId, gfid: Gfid, kind: LeaseKind) {
         let Some(attached) = self.sessions.get_mut(&session) else {
             debug_assert!(
                 false,
@@ -456,7 +277,7 @@ impl Table {
 
     /// What a fop of `session` touching `targets` meets: a revoked mark of its own, leases of
     /// others to recall (each recalled once: its holder gets a RECALL event now), or nothing.
-    fn check(&mut self, session: SessionId, targets: &Targets, now: Instant) -> Check {
+    pub(super) fn check(&mut self, session: SessionId, targets: &Targets, now: Instant) -> Check {
         let stale = targets.dirs.iter().any(|(gfid, _)| {
             self.dirs
                 .get(gfid)
@@ -527,7 +348,7 @@ impl Table {
         });
     }
 
-    fn register(&mut self, session: SessionId, targets: &Targets) {
+    pub(super) fn register(&mut self, session: SessionId, targets: &Targets) {
         for &(gfid, access) in &targets.dirs {
             self.dirs
                 .entry(gfid)
@@ -537,7 +358,7 @@ impl Table {
         }
     }
 
-    fn unregister(&mut self, session: SessionId, targets: &Targets, now: Instant) {
+    pub(super) fn unregister(&mut self, session: SessionId, targets: &Targets, now: Instant) {
         for (gfid, access) in &targets.dirs {
             let Some(dir) = self.dirs.get_mut(gfid) else {
                 continue;
@@ -550,7 +371,7 @@ impl Table {
     }
 
     /// Revokes every recalled lease whose recall ran out by `now`; how many.
-    fn expire(&mut self, now: Instant) -> usize {
+    pub(super) fn expire(&mut self, now: Instant) -> usize {
         if self.next_due.is_none_or(|due| now < due) {
             return 0;
         }
@@ -586,7 +407,7 @@ impl Table {
     }
 
     /// Directory `gfid` is gone: its leases and marks with it.
-    fn drop_dir(&mut self, gfid: &Gfid, now: Instant) {
+    pub(super) fn drop_dir(&mut self, gfid: &Gfid, now: Instant) {
         let Some(dir) = self.dirs.get_mut(gfid) else {
             return;
         };
@@ -607,7 +428,7 @@ impl Table {
     }
 
     /// Session `session` ended: its leases and marks go.
-    fn detach(&mut self, session: SessionId, now: Instant) {
+    pub(super) fn detach(&mut self, session: SessionId, now: Instant) {
         let Some(attached) = self.sessions.remove(&session) else {
             return;
         };
@@ -626,7 +447,7 @@ impl Table {
 
     /// Forgets directory `gfid` if nothing about it is worth keeping; sweeps every idle one
     /// when the table has doubled since the last sweep.
-    fn tidy(&mut self, gfid: &Gfid, now: Instant) {
+    pub(super) fn tidy(&mut self, gfid: &Gfid, now: Instant) {
         let contention = self.settings.contention;
         if self
             .dirs
@@ -658,364 +479,10 @@ fn send_recall(sessions: &HashMap<SessionId, Attached>, holder: SessionId, gfid:
     }
 }
 
-// ---- the gate ----
-
-/// Fops that passed the disarmed gate and are running, on one worker, by epoch parity. Its
-/// own cache line, so workers never write each other's.
-#[derive(Debug, Default)]
-#[repr(align(128))]
-pub struct Slot {
-    running: [AtomicUsize; 2],
-}
-
-/// A fop that passed the disarmed gate, counted until it ends.
-#[derive(Debug)]
-pub struct Unarmed<'a> {
-    slot: &'a Slot,
-    parity: usize,
-}
-
-impl Drop for Unarmed<'_> {
-    fn drop(&mut self) {
-        self.slot.running[self.parity].fetch_sub(1, SeqCst);
-    }
-}
-
-/// Whether fops must be checked, and which ones passed unchecked (an SRCU-like epoch).
-#[derive(Debug, Default)]
-struct Gate {
-    armed: AtomicBool,
-    epoch: AtomicUsize,
-    slots: Mutex<Vec<Arc<Slot>>>,
-}
-
-impl Gate {
-    /// Passes a fop unchecked while disarmed, counting it in `slot` until the guard goes.
-    ///
-    /// Counted before `armed` is read, all sequentially consistent: either [`Gate::arm`]'s
-    /// drain sees the count, or the fop sees the gate armed. The epoch read again catches an
-    /// arming between the first read and the count (that count would be in the parity the
-    /// next arming drains, not this one).
-    fn enter<'s>(&self, slot: &'s Slot) -> Option<Unarmed<'s>> {
-        loop {
-            let epoch = self.epoch.load(SeqCst);
-            let parity = epoch & 1;
-            slot.running[parity].fetch_add(1, SeqCst);
-            if self.armed.load(SeqCst) {
-                slot.running[parity].fetch_sub(1, SeqCst);
-                return None;
-            }
-            if self.epoch.load(SeqCst) == epoch {
-                return Some(Unarmed { slot, parity });
-            }
-            slot.running[parity].fetch_sub(1, SeqCst);
-        }
-    }
-
-    /// Arms the gate: fops from now on are checked. Returns the parity of the fops that
-    /// passed unchecked, to drain.
-    fn arm(&self) -> usize {
-        self.armed.store(true, SeqCst);
-        self.epoch.fetch_add(1, SeqCst) & 1
-    }
-
-    fn disarm(&self) {
-        self.armed.store(false, SeqCst);
-    }
-
-    fn is_armed(&self) -> bool {
-        self.armed.load(SeqCst)
-    }
-
-    /// Whether every fop counted in `parity` has ended.
-    fn drained(&self, parity: usize) -> bool {
-        lock(&self.slots)
-            .iter()
-            .all(|s| s.running[parity].load(SeqCst) == 0)
-    }
-}
-
-// ---- the shared leases ----
-
-/// The brick's leases and the gate in front of every fop.
-#[derive(Debug, Default)]
-pub struct Leases {
-    gate: Gate,
-    table: Mutex<Table>,
-    /// Woken when a lease comes back, is revoked or dropped, or a session ends.
-    changed: Notify,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Every update leaves the table whole before it can panic (counters are adjusted with
-    // the entries they count), so a poisoned lock still holds a usable table.
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-impl Leases {
-    pub fn new(settings: LeaseSettings) -> Leases {
-        let leases = Leases::default();
-        lock(&leases.table).settings = settings;
-        leases
-    }
-
-    /// Applies changed settings (live): a new timeout applies to recalls sent from now on.
-    pub fn set_settings(&self, settings: LeaseSettings) {
-        lock(&self.table).settings = settings;
-    }
-
-    pub fn settings(&self) -> LeaseSettings {
-        lock(&self.table).settings
-    }
-
-    pub fn stats(&self) -> LeaseStats {
-        let table = lock(&self.table);
-        LeaseStats {
-            held: table.held as u64,
-            ..table.stats
-        }
-    }
-
-    /// Lets `session` hold leases and send BATCH (it negotiated `LEASES`); its RECALL events
-    /// come out of the returned queue.
-    pub fn attach(&self, session: SessionId) -> RecallEvents {
-        let (events, queue) = mpsc::channel(RECALLS_QUEUED_MAX);
-        lock(&self.table).attach(session, events);
-        queue
-    }
-
-    /// Whether `session` may hold leases and send BATCH.
-    pub fn is_attached(&self, session: SessionId) -> bool {
-        lock(&self.table).is_attached(session)
-    }
-
-    /// Session `session` ended: its leases go and the fops waiting for them run.
-    pub fn end_session(&self, session: SessionId) {
-        let mut table = lock(&self.table);
-        if !table.is_attached(session) {
-            return;
-        }
-        table.detach(session, Instant::now());
-        self.settle(&mut table);
-        drop(table);
-        self.changed.notify_waiters();
-    }
-
-    /// A counter for the fops of one worker ([`Leases::enter`]).
-    pub fn slot(&self) -> Arc<Slot> {
-        let slot = Arc::new(Slot::default());
-        lock(&self.gate.slots).push(slot.clone());
-        slot
-    }
-
-    /// Passes a fop without a check while no lease and no revoked mark exist (the guard
-    /// counts it until it ends); `None`: the fop must be checked ([`Leases::admit`]).
-    pub fn enter<'s>(&self, slot: &'s Slot) -> Option<Unarmed<'s>> {
-        self.gate.enter(slot)
-    }
-
-    /// Whether fops are checked now.
-    pub fn is_armed(&self) -> bool {
-        self.gate.is_armed()
-    }
-
-    /// Waits until no other session's lease conflicts with a fop of `session` touching
-    /// `targets` (recalling them), then lets it run, registered as running there when
-    /// `register` (until the returned guard goes). ESTALE when the session's own lease on one
-    /// of them was revoked.
-    pub async fn admit(
-        &self,
-        session: SessionId,
-        targets: Targets,
-        register: bool,
-    ) -> Result<Admitted<'_>, Errno> {
-        let mut waited = false;
-        loop {
-            let changed = self.changed.notified();
-            let mut changed = std::pin::pin!(changed);
-            // Enabled before the table is read, so a wake-up in between is not lost.
-            changed.as_mut().enable();
-            let (check, revoked) = {
-                let mut table = lock(&self.table);
-                let now = Instant::now();
-                let revoked = table.expire(now);
-                let check = table.check(session, &targets, now);
-                match check {
-                    Check::Clear if register => table.register(session, &targets),
-                    Check::Wait(_) if !waited => table.stats.waits += 1,
-                    _ => {}
-                }
-                self.settle(&mut table);
-                (check, revoked)
-            };
-            if revoked > 0 {
-                self.changed.notify_waiters();
-            }
-            match check {
-                Check::Clear => {
-                    return Ok(Admitted {
-                        leases: self,
-                        session,
-                        targets: register.then_some(targets),
-                    });
-                }
-                Check::Stale => return Err(Errno::STALE),
-                Check::Wait(due) => {
-                    waited = true;
-                    let due = tokio::time::Instant::from_std(due);
-                    tokio::select! {
-                        () = &mut changed => {}
-                        () = tokio::time::sleep_until(due) => {}
-                    }
-                }
-            }
-        }
-    }
-
-    /// LEASE `asked` on directory `gfid` for `session`: the kind it holds afterwards
-    /// (`docs/wire.md`). ENOTSUP for a session that did not negotiate leases.
-    pub async fn grant(
-        &self,
-        session: SessionId,
-        gfid: Gfid,
-        asked: LeaseKind,
-    ) -> Result<LeaseKind, Errno> {
-        let give_up = Instant::now() + DRAIN_WAIT_MAX;
-        loop {
-            if let Some(kind) = self.try_grant(session, gfid, asked, give_up)? {
-                return Ok(kind);
-            }
-            let _arming = Arming(self);
-            tokio::time::sleep(DRAIN_POLL).await;
-        }
-    }
-
-    /// One attempt of [`Leases::grant`]: `None` when the lease could be granted but fops that
-    /// passed the disarmed gate are still running (counted in `arming`, which the caller's
-    /// `Arming` gives back).
-    fn try_grant(
-        &self,
-        session: SessionId,
-        gfid: Gfid,
-        asked: LeaseKind,
-        give_up: Instant,
-    ) -> Result<Option<LeaseKind>, Errno> {
-        let mut table = lock(&self.table);
-        if !table.is_attached(session) {
-            return Err(Errno::NOTSUP);
-        }
-        let now = Instant::now();
-        let mut wake = table.expire(now) > 0;
-        table.clear_revoked(session, &gfid);
-        let kind = match table.decide(session, &gfid, asked, now) {
-            Decision::Keep(kind) => kind,
-            Decision::Lower(kind) => {
-                table.set(session, gfid, kind);
-                table.stats.returns += 1;
-                wake = true;
-                kind
-            }
-            Decision::Raise(kind) if self.ready(&mut table) => {
-                table.set(session, gfid, kind);
-                table.stats.grants += 1;
-                kind
-            }
-            Decision::Raise(_) if now < give_up => {
-                table.arming += 1;
-                return Ok(None);
-            }
-            Decision::Raise(_) => table
-                .holder(session, &gfid)
-                .map_or(LeaseKind::None, |h| h.kind),
-        };
-        table.tidy(&gfid, now);
-        self.settle(&mut table);
-        drop(table);
-        if wake {
-            self.changed.notify_waiters();
-        }
-        Ok(Some(kind))
-    }
-
-    /// Arms the gate if it is not, and says whether every fop that passed it disarmed has
-    /// ended (a lease may be granted).
-    fn ready(&self, table: &mut Table) -> bool {
-        if !self.gate.is_armed() {
-            table.draining = Some(self.gate.arm());
-        }
-        if let Some(parity) = table.draining
-            && self.gate.drained(parity)
-        {
-            table.draining = None;
-        }
-        table.draining.is_none()
-    }
-
-    /// Finishes a drain that is done, and disarms the gate when nothing needs it.
-    fn settle(&self, table: &mut Table) {
-        if let Some(parity) = table.draining
-            && self.gate.drained(parity)
-        {
-            table.draining = None;
-        }
-        let idle = table.is_quiet() && table.draining.is_none() && table.arming == 0;
-        if idle && self.gate.is_armed() {
-            self.gate.disarm();
-        }
-    }
-}
-
-/// A grant waiting for the gate's drain, for as long as this lives (even if the grant is
-/// dropped meanwhile): the gate stays armed for it.
-struct Arming<'a>(&'a Leases);
-
-impl Drop for Arming<'_> {
-    fn drop(&mut self) {
-        let mut table = lock(&self.0.table);
-        table.arming -= 1;
-        self.0.settle(&mut table);
-    }
-}
-
-/// A fop that passed the check, registered as running in the directories it touches until
-/// this goes.
-#[derive(Debug)]
-pub struct Admitted<'a> {
-    leases: &'a Leases,
-    session: SessionId,
-    targets: Option<Targets>,
-}
-
-impl Admitted<'_> {
-    /// The fop ended; `done`: it succeeded, so a directory it removed takes its leases along.
-    pub fn finish(self, done: bool) {
-        let Some(removed) = self.targets.as_ref().and_then(|t| t.removed) else {
-            return;
-        };
-        if !done {
-            return;
-        }
-        let mut table = lock(&self.leases.table);
-        table.drop_dir(&removed, Instant::now());
-        self.leases.settle(&mut table);
-        drop(table);
-        self.leases.changed.notify_waiters();
-    }
-}
-
-impl Drop for Admitted<'_> {
-    fn drop(&mut self) {
-        if let Some(targets) = &self.targets {
-            let mut table = lock(&self.leases.table);
-            table.unregister(self.session, targets, Instant::now());
-            self.leases.settle(&mut table);
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::leases::{RECALLS_QUEUED_MAX, RecallEvents};
     use LeaseKind::{None as No, Read, Write};
 
     const TIMEOUT: Duration = Duration::from_millis(100);
@@ -1330,76 +797,5 @@ mod tests {
         let now = Instant::now();
         t.sessions.get_mut(&1).expect("attached").held = LEASES_PER_SESSION_MAX;
         assert_eq!(lease(&mut t, 1, gfid(1), Read, now), No);
-    }
-
-    #[test]
-    fn fops_touch_what_the_contract_says() {
-        use kiln_wire::{Lookup, Rename, Rmdir, Setattr, Write as WriteFop};
-        let (p, q) = (gfid(1), gfid(2));
-        let n = Name::new("x".to_owned()).expect("name");
-        let lookup = touches(
-            &Lookup {
-                parent: p,
-                name: n.clone(),
-            }
-            .into(),
-        );
-        assert_eq!(lookup.dirs, [(p, Access::Look)]);
-        let rmdir = touches(
-            &Rmdir {
-                parent: p,
-                name: n.clone(),
-            }
-            .into(),
-        );
-        assert_eq!(rmdir.dirs, [(p, Access::Change)]);
-        assert_eq!(rmdir.removes, Some((p, n.clone())));
-        let rename = |mode| Rename {
-            old_parent: p,
-            old_name: n.clone(),
-            new_parent: q,
-            new_name: n.clone(),
-            mode,
-        };
-        let replace = touches(&rename(RenameMode::Replace).into());
-        assert_eq!(replace.dirs, [(p, Access::Change), (q, Access::Change)]);
-        assert_eq!(replace.removes, Some((q, n.clone())));
-        assert_eq!(touches(&rename(RenameMode::Exchange).into()).removes, None);
-        let setattr = Setattr {
-            gfid: p,
-            attr: Default::default(),
-        };
-        assert_eq!(touches(&setattr.into()).dirs, [(p, Access::Change)]);
-        let fd = FdId {
-            slot: 7,
-            generation: 1,
-        };
-        let write = WriteFop {
-            fd,
-            offset: 0,
-            data: kiln_wire::Payload::new(bytes::Bytes::new()).expect("empty"),
-        };
-        assert_eq!(touches(&write.into()).fd, Some((fd, Access::Change)));
-        let fstat = kiln_wire::Fstat { fd };
-        assert_eq!(touches(&fstat.into()).fd, Some((fd, Access::Look)));
-    }
-
-    #[test]
-    fn the_gate_counts_unchecked_fops_until_a_drain() {
-        let leases = Leases::new(LeaseSettings::default());
-        let slot = leases.slot();
-        let pass = leases.enter(&slot).expect("disarmed");
-        let mut table = lock(&leases.table);
-        assert!(
-            !leases.ready(&mut table),
-            "a fop that passed unchecked is running"
-        );
-        assert!(leases.enter(&slot).is_none(), "armed: every fop is checked");
-        drop(pass);
-        assert!(leases.ready(&mut table), "drained");
-        leases.settle(&mut table);
-        assert!(!leases.is_armed(), "quiet: disarmed again");
-        drop(table);
-        assert!(leases.enter(&slot).is_some());
     }
 }
