@@ -13,8 +13,9 @@
 //!   captured once, kept in an LRU).
 //! * Ops that run inline (`statx` and plain closes: see `op::stat`) run on the worker at either
 //!   end of a chain (a chain of nothing else runs there whole, at once); one between ring
-//!   steps stays in the ring, so a chain is still one submission. Ops with no opcode on this kernel (probed at start) and calls io_uring has no
-//!   opcode for run on a small bounded blocking pool.
+//!   steps stays in the ring, so a chain is still one submission. Ops with no opcode on this
+//!   kernel (probed at start) and calls io_uring has no opcode for run on a small bounded
+//!   blocking pool.
 //! * A worker with nothing else in flight runs a chain of quick steps (`op::RingOp::quick`)
 //!   as plain system calls: with no other work to overlap, the ring's hand-offs to io-wq
 //!   threads would only add latency.
