@@ -171,14 +171,8 @@ fn put_small_files_and_retry(kind: EngineKind) {
 fn a_put_sets_its_attributes_or_makes_nothing(kind: EngineKind) {
     let h = Harness::new(kind);
     let put = |n: &str, attr: SetAttr| Put {
-        parent: Gfid::ROOT,
-        name: name(n),
-        gfid: h.gfid(),
-        mode: mode(0o644),
-        umask: mode(0),
-        flags: OpenFlags::empty(),
-        data: Payload::new(Bytes::from_static(b"data")).expect("small"),
         attr,
+        ..small_put(Gfid::ROOT, n, h.gfid(), b"data")
     };
     let restored = SetAttr {
         uid: Some(1234),

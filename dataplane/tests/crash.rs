@@ -82,19 +82,7 @@ fn rename_a_over_b(h: &Harness) -> Result<FopReply, ErrorCode> {
 }
 
 fn put_x(h: &Harness, gfid: Gfid) -> Result<FopReply, ErrorCode> {
-    h.call(
-        &root(),
-        Put {
-            parent: Gfid::ROOT,
-            name: name("x"),
-            gfid,
-            mode: mode(0o644),
-            umask: mode(0),
-            flags: OpenFlags::empty(),
-            data: Payload::new(Bytes::from_static(b"payload")).expect("small"),
-            attr: SetAttr::default(),
-        },
-    )
+    h.call(&root(), small_put(Gfid::ROOT, "x", gfid, b"payload"))
 }
 
 /// After a crashed create of `x` with `gfid`: `x` is absent or is that object; a retry with

@@ -9,7 +9,6 @@ mod common;
 use std::future::Future;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use common::*;
 use kiln_dataplane::leases::{LeaseSettings, RecallEvents};
 use kiln_dataplane::{EngineKind, FopsConfig, Session};
@@ -69,17 +68,7 @@ fn lookup(parent: Gfid, n: &str) -> FopRequest {
 }
 
 fn put(h: &Harness, parent: Gfid, n: &str) -> FopRequest {
-    Put {
-        parent,
-        name: name(n),
-        gfid: h.gfid(),
-        mode: mode(0o644),
-        umask: mode(0),
-        flags: OpenFlags::empty(),
-        data: Payload::new(Bytes::from_static(b"data")).expect("small"),
-        attr: SetAttr::default(),
-    }
-    .into()
+    small_put(parent, n, h.gfid(), b"data").into()
 }
 
 fn mkdir(h: &Harness, parent: Gfid, n: &str) -> (Gfid, FopRequest) {

@@ -108,7 +108,7 @@ pub struct BrickState {
     /// in records, and may come back), each with the turn its removals take one at a time and
     /// how many there are: a create must not take such a GFID meanwhile (two objects, one
     /// GFID).
-    parked: Mutex<HashMap<Gfid, (RemovalTurn, u32)>>,
+    removals: Mutex<HashMap<Gfid, (RemovalTurn, u32)>>,
     /// Directories where files are being created or unlinked, with their `dir` records.
     dir_records: Mutex<HashMap<Gfid, namespace::DirRecord>>,
     /// Set by an fsync error: data may be lost, so writes are refused until restart.
@@ -123,7 +123,7 @@ impl BrickState {
             next_session: AtomicU64::new(1),
             locks: Mutex::new(LockTable::new(config.locks_per_client_max)),
             leases: Leases::new(config.leases),
-            parked: Mutex::new(HashMap::new()),
+            removals: Mutex::new(HashMap::new()),
             dir_records: Mutex::new(HashMap::new()),
             poisoned: AtomicBool::new(false),
         }
@@ -138,22 +138,22 @@ impl BrickState {
     /// under way until the guard goes: removals of one object's names run one at a time, each
     /// seeing the link count the one before left.
     async fn removing(&self, gfid: Gfid) -> Removing<'_> {
-        let parked = {
-            let mut parked = lock(&self.parked);
-            let (turn, waiting) = parked.entry(gfid).or_default();
-            *waiting += 1;
+        let turn = {
+            let mut removals = lock(&self.removals);
+            let (turn, counted) = removals.entry(gfid).or_default();
+            *counted += 1;
             turn.clone()
         };
-        let counted = Parked { state: self, gfid };
+        let counted = Counted { state: self, gfid };
         Removing {
-            _turn: parked.lock_owned().await,
+            _turn: turn.lock_owned().await,
             _counted: counted,
         }
     }
 
     /// Whether a removal of a name of `gfid` is under way or waiting.
-    fn is_parked(&self, gfid: &Gfid) -> bool {
-        lock(&self.parked).contains_key(gfid)
+    fn is_being_removed(&self, gfid: &Gfid) -> bool {
+        lock(&self.removals).contains_key(gfid)
     }
 }
 
@@ -165,24 +165,24 @@ type RemovalTurn = Arc<tokio::sync::Mutex<()>>;
 #[derive(Debug)]
 struct Removing<'a> {
     _turn: tokio::sync::OwnedMutexGuard<()>,
-    _counted: Parked<'a>,
+    _counted: Counted<'a>,
 }
 
 /// One removal of `gfid` counted as under way or waiting, for as long as this lives (also
 /// when the fop is dropped while it waits for its turn).
 #[derive(Debug)]
-struct Parked<'a> {
+struct Counted<'a> {
     state: &'a BrickState,
     gfid: Gfid,
 }
 
-impl Drop for Parked<'_> {
+impl Drop for Counted<'_> {
     fn drop(&mut self) {
-        let mut parked = lock(&self.state.parked);
-        if let Some((_, waiting)) = parked.get_mut(&self.gfid) {
-            *waiting -= 1;
-            if *waiting == 0 {
-                parked.remove(&self.gfid);
+        let mut removals = lock(&self.state.removals);
+        if let Some((_, counted)) = removals.get_mut(&self.gfid) {
+            *counted -= 1;
+            if *counted == 0 {
+                removals.remove(&self.gfid);
             }
         }
     }

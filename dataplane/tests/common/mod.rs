@@ -43,6 +43,21 @@ pub fn mode(m: u32) -> Mode {
     Mode::new(m).expect("valid mode")
 }
 
+/// A PUT of `data` as `parent/n` with GFID `gfid`: mode 0644, no umask, no flags, no
+/// attributes (change a field with `Put { attr, ..small_put(…) }`).
+pub fn small_put(parent: Gfid, n: &str, gfid: Gfid, data: &'static [u8]) -> Put {
+    Put {
+        parent,
+        name: name(n),
+        gfid,
+        mode: mode(0o644),
+        umask: mode(0),
+        flags: OpenFlags::empty(),
+        data: Payload::new(Bytes::from_static(data)).expect("small"),
+        attr: SetAttr::default(),
+    }
+}
+
 impl Harness {
     pub fn new(kind: EngineKind) -> Harness {
         Harness::with(kind, FopsConfig::default())

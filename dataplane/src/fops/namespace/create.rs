@@ -130,7 +130,7 @@ impl<E: Exec> Fops<E> {
         kind: NewKind,
     ) -> R<(EntryReply, Option<FileRef>)> {
         Self::check_entry(parent, name)?;
-        if self.shared.is_parked(&gfid) {
+        if self.shared.is_being_removed(&gfid) {
             // Its object is being removed and may keep it.
             return Err(Errno::EXIST);
         }
