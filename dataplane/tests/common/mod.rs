@@ -45,7 +45,7 @@ pub fn mode(m: u32) -> Mode {
 
 /// A PUT of `data` as `parent/n` with GFID `gfid`: mode 0644, no umask, no flags, no
 /// attributes (change a field with `Put { attr, ..small_put(…) }`).
-pub fn small_put(parent: Gfid, n: &str, gfid: Gfid, data: &'static [u8]) -> Put {
+pub fn small_put(parent: Gfid, n: &str, gfid: Gfid, data: &[u8]) -> Put {
     Put {
         parent,
         name: name(n),
@@ -53,7 +53,7 @@ pub fn small_put(parent: Gfid, n: &str, gfid: Gfid, data: &'static [u8]) -> Put 
         mode: mode(0o644),
         umask: mode(0),
         flags: OpenFlags::empty(),
-        data: Payload::new(Bytes::from_static(data)).expect("small"),
+        data: Payload::new(Bytes::copy_from_slice(data)).expect("small"),
         attr: SetAttr::default(),
     }
 }
@@ -177,19 +177,7 @@ impl Harness {
         data: &[u8],
     ) -> Result<Gfid, ErrorCode> {
         let gfid = self.gfid();
-        self.call(
-            creds,
-            Put {
-                parent,
-                name: name(n),
-                gfid,
-                mode: mode(0o644),
-                umask: mode(0),
-                flags: OpenFlags::empty(),
-                data: Payload::new(Bytes::copy_from_slice(data)).expect("small"),
-                attr: SetAttr::default(),
-            },
-        )?;
+        self.call(creds, small_put(parent, n, gfid, data))?;
         Ok(gfid)
     }
 
