@@ -176,6 +176,78 @@ fn a_held_directory_s_attributes_follow_every_change_and_another_mount() {
     assert_eq!((seen.mode() & 0o7777, seen.nlink()), (0o705, 5));
 }
 
+/// A held directory's listing is kept: listed again (as `rm -rf` lists every directory twice)
+/// it costs the brick nothing, while a change through the mount, or in another mount, is
+/// seen by the next listing.
+#[test]
+fn a_held_directory_is_listed_again_without_the_brick_and_never_stale() {
+    let metrics = common::free_loopback_addr();
+    let brick_args = [
+        "--lease-recall-timeout-ms",
+        RECALL_TIMEOUT_MS,
+        "--count-fop-hits",
+        "--metrics-listen",
+        &metrics,
+    ];
+    // Attributes kept for a minute: the listing may be kept that long.
+    let long = ["attr-timeout-ms=60000", "entry-timeout-ms=60000"];
+    let mut a = Mounted::with_brick(&brick_args, &long);
+    fs::create_dir(a.path("d")).expect("mkdir");
+    make_files(&a.path("d"), 20);
+    fsync_dir(&a.path("d")).expect("sent");
+    // A new mount: it holds nothing yet.
+    a.unmount();
+    a.mount(&long);
+    let ls = |m: &Path| sh_ok(m, "ls -l d");
+    let served = |before: &prometheus_parse::Scrape, after: &prometheus_parse::Scrape, fop| {
+        common::fop_calls(after, fop) - common::fop_calls(before, fop)
+    };
+
+    let before = common::scrape(&metrics);
+    let first = ls(&a.mountpoint);
+    let between = common::scrape(&metrics);
+    let second = ls(&a.mountpoint);
+    let after = common::scrape(&metrics);
+    assert_eq!(first.lines().filter(|l| l.starts_with('-')).count(), 20);
+    assert_eq!(first, second);
+    assert!(served(&before, &between, "READDIRP_XATTRS") >= 1.0);
+    for fop in ["OPENDIR", "READDIRP_XATTRS"] {
+        assert_eq!(
+            served(&between, &after, fop),
+            0.0,
+            "{fop} for the second listing"
+        );
+    }
+    // The first listing's fd is released in the background; the second had none.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut released = served(&before, &after, "RELEASEDIR");
+    while released < 1.0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+        released = served(&before, &common::scrape(&metrics), "RELEASEDIR");
+    }
+    assert_eq!(released, 1.0, "one RELEASEDIR for two listings");
+
+    // A change through the mount: the next listing shows it.
+    fs::set_permissions(
+        a.path("d/f3"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )
+    .expect("chmod");
+    let third = ls(&a.mountpoint);
+    let f3 = third
+        .lines()
+        .find(|l| l.ends_with(" f3"))
+        .expect("f3 listed");
+    assert!(f3.starts_with("-rw------- "), "{third}");
+
+    // A change in another mount recalls the lease: the next listing shows it too.
+    let b = a.another("b", &[]);
+    fs::write(b.path("d/from-b"), b"b").expect("create in b");
+    let fourth = ls(&a.mountpoint);
+    assert!(fourth.lines().any(|l| l.ends_with(" from-b")), "{fourth}");
+    assert_brick_consistent(&a);
+}
+
 #[test]
 fn a_recall_drops_what_the_holder_s_kernel_cached() {
     // Caches that outlive the test: only the recall can make the first mount's kernel ask.

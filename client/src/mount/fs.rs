@@ -78,14 +78,14 @@ impl<L: Layer> KilnFs<L> {
         }
     }
 
-    /// Runs `work` as a task and answers with `ok` or its error.
+    /// Runs `work` ([`KilnFs::run`]) and answers with `ok` or its error.
     fn spawn<R: Fail + Send + 'static, T: Send + 'static>(
         &self,
         reply: R,
         work: impl Future<Output = Result<T>> + Send + 'static,
         ok: impl FnOnce(R, T) + Send + 'static,
     ) {
-        self.runtime.spawn(async move {
+        self.run(async move {
             match work.await {
                 Ok(value) => ok(reply, value),
                 Err(e) => reply.fail(e),
@@ -93,8 +93,29 @@ impl<L: Layer> KilnFs<L> {
         });
     }
 
+    /// Runs `task` for a request: its first steps at once on the FUSE thread, the rest (from
+    /// its first wait on) as a task of the runtime. A request the mount answers itself (a
+    /// held directory's lookup, a change queued behind, a kept listing, a deferred create's
+    /// write) then wakes no other thread; the FUSE thread never blocks, as a task that must
+    /// wait moves to the runtime.
+    fn run(&self, task: impl Future<Output = ()> + Send + 'static) {
+        let _entered = self.runtime.enter();
+        let mut task = Box::pin(task);
+        let mut first = std::task::Context::from_waker(std::task::Waker::noop());
+        if task.as_mut().poll(&mut first).is_pending() {
+            // Polled again there at once: what woke the no-op waker meanwhile is not lost.
+            self.runtime.spawn(task);
+        }
+    }
+
     pub(super) fn shared(&self) -> Arc<Shared<L>> {
         self.shared.clone()
+    }
+
+    /// Notes a fop that may change an object (before it runs): no listing the mount kept
+    /// before it answers a listing after it.
+    fn note_change(&self) {
+        self.shared.leases.note_change();
     }
 
     /// Runs the fop `build` makes on node `ino` as the caller of `req`, once the node is on
@@ -126,6 +147,7 @@ impl<L: Layer> KilnFs<L> {
         reply: ReplyEntry,
         build: impl FnOnce(&Shared<L>) -> Result<FopRequest> + Send + 'static,
     ) {
+        self.note_change();
         let (s, c) = (self.shared(), creds(req));
         self.spawn(
             reply,
@@ -145,6 +167,7 @@ impl<L: Layer> KilnFs<L> {
         reply: ReplyEmpty,
         build: impl FnOnce(&Shared<L>) -> Result<FopRequest> + Send + 'static,
     ) {
+        self.note_change();
         let (s, c) = (self.shared(), creds(req));
         self.spawn(
             reply,
@@ -183,8 +206,7 @@ impl<L: Layer> KilnFs<L> {
             return;
         };
         let (s, c) = (self.shared(), creds(req));
-        self.runtime
-            .spawn(async move { s.release_handle(&c, open).await });
+        self.run(async move { s.release_handle(&c, open).await });
     }
 }
 
@@ -279,6 +301,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
+        self.note_change();
         let (s, c) = (self.shared(), creds(req));
         let attr = SetAttr {
             mode: mode.map(Mode::from_st_mode),
@@ -445,6 +468,9 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
     }
 
     fn open(&self, req: &Request, ino: INodeNo, flags: FuseOpenFlags, reply: ReplyOpen) {
+        if flags.0 & libc::O_ACCMODE != libc::O_RDONLY || flags.0 & libc::O_TRUNC != 0 {
+            self.note_change();
+        }
         let (s, c) = (self.shared(), creds(req));
         self.spawn(
             reply,
@@ -484,6 +510,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
+        self.note_change();
         let (s, c) = (self.shared(), creds(req));
         let data = Bytes::copy_from_slice(data);
         self.spawn(
@@ -509,6 +536,8 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
             reply.ok();
             return;
         }
+        // It may send a deferred create.
+        self.note_change();
         let (s, c) = (self.shared(), creds(req));
         self.spawn(
             reply,
@@ -573,7 +602,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         reply: ReplyDirectory,
     ) {
         let (s, c) = (self.shared(), creds(req));
-        self.runtime.spawn(async move {
+        self.run(async move {
             let mut reply = reply;
             let result = s
                 .list(&c, fh, offset, |e| {
@@ -602,7 +631,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         reply: ReplyDirectoryPlus,
     ) {
         let (s, c) = (self.shared(), creds(req));
-        self.runtime.spawn(async move {
+        self.run(async move {
             let mut reply = reply;
             let result = s
                 .list(&c, fh, offset, |e| {
@@ -690,6 +719,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         _position: u32,
         reply: ReplyEmpty,
     ) {
+        self.note_change();
         self.shared.inodes.forget_xattr(ino.0, name.as_bytes());
         let name = xattr_name(name);
         let value = XattrValue::new(Bytes::copy_from_slice(value))
@@ -731,6 +761,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
     }
 
     fn removexattr(&self, req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        self.note_change();
         self.shared.inodes.forget_xattr(ino.0, name.as_bytes());
         let name = xattr_name(name);
         self.run_done(req, reply, ino.0, move |s| {
@@ -760,6 +791,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         flags: i32,
         reply: ReplyCreate,
     ) {
+        self.note_change();
         let (s, c, name) = (self.shared(), creds(req), name.to_owned());
         self.spawn(
             reply,
@@ -835,6 +867,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         mode: i32,
         reply: ReplyEmpty,
     ) {
+        self.note_change();
         let (s, c) = (self.shared(), creds(req));
         self.spawn(
             reply,

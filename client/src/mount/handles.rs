@@ -8,6 +8,9 @@
 //!   from the kernel's page cache costs the brick nothing.
 //! * **Deferred creates**: a small write-only create is answered by the mount and sent as one
 //!   PUT at close ([`super::pending`]); its handles get their fds after the PUT.
+//! * **Kept listings**: a directory held under a lease whose last listing the mount keeps
+//!   ([`super::leases`]) is opened and listed without the brick; its fd is opened only if
+//!   the kernel asks for more than the kept listing (a seek, or a listing that went stale).
 //! * **Anchoring**: before a fop that may remove a name, every handle still without an fd gets
 //!   one ([`Shared::anchor_handles`]), so an open file outlives its unlink.
 
@@ -51,6 +54,8 @@ pub(super) struct Open<F> {
     late_creds: Creds,
     /// Opened to run the program in it ([`EXEC_OPEN`]).
     executing: bool,
+    /// A directory: its late fd comes from OPENDIR.
+    directory: bool,
     /// Directories only: entries fetched but not yet given to the kernel.
     listing: tokio::sync::Mutex<Listing>,
 }
@@ -72,6 +77,7 @@ impl<F> Open<F> {
             flags,
             late_creds: late_creds.clone(),
             executing: false,
+            directory: false,
             listing: tokio::sync::Mutex::new(Listing::default()),
         }
     }
@@ -204,36 +210,56 @@ impl<L: Layer> Shared<L> {
         .map_err(errno)
     }
 
-    /// OPENDIR of node `ino`, as `c`; the new handle.
+    /// OPENDIR of node `ino`, as `c`; the new handle. A held directory with a kept listing
+    /// is opened late, the listing answered from what the mount kept, when the kernel checks
+    /// permissions itself (as for [`Shared::opens_late`]).
     pub(super) async fn opendir_handle(&self, c: &Creds, ino: u64) -> Result<u64> {
         let gfid = self.gfid(ino)?;
+        let kept = match self.options.default_permissions {
+            true => self.leases.kept_listing(&gfid, self.options.attr_timeout),
+            false => None,
+        };
+        let fd = match kept {
+            Some(_) => None,
+            None => Some(self.opendir_below(c, gfid).await?),
+        };
+        let open = Open {
+            directory: true,
+            listing: tokio::sync::Mutex::new(Listing {
+                entries: kept
+                    .map(|e| e.iter().cloned().collect())
+                    .unwrap_or_default(),
+                eof: fd.is_none(),
+                ..Listing::default()
+            }),
+            ..Open::new(fd, ino, AccessMode::ReadOnly, OpenFlags::empty(), c)
+        };
+        Ok(self.handles.add(open))
+    }
+
+    /// Opens directory `gfid` below, as `c`, with a read lease asked alongside when the mount
+    /// holds none there (the listing can then tell the mount every entry).
+    async fn opendir_below(&self, c: &Creds, gfid: Gfid) -> Result<L::Fd> {
         // A listing shows the files created here that are still deferred.
         self.settle_dir(Some(gfid)).await;
-        let fd = match self.uses_leases() && !self.leases.has_lease(&gfid) {
-            // A read lease, asked with the open: the listing can then tell the mount every
-            // entry.
-            true => {
-                let lease = kiln_wire::Lease {
-                    gfid,
-                    kind: kiln_wire::LeaseKind::Read,
-                };
-                let (fd, granted) = tokio::join!(
-                    self.layer.opendir(c, gfid),
-                    self.layer.call(c, lease.into())
-                );
-                if let Ok(FopReply::Lease(r)) = granted
-                    && r.kind != kiln_wire::LeaseKind::None
-                    && self.leases.take_grant(&gfid)
-                {
-                    self.leases.hold_read(gfid);
-                }
-                fd
-            }
-            false => self.layer.opendir(c, gfid).await,
+        if !self.uses_leases() || self.leases.has_lease(&gfid) {
+            return self.layer.opendir(c, gfid).await.map_err(errno);
         }
-        .map_err(errno)?;
-        let (access, flags) = (AccessMode::ReadOnly, OpenFlags::empty());
-        Ok(self.add_open(Some(fd), ino, access, flags, c))
+        let lease = kiln_wire::Lease {
+            gfid,
+            kind: kiln_wire::LeaseKind::Read,
+        };
+        let (fd, granted) = tokio::join!(
+            self.layer.opendir(c, gfid),
+            self.layer.call(c, lease.into())
+        );
+        if let Ok(FopReply::Lease(r)) = granted
+            && r.kind != kiln_wire::LeaseKind::None
+            && self.leases.take_grant(&gfid)
+        {
+            self.leases.hold_read(gfid);
+        }
+        fd.map_err(errno)
     }
 
     /// CREATE of `name` in node `parent` with kernel `mode`, `umask` and `flags`, as `c`:
@@ -469,21 +495,28 @@ impl<L: Layer> Shared<L> {
         if let Some(fd) = open.fd.get() {
             return Ok(fd);
         }
-        self.settle(open.ino).await?;
+        match open.directory {
+            // A listing shows the files created here that are still deferred.
+            true => self.settle_dir(Some(self.gfid(open.ino)?)).await,
+            false => self.settle(open.ino).await?,
+        }
         self.late_fd(open).await
     }
 
     /// Opens the fd of a handle opened late: a deferred create's, once the file is there
     /// (as root: the create already granted the handle its access, whatever the mode given
-    /// to the file says), or a read-only open's at its first use (as its opener).
+    /// to the file says), or a read-only open's or a directory's at its first use (as its
+    /// opener).
     async fn late_fd<'a>(&self, open: &'a Open<L::Fd>) -> Result<&'a L::Fd> {
         open.fd
             .get_or_try_init(|| async {
                 let gfid = self.inodes.gfid(open.ino).ok_or(Errno::ESTALE)?;
-                self.layer
-                    .open(&open.late_creds, gfid, open.access, open.flags)
-                    .await
-                    .map_err(errno)
+                let creds = &open.late_creds;
+                match open.directory {
+                    true => self.layer.opendir(creds, gfid).await,
+                    false => self.layer.open(creds, gfid, open.access, open.flags).await,
+                }
+                .map_err(errno)
             })
             .await
     }
@@ -605,6 +638,36 @@ impl<L: Layer> Shared<L> {
         Some((began, seen))
     }
 
+    /// One READDIRP_XATTRS through directory handle `open` from `offset`. A held directory's
+    /// listing that comes whole is kept to answer the next one ([`super::leases`]).
+    async fn fetch_entries(
+        &self,
+        c: &Creds,
+        open: &Open<L::Fd>,
+        offset: u64,
+    ) -> Result<kiln_wire::ReaddirpXattrsReply> {
+        let dir = self.gfid(open.ino)?;
+        let mark = (offset == 0)
+            .then(|| self.leases.listing_mark(&dir))
+            .flatten();
+        if mark.is_some() {
+            // What the listing keeps must hold the deferred creates made before it.
+            self.settle_dir(Some(dir)).await;
+        }
+        let size = ReaddirSize::new(READDIR_FETCH_BYTES).ok_or(Errno::EINVAL)?;
+        let fop = FdFop::new(|fd| kiln_wire::ReaddirpXattrs { fd, offset, size }.into());
+        let reply = self.layer.call_fd(c, self.fd(open).await?, fop).await;
+        let FopReply::ReaddirpXattrs(r) = reply.map_err(errno)? else {
+            return Err(Errno::EIO);
+        };
+        if let Some(mark) = mark
+            && r.eof
+        {
+            self.leases.keep_listing(&dir, mark, r.entries.clone());
+        }
+        Ok(r)
+    }
+
     /// Gives the kernel the entries of directory handle `fh` from `offset` until `add`
     /// says its buffer is full or the directory ends.
     pub(super) async fn list(
@@ -619,12 +682,7 @@ impl<L: Layer> Shared<L> {
         let mut offset = offset;
         loop {
             if listing.from != offset || (listing.entries.is_empty() && !listing.eof) {
-                let size = ReaddirSize::new(READDIR_FETCH_BYTES).ok_or(Errno::EINVAL)?;
-                let fop = FdFop::new(|fd| kiln_wire::ReaddirpXattrs { fd, offset, size }.into());
-                let reply = self.layer.call_fd(c, self.fd(&open).await?, fop).await;
-                let FopReply::ReaddirpXattrs(r) = reply.map_err(errno)? else {
-                    return Err(Errno::EIO);
-                };
+                let r = self.fetch_entries(c, &open, offset).await?;
                 // Only a fetch right after the last one continues a listing.
                 let continues =
                     listing.entries.is_empty() && listing.from == offset && !listing.eof;

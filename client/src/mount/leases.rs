@@ -11,14 +11,20 @@
 //!   ([`Local`]) until the brick has answered the changes to them; a held directory itself
 //!   is described for as long as it is held (another client's change to it, or a look at
 //!   it under a write lease, is recalled first), so its attributes cost no round trip.
-//! * A recall, a refused lease or a lost session ends a directory's hold: its entries and the
-//!   descriptions of its objects are forgotten, and fops there go to the brick again (after
-//!   the changes queued before them).
+//! * A held directory's last listing from the start, when it came whole in one reply, is
+//!   kept ([`Leases::keep_listing`]) to answer the next one without the brick (GNU `rm -rf`
+//!   lists every directory twice), for as long as the kernel would keep its entries'
+//!   attributes itself and while nothing changed through the mount: the lease vouches for
+//!   the names, not for the attributes of the objects they name.
+//! * A recall, a refused lease or a lost session ends a directory's hold: its entries, its
+//!   kept listing and the descriptions of its objects are forgotten, and fops there go to
+//!   the brick again (after the changes queued before them).
 
-use std::collections::{HashMap, HashSet};
-use std::sync::Mutex;
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use kiln_wire::{FileType, Gfid, Iatt, LeaseKind, Mode, Name, Timespec};
+use kiln_wire::{DirEntryXattrs, FileType, Gfid, Iatt, LeaseKind, Mode, Name, Timespec};
 
 /// An object made under a lease, as the mount describes it until the brick does.
 #[derive(Debug, Clone)]
@@ -32,25 +38,45 @@ struct Held {
     /// Entries of the directory: all of them when `complete`, else those learned.
     entries: HashMap<Name, Gfid>,
     complete: bool,
-    /// Counts the changes to `entries`: a listing that began before one does not make the
-    /// entries complete.
+    /// Moves on (to a number no hold had before) with every change to `entries` or the
+    /// directory's description: a listing that began before one does not make the entries
+    /// complete.
     generation: u64,
     /// Names the kernel was told of besides `entries` (an entry or an absence the brick
     /// answered, or an absence the lease did), to be dropped from its cache when the lease
     /// goes; at most [`TOLD_NAMES_MAX`].
     told: HashSet<Name>,
+    /// The last whole listing, to answer the next one.
+    listing: Option<Kept>,
 }
 
 impl Held {
-    fn new(kind: LeaseKind, complete: bool) -> Held {
+    fn new(kind: LeaseKind, complete: bool, generation: u64) -> Held {
         Held {
             kind,
             entries: HashMap::new(),
             complete,
-            generation: 0,
+            generation,
             told: HashSet::new(),
+            listing: None,
         }
     }
+}
+
+/// Where a listing of a held directory began: what must not have moved when it ends for it
+/// to be kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Mark {
+    generation: u64,
+    changes: u64,
+    at: Instant,
+}
+
+/// A whole listing of a held directory, as the brick gave it.
+#[derive(Debug)]
+struct Kept {
+    began: Mark,
+    entries: Arc<[DirEntryXattrs]>,
 }
 
 #[derive(Debug, Default)]
@@ -60,6 +86,29 @@ struct State {
     /// Directories recalled while the mount held nothing there: a grant whose reply comes
     /// after its recall (they travel on different streams) must not be taken.
     recalled_unheld: HashSet<Gfid>,
+    /// The last generation given to a hold.
+    last_generation: u64,
+    /// Counts the fops through the mount that may change an object: a kept listing is
+    /// answered only while it has not moved.
+    changes: u64,
+    /// Kept listings, oldest first, by directory and the generation they were kept at; at
+    /// most [`LISTINGS_KEPT_MAX`].
+    kept: VecDeque<(Gfid, u64)>,
+}
+
+impl State {
+    fn next_generation(&mut self) -> u64 {
+        self.last_generation += 1;
+        self.last_generation
+    }
+
+    /// Moves held directory `dir`'s generation on; its hold, if there is one.
+    fn changed(&mut self, dir: &Gfid) -> Option<&mut Held> {
+        let generation = self.next_generation();
+        let held = self.dirs.get_mut(dir)?;
+        held.generation = generation;
+        Some(held)
+    }
 }
 
 /// Early recalls remembered at most; past it the oldest knowledge is dropped (a grant it
@@ -68,6 +117,8 @@ const RECALLED_UNHELD_MAX: usize = 4096;
 /// Names per held directory the kernel may cache besides the entries the lease knows; past
 /// it, answers there are given uncached.
 const TOLD_NAMES_MAX: usize = 4096;
+/// Listings kept at once, each at most one READDIRP reply; past it the oldest is dropped.
+const LISTINGS_KEPT_MAX: usize = 64;
 
 /// What a held directory says about a name.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -110,17 +161,18 @@ impl Leases {
 
     /// Starts holding `dir`'s write lease; it has no entries (the mount just made it).
     pub(super) fn hold_new(&self, dir: Gfid) {
-        self.lock()
-            .dirs
-            .insert(dir, Held::new(LeaseKind::Write, true));
+        let mut state = self.lock();
+        let held = Held::new(LeaseKind::Write, true, state.next_generation());
+        state.dirs.insert(dir, held);
     }
 
     /// Starts holding a read lease on `dir`, its entries not known yet.
     pub(super) fn hold_read(&self, dir: Gfid) {
-        self.lock()
-            .dirs
-            .entry(dir)
-            .or_insert_with(|| Held::new(LeaseKind::Read, false));
+        let mut state = self.lock();
+        if !state.dirs.contains_key(&dir) {
+            let held = Held::new(LeaseKind::Read, false, state.next_generation());
+            state.dirs.insert(dir, held);
+        }
     }
 
     /// The write lease was granted on a directory held for reading.
@@ -148,6 +200,67 @@ impl Leases {
             held.entries = entries.into_iter().collect();
             held.complete = true;
         }
+    }
+
+    /// Notes a fop that may change an object: no listing kept before it is answered.
+    pub(super) fn note_change(&self) {
+        self.lock().changes += 1;
+    }
+
+    /// Where a listing of `dir` from its start begins, to keep it ([`Leases::keep_listing`]);
+    /// `None` unless `dir` is held.
+    pub(super) fn listing_mark(&self, dir: &Gfid) -> Option<Mark> {
+        let state = self.lock();
+        let held = state.dirs.get(dir)?;
+        Some(Mark {
+            generation: held.generation,
+            changes: state.changes,
+            at: Instant::now(),
+        })
+    }
+
+    /// Keeps `entries`, a whole listing of held directory `dir` that began at `began`,
+    /// unless the hold or anything through the mount changed meanwhile.
+    pub(super) fn keep_listing(&self, dir: &Gfid, began: Mark, entries: Vec<DirEntryXattrs>) {
+        let mut state = self.lock();
+        let changes = state.changes;
+        let Some(held) = state.dirs.get_mut(dir) else {
+            return;
+        };
+        if held.generation != began.generation || changes != began.changes {
+            return;
+        }
+        held.listing = Some(Kept {
+            began,
+            entries: entries.into(),
+        });
+        state.kept.push_back((*dir, began.generation));
+        if state.kept.len() > LISTINGS_KEPT_MAX
+            && let Some((oldest, generation)) = state.kept.pop_front()
+            && let Some(held) = state.dirs.get_mut(&oldest)
+            && held
+                .listing
+                .as_ref()
+                .is_some_and(|k| k.began.generation == generation)
+        {
+            held.listing = None;
+        }
+    }
+
+    /// The listing kept of held directory `dir`, if nothing changed since it began and it
+    /// began less than `max_age` ago.
+    pub(super) fn kept_listing(
+        &self,
+        dir: &Gfid,
+        max_age: Duration,
+    ) -> Option<Arc<[DirEntryXattrs]>> {
+        let state = self.lock();
+        let held = state.dirs.get(dir)?;
+        let kept = held.listing.as_ref()?;
+        let fresh = kept.began.at.elapsed() < max_age;
+        let unchanged =
+            kept.began.generation == held.generation && kept.began.changes == state.changes;
+        (fresh && unchanged).then(|| kept.entries.clone())
     }
 
     /// What the mount describes in held directory `dir`: the directory and the objects made
@@ -194,6 +307,7 @@ impl Leases {
     pub(super) fn release_all(&self) -> Vec<Gfid> {
         let mut state = self.lock();
         state.dirs.clear();
+        state.kept.clear();
         state.local.drain().map(|(gfid, _)| gfid).collect()
     }
 
@@ -252,18 +366,14 @@ impl Leases {
     /// Records `name` → `gfid` in `dir` if it is held (a name made there, here or on the
     /// brick).
     pub(super) fn add_entry(&self, dir: &Gfid, name: &Name, gfid: Gfid) {
-        if let Some(held) = self.lock().dirs.get_mut(dir) {
+        if let Some(held) = self.lock().changed(dir) {
             held.entries.insert(name.clone(), gfid);
-            held.generation += 1;
         }
     }
 
     /// Forgets `name` in `dir` if it is held; the object it named.
     pub(super) fn remove_entry(&self, dir: &Gfid, name: &Name) -> Option<Gfid> {
-        let mut state = self.lock();
-        let held = state.dirs.get_mut(dir)?;
-        held.generation += 1;
-        held.entries.remove(name)
+        self.lock().changed(dir)?.entries.remove(name)
     }
 
     /// Describes `gfid`, made under a lease, as `iatt`.
@@ -282,9 +392,7 @@ impl Leases {
     pub(super) fn forget_local(&self, gfid: &Gfid) {
         let mut state = self.lock();
         state.local.remove(gfid);
-        if let Some(held) = state.dirs.get_mut(gfid) {
-            held.generation += 1;
-        }
+        state.changed(gfid);
     }
 
     /// The generation of held directory `dir`: it moves on with every change of its entries
