@@ -72,8 +72,8 @@ fn ls_l_asks_the_brick_only_for_xattrs_that_exist() {
     );
 }
 
-/// Reading a small file whole costs one GET: no OPEN, READ or RELEASE reaches the brick. A
-/// larger one gets an fd at its second read.
+/// Reading a small file whole costs one GET: no OPEN, READ or RELEASE reaches the brick, up
+/// to 256 KiB. A larger one gets an fd at its first read past that.
 #[test]
 fn a_small_file_read_once_is_one_get() {
     let metrics = common::free_loopback_addr();
@@ -87,6 +87,10 @@ fn a_small_file_read_once_is_one_get() {
     }
     let big: Vec<u8> = (0..3 << 20).map(|i: u32| i.to_le_bytes()[1]).collect();
     write(&m.path("big"), &big);
+    let medium: Vec<u8> = (0..200 << 10)
+        .map(|i: u32| i.to_le_bytes()[0] ^ 0x5a)
+        .collect();
+    write(&m.path("medium"), &medium);
     m.unmount();
     m.mount(&[]);
 
@@ -104,6 +108,13 @@ fn a_small_file_read_once_is_one_get() {
     let served = |fop| common::fop_calls(&again, fop) - common::fop_calls(&after, fop);
     assert_eq!((served("GET"), served("OPEN")), (1.0, 1.0));
     assert!(served("READ") >= 1.0);
+
+    // A file the kernel reads in several pieces, up to 256 KiB: its first GET fetched it all.
+    assert_eq!(fs::read(m.path("medium")).expect("read medium"), medium);
+    let last = common::scrape(&metrics);
+    let served = |fop| common::fop_calls(&last, fop) - common::fop_calls(&again, fop);
+    assert_eq!(served("GET"), 1.0);
+    assert_eq!(served("OPEN") + served("READ") + served("RELEASE"), 0.0);
 }
 
 #[test]

@@ -5,7 +5,9 @@
 //!
 //! * **Open-behind** (GlusterFS's name): a plain read-only open is answered at once and
 //!   opened below, as its opener, at the handle's first use ([`Shared::late_fd`]) — a read
-//!   from the kernel's page cache costs the brick nothing.
+//!   from the kernel's page cache costs the brick nothing. Its first read from the start is
+//!   one GET of up to [`GET_AHEAD_BYTES`], whatever the kernel asked: the rest answers the
+//!   handle's next reads, so a file of that size is read whole with one round trip and no fd.
 //! * **Deferred creates**: a small write-only create is answered by the mount and sent as one
 //!   PUT at close ([`super::pending`]); its handles get their fds after the PUT.
 //! * **Kept listings**: a directory held under a lease whose last listing the mount keeps
@@ -16,7 +18,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::ffi::OsStr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -42,6 +44,13 @@ const EXEC_OPEN: i32 = 0x20;
 /// page at a time from the handle's buffer.
 const READDIR_FETCH_BYTES: u32 = 128 * 1024;
 
+/// Bytes a handle's first read from the start asks the brick for at least (the kernel's
+/// first read of a file is often shorter).
+const GET_AHEAD_BYTES: u32 = 256 * 1024;
+/// Bytes read ahead that the mount's handles keep at once; past it, a first read gets what
+/// the kernel asked only.
+const AHEAD_BYTES_MAX: usize = 64 << 20;
+
 /// An open file or directory behind a FUSE file handle; `F` is the layer's fd.
 #[derive(Debug)]
 pub(super) struct Open<F> {
@@ -58,6 +67,66 @@ pub(super) struct Open<F> {
     directory: bool,
     /// Directories only: entries fetched but not yet given to the kernel.
     listing: tokio::sync::Mutex<Listing>,
+    /// What the first read fetched beyond what the kernel asked.
+    ahead: Mutex<Option<Ahead>>,
+}
+
+/// The start of a file, read by a handle's first read: it answers the handle's next reads
+/// while nothing changed through the mount.
+#[derive(Debug)]
+struct Ahead {
+    data: Bytes,
+    /// The file ended within `data`.
+    eof: bool,
+    /// The mount's change count ([`super::leases::Leases::changes`]) before the read.
+    changes: u64,
+    _budget: Budgeted,
+}
+
+/// Bytes counted in the mount's read-ahead total while this lives.
+#[derive(Debug)]
+struct Budgeted {
+    bytes: usize,
+    total: Arc<AtomicUsize>,
+}
+
+impl Budgeted {
+    /// `bytes` more in `total`, unless that would pass [`AHEAD_BYTES_MAX`].
+    fn reserve(total: &Arc<AtomicUsize>, bytes: usize) -> Option<Budgeted> {
+        total
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |held| {
+                held.checked_add(bytes).filter(|&n| n <= AHEAD_BYTES_MAX)
+            })
+            .ok()?;
+        Some(Budgeted {
+            bytes,
+            total: total.clone(),
+        })
+    }
+}
+
+impl Drop for Budgeted {
+    fn drop(&mut self) {
+        self.total.fetch_sub(self.bytes, Ordering::Relaxed);
+    }
+}
+
+impl<F> Open<F> {
+    /// `size` bytes at `offset` from what the first read fetched, if it has them and the
+    /// mount's change count is still `changes`; past the file's end, what is left of it.
+    fn read_ahead(&self, offset: u64, size: u32, changes: u64) -> Option<Bytes> {
+        let ahead = self.ahead.lock().unwrap_or_else(|p| p.into_inner());
+        let ahead = ahead.as_ref().filter(|a| a.changes == changes)?;
+        let len = ahead.data.len() as u64;
+        let end = offset.checked_add(u64::from(size))?;
+        let range = match (end <= len, ahead.eof) {
+            (true, _) => offset..end,
+            (false, true) => offset.min(len)..len,
+            (false, false) => return None,
+        };
+        let range = usize::try_from(range.start).ok()?..usize::try_from(range.end).ok()?;
+        Some(ahead.data.slice(range))
+    }
 }
 
 impl<F> Open<F> {
@@ -79,6 +148,7 @@ impl<F> Open<F> {
             executing: false,
             directory: false,
             listing: tokio::sync::Mutex::new(Listing::default()),
+            ahead: Mutex::new(None),
         }
     }
 }
@@ -100,6 +170,8 @@ struct Listing {
 pub(super) struct Handles<F> {
     files: Mutex<HashMap<u64, Arc<Open<F>>>>,
     next_fh: AtomicU64,
+    /// Bytes the handles keep read ahead, at most [`AHEAD_BYTES_MAX`].
+    ahead_bytes: Arc<AtomicUsize>,
 }
 
 impl<F> Handles<F> {
@@ -107,6 +179,7 @@ impl<F> Handles<F> {
         Handles {
             files: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
+            ahead_bytes: Arc::new(AtomicUsize::new(0)),
         }
     }
 
@@ -358,6 +431,9 @@ impl<L: Layer> Shared<L> {
     ) -> Result<Bytes> {
         let open = self.handles.get(fh)?;
         let size = size.min(IO_SIZE_MAX_BYTES as u32);
+        if let Some(data) = open.read_ahead(offset, size, self.leases.changes()) {
+            return Ok(data);
+        }
         if let Some(slot) = self.pending.get(open.ino)
             && let Some(pending) = slot.lock().await.as_ref()
         {
@@ -370,21 +446,38 @@ impl<L: Layer> Shared<L> {
         self.layer.read(c, fd, offset, size).await.map_err(errno)
     }
 
-    /// The first read of a read-only handle opened late, from the start, as one GET
-    /// (GlusterFS's quick-read): a small file read once costs one round trip and is never
-    /// opened on the brick; a larger one gets its fd at its next read.
+    /// The first read of a read-only handle opened late, from the start, as one GET of at
+    /// least [`GET_AHEAD_BYTES`] (GlusterFS's quick-read): a small file read once costs one
+    /// round trip and is never opened on the brick; what the kernel did not ask yet is kept
+    /// for the handle's next reads; a larger file gets its fd at its first read past that.
     async fn read_without_fd(&self, open: &Open<L::Fd>, size: u32) -> Result<Bytes> {
         self.settle(open.ino).await?;
+        let asked = size.max(GET_AHEAD_BYTES).min(IO_SIZE_MAX_BYTES as u32);
         let get = kiln_wire::Get {
             gfid: self.inodes.gfid(open.ino).ok_or(Errno::ESTALE)?,
             offset: 0,
-            size: ReadSize::new(size).ok_or(Errno::EINVAL)?,
+            size: ReadSize::new(asked).ok_or(Errno::EINVAL)?,
         };
-        match self.layer.call(&open.late_creds, get.into()).await {
-            Ok(FopReply::Get(r)) => Ok(r.data.into_bytes()),
-            Ok(other) => Err(unexpected(&other)),
-            Err(e) => Err(errno(e)),
+        let changes = self.leases.changes();
+        let data = match self.layer.call(&open.late_creds, get.into()).await {
+            Ok(FopReply::Get(r)) => r.data.into_bytes(),
+            Ok(other) => return Err(unexpected(&other)),
+            Err(e) => return Err(errno(e)),
+        };
+        let wanted = data.len().min(size as usize);
+        if data.len() > wanted
+            && let Some(budget) = Budgeted::reserve(&self.handles.ahead_bytes, data.len())
+        {
+            let eof = data.len() < asked as usize;
+            let ahead = Ahead {
+                data: data.clone(),
+                eof,
+                changes,
+                _budget: budget,
+            };
+            *open.ahead.lock().unwrap_or_else(|p| p.into_inner()) = Some(ahead);
         }
+        Ok(data.slice(..wanted))
     }
 
     /// WRITE through handle `fh`: gathered by a deferred create while it stays small, else
@@ -709,5 +802,63 @@ impl<L: Layer> Shared<L> {
             listing.entries.pop_front();
             listing.from = offset;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with_ahead(data: &'static [u8], eof: bool, changes: u64) -> Open<()> {
+        let total = Arc::new(AtomicUsize::new(0));
+        let open = Open::new(
+            None,
+            1,
+            AccessMode::ReadOnly,
+            OpenFlags::empty(),
+            &Creds::root(),
+        );
+        let ahead = Ahead {
+            data: Bytes::from_static(data),
+            eof,
+            changes,
+            _budget: Budgeted::reserve(&total, data.len()).expect("room"),
+        };
+        *open.ahead.lock().expect("lock") = Some(ahead);
+        open
+    }
+
+    #[test]
+    fn read_ahead_answers_only_what_it_holds_while_nothing_changed() {
+        let whole = with_ahead(b"0123456789", true, 7);
+        assert_eq!(whole.read_ahead(2, 3, 7).as_deref(), Some(&b"234"[..]));
+        assert_eq!(whole.read_ahead(8, 100, 7).as_deref(), Some(&b"89"[..]));
+        assert_eq!(
+            whole.read_ahead(10, 4, 7).as_deref(),
+            Some(&b""[..]),
+            "end of file"
+        );
+        assert_eq!(
+            whole.read_ahead(50, 4, 7).as_deref(),
+            Some(&b""[..]),
+            "past it"
+        );
+        assert_eq!(whole.read_ahead(0, 3, 8), None, "a change since");
+        let part = with_ahead(b"0123456789", false, 7);
+        assert_eq!(
+            part.read_ahead(0, 10, 7).as_deref(),
+            Some(&b"0123456789"[..])
+        );
+        assert_eq!(part.read_ahead(8, 4, 7), None, "the file goes on");
+    }
+
+    #[test]
+    fn read_ahead_is_bounded_mount_wide() {
+        let total = Arc::new(AtomicUsize::new(0));
+        let held = Budgeted::reserve(&total, AHEAD_BYTES_MAX - 10).expect("room");
+        assert!(Budgeted::reserve(&total, 11).is_none());
+        let more = Budgeted::reserve(&total, 10).expect("just fits");
+        drop((held, more));
+        assert_eq!(total.load(Ordering::Relaxed), 0);
     }
 }

@@ -207,6 +207,11 @@ impl Leases {
         self.lock().changes += 1;
     }
 
+    /// How many fops that may change an object the mount has noted.
+    pub(super) fn changes(&self) -> u64 {
+        self.lock().changes
+    }
+
     /// Where a listing of `dir` from its start begins, to keep it ([`Leases::keep_listing`]);
     /// `None` unless `dir` is held.
     pub(super) fn listing_mark(&self, dir: &Gfid) -> Option<Mark> {
