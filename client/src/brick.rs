@@ -27,7 +27,7 @@ use kiln_wire::{
 use quinn::crypto::rustls::QuicClientConfig;
 
 use crate::error::Error;
-use crate::layer::{FdFop, Layer, LayerEvent, batch_one_by_one};
+use crate::layer::{FdFop, Layer, LayerEvent, batch_one_by_one, opendir_list_apart};
 
 /// Events a slow subscriber may fall behind by before it is told it lagged.
 const EVENTS_QUEUED_MAX: usize = 4096;
@@ -382,7 +382,8 @@ impl BrickClient {
             version_max: PROTOCOL_VERSION,
             capabilities: Capabilities::LEASES
                 .union(Capabilities::XATTR_PRESENCE)
-                .union(Capabilities::GET),
+                .union(Capabilities::GET)
+                .union(Capabilities::OPENDIR_LIST),
             client_name: Label::new(options.client_name.clone().into_bytes())
                 .map_err(|e| Error::Tls(format!("client name: {e}")))?,
         };
@@ -491,7 +492,7 @@ impl Layer for BrickClient {
     async fn call(&self, creds: &Creds, fop: FopRequest) -> Result<FopReply, Error> {
         let opens = matches!(
             fop.code(),
-            FopCode::Open | FopCode::Create | FopCode::Opendir
+            FopCode::Open | FopCode::Create | FopCode::Opendir | FopCode::OpendirList
         );
         if opens || fop.fd().is_some() {
             return Err(Error::Misuse(format!(
@@ -549,6 +550,27 @@ impl Layer for BrickClient {
         match self.call_on(&live, creds, fop.into()).await? {
             FopReply::Opendir(r) => Ok(self.new_fd(&live, gfid, FdKind::Dir, r.fd)),
             _ => Err(unexpected("OPENDIR")),
+        }
+    }
+
+    async fn opendir_list(
+        &self,
+        creds: &Creds,
+        gfid: Gfid,
+        size: kiln_wire::ReaddirSize,
+        lease: kiln_wire::LeaseKind,
+    ) -> Result<(Fd, kiln_wire::LeaseKind, kiln_wire::ReaddirpXattrsReply), Error> {
+        let live = self.live().await?;
+        if !live.hello.capabilities.contains(Capabilities::OPENDIR_LIST) {
+            return opendir_list_apart(self, creds, gfid, size, lease).await;
+        }
+        let fop = kiln_wire::OpendirList { gfid, size, lease };
+        match self.call_on(&live, creds, fop.into()).await? {
+            FopReply::OpendirList(r) => {
+                let fd = self.new_fd(&live, gfid, FdKind::Dir, r.fd);
+                Ok((fd, r.lease, r.listing))
+            }
+            _ => Err(unexpected("OPENDIR_LIST")),
         }
     }
 

@@ -12,7 +12,8 @@ use std::future::Future;
 use bytes::Bytes;
 use kiln_wire::{
     AccessMode, Batch, BatchReply, Creds, EntryReply, ErrorCode, FdId, FopCode, FopReply,
-    FopRequest, Gfid, Iatt, Lock, LockCmd, Name, OpenFlags, Recall,
+    FopRequest, Gfid, Iatt, LeaseKind, Lock, LockCmd, Name, OpenFlags, ReaddirSize,
+    ReaddirpXattrsReply, Recall,
 };
 use tokio::sync::broadcast;
 
@@ -82,6 +83,21 @@ pub trait Layer: Send + Sync + 'static {
         gfid: Gfid,
     ) -> impl Future<Output = Result<Self::Fd, Error>> + Send;
 
+    /// Opens directory `gfid` with its first `size` bytes of entries (READDIRP_XATTRS from the
+    /// start) and, unless `lease` is none, that lease on it taken before they are read: the
+    /// fd, the lease granted, the entries. By default as LEASE, OPENDIR and READDIRP_XATTRS
+    /// one after another ([`opendir_list_apart`]); a brick takes them as one OPENDIR_LIST.
+    fn opendir_list(
+        &self,
+        creds: &Creds,
+        gfid: Gfid,
+        size: ReaddirSize,
+        lease: LeaseKind,
+    ) -> impl Future<Output = Result<(Self::Fd, LeaseKind, ReaddirpXattrsReply), Error>> + Send
+    {
+        opendir_list_apart(self, creds, gfid, size, lease)
+    }
+
     /// Runs a fop on the open file or directory `fd` (anything but its release).
     fn call_fd(
         &self,
@@ -125,6 +141,46 @@ pub async fn batch_one_by_one<L: Layer + ?Sized>(
         });
     }
     Ok(BatchReply { results })
+}
+
+/// [`Layer::opendir_list`] as separate fops: the lease first (so the entries are read under
+/// it), then OPENDIR, then READDIRP_XATTRS from the start (the fd is released if it fails).
+pub async fn opendir_list_apart<L: Layer + ?Sized>(
+    layer: &L,
+    creds: &Creds,
+    gfid: Gfid,
+    size: ReaddirSize,
+    lease: LeaseKind,
+) -> Result<(L::Fd, LeaseKind, ReaddirpXattrsReply), Error> {
+    let granted = match lease {
+        LeaseKind::None => LeaseKind::None,
+        kind => match layer
+            .call(creds, kiln_wire::Lease { gfid, kind }.into())
+            .await
+        {
+            Ok(FopReply::Lease(r)) => r.kind,
+            _ => LeaseKind::None,
+        },
+    };
+    let fd = layer.opendir(creds, gfid).await?;
+    let fop = FdFop::new(|fd| {
+        kiln_wire::ReaddirpXattrs {
+            fd,
+            offset: 0,
+            size,
+        }
+        .into()
+    });
+    match layer.call_fd(creds, &fd, fop).await {
+        Ok(FopReply::ReaddirpXattrs(listing)) => Ok((fd, granted, listing)),
+        other => {
+            let _ = layer.release(creds, fd).await;
+            match other {
+                Err(e) => Err(e),
+                Ok(_) => Err(Error::Fop(ErrorCode::Io)),
+            }
+        }
+    }
 }
 
 /// What the layers below tell the layers above without being asked.

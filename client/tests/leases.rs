@@ -210,8 +210,8 @@ fn a_held_directory_is_listed_again_without_the_brick_and_never_stale() {
     let after = common::scrape(&metrics);
     assert_eq!(first.lines().filter(|l| l.starts_with('-')).count(), 20);
     assert_eq!(first, second);
-    assert!(served(&before, &between, "READDIRP_XATTRS") >= 1.0);
-    for fop in ["OPENDIR", "READDIRP_XATTRS"] {
+    assert_eq!(served(&before, &between, "OPENDIR_LIST"), 1.0);
+    for fop in ["OPENDIR_LIST", "OPENDIR", "READDIRP_XATTRS"] {
         assert_eq!(
             served(&between, &after, fop),
             0.0,

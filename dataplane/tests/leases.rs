@@ -23,6 +23,7 @@ per_engine!(
     a_removed_directory_takes_its_leases_along,
     batch_runs_in_order_and_answers_each_fop,
     leases_off_answers_none_and_switches_live,
+    opendir_list_takes_its_lease_before_it_lists,
 );
 
 /// How long a bounded wait may take before the test fails.
@@ -430,4 +431,82 @@ fn leases_off_answers_none_and_switches_live(kind: EngineKind) {
         );
     });
     assert_eq!(leases.stats().held, 0);
+}
+
+/// OPENDIR_LIST takes its lease before it reads the entries, answers the lease, the entries
+/// and a working fd, and gives the lease back when it fails.
+fn opendir_list_takes_its_lease_before_it_lists(kind: EngineKind) {
+    let h = harness(kind, BOUND);
+    let d = h.mkdir(Gfid::ROOT, "d").expect("mkdir");
+    h.put(d, "f", b"x").expect("put");
+    let (closed, fop) = mkdir(&h, Gfid::ROOT, "closed");
+    let FopRequest::Mkdir(fop) = fop else {
+        unreachable!("a MKDIR")
+    };
+    let private = Mkdir {
+        mode: mode(0o700),
+        ..fop
+    };
+    h.call(&root(), private).expect("mkdir 0700");
+    let (a, mut events) = h.engine.lease_session();
+    let (b, _qb) = h.engine.lease_session();
+    let size = ReaddirSize::new(4096).expect("size");
+    let list = |gfid, lease| FopRequest::from(OpendirList { gfid, size, lease });
+    h.rt.block_on(async {
+        let FopReply::OpendirList(r) = a
+            .call(root(), list(d, LeaseKind::Read))
+            .await
+            .expect("opendir_list")
+        else {
+            panic!("OPENDIR_LIST reply")
+        };
+        assert_eq!(r.lease, LeaseKind::Read);
+        assert!(r.listing.eof);
+        let names: Vec<String> = r
+            .listing
+            .entries
+            .iter()
+            .map(|e| e.name.to_string())
+            .collect();
+        assert!(names.iter().any(|n| n == "f"), "{names:?}");
+        // The lease is held: another session's change there is recalled first.
+        let mut change = Box::pin(b.call(root(), put(&h, d, "g")));
+        still_held("a PUT under another session's read lease", &mut change).await;
+        assert_eq!(recall(&mut events).await.gfid, d);
+        assert_eq!(lease(&a, d, LeaseKind::None).await, Ok(LeaseKind::None));
+        bounded("the held PUT", change).await.expect("put");
+        // The fd is a directory fd of the session.
+        let readdir = Readdir {
+            fd: r.fd,
+            offset: 0,
+            size,
+        };
+        let FopReply::Readdir(again) = a.call(root(), readdir.into()).await.expect("readdir")
+        else {
+            panic!("READDIR reply")
+        };
+        assert!(again.entries.iter().any(|e| e.name.as_bytes() == b"g"));
+        a.call(root(), Releasedir { fd: r.fd }.into())
+            .await
+            .expect("releasedir");
+
+        // Refused (no read permission): no fd, and the lease it took is given back, so
+        // another session gets the write lease at once.
+        let refused = a.call(user(4242), list(closed, LeaseKind::Read)).await;
+        assert_eq!(refused.err(), Some(ErrorCode::Access));
+        assert_eq!(
+            lease(&b, closed, LeaseKind::Write).await,
+            Ok(LeaseKind::Write)
+        );
+        // Without a lease asked, none is taken.
+        let FopReply::OpendirList(plain) = a
+            .call(root(), list(d, LeaseKind::None))
+            .await
+            .expect("opendir_list")
+        else {
+            panic!("OPENDIR_LIST reply")
+        };
+        assert_eq!(plain.lease, LeaseKind::None);
+        assert_eq!(lease(&b, d, LeaseKind::Write).await, Ok(LeaseKind::Write));
+    });
 }

@@ -28,11 +28,14 @@ impl Capabilities {
     pub const XATTR_PRESENCE: Capabilities = Capabilities(1 << 2);
     /// The brick answers GET.
     pub const GET: Capabilities = Capabilities(1 << 3);
+    /// The brick answers OPENDIR_LIST.
+    pub const OPENDIR_LIST: Capabilities = Capabilities(1 << 4);
     /// Everything this build implements.
     pub const SUPPORTED: Capabilities = Self::INVALIDATE_EVENTS
         .union(Self::LEASES)
         .union(Self::XATTR_PRESENCE)
-        .union(Self::GET);
+        .union(Self::GET)
+        .union(Self::OPENDIR_LIST);
 
     pub const fn union(self, other: Capabilities) -> Capabilities {
         Capabilities(self.0 | other.0)

@@ -26,11 +26,12 @@ use bytes::Bytes;
 use fuser::{Errno, FileAttr, FileHandle, LockOwner};
 use kiln_wire::limits::IO_SIZE_MAX_BYTES;
 use kiln_wire::{
-    AccessMode, Creds, DirEntryXattrs, ErrorCode, FopReply, Gfid, Lock, LockCmd, Mode, OpenFlags,
-    ReadSize, ReaddirSize,
+    AccessMode, Creds, DirEntryXattrs, ErrorCode, FopReply, Gfid, LeaseKind, Lock, LockCmd, Mode,
+    OpenFlags, ReadSize, ReaddirSize,
 };
 
 use super::convert::{Result, errno, name_of, open_mode, requested_access, seek_what, unexpected};
+use super::leases::Mark;
 use super::pending::Pending;
 use super::shared::{Shared, Ttl};
 use crate::path::new_gfid;
@@ -292,47 +293,57 @@ impl<L: Layer> Shared<L> {
             true => self.leases.kept_listing(&gfid, self.options.attr_timeout),
             false => None,
         };
-        let fd = match kept {
-            Some(_) => None,
-            None => Some(self.opendir_below(c, gfid).await?),
+        let (fd, listing) = match kept {
+            Some(entries) => {
+                let listing = Listing {
+                    entries: entries.iter().cloned().collect(),
+                    eof: true,
+                    ..Listing::default()
+                };
+                (None, listing)
+            }
+            None => {
+                let (fd, listing) = self.opendir_below(c, ino, gfid).await?;
+                (Some(fd), listing)
+            }
         };
         let open = Open {
             directory: true,
-            listing: tokio::sync::Mutex::new(Listing {
-                entries: kept
-                    .map(|e| e.iter().cloned().collect())
-                    .unwrap_or_default(),
-                eof: fd.is_none(),
-                ..Listing::default()
-            }),
+            listing: tokio::sync::Mutex::new(listing),
             ..Open::new(fd, ino, AccessMode::ReadOnly, OpenFlags::empty(), c)
         };
         Ok(self.handles.add(open))
     }
 
-    /// Opens directory `gfid` below, as `c`, with a read lease asked alongside when the mount
-    /// holds none there (the listing can then tell the mount every entry).
-    async fn opendir_below(&self, c: &Creds, gfid: Gfid) -> Result<L::Fd> {
+    /// Opens directory `gfid` (node `ino`) below, as `c`, with its first entries and — when
+    /// the mount holds no lease there — a read lease taken before they are read (the listing
+    /// can then tell the mount every entry): the fd, and the listing the handle starts with.
+    async fn opendir_below(&self, c: &Creds, ino: u64, gfid: Gfid) -> Result<(L::Fd, Listing)> {
         // A listing shows the files created here that are still deferred.
         self.settle_dir(Some(gfid)).await;
-        if !self.uses_leases() || self.leases.has_lease(&gfid) {
-            return self.layer.opendir(c, gfid).await.map_err(errno);
-        }
-        let lease = kiln_wire::Lease {
-            gfid,
-            kind: kiln_wire::LeaseKind::Read,
+        let lease = match self.uses_leases() && !self.leases.has_lease(&gfid) {
+            true => LeaseKind::Read,
+            false => LeaseKind::None,
         };
-        let (fd, granted) = tokio::join!(
-            self.layer.opendir(c, gfid),
-            self.layer.call(c, lease.into())
-        );
-        if let Ok(FopReply::Lease(r)) = granted
-            && r.kind != kiln_wire::LeaseKind::None
-            && self.leases.take_grant(&gfid)
-        {
+        let held = self.leases.listing_mark(&gfid);
+        let changes = self.leases.changes();
+        let size = ReaddirSize::new(READDIR_FETCH_BYTES).ok_or(Errno::EINVAL)?;
+        let listed = self.layer.opendir_list(c, gfid, size, lease).await;
+        let (fd, granted, first) = listed.map_err(errno)?;
+        if granted != LeaseKind::None && self.leases.take_grant(&gfid) {
             self.leases.hold_read(gfid);
         }
-        fd.map_err(errno)
+        // The hold the entries were read under: the one before, or the one just granted if
+        // nothing changed through the mount since they were asked.
+        let mark = held.or_else(|| self.leases.listing_mark_unchanged(&gfid, changes));
+        let whole = self.take_entries(ino, 0, mark, None, &first);
+        let listing = Listing {
+            from: 0,
+            entries: first.entries.into(),
+            eof: first.eof,
+            whole,
+        };
+        Ok((fd, listing))
     }
 
     /// CREATE of `name` in node `parent` with kernel `mode`, `umask` and `flags`, as `c`:
@@ -704,18 +715,31 @@ impl<L: Layer> Shared<L> {
     }
 
     /// Follows a listing of directory `ino` from its start while it holds a lease there:
-    /// `so_far` is what the listing had fetched before `reply` (at `offset`). The entries
-    /// fetched so far; at the end, the directory's entries for the lease.
-    fn learn_entries(
+    /// `mark` is where the hold was when a fetch from the start (`offset` 0) began, `so_far`
+    /// what a listing had fetched before `reply` (at `offset`). A whole listing in one reply
+    /// is kept to answer the next one ([`super::leases`]). The entries fetched so far; at the
+    /// end, the directory's entries for the lease.
+    fn take_entries(
         &self,
         ino: u64,
         offset: u64,
+        mark: Option<Mark>,
         so_far: Option<(u64, Vec<(kiln_wire::Name, Gfid)>)>,
         reply: &kiln_wire::ReaddirpXattrsReply,
     ) -> Option<(u64, Vec<(kiln_wire::Name, Gfid)>)> {
         let dir = self.inodes.gfid(ino)?;
+        if let Some(mark) = mark
+            && offset == 0
+            && reply.eof
+        {
+            self.leases.keep_listing(&dir, mark, reply.entries.clone());
+        }
         let (began, mut seen) = match (offset, so_far) {
-            (0, _) => (self.leases.listing_starts(&dir)?, Vec::new()),
+            // Only while the entries are not known yet.
+            (0, _) => (
+                mark?.generation_if_incomplete(&self.leases, &dir)?,
+                Vec::new(),
+            ),
             (_, so_far) => so_far?,
         };
         let named = reply
@@ -731,14 +755,14 @@ impl<L: Layer> Shared<L> {
         Some((began, seen))
     }
 
-    /// One READDIRP_XATTRS through directory handle `open` from `offset`. A held directory's
-    /// listing that comes whole is kept to answer the next one ([`super::leases`]).
+    /// One READDIRP_XATTRS through directory handle `open` from `offset`; from the start of
+    /// a held directory, also where its hold was when it began.
     async fn fetch_entries(
         &self,
         c: &Creds,
         open: &Open<L::Fd>,
         offset: u64,
-    ) -> Result<kiln_wire::ReaddirpXattrsReply> {
+    ) -> Result<(kiln_wire::ReaddirpXattrsReply, Option<Mark>)> {
         let dir = self.gfid(open.ino)?;
         let mark = (offset == 0)
             .then(|| self.leases.listing_mark(&dir))
@@ -753,12 +777,7 @@ impl<L: Layer> Shared<L> {
         let FopReply::ReaddirpXattrs(r) = reply.map_err(errno)? else {
             return Err(Errno::EIO);
         };
-        if let Some(mark) = mark
-            && r.eof
-        {
-            self.leases.keep_listing(&dir, mark, r.entries.clone());
-        }
-        Ok(r)
+        Ok((r, mark))
     }
 
     /// Gives the kernel the entries of directory handle `fh` from `offset` until `add`
@@ -775,12 +794,12 @@ impl<L: Layer> Shared<L> {
         let mut offset = offset;
         loop {
             if listing.from != offset || (listing.entries.is_empty() && !listing.eof) {
-                let r = self.fetch_entries(c, &open, offset).await?;
+                let (r, mark) = self.fetch_entries(c, &open, offset).await?;
                 // Only a fetch right after the last one continues a listing.
                 let continues =
                     listing.entries.is_empty() && listing.from == offset && !listing.eof;
                 let so_far = listing.whole.take().filter(|_| continues);
-                let whole = self.learn_entries(open.ino, offset, so_far, &r);
+                let whole = self.take_entries(open.ino, offset, mark, so_far, &r);
                 *listing = Listing {
                     from: offset,
                     entries: r.entries.into(),

@@ -3,7 +3,8 @@
 //! * A **write** lease on a directory the mount made itself (MKDIR, with LEASE in the same
 //!   batch) comes with every entry known: the brick recalls the lease before any other client
 //!   may look inside. A directory the mount lists gets a **read** lease (asked with the
-//!   OPENDIR), and its entries are known once a listing from the start reaches the end with
+//!   OPENDIR_LIST that opens it, which takes it before it reads the first entries), and its
+//!   entries are known once a listing from the start reaches the end with
 //!   the lease still held; its first change made here asks for the write lease with it.
 //! * Where the entries are known the mount answers LOOKUP itself (a name it does not have
 //!   does not exist). Under a write lease it also makes and removes names itself, queueing
@@ -70,6 +71,14 @@ pub(super) struct Mark {
     generation: u64,
     changes: u64,
     at: Instant,
+}
+
+impl Mark {
+    /// The hold's generation when the listing began, if the hold does not know all its
+    /// entries yet: what [`Leases::listed`] takes.
+    pub(super) fn generation_if_incomplete(&self, leases: &Leases, dir: &Gfid) -> Option<u64> {
+        leases.listing_starts(dir).map(|_| self.generation)
+    }
 }
 
 /// A whole listing of a held directory, as the brick gave it.
@@ -222,6 +231,13 @@ impl Leases {
             changes: state.changes,
             at: Instant::now(),
         })
+    }
+
+    /// [`Leases::listing_mark`] of a hold taken while a listing was read, if nothing changed
+    /// through the mount since `changes` (the count when the listing was asked).
+    pub(super) fn listing_mark_unchanged(&self, dir: &Gfid, changes: u64) -> Option<Mark> {
+        self.listing_mark(dir)
+            .filter(|mark| mark.changes == changes)
     }
 
     /// Keeps `entries`, a whole listing of held directory `dir` that began at `began`,

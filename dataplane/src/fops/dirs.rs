@@ -1,12 +1,13 @@
-//! Directories: OPENDIR, READDIR, READDIRP, FSYNCDIR. io_uring has no getdents: listings are
+//! Directories: OPENDIR (and OPENDIR_LIST, with its first entries), READDIR, READDIRP,
+//! FSYNCDIR. io_uring has no getdents: listings are
 //! read on the blocking pool; READDIRP's entry stats run inline.
 
 use std::os::fd::AsFd;
 use std::sync::{Arc, Mutex};
 
 use kiln_wire::{
-    Creds, DirEntry, DirEntryPlus, DirEntryXattrs, FdId, FileType, Gfid, Name, OpenReply,
-    ReaddirReply, ReaddirpReply, ReaddirpXattrsReply,
+    Creds, DirEntry, DirEntryPlus, DirEntryXattrs, FdId, FileType, Gfid, LeaseKind, Name,
+    OpenReply, OpendirList, OpendirListReply, ReaddirReply, ReaddirpReply, ReaddirpXattrsReply,
 };
 use rustix::fs::AtFlags;
 use rustix::io::Errno;
@@ -154,6 +155,43 @@ impl<E: Exec> Fops<E> {
     }
 
     /// READDIRP_XATTRS: READDIRP, each entry with the presence of the probed xattrs.
+    /// OPENDIR_LIST: OPENDIR, then READDIRP_XATTRS from the start through the new fd; the
+    /// lease (taken by [`Fops::call_with`] before) comes back in the reply, or is given back
+    /// when either fails.
+    pub(super) async fn opendir_list(
+        &self,
+        session: SessionId,
+        creds: &Creds,
+        r: OpendirList,
+    ) -> R<OpendirListReply> {
+        let listed = async {
+            let OpenReply { fd } = self.opendir(session, creds, &r.gfid).await?;
+            match self
+                .readdirp_xattrs(session, creds, fd, 0, r.size.get())
+                .await
+            {
+                Ok(listing) => Ok((fd, listing)),
+                Err(e) => {
+                    let _ = self.release(session, fd, true).await;
+                    Err(e)
+                }
+            }
+        };
+        match listed.await {
+            Ok((fd, listing)) => Ok(OpendirListReply {
+                fd,
+                lease: r.lease,
+                listing,
+            }),
+            Err(e) => {
+                if r.lease != LeaseKind::None {
+                    self.give_back(session, r.gfid).await;
+                }
+                Err(e)
+            }
+        }
+    }
+
     pub(super) async fn readdirp_xattrs(
         &self,
         session: SessionId,

@@ -1,4 +1,4 @@
-//! LEASE, and what the lease check needs from the disk: the directory an RMDIR or a replacing
+//! LEASE (and OPENDIR_LIST's lease), and what the lease check needs from the disk: the directory an RMDIR or a replacing
 //! RENAME would remove. The lease rules themselves are [`crate::leases`]'s.
 
 use kiln_wire::{Gfid, Lease, LeaseKind, LeaseReply, Name};
@@ -23,6 +23,33 @@ impl<E: Exec> Fops<E> {
         }
         let kind = leases.grant(session, r.gfid, r.kind).await?;
         Ok(LeaseReply { kind })
+    }
+
+    /// The lease OPENDIR_LIST asked on directory `gfid` before its listing, as LEASE would
+    /// grant it: what is granted, none where LEASE would fail.
+    pub(super) async fn lease_before_listing(
+        &self,
+        session: SessionId,
+        gfid: Gfid,
+        kind: LeaseKind,
+    ) -> LeaseKind {
+        if kind == LeaseKind::None {
+            return kind;
+        }
+        match self.lease(session, Lease { gfid, kind }).await {
+            Ok(reply) => reply.kind,
+            Err(_) => LeaseKind::None,
+        }
+    }
+
+    /// Gives back the lease an OPENDIR_LIST took when the rest of it failed: the client never
+    /// learns of it.
+    pub(super) async fn give_back(&self, session: SessionId, gfid: Gfid) {
+        let none = Lease {
+            gfid,
+            kind: LeaseKind::None,
+        };
+        let _ = self.lease(session, none).await;
     }
 
     /// The GFID of `parent/name` if it is a directory, looked up as the brick; `None` for

@@ -313,10 +313,15 @@ impl<E: Exec> Fops<E> {
     pub async fn call_with<F: Future<Output = R<FopReply>>>(
         &self,
         session: SessionId,
-        fop: FopRequest,
+        mut fop: FopRequest,
         run: impl FnOnce(FopRequest) -> F,
     ) -> R<FopReply> {
         let leases = &self.shared.leases;
+        if let FopRequest::OpendirList(r) = &mut fop {
+            // Its lease first, as LEASE takes one (under no fop of its own), so that the
+            // entries it reads are read under it; the request carries on what was granted.
+            r.lease = self.lease_before_listing(session, r.gfid, r.lease).await;
+        }
         let register = match fop {
             FopRequest::Lease(_) => return run(fop).await,
             FopRequest::Lk(_) if !leases.is_armed() => return run(fop).await,
@@ -412,6 +417,7 @@ impl<E: Exec> Fops<E> {
                     .await?,
             ),
             Q::Opendir(r) => A::Opendir(self.opendir(session, creds, &r.gfid).await?),
+            Q::OpendirList(r) => A::OpendirList(self.opendir_list(session, creds, r).await?),
             Q::Get(r) => A::Get(self.get(creds, r).await?),
             Q::Lease(r) => A::Lease(self.lease(session, r).await?),
             fd_fop => self.execute_on_fd(session, creds, fd_fop).await?,

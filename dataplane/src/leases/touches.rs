@@ -64,6 +64,7 @@ pub fn touches(fop: &FopRequest) -> Touches {
         Q::Open(r) => dirs(&[(r.gfid, Look)]),
         Q::Get(r) => dirs(&[(r.gfid, Look)]),
         Q::Opendir(r) => dirs(&[(r.gfid, Look)]),
+        Q::OpendirList(r) => dirs(&[(r.gfid, Look)]),
         Q::Setattr(r) => dirs(&[(r.gfid, Change)]),
         Q::Truncate(r) => dirs(&[(r.gfid, Change)]),
         Q::Setxattr(r) => dirs(&[(r.gfid, Change)]),

@@ -13,7 +13,7 @@
 //!   (`server.root-allow`) run with uid and gid 0 squashed. Refusals are logged with the
 //!   reason and told to the client at HELLO.
 //! * **Per connection** ([`connection`]). One session (its own fd table, locks and leases,
-//!   released when the connection ends), HELLO first (capabilities: `LEASES`, `XATTR_PRESENCE` and
+//!   released when the connection ends), HELLO first (capabilities: `LEASES`, `XATTR_PRESENCE`, `OPENDIR_LIST` and
 //!   `GET` when the client offers them), then one stream per call, at most `inflight_max` at once (QUIC stream credit
 //!   is the backpressure), each request whole within the request timeout; a BATCH runs its
 //!   fops in order as that many calls. A frame that does not decode resets its own stream
@@ -163,7 +163,8 @@ impl Server {
             // Intersected with each client's offer at its HELLO.
             capabilities: Capabilities::LEASES
                 .union(Capabilities::XATTR_PRESENCE)
-                .union(Capabilities::GET),
+                .union(Capabilities::GET)
+                .union(Capabilities::OPENDIR_LIST),
             brick_id,
             volume: Label::new(config.volume.clone().into_bytes())?,
             limits: Limits {
