@@ -113,24 +113,6 @@ impl Drop for Budgeted {
 }
 
 impl<F> Open<F> {
-    /// `size` bytes at `offset` from what the first read fetched, if it has them and the
-    /// mount's change count is still `changes`; past the file's end, what is left of it.
-    fn read_ahead(&self, offset: u64, size: u32, changes: u64) -> Option<Bytes> {
-        let ahead = self.ahead.lock().unwrap_or_else(|p| p.into_inner());
-        let ahead = ahead.as_ref().filter(|a| a.changes == changes)?;
-        let len = ahead.data.len() as u64;
-        let end = offset.checked_add(u64::from(size))?;
-        let range = match (end <= len, ahead.eof) {
-            (true, _) => offset..end,
-            (false, true) => offset.min(len)..len,
-            (false, false) => return None,
-        };
-        let range = usize::try_from(range.start).ok()?..usize::try_from(range.end).ok()?;
-        Some(ahead.data.slice(range))
-    }
-}
-
-impl<F> Open<F> {
     /// A handle on node `ino`, with its fd or (`None`) one to open as `late_creds` with
     /// `access` and `flags` at first use.
     fn new(
@@ -151,6 +133,22 @@ impl<F> Open<F> {
             listing: tokio::sync::Mutex::new(Listing::default()),
             ahead: Mutex::new(None),
         }
+    }
+
+    /// `size` bytes at `offset` from what the first read fetched, if it has them and the
+    /// mount's change count is still `changes`; past the file's end, what is left of it.
+    fn read_ahead(&self, offset: u64, size: u32, changes: u64) -> Option<Bytes> {
+        let ahead = self.ahead.lock().unwrap_or_else(|p| p.into_inner());
+        let ahead = ahead.as_ref().filter(|a| a.changes == changes)?;
+        let len = ahead.data.len() as u64;
+        let end = offset.checked_add(u64::from(size))?;
+        let range = match (end <= len, ahead.eof) {
+            (true, _) => offset..end,
+            (false, true) => offset.min(len)..len,
+            (false, false) => return None,
+        };
+        let range = usize::try_from(range.start).ok()?..usize::try_from(range.end).ok()?;
+        Some(ahead.data.slice(range))
     }
 }
 
