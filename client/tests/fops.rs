@@ -7,9 +7,10 @@ use common::{Cluster, runtime};
 use kiln_client::path::new_gfid;
 use kiln_client::{BrickClient, Error, FdFop, Layer, LayerExt, Paths};
 use kiln_wire::{
-    AccessMask, AccessMode, Creds, ErrorCode, FileType, FopCode, FopReply, Gfid, LeaseKind, Lock,
-    LockCmd, LockKind, Mode, Name, NodeType, OpenFlags, Payload, ReadSize, ReaddirSize, RenameMode,
-    SeekWhat, SetAttr, SymlinkTarget, XattrName, XattrPresence, XattrSetMode, XattrValue,
+    AccessMask, AccessMode, Creds, DirEntryXattrs, ErrorCode, FileType, FopCode, FopReply, Gfid,
+    LeaseKind, Lock, LockCmd, LockKind, Mode, Name, NodeType, OpenFlags, Payload, ReadSize,
+    ReaddirSize, RenameMode, SeekWhat, SetAttr, SymlinkTarget, XattrName, XattrPresence,
+    XattrSetMode, XattrValue,
 };
 
 fn name(s: &str) -> Name {
@@ -441,6 +442,26 @@ async fn exercise(v: &BrickClient, seen: &mut std::collections::BTreeSet<FopCode
     });
     seen.insert(FopCode::Releasedir);
     v.release(&creds, dfd).await.expect("releasedir");
+    // OPENDIR_LIST: the same entries as READDIRP_XATTRS, and an fd to go on with.
+    seen.insert(FopCode::OpendirList);
+    let (lfd, lease, first) = v
+        .opendir_list(&creds, dir, size, LeaseKind::None)
+        .await
+        .expect("opendir_list");
+    assert_eq!(lease, LeaseKind::None);
+    let named = |entries: &[DirEntryXattrs]| -> Vec<(String, Gfid, XattrPresence)> {
+        entries
+            .iter()
+            .map(|e| (e.name.to_string(), e.iatt.gfid, e.xattrs))
+            .collect()
+    };
+    assert_eq!(named(&first.entries), named(&with_xattrs.entries));
+    assert!(first.eof);
+    call_fd!(&lfd, Fsyncdir, |fd| kiln_wire::Fsyncdir {
+        fd,
+        datasync: false
+    });
+    v.release(&creds, lfd).await.expect("releasedir");
 
     // Namespace changes.
     call!(
