@@ -452,14 +452,12 @@ fn opendir_list_takes_its_lease_before_it_lists(kind: EngineKind) {
     let (b, _qb) = h.engine.lease_session();
     let size = ReaddirSize::new(4096).expect("size");
     let list = |gfid, lease| FopRequest::from(OpendirList { gfid, size, lease });
+    let listed = async |gfid, lease| match a.call(root(), list(gfid, lease)).await {
+        Ok(FopReply::OpendirList(r)) => r,
+        other => panic!("OPENDIR_LIST answered {other:?}"),
+    };
     h.rt.block_on(async {
-        let FopReply::OpendirList(r) = a
-            .call(root(), list(d, LeaseKind::Read))
-            .await
-            .expect("opendir_list")
-        else {
-            panic!("OPENDIR_LIST reply")
-        };
+        let r = listed(d, LeaseKind::Read).await;
         assert_eq!(r.lease, LeaseKind::Read);
         assert!(r.listing.eof);
         let names: Vec<String> = r
@@ -499,14 +497,7 @@ fn opendir_list_takes_its_lease_before_it_lists(kind: EngineKind) {
             Ok(LeaseKind::Write)
         );
         // Without a lease asked, none is taken.
-        let FopReply::OpendirList(plain) = a
-            .call(root(), list(d, LeaseKind::None))
-            .await
-            .expect("opendir_list")
-        else {
-            panic!("OPENDIR_LIST reply")
-        };
-        assert_eq!(plain.lease, LeaseKind::None);
+        assert_eq!(listed(d, LeaseKind::None).await.lease, LeaseKind::None);
         assert_eq!(lease(&b, d, LeaseKind::Write).await, Ok(LeaseKind::Write));
     });
 }
