@@ -574,6 +574,73 @@ mod tests {
         assert!(leases.holds(&gfid(1)) && !leases.may_upgrade(&gfid(1)));
     }
 
+    fn entry(n: &str) -> DirEntryXattrs {
+        DirEntryXattrs {
+            offset: 1,
+            name: name(n),
+            iatt: new_iatt(gfid(9), FileType::Regular, 0o644, 0, 0, 0),
+            xattrs: Default::default(),
+        }
+    }
+
+    #[test]
+    fn a_listing_is_kept_only_while_nothing_changed_and_not_for_long() {
+        let leases = Leases::default();
+        let long = Duration::from_secs(60);
+        assert!(leases.listing_mark(&gfid(1)).is_none(), "not held");
+        leases.hold_read(gfid(1));
+        // A change through the mount while it was read: not kept.
+        let mark = leases.listing_mark(&gfid(1)).expect("held");
+        leases.note_change();
+        leases.keep_listing(&gfid(1), mark, vec![entry("a")]);
+        assert!(leases.kept_listing(&gfid(1), long).is_none());
+        // Kept, and answered until the next change or past its age.
+        let mark = leases.listing_mark(&gfid(1)).expect("held");
+        leases.keep_listing(&gfid(1), mark, vec![entry("a")]);
+        assert_eq!(leases.kept_listing(&gfid(1), long).expect("kept").len(), 1);
+        assert!(
+            leases.kept_listing(&gfid(1), Duration::ZERO).is_none(),
+            "too old"
+        );
+        leases.note_change();
+        assert!(
+            leases.kept_listing(&gfid(1), long).is_none(),
+            "changed since"
+        );
+        // A hold released and taken again does not take a listing read under the first.
+        let mark = leases.listing_mark(&gfid(1)).expect("held");
+        leases.release(&gfid(1));
+        leases.hold_read(gfid(1));
+        leases.keep_listing(&gfid(1), mark, vec![entry("a")]);
+        assert!(
+            leases.kept_listing(&gfid(1), long).is_none(),
+            "another hold"
+        );
+    }
+
+    #[test]
+    fn kept_listings_are_bounded() {
+        let leases = Leases::default();
+        let long = Duration::from_secs(60);
+        let dirs: Vec<Gfid> = (0..=LISTINGS_KEPT_MAX as u8)
+            .map(|n| gfid(n + 10))
+            .collect();
+        for dir in &dirs {
+            leases.hold_read(*dir);
+            let mark = leases.listing_mark(dir).expect("held");
+            leases.keep_listing(dir, mark, vec![entry("a")]);
+        }
+        assert!(
+            leases.kept_listing(&dirs[0], long).is_none(),
+            "the oldest went"
+        );
+        assert!(
+            dirs[1..]
+                .iter()
+                .all(|d| leases.kept_listing(d, long).is_some())
+        );
+    }
+
     #[test]
     fn releasing_a_directory_forgets_its_objects() {
         let leases = Leases::default();
