@@ -143,8 +143,9 @@ pub async fn batch_one_by_one<L: Layer + ?Sized>(
     Ok(BatchReply { results })
 }
 
-/// [`Layer::opendir_list`] as separate fops: the lease first (so the entries are read under
-/// it), then OPENDIR, then READDIRP_XATTRS from the start (the fd is released if it fails).
+/// [`Layer::opendir_list`] as separate fops: LEASE beside OPENDIR, then READDIRP_XATTRS from
+/// the start once both are answered (so the entries are read under the lease). When either
+/// fails the fd is released and the lease given back, as the brick does for OPENDIR_LIST.
 pub async fn opendir_list_apart<L: Layer + ?Sized>(
     layer: &L,
     creds: &Creds,
@@ -152,35 +153,43 @@ pub async fn opendir_list_apart<L: Layer + ?Sized>(
     size: ReaddirSize,
     lease: LeaseKind,
 ) -> Result<(L::Fd, LeaseKind, ReaddirpXattrsReply), Error> {
-    let granted = match lease {
-        LeaseKind::None => LeaseKind::None,
-        kind => match layer
-            .call(creds, kiln_wire::Lease { gfid, kind }.into())
-            .await
-        {
-            Ok(FopReply::Lease(r)) => r.kind,
-            _ => LeaseKind::None,
-        },
-    };
-    let fd = layer.opendir(creds, gfid).await?;
-    let fop = FdFop::new(|fd| {
-        kiln_wire::ReaddirpXattrs {
-            fd,
-            offset: 0,
-            size,
+    let ask = |kind| layer.call(creds, kiln_wire::Lease { gfid, kind }.into());
+    let leased = async {
+        match lease {
+            LeaseKind::None => LeaseKind::None,
+            kind => match ask(kind).await {
+                Ok(FopReply::Lease(r)) => r.kind,
+                _ => LeaseKind::None,
+            },
         }
-        .into()
-    });
-    match layer.call_fd(creds, &fd, fop).await {
-        Ok(FopReply::ReaddirpXattrs(listing)) => Ok((fd, granted, listing)),
-        other => {
-            let _ = layer.release(creds, fd).await;
-            match other {
-                Err(e) => Err(e),
-                Ok(_) => Err(Error::Fop(ErrorCode::Io)),
+    };
+    let (granted, opened) = tokio::join!(leased, layer.opendir(creds, gfid));
+    let (fd, error) = match opened {
+        Ok(fd) => {
+            let fop = FdFop::new(|fd| {
+                kiln_wire::ReaddirpXattrs {
+                    fd,
+                    offset: 0,
+                    size,
+                }
+                .into()
+            });
+            match layer.call_fd(creds, &fd, fop).await {
+                Ok(FopReply::ReaddirpXattrs(listing)) => return Ok((fd, granted, listing)),
+                Ok(_) => (Some(fd), unexpected("READDIRP_XATTRS")),
+                Err(e) => (Some(fd), e),
             }
         }
+        Err(e) => (None, e),
+    };
+    // Failed: nothing stays open or held that the caller would not know of.
+    if let Some(fd) = fd {
+        let _ = layer.release(creds, fd).await;
     }
+    if granted != LeaseKind::None {
+        let _ = ask(LeaseKind::None).await;
+    }
+    Err(error)
 }
 
 /// What the layers below tell the layers above without being asked.

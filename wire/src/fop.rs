@@ -205,7 +205,7 @@ wire_struct! {
     pub struct Get { pub gfid: Gfid, pub offset: u64, pub size: ReadSize }
     /// OPENDIR that answers with the directory's first `size` bytes of entries, as
     /// READDIRP_XATTRS from the start would, and takes lease `lease` on it before it reads
-    /// them (none: no lease asked) — one round trip for what took three (capability
+    /// them (none: no lease asked) — one round trip for three fops (capability
     /// `OPENDIR_LIST`).
     pub struct OpendirList { pub gfid: Gfid, pub size: ReaddirSize, pub lease: LeaseKind }
 

@@ -16,7 +16,7 @@
 //! * **Anchoring**: before a fop that may remove a name, every handle still without an fd gets
 //!   one ([`Shared::anchor_handles`]), so an open file outlives its unlink.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -154,14 +154,24 @@ impl<F> Open<F> {
 
 #[derive(Debug, Default)]
 struct Listing {
-    /// The offset the kernel passes to continue at the first buffered entry.
+    /// The offset the kernel passes to continue at the first entry not yet given.
     from: u64,
-    entries: VecDeque<DirEntryXattrs>,
-    /// No entries follow the buffered ones.
+    /// The entries fetched (shared with the listing the mount keeps, if it does); those
+    /// before `next` were given to the kernel.
+    entries: Arc<[DirEntryXattrs]>,
+    next: usize,
+    /// No entries follow the fetched ones.
     eof: bool,
     /// A listing from the start of a directory held with a lease: where the hold was when
     /// it began, and every entry fetched so far (the directory's entries at the end).
     whole: Option<(u64, Vec<(kiln_wire::Name, Gfid)>)>,
+}
+
+impl Listing {
+    /// The next entry to give the kernel, if one was fetched.
+    fn pending(&self) -> Option<&DirEntryXattrs> {
+        self.entries.get(self.next)
+    }
 }
 
 /// The mount's file handles: FUSE's `fh` → the open file or directory.
@@ -294,7 +304,7 @@ impl<L: Layer> Shared<L> {
         let (fd, listing) = match kept {
             Some(entries) => {
                 let listing = Listing {
-                    entries: entries.iter().cloned().collect(),
+                    entries,
                     eof: true,
                     ..Listing::default()
                 };
@@ -334,14 +344,7 @@ impl<L: Layer> Shared<L> {
         // The hold the entries were read under: the one before, or the one just granted if
         // nothing changed through the mount since they were asked.
         let mark = held.or_else(|| self.leases.listing_mark_unchanged(&gfid, changes));
-        let whole = self.take_entries(ino, 0, mark, None, &first);
-        let listing = Listing {
-            from: 0,
-            entries: first.entries.into(),
-            eof: first.eof,
-            whole,
-        };
-        Ok((fd, listing))
+        Ok((fd, self.take_entries(ino, 0, mark, None, first)))
     }
 
     /// CREATE of `name` in node `parent` with kernel `mode`, `umask` and `flags`, as `c`:
@@ -712,41 +715,59 @@ impl<L: Layer> Shared<L> {
         }
     }
 
-    /// Follows a listing of directory `ino` from its start while it holds a lease there:
-    /// `mark` is where the hold was when a fetch from the start (`offset` 0) began, `so_far`
-    /// what a listing had fetched before `reply` (at `offset`). A whole listing in one reply
-    /// is kept to answer the next one ([`super::leases`]). The entries fetched so far; at the
-    /// end, the directory's entries for the lease.
+    /// The listing directory handle on node `ino` goes on with after `reply`, fetched at
+    /// `offset`: `mark` is where the hold was when a fetch from the start began, `so_far`
+    /// what a listing from the start had fetched before ([`Shared::learn_entries`]).
     fn take_entries(
         &self,
         ino: u64,
         offset: u64,
         mark: Option<Mark>,
         so_far: Option<(u64, Vec<(kiln_wire::Name, Gfid)>)>,
-        reply: &kiln_wire::ReaddirpXattrsReply,
+        reply: kiln_wire::ReaddirpXattrsReply,
+    ) -> Listing {
+        let entries: Arc<[DirEntryXattrs]> = reply.entries.into();
+        let whole = self.learn_entries(ino, offset, mark, so_far, &entries, reply.eof);
+        Listing {
+            from: offset,
+            entries,
+            next: 0,
+            eof: reply.eof,
+            whole,
+        }
+    }
+
+    /// Follows a listing of directory `ino` from its start while it holds a lease there,
+    /// with `entries` fetched at `offset` (`eof`: the last of them). A whole listing in one
+    /// reply is kept to answer the next one ([`super::leases`]). The entries fetched so far;
+    /// at the end, the directory's entries for the lease.
+    fn learn_entries(
+        &self,
+        ino: u64,
+        offset: u64,
+        mark: Option<Mark>,
+        so_far: Option<(u64, Vec<(kiln_wire::Name, Gfid)>)>,
+        entries: &Arc<[DirEntryXattrs]>,
+        eof: bool,
     ) -> Option<(u64, Vec<(kiln_wire::Name, Gfid)>)> {
         let dir = self.inodes.gfid(ino)?;
         if let Some(mark) = mark
             && offset == 0
-            && reply.eof
+            && eof
         {
-            self.leases.keep_listing(&dir, mark, reply.entries.clone());
+            self.leases.keep_listing(&dir, mark, entries.clone());
         }
         let (began, mut seen) = match (offset, so_far) {
             // Only while the entries are not known yet.
-            (0, _) => (
-                mark?.generation_if_incomplete(&self.leases, &dir)?,
-                Vec::new(),
-            ),
+            (0, _) => (self.leases.listing_began(&dir, &mark?)?, Vec::new()),
             (_, so_far) => so_far?,
         };
-        let named = reply
-            .entries
+        let named = entries
             .iter()
             .filter(|e| !matches!(e.name.as_bytes(), b"." | b".."))
             .map(|e| (e.name.clone(), e.iatt.gfid));
         seen.extend(named);
-        if reply.eof {
+        if eof {
             self.leases.listed(&dir, began, seen);
             return None;
         }
@@ -791,32 +812,23 @@ impl<L: Layer> Shared<L> {
         let mut listing = open.listing.lock().await;
         let mut offset = offset;
         loop {
-            if listing.from != offset || (listing.entries.is_empty() && !listing.eof) {
+            let drained = listing.pending().is_none();
+            if listing.from != offset || (drained && !listing.eof) {
                 let (r, mark) = self.fetch_entries(c, &open, offset).await?;
                 // Only a fetch right after the last one continues a listing.
-                let continues =
-                    listing.entries.is_empty() && listing.from == offset && !listing.eof;
+                let continues = drained && listing.from == offset && !listing.eof;
                 let so_far = listing.whole.take().filter(|_| continues);
-                let whole = self.take_entries(open.ino, offset, mark, so_far, &r);
-                *listing = Listing {
-                    from: offset,
-                    entries: r.entries.into(),
-                    eof: r.eof,
-                    whole,
-                };
-                if listing.entries.is_empty() {
-                    return Ok(());
-                }
+                *listing = self.take_entries(open.ino, offset, mark, so_far, r);
             }
-            // Empty here means the directory ended.
-            let Some(entry) = listing.entries.front() else {
+            // None here means the directory ended.
+            let Some(entry) = listing.pending() else {
                 return Ok(());
             };
             if add(entry) {
                 return Ok(());
             }
             offset = entry.offset;
-            listing.entries.pop_front();
+            listing.next += 1;
             listing.from = offset;
         }
     }

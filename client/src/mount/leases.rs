@@ -22,6 +22,7 @@
 //!   the brick again (after the changes queued before them).
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -73,14 +74,6 @@ pub(super) struct Mark {
     at: Instant,
 }
 
-impl Mark {
-    /// The hold's generation when the listing began, if the hold does not know all its
-    /// entries yet: what [`Leases::listed`] takes.
-    pub(super) fn generation_if_incomplete(&self, leases: &Leases, dir: &Gfid) -> Option<u64> {
-        leases.listing_starts(dir).map(|_| self.generation)
-    }
-}
-
 /// A whole listing of a held directory, as the brick gave it.
 #[derive(Debug)]
 struct Kept {
@@ -97,9 +90,6 @@ struct State {
     recalled_unheld: HashSet<Gfid>,
     /// The last generation given to a hold.
     last_generation: u64,
-    /// Counts the fops through the mount that may change an object: a kept listing is
-    /// answered only while it has not moved.
-    changes: u64,
     /// Kept listings, oldest first, by directory and the generation they were kept at; at
     /// most [`LISTINGS_KEPT_MAX`].
     kept: VecDeque<(Gfid, u64)>,
@@ -143,6 +133,10 @@ pub(super) enum Answer {
 #[derive(Debug, Default)]
 pub(super) struct Leases {
     state: Mutex<State>,
+    /// Counts the fops through the mount that may change an object: a kept listing (and a
+    /// handle's read-ahead) is answered only while it has not moved. Outside the lock: every
+    /// write and every read looks at it.
+    changes: AtomicU64,
 }
 
 impl Leases {
@@ -191,12 +185,13 @@ impl Leases {
         }
     }
 
-    /// Where a listing of `dir` from its start begins: `None` unless the mount holds a lease
-    /// on it and does not know its entries yet.
-    pub(super) fn listing_starts(&self, dir: &Gfid) -> Option<u64> {
+    /// The generation a listing of `dir` that began at `mark` completes the entries at
+    /// ([`Leases::listed`]): `None` unless the mount holds a lease on `dir` and does not know
+    /// its entries yet.
+    pub(super) fn listing_began(&self, dir: &Gfid, mark: &Mark) -> Option<u64> {
         let state = self.lock();
         let held = state.dirs.get(dir)?;
-        (!held.complete).then_some(held.generation)
+        (!held.complete).then_some(mark.generation)
     }
 
     /// A listing of `dir` that began at `generation` reached the end with `entries`: they are
@@ -213,22 +208,22 @@ impl Leases {
 
     /// Notes a fop that may change an object: no listing kept before it is answered.
     pub(super) fn note_change(&self) {
-        self.lock().changes += 1;
+        self.changes.fetch_add(1, Ordering::SeqCst);
     }
 
     /// How many fops that may change an object the mount has noted.
     pub(super) fn changes(&self) -> u64 {
-        self.lock().changes
+        self.changes.load(Ordering::SeqCst)
     }
 
     /// Where a listing of `dir` from its start begins, to keep it ([`Leases::keep_listing`]);
     /// `None` unless `dir` is held.
     pub(super) fn listing_mark(&self, dir: &Gfid) -> Option<Mark> {
-        let state = self.lock();
-        let held = state.dirs.get(dir)?;
+        let changes = self.changes();
+        let generation = self.lock().dirs.get(dir)?.generation;
         Some(Mark {
-            generation: held.generation,
-            changes: state.changes,
+            generation,
+            changes,
             at: Instant::now(),
         })
     }
@@ -242,19 +237,16 @@ impl Leases {
 
     /// Keeps `entries`, a whole listing of held directory `dir` that began at `began`,
     /// unless the hold or anything through the mount changed meanwhile.
-    pub(super) fn keep_listing(&self, dir: &Gfid, began: Mark, entries: Vec<DirEntryXattrs>) {
+    pub(super) fn keep_listing(&self, dir: &Gfid, began: Mark, entries: Arc<[DirEntryXattrs]>) {
         let mut state = self.lock();
-        let changes = state.changes;
+        let changes = self.changes();
         let Some(held) = state.dirs.get_mut(dir) else {
             return;
         };
         if held.generation != began.generation || changes != began.changes {
             return;
         }
-        held.listing = Some(Kept {
-            began,
-            entries: entries.into(),
-        });
+        held.listing = Some(Kept { began, entries });
         state.kept.push_back((*dir, began.generation));
         if state.kept.len() > LISTINGS_KEPT_MAX
             && let Some((oldest, generation)) = state.kept.pop_front()
@@ -275,12 +267,12 @@ impl Leases {
         dir: &Gfid,
         max_age: Duration,
     ) -> Option<Arc<[DirEntryXattrs]>> {
+        let changes = self.changes();
         let state = self.lock();
         let held = state.dirs.get(dir)?;
         let kept = held.listing.as_ref()?;
         let fresh = kept.began.at.elapsed() < max_age;
-        let unchanged =
-            kept.began.generation == held.generation && kept.began.changes == state.changes;
+        let unchanged = kept.began.generation == held.generation && kept.began.changes == changes;
         (fresh && unchanged).then(|| kept.entries.clone())
     }
 
@@ -558,11 +550,15 @@ mod tests {
         assert!(!leases.holds(&gfid(1)), "reading only");
         assert_eq!(leases.lookup(&gfid(1), &name("a")), Answer::Unknown);
         // A change during the listing: it does not complete the entries.
-        let began = leases.listing_starts(&gfid(1)).expect("incomplete");
+        let starts = |leases: &Leases| {
+            let mark = leases.listing_mark(&gfid(1)).expect("held");
+            leases.listing_began(&gfid(1), &mark)
+        };
+        let began = starts(&leases).expect("incomplete");
         leases.add_entry(&gfid(1), &name("new"), gfid(9));
         leases.listed(&gfid(1), began, vec![(name("a"), gfid(2))]);
         assert_eq!(leases.lookup(&gfid(1), &name("b")), Answer::Unknown);
-        let began = leases.listing_starts(&gfid(1)).expect("still incomplete");
+        let began = starts(&leases).expect("still incomplete");
         leases.listed(&gfid(1), began, vec![(name("a"), gfid(2))]);
         assert_eq!(
             leases.lookup(&gfid(1), &name("a")),
@@ -592,11 +588,11 @@ mod tests {
         // A change through the mount while it was read: not kept.
         let mark = leases.listing_mark(&gfid(1)).expect("held");
         leases.note_change();
-        leases.keep_listing(&gfid(1), mark, vec![entry("a")]);
+        leases.keep_listing(&gfid(1), mark, [entry("a")].into());
         assert!(leases.kept_listing(&gfid(1), long).is_none());
         // Kept, and answered until the next change or past its age.
         let mark = leases.listing_mark(&gfid(1)).expect("held");
-        leases.keep_listing(&gfid(1), mark, vec![entry("a")]);
+        leases.keep_listing(&gfid(1), mark, [entry("a")].into());
         assert_eq!(leases.kept_listing(&gfid(1), long).expect("kept").len(), 1);
         assert!(
             leases.kept_listing(&gfid(1), Duration::ZERO).is_none(),
@@ -611,7 +607,7 @@ mod tests {
         let mark = leases.listing_mark(&gfid(1)).expect("held");
         leases.release(&gfid(1));
         leases.hold_read(gfid(1));
-        leases.keep_listing(&gfid(1), mark, vec![entry("a")]);
+        leases.keep_listing(&gfid(1), mark, [entry("a")].into());
         assert!(
             leases.kept_listing(&gfid(1), long).is_none(),
             "another hold"
@@ -628,7 +624,7 @@ mod tests {
         for dir in &dirs {
             leases.hold_read(*dir);
             let mark = leases.listing_mark(dir).expect("held");
-            leases.keep_listing(dir, mark, vec![entry("a")]);
+            leases.keep_listing(dir, mark, [entry("a")].into());
         }
         assert!(
             leases.kept_listing(&dirs[0], long).is_none(),

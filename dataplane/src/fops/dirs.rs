@@ -1,6 +1,6 @@
 //! Directories: OPENDIR (and OPENDIR_LIST, with its first entries), READDIR, READDIRP,
-//! FSYNCDIR. io_uring has no getdents: listings are
-//! read on the blocking pool; READDIRP's entry stats run inline.
+//! FSYNCDIR. io_uring has no getdents: listings are read on the blocking pool; READDIRP's
+//! entry stats run inline.
 
 use std::os::fd::AsFd;
 use std::sync::{Arc, Mutex};
@@ -154,7 +154,6 @@ impl<E: Exec> Fops<E> {
         Ok(ReaddirpReply { entries, eof })
     }
 
-    /// READDIRP_XATTRS: READDIRP, each entry with the presence of the probed xattrs.
     /// OPENDIR_LIST: OPENDIR, then READDIRP_XATTRS from the start through the new fd; the
     /// lease (taken by [`Fops::call_with`] before) comes back in the reply, or is given back
     /// when either fails.
@@ -192,6 +191,7 @@ impl<E: Exec> Fops<E> {
         }
     }
 
+    /// READDIRP_XATTRS: READDIRP, each entry with the presence of the probed xattrs.
     pub(super) async fn readdirp_xattrs(
         &self,
         session: SessionId,

@@ -1,5 +1,5 @@
-//! LEASE (and OPENDIR_LIST's lease), and what the lease check needs from the disk: the directory an RMDIR or a replacing
-//! RENAME would remove. The lease rules themselves are [`crate::leases`]'s.
+//! LEASE (and OPENDIR_LIST's lease), and what the lease check needs from the disk: the
+//! directory an RMDIR or a replacing RENAME would remove. The lease rules themselves are [`crate::leases`]'s.
 
 use kiln_wire::{Gfid, Lease, LeaseKind, LeaseReply, Name};
 use rustix::io::Errno;
