@@ -85,8 +85,8 @@ pub trait Layer: Send + Sync + 'static {
 
     /// Opens directory `gfid` with its first `size` bytes of entries (READDIRP_XATTRS from the
     /// start) and, unless `lease` is none, that lease on it taken before they are read: the
-    /// fd, the lease granted, the entries. By default as LEASE, OPENDIR and READDIRP_XATTRS
-    /// one after another ([`opendir_list_apart`]); a brick takes them as one OPENDIR_LIST.
+    /// fd, the lease granted, the entries. By default as LEASE beside OPENDIR, then
+    /// READDIRP_XATTRS ([`opendir_list_apart`]); a brick takes them as one OPENDIR_LIST.
     fn opendir_list(
         &self,
         creds: &Creds,
