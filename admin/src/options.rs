@@ -191,6 +191,16 @@ pub const OPTIONS: &[OptionDef] = &[
                none; leases already held are recalled as usual until given back)",
     },
     OptionDef {
+        key: "features.selinux",
+        kind: ValueKind::Bool,
+        default: "off",
+        apply: Apply::Mount,
+        brick: BrickFlag::None,
+        help: "mounts carry SELinux labels (security.selinux); off, as GlusterFS's mounts \
+               default to, they answer that the file system does not support them, and \
+               `ls -l` stops asking for every file",
+    },
+    OptionDef {
         key: "network.connections-max",
         kind: ValueKind::Integer {
             min: 1,

@@ -32,10 +32,12 @@ fn errno_of<T: std::fmt::Debug>(r: std::io::Result<T>) -> i32 {
 
 /// `ls -l` asks every file for its security label and ACL: LOOKUP and READDIRP tell the mount
 /// which of those a file lacks, so only the one file that has a label costs a round trip.
+/// Without `selinux` a mount carries no labels, as GlusterFS's do not.
 #[test]
 fn ls_l_asks_the_brick_only_for_xattrs_that_exist() {
     let metrics = common::free_loopback_addr();
-    let mut m = Mounted::with_brick(&["--count-fop-hits", "--metrics-listen", &metrics], &[]);
+    let brick_args = ["--count-fop-hits", "--metrics-listen", &metrics];
+    let mut m = Mounted::with_brick(&brick_args, &["selinux"]);
     fs::create_dir(m.path("walk")).expect("mkdir");
     for i in 0..30 {
         write(&m.path(&format!("walk/f{i}")), b"x");
@@ -51,7 +53,7 @@ fn ls_l_asks_the_brick_only_for_xattrs_that_exist() {
     .expect("label one file");
     // A new mount: nothing cached.
     m.unmount();
-    m.mount(&[]);
+    m.mount(&["selinux"]);
 
     let before = common::scrape(&metrics);
     let listing = sh_ok(&m.mountpoint, "ls -l walk");
@@ -75,6 +77,47 @@ fn ls_l_asks_the_brick_only_for_xattrs_that_exist() {
         rustix::fs::lgetxattr(m.path("walk/f8").as_path(), "security.selinux", &mut value),
         Err(rustix::io::Errno::NODATA)
     );
+
+    // Mounted without `selinux`: no label is read, listed or written, and none reaches the
+    // brick; the label kept there is untouched.
+    m.unmount();
+    m.mount(&[]);
+    let before = common::scrape(&metrics);
+    let listing = sh_ok(&m.mountpoint, "ls -l walk");
+    assert_eq!(listing.lines().filter(|l| l.starts_with('-')).count(), 30);
+    let unsupported = rustix::io::Errno::OPNOTSUPP;
+    assert_eq!(
+        rustix::fs::lgetxattr(&labelled, "security.selinux", &mut value),
+        Err(unsupported)
+    );
+    let flags = rustix::fs::XattrFlags::empty();
+    assert_eq!(
+        rustix::fs::lsetxattr(&labelled, "security.selinux", label, flags),
+        Err(unsupported)
+    );
+    assert_eq!(
+        rustix::fs::lremovexattr(&labelled, "security.selinux"),
+        Err(unsupported)
+    );
+    let mut names = [0; 256];
+    let n = rustix::fs::llistxattr(&labelled, &mut names).expect("listxattr");
+    assert!(
+        !names[..n]
+            .split(|b| *b == 0)
+            .any(|n| n == b"security.selinux"),
+        "{:?}",
+        String::from_utf8_lossy(&names[..n])
+    );
+    let after = common::scrape(&metrics);
+    let served = |fop| common::fop_calls(&after, fop) - common::fop_calls(&before, fop);
+    assert_eq!(
+        served("GETXATTR") + served("SETXATTR") + served("REMOVEXATTR"),
+        0.0
+    );
+    m.unmount();
+    m.mount(&["selinux"]);
+    let n = rustix::fs::lgetxattr(&labelled, "security.selinux", &mut value).expect("label");
+    assert_eq!(&value[..n], label, "kept on the brick");
 }
 
 /// Reading a small file whole costs one GET: no OPEN, READ or RELEASE reaches the brick, up

@@ -6,7 +6,8 @@
 //! mount -t kiln VOLUME MOUNTPOINT -o tls-dir=/var/lib/kiln/tls,client=alice
 //! kiln umount [-l] MOUNTPOINT
 //! ```
-//! A volume name is looked up in `kiln-mgmtd` (its bricks and its `performance.*` options); a
+//! A volume name is looked up in `kiln-mgmtd` (its bricks and the options mounts read: `performance.*`,
+//! `features.selinux`); a
 //! brick address is mounted directly. A volume of several bricks (or several addresses, in
 //! the volume's brick order) is mounted as one distributed volume
 //! (`kiln_client::distribute`). Without `-f` the command returns once the volume is
@@ -24,6 +25,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::Args;
 use kiln_admin::command::{Request, Response};
+use kiln_admin::options;
 use kiln_admin::volume::VolumeState;
 use kiln_client::BrickClient;
 use kiln_client::distribute::{BrickSource, Distribute, Listed, Member};
@@ -47,7 +49,7 @@ pub(crate) struct MountArgs {
     mountpoint: PathBuf,
     /// Comma-separated options: attr-timeout-ms=N, entry-timeout-ms=N,
     /// negative-timeout-ms=N, writeback-cache[=on|off], deferred-create[=on|off],
-    /// leases[=on|off], behind-bytes-max=N, default-permissions[=on|off], ro, rw,
+    /// leases[=on|off], behind-bytes-max=N, default-permissions[=on|off], selinux[=on|off], ro, rw,
     /// suid, dev (both off by default), noexec, noatime; tls-dir=DIR, client=NAME, server-name=NAME,
     /// socket=PATH, log-file=PATH. fstab-only options (defaults, _netdev, nofail, x-…) are
     /// ignored.
@@ -397,7 +399,8 @@ pub(crate) fn resolve_volume(global: &Global, name: &str) -> anyhow::Result<Volu
     let options = volume
         .options
         .iter()
-        .filter_map(|(k, v)| Some((k.strip_prefix("performance.")?.to_owned(), v.clone())))
+        .filter(|(k, _)| options::find(k).is_ok_and(|def| def.apply == options::Apply::Mount))
+        .filter_map(|(k, v)| Some((k.split_once('.')?.1.to_owned(), v.clone())))
         .collect();
     Ok(VolumeToMount { bricks, options })
 }

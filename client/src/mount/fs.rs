@@ -44,6 +44,9 @@ use crate::{FdFop, Layer};
 /// FUSE requests the kernel may have in flight in the background (reads ahead, writeback).
 const BACKGROUND_MAX: u16 = 64;
 
+/// The xattr SELinux keeps a file's label in.
+const SELINUX_XATTR: &[u8] = b"security.selinux";
+
 /// The file system fuser drives, over client stack `L`.
 #[derive(Debug)]
 pub(crate) struct KilnFs<L: Layer> {
@@ -110,6 +113,12 @@ impl<L: Layer> KilnFs<L> {
 
     pub(super) fn shared(&self) -> Arc<Shared<L>> {
         self.shared.clone()
+    }
+
+    /// Whether xattr `name` is one this mount does not carry: SELinux labels, unless
+    /// mounted with `selinux` ([`MountOptions::selinux`]).
+    fn unsupported_xattr(&self, name: &OsStr) -> bool {
+        !self.shared.options.selinux && name.as_bytes() == SELINUX_XATTR
     }
 
     /// Notes a fop that may change an object (before it runs): no listing the mount kept
@@ -719,6 +728,10 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         _position: u32,
         reply: ReplyEmpty,
     ) {
+        if self.unsupported_xattr(name) {
+            reply.error(Errno::from_i32(libc::EOPNOTSUPP));
+            return;
+        }
         self.note_change();
         self.shared.inodes.forget_xattr(ino.0, name.as_bytes());
         let name = xattr_name(name);
@@ -739,6 +752,10 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
     }
 
     fn getxattr(&self, req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+        if self.unsupported_xattr(name) {
+            reply.error(Errno::from_i32(libc::EOPNOTSUPP));
+            return;
+        }
         if self.shared.inodes.xattr_is_absent(ino.0, name.as_bytes()) {
             reply.error(Errno::NO_XATTR);
             return;
@@ -755,12 +772,26 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         let (s, c) = (self.shared(), creds(req));
         self.spawn(
             reply,
-            async move { s.listxattr(&c, ino.0).await },
+            async move {
+                let mut names = s.listxattr(&c, ino.0).await?;
+                if !s.options.selinux {
+                    names.retain(|name| name.as_bytes() != SELINUX_XATTR);
+                }
+                Ok(names.into_iter().fold(Vec::new(), |mut list, name| {
+                    list.extend_from_slice(name.as_bytes());
+                    list.push(0);
+                    list
+                }))
+            },
             move |reply, list| reply_xattr(reply, size, &list),
         );
     }
 
     fn removexattr(&self, req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        if self.unsupported_xattr(name) {
+            reply.error(Errno::from_i32(libc::EOPNOTSUPP));
+            return;
+        }
         self.note_change();
         self.shared.inodes.forget_xattr(ino.0, name.as_bytes());
         let name = xattr_name(name);

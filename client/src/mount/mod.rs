@@ -71,6 +71,11 @@ pub struct MountOptions {
     pub dev: bool,
     pub noexec: bool,
     pub noatime: bool,
+    /// SELinux labels (`security.selinux`) are carried; off, GETXATTR, SETXATTR and
+    /// REMOVEXATTR of the name answer EOPNOTSUPP and LISTXATTR leaves it out, as GlusterFS's
+    /// mounts do without `selinux`: `ls -l` then stops asking for every file (coreutils
+    /// remembers a file system without labels).
+    pub selinux: bool,
 }
 
 impl Default for MountOptions {
@@ -90,6 +95,7 @@ impl Default for MountOptions {
             dev: false,
             noexec: false,
             noatime: false,
+            selinux: false,
         }
     }
 }
@@ -149,6 +155,7 @@ impl MountOptions {
             "nodev" => self.dev = false,
             "noexec" => flag(&mut self.noexec)?,
             "noatime" => flag(&mut self.noatime)?,
+            "selinux" => flag(&mut self.selinux)?,
             k if IGNORED.contains(&k) || k.starts_with("x-") => {}
             k => return Err(OptionError::Unknown(k.to_owned())),
         }

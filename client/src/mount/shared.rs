@@ -394,21 +394,14 @@ impl<L: Layer> Shared<L> {
         }
     }
 
-    /// LISTXATTR of node `ino`, as `c`: the names, each ended by a NUL as listxattr(2) gives
-    /// them.
-    pub(super) async fn listxattr(&self, c: &Creds, ino: u64) -> Result<Vec<u8>> {
+    /// LISTXATTR of node `ino`, as `c`.
+    pub(super) async fn listxattr(&self, c: &Creds, ino: u64) -> Result<Vec<XattrName>> {
         self.settle(ino).await?;
         let list = kiln_wire::Listxattr {
             gfid: self.gfid(ino)?,
         };
         match self.layer.call(c, list.into()).await {
-            Ok(FopReply::Listxattr(r)) => {
-                Ok(r.entries.iter().fold(Vec::new(), |mut list, name| {
-                    list.extend_from_slice(name.as_bytes());
-                    list.push(0);
-                    list
-                }))
-            }
+            Ok(FopReply::Listxattr(r)) => Ok(r.entries),
             Ok(other) => Err(unexpected(&other)),
             Err(e) => Err(errno(e)),
         }
