@@ -156,6 +156,16 @@ pub const OPTIONS: &[OptionDef] = &[
                take the following ports); off: no endpoint",
     },
     OptionDef {
+        key: "features.acl",
+        kind: ValueKind::Bool,
+        default: "off",
+        apply: Apply::Mount,
+        brick: BrickFlag::None,
+        help: "mounts carry POSIX ACLs (set, read and enforced by the brick); off, as \
+               GlusterFS's mounts default to, they answer that the file system does not \
+               support them, and `ls -l` stops asking for every file",
+    },
+    OptionDef {
         key: "features.lease-contention-ms",
         kind: ValueKind::Integer {
             min: 0,

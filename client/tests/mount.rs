@@ -99,6 +99,18 @@ fn ls_l_asks_the_brick_only_for_xattrs_that_exist() {
         rustix::fs::lremovexattr(&labelled, "security.selinux"),
         Err(unsupported)
     );
+    // Nor ACLs without `acl`.
+    for acl in ["system.posix_acl_access", "system.posix_acl_default"] {
+        let walk = m.path("walk");
+        assert_eq!(
+            rustix::fs::getxattr(&walk, acl, &mut value),
+            Err(unsupported)
+        );
+        assert_eq!(
+            rustix::fs::setxattr(&walk, acl, &posix_acl_granting_uid(1000), flags),
+            Err(unsupported)
+        );
+    }
     let mut names = [0; 256];
     let n = rustix::fs::llistxattr(&labelled, &mut names).expect("listxattr");
     assert!(
@@ -115,9 +127,33 @@ fn ls_l_asks_the_brick_only_for_xattrs_that_exist() {
         0.0
     );
     m.unmount();
-    m.mount(&["selinux"]);
+    m.mount(&["selinux", "acl"]);
     let n = rustix::fs::lgetxattr(&labelled, "security.selinux", &mut value).expect("label");
     assert_eq!(&value[..n], label, "kept on the brick");
+    let (acl, f9) = (posix_acl_granting_uid(1000), m.path("walk/f9"));
+    rustix::fs::setxattr(&f9, "system.posix_acl_access", &acl, flags).expect("set an ACL");
+    let n = rustix::fs::getxattr(&f9, "system.posix_acl_access", &mut value).expect("ACL");
+    assert_eq!(&value[..n], acl);
+}
+
+/// A POSIX ACL xattr (version 2) giving the owner rw, uid `uid` r, the group and others
+/// nothing.
+fn posix_acl_granting_uid(uid: u32) -> Vec<u8> {
+    const UNDEFINED_ID: u32 = u32::MAX;
+    let entries = [
+        (0x01_u16, 6_u16, UNDEFINED_ID), // the owner
+        (0x02, 4, uid),                  // a named user
+        (0x04, 0, UNDEFINED_ID),         // the owning group
+        (0x10, 4, UNDEFINED_ID),         // the mask
+        (0x20, 0, UNDEFINED_ID),         // others
+    ];
+    let mut acl = 2_u32.to_le_bytes().to_vec();
+    for (tag, perm, id) in entries {
+        acl.extend_from_slice(&tag.to_le_bytes());
+        acl.extend_from_slice(&perm.to_le_bytes());
+        acl.extend_from_slice(&id.to_le_bytes());
+    }
+    acl
 }
 
 /// Reading a small file whole costs one GET: no OPEN, READ or RELEASE reaches the brick, up

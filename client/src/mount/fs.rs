@@ -44,9 +44,6 @@ use crate::{FdFop, Layer};
 /// FUSE requests the kernel may have in flight in the background (reads ahead, writeback).
 const BACKGROUND_MAX: u16 = 64;
 
-/// The xattr SELinux keeps a file's label in.
-const SELINUX_XATTR: &[u8] = b"security.selinux";
-
 /// The file system fuser drives, over client stack `L`.
 #[derive(Debug)]
 pub(crate) struct KilnFs<L: Layer> {
@@ -115,10 +112,9 @@ impl<L: Layer> KilnFs<L> {
         self.shared.clone()
     }
 
-    /// Whether xattr `name` is one this mount does not carry: SELinux labels, unless
-    /// mounted with `selinux` ([`MountOptions::selinux`]).
+    /// Whether xattr `name` is one this mount does not carry ([`MountOptions::carries_xattr`]).
     fn unsupported_xattr(&self, name: &OsStr) -> bool {
-        !self.shared.options.selinux && name.as_bytes() == SELINUX_XATTR
+        !self.shared.options.carries_xattr(name.as_bytes())
     }
 
     /// Notes a fop that may change an object (before it runs): no listing the mount kept
@@ -774,9 +770,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
             reply,
             async move {
                 let mut names = s.listxattr(&c, ino.0).await?;
-                if !s.options.selinux {
-                    names.retain(|name| name.as_bytes() != SELINUX_XATTR);
-                }
+                names.retain(|name| s.options.carries_xattr(name.as_bytes()));
                 Ok(names.into_iter().fold(Vec::new(), |mut list, name| {
                     list.extend_from_slice(name.as_bytes());
                     list.push(0);

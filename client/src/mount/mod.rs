@@ -71,11 +71,15 @@ pub struct MountOptions {
     pub dev: bool,
     pub noexec: bool,
     pub noatime: bool,
-    /// SELinux labels (`security.selinux`) are carried; off, GETXATTR, SETXATTR and
+    /// SELinux labels (`security.selinux`) are carried. Off, GETXATTR, SETXATTR and
     /// REMOVEXATTR of the name answer EOPNOTSUPP and LISTXATTR leaves it out, as GlusterFS's
     /// mounts do without `selinux`: `ls -l` then stops asking for every file (coreutils
     /// remembers a file system without labels).
     pub selinux: bool,
+    /// POSIX ACLs (`system.posix_acl_access`, `system.posix_acl_default`) are carried: set,
+    /// read, and enforced by the brick (the kernel checks the mode bits first). Off, they are
+    /// unsupported as labels are without `selinux`, as GlusterFS's mounts without `acl`.
+    pub acl: bool,
 }
 
 impl Default for MountOptions {
@@ -96,6 +100,7 @@ impl Default for MountOptions {
             noexec: false,
             noatime: false,
             selinux: false,
+            acl: false,
         }
     }
 }
@@ -156,10 +161,21 @@ impl MountOptions {
             "noexec" => flag(&mut self.noexec)?,
             "noatime" => flag(&mut self.noatime)?,
             "selinux" => flag(&mut self.selinux)?,
+            "acl" => flag(&mut self.acl)?,
             k if IGNORED.contains(&k) || k.starts_with("x-") => {}
             k => return Err(OptionError::Unknown(k.to_owned())),
         }
         Ok(())
+    }
+
+    /// Whether this mount carries xattr `name` ([`MountOptions::selinux`],
+    /// [`MountOptions::acl`]); the kernel's calls for one it does not are answered EOPNOTSUPP.
+    pub fn carries_xattr(&self, name: &[u8]) -> bool {
+        match name {
+            b"security.selinux" => self.selinux,
+            b"system.posix_acl_access" | b"system.posix_acl_default" => self.acl,
+            _ => true,
+        }
     }
 
     /// The FUSE features the mount asks the kernel for at INIT.
@@ -328,6 +344,22 @@ impl Mounted {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn labels_and_acls_are_carried_only_when_asked() {
+        let mut o = MountOptions::default();
+        let names = [
+            &b"security.selinux"[..],
+            b"system.posix_acl_access",
+            b"system.posix_acl_default",
+        ];
+        assert!(names.iter().all(|n| !o.carries_xattr(n)));
+        assert!(o.carries_xattr(b"security.capability") && o.carries_xattr(b"user.x"));
+        o.set("selinux", None).expect("valid");
+        assert!(o.carries_xattr(names[0]) && !o.carries_xattr(names[1]));
+        o.set("acl", Some("on")).expect("valid");
+        assert!(names.iter().all(|n| o.carries_xattr(n)));
+    }
 
     #[test]
     fn options_parse_and_refuse_what_they_do_not_know() {
