@@ -329,6 +329,100 @@ fn a_file_closed_in_one_mount_reads_whole_in_the_other_right_after() {
     );
 }
 
+/// A large file written in small pieces in a directory the mount made goes to the brick a
+/// MiB at a time (write-behind): the writer sees every byte at once, another mount sees
+/// everything written before it looked (its look recalls the lease, and the writes after it
+/// go through), and the file is whole after close. A rewrite, a truncate and the times set
+/// after the writes are not overtaken by them.
+#[test]
+fn a_large_file_written_behind_is_seen_whole_by_both_mounts() {
+    use std::io::{Read, Seek, Write};
+    let metrics = common::free_loopback_addr();
+    let a = Mounted::with_brick(
+        &[
+            "--lease-recall-timeout-ms",
+            RECALL_TIMEOUT_MS,
+            "--count-fop-hits",
+            "--metrics-listen",
+            &metrics,
+        ],
+        &[],
+    );
+    let b = a.another("b", &[]);
+    fs::create_dir(a.path("d")).expect("mkdir");
+    let piece = |i: usize| vec![(i % 251) as u8; 10 * 1024];
+    let pieces = 400; // 4000 KiB: past what a deferred create gathers
+    let before = common::scrape(&metrics);
+    let mut file = fs::File::create(a.path("d/big")).expect("create");
+    let mut expected = Vec::new();
+    for i in 0..pieces {
+        file.write_all(&piece(i)).expect("write");
+        expected.extend_from_slice(&piece(i));
+        if i == pieces / 2 {
+            // 2000 KiB so far: 256 KiB went with the create, the rest as one or two WRITEs.
+            let now = common::scrape(&metrics);
+            let writes = common::fop_calls(&now, "WRITE") - common::fop_calls(&before, "WRITE");
+            assert!(writes <= 3.0, "{writes} WRITEs for {i} pieces");
+            // The writer reads back what it wrote, and its size.
+            let mut again = fs::File::open(a.path("d/big")).expect("open");
+            let mut read = Vec::new();
+            again.read_to_end(&mut read).expect("read");
+            assert!(read == expected, "the writer reads {} bytes", read.len());
+            assert_eq!(file.metadata().expect("fstat").len(), expected.len() as u64);
+            // Another mount sees what was written so far.
+            let seen = fs::read(b.path("d/big")).expect("read in b");
+            assert!(seen == expected, "b reads {} bytes", seen.len());
+        }
+    }
+    // Rewritten in place, then cut: the brick gets them in this order.
+    file.seek(std::io::SeekFrom::Start(5)).expect("seek");
+    file.write_all(b"rewritten").expect("rewrite");
+    expected[5..14].copy_from_slice(b"rewritten");
+    file.set_len(3_000_000).expect("truncate");
+    expected.truncate(3_000_000);
+    let mtime = std::time::UNIX_EPOCH + Duration::from_secs(1_000_000);
+    file.set_modified(mtime).expect("set mtime");
+    drop(file);
+
+    // The same with nothing looking from elsewhere: the changes after the writes are made
+    // while the writes are still gathered.
+    fs::create_dir(a.path("e")).expect("mkdir");
+    let mut file = fs::File::create(a.path("e/cut")).expect("create");
+    let mut cut = Vec::new();
+    for i in 0..300 {
+        file.write_all(&piece(i)).expect("write");
+        cut.extend_from_slice(&piece(i));
+    }
+    file.seek(std::io::SeekFrom::Start(2_000_000))
+        .expect("seek");
+    file.write_all(b"rewritten").expect("rewrite");
+    cut[2_000_000..2_000_009].copy_from_slice(b"rewritten");
+    file.set_len(2_500_000).expect("truncate");
+    cut.truncate(2_500_000);
+    file.set_modified(mtime).expect("set mtime");
+    drop(file);
+
+    for (path, expected) in [
+        (a.path("d/big"), &expected),
+        (b.path("d/big"), &expected),
+        (a.path("e/cut"), &cut),
+        (b.path("e/cut"), &cut),
+    ] {
+        let data = fs::read(&path).expect("read");
+        let first_wrong = data.iter().zip(expected.iter()).position(|(x, y)| x != y);
+        assert!(
+            data == *expected,
+            "{}: {} bytes read, {} expected, first wrong byte at {first_wrong:?}",
+            path.display(),
+            data.len(),
+            expected.len()
+        );
+        let meta = fs::metadata(&path).expect("stat");
+        assert_eq!(meta.modified().expect("mtime"), mtime);
+    }
+    assert_brick_consistent(&a);
+}
+
 #[test]
 fn renames_and_unlinks_race_across_mounts() {
     let a = brick();

@@ -864,6 +864,10 @@ fn fsx_finds_no_corruption_with_or_without_the_writeback_cache() {
         let m = Mounted::new(&[&format!("writeback-cache={writeback}")]);
         mount_common::fsx_passes(&m.path("fsx.dat"), 5000, seed);
     }
+    // In a directory the mount made: a deferred create, then writes gathered behind.
+    let m = Mounted::new(&[]);
+    fs::create_dir(m.path("made")).expect("mkdir");
+    mount_common::fsx_passes(&m.path("made/fsx.dat"), 5000, 3);
 }
 
 /// Writes a tree of `files` small files (sizes 0 to 8 KiB, 50 per directory) under `root`.

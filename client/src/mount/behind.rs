@@ -229,6 +229,12 @@ impl Behind {
         }
     }
 
+    /// Keeps `errno`, the refusal of a change to `gfid` made behind outside this queue (data
+    /// written behind, [`super::handles`]), for the next `fsync` or `close` to report.
+    pub(super) fn note_failure(&self, gfid: Gfid, errno: i32) {
+        self.lock().failed.entry(gfid).or_insert(errno);
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }

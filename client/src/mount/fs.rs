@@ -211,7 +211,7 @@ impl<L: Layer> KilnFs<L> {
             return;
         };
         let (s, c) = (self.shared(), creds(req));
-        self.run(async move { s.release_handle(&c, open).await });
+        self.run(async move { s.release_handle(&c, fh, open).await });
     }
 }
 
@@ -236,14 +236,18 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
     /// The unmount: what is queued behind reaches the brick (bounded); a change the brick
     /// refused is logged, as nobody is left to report it to.
     fn destroy(&mut self) {
-        let (behind, runtime) = (&self.shared.behind, &self.runtime);
+        let (shared, behind, runtime) = (&self.shared, &self.shared.behind, &self.runtime);
         // On a thread of its own: the session may end on one of the runtime's (an unmount
         // run with `spawn_blocking`), where `block_on` would panic.
         let drained = std::thread::scope(|scope| {
             scope
                 .spawn(|| {
                     runtime.block_on(async {
-                        tokio::time::timeout(UNMOUNT_DRAIN_LIMIT, behind.drain()).await
+                        let drained = async {
+                            shared.send_writes_behind(None).await;
+                            behind.drain().await;
+                        };
+                        tokio::time::timeout(UNMOUNT_DRAIN_LIMIT, drained).await
                     })
                 })
                 .join()
@@ -537,7 +541,11 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         // pushes nothing but a deferred create; otherwise it matters only to the closer's
         // POSIX locks.
         let locked = self.shared.inodes.is_locked(ino.0);
-        if !locked && self.shared.pending.is_idle() && self.shared.behind.has_no_failures() {
+        if !locked
+            && self.shared.pending.is_idle()
+            && self.shared.behind.has_no_failures()
+            && !self.shared.handles.has_unsent(fh)
+        {
             reply.ok();
             return;
         }
@@ -685,6 +693,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
                 // Everything queued reaches the brick first (a directory's fsync is how an
                 // application waits for the changes made behind), and the first change the
                 // brick refused is this fsync's error.
+                s.send_writes_behind(None).await;
                 s.behind.drain().await;
                 if let Some(errno) = s.behind.take_any_failure() {
                     return Err(Errno::from_i32(errno));

@@ -15,6 +15,16 @@
 //!   the kernel asks for more than the kept listing (a seek, or a listing that went stale).
 //! * **Anchoring**: before a fop that may remove a name, every handle still without an fd gets
 //!   one ([`Shared::anchor_handles`]), so an open file outlives its unlink.
+//!
+//! **Write-behind** (GlusterFS's name): writes to a file the mount describes itself (made
+//! under its write lease on the directory, which is still held) are answered at once and
+//! gathered per handle while they continue each other, up to [`UNSENT_BYTES_MAX`], then
+//! sent as one WRITE: tar's 10 KiB writes of a large file cost one round trip per MiB
+//! instead of one each. Anything that must see the data on the brick sends it first: a read
+//! or fd fop on the file, a fop on its node ([`Shared::settle`]), its close and fsync, a
+//! directory fsync, the unmount, and a recall of any lease (before the lease goes back, so
+//! another client sees the data). A WRITE the brick refuses fails the write that sent it,
+//! or else the file's next `close` or `fsync`.
 
 use std::collections::HashMap;
 use std::ffi::OsStr;
@@ -52,6 +62,11 @@ const GET_AHEAD_BYTES: u32 = 256 * 1024;
 /// the kernel asked only.
 const AHEAD_BYTES_MAX: usize = 64 << 20;
 
+/// Bytes of continuing writes a handle gathers before they go as one WRITE.
+const UNSENT_BYTES_MAX: usize = IO_SIZE_MAX_BYTES;
+/// Bytes written behind that the mount's handles hold at once; past it, writes go through.
+const UNSENT_TOTAL_BYTES_MAX: usize = 64 << 20;
+
 /// An open file or directory behind a FUSE file handle; `F` is the layer's fd.
 #[derive(Debug)]
 pub(super) struct Open<F> {
@@ -70,6 +85,31 @@ pub(super) struct Open<F> {
     listing: tokio::sync::Mutex<Listing>,
     /// What the first read fetched beyond what the kernel asked.
     ahead: Mutex<Option<Ahead>>,
+    /// Writes answered but not yet sent (locked while they are sent, so writes reach the
+    /// brick in order).
+    unsent: tokio::sync::Mutex<Option<Unsent>>,
+}
+
+/// Writes through one handle answered but not yet sent: bytes from `offset` on, as `creds`
+/// wrote them.
+#[derive(Debug)]
+struct Unsent {
+    creds: Creds,
+    offset: u64,
+    data: bytes::BytesMut,
+    _budget: Budgeted,
+}
+
+impl Unsent {
+    /// Takes `data`, written at `offset` by `creds`, when it continues these bytes and fits.
+    fn append(&mut self, creds: &Creds, offset: u64, data: &[u8]) -> bool {
+        let continues = self.offset + self.data.len() as u64 == offset && self.creds == *creds;
+        let fits = self.data.len() + data.len() <= UNSENT_BYTES_MAX;
+        if continues && fits {
+            self.data.extend_from_slice(data);
+        }
+        continues && fits
+    }
 }
 
 /// The start of a file, read by a handle's first read: it answers the handle's next reads
@@ -92,11 +132,11 @@ struct Budgeted {
 }
 
 impl Budgeted {
-    /// `bytes` more in `total`, unless that would pass [`AHEAD_BYTES_MAX`].
-    fn reserve(total: &Arc<AtomicUsize>, bytes: usize) -> Option<Budgeted> {
+    /// `bytes` more in `total`, unless that would pass `max`.
+    fn reserve(total: &Arc<AtomicUsize>, bytes: usize, max: usize) -> Option<Budgeted> {
         total
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |held| {
-                held.checked_add(bytes).filter(|&n| n <= AHEAD_BYTES_MAX)
+                held.checked_add(bytes).filter(|&n| n <= max)
             })
             .ok()?;
         Some(Budgeted {
@@ -132,6 +172,7 @@ impl<F> Open<F> {
             directory: false,
             listing: tokio::sync::Mutex::new(Listing::default()),
             ahead: Mutex::new(None),
+            unsent: tokio::sync::Mutex::new(None),
         }
     }
 
@@ -181,6 +222,10 @@ pub(super) struct Handles<F> {
     next_fh: AtomicU64,
     /// Bytes the handles keep read ahead, at most [`AHEAD_BYTES_MAX`].
     ahead_bytes: Arc<AtomicUsize>,
+    /// Bytes the handles hold written behind, at most [`UNSENT_TOTAL_BYTES_MAX`].
+    unsent_bytes: Arc<AtomicUsize>,
+    /// The handles holding writes not yet sent, and their nodes.
+    with_unsent: Mutex<HashMap<u64, u64>>,
 }
 
 impl<F> Handles<F> {
@@ -189,7 +234,32 @@ impl<F> Handles<F> {
             files: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
             ahead_bytes: Arc::new(AtomicUsize::new(0)),
+            unsent_bytes: Arc::new(AtomicUsize::new(0)),
+            with_unsent: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Whether handle `fh` holds writes not yet sent.
+    pub(super) fn has_unsent(&self, fh: FileHandle) -> bool {
+        self.unsent_lock().contains_key(&fh.0)
+    }
+
+    /// The handles holding writes not yet sent: on node `ino`, or all.
+    fn with_unsent(&self, ino: Option<u64>) -> Vec<(u64, Arc<Open<F>>)> {
+        let fhs: Vec<u64> = self
+            .unsent_lock()
+            .iter()
+            .filter(|&(_, &on)| ino.is_none_or(|ino| ino == on))
+            .map(|(&fh, _)| fh)
+            .collect();
+        let files = self.lock();
+        fhs.into_iter()
+            .filter_map(|fh| Some((fh, files.get(&fh)?.clone())))
+            .collect()
+    }
+
+    fn unsent_lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, u64>> {
+        self.with_unsent.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn add(&self, open: Open<F>) -> u64 {
@@ -454,6 +524,7 @@ impl<L: Layer> Shared<L> {
         if offset == 0 && open.access == AccessMode::ReadOnly && open.fd.get().is_none() {
             return self.read_without_fd(&open, size).await;
         }
+        self.send_writes_behind(Some(open.ino)).await;
         let fd = self.fd(&open).await?;
         self.layer.read(c, fd, offset, size).await.map_err(errno)
     }
@@ -478,7 +549,8 @@ impl<L: Layer> Shared<L> {
         };
         let wanted = data.len().min(size as usize);
         if data.len() > wanted
-            && let Some(budget) = Budgeted::reserve(&self.handles.ahead_bytes, data.len())
+            && let Some(budget) =
+                Budgeted::reserve(&self.handles.ahead_bytes, data.len(), AHEAD_BYTES_MAX)
         {
             let eof = data.len() < asked as usize;
             let ahead = Ahead {
@@ -510,10 +582,100 @@ impl<L: Layer> Shared<L> {
             return Ok(len);
         }
         let fd = self.fd(&open).await?;
+        if self.write_behind(c, fh, &open, offset, &data).await? {
+            return Ok(len);
+        }
         let written = self.layer.write(c, fd, offset, data).await;
         self.forget_described(open.ino);
         written.map_err(errno)?;
         Ok(len)
+    }
+
+    /// Gathers `data`, written at `offset` through handle `fh` (`open`) by `c`, to go later
+    /// with the writes that continue it, when the mount describes the file itself; whether
+    /// it did. What the handle gathered before and `data` does not continue is sent first,
+    /// and its refusal is this write's error.
+    async fn write_behind(
+        &self,
+        c: &Creds,
+        fh: FileHandle,
+        open: &Open<L::Fd>,
+        offset: u64,
+        data: &Bytes,
+    ) -> Result<bool> {
+        let gfid = self.gfid(open.ino)?;
+        let mut unsent = open.unsent.lock().await;
+        let gathered = match unsent.as_mut() {
+            Some(held) => held.append(c, offset, data),
+            None => false,
+        };
+        if !gathered {
+            if let Some(earlier) = unsent.take() {
+                self.handles.unsent_lock().remove(&fh.0);
+                self.send_unsent(open, earlier).await?;
+            }
+            let budget = (data.len() < UNSENT_BYTES_MAX && self.leases.local(&gfid).is_some())
+                .then(|| {
+                    let total = &self.handles.unsent_bytes;
+                    Budgeted::reserve(total, UNSENT_BYTES_MAX, UNSENT_TOTAL_BYTES_MAX)
+                })
+                .flatten();
+            let Some(budget) = budget else {
+                return Ok(false);
+            };
+            *unsent = Some(Unsent {
+                creds: c.clone(),
+                offset,
+                data: bytes::BytesMut::from(&data[..]),
+                _budget: budget,
+            });
+            self.handles.unsent_lock().insert(fh.0, open.ino);
+        }
+        let end = offset + data.len() as u64;
+        self.leases.update_local(&gfid, |iatt| {
+            iatt.size = iatt.size.max(end);
+            iatt.mtime = super::leases::now();
+            iatt.ctime = iatt.mtime;
+        });
+        Ok(true)
+    }
+
+    /// Sends writes gathered by handle `open` as one WRITE (it has its fd: writes are
+    /// gathered only once it has).
+    async fn send_unsent(&self, open: &Open<L::Fd>, unsent: Unsent) -> Result<()> {
+        let fd = open.fd.get().ok_or(Errno::EBADF)?;
+        let Unsent {
+            creds,
+            offset,
+            data,
+            ..
+        } = unsent;
+        let written = self.layer.write(&creds, fd, offset, data.freeze()).await;
+        written.map(drop).map_err(errno)
+    }
+
+    /// Sends the writes gathered by the handles on node `ino` (all nodes: `None`); a WRITE the
+    /// brick refuses is kept for the file's next `close` or `fsync` to report.
+    pub(super) async fn send_writes_behind(&self, ino: Option<u64>) {
+        for (fh, open) in self.handles.with_unsent(ino) {
+            self.send_handle_writes(fh, &open).await;
+        }
+    }
+
+    /// Sends the writes gathered by handle `fh` (`open`), keeping a refusal for the file's
+    /// next `close` or `fsync`.
+    async fn send_handle_writes(&self, fh: u64, open: &Open<L::Fd>) {
+        let mut unsent = open.unsent.lock().await;
+        let Some(held) = unsent.take() else {
+            return;
+        };
+        self.handles.unsent_lock().remove(&fh);
+        if let Err(e) = self.send_unsent(open, held).await
+            && let Some(gfid) = self.inodes.gfid(open.ino)
+        {
+            tracing::warn!(error = ?e, "data written behind was refused by the brick");
+            self.behind.note_failure(gfid, e.code());
+        }
     }
 
     /// Forgets the mount's description of node `ino`: the brick changed it.
@@ -530,6 +692,7 @@ impl<L: Layer> Shared<L> {
         open: &Open<L::Fd>,
         fop: FdFop,
     ) -> Result<FopReply> {
+        self.send_writes_behind(Some(open.ino)).await;
         let fd = self.fd(open).await?;
         self.layer.call_fd(c, fd, fop).await.map_err(errno)
     }
@@ -545,6 +708,7 @@ impl<L: Layer> Shared<L> {
         lock_owner: LockOwner,
         locked: bool,
     ) -> Result<()> {
+        self.send_writes_behind(Some(ino)).await;
         if !self.close_behind(ino).await {
             self.settle(ino).await?;
         }
@@ -631,13 +795,22 @@ impl<L: Layer> Shared<L> {
     /// before a fop that could remove the file: most are about to be released (a create's
     /// PUT is sent at its close), and opening them now would cost two round trips per file.
     pub(super) async fn settle(&self, ino: u64) -> Result<()> {
+        self.send_writes_behind(Some(ino)).await;
         if let Some(slot) = self.pending.get(ino) {
             // Its directory may itself be queued.
             let parent = slot.lock().await.as_ref().map(|p| p.parent);
             if let Some(parent) = parent {
                 self.behind.settle(&parent).await;
             }
-            self.pending.settle(&self.layer, ino).await.map_err(errno)?;
+            let sent = self.pending.settle(&self.layer, ino).await.map_err(errno)?;
+            // Made under the directory's write lease: the mount describes it while it holds
+            // the lease (its writes can then go behind), as it does the files it sends at
+            // close.
+            if let (Some(iatt), Some(parent)) = (sent, parent)
+                && self.leases.holds(&parent)
+            {
+                self.leases.describe(iatt);
+            }
         }
         if let Some(gfid) = self.inodes.gfid(ino) {
             self.behind.settle(&gfid).await;
@@ -702,7 +875,8 @@ impl<L: Layer> Shared<L> {
 
     /// Ends handle `open` (already forgotten by the table) once its tasks are done: sends
     /// a deferred create the close has not, and releases the fd below.
-    pub(super) async fn release_handle(&self, c: &Creds, open: Arc<Open<L::Fd>>) {
+    pub(super) async fn release_handle(&self, c: &Creds, fh: FileHandle, open: Arc<Open<L::Fd>>) {
+        self.send_handle_writes(fh.0, &open).await;
         // Normally the close (FLUSH) has sent a deferred create already.
         if self.settle(open.ino).await.is_ok() {
             self.pending.take_failure(open.ino);
@@ -851,7 +1025,7 @@ mod tests {
             data: Bytes::from_static(data),
             eof,
             changes,
-            _budget: Budgeted::reserve(&total, data.len()).expect("room"),
+            _budget: Budgeted::reserve(&total, data.len(), AHEAD_BYTES_MAX).expect("room"),
         };
         *open.ahead.lock().expect("lock") = Some(ahead);
         open
@@ -884,9 +1058,9 @@ mod tests {
     #[test]
     fn read_ahead_is_bounded_mount_wide() {
         let total = Arc::new(AtomicUsize::new(0));
-        let held = Budgeted::reserve(&total, AHEAD_BYTES_MAX - 10).expect("room");
-        assert!(Budgeted::reserve(&total, 11).is_none());
-        let more = Budgeted::reserve(&total, 10).expect("just fits");
+        let held = Budgeted::reserve(&total, AHEAD_BYTES_MAX - 10, AHEAD_BYTES_MAX).expect("room");
+        assert!(Budgeted::reserve(&total, 11, AHEAD_BYTES_MAX).is_none());
+        let more = Budgeted::reserve(&total, 10, AHEAD_BYTES_MAX).expect("just fits");
         drop((held, more));
         assert_eq!(total.load(Ordering::Relaxed), 0);
     }

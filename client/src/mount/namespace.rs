@@ -611,6 +611,9 @@ impl<L: Layer> Shared<L> {
                     let described = self.leases.described_in(&recall.gfid);
                     let names = self.leases.names_told(&recall.gfid);
                     let held = self.leases.release(&recall.gfid);
+                    // Data written behind reaches the brick before the lease goes back, so
+                    // the recalling client sees it (writes from now on go through).
+                    self.send_writes_behind(None).await;
                     self.invalidate_attrs(&described).await;
                     self.invalidate_entries(&recall.gfid, names).await;
                     let give_back = Lease {
@@ -641,6 +644,7 @@ impl<L: Layer> Shared<L> {
                 | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
                     let names = self.leases.all_names_told();
                     let described = self.leases.release_all();
+                    self.send_writes_behind(None).await;
                     self.invalidate_attrs(&described).await;
                     for (dir, names) in names {
                         self.invalidate_entries(&dir, names).await;

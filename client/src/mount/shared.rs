@@ -293,6 +293,9 @@ impl<L: Layer> Shared<L> {
         {
             return Ok(pending.iatt());
         }
+        // Data written behind goes before a change queued behind: a truncate or new times
+        // must not be overtaken by it.
+        self.send_writes_behind(Some(ino)).await;
         if let Some(iatt) = self.setattr_behind(c, &self.gfid(ino)?, attr).await {
             return Ok(iatt);
         }
@@ -302,6 +305,8 @@ impl<L: Layer> Shared<L> {
         if let (Some(open), Some(size)) = (&open, attr.size) {
             let fop = FdFop::new(|fd| kiln_wire::Ftruncate { fd, size }.into());
             let reply = self.layer.call_fd(c, self.fd(open).await?, fop).await;
+            // The brick describes the file from now on (its size moved).
+            self.leases.forget_local(&self.gfid(ino)?);
             truncated = Some(attr_of(reply)?);
             attr.size = None;
         }
