@@ -24,7 +24,8 @@
 //! or fd fop on the file, a fop on its node ([`Shared::settle`]), its close and fsync, a
 //! directory fsync, the unmount, and a recall of any lease (before the lease goes back, so
 //! another client sees the data). A WRITE the brick refuses fails the write that sent it,
-//! or else the file's next `close` or `fsync`.
+//! or else the file's next `close` or `fsync`. Handles opened `O_SYNC`, `O_DSYNC` or
+//! `O_DIRECT` write through.
 
 use std::collections::HashMap;
 use std::ffi::OsStr;
@@ -604,6 +605,12 @@ impl<L: Layer> Shared<L> {
         data: &Bytes,
     ) -> Result<bool> {
         let gfid = self.gfid(open.ino)?;
+        // Writes gathered by the file's other handles came first.
+        for (other, other_open) in self.handles.with_unsent(Some(open.ino)) {
+            if other != fh.0 {
+                self.send_handle_writes(other, &other_open).await;
+            }
+        }
         let mut unsent = open.unsent.lock().await;
         let gathered = match unsent.as_mut() {
             Some(held) => held.append(c, offset, data),
@@ -614,7 +621,12 @@ impl<L: Layer> Shared<L> {
                 self.handles.unsent_lock().remove(&fh.0);
                 self.send_unsent(open, earlier).await?;
             }
-            let budget = (data.len() < UNSENT_BYTES_MAX && self.leases.local(&gfid).is_some())
+            // O_SYNC, O_DSYNC and O_DIRECT writes are on the brick when they return.
+            let synchronous = [OpenFlags::SYNC, OpenFlags::DSYNC, OpenFlags::DIRECT];
+            let may_gather = !synchronous.iter().any(|&f| open.flags.contains(f))
+                && data.len() < UNSENT_BYTES_MAX
+                && self.leases.local(&gfid).is_some();
+            let budget = may_gather
                 .then(|| {
                     let total = &self.handles.unsent_bytes;
                     Budgeted::reserve(total, UNSENT_BYTES_MAX, UNSENT_TOTAL_BYTES_MAX)
