@@ -6,12 +6,11 @@
 //! mount -t kiln VOLUME MOUNTPOINT -o tls-dir=/var/lib/kiln/tls,client=alice
 //! kiln umount [-l] MOUNTPOINT
 //! ```
-//! A volume name is looked up in `kiln-mgmtd` (its bricks and the options mounts read: `performance.*`,
-//! `features.acl`, `features.selinux`); a
-//! brick address is mounted directly. A volume of several bricks (or several addresses, in
-//! the volume's brick order) is mounted as one distributed volume
-//! (`kiln_client::distribute`). Without `-f` the command returns once the volume is
-//! mounted and a background process serves it, logging to `--log-file`.
+//! A volume name is looked up in `kiln-mgmtd` (its bricks and the options mounts read:
+//! `performance.*`, `features.acl`, `features.selinux`); a brick address is mounted directly.
+//! A volume of several bricks (or several addresses, in the volume's brick order) is mounted
+//! as one distributed volume (`kiln_client::distribute`). Without `-f` the command returns
+//! once the volume is mounted and a background process serves it, logging to `--log-file`.
 
 use std::future::Future;
 use std::io::{BufRead as _, BufReader, Write as _};
@@ -49,7 +48,8 @@ pub(crate) struct MountArgs {
     mountpoint: PathBuf,
     /// Comma-separated options: attr-timeout-ms=N, entry-timeout-ms=N,
     /// negative-timeout-ms=N, writeback-cache[=on|off], deferred-create[=on|off],
-    /// leases[=on|off], behind-bytes-max=N, default-permissions[=on|off], selinux[=on|off], acl[=on|off], ro, rw,
+    /// leases[=on|off], behind-bytes-max=N, default-permissions[=on|off], selinux[=on|off]
+    /// and acl[=on|off] (both off by default), ro, rw,
     /// suid, dev (both off by default), noexec, noatime; tls-dir=DIR, client=NAME, server-name=NAME,
     /// socket=PATH, log-file=PATH. fstab-only options (defaults, _netdev, nofail, x-…) are
     /// ignored.
