@@ -39,10 +39,15 @@ pub fn new_gfid() -> Gfid {
     });
     let n = MADE.fetch_add(1, Ordering::Relaxed);
     let prefix = ((n / GFIDS_PER_HANDLE_DIR) as u16).to_be_bytes();
-    let mut bytes = uuid::Uuid::new_v4().into_bytes();
-    bytes[..2].copy_from_slice(&prefix);
-    // The version bits (byte 6) are untouched, so the GFID is never null.
-    Gfid::from_bytes(bytes).unwrap_or(Gfid::ROOT)
+    loop {
+        let mut bytes = uuid::Uuid::new_v4().into_bytes();
+        bytes[..2].copy_from_slice(&prefix);
+        // Null is the one value a GFID cannot be; the version bits (byte 6) are untouched,
+        // so this is never null, but the loop costs nothing and keeps this total.
+        if let Some(gfid) = Gfid::from_bytes(bytes) {
+            return gfid;
+        }
+    }
 }
 
 /// The components of `path` ("/a/b", "a/b" and "a//b/" are all `a`, `b`); `.` is skipped and

@@ -245,6 +245,14 @@ impl<F> Handles<F> {
         self.unsent_lock().contains_key(&fh.0)
     }
 
+    /// Notes that handle `fh` on node `ino` holds writes not yet sent (`true`), or no longer.
+    fn note_unsent(&self, fh: u64, ino: u64, holds: bool) {
+        match holds {
+            true => self.unsent_lock().insert(fh, ino),
+            false => self.unsent_lock().remove(&fh),
+        };
+    }
+
     /// The handles holding writes not yet sent: on node `ino`, or all.
     fn with_unsent(&self, ino: Option<u64>) -> Vec<(u64, Arc<Open<F>>)> {
         let fhs: Vec<u64> = self
@@ -253,6 +261,10 @@ impl<F> Handles<F> {
             .filter(|&(_, &on)| ino.is_none_or(|ino| ino == on))
             .map(|(&fh, _)| fh)
             .collect();
+        // Most fops of the mount look here first: nothing to find is the usual answer.
+        if fhs.is_empty() {
+            return Vec::new();
+        }
         let files = self.lock();
         fhs.into_iter()
             .filter_map(|fh| Some((fh, files.get(&fh)?.clone())))
@@ -618,7 +630,7 @@ impl<L: Layer> Shared<L> {
         };
         if !gathered {
             if let Some(earlier) = unsent.take() {
-                self.handles.unsent_lock().remove(&fh.0);
+                self.handles.note_unsent(fh.0, open.ino, false);
                 self.send_unsent(open, earlier).await?;
             }
             // O_SYNC, O_DSYNC and O_DIRECT writes are on the brick when they return.
@@ -641,7 +653,7 @@ impl<L: Layer> Shared<L> {
                 data: bytes::BytesMut::from(&data[..]),
                 _budget: budget,
             });
-            self.handles.unsent_lock().insert(fh.0, open.ino);
+            self.handles.note_unsent(fh.0, open.ino, true);
         }
         let end = offset + data.len() as u64;
         self.leases.update_local(&gfid, |iatt| {
@@ -681,7 +693,7 @@ impl<L: Layer> Shared<L> {
         let Some(held) = unsent.take() else {
             return;
         };
-        self.handles.unsent_lock().remove(&fh);
+        self.handles.note_unsent(fh, open.ino, false);
         if let Err(e) = self.send_unsent(open, held).await
             && let Some(gfid) = self.inodes.gfid(open.ino)
         {
