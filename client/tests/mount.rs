@@ -814,6 +814,63 @@ fn posix_locks_exclude_other_processes_until_close() {
     assert!(free.status.success(), "{}", text(&free));
 }
 
+/// Read-only handles close without a FLUSH (`FOPEN_NOFLUSH`); a lock taken through one still
+/// goes when it is closed, although the same process keeps the file open for writing through
+/// another handle (so the brick still has the file open for this mount).
+#[test]
+fn a_lock_taken_through_a_read_only_handle_goes_with_its_close() {
+    let m = Mounted::new(&[]);
+    write(&m.path("shared"), b"shared data");
+    let mut holder = Command::new("python3")
+        .args([
+            "-c",
+            "import fcntl,sys; keep=open(sys.argv[1],'r+'); \
+             locked=open(sys.argv[1]); fcntl.lockf(locked, fcntl.LOCK_SH); \
+             print('locked', flush=True); sys.stdin.readline(); locked.close(); \
+             print('closed', flush=True); sys.stdin.read()",
+        ])
+        .arg(m.path("shared"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("python3");
+    let mut said = std::io::BufReader::new(holder.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut said, &mut line).expect("holder");
+    assert_eq!(line.trim(), "locked");
+    // The release that drops the lock follows the close asynchronously: a few tries.
+    let try_lock = "import fcntl,sys,time\n\
+         f=open(sys.argv[1],'r+')\n\
+         for _ in range(int(sys.argv[2])):\n\
+         \x20   try:\n\
+         \x20       fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB); sys.exit(0)\n\
+         \x20   except OSError:\n\
+         \x20       time.sleep(0.02)\n\
+         sys.exit(1)";
+    let lock_with_tries = |tries: &str| {
+        Command::new("python3")
+            .args(["-c", try_lock])
+            .arg(m.path("shared"))
+            .arg(tries)
+            .output()
+            .expect("python3")
+    };
+    let busy = lock_with_tries("1");
+    assert!(
+        !busy.status.success(),
+        "the read lock must exclude a writer"
+    );
+    let mut stdin = holder.stdin.take().expect("stdin");
+    stdin.write_all(b"close\n").expect("tell the holder");
+    line.clear();
+    std::io::BufRead::read_line(&mut said, &mut line).expect("holder");
+    assert_eq!(line.trim(), "closed");
+    let free = lock_with_tries("100");
+    assert!(free.status.success(), "{}", text(&free));
+    drop(stdin);
+    holder.wait().expect("holder exits");
+}
+
 #[test]
 fn a_running_program_is_never_truncated_under_it() {
     let m = Mounted::new(&[]);

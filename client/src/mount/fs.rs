@@ -33,9 +33,9 @@ use tokio::runtime::Handle;
 
 use super::MountOptions;
 use super::convert::{
-    Fail, GEN, Result, access_mask, creds, errno, fallocate_fops, file_kind, fopen_flags,
-    fuse_lock, name_of, negative_attr, node_type, os, rename_mode, reply_entry, reply_xattr,
-    time_set, wire_lock, xattr_name, xattr_set_mode,
+    Fail, GEN, Result, access_mask, creds, errno, fallocate_fops, file_kind, fuse_lock, name_of,
+    negative_attr, node_type, os, rename_mode, reply_entry, reply_xattr, time_set, wire_lock,
+    xattr_name, xattr_set_mode,
 };
 use super::shared::Shared;
 use crate::path::new_gfid;
@@ -484,7 +484,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         self.spawn(
             reply,
             async move { s.open_handle(&c, ino.0, flags.0).await },
-            move |reply, fh| reply.opened(FileHandle(fh), fopen_flags(flags.0)),
+            |reply, opened| reply.opened(opened.fh, opened.flags),
         );
     }
 
@@ -833,8 +833,8 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
                 s.create_handle(&c, parent.0, &name, (mode, umask, flags))
                     .await
             },
-            move |reply, (attr, ttl, fh)| {
-                reply.created(&ttl.entry, &attr, GEN, FileHandle(fh), fopen_flags(flags));
+            |reply, (attr, ttl, opened)| {
+                reply.created(&ttl.entry, &attr, GEN, opened.fh, opened.flags);
             },
         );
     }
@@ -880,6 +880,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         reply: ReplyEmpty,
     ) {
         self.shared.inodes.mark_locked(ino.0);
+        self.shared.handles.note_lock_owner(fh, lock_owner);
         self.run_on_handle(req, fh, reply, move || {
             let lock = wire_lock(typ, start, end, pid, lock_owner)?;
             let cmd = if sleep {

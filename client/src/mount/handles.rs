@@ -34,14 +34,16 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use fuser::{Errno, FileAttr, FileHandle, LockOwner};
+use fuser::{Errno, FileAttr, FileHandle, FopenFlags, LockOwner};
 use kiln_wire::limits::IO_SIZE_MAX_BYTES;
 use kiln_wire::{
     AccessMode, Creds, DirEntryXattrs, ErrorCode, FopReply, Gfid, LeaseKind, Lock, LockCmd, Mode,
     OpenFlags, ReadSize, ReaddirSize,
 };
 
-use super::convert::{Result, errno, name_of, open_mode, requested_access, seek_what, unexpected};
+use super::convert::{
+    Result, errno, fopen_flags, name_of, open_mode, requested_access, seek_what, unexpected,
+};
 use super::leases::Mark;
 use super::pending::Pending;
 use super::shared::{Shared, Ttl};
@@ -89,6 +91,18 @@ pub(super) struct Open<F> {
     /// Writes answered but not yet sent (locked while they are sent, so writes reach the
     /// brick in order).
     unsent: tokio::sync::Mutex<Option<Unsent>>,
+    /// The kernel sends no FLUSH when it is closed (`FOPEN_NOFLUSH`, [`Shared::no_flush`]):
+    /// what its close would do happens at its release ([`Shared::close_unflushed`]).
+    no_flush: bool,
+    /// Owners that took POSIX locks through a `no_flush` handle.
+    lock_owners: Mutex<Vec<u64>>,
+}
+
+/// A handle just opened: its number and the flags the kernel is to keep it with.
+#[derive(Debug)]
+pub(super) struct Opened {
+    pub(super) fh: FileHandle,
+    pub(super) flags: FopenFlags,
 }
 
 /// Writes through one handle answered but not yet sent: bytes from `offset` on, as `creds`
@@ -174,6 +188,16 @@ impl<F> Open<F> {
             listing: tokio::sync::Mutex::new(Listing::default()),
             ahead: Mutex::new(None),
             unsent: tokio::sync::Mutex::new(None),
+            no_flush: false,
+            lock_owners: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The flags the kernel keeps this handle with, opened with kernel `flags`.
+    fn fopen_flags(&self, flags: i32) -> FopenFlags {
+        match self.no_flush {
+            true => fopen_flags(flags) | FopenFlags::FOPEN_NOFLUSH,
+            false => fopen_flags(flags),
         }
     }
 
@@ -281,6 +305,27 @@ impl<F> Handles<F> {
         fh
     }
 
+    /// Adds `open`, opened with kernel `flags`.
+    fn add_opened(&self, open: Open<F>, flags: i32) -> Opened {
+        let flags = open.fopen_flags(flags);
+        Opened {
+            fh: FileHandle(self.add(open)),
+            flags,
+        }
+    }
+
+    /// Notes that `owner` takes POSIX locks through handle `fh`: a handle closed without a
+    /// FLUSH has the brick drop them at its release.
+    pub(super) fn note_lock_owner(&self, fh: FileHandle, owner: LockOwner) {
+        let Ok(open) = self.get(fh) else {
+            return;
+        };
+        let mut owners = open.lock_owners.lock().unwrap_or_else(|p| p.into_inner());
+        if open.no_flush && !owners.contains(&owner.0) {
+            owners.push(owner.0);
+        }
+    }
+
     /// Handle `fh`; EBADF for one the mount does not know.
     pub(super) fn get(&self, fh: FileHandle) -> Result<Arc<Open<F>>> {
         self.lock().get(&fh.0).cloned().ok_or(Errno::EBADF)
@@ -316,21 +361,21 @@ impl<F> Handles<F> {
 }
 
 impl<L: Layer> Shared<L> {
-    /// Adds a handle ([`Open::new`]).
-    fn add_open(
-        &self,
-        fd: Option<L::Fd>,
-        ino: u64,
-        access: AccessMode,
-        flags: OpenFlags,
-        late_creds: &Creds,
-    ) -> u64 {
-        self.handles
-            .add(Open::new(fd, ino, access, flags, late_creds))
+    /// Whether the kernel may close a handle on node `ino` opened with kernel `flags` as
+    /// `access` without a FLUSH (`FOPEN_NOFLUSH`; with the writeback cache it sends one
+    /// regardless), sparing the closer a FUSE request it would wait for: a read-only handle
+    /// has nothing to send or report at its close. A file that has had POSIX locks through
+    /// the mount keeps its FLUSH, so its locks go at the close ([`Shared::close_unflushed`]).
+    /// A handle that writes keeps it: its close reports a refused deferred create.
+    fn no_flush(&self, ino: u64, access: AccessMode, flags: i32) -> bool {
+        !self.options.writeback_cache
+            && access == AccessMode::ReadOnly
+            && flags & libc::O_TRUNC == 0
+            && !self.inodes.is_locked(ino)
     }
 
     /// OPEN of node `ino` with kernel `flags`, as `c`; the new handle.
-    pub(super) async fn open_handle(&self, c: &Creds, ino: u64, flags: i32) -> Result<u64> {
+    pub(super) async fn open_handle(&self, c: &Creds, ino: u64, flags: i32) -> Result<Opened> {
         let gfid = self.gfid(ino)?;
         if flags & libc::O_TRUNC != 0 && self.handles.executing(ino) {
             // The kernel refuses it too, but only once the file system has opened — and
@@ -349,9 +394,10 @@ impl<L: Layer> Shared<L> {
         }
         let open = Open {
             executing: flags & EXEC_OPEN != 0,
+            no_flush: self.no_flush(ino, access, flags),
             ..Open::new(fd, ino, access, open_flags, c)
         };
-        Ok(self.handles.add(open))
+        Ok(self.handles.add_opened(open, flags))
     }
 
     /// Opens `gfid` below for an OPEN with kernel `flags`, as `access` with `open_flags`.
@@ -439,7 +485,7 @@ impl<L: Layer> Shared<L> {
         parent: u64,
         name: &OsStr,
         (mode, umask, flags): (u32, u32, i32),
-    ) -> Result<(FileAttr, Ttl, u64)> {
+    ) -> Result<(FileAttr, Ttl, Opened)> {
         let (access, open_flags) = open_mode(flags, self.options.writeback_cache);
         let excl = if flags & libc::O_EXCL != 0 {
             OpenFlags::EXCL
@@ -503,8 +549,8 @@ impl<L: Layer> Shared<L> {
             .unwrap_or(OpenFlags::empty());
         // A deferred create's handle is opened late as root: the create granted it
         // its access, whatever mode the file was given.
-        let fh = self.add_open(fd, attr.ino.0, access, reopen, &Creds::root());
-        Ok((attr, ttl, fh))
+        let open = Open::new(fd, attr.ino.0, access, reopen, &Creds::root());
+        Ok((attr, ttl, self.handles.add_opened(open, flags)))
     }
 
     /// Whether an open is answered at once and made on the brick at the handle's first use
@@ -901,6 +947,9 @@ impl<L: Layer> Shared<L> {
     /// a deferred create the close has not, and releases the fd below.
     pub(super) async fn release_handle(&self, c: &Creds, fh: FileHandle, open: Arc<Open<L::Fd>>) {
         self.send_handle_writes(fh.0, &open).await;
+        if open.no_flush {
+            self.close_unflushed(c, &open).await;
+        }
         // Normally the close (FLUSH) has sent a deferred create already.
         if self.settle(open.ino).await.is_ok() {
             self.pending.take_failure(open.ino);
@@ -910,6 +959,23 @@ impl<L: Layer> Shared<L> {
             && let Err(e) = self.layer.release(c, fd).await
         {
             tracing::debug!(error = %e, "release failed; the fd goes with the session");
+        }
+    }
+
+    /// What the close of handle `open` would have done had the kernel sent a FLUSH
+    /// ([`Open::no_flush`]): the brick drops the locks taken through the handle. Such a lock
+    /// therefore lasts until the release of the handle it was taken through (which follows
+    /// its last close at once, asynchronously), not until the close of any of the owner's
+    /// fds on the file as POSIX has it; the file's later handles close with a FLUSH.
+    async fn close_unflushed(&self, c: &Creds, open: &Open<L::Fd>) {
+        let owners =
+            std::mem::take(&mut *open.lock_owners.lock().unwrap_or_else(|p| p.into_inner()));
+        for lock_owner in owners {
+            let fop = FdFop::new(move |fd| kiln_wire::Flush { fd, lock_owner }.into());
+            if let Err(e) = self.call_handle(c, open, fop).await {
+                // The brick drops them with the mount's last fd on the file.
+                tracing::debug!(error = ?e, "dropping a closed handle's locks failed");
+            }
         }
     }
 
