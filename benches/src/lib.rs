@@ -9,6 +9,7 @@
 
 pub mod bricks;
 pub mod engine;
+pub mod handoff;
 pub mod lookup_scale;
 pub mod mgmt;
 pub mod mount;

@@ -293,6 +293,8 @@ pub fn run(
             "ratio": "reference seconds / target seconds (above 1 = faster); seconds in params",
         }),
     );
+    // Each FUSE request wakes the FUSE thread and then its caller: what that costs here.
+    out.note("handoff", &crate::handoff::measure());
 
     let mut records = Vec::new();
     let mut results = Results::default();
