@@ -648,6 +648,16 @@ fn a_rebalance_moves_files_while_a_client_writes_one() {
             )
             .await
             .expect("open");
+        // A second fd on the file, left alone during the move.
+        let idle_fd = writer
+            .open(
+                &creds,
+                file.gfid,
+                kiln_wire::AccessMode::ReadWrite,
+                kiln_wire::OpenFlags::empty(),
+            )
+            .await
+            .expect("open");
         let (stop, done) = (AtomicBool::new(false), AtomicBool::new(false));
         let mut last_mode = 0o640;
         let writes = async {
@@ -686,6 +696,19 @@ fn a_rebalance_moves_files_while_a_client_writes_one() {
         };
         let (writes, report) = tokio::join!(writes, rebalance);
         writer.release(&creds, fd).await.expect("release");
+        // Its first fop after the move finds the file gone from the brick it was opened on
+        // (even the link file): it follows the file to where it is now.
+        last_mode = 0o604;
+        let attr = kiln_wire::SetAttr {
+            mode: kiln_wire::Mode::new(last_mode),
+            ..kiln_wire::SetAttr::default()
+        };
+        let chmod = kiln_client::FdFop::new(|fd| kiln_wire::Fsetattr { fd, attr }.into());
+        writer
+            .call_fd(&creds, &idle_fd, chmod)
+            .await
+            .expect("fchmod through an fd opened before the move");
+        writer.release(&creds, idle_fd).await.expect("release");
         assert!(writes > 10, "{writes} writes during the rebalance");
         assert_eq!((report.skipped, report.failed), (0, 0), "{report:?}");
         assert!(

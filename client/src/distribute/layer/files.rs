@@ -96,26 +96,33 @@ impl<L: Layer> Distribute<L> {
         file: &FileFd<L::Fd>,
         fop: FdFop,
     ) -> Result<FopReply, Error> {
-        if !file.moved.load(Ordering::Acquire) && !self.bricks.role(file.brick).in_service() {
-            // Its brick was removed, every file moved off it first: the file is where its
-            // GFID is now.
-            lock(&self.homes).pop(&file.gfid);
-            let Home::Brick(to) = self.home(&Creds::root(), file.gfid).await? else {
-                return Err(Error::Fop(ErrorCode::Io));
-            };
-            self.destination(file, to).await?;
-            file.moved.store(true, Ordering::Release);
-        }
-        if file.moved.load(Ordering::Acquire)
-            && let Some((brick, fd)) = file.dst.get()
+        // Its brick was removed, every file moved off it first.
+        if !file.moved.load(Ordering::Acquire)
+            && !self.bricks.role(file.brick).in_service()
+            && !self.follow_home(file).await?
         {
-            return self.bricks.get(*brick)?.call_fd(creds, fd, fop).await;
+            return Err(Error::Fop(ErrorCode::Io));
         }
-        let reply = self
+        if let Some(moved) = self.call_moved(creds, file, &fop).await {
+            return moved;
+        }
+        let reply = match self
             .bricks
             .get(file.brick)?
             .call_fd(creds, &file.fd, fop.clone())
-            .await?;
+            .await
+        {
+            // Gone from its brick (a fop by its GFID there finds nothing): a move that
+            // finished may have taken it, link file and all.
+            Err(Error::Fop(code @ (ErrorCode::NoEnt | ErrorCode::Stale))) => {
+                return match self.follow_home(file).await {
+                    Ok(true) => self.call_moved(creds, file, &fop).await,
+                    _ => None,
+                }
+                .unwrap_or(Err(Error::Fop(code)));
+            }
+            reply => reply?,
+        };
         let Some((gfid, mut look)) = file_iatt(&reply).map(|iatt| (iatt.gfid, Look::of(iatt)))
         else {
             return Ok(reply);
@@ -149,6 +156,41 @@ impl<L: Layer> Distribute<L> {
             .call_fd(&Creds::root(), fd, change)
             .await
             .map(|_| reply)
+    }
+
+    /// `fop` run on the brick open file `file` has moved to, once it has.
+    async fn call_moved(
+        &self,
+        creds: &Creds,
+        file: &FileFd<L::Fd>,
+        fop: &FdFop,
+    ) -> Option<Result<FopReply, Error>> {
+        if !file.moved.load(Ordering::Acquire) {
+            return None;
+        }
+        let (brick, fd) = file.dst.get()?;
+        Some(match self.bricks.get(*brick) {
+            Ok(client) => client.call_fd(creds, fd, fop.clone()).await,
+            Err(e) => Err(e),
+        })
+    }
+
+    /// Points open file `file` at the brick its GFID lives on now, when that is another
+    /// brick than the one it was opened on; whether it does.
+    async fn follow_home(&self, file: &FileFd<L::Fd>) -> Result<bool, Error> {
+        lock(&self.homes).pop(&file.gfid);
+        let to = match self.home(&Creds::root(), file.gfid).await? {
+            Home::Brick(to) if to != file.brick => to,
+            _ => return Ok(false),
+        };
+        self.destination(file, to).await?;
+        file.moved.store(true, Ordering::Release);
+        tracing::debug!(
+            from = file.brick,
+            to,
+            "an open file follows its finished move"
+        );
+        Ok(true)
     }
 
     /// The fd of open file `file` on brick `to`, where it is moving or has moved, opened the
