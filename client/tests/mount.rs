@@ -871,6 +871,38 @@ fn a_lock_taken_through_a_read_only_handle_goes_with_its_close() {
     holder.wait().expect("holder exits");
 }
 
+/// An open file whose last name is gone is still the file: fchmod, fsetxattr, fgetxattr and
+/// fremovexattr act on it (the brick answers them through its fd, not by GFID).
+#[test]
+fn fd_calls_reach_an_open_file_after_its_last_name_is_gone() {
+    let m = Mounted::new(&[]);
+    let script = "import os,sys\n\
+        fd=os.open(sys.argv[1], os.O_RDWR|os.O_CREAT, 0o644)\n\
+        os.write(fd, b'data')\n\
+        os.fsync(fd)\n\
+        os.unlink(sys.argv[1])\n\
+        os.fchmod(fd, 0o600)\n\
+        assert os.fstat(fd).st_mode & 0o777 == 0o600, oct(os.fstat(fd).st_mode)\n\
+        os.setxattr(fd, 'user.k', b'v')\n\
+        assert os.getxattr(fd, 'user.k') == b'v'\n\
+        os.removexattr(fd, 'user.k')\n\
+        try:\n\
+        \x20   os.getxattr(fd, 'user.k'); sys.exit('user.k is still there')\n\
+        except OSError as e:\n\
+        \x20   assert e.errno == 61, e\n\
+        os.ftruncate(fd, 2)\n\
+        assert os.pread(fd, 10, 0) == b'da'\n\
+        print('ok')";
+    let out = Command::new("python3")
+        .args(["-c", script])
+        .arg(m.path("doomed"))
+        .output()
+        .expect("python3");
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "ok");
+    assert!(!m.on_brick("doomed").exists());
+}
+
 #[test]
 fn a_running_program_is_never_truncated_under_it() {
     let m = Mounted::new(&[]);

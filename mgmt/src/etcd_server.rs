@@ -6,6 +6,7 @@ use std::ffi::OsString;
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
@@ -183,10 +184,26 @@ impl EtcdServer {
     }
 }
 
-/// A loopback TCP address no one listens on now (the kernel's pick).
+/// Loopback ports a single member is given: below Linux's ephemeral range (32768 and up by
+/// default), so no connection's local port can take one between its pick and the member's
+/// bind (a member that lost its port that way exited, and the test's next call found nobody).
+const MEMBER_PORTS: std::ops::Range<u16> = 20_000..32_000;
+
+/// A loopback TCP address no one listens on now, from [`MEMBER_PORTS`], never given twice by
+/// this process (its tests start members at once).
 fn free_loopback_port() -> anyhow::Result<SocketAddr> {
-    let listener = std::net::TcpListener::bind(("127.0.0.1", 0)).context("bind")?;
-    Ok(listener.local_addr()?)
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let span = u32::from(MEMBER_PORTS.end - MEMBER_PORTS.start);
+    // Processes start apart in the range, so two of them rarely probe the same ports.
+    let start = std::process::id().wrapping_mul(7_919) % span;
+    for _ in 0..span {
+        let offset = (start + NEXT.fetch_add(1, Ordering::Relaxed)) % span;
+        let port = MEMBER_PORTS.start + u16::try_from(offset).expect("below the span");
+        if let Ok(listener) = std::net::TcpListener::bind(("127.0.0.1", port)) {
+            return Ok(listener.local_addr()?);
+        }
+    }
+    bail!("no free loopback port in {MEMBER_PORTS:?}")
 }
 
 impl Drop for EtcdServer {

@@ -138,7 +138,7 @@ impl<L: Layer> KilnFs<L> {
             async move {
                 s.settle(ino).await?;
                 let fop = build(&s)?;
-                s.layer.call(&c, fop).await.map(drop).map_err(errno)
+                s.call_node(&c, ino, fop).await.map(drop).map_err(errno)
             },
             |reply, ()| reply.ok(),
         );

@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use fuser::{Errno, FileAttr, FileHandle};
 use kiln_wire::{
-    Creds, ErrorCode, FileType, FopReply, FsStats, Gfid, Iatt, SetAttr, XattrName, XattrPresence,
+    Creds, ErrorCode, FileType, FopReply, FopRequest, FsStats, Gfid, Iatt, SetAttr, XattrName,
+    XattrPresence,
 };
 
 use super::MountOptions;
@@ -324,9 +325,8 @@ impl<L: Layer> Shared<L> {
                 self.layer.call_fd(c, self.fd(open).await?, fop).await
             }
             None => {
-                self.layer
-                    .call(c, kiln_wire::Setattr { gfid, attr }.into())
-                    .await
+                let setattr = kiln_wire::Setattr { gfid, attr };
+                self.call_node(c, ino, setattr.into()).await
             }
         };
         self.leases.forget_local(&gfid);
@@ -350,8 +350,8 @@ impl<L: Layer> Shared<L> {
             gfid: self.gfid(ino)?,
             name: name.clone(),
         };
-        match self.layer.call(c, get.into()).await {
-            Ok(FopReply::Getxattr(r)) => Ok(r.value.into_bytes()),
+        match self.call_node(c, ino, get.into()).await {
+            Ok(FopReply::Getxattr(r) | FopReply::Fgetxattr(r)) => Ok(r.value.into_bytes()),
             Ok(other) => Err(unexpected(&other)),
             Err(Error::Fop(ErrorCode::NoData)) => {
                 let until = Instant::now() + self.options.attr_timeout;
@@ -412,6 +412,30 @@ impl<L: Layer> Shared<L> {
         }
     }
 
+    /// `fop`, which names node `ino` by its GFID, as `c`. A file whose last name is gone is
+    /// no longer found on the brick by its GFID; while this mount holds it open, a fop with
+    /// an fd form ([`fd_form`]) goes through one of its handles instead, as calls on an open
+    /// file reach it (`fchmod`, `fsetxattr` of an unlinked file: the kernel passes no handle
+    /// with them).
+    pub(super) async fn call_node(
+        &self,
+        c: &Creds,
+        ino: u64,
+        fop: FopRequest,
+    ) -> std::result::Result<FopReply, Error> {
+        let by_fd = fd_form(&fop);
+        match self.layer.call(c, fop).await {
+            Err(Error::Fop(code @ (ErrorCode::Stale | ErrorCode::NoEnt))) => {
+                let (Some(by_fd), Some(open)) = (by_fd, self.handles.any_on(ino)) else {
+                    return Err(Error::Fop(code));
+                };
+                let fd = self.fd(&open).await.map_err(|_| Error::Fop(code))?;
+                self.layer.call_fd(c, fd, by_fd).await
+            }
+            reply => reply,
+        }
+    }
+
     /// STATFS of the volume, as `c`.
     pub(super) async fn statfs(&self, c: &Creds) -> Result<FsStats> {
         let statfs = kiln_wire::Statfs { gfid: Gfid::ROOT };
@@ -421,4 +445,29 @@ impl<L: Layer> Shared<L> {
             Err(e) => Err(errno(e)),
         }
     }
+}
+
+/// The fd form of `fop`, a fop that names an object by its GFID, where the wire has one.
+fn fd_form(fop: &FopRequest) -> Option<FdFop> {
+    let fop = match fop.clone() {
+        FopRequest::Setattr(r) => FdFop::new(|fd| kiln_wire::Fsetattr { fd, attr: r.attr }.into()),
+        FopRequest::Getxattr(r) => {
+            FdFop::new(|fd| kiln_wire::Fgetxattr { fd, name: r.name }.into())
+        }
+        FopRequest::Setxattr(r) => FdFop::new(|fd| {
+            let (name, value, mode) = (r.name, r.value, r.mode);
+            kiln_wire::Fsetxattr {
+                fd,
+                name,
+                value,
+                mode,
+            }
+            .into()
+        }),
+        FopRequest::Removexattr(r) => {
+            FdFop::new(|fd| kiln_wire::Fremovexattr { fd, name: r.name }.into())
+        }
+        _ => return None,
+    };
+    Some(fop)
 }

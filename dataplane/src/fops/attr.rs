@@ -8,6 +8,7 @@ use rustix::fs::AtFlags;
 use rustix::io::Errno;
 
 use super::chain::Chain;
+use super::resolve::Named;
 use super::{Fops, R, iatt};
 use crate::brick::Brick;
 use crate::creds::ActAs;
@@ -140,13 +141,18 @@ impl<E: Exec> Fops<E> {
             size: Some(size),
             ..SetAttr::default()
         };
-        self.setattr(creds, gfid, attr).await
+        self.setattr(creds, Named::Gfid(gfid), attr).await
     }
 
     /// SETATTR on the pinned object: what the calls act on cannot change under them, and a
     /// symlink is never followed.
-    pub(super) async fn setattr(&self, creds: &Creds, gfid: &Gfid, attr: SetAttr) -> R<AttrChange> {
-        let pinned = self.pin(gfid).await?;
+    pub(super) async fn setattr(
+        &self,
+        creds: &Creds,
+        object: Named<'_>,
+        attr: SetAttr,
+    ) -> R<AttrChange> {
+        let (gfid, pinned) = (object.gfid(), self.pin_named(object).await?);
         let pre = pinned.stat;
         if pre.is_symlink() && attr.mode.is_some() {
             return Err(Errno::OPNOTSUPP);

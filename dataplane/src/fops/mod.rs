@@ -27,6 +27,7 @@ use rustix::io::Errno;
 
 use self::chain::{Chain, FromDone, Results};
 pub(crate) use self::namespace::spawn_dir_record_sweeper;
+use self::resolve::Named;
 use crate::brick::Brick;
 use crate::cache::{CacheState, DirCache, GfidCache};
 use crate::exec::Exec;
@@ -397,7 +398,7 @@ impl<E: Exec> Fops<E> {
             Q::Access(r) => A::Access(self.access(creds, &r.gfid, r.mask).await?),
             Q::Readlink(r) => A::Readlink(self.readlink(&r.gfid).await?),
             Q::Statfs(r) => A::Statfs(self.statfs(&r.gfid).await?),
-            Q::Setattr(r) => A::Setattr(self.setattr(creds, &r.gfid, r.attr).await?),
+            Q::Setattr(r) => A::Setattr(self.setattr(creds, Named::Gfid(&r.gfid), r.attr).await?),
             Q::Truncate(r) => A::Truncate(self.truncate(creds, &r.gfid, r.size).await?),
             Q::Mknod(r) => A::Mknod(self.mknod(creds, r).await?),
             Q::Mkdir(r) => A::Mkdir(self.mkdir(creds, r).await?),
@@ -408,10 +409,19 @@ impl<E: Exec> Fops<E> {
             Q::Rmdir(r) => A::Rmdir(self.rmdir(creds, &r.parent, &r.name).await?),
             Q::Rename(r) => A::Rename(self.rename(creds, r).await?),
             Q::Link(r) => A::Link(self.link(creds, r).await?),
-            Q::Setxattr(r) => A::Setxattr(self.setxattr(creds, &r.gfid, &r).await?),
-            Q::Removexattr(r) => A::Removexattr(self.removexattr(creds, &r.gfid, &r.name).await?),
-            Q::Getxattr(r) => A::Getxattr(self.getxattr(creds, &r.gfid, &r.name).await?),
-            Q::Listxattr(r) => A::Listxattr(self.listxattr(creds, &r.gfid).await?),
+            Q::Setxattr(r) => {
+                let object = Named::Gfid(&r.gfid);
+                let (value, mode) = (r.value.as_bytes(), r.mode);
+                A::Setxattr(self.setxattr(creds, object, &r.name, value, mode).await?)
+            }
+            Q::Removexattr(r) => A::Removexattr(
+                self.removexattr(creds, Named::Gfid(&r.gfid), &r.name)
+                    .await?,
+            ),
+            Q::Getxattr(r) => {
+                A::Getxattr(self.getxattr(creds, Named::Gfid(&r.gfid), &r.name).await?)
+            }
+            Q::Listxattr(r) => A::Listxattr(self.listxattr(creds, Named::Gfid(&r.gfid)).await?),
             Q::Open(r) => A::Open(
                 self.open(session, creds, &r.gfid, r.access, r.flags)
                     .await?,
@@ -447,20 +457,22 @@ impl<E: Exec> Fops<E> {
             Q::Releasedir(r) => A::Releasedir(self.release(s, r.fd, true).await?),
             Q::Fsyncdir(r) => A::Fsyncdir(self.fsyncdir(s, r.fd, r.datasync).await?),
             Q::Fsetxattr(r) => {
-                let gfid = self.open_file(s, r.fd)?.gfid;
-                A::Fsetxattr(self.fsetxattr(creds, &gfid, &r).await?)
+                let open = self.open_file(s, r.fd)?;
+                let (value, mode) = (r.value.as_bytes(), r.mode);
+                let set = self.setxattr(creds, Named::Open(&open), &r.name, value, mode);
+                A::Fsetxattr(set.await?)
             }
             Q::Fgetxattr(r) => {
-                let gfid = self.open_file(s, r.fd)?.gfid;
-                A::Fgetxattr(self.getxattr(creds, &gfid, &r.name).await?)
+                let open = self.open_file(s, r.fd)?;
+                A::Fgetxattr(self.getxattr(creds, Named::Open(&open), &r.name).await?)
             }
             Q::Fremovexattr(r) => {
-                let gfid = self.open_file(s, r.fd)?.gfid;
-                A::Fremovexattr(self.removexattr(creds, &gfid, &r.name).await?)
+                let open = self.open_file(s, r.fd)?;
+                A::Fremovexattr(self.removexattr(creds, Named::Open(&open), &r.name).await?)
             }
             Q::Fsetattr(r) => {
-                let gfid = self.open_file(s, r.fd)?.gfid;
-                A::Fsetattr(self.setattr(creds, &gfid, r.attr).await?)
+                let open = self.open_file(s, r.fd)?;
+                A::Fsetattr(self.setattr(creds, Named::Open(&open), r.attr).await?)
             }
             Q::Ftruncate(r) => A::Ftruncate(self.ftruncate(s, creds, r.fd, r.size).await?),
             Q::Fallocate(r) => A::Fallocate(self.fallocate(s, creds, r.fd, r.into()).await?),

@@ -12,7 +12,7 @@ use crate::brick::layout::{open_dir_by_gfid, read_gfid, read_or_heal_gfid};
 use crate::brick::{Brick, GLUSTERFS_DIR};
 use crate::cache::InodeKey;
 use crate::exec::Exec;
-use crate::fdtable::{OpenFile, SessionId};
+use crate::fdtable::{OpenFile, OpenKind, SessionId};
 use crate::op::{self, DirFd, FileRef, Stat, Step, cstr, fd_path, proc_path};
 
 /// How a path-only call (xattrs, access) reaches an object.
@@ -25,6 +25,9 @@ pub(super) enum ObjectPath {
     /// Anything else, through its handle in a held handle directory; a final symlink is not
     /// followed.
     Handle(DirFd, CString),
+    /// A regular file a client holds open, through `/proc/self/fd/N` of the brick's fd: the
+    /// file whatever happened to its names since (unlinked, or moved off by a rebalance).
+    Open(DirFd),
 }
 
 impl ObjectPath {
@@ -33,6 +36,40 @@ impl ObjectPath {
         match self {
             ObjectPath::Dir(dir) => (fd_path(dir), true),
             ObjectPath::Handle(dir, name) => (proc_path(dir, name), false),
+            ObjectPath::Open(file) => (fd_path(file), true),
+        }
+    }
+}
+
+/// What an attribute or xattr fop names: an object by its GFID, or one the session holds open
+/// (an fd fop: POSIX has it act on the open file, named or not).
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Named<'a> {
+    Gfid(&'a Gfid),
+    Open(&'a OpenFile),
+}
+
+impl Named<'_> {
+    pub(super) fn gfid(&self) -> &Gfid {
+        match self {
+            Named::Gfid(gfid) => gfid,
+            Named::Open(open) => &open.gfid,
+        }
+    }
+
+    /// The brick's plain fd of an open regular file (not a direct descriptor, which only its
+    /// ring can use).
+    fn open_file(&self) -> Option<&DirFd> {
+        match self {
+            Named::Open(OpenFile {
+                kind:
+                    OpenKind::File {
+                        file: FileRef::Fd(fd),
+                        ..
+                    },
+                ..
+            }) => Some(fd),
+            _ => None,
         }
     }
 }
@@ -124,6 +161,15 @@ impl<E: Exec> Fops<E> {
         }
     }
 
+    /// A path that reaches `object`: an open regular file through the brick's fd, anything
+    /// else as [`Fops::object_path`].
+    pub(super) async fn named_path(&self, object: Named<'_>) -> R<ObjectPath> {
+        match object.open_file() {
+            Some(file) => Ok(ObjectPath::Open(file.clone())),
+            None => self.object_path(object.gfid()).await,
+        }
+    }
+
     /// A path that reaches the object `gfid` itself: a directory through its own held fd, no
     /// search permission on it needed; anything else through its handle, never followed.
     pub(super) async fn object_path(&self, gfid: &Gfid) -> R<ObjectPath> {
@@ -136,6 +182,18 @@ impl<E: Exec> Fops<E> {
             self.brick.handle_dir(gfid).clone(),
             Brick::handle_name(gfid),
         ))
+    }
+
+    /// Holds `object`: an open regular file by the brick's fd of it, anything else as
+    /// [`Fops::pin`].
+    pub(super) async fn pin_named(&self, object: Named<'_>) -> R<Pinned> {
+        match object.open_file() {
+            Some(file) => Ok(Pinned {
+                stat: self.fstat_dir(file).await?,
+                fd: file.clone(),
+            }),
+            None => self.pin(object.gfid()).await,
+        }
     }
 
     /// Holds the object `gfid` by an `O_PATH` fd of its own, with its attributes: calls made

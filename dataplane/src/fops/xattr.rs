@@ -8,12 +8,11 @@ use std::ffi::{CStr, CString};
 
 use bytes::Bytes;
 use kiln_wire::{
-    Creds, Fsetxattr, Gfid, ListxattrReply, Setxattr, XattrName, XattrPresence, XattrReply,
-    XattrSetMode, XattrValue, limits,
+    Creds, ListxattrReply, XattrName, XattrPresence, XattrReply, XattrSetMode, XattrValue, limits,
 };
 use rustix::io::Errno;
 
-use super::resolve::ObjectPath;
+use super::resolve::{Named, ObjectPath};
 use super::{Fops, R};
 use crate::brick::GFID_XATTR;
 use crate::creds::ActAs;
@@ -46,36 +45,16 @@ fn unchangeable(name: &XattrName) -> bool {
 }
 
 impl<E: Exec> Fops<E> {
-    /// The path an xattr call uses for `gfid`. The caller moves it into the blocking job,
+    /// The path an xattr call uses for `object`. The caller moves it into the blocking job,
     /// whose fd N it keeps open, so N cannot be reused for another object before the call.
-    async fn xattr_path(&self, gfid: &Gfid) -> R<ObjectPath> {
-        self.object_path(gfid).await
+    async fn xattr_path(&self, object: Named<'_>) -> R<ObjectPath> {
+        self.named_path(object).await
     }
 
     pub(super) async fn setxattr(
         &self,
         creds: &Creds,
-        gfid: &Gfid,
-        r: &Setxattr,
-    ) -> R<kiln_wire::Done> {
-        self.set(creds, gfid, &r.name, r.value.as_bytes(), r.mode)
-            .await
-    }
-
-    pub(super) async fn fsetxattr(
-        &self,
-        creds: &Creds,
-        gfid: &Gfid,
-        r: &Fsetxattr,
-    ) -> R<kiln_wire::Done> {
-        self.set(creds, gfid, &r.name, r.value.as_bytes(), r.mode)
-            .await
-    }
-
-    async fn set(
-        &self,
-        creds: &Creds,
-        gfid: &Gfid,
+        object: Named<'_>,
         name: &XattrName,
         value: &[u8],
         mode: XattrSetMode,
@@ -83,7 +62,7 @@ impl<E: Exec> Fops<E> {
         if unchangeable(name) {
             return Err(Errno::PERM);
         }
-        let object = self.xattr_path(gfid).await?;
+        let object = self.xattr_path(object).await?;
         let (creds, name, value) = (creds.clone(), cstr(name.as_bytes()), value.to_vec());
         let flags = match mode {
             XattrSetMode::Upsert => rustix::fs::XattrFlags::empty(),
@@ -105,13 +84,13 @@ impl<E: Exec> Fops<E> {
     pub(super) async fn removexattr(
         &self,
         creds: &Creds,
-        gfid: &Gfid,
+        object: Named<'_>,
         name: &XattrName,
     ) -> R<kiln_wire::Done> {
         if unchangeable(name) {
             return Err(Errno::PERM);
         }
-        let object = self.xattr_path(gfid).await?;
+        let object = self.xattr_path(object).await?;
         let (creds, name) = (creds.clone(), cstr(name.as_bytes()));
         self.exec
             .blocking(move || {
@@ -128,10 +107,10 @@ impl<E: Exec> Fops<E> {
     pub(super) async fn getxattr(
         &self,
         creds: &Creds,
-        gfid: &Gfid,
+        object: Named<'_>,
         name: &XattrName,
     ) -> R<XattrReply> {
-        let object = self.xattr_path(gfid).await?;
+        let object = self.xattr_path(object).await?;
         let (creds, name) = (creds.clone(), cstr(name.as_bytes()));
         let value = self
             .exec
@@ -151,8 +130,8 @@ impl<E: Exec> Fops<E> {
         })
     }
 
-    pub(super) async fn listxattr(&self, creds: &Creds, gfid: &Gfid) -> R<ListxattrReply> {
-        let object = self.xattr_path(gfid).await?;
+    pub(super) async fn listxattr(&self, creds: &Creds, object: Named<'_>) -> R<ListxattrReply> {
+        let object = self.xattr_path(object).await?;
         let creds = creds.clone();
         let list = self
             .exec

@@ -10,6 +10,7 @@ use kiln_wire::{
 use rustix::io::Errno;
 
 use super::super::chain::{At, Chain, Results};
+use super::super::resolve::Named;
 use super::super::{Fops, R, iatt};
 use super::files;
 use crate::brick::Brick;
@@ -488,7 +489,10 @@ impl<E: Exec> Fops<E> {
             rewritten = true;
         }
         if !r.attr.is_empty() && (!attr_in_chain || rewritten) {
-            entry.iatt = self.setattr(creds, &r.gfid, r.attr).await?.post;
+            entry.iatt = self
+                .setattr(creds, Named::Gfid(&r.gfid), r.attr)
+                .await?
+                .post;
         }
         Ok(entry)
     }
