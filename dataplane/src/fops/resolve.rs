@@ -41,6 +41,10 @@ impl ObjectPath {
     }
 }
 
+/// The mode a rebalance's move leaves on the file it moved away, before it removes its name
+/// (GlusterFS's link-file look).
+const MOVED_AWAY_MODE: u32 = 0o1000;
+
 /// What an attribute or xattr fop names: an object by its GFID, or one the session holds open
 /// (an fd fop: POSIX has it act on the open file, named or not).
 #[derive(Debug, Clone, Copy)]
@@ -165,7 +169,7 @@ impl<E: Exec> Fops<E> {
     /// else as [`Fops::object_path`].
     pub(super) async fn named_path(&self, object: Named<'_>) -> R<ObjectPath> {
         match object.open_file() {
-            Some(file) => Ok(ObjectPath::Open(file.clone())),
+            Some(file) => Ok(ObjectPath::Open(self.pin_open(file).await?.fd)),
             None => self.object_path(object.gfid()).await,
         }
     }
@@ -188,12 +192,23 @@ impl<E: Exec> Fops<E> {
     /// [`Fops::pin`].
     pub(super) async fn pin_named(&self, object: Named<'_>) -> R<Pinned> {
         match object.open_file() {
-            Some(file) => Ok(Pinned {
-                stat: self.fstat_dir(file).await?,
-                fd: file.clone(),
-            }),
+            Some(file) => self.pin_open(file).await,
             None => self.pin(object.gfid()).await,
         }
+    }
+
+    /// Holds the open regular file `file`; ESTALE for what a finished move left behind (no
+    /// name, a moved-away mode): the client then follows the file to where it is now rather
+    /// than change a copy nobody reaches.
+    async fn pin_open(&self, file: &DirFd) -> R<Pinned> {
+        let stat = self.fstat_dir(file).await?;
+        if stat.nlink == 0 && stat.mode & 0o7777 == MOVED_AWAY_MODE {
+            return Err(Errno::STALE);
+        }
+        Ok(Pinned {
+            fd: file.clone(),
+            stat,
+        })
     }
 
     /// Holds the object `gfid` by an `O_PATH` fd of its own, with its attributes: calls made
