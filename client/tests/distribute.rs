@@ -639,25 +639,11 @@ fn a_rebalance_moves_files_while_a_client_writes_one() {
         let writer = volume.connect().await;
         let rebalancer = volume.connect().await;
         let file = writer.resolve(&creds, &big_path).await.expect("lookup");
-        let fd = writer
-            .open(
-                &creds,
-                file.gfid,
-                kiln_wire::AccessMode::ReadWrite,
-                kiln_wire::OpenFlags::empty(),
-            )
-            .await
-            .expect("open");
+        let read_write = kiln_wire::AccessMode::ReadWrite;
+        let open = || writer.open(&creds, file.gfid, read_write, kiln_wire::OpenFlags::empty());
+        let fd = open().await.expect("open");
         // A second fd on the file, left alone during the move.
-        let idle_fd = writer
-            .open(
-                &creds,
-                file.gfid,
-                kiln_wire::AccessMode::ReadWrite,
-                kiln_wire::OpenFlags::empty(),
-            )
-            .await
-            .expect("open");
+        let idle_fd = open().await.expect("open");
         let (stop, done) = (AtomicBool::new(false), AtomicBool::new(false));
         let mut last_mode = 0o640;
         let writes = async {
