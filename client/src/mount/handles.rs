@@ -317,11 +317,11 @@ impl<F> Handles<F> {
     /// Notes that `owner` takes POSIX locks through handle `fh`: a handle closed without a
     /// FLUSH has the brick drop them at its release.
     pub(super) fn note_lock_owner(&self, fh: FileHandle, owner: LockOwner) {
-        let Ok(open) = self.get(fh) else {
+        let Some(open) = self.get(fh).ok().filter(|open| open.no_flush) else {
             return;
         };
         let mut owners = open.lock_owners.lock().unwrap_or_else(|p| p.into_inner());
-        if open.no_flush && !owners.contains(&owner.0) {
+        if !owners.contains(&owner.0) {
             owners.push(owner.0);
         }
     }

@@ -449,23 +449,30 @@ impl<L: Layer> Shared<L> {
 
 /// The fd form of `fop`, a fop that names an object by its GFID, where the wire has one.
 fn fd_form(fop: &FopRequest) -> Option<FdFop> {
-    let fop = match fop.clone() {
-        FopRequest::Setattr(r) => FdFop::new(|fd| kiln_wire::Fsetattr { fd, attr: r.attr }.into()),
-        FopRequest::Getxattr(r) => {
-            FdFop::new(|fd| kiln_wire::Fgetxattr { fd, name: r.name }.into())
+    let fop = match fop {
+        FopRequest::Setattr(r) => {
+            let attr = r.attr;
+            FdFop::new(|fd| kiln_wire::Fsetattr { fd, attr }.into())
         }
-        FopRequest::Setxattr(r) => FdFop::new(|fd| {
-            let (name, value, mode) = (r.name, r.value, r.mode);
-            kiln_wire::Fsetxattr {
-                fd,
-                name,
-                value,
-                mode,
-            }
-            .into()
-        }),
+        FopRequest::Getxattr(r) => {
+            let name = r.name.clone();
+            FdFop::new(|fd| kiln_wire::Fgetxattr { fd, name }.into())
+        }
+        FopRequest::Setxattr(r) => {
+            let (name, value, mode) = (r.name.clone(), r.value.clone(), r.mode);
+            FdFop::new(|fd| {
+                kiln_wire::Fsetxattr {
+                    fd,
+                    name,
+                    value,
+                    mode,
+                }
+                .into()
+            })
+        }
         FopRequest::Removexattr(r) => {
-            FdFop::new(|fd| kiln_wire::Fremovexattr { fd, name: r.name }.into())
+            let name = r.name.clone();
+            FdFop::new(|fd| kiln_wire::Fremovexattr { fd, name }.into())
         }
         _ => return None,
     };
