@@ -180,6 +180,12 @@ impl BrickClient {
         Ok(self.live().await?.hello)
     }
 
+    /// The current connection's transport counters (datagrams, frames by type, round-trip
+    /// estimate), or `None` while disconnected: for benchmarks that count what a call costs.
+    pub fn transport_stats(&self) -> Option<quinn::ConnectionStats> {
+        self.current().map(|live| live.conn.connection.stats())
+    }
+
     /// Closes the connection; calls in flight fail.
     pub async fn close(&self) {
         let live = self.inner.live.lock().map(|mut l| l.take()).unwrap_or(None);

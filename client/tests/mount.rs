@@ -212,6 +212,79 @@ fn a_small_file_read_once_is_one_get() {
     assert_eq!(served("OPEN") + served("READ") + served("RELEASE"), 0.0);
 }
 
+/// A small file the mount creates is put whole into the kernel's page cache at its close
+/// (`FUSE_NOTIFY_STORE`): reading it back, as `tar -c` does after `tar -x`, reaches neither
+/// the mount nor the brick, though its writes left pages only partly filled. What is read is
+/// what was written, also after appends through later handles and with the cache dropped.
+#[test]
+fn a_new_small_file_is_read_back_from_the_page_cache() {
+    let metrics = common::free_loopback_addr();
+    let m = Mounted::with_brick(&["--count-fop-hits", "--metrics-listen", &metrics], &[]);
+    fs::create_dir(m.path("new")).expect("mkdir");
+    let content = |i: usize| -> Vec<u8> {
+        (0..3000 + 1000 * i)
+            .map(|b| (b * 7 + i).to_le_bytes()[0])
+            .collect()
+    };
+    let mtime = |i: usize| std::time::UNIX_EPOCH + Duration::from_secs(1_000_000_000 + i as u64);
+    for i in 0..10 {
+        let data = content(i);
+        let mut f = fs::File::create(m.path(&format!("new/f{i}"))).expect("create");
+        // Two writes that share a page, as tar's 10 KiB records do.
+        let (head, tail) = data.split_at(1500);
+        f.write_all(head).expect("write");
+        f.write_all(tail).expect("write");
+        f.set_modified(mtime(i)).expect("futimens");
+    }
+    let before = common::scrape(&metrics);
+    for i in 0..10 {
+        let path = m.path(&format!("new/f{i}"));
+        assert_eq!(fs::read(&path).expect("read"), content(i), "f{i}");
+        let meta = fs::metadata(&path).expect("stat");
+        assert_eq!(meta.modified().expect("mtime"), mtime(i));
+    }
+    let after = common::scrape(&metrics);
+    let served = |fop| common::fop_calls(&after, fop) - common::fop_calls(&before, fop);
+    assert_eq!(served("GET") + served("OPEN") + served("READ"), 0.0);
+
+    // Appends through new handles, each read back at once.
+    let path = m.path("new/f0");
+    let mut expected = content(0);
+    for round in 0..3u8 {
+        let mut f = fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .expect("open");
+        let more = vec![b'a' + round; 777];
+        f.write_all(&more).expect("append");
+        expected.extend_from_slice(&more);
+        drop(f);
+        assert_eq!(fs::read(&path).expect("read"), expected, "round {round}");
+    }
+    // A file closed while a second handle is open on it, which writes on after the close.
+    let mut first = fs::File::create(m.path("new/shared")).expect("create");
+    first.write_all(b"first ").expect("write");
+    let mut second = fs::OpenOptions::new()
+        .write(true)
+        .open(m.path("new/shared"))
+        .expect("open");
+    drop(first);
+    second.seek(SeekFrom::Start(6)).expect("seek");
+    second.write_all(b"second").expect("write");
+    drop(second);
+    assert_eq!(
+        fs::read(m.path("new/shared")).expect("read"),
+        b"first second"
+    );
+
+    fs::write("/proc/sys/vm/drop_caches", b"1").expect("drop caches");
+    assert_eq!(fs::read(&path).expect("read from the brick"), expected);
+    for i in 1..10 {
+        let path = m.path(&format!("new/f{i}"));
+        assert_eq!(fs::read(&path).expect("read from the brick"), content(i));
+    }
+}
+
 #[test]
 fn files_directories_and_links_behave_like_a_local_file_system() {
     let m = Mounted::new(&[]);

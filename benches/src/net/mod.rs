@@ -174,6 +174,48 @@ fn note_udp(out: &mut Reporter, phase: &str, before: Option<&Vec<(String, i64)>>
     }
 }
 
+/// Notes what the client's connection sent and received per call since `before` over
+/// `calls` calls: datagrams (and send/receive system calls), and the frames that carry
+/// something besides the calls' own STREAM frames (ACKs, stream and flow-control credit).
+fn note_transport(
+    out: &mut Reporter,
+    phase: &str,
+    before: Option<quinn::ConnectionStats>,
+    client: &BrickClient,
+    calls: usize,
+) {
+    let (Some(before), Some(now)) = (before, client.transport_stats()) else {
+        return;
+    };
+    let per_call = |now: u64, before: u64| (now - before) as f64 / calls.max(1) as f64;
+    let frames = |now: &quinn::FrameStats, before: &quinn::FrameStats| {
+        json!({
+            "stream": per_call(now.stream, before.stream),
+            "ack": per_call(now.acks, before.acks),
+            "max_streams_bidi": per_call(now.max_streams_bidi, before.max_streams_bidi),
+            "max_data": per_call(now.max_data, before.max_data),
+            "max_stream_data": per_call(now.max_stream_data, before.max_stream_data),
+            "ping": per_call(now.ping, before.ping),
+        })
+    };
+    out.note(
+        "quic",
+        &json!({
+            "phase": phase,
+            "side": "client",
+            "per_call": {
+                "datagrams_sent": per_call(now.udp_tx.datagrams, before.udp_tx.datagrams),
+                "send_calls": per_call(now.udp_tx.ios, before.udp_tx.ios),
+                "datagrams_received": per_call(now.udp_rx.datagrams, before.udp_rx.datagrams),
+                "receive_calls": per_call(now.udp_rx.ios, before.udp_rx.ios),
+                "frames_sent": frames(&now.frame_tx, &before.frame_tx),
+                "frames_received": frames(&now.frame_rx, &before.frame_rx),
+            },
+            "rtt_us": now.path.rtt.as_secs_f64() * 1e6,
+        }),
+    );
+}
+
 fn setup(bench: &NetBench, scratch: &Scratch, config: &EngineConfig) -> anyhow::Result<Served> {
     Served::start(
         &scratch.path().join("brick"),
@@ -630,6 +672,7 @@ fn ping(
     records.push(r);
 
     let udp = udp_counters();
+    let transport = volume.transport_stats();
     let (quic_rate, quic) = rt.block_on(timed_round_trips(
         warm,
         pings,
@@ -639,6 +682,7 @@ fn ping(
         },
     ))?;
     note_udp(out, "net.ping quic", udp.as_ref());
+    note_transport(out, "net.ping quic", transport, volume, warm + pings);
     let mut r = Record::new(
         "net.ping",
         "quic",

@@ -342,6 +342,11 @@ impl<F> Handles<F> {
     }
 
     /// Any handle open on node `ino`.
+    /// How many handles are open on node `ino`.
+    fn open_on(&self, ino: u64) -> usize {
+        self.lock().values().filter(|o| o.ino == ino).count()
+    }
+
     pub(super) fn any_on(&self, ino: u64) -> Option<Arc<Open<F>>> {
         self.lock().values().find(|o| o.ino == ino).cloned()
     }
@@ -906,8 +911,12 @@ impl<L: Layer> Shared<L> {
             return false;
         };
         let touches = [iatt.gfid, put.parent];
+        let content = put.data.clone().into_bytes();
         self.leases.describe(iatt);
         self.behind.push(&creds, put.into(), &touches).await;
+        if self.handles.open_on(ino) == 1 {
+            self.store_content(ino, content).await;
+        }
         true
     }
 

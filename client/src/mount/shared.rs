@@ -78,6 +78,38 @@ impl<L: Layer> Shared<L> {
         let _ = dropped.await;
     }
 
+    /// Puts `data`, the whole content of node `ino`, into the kernel's page cache
+    /// (`FUSE_NOTIFY_STORE`) as the file's only handle closes, so reading it back needs no
+    /// READ: a write-through write leaves out of the cache every page it covers only in part
+    /// (a small file's last page, or a page two writes share).
+    ///
+    /// Called before the close returns, so no later writer's bytes can be overwritten by it.
+    /// The store waits for the lock of any page a read of the file holds meanwhile (another
+    /// thread of the closer, on the same fd); other threads answer that read, so the store
+    /// runs on this thread, which the runtime gives up for the time ([`block_in_place`]).
+    ///
+    /// [`block_in_place`]: tokio::task::block_in_place
+    pub(super) async fn store_content(&self, ino: u64, data: Bytes) {
+        let Some(kernel) = self.kernel.get().cloned() else {
+            return;
+        };
+        if data.is_empty() {
+            return;
+        }
+        let store = move || {
+            if let Err(e) = kernel.store(fuser::INodeNo(ino), 0, &data) {
+                tracing::debug!(ino, error = %e, "the kernel took no pages of a new file");
+            }
+        };
+        let multi_thread = tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+        if multi_thread {
+            tokio::task::block_in_place(store);
+        } else {
+            let _ = tokio::task::spawn_blocking(store).await;
+        }
+    }
+
     /// Has the kernel drop what it caches of `names` in directory `dir` (entries and
     /// absences); returns once it has, off the runtime's threads like
     /// [`Shared::invalidate_attrs`].
