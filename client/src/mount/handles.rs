@@ -341,12 +341,12 @@ impl<F> Handles<F> {
         self.lock().values().any(|o| o.ino == ino && o.executing)
     }
 
-    /// Any handle open on node `ino`.
     /// How many handles are open on node `ino`.
-    fn open_on(&self, ino: u64) -> usize {
+    pub(super) fn open_on(&self, ino: u64) -> usize {
         self.lock().values().filter(|o| o.ino == ino).count()
     }
 
+    /// Any handle open on node `ino`.
     pub(super) fn any_on(&self, ino: u64) -> Option<Arc<Open<F>>> {
         self.lock().values().find(|o| o.ino == ino).cloned()
     }
@@ -785,7 +785,11 @@ impl<L: Layer> Shared<L> {
     ) -> Result<()> {
         self.send_writes_behind(Some(ino)).await;
         if !self.close_behind(ino).await {
+            let content = self.pending.content(ino).await;
             self.settle(ino).await?;
+            if let Some(content) = content {
+                self.store_content(ino, content).await;
+            }
         }
         if let Some(errno) = self.pending.take_failure(ino) {
             return Err(Errno::from_i32(errno));
@@ -914,9 +918,7 @@ impl<L: Layer> Shared<L> {
         let content = put.data.clone().into_bytes();
         self.leases.describe(iatt);
         self.behind.push(&creds, put.into(), &touches).await;
-        if self.handles.open_on(ino) == 1 {
-            self.store_content(ino, content).await;
-        }
+        self.store_content(ino, content).await;
         true
     }
 

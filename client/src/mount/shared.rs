@@ -79,9 +79,10 @@ impl<L: Layer> Shared<L> {
     }
 
     /// Puts `data`, the whole content of node `ino`, into the kernel's page cache
-    /// (`FUSE_NOTIFY_STORE`) as the file's only handle closes, so reading it back needs no
+    /// (`FUSE_NOTIFY_STORE`) when the file's only handle closes, so reading it back needs no
     /// READ: a write-through write leaves out of the cache every page it covers only in part
-    /// (a small file's last page, or a page two writes share).
+    /// (a small file's last page, or a page two writes share). With other handles open, a
+    /// write through one of them could be under way, and nothing is stored.
     ///
     /// Called before the close returns, so no later writer's bytes can be overwritten by it.
     /// The store waits for the lock of any page a read of the file holds meanwhile (another
@@ -93,7 +94,7 @@ impl<L: Layer> Shared<L> {
         let Some(kernel) = self.kernel.get().cloned() else {
             return;
         };
-        if data.is_empty() {
+        if data.is_empty() || self.handles.open_on(ino) != 1 {
             return;
         }
         let store = move || {
