@@ -30,6 +30,30 @@ fn errno_of<T: std::fmt::Debug>(r: std::io::Result<T>) -> i32 {
         .expect("an errno")
 }
 
+/// A python3 `script` run on `path` with its stdin and stdout piped, once it has printed its
+/// first line (`said`, checked by the caller): a process that holds a file open or locked
+/// while the test acts, until it is told to go on through its stdin.
+fn python_holding(
+    script: &str,
+    path: &Path,
+) -> (
+    std::process::Child,
+    std::io::BufReader<std::process::ChildStdout>,
+    String,
+) {
+    let mut child = Command::new("python3")
+        .args(["-c", script])
+        .arg(path)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("python3");
+    let mut out = std::io::BufReader::new(child.stdout.take().expect("stdout"));
+    let mut said = String::new();
+    std::io::BufRead::read_line(&mut out, &mut said).expect("the script's first line");
+    (child, out, said)
+}
+
 /// `ls -l` asks every file for its security label and ACL: LOOKUP and READDIRP tell the mount
 /// which of those a file lacks, so only the one file that has a label costs a round trip.
 /// Without `selinux` a mount carries no labels, as GlusterFS's do not.
@@ -664,23 +688,14 @@ fn small_files_created_write_only_reach_the_brick_at_close() {
     assert_eq!(errno_of(fs::metadata(m.path("gone"))), libc::ENOENT);
 
     // Another client takes the name first: the close reports the refused create.
-    let mut writer = Command::new("python3")
-        .args([
-            "-c",
-            "import os,sys\n\
-             fd=os.open(sys.argv[1], os.O_WRONLY|os.O_CREAT|os.O_EXCL, 0o644)\n\
-             os.write(fd, b'mine'); print('open', flush=True); sys.stdin.readline()\n\
-             try:\n    os.close(fd); print('closed')\n\
-             except OSError as e:\n    print('errno', e.errno)",
-        ])
-        .arg(m.path("raced"))
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("python3");
-    let mut out = std::io::BufReader::new(writer.stdout.take().expect("stdout"));
-    let mut line = String::new();
-    std::io::BufRead::read_line(&mut out, &mut line).expect("writer");
+    let (mut writer, mut out, mut line) = python_holding(
+        "import os,sys\n\
+         fd=os.open(sys.argv[1], os.O_WRONLY|os.O_CREAT|os.O_EXCL, 0o644)\n\
+         os.write(fd, b'mine'); print('open', flush=True); sys.stdin.readline()\n\
+         try:\n    os.close(fd); print('closed')\n\
+         except OSError as e:\n    print('errno', e.errno)",
+        &m.path("raced"),
+    );
     assert_eq!(line.trim(), "open");
     let local = m.cluster.dir.path().join("raced.txt");
     write(&local, b"theirs");
@@ -854,23 +869,11 @@ fn posix_locks_exclude_other_processes_until_close() {
     let m = Mounted::new(&[]);
     write(&m.path("lockfile"), b"");
     // A holder takes a write lock and keeps it until its stdin closes.
-    let mut holder = Command::new("python3")
-        .args([
-            "-c",
-            "import fcntl,sys; f=open(sys.argv[1],'r+'); fcntl.lockf(f, fcntl.LOCK_EX); \
-             print('locked', flush=True); sys.stdin.read()",
-        ])
-        .arg(m.path("lockfile"))
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("python3");
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(holder.stdout.take().expect("stdout")),
-        &mut line,
-    )
-    .expect("holder");
+    let (mut holder, _, line) = python_holding(
+        "import fcntl,sys; f=open(sys.argv[1],'r+'); fcntl.lockf(f, fcntl.LOCK_EX); \
+         print('locked', flush=True); sys.stdin.read()",
+        &m.path("lockfile"),
+    );
     assert_eq!(line.trim(), "locked");
     let try_lock =
         "import fcntl,sys; f=open(sys.argv[1],'r+'); fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)";
@@ -900,22 +903,13 @@ fn posix_locks_exclude_other_processes_until_close() {
 fn a_lock_taken_through_a_read_only_handle_goes_with_its_close() {
     let m = Mounted::new(&[]);
     write(&m.path("shared"), b"shared data");
-    let mut holder = Command::new("python3")
-        .args([
-            "-c",
-            "import fcntl,sys; keep=open(sys.argv[1],'r+'); \
-             locked=open(sys.argv[1]); fcntl.lockf(locked, fcntl.LOCK_SH); \
-             print('locked', flush=True); sys.stdin.readline(); locked.close(); \
-             print('closed', flush=True); sys.stdin.read()",
-        ])
-        .arg(m.path("shared"))
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("python3");
-    let mut said = std::io::BufReader::new(holder.stdout.take().expect("stdout"));
-    let mut line = String::new();
-    std::io::BufRead::read_line(&mut said, &mut line).expect("holder");
+    let (mut holder, mut said, mut line) = python_holding(
+        "import fcntl,sys; keep=open(sys.argv[1],'r+'); \
+         locked=open(sys.argv[1]); fcntl.lockf(locked, fcntl.LOCK_SH); \
+         print('locked', flush=True); sys.stdin.readline(); locked.close(); \
+         print('closed', flush=True); sys.stdin.read()",
+        &m.path("shared"),
+    );
     assert_eq!(line.trim(), "locked");
     // The release that drops the lock follows the close asynchronously: a few tries.
     let try_lock = "import fcntl,sys,time\n\

@@ -166,7 +166,8 @@ impl<E: Exec> Fops<E> {
     }
 
     /// A path that reaches `object`: an open regular file through the brick's fd, anything
-    /// else as [`Fops::object_path`].
+    /// else as [`Fops::object_path`]. The caller moves it into the blocking job that uses it,
+    /// which keeps its fd N open, so N cannot be reused for another object before the call.
     pub(super) async fn named_path(&self, object: Named<'_>) -> R<ObjectPath> {
         match object.open_file() {
             Some(file) => Ok(ObjectPath::Open(self.pin_open(file).await?.fd)),

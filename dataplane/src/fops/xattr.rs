@@ -12,7 +12,7 @@ use kiln_wire::{
 };
 use rustix::io::Errno;
 
-use super::resolve::{Named, ObjectPath};
+use super::resolve::Named;
 use super::{Fops, R};
 use crate::brick::GFID_XATTR;
 use crate::creds::ActAs;
@@ -45,12 +45,6 @@ fn unchangeable(name: &XattrName) -> bool {
 }
 
 impl<E: Exec> Fops<E> {
-    /// The path an xattr call uses for `object`. The caller moves it into the blocking job,
-    /// whose fd N it keeps open, so N cannot be reused for another object before the call.
-    async fn xattr_path(&self, object: Named<'_>) -> R<ObjectPath> {
-        self.named_path(object).await
-    }
-
     pub(super) async fn setxattr(
         &self,
         creds: &Creds,
@@ -62,7 +56,7 @@ impl<E: Exec> Fops<E> {
         if unchangeable(name) {
             return Err(Errno::PERM);
         }
-        let object = self.xattr_path(object).await?;
+        let object = self.named_path(object).await?;
         let (creds, name, value) = (creds.clone(), cstr(name.as_bytes()), value.to_vec());
         let flags = match mode {
             XattrSetMode::Upsert => rustix::fs::XattrFlags::empty(),
@@ -90,7 +84,7 @@ impl<E: Exec> Fops<E> {
         if unchangeable(name) {
             return Err(Errno::PERM);
         }
-        let object = self.xattr_path(object).await?;
+        let object = self.named_path(object).await?;
         let (creds, name) = (creds.clone(), cstr(name.as_bytes()));
         self.exec
             .blocking(move || {
@@ -110,7 +104,7 @@ impl<E: Exec> Fops<E> {
         object: Named<'_>,
         name: &XattrName,
     ) -> R<XattrReply> {
-        let object = self.xattr_path(object).await?;
+        let object = self.named_path(object).await?;
         let (creds, name) = (creds.clone(), cstr(name.as_bytes()));
         let value = self
             .exec
@@ -131,7 +125,7 @@ impl<E: Exec> Fops<E> {
     }
 
     pub(super) async fn listxattr(&self, creds: &Creds, object: Named<'_>) -> R<ListxattrReply> {
-        let object = self.xattr_path(object).await?;
+        let object = self.named_path(object).await?;
         let creds = creds.clone();
         let list = self
             .exec
