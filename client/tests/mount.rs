@@ -686,15 +686,35 @@ fn small_files_created_write_only_reach_the_brick_at_close() {
     f.write_all(b"y").expect("write after unlink");
     drop(f);
     assert_eq!(errno_of(fs::metadata(m.path("gone"))), libc::ENOENT);
+}
 
-    // Another client takes the name first: the close reports the refused create.
+/// Another client writes the name of a file still open after its deferred create, in a
+/// directory the mount made (`kiln put`: a create, else a truncating open), then the file is
+/// written once more and closed. Under the directory's write lease the recall sends the
+/// mount's create first: the other client rewrites that file, the last write lands in it,
+/// and the close succeeds. Without leases the other client's create comes first, and the
+/// close reports the refused one.
+#[test]
+fn a_deferred_create_raced_by_another_client() {
+    raced_create(&[], "closed", b"theimore");
+    raced_create(
+        &["leases=off"],
+        &format!("errno {}", libc::EEXIST),
+        b"theirs",
+    );
+}
+
+fn raced_create(options: &[&str], closed: &str, on_brick: &[u8]) {
+    let m = Mounted::new(options);
+    fs::create_dir(m.path("d")).expect("mkdir");
     let (mut writer, mut out, mut line) = python_holding(
         "import os,sys\n\
          fd=os.open(sys.argv[1], os.O_WRONLY|os.O_CREAT|os.O_EXCL, 0o644)\n\
          os.write(fd, b'mine'); print('open', flush=True); sys.stdin.readline()\n\
+         os.write(fd, b'more')\n\
          try:\n    os.close(fd); print('closed')\n\
          except OSError as e:\n    print('errno', e.errno)",
-        &m.path("raced"),
+        &m.path("d/raced"),
     );
     assert_eq!(line.trim(), "open");
     let local = m.cluster.dir.path().join("raced.txt");
@@ -703,7 +723,7 @@ fn small_files_created_write_only_reach_the_brick_at_close() {
         .kiln()
         .args(["--brick-addr", &m.addr(), "put"])
         .arg(&local)
-        .arg("/raced")
+        .arg("/d/raced")
         .output()
         .expect("kiln put");
     assert!(put.status.success(), "{}", text(&put));
@@ -715,9 +735,9 @@ fn small_files_created_write_only_reach_the_brick_at_close() {
         .expect("go");
     line.clear();
     std::io::BufRead::read_line(&mut out, &mut line).expect("writer");
-    assert_eq!(line.trim(), format!("errno {}", libc::EEXIST));
+    assert_eq!(line.trim(), closed);
     writer.wait().expect("writer exits");
-    assert_eq!(fs::read(m.on_brick("raced")).expect("brick"), b"theirs");
+    assert_eq!(fs::read(m.on_brick("d/raced")).expect("brick"), on_brick);
 }
 
 #[test]

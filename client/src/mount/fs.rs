@@ -210,6 +210,7 @@ impl<L: Layer> KilnFs<L> {
         let Some(open) = self.shared.handles.take(fh) else {
             return;
         };
+        self.shared.store_released(&open);
         let (s, c) = (self.shared(), creds(req));
         self.run(async move { s.release_handle(&c, fh, open).await });
     }

@@ -45,7 +45,7 @@ use super::convert::{
     Result, errno, fopen_flags, name_of, open_mode, requested_access, seek_what, unexpected,
 };
 use super::leases::Mark;
-use super::pending::Pending;
+use super::pending::{DEFERRED_BYTES_MAX, Pending};
 use super::shared::{Shared, Ttl};
 use crate::path::new_gfid;
 use crate::{Error, FdFop, Layer, LayerExt};
@@ -69,6 +69,10 @@ const AHEAD_BYTES_MAX: usize = 64 << 20;
 const UNSENT_BYTES_MAX: usize = IO_SIZE_MAX_BYTES;
 /// Bytes written behind that the mount's handles hold at once; past it, writes go through.
 const UNSENT_TOTAL_BYTES_MAX: usize = 64 << 20;
+/// Bytes the deferred creates closed without a FLUSH may hold at once, counted at their
+/// most ([`DEFERRED_BYTES_MAX`] each) from create to release: their closers do not wait for
+/// the queue behind to have room, so past it a create's handle keeps its FLUSH.
+const UNFLUSHED_TOTAL_BYTES_MAX: usize = 64 << 20;
 
 /// An open file or directory behind a FUSE file handle; `F` is the layer's fd.
 #[derive(Debug)]
@@ -91,11 +95,14 @@ pub(super) struct Open<F> {
     /// Writes answered but not yet sent (locked while they are sent, so writes reach the
     /// brick in order).
     unsent: tokio::sync::Mutex<Option<Unsent>>,
-    /// The kernel sends no FLUSH when it is closed (`FOPEN_NOFLUSH`, [`Shared::no_flush`]):
-    /// what its close would do happens at its release ([`Shared::close_unflushed`]).
+    /// The kernel sends no FLUSH when it is closed (`FOPEN_NOFLUSH`, [`Shared::no_flush`],
+    /// and a deferred create's in a held directory): what its close would do happens at its
+    /// release ([`Shared::close_unflushed`], [`Shared::store_released`]).
     no_flush: bool,
     /// Owners that took POSIX locks through a `no_flush` handle.
     lock_owners: Mutex<Vec<u64>>,
+    /// A `no_flush` deferred create's share of [`UNFLUSHED_TOTAL_BYTES_MAX`].
+    _unflushed: Option<Budgeted>,
 }
 
 /// A handle just opened: its number and the flags the kernel is to keep it with.
@@ -190,6 +197,7 @@ impl<F> Open<F> {
             unsent: tokio::sync::Mutex::new(None),
             no_flush: false,
             lock_owners: Mutex::new(Vec::new()),
+            _unflushed: None,
         }
     }
 
@@ -249,6 +257,9 @@ pub(super) struct Handles<F> {
     ahead_bytes: Arc<AtomicUsize>,
     /// Bytes the handles hold written behind, at most [`UNSENT_TOTAL_BYTES_MAX`].
     unsent_bytes: Arc<AtomicUsize>,
+    /// Bytes of deferred creates closed without a FLUSH, at most
+    /// [`UNFLUSHED_TOTAL_BYTES_MAX`].
+    unflushed_bytes: Arc<AtomicUsize>,
     /// The handles holding writes not yet sent, and their nodes.
     with_unsent: Mutex<HashMap<u64, u64>>,
 }
@@ -260,6 +271,7 @@ impl<F> Handles<F> {
             next_fh: AtomicU64::new(1),
             ahead_bytes: Arc::new(AtomicUsize::new(0)),
             unsent_bytes: Arc::new(AtomicUsize::new(0)),
+            unflushed_bytes: Arc::new(AtomicUsize::new(0)),
             with_unsent: Mutex::new(HashMap::new()),
         }
     }
@@ -371,7 +383,9 @@ impl<L: Layer> Shared<L> {
     /// regardless), sparing the closer a FUSE request it would wait for: a read-only handle
     /// has nothing to send or report at its close. A file that has had POSIX locks through
     /// the mount keeps its FLUSH, so its locks go at the close ([`Shared::close_unflushed`]).
-    /// A handle that writes keeps it: its close reports a refused deferred create.
+    /// A handle that writes keeps it, its close reporting a refused deferred create — but
+    /// for a deferred create in a held directory, whose PUT goes behind the close anyway
+    /// ([`Shared::create_handle`]).
     fn no_flush(&self, ino: u64, access: AccessMode, flags: i32) -> bool {
         !self.options.writeback_cache
             && access == AccessMode::ReadOnly
@@ -552,9 +566,22 @@ impl<L: Layer> Shared<L> {
         // A late open must not truncate what the PUT wrote.
         let reopen = OpenFlags::from_bits(open_flags.bits() & !OpenFlags::TRUNC.bits())
             .unwrap_or(OpenFlags::empty());
+        // Its close would only queue the PUT behind: the release does that, and the closer
+        // is spared a FUSE request it would wait for.
+        let unflushed =
+            (fd.is_none() && self.leases.holds(&parent_gfid) && !self.options.writeback_cache)
+                .then(|| {
+                    let total = &self.handles.unflushed_bytes;
+                    Budgeted::reserve(total, DEFERRED_BYTES_MAX, UNFLUSHED_TOTAL_BYTES_MAX)
+                })
+                .flatten();
         // A deferred create's handle is opened late as root: the create granted it
         // its access, whatever mode the file was given.
-        let open = Open::new(fd, attr.ino.0, access, reopen, &Creds::root());
+        let open = Open {
+            no_flush: unflushed.is_some(),
+            _unflushed: unflushed,
+            ..Open::new(fd, attr.ino.0, access, reopen, &Creds::root())
+        };
         Ok((attr, ttl, self.handles.add_opened(open, flags)))
     }
 
@@ -784,7 +811,9 @@ impl<L: Layer> Shared<L> {
         locked: bool,
     ) -> Result<()> {
         self.send_writes_behind(Some(ino)).await;
-        if !self.close_behind(ino).await {
+        if let Some(content) = self.close_behind(ino).await {
+            self.store_content(ino, content).await;
+        } else {
             let content = self.pending.content(ino).await;
             self.settle(ino).await?;
             if let Some(content) = content {
@@ -898,28 +927,46 @@ impl<L: Layer> Shared<L> {
     }
 
     /// The first close of a deferred create in a held directory: its PUT is queued behind
-    /// instead of sent, and the close returns at once. `false` when it must be sent now.
-    async fn close_behind(&self, ino: u64) -> bool {
-        let Some(slot) = self.pending.get(ino) else {
-            return false;
-        };
+    /// instead of sent, and the close returns at once; the file's content. `None` when it
+    /// must be sent now.
+    async fn close_behind(&self, ino: u64) -> Option<Bytes> {
+        let slot = self.pending.get(ino)?;
         let parent = slot.lock().await.as_ref().map(|p| p.parent);
         if !parent.is_some_and(|p| self.leases.holds(&p)) {
-            return false;
+            return None;
         }
-        let Some(pending) = self.pending.take(ino).await else {
-            return false;
-        };
+        let pending = self.pending.take(ino).await?;
         let (creds, iatt) = (pending.creds().clone(), pending.iatt());
-        let Ok(put) = pending.into_put() else {
-            return false;
-        };
+        let put = pending.into_put().ok()?;
         let touches = [iatt.gfid, put.parent];
         let content = put.data.clone().into_bytes();
         self.leases.describe(iatt);
         self.behind.push(&creds, put.into(), &touches).await;
-        self.store_content(ino, content).await;
-        true
+        Some(content)
+    }
+
+    /// At the release of handle `open` (already forgotten by the table), one of a deferred
+    /// create in a held directory closed without a FLUSH: puts the file's content into the
+    /// kernel's page cache, as the FLUSH would have ([`Shared::store_content`]). Here, on
+    /// the FUSE thread, before it reads the kernel's next request: with no handle left on the
+    /// file, nothing can hold a lock on its pages while waiting for this thread, and no open
+    /// or truncate that follows can be overtaken by the store.
+    pub(super) fn store_released(&self, open: &Open<L::Fd>) {
+        if !open.no_flush || self.handles.open_on(open.ino) != 0 {
+            return;
+        }
+        let Some(slot) = self.pending.get(open.ino) else {
+            return;
+        };
+        // Held by a task sending the file: it is no longer the close's to store.
+        let Ok(pending) = slot.try_lock() else {
+            return;
+        };
+        if let Some(pending) = pending.as_ref()
+            && self.leases.holds(&pending.parent)
+        {
+            self.store_pages(open.ino, pending.data());
+        }
     }
 
     /// Sends the deferred creates in directory `parent` (every one when `None`) before a fop
@@ -960,6 +1007,7 @@ impl<L: Layer> Shared<L> {
         self.send_handle_writes(fh.0, &open).await;
         if open.no_flush {
             self.close_unflushed(c, &open).await;
+            self.close_behind(open.ino).await;
         }
         // Normally the close (FLUSH) has sent a deferred create already.
         if self.settle(open.ino).await.is_ok() {

@@ -606,6 +606,11 @@ impl<L: Layer> Shared<L> {
         loop {
             match events.recv().await {
                 Ok(LayerEvent::Recall(recall)) => {
+                    // Files made here and still deferred, open or not, go to the brick first,
+                    // after what is queued behind: their creators were told they exist, and
+                    // the close of one closed without a FLUSH could not report a create
+                    // refused once the lease is gone.
+                    self.settle_dir(Some(recall.gfid)).await;
                     // What the kernel was told from the mount's descriptions and entries goes
                     // stale with the lease: another client is about to change it.
                     let described = self.leases.described_in(&recall.gfid);

@@ -128,6 +128,11 @@ impl Pending {
         true
     }
 
+    /// The file's content so far.
+    pub(crate) fn data(&self) -> &[u8] {
+        &self.data
+    }
+
     /// The bytes at `offset` (fewer at the end).
     pub(crate) fn read(&self, offset: u64, size: u32) -> Bytes {
         let start = usize::try_from(offset)

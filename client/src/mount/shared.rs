@@ -85,29 +85,39 @@ impl<L: Layer> Shared<L> {
     /// write through one of them could be under way, and nothing is stored.
     ///
     /// Called before the close returns, so no later writer's bytes can be overwritten by it.
-    /// The store waits for the lock of any page a read of the file holds meanwhile (another
-    /// thread of the closer, on the same fd); other threads answer that read, so the store
-    /// runs on this thread, which the runtime gives up for the time ([`block_in_place`]).
+    /// The store waits for the lock of any page a write of the file holds meanwhile (another
+    /// thread of the closer, on the same fd), and only the FUSE thread can read that write's
+    /// request: the store therefore runs on a runtime thread, which the runtime gives up for
+    /// the time ([`block_in_place`]), never on the FUSE thread.
     ///
     /// [`block_in_place`]: tokio::task::block_in_place
     pub(super) async fn store_content(&self, ino: u64, data: Bytes) {
-        let Some(kernel) = self.kernel.get().cloned() else {
-            return;
-        };
         if data.is_empty() || self.handles.open_on(ino) != 1 {
             return;
         }
-        let store = move || {
-            if let Err(e) = kernel.store(fuser::INodeNo(ino), 0, &data) {
-                tracing::debug!(ino, error = %e, "the kernel took no pages of a new file");
-            }
-        };
+        if tokio::task::try_id().is_none() {
+            // A request's first steps, run on the FUSE thread (`KilnFs::run`): the rest goes
+            // on as a task of the runtime.
+            tokio::task::yield_now().await;
+        }
         let multi_thread = tokio::runtime::Handle::try_current()
             .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
         if multi_thread {
-            tokio::task::block_in_place(store);
+            tokio::task::block_in_place(|| self.store_pages(ino, &data));
         } else {
+            let Some(kernel) = self.kernel.get().cloned() else {
+                return;
+            };
+            let store = move || store_pages_with(&kernel, ino, &data);
             let _ = tokio::task::spawn_blocking(store).await;
+        }
+    }
+
+    /// Puts `data` into the kernel's page cache as the content of node `ino` from offset 0,
+    /// now, on this thread.
+    pub(super) fn store_pages(&self, ino: u64, data: &[u8]) {
+        if let Some(kernel) = self.kernel.get() {
+            store_pages_with(kernel, ino, data);
         }
     }
 
@@ -510,4 +520,10 @@ fn fd_form(fop: &FopRequest) -> Option<FdFop> {
         _ => return None,
     };
     Some(fop)
+}
+
+fn store_pages_with(kernel: &fuser::Notifier, ino: u64, data: &[u8]) {
+    if let Err(e) = kernel.store(fuser::INodeNo(ino), 0, data) {
+        tracing::debug!(ino, error = %e, "the kernel took no pages of a new file");
+    }
 }
