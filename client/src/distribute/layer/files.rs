@@ -242,13 +242,8 @@ impl<L: Layer> Distribute<L> {
             Look::Copying => change.post.mode.bits() | STICKY,
             Look::Moved | Look::Settled => LINK_FILE_MODE,
         };
-        match self.set_mode(brick, change.pre.gfid, mark).await {
-            Ok(()) => Ok(Some(before)),
-            // The move ended meanwhile and took this copy with it, maybe before the change
-            // reached it: the change is made again where the file is now.
-            Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => Ok(Some(Look::Moved)),
-            Err(e) => Err(e),
-        }
+        self.set_mode(brick, change.pre.gfid, mark).await?;
+        Ok(Some(before))
     }
 
     /// `name` in `parent`, found as [`Distribute::find`] finds it once no rebalance is moving
