@@ -46,7 +46,7 @@ use super::convert::{
 };
 use super::leases::Mark;
 use super::pending::{DEFERRED_BYTES_MAX, Pending};
-use super::shared::{Shared, Ttl};
+use super::shared::{Shared, Ttl, store_pages};
 use crate::path::new_gfid;
 use crate::{Error, FdFop, Layer, LayerExt};
 
@@ -962,10 +962,10 @@ impl<L: Layer> Shared<L> {
         let Ok(pending) = slot.try_lock() else {
             return;
         };
-        if let Some(pending) = pending.as_ref()
+        if let (Some(pending), Some(kernel)) = (pending.as_ref(), self.kernel.get())
             && self.leases.holds(&pending.parent)
         {
-            self.store_pages(open.ino, pending.data());
+            store_pages(kernel, open.ino, pending.data());
         }
     }
 

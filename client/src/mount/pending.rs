@@ -207,10 +207,11 @@ impl Pending {
         self.put_of(Bytes::from(data))
     }
 
-    /// Sends the file to the brick as one PUT, as its creator.
-    async fn put(&self, layer: &impl Layer) -> Result<Iatt, Error> {
-        let put = self.put_of(Bytes::copy_from_slice(&self.data))?;
-        match layer.call(&self.creds, put.into()).await? {
+    /// Sends the file to the brick as one PUT, as its creator (its bytes move into the PUT).
+    async fn send(self, layer: &impl Layer) -> Result<Iatt, Error> {
+        let creds = self.creds.clone();
+        let put = self.into_put()?;
+        match layer.call(&creds, put.into()).await? {
             FopReply::Put(r) => Ok(r.iatt),
             other => Err(Error::Protocol(format!(
                 "a {} reply to PUT",
@@ -324,10 +325,11 @@ impl PendingCreates {
         let Some(pending) = slot.take() else {
             return Ok(None);
         };
-        let result = pending.put(layer).await;
+        let name = pending.name.clone();
+        let result = pending.send(layer).await;
         self.lock().remove(&ino);
         if let Err(e) = &result {
-            tracing::warn!(name = ?pending.name, error = %e, "a deferred create failed");
+            tracing::warn!(?name, error = %e, "a deferred create failed");
             let errno = match e {
                 Error::Fop(code) => code.to_errno(),
                 _ => libc::EIO,

@@ -100,24 +100,16 @@ impl<L: Layer> Shared<L> {
             // on as a task of the runtime.
             tokio::task::yield_now().await;
         }
+        let Some(kernel) = self.kernel.get().cloned() else {
+            return;
+        };
+        let store = move || store_pages(&kernel, ino, &data);
         let multi_thread = tokio::runtime::Handle::try_current()
             .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
         if multi_thread {
-            tokio::task::block_in_place(|| self.store_pages(ino, &data));
+            tokio::task::block_in_place(store);
         } else {
-            let Some(kernel) = self.kernel.get().cloned() else {
-                return;
-            };
-            let store = move || store_pages_with(&kernel, ino, &data);
             let _ = tokio::task::spawn_blocking(store).await;
-        }
-    }
-
-    /// Puts `data` into the kernel's page cache as the content of node `ino` from offset 0,
-    /// now, on this thread.
-    pub(super) fn store_pages(&self, ino: u64, data: &[u8]) {
-        if let Some(kernel) = self.kernel.get() {
-            store_pages_with(kernel, ino, data);
         }
     }
 
@@ -522,7 +514,9 @@ fn fd_form(fop: &FopRequest) -> Option<FdFop> {
     Some(fop)
 }
 
-fn store_pages_with(kernel: &fuser::Notifier, ino: u64, data: &[u8]) {
+/// Puts `data` into the kernel's page cache as the content of node `ino` from offset 0, now,
+/// on this thread.
+pub(super) fn store_pages(kernel: &fuser::Notifier, ino: u64, data: &[u8]) {
     if let Err(e) = kernel.store(fuser::INodeNo(ino), 0, data) {
         tracing::debug!(ino, error = %e, "the kernel took no pages of a new file");
     }
