@@ -1,5 +1,5 @@
 //! Sessions over time: what a connection leaves behind when it ends, many clients at once, a
-//! brick killed under writes, and a graceful stop.
+//! brick killed under writes, a graceful stop, and a brick's life tied to its parent's.
 
 mod common;
 
@@ -333,6 +333,74 @@ fn sigterm_lets_calls_in_flight_finish() {
         }
     }
     assert!(ok > 0, "some puts finished before the stop");
+}
+
+/// `--die-with-parent`, as kiln-mgmtd starts its bricks: the brick outlives the thread that
+/// spawned it (a tokio runtime ends idle threads), and stops once its parent process is gone.
+#[test]
+fn a_brick_stops_with_its_parent_process_not_with_the_spawning_thread() {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+    let cluster = Cluster::new();
+    let mut brickd = std::thread::scope(|s| {
+        s.spawn(|| cluster.start("127.0.0.1:0", &["--die-with-parent"]))
+            .join()
+            .expect("the spawning thread")
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        brickd.child.try_wait().expect("wait").is_none(),
+        "the brick stopped when the thread that spawned it ended: {}",
+        brickd.logs()
+    );
+    let rt = runtime();
+    let v = rt.block_on(cluster.connect(brickd.addr, "alice"));
+    rt.block_on(v.ping()).expect("ping");
+    rt.block_on(v.close());
+    assert!(brickd.terminate().success());
+
+    // Started by a shell that exits when its input ends.
+    let mut sh = Command::new("sh")
+        .arg("-c")
+        .arg(r#""$0" "$@" & echo "pid $!"; read _; true"#)
+        .arg(common::bin("kiln-brickd"))
+        .arg("serve")
+        .arg(&cluster.brick)
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--name",
+            "b",
+            "--die-with-parent",
+        ])
+        .arg("--tls-dir")
+        .arg(&cluster.tls)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("sh");
+    let (mut pid, mut listening) = (None, false);
+    for line in BufReader::new(sh.stdout.take().expect("stdout")).lines() {
+        let line = line.expect("a line");
+        pid = pid.or_else(|| line.strip_prefix("pid ").map(str::to_owned));
+        listening |= line.starts_with("listening on ");
+        if pid.is_some() && listening {
+            break;
+        }
+    }
+    let pid = pid.expect("the brick's pid");
+    assert!(listening, "the brick did not start");
+    drop(sh.stdin.take());
+    assert!(sh.wait().expect("sh").success());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    // Gone, or a zombie waiting for the process that adopted it.
+    while std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .is_ok_and(|stat| !stat.rsplit(')').next().is_some_and(|s| s.starts_with(" Z")))
+    {
+        assert!(Instant::now() < deadline, "brick {pid} outlived its parent");
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 #[test]

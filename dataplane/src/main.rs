@@ -167,13 +167,7 @@ fn lock_brick(brick: &Brick) -> anyhow::Result<std::fs::File> {
 }
 
 fn serve(args: &ServeArgs) -> anyhow::Result<()> {
-    if args.die_with_parent {
-        rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::TERM))?;
-        // The parent may have died before the call above.
-        if rustix::process::getppid().is_none_or(|p| p.as_raw_nonzero().get() == 1) {
-            anyhow::bail!("the parent process is gone; not serving");
-        }
-    }
+    let parent = args.die_with_parent.then(watch_parent).transpose()?;
     let files = pki::identity_files(
         &args.tls_dir,
         &pki::Role::Brick { hosts: vec![] },
@@ -217,7 +211,51 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    runtime.block_on(run(args, engine, brick.id, config, start))
+    runtime.block_on(run(args, engine, brick.id, config, start, parent))
+}
+
+/// Fires when this process's parent has exited ([`watch_parent`]).
+type ParentExit = tokio::sync::oneshot::Receiver<()>;
+
+/// Watches this process's parent through a pidfd, on a thread of its own. Not
+/// `PR_SET_PDEATHSIG`: that signal comes when the parent *thread* that spawned this process
+/// ends, and a tokio runtime ends its idle threads (a brick spawned on one got SIGTERM about
+/// ten seconds later, with its clients' calls in flight).
+fn watch_parent() -> anyhow::Result<ParentExit> {
+    use rustix::event::{PollFd, PollFlags, poll};
+    let parent = rustix::process::getppid().context("no parent process")?;
+    let pidfd = rustix::process::pidfd_open(parent, rustix::process::PidfdFlags::empty())
+        .context("cannot watch the parent process")?;
+    // The parent may have died, and this process been adopted, before the pidfd was opened.
+    if parent.as_raw_nonzero().get() == 1 || rustix::process::getppid() != Some(parent) {
+        anyhow::bail!("the parent process is gone; not serving");
+    }
+    let (exited, exit) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("parent-watch".into())
+        .spawn(move || {
+            // Readable once the process has exited.
+            let mut fds = [PollFd::new(&pidfd, PollFlags::IN)];
+            let polled = loop {
+                match poll(&mut fds, None) {
+                    Err(rustix::io::Errno::INTR) => continue,
+                    polled => break polled,
+                }
+            };
+            if let Err(e) = polled {
+                tracing::error!(error = %e, "cannot watch the parent process: stopping");
+            }
+            let _ = exited.send(());
+        })?;
+    Ok(exit)
+}
+
+/// Resolves when the parent watched by `exit` has exited; never without one.
+async fn parent_exit(exit: &mut Option<ParentExit>) {
+    match exit {
+        Some(exit) => drop(exit.await),
+        None => std::future::pending().await,
+    }
 }
 
 /// The engine as the brick options say.
@@ -256,6 +294,7 @@ async fn run(
     brick_id: kiln_wire::BrickId,
     config: ServerConfig,
     start: StartSettings,
+    mut parent: Option<ParentExit>,
 ) -> anyhow::Result<()> {
     // Bound first: a brick that cannot serve what it was asked to does not serve at all.
     let metrics = match start.options.metrics_listen {
@@ -295,6 +334,10 @@ async fn run(
         tokio::select! {
             _ = term.recv() => break,
             _ = int.recv() => break,
+            () = parent_exit(&mut parent) => {
+                tracing::warn!("the parent process exited");
+                break;
+            }
             Some(accepted) = async { Some(control.as_ref()?.accept().await) } => {
                 if let Ok((stream, _)) = accepted {
                     control::serve(stream, &mut running).await;
