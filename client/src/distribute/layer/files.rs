@@ -112,14 +112,8 @@ impl<L: Layer> Distribute<L> {
             .call_fd(creds, &file.fd, fop.clone())
             .await
         {
-            // Gone from its brick (a fop by its GFID there finds nothing): a move that
-            // finished may have taken it, link file and all.
             Err(Error::Fop(code @ (ErrorCode::NoEnt | ErrorCode::Stale))) => {
-                return match self.follow_home(file).await {
-                    Ok(true) => self.call_moved(creds, file, &fop).await,
-                    _ => None,
-                }
-                .unwrap_or(Err(Error::Fop(code)));
+                return self.call_gone(creds, file, &fop, code).await;
             }
             reply => reply?,
         };
@@ -127,8 +121,12 @@ impl<L: Layer> Distribute<L> {
         else {
             return Ok(reply);
         };
-        if let Some(before) = self.keep_mark(file.brick, &reply).await? {
-            look = before;
+        match self.keep_mark(file.brick, &reply).await {
+            Ok(before) => look = before.unwrap_or(look),
+            Err(Error::Fop(code @ (ErrorCode::NoEnt | ErrorCode::Stale))) => {
+                return self.call_gone(creds, file, &fop, code).await;
+            }
+            Err(e) => return Err(e),
         }
         if look == Look::Settled || (look == Look::Copying && !changes_data(fop.request())) {
             return Ok(reply);
@@ -156,6 +154,23 @@ impl<L: Layer> Distribute<L> {
             .call_fd(&Creds::root(), fd, change)
             .await
             .map(|_| reply)
+    }
+
+    /// `fop` run again where open file `file` is now that its brick has it no more (a fop by
+    /// its GFID there found nothing): a move that finished may have taken it, link file and
+    /// all; `code` when it did not.
+    async fn call_gone(
+        &self,
+        creds: &Creds,
+        file: &FileFd<L::Fd>,
+        fop: &FdFop,
+        code: ErrorCode,
+    ) -> Result<FopReply, Error> {
+        match self.follow_home(file).await {
+            Ok(true) => self.call_moved(creds, file, fop).await,
+            _ => None,
+        }
+        .unwrap_or(Err(Error::Fop(code)))
     }
 
     /// `fop` run on the brick open file `file` has moved to, once it has.
@@ -227,6 +242,8 @@ impl<L: Layer> Distribute<L> {
     /// Puts back the mark of a file being moved that a caller's change of mode (`reply`, on
     /// brick `brick`) took off — the sticky bit while it is copied, mode `01000` once moved —
     /// so clients keep sending its changes where they belong; the look it had before.
+    /// `ESTALE` (or `ENOENT`) when the move has since removed a moved file's link file, which
+    /// took the change: it is to be made where the file is now.
     async fn keep_mark(&self, brick: usize, reply: &FopReply) -> Result<Option<Look>, Error> {
         let (FopReply::Setattr(change) | FopReply::Fsetattr(change)) = reply else {
             return Ok(None);
@@ -242,8 +259,14 @@ impl<L: Layer> Distribute<L> {
             Look::Copying => change.post.mode.bits() | STICKY,
             Look::Moved | Look::Settled => LINK_FILE_MODE,
         };
-        self.set_mode(brick, change.pre.gfid, mark).await?;
-        Ok(Some(before))
+        match self.set_mode(brick, change.pre.gfid, mark).await {
+            // The move ended and removed the source, which took the change while the file
+            // looked copied: the mover gave the copy the change too (`switch_to`).
+            Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) if before == Look::Copying => {
+                Ok(Some(before))
+            }
+            done => done.map(|()| Some(before)),
+        }
     }
 
     /// `name` in `parent`, found as [`Distribute::find`] finds it once no rebalance is moving
@@ -316,8 +339,12 @@ impl<L: Layer> Distribute<L> {
             other => other?,
         };
         let mut look = file_iatt(&reply).map_or(Look::Settled, Look::of);
-        if let Some(before) = self.keep_mark(brick, &reply).await? {
-            look = before;
+        match self.keep_mark(brick, &reply).await {
+            Ok(before) => look = before.unwrap_or(look),
+            Err(Error::Fop(code @ (ErrorCode::NoEnt | ErrorCode::Stale))) => {
+                return self.call_on_new_home(creds, gfid, brick, fop, code).await;
+            }
+            Err(e) => return Err(e),
         }
         if look == Look::Settled || (look == Look::Copying && !changes_data(&fop)) {
             return Ok(reply);

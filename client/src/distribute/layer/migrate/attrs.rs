@@ -102,12 +102,26 @@ impl<L: Layer> Distribute<L> {
         gfid: Gfid,
         attr: kiln_wire::SetAttr,
     ) -> Result<(), Error> {
+        self.change_attr(brick, gfid, attr).await.map(drop)
+    }
+
+    /// [`Distribute::set_attr`]; the attributes the object had when the brick changed them.
+    pub(super) async fn change_attr(
+        &self,
+        brick: usize,
+        gfid: Gfid,
+        attr: kiln_wire::SetAttr,
+    ) -> Result<Iatt, Error> {
         let setattr = kiln_wire::Setattr { gfid, attr };
-        self.bricks
+        match self
+            .bricks
             .get(brick)?
             .call(&Creds::root(), setattr.into())
-            .await
-            .map(drop)
+            .await?
+        {
+            FopReply::Setattr(change) => Ok(change.pre),
+            other => Err(unexpected(&other)),
+        }
     }
 }
 

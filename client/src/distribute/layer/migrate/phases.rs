@@ -241,13 +241,18 @@ impl<L: Layer> Distribute<L> {
         let root = Creds::root();
         let now = self.bricks.get(from)?.stat(&root, gfid).await?;
         self.copy_xattrs(from, to, gfid).await?;
-        let attr = kiln_wire::SetAttr {
-            mode: Mode::new(now.mode.bits() & !STICKY),
-            ..owner_and_times(&now)
-        };
-        self.set_attr(to, gfid, attr).await?;
+        self.set_attr(to, gfid, unmarked(&now)).await?;
         self.remove_xattr(to, gfid, LINKTO_XATTR).await?;
-        self.set_mode(from, gfid, LINK_FILE_MODE).await?;
+        let link = kiln_wire::SetAttr {
+            mode: Mode::new(LINK_FILE_MODE),
+            ..kiln_wire::SetAttr::default()
+        };
+        let marked = self.change_attr(from, gfid, link).await?;
+        // A client's chmod, chown or utimens that reached the source after `now` went nowhere
+        // else: until this mark the file looked copied, not moved (`Distribute::keep_mark`).
+        if unmarked(&marked) != unmarked(&now) {
+            self.set_attr(to, gfid, unmarked(&marked)).await?;
+        }
         self.note_home(&now, to);
         self.remove_if_still(from, dir, name, |t| t.gfid == gfid)
             .await
@@ -293,6 +298,15 @@ impl<L: Layer> Distribute<L> {
 /// permission bits: a link file's mode).
 pub(super) fn reads_as_phase(mode: u32) -> bool {
     mode & STICKY != 0 || mode & 0o777 == 0
+}
+
+/// What gives a moved file's copy the mode (unmarked), owner and times of `now` (the
+/// original's).
+fn unmarked(now: &Iatt) -> kiln_wire::SetAttr {
+    kiln_wire::SetAttr {
+        mode: Mode::new(now.mode.bits() & !STICKY),
+        ..owner_and_times(now)
+    }
 }
 
 /// What gives an object's copy the owner and times of `now` (the original's).
