@@ -125,32 +125,33 @@ impl<E: Exec> Fops<E> {
         let (gfid, dir, stream) = self.dir_fd(session, fd)?;
         let (listing, size, root) = (dir.clone(), size as usize, gfid.is_root());
         let creds = creds.clone();
-        let (names, eof) = self
+        // The names and their stats in one call on the blocking pool: a stat that has to read
+        // its inode from disk holds up no worker. An entry that vanished meanwhile is left
+        // out, and does not cancel the rest.
+        let (cookies, named, eof): (Vec<u64>, Vec<(Name, Stat)>, bool) = self
             .exec
             .blocking(move || {
                 may_search(&creds, &listing)?;
-                read_dir(&listing, &stream, root, offset, size, READDIRP_ENTRY_BYTES)
+                let (names, eof) =
+                    read_dir(&listing, &stream, root, offset, size, READDIRP_ENTRY_BYTES)?;
+                let statted = names.into_iter().filter_map(|e| {
+                    let stat = op::lstat_at(&listing, &cstr(&e.name)).ok()?;
+                    Some((e.cookie, (Name::new(e.name).ok()?, stat)))
+                });
+                let (cookies, named) = statted.unzip();
+                Ok((cookies, named, eof))
             })
             .await?;
-        // Stat each entry on its own: one that vanished meanwhile must not cancel the rest.
-        let mut entries = Vec::with_capacity(names.len());
-        for e in names {
-            let step = Step::brick(op::Statx::of(&dir, &cstr(&e.name)));
-            let Ok(stat) = self.run_one::<Stat>(step).await else {
-                continue;
-            };
-            let Ok(name) = Name::new(e.name) else {
-                continue;
-            };
-            let Ok(g) = self.gfid_at(&gfid, &dir, name.as_bytes(), &stat).await else {
-                continue;
-            };
-            entries.push(DirEntryPlus {
-                offset: e.cookie,
-                name,
-                iatt: iatt(&stat, g),
-            });
-        }
+        let gfids = self.gfids_at(&gfid, &dir, &named).await;
+        let entries = (cookies.into_iter().zip(named).zip(gfids))
+            .filter_map(|((offset, (name, stat)), g)| {
+                Some(DirEntryPlus {
+                    offset,
+                    name,
+                    iatt: iatt(&stat, g.ok()?),
+                })
+            })
+            .collect();
         Ok(ReaddirpReply { entries, eof })
     }
 

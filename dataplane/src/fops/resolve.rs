@@ -132,6 +132,56 @@ impl<E: Exec> Fops<E> {
         Ok(gfid)
     }
 
+    /// [`Fops::gfid_at`] of every `(name, stat)` in `dir` (a directory listing), in order:
+    /// those not cached are read in one call on the blocking pool, not one call each.
+    pub(super) async fn gfids_at(
+        &self,
+        parent: &Gfid,
+        dir: &DirFd,
+        named: &[(Name, Stat)],
+    ) -> Vec<R<Gfid>> {
+        let mut found: Vec<R<Gfid>> = {
+            let mut cached = lock(&self.gfids);
+            let mut get = |stat: &Stat| cached.get(&InodeKey::of(stat)).ok_or(Errno::NOENT);
+            named.iter().map(|(_, stat)| get(stat)).collect()
+        };
+        let missing: Vec<(usize, CString, bool)> = (named.iter().zip(&found).enumerate())
+            .filter(|(_, (_, cached))| cached.is_err())
+            .map(|(i, ((name, stat), _))| (i, cstr(name.as_bytes()), stat.is_dir()))
+            .collect();
+        if missing.is_empty() {
+            return found;
+        }
+        let (brick, dir, parent) = (self.brick.clone(), dir.clone(), *parent);
+        let read = self
+            .exec
+            .blocking(move || {
+                Ok(missing
+                    .into_iter()
+                    .map(|(i, name, is_dir)| {
+                        (i, read_or_heal_gfid(&brick, &parent, &dir, &name, is_dir))
+                    })
+                    .collect::<Vec<_>>())
+            })
+            .await;
+        match read {
+            Ok(read) => {
+                let mut cached = lock(&self.gfids);
+                for (i, gfid) in read {
+                    if let Ok(g) = gfid {
+                        cached.insert(InodeKey::of(&named[i].1), g);
+                    }
+                    found[i] = gfid;
+                }
+            }
+            Err(e) => found
+                .iter_mut()
+                .filter(|f| f.is_err())
+                .for_each(|f| *f = Err(e)),
+        }
+        found
+    }
+
     /// Remembers that the object `stat` describes carries `gfid`.
     pub(super) fn remember_gfid(&self, stat: &Stat, gfid: Gfid) {
         lock(&self.gfids).insert(InodeKey::of(stat), gfid);

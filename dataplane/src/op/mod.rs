@@ -38,7 +38,7 @@ pub use attr::{SetAttrs, set_attrs};
 pub use io::{Fallocate, Fsync, Ftruncate, Read, Write};
 pub use namespace::{Link, LinkFile, Mkdir, Mknod, Rename, Symlink, Unlink};
 pub use open::{Close, Open};
-pub use stat::{Fstat, Statx};
+pub use stat::{Fstat, Statx, lstat_at};
 pub use xattr::{FSetXattr, SetXattrAt};
 
 /// A directory fd shared by caches and in-flight steps.

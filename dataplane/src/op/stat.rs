@@ -62,9 +62,23 @@ fn completed(buf: Buf) -> Completed {
 }
 
 fn stat_at(dir: BorrowedFd<'_>, name: &std::ffi::CStr, flags: AtFlags) -> StepResult {
+    statx_at(dir, name, flags).map(Done::Stat)
+}
+
+fn statx_at(
+    dir: BorrowedFd<'_>,
+    name: &std::ffi::CStr,
+    flags: AtFlags,
+) -> Result<Stat, rustix::io::Errno> {
     let mask = StatxFlags::BASIC_STATS | StatxFlags::BTIME;
     let st = rustix::fs::statx(dir, name, flags, mask)?;
-    Ok(Done::Stat(Stat::from_rustix(&st)))
+    Ok(Stat::from_rustix(&st))
+}
+
+/// [`Statx::of`] as a plain system call on the calling thread (a pool thread's batch).
+pub fn lstat_at(dir: &DirFd, name: &std::ffi::CStr) -> Result<Stat, rustix::io::Errno> {
+    let flags = AtFlags::SYMLINK_NOFOLLOW | AtFlags::STATX_SYNC_AS_STAT;
+    statx_at(dir.as_fd(), name, flags)
 }
 
 impl RingOp for Statx {

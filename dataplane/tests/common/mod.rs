@@ -316,6 +316,37 @@ impl Harness {
         Ok(names)
     }
 
+    /// READDIRP of directory `gfid` through, in small pages: each name with its GFID.
+    pub fn list_plus(&self, gfid: Gfid) -> Result<Vec<(String, Gfid)>, ErrorCode> {
+        let FopReply::Opendir(o) = self.call(&root(), Opendir { gfid })? else {
+            panic!()
+        };
+        let (mut offset, mut listed) = (0, Vec::new());
+        loop {
+            let size = ReaddirSize::new(1024).expect("valid");
+            let FopReply::Readdirp(r) = self.call(
+                &root(),
+                Readdirp {
+                    fd: o.fd,
+                    offset,
+                    size,
+                },
+            )?
+            else {
+                panic!()
+            };
+            for e in &r.entries {
+                listed.push((e.name.to_string(), e.iatt.gfid));
+                offset = e.offset;
+            }
+            if r.eof {
+                break;
+            }
+        }
+        self.call(&root(), Releasedir { fd: o.fd })?;
+        Ok(listed)
+    }
+
     /// Asserts the brick's on-disk layout is consistent (no stale handles, nothing pending).
     pub fn assert_consistent(&self) {
         let report = kiln_dataplane::recovery::check(&self.brick, false).expect("check runs");
