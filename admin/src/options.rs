@@ -330,6 +330,15 @@ pub const OPTIONS: &[OptionDef] = &[
                the next fsync or close of the object, or fsync of a directory)",
     },
     OptionDef {
+        key: "performance.listing-prefetch",
+        kind: ValueKind::Bool,
+        default: "on",
+        apply: Apply::Mount,
+        brick: BrickFlag::None,
+        help: "with leases, a mount lists the first subdirectories a listing shows before \
+               anything opens them, so a walk (find, ls -lR, du) finds their listings kept",
+    },
+    OptionDef {
         key: "performance.negative-timeout-ms",
         kind: ValueKind::Integer {
             min: 0,

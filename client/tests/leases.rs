@@ -248,6 +248,87 @@ fn a_held_directory_is_listed_again_without_the_brick_and_never_stale() {
     assert_brick_consistent(&a);
 }
 
+/// A walk through a tree: the subdirectories a listing shows are listed ahead, each under a
+/// read lease, so the walk opens them without the brick — and a change another mount makes in
+/// one of them afterwards is walked all the same (its lease is recalled first). With
+/// `listing-prefetch=off` each is listed at the brick when the walk opens it.
+#[test]
+fn a_walk_finds_its_subdirectories_listed_ahead_and_never_stale() {
+    let metrics = common::free_loopback_addr();
+    let brick_args = [
+        "--lease-recall-timeout-ms",
+        RECALL_TIMEOUT_MS,
+        "--count-fop-hits",
+        "--metrics-listen",
+        &metrics,
+    ];
+    // Attributes kept for a minute: a listing fetched ahead may be kept that long.
+    let long = ["attr-timeout-ms=60000", "entry-timeout-ms=60000"];
+    let mut a = Mounted::with_brick(&brick_args, &long);
+    for d in 0..8 {
+        fs::create_dir_all(a.path(&format!("top/d{d}"))).expect("mkdir");
+        make_files(&a.path(&format!("top/d{d}")), 3);
+    }
+    fsync_dir(&a.path("top")).expect("sent");
+    let served = |before: &prometheus_parse::Scrape, after: &prometheus_parse::Scrape, fop| {
+        common::fop_calls(after, fop) - common::fop_calls(before, fop)
+    };
+    // Until `want` listings are done with: each fd is released once its listing is kept.
+    let listed_ahead = |before: &prometheus_parse::Scrape, want: f64| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let now = common::scrape(&metrics);
+            let released = served(before, &now, "RELEASEDIR");
+            if released >= want || Instant::now() > deadline {
+                return (served(before, &now, "OPENDIR_LIST"), now);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    // (In `top`: `find` opens its working directory too.)
+    let walk = |m: &Path| sh_ok(&m.join("top"), "find . | sort");
+
+    // A new mount, holding nothing: listing `top` lists its eight subdirectories too.
+    a.unmount();
+    a.mount(&long);
+    let before = common::scrape(&metrics);
+    sh_ok(&a.mountpoint, "ls top");
+    let (listed, between) = listed_ahead(&before, 9.0);
+    assert_eq!(listed, 9.0, "top and its subdirectories listed");
+    let walked = walk(&a.mountpoint);
+    let after = common::scrape(&metrics);
+    assert_eq!(walked.lines().count(), 1 + 8 + 8 * 3, "{walked}");
+    assert!(walked.lines().any(|l| l == "./d7/f2"), "{walked}");
+    for fop in ["OPENDIR_LIST", "OPENDIR", "READDIRP_XATTRS"] {
+        assert_eq!(served(&between, &after, fop), 0.0, "{fop} during the walk");
+    }
+
+    // Another mount's change in a directory listed ahead: the walk shows it.
+    let b = a.another("b", &[]);
+    fs::write(b.path("top/d3/from-b"), b"b").expect("create in b");
+    let again = walk(&a.mountpoint);
+    assert!(again.lines().any(|l| l == "./d3/from-b"), "{again}");
+    drop(b);
+
+    // Not listed ahead: each directory is listed when the walk opens it.
+    a.unmount();
+    let off = [long.as_slice(), &["listing-prefetch=off"]].concat();
+    a.mount(&off);
+    let before = common::scrape(&metrics);
+    sh_ok(&a.mountpoint, "ls top");
+    std::thread::sleep(Duration::from_millis(300));
+    let between = common::scrape(&metrics);
+    assert_eq!(served(&before, &between, "OPENDIR_LIST"), 1.0, "top alone");
+    walk(&a.mountpoint);
+    let after = common::scrape(&metrics);
+    assert_eq!(
+        served(&between, &after, "OPENDIR_LIST"),
+        8.0,
+        "the walk lists each"
+    );
+    assert_brick_consistent(&a);
+}
+
 #[test]
 fn a_recall_drops_what_the_holder_s_kernel_cached() {
     // Caches that outlive the test: only the recall can make the first mount's kernel ask.

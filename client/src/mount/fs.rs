@@ -28,7 +28,7 @@ use fuser::{
     ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
 };
 use kiln_wire::limits::IO_SIZE_MAX_BYTES;
-use kiln_wire::{FopRequest, LockCmd, Mode, SetAttr, SymlinkTarget, XattrValue};
+use kiln_wire::{FileType, FopRequest, LockCmd, Mode, SetAttr, SymlinkTarget, XattrValue};
 use tokio::runtime::Handle;
 
 use super::MountOptions;
@@ -37,6 +37,7 @@ use super::convert::{
     negative_attr, node_type, os, rename_mode, reply_entry, reply_xattr, time_set, wire_lock,
     xattr_name, xattr_set_mode,
 };
+use super::prefetch::PREFETCH_SUBDIRS_MAX;
 use super::shared::Shared;
 use crate::path::new_gfid;
 use crate::{FdFop, Layer};
@@ -647,6 +648,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         let (s, c) = (self.shared(), creds(req));
         self.run(async move {
             let mut reply = reply;
+            let mut ahead = Vec::new();
             let result = s
                 .list(&c, fh, offset, |e| {
                     // Each entry the kernel takes counts as a lookup; one that does not fit
@@ -656,6 +658,11 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
                     let full = reply.add(attr.ino, e.offset, os(&e.name), &ttl.attr, &attr, GEN);
                     if full {
                         s.inodes.forget(attr.ino.0, 1);
+                    } else if e.iatt.file_type == FileType::Directory
+                        && !matches!(e.name.as_bytes(), b"." | b"..")
+                        && ahead.len() < PREFETCH_SUBDIRS_MAX
+                    {
+                        ahead.push((attr.ino.0, e.iatt.gfid));
                     }
                     full
                 })
@@ -663,6 +670,9 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
             match result {
                 Ok(()) => reply.ok(),
                 Err(e) => reply.error(e),
+            }
+            if !ahead.is_empty() && s.prefetches() {
+                tokio::spawn(s.prefetch_listings(c, ahead));
             }
         });
     }

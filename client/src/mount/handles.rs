@@ -445,6 +445,7 @@ impl<L: Layer> Shared<L> {
     /// permissions itself (as for [`Shared::opens_late`]).
     pub(super) async fn opendir_handle(&self, c: &Creds, ino: u64) -> Result<u64> {
         let gfid = self.gfid(ino)?;
+        self.prefetch.wait_for(&gfid).await;
         let kept = match self.options.default_permissions {
             true => self.leases.kept_listing(&gfid, self.options.attr_timeout),
             false => None,
@@ -493,6 +494,16 @@ impl<L: Layer> Shared<L> {
         // nothing changed through the mount since they were asked.
         let mark = held.or_else(|| self.leases.listing_mark_unchanged(&gfid, changes));
         Ok((fd, self.take_entries(ino, 0, mark, None, first)))
+    }
+
+    /// Lists directory `gfid` (node `ino`) below as `c`, as an OPENDIR would, for the listing
+    /// it keeps ([`super::prefetch`]), and closes it again.
+    pub(super) async fn list_below(&self, c: &Creds, ino: u64, gfid: Gfid) -> Result<()> {
+        let (fd, _) = self.opendir_below(c, ino, gfid).await?;
+        if let Err(e) = self.layer.release(c, fd).await {
+            tracing::debug!(error = %e, "release failed; the fd goes with the session");
+        }
+        Ok(())
     }
 
     /// CREATE of `name` in node `parent` with kernel `mode`, `umask` and `flags`, as `c`:

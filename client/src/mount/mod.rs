@@ -23,6 +23,7 @@ mod inodes;
 mod leases;
 mod namespace;
 mod pending;
+mod prefetch;
 mod shared;
 
 use std::ffi::CString;
@@ -60,6 +61,9 @@ pub struct MountOptions {
     /// Bytes of changes (small files' data included) the mount may hold not yet on the
     /// brick; an application that gets further ahead waits.
     pub behind_bytes_max: usize,
+    /// With leases, the first subdirectories a listing shows are listed ahead of a walk that
+    /// may open them next ([`prefetch`]).
+    pub listing_prefetch: bool,
     /// The kernel also checks permissions itself, from cached attributes, before asking the
     /// brick (which checks every fop again as the caller). On by default: without it, a path
     /// walk through cached entries would skip the search-permission check of each directory.
@@ -93,6 +97,7 @@ impl Default for MountOptions {
             deferred_create: true,
             leases: true,
             behind_bytes_max: 64 << 20,
+            listing_prefetch: true,
             default_permissions: true,
             read_only: false,
             suid: false,
@@ -151,6 +156,7 @@ impl MountOptions {
             "deferred-create" => flag(&mut self.deferred_create)?,
             "leases" => flag(&mut self.leases)?,
             "behind-bytes-max" => self.behind_bytes_max = bytes(key, value)?,
+            "listing-prefetch" => flag(&mut self.listing_prefetch)?,
             "default-permissions" => flag(&mut self.default_permissions)?,
             "ro" => flag(&mut self.read_only)?,
             "rw" => self.read_only = false,

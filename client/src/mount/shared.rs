@@ -21,6 +21,7 @@ use super::handles::{Handles, Open};
 use super::inodes::Inodes;
 use super::leases::{Answer, Leases};
 use super::pending::{ParentAttr, PendingCreates};
+use super::prefetch::Prefetch;
 use crate::{Error, FdFop, Layer};
 
 /// What the tasks share; `L` is the client stack below the mount.
@@ -33,6 +34,7 @@ pub(super) struct Shared<L: Layer> {
     pub(super) pending: PendingCreates,
     pub(super) leases: Leases,
     pub(super) behind: Behind,
+    pub(super) prefetch: Prefetch,
     /// Tells the kernel to drop what it caches (set once the FUSE session exists).
     pub(super) kernel: std::sync::OnceLock<fuser::Notifier>,
 }
@@ -54,6 +56,7 @@ impl<L: Layer> Shared<L> {
             handles: Handles::new(),
             pending: PendingCreates::default(),
             leases: Leases::default(),
+            prefetch: Prefetch::default(),
             kernel: std::sync::OnceLock::new(),
         }
     }

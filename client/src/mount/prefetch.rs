@@ -1,0 +1,87 @@
+//! Listings fetched ahead of a walk. When a listing shows the kernel subdirectories, the
+//! mount lists the first of them before anything opens them, each under a read lease, and
+//! keeps those listings ([`super::leases`]): the `find`, `ls -lR` or `du` that descends next
+//! opens them without a round trip while the mount fetches the next ones, instead of waiting
+//! for one round trip per directory in turn. Only where a kept listing answers an OPENDIR:
+//! with leases, and with the kernel checking permissions itself.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use kiln_wire::{Creds, Gfid};
+use tokio::sync::Semaphore;
+
+use super::shared::Shared;
+use crate::Layer;
+
+/// Subdirectories of one listing reply fetched ahead. A kept listing answers only within the
+/// kernel's attribute lifetime, and the mount keeps 64 at most: a walk must reach these first.
+pub(super) const PREFETCH_SUBDIRS_MAX: usize = 16;
+
+/// Listings the whole mount fetches ahead at once.
+const PREFETCH_INFLIGHT_MAX: usize = 4;
+
+/// The mount's listings in flight ahead of a walk.
+#[derive(Debug)]
+pub(super) struct Prefetch {
+    inflight: Semaphore,
+    /// Each directory being listed ahead, locked until its listing is kept (or failed).
+    listing: Mutex<HashMap<Gfid, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+impl Default for Prefetch {
+    fn default() -> Prefetch {
+        Prefetch {
+            inflight: Semaphore::new(PREFETCH_INFLIGHT_MAX),
+            listing: Mutex::default(),
+        }
+    }
+}
+
+impl Prefetch {
+    /// Waits until directory `gfid` is no longer being listed ahead: an OPENDIR that overtook
+    /// its walk's prefetch takes the listing kept instead of asking for it again.
+    pub(super) async fn wait_for(&self, gfid: &Gfid) {
+        let listing = self.lock().get(gfid).cloned();
+        if let Some(listing) = listing {
+            drop(listing.lock().await);
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Gfid, Arc<tokio::sync::Mutex<()>>>> {
+        self.listing.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl<L: Layer> Shared<L> {
+    /// Whether this mount fetches listings ahead.
+    pub(super) fn prefetches(&self) -> bool {
+        self.options.listing_prefetch && self.options.default_permissions && self.uses_leases()
+    }
+
+    /// Lists directories `dirs` (node and GFID, just shown to the kernel) as `c`, one after
+    /// the other, and keeps each listing; a failure only means nothing is kept.
+    pub(super) async fn prefetch_listings(self: Arc<Self>, c: Creds, dirs: Vec<(u64, Gfid)>) {
+        for (ino, gfid) in dirs {
+            let Ok(_turn) = self.prefetch.inflight.acquire().await else {
+                return;
+            };
+            let listing = Arc::new(tokio::sync::Mutex::new(()));
+            let Ok(_listing) = listing.clone().try_lock_owned() else {
+                continue;
+            };
+            {
+                let mut being_listed = self.prefetch.lock();
+                let kept = self.leases.kept_listing(&gfid, self.options.attr_timeout);
+                if kept.is_some() || being_listed.contains_key(&gfid) {
+                    continue;
+                }
+                being_listed.insert(gfid, listing);
+            }
+            if let Err(errno) = self.list_below(&c, ino, gfid).await {
+                tracing::debug!(%gfid, ?errno, "a listing fetched ahead failed");
+            }
+            self.prefetch.lock().remove(&gfid);
+        }
+    }
+}
