@@ -648,7 +648,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         let (s, c) = (self.shared(), creds(req));
         self.run(async move {
             let mut reply = reply;
-            let mut ahead = Vec::new();
+            let (mut ahead, changes) = (Vec::new(), s.leases.changes());
             let result = s
                 .list(&c, fh, offset, |e| {
                     // Each entry the kernel takes counts as a lookup; one that does not fit
@@ -672,7 +672,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
                 Err(e) => reply.error(e),
             }
             if !ahead.is_empty() && s.prefetches() {
-                tokio::spawn(s.prefetch_listings(c, ahead));
+                tokio::spawn(s.prefetch_listings(c, ahead, changes));
             }
         });
     }

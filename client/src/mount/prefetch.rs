@@ -59,16 +59,27 @@ impl<L: Layer> Shared<L> {
         self.options.listing_prefetch && self.options.default_permissions && self.uses_leases()
     }
 
-    /// Lists directories `dirs` (node and GFID, just shown to the kernel) as `c`, one after
-    /// the other, and keeps each listing; a failure only means nothing is kept.
-    pub(super) async fn prefetch_listings(self: Arc<Self>, c: Creds, dirs: Vec<(u64, Gfid)>) {
+    /// Lists directories `dirs` (node and GFID, just shown to the kernel by a listing when
+    /// the mount had noted `changes` changes) as `c`, one after the other, and keeps each
+    /// listing; a failure only means nothing is kept. Stops at the first change noted since:
+    /// it drops every kept listing (an `rm -rf` would have each directory listed twice).
+    pub(super) async fn prefetch_listings(
+        self: Arc<Self>,
+        c: Creds,
+        dirs: Vec<(u64, Gfid)>,
+        changes: u64,
+    ) {
         for (ino, gfid) in dirs {
             let Ok(_turn) = self.prefetch.inflight.acquire().await else {
                 return;
             };
+            if self.leases.changes() != changes {
+                return;
+            }
+            // Held until the listing is kept: an OPENDIR of the directory waits for it.
             let listing = Arc::new(tokio::sync::Mutex::new(()));
             let Ok(_listing) = listing.clone().try_lock_owned() else {
-                continue;
+                continue; // (a lock no one else has seen yet is free)
             };
             {
                 let mut being_listed = self.prefetch.lock();
