@@ -332,11 +332,13 @@ pub const OPTIONS: &[OptionDef] = &[
     OptionDef {
         key: "performance.listing-prefetch",
         kind: ValueKind::Bool,
-        default: "on",
+        default: "off",
         apply: Apply::Mount,
         brick: BrickFlag::None,
         help: "with leases, a mount lists the first subdirectories a listing shows before \
-               anything opens them, so a walk (find, ls -lR, du) finds their listings kept",
+               anything opens them, so a walk (find, ls -lR, du) finds their listings kept \
+               (off: the burst of read leases can recall another mount's write leases faster \
+               than it gives them back)",
     },
     OptionDef {
         key: "performance.negative-timeout-ms",

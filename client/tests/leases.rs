@@ -263,7 +263,11 @@ fn a_walk_finds_its_subdirectories_listed_ahead_and_never_stale() {
         &metrics,
     ];
     // Attributes kept for a minute: a listing fetched ahead may be kept that long.
-    let long = ["attr-timeout-ms=60000", "entry-timeout-ms=60000"];
+    let long = [
+        "attr-timeout-ms=60000",
+        "entry-timeout-ms=60000",
+        "listing-prefetch=on",
+    ];
     let mut a = Mounted::with_brick(&brick_args, &long);
     for d in 0..8 {
         fs::create_dir_all(a.path(&format!("top/d{d}"))).expect("mkdir");
@@ -312,7 +316,7 @@ fn a_walk_finds_its_subdirectories_listed_ahead_and_never_stale() {
 
     // Not listed ahead: each directory is listed when the walk opens it.
     a.unmount();
-    let off = [long.as_slice(), &["listing-prefetch=off"]].concat();
+    let off = [&long[..2], &["listing-prefetch=off"]].concat();
     a.mount(&off);
     let before = common::scrape(&metrics);
     sh_ok(&a.mountpoint, "ls top");

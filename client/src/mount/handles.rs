@@ -483,11 +483,11 @@ impl<L: Layer> Shared<L> {
             false => LeaseKind::None,
         };
         let held = self.leases.listing_mark(&gfid);
-        let changes = self.leases.changes();
+        let (changes, recalls) = (self.leases.changes(), self.leases.recalls());
         let size = ReaddirSize::new(READDIR_FETCH_BYTES).ok_or(Errno::EINVAL)?;
         let listed = self.layer.opendir_list(c, gfid, size, lease).await;
         let (fd, granted, first) = listed.map_err(errno)?;
-        if granted != LeaseKind::None && self.leases.take_grant(&gfid) {
+        if granted != LeaseKind::None && self.leases.take_grant(&gfid, recalls) {
             self.leases.hold_read(gfid);
         }
         // The hold the entries were read under: the one before, or the one just granted if

@@ -85,9 +85,14 @@ struct Kept {
 struct State {
     dirs: HashMap<Gfid, Held>,
     local: HashMap<Gfid, Local>,
-    /// Directories recalled while the mount held nothing there: a grant whose reply comes
-    /// after its recall (they travel on different streams) must not be taken.
-    recalled_unheld: HashSet<Gfid>,
+    /// Directories by the number of their last recall: a grant whose reply comes after a
+    /// recall of its directory (they travel on different streams) must not be taken, held
+    /// or not when the recall came (a listing asked twice at once got two grants).
+    recalled: HashMap<Gfid, u64>,
+    /// Recalls seen so far.
+    recalls: u64,
+    /// The first recall `recalled` still knows of (earlier ones were dropped at its bound).
+    recalled_since: u64,
     /// The last generation given to a hold.
     last_generation: u64,
     /// Kept listings, oldest first, by directory and the generation they were kept at; at
@@ -110,9 +115,9 @@ impl State {
     }
 }
 
-/// Early recalls remembered at most; past it the oldest knowledge is dropped (a grant it
-/// would have stopped is then taken, and the brick revokes it after its bound).
-const RECALLED_UNHELD_MAX: usize = 4096;
+/// Recalled directories remembered at most; past it they are forgotten, and every grant
+/// asked before is refused.
+const RECALLED_MAX: usize = 4096;
 /// Names per held directory the kernel may cache besides the entries the lease knows; past
 /// it, answers there are given uncached.
 const TOLD_NAMES_MAX: usize = 4096;
@@ -302,18 +307,33 @@ impl Leases {
         Some(held.kind)
     }
 
-    /// A recall of `dir`, where nothing is held: remembered for [`Leases::take_grant`].
-    pub(super) fn recalled_unheld(&self, dir: Gfid) {
-        let mut state = self.lock();
-        if state.recalled_unheld.len() >= RECALLED_UNHELD_MAX {
-            state.recalled_unheld.clear();
-        }
-        state.recalled_unheld.insert(dir);
+    /// How many recalls the mount has seen: read before a lease is asked, for
+    /// [`Leases::take_grant`].
+    pub(super) fn recalls(&self) -> u64 {
+        self.lock().recalls
     }
 
-    /// Whether a lease just granted on `dir` may be taken: not when its recall came first.
-    pub(super) fn take_grant(&self, dir: &Gfid) -> bool {
-        !self.lock().recalled_unheld.remove(dir)
+    /// Notes a recall of `dir`, held or not, for [`Leases::take_grant`].
+    pub(super) fn recalled(&self, dir: Gfid) {
+        let mut state = self.lock();
+        state.recalls += 1;
+        if state.recalled.len() >= RECALLED_MAX {
+            state.recalled.clear();
+            state.recalled_since = state.recalls;
+        }
+        let number = state.recalls;
+        state.recalled.insert(dir, number);
+    }
+
+    /// Whether a lease granted on `dir`, asked when the mount had seen `recalls` recalls, may
+    /// be taken: not when `dir` was recalled since (the grant may predate the recall).
+    pub(super) fn take_grant(&self, dir: &Gfid, recalls: u64) -> bool {
+        let state = self.lock();
+        recalls + 1 >= state.recalled_since
+            && state
+                .recalled
+                .get(dir)
+                .is_none_or(|&number| number <= recalls)
     }
 
     /// Ends every hold (the session that held the leases is gone); what the mount described.
@@ -653,5 +673,32 @@ mod tests {
         assert!(leases.local(&gfid(3)).is_some(), "not in it");
         leases.release_all();
         assert!(leases.local(&gfid(3)).is_none());
+    }
+
+    #[test]
+    fn a_grant_asked_before_a_recall_of_its_directory_is_not_taken() {
+        let leases = Leases::default();
+        let (first, second) = (leases.recalls(), leases.recalls());
+        assert!(leases.take_grant(&gfid(1), first));
+        // The first grant is held and recalled; the second's reply comes after the recall.
+        leases.hold_read(gfid(1));
+        leases.recalled(gfid(1));
+        leases.release(&gfid(1));
+        assert!(
+            !leases.take_grant(&gfid(1), second),
+            "granted before the recall"
+        );
+        assert!(leases.take_grant(&gfid(2), second), "another directory's");
+        assert!(
+            leases.take_grant(&gfid(1), leases.recalls()),
+            "asked after it"
+        );
+        // Past the bound, what was asked before the oldest recall still known is refused.
+        let before = leases.recalls();
+        for n in 0..=RECALLED_MAX {
+            leases.recalled(Gfid::from_bytes((n as u128 + 10).to_le_bytes()).expect("not nil"));
+        }
+        assert!(!leases.take_grant(&gfid(3), before));
+        assert!(leases.take_grant(&gfid(3), leases.recalls()));
     }
 }

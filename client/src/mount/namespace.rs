@@ -29,6 +29,11 @@ use crate::{Error, Layer, LayerEvent};
 /// How long queued changes wait for an unreachable brick before they fail.
 const BRICK_AWAY_LIMIT: std::time::Duration = std::time::Duration::from_secs(60);
 
+/// How long a recall lets the files of the directory still being written be closed before it
+/// sends them as they are: one written at once (tar, cp) is then whole when another client
+/// first sees it, not cut where its writer was.
+const RECALL_CLOSE_GRACE: std::time::Duration = std::time::Duration::from_millis(50);
+
 /// What a write lease asked with a fop is for.
 #[derive(Debug, Clone, Copy)]
 enum Want {
@@ -200,13 +205,14 @@ impl<L: Layer> Shared<L> {
         for fop in std::iter::once(fop).chain(leases) {
             batch.push(fop).map_err(|e| Error::Misuse(e.to_string()))?;
         }
+        let recalls = self.leases.recalls();
         let mut results = self.layer.batch(batch).await?.results.into_iter();
         let reply = results
             .next()
             .ok_or(Error::Fop(kiln_wire::ErrorCode::Io))??;
         for ((gfid, want), granted) in wants.iter().zip(results) {
             if matches!(granted, Ok(FopReply::Lease(r)) if r.kind == LeaseKind::Write)
-                && self.leases.take_grant(gfid)
+                && self.leases.take_grant(gfid, recalls)
             {
                 match want {
                     Want::NewDir => self.leases.hold_new(*gfid),
@@ -599,6 +605,19 @@ impl<L: Layer> Shared<L> {
         }
     }
 
+    /// Waits, at most [`RECALL_CLOSE_GRACE`], until no deferred create in directory `dir` is
+    /// open.
+    async fn let_writers_close(&self, dir: Gfid) {
+        let deadline = std::time::Instant::now() + RECALL_CLOSE_GRACE;
+        while !self.pending.is_empty() && std::time::Instant::now() < deadline {
+            let deferred = self.pending.in_dir(Some(dir)).await;
+            if deferred.iter().all(|&ino| self.handles.open_on(ino) == 0) {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+    }
+
     /// Follows the events from below until the mount goes: a recalled directory is no longer
     /// held, and its lease goes back after the changes queued before the recall.
     pub(super) async fn follow_events(self: Arc<Self>) {
@@ -606,10 +625,12 @@ impl<L: Layer> Shared<L> {
         loop {
             match events.recv().await {
                 Ok(LayerEvent::Recall(recall)) => {
+                    self.leases.recalled(recall.gfid);
                     // Files made here and still deferred, open or not, go to the brick first,
                     // after what is queued behind: their creators were told they exist, and
                     // the close of one closed without a FLUSH could not report a create
                     // refused once the lease is gone.
+                    self.let_writers_close(recall.gfid).await;
                     self.settle_dir(Some(recall.gfid)).await;
                     // What the kernel was told from the mount's descriptions and entries goes
                     // stale with the lease: another client is about to change it.
@@ -640,7 +661,6 @@ impl<L: Layer> Shared<L> {
                         // A grant whose reply has not arrived yet: it is not taken when it
                         // does (and goes back).
                         None => {
-                            self.leases.recalled_unheld(recall.gfid);
                             let _ = self.layer.call(&Creds::root(), give_back.into()).await;
                         }
                     }
