@@ -20,6 +20,17 @@ fn brick() -> Mounted {
     Mounted::with_brick(&["--lease-recall-timeout-ms", RECALL_TIMEOUT_MS], &[])
 }
 
+/// A brick's arguments for these tests, with its fops counted and served at `metrics`.
+fn counted(metrics: &str) -> [&str; 5] {
+    [
+        "--lease-recall-timeout-ms",
+        RECALL_TIMEOUT_MS,
+        "--count-fop-hits",
+        "--metrics-listen",
+        metrics,
+    ]
+}
+
 /// Makes `n` files `dir/f<i>` holding "file <i>".
 fn make_files(dir: &Path, n: usize) {
     for i in 0..n {
@@ -182,13 +193,7 @@ fn a_held_directory_s_attributes_follow_every_change_and_another_mount() {
 #[test]
 fn a_held_directory_is_listed_again_without_the_brick_and_never_stale() {
     let metrics = common::free_loopback_addr();
-    let brick_args = [
-        "--lease-recall-timeout-ms",
-        RECALL_TIMEOUT_MS,
-        "--count-fop-hits",
-        "--metrics-listen",
-        &metrics,
-    ];
+    let brick_args = counted(&metrics);
     // Attributes kept for a minute: the listing may be kept that long.
     let long = ["attr-timeout-ms=60000", "entry-timeout-ms=60000"];
     let mut a = Mounted::with_brick(&brick_args, &long);
@@ -255,13 +260,7 @@ fn a_held_directory_is_listed_again_without_the_brick_and_never_stale() {
 #[test]
 fn a_walk_finds_its_subdirectories_listed_ahead_and_never_stale() {
     let metrics = common::free_loopback_addr();
-    let brick_args = [
-        "--lease-recall-timeout-ms",
-        RECALL_TIMEOUT_MS,
-        "--count-fop-hits",
-        "--metrics-listen",
-        &metrics,
-    ];
+    let brick_args = counted(&metrics);
     // Attributes kept for a minute: a listing fetched ahead may be kept that long.
     let long = [
         "attr-timeout-ms=60000",

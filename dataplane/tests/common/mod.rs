@@ -285,66 +285,54 @@ impl Harness {
 
     /// Every name in a directory (READDIR until eof), sorted.
     pub fn list(&self, gfid: Gfid) -> Result<Vec<String>, ErrorCode> {
-        let FopReply::Opendir(o) = self.call(&root(), Opendir { gfid })? else {
-            panic!()
-        };
-        let mut names = Vec::new();
-        let mut offset = 0;
-        loop {
+        let mut names = self.pages(gfid, |fd, offset| {
             let size = ReaddirSize::new(4096).expect("valid");
-            let FopReply::Readdir(r) = self.call(
-                &root(),
-                Readdir {
-                    fd: o.fd,
-                    offset,
-                    size,
-                },
-            )?
-            else {
+            let FopReply::Readdir(r) = self.call(&root(), Readdir { fd, offset, size })? else {
                 panic!()
             };
-            for e in &r.entries {
-                names.push(e.name.to_string());
-                offset = e.offset;
-            }
-            if r.eof {
-                break;
-            }
-        }
-        self.call(&root(), Releasedir { fd: o.fd })?;
+            let entries = r.entries.iter().map(|e| (e.name.to_string(), e.offset));
+            Ok((entries.collect(), r.eof))
+        })?;
         names.sort();
         Ok(names)
     }
 
     /// READDIRP of directory `gfid` through, in small pages: each name with its GFID.
     pub fn list_plus(&self, gfid: Gfid) -> Result<Vec<(String, Gfid)>, ErrorCode> {
+        self.pages(gfid, |fd, offset| {
+            let size = ReaddirSize::new(1024).expect("valid");
+            let FopReply::Readdirp(r) = self.call(&root(), Readdirp { fd, offset, size })? else {
+                panic!()
+            };
+            let entries = r.entries.iter();
+            let entries = entries.map(|e| ((e.name.to_string(), e.iatt.gfid), e.offset));
+            Ok((entries.collect(), r.eof))
+        })
+    }
+
+    /// Opens directory `gfid` and reads it through with `page` (from an offset: the items
+    /// with the offset after each, and whether the end was reached), then releases it.
+    fn pages<T>(
+        &self,
+        gfid: Gfid,
+        mut page: impl FnMut(FdId, u64) -> Result<(Vec<(T, u64)>, bool), ErrorCode>,
+    ) -> Result<Vec<T>, ErrorCode> {
         let FopReply::Opendir(o) = self.call(&root(), Opendir { gfid })? else {
             panic!()
         };
-        let (mut offset, mut listed) = (0, Vec::new());
+        let (mut offset, mut all) = (0, Vec::new());
         loop {
-            let size = ReaddirSize::new(1024).expect("valid");
-            let FopReply::Readdirp(r) = self.call(
-                &root(),
-                Readdirp {
-                    fd: o.fd,
-                    offset,
-                    size,
-                },
-            )?
-            else {
-                panic!()
-            };
-            for e in &r.entries {
-                listed.push((e.name.to_string(), e.iatt.gfid));
-                offset = e.offset;
+            let (items, eof) = page(o.fd, offset)?;
+            for (item, next) in items {
+                all.push(item);
+                offset = next;
             }
-            if r.eof {
+            if eof {
                 break;
             }
         }
         self.call(&root(), Releasedir { fd: o.fd })?;
-        Ok(listed)
+        Ok(all)
     }
 
     /// Asserts the brick's on-disk layout is consistent (no stale handles, nothing pending).
