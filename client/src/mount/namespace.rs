@@ -664,6 +664,10 @@ impl<L: Layer> Shared<L> {
                             let _ = self.layer.call(&Creds::root(), give_back.into()).await;
                         }
                     }
+                    // Noted again once the lease is given back (or queued behind, where a
+                    // listing waits for it): a grant asked before could be of the lease
+                    // just given back.
+                    self.leases.recalled(recall.gfid);
                 }
                 Ok(LayerEvent::LeasesLost)
                 | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
