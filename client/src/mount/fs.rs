@@ -648,7 +648,8 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         let (s, c) = (self.shared(), creds(req));
         self.run(async move {
             let mut reply = reply;
-            let (mut ahead, changes) = (Vec::new(), s.leases.changes());
+            let (prefetches, changes) = (s.prefetches(), s.leases.changes());
+            let mut ahead = Vec::new();
             let result = s
                 .list(&c, fh, offset, |e| {
                     // Each entry the kernel takes counts as a lookup; one that does not fit
@@ -658,7 +659,8 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
                     let full = reply.add(attr.ino, e.offset, os(&e.name), &ttl.attr, &attr, GEN);
                     if full {
                         s.inodes.forget(attr.ino.0, 1);
-                    } else if e.iatt.file_type == FileType::Directory
+                    } else if prefetches
+                        && e.iatt.file_type == FileType::Directory
                         && !matches!(e.name.as_bytes(), b"." | b"..")
                         && ahead.len() < PREFETCH_SUBDIRS_MAX
                     {
@@ -671,7 +673,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
                 Ok(()) => reply.ok(),
                 Err(e) => reply.error(e),
             }
-            if !ahead.is_empty() && s.prefetches() {
+            if !ahead.is_empty() {
                 tokio::spawn(s.prefetch_listings(c, ahead, changes));
             }
         });

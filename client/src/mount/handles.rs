@@ -445,7 +445,9 @@ impl<L: Layer> Shared<L> {
     /// permissions itself (as for [`Shared::opens_late`]).
     pub(super) async fn opendir_handle(&self, c: &Creds, ino: u64) -> Result<u64> {
         let gfid = self.gfid(ino)?;
-        self.prefetch.wait_for(&gfid).await;
+        if self.prefetches() {
+            self.prefetch.wait_for(&gfid).await;
+        }
         let kept = match self.options.default_permissions {
             true => self.leases.kept_listing(&gfid, self.options.attr_timeout),
             false => None,

@@ -625,6 +625,7 @@ impl<L: Layer> Shared<L> {
         loop {
             match events.recv().await {
                 Ok(LayerEvent::Recall(recall)) => {
+                    // A grant of this directory whose reply comes from now on is not taken.
                     self.leases.recalled(recall.gfid);
                     // Files made here and still deferred, open or not, go to the brick first,
                     // after what is queued behind: their creators were told they exist, and
@@ -654,13 +655,10 @@ impl<L: Layer> Shared<L> {
                                 .push(&Creds::root(), give_back.into(), &touches)
                                 .await;
                         }
-                        // Nothing was changed under a read lease: back at once.
-                        Some(_) => {
-                            let _ = self.layer.call(&Creds::root(), give_back.into()).await;
-                        }
-                        // A grant whose reply has not arrived yet: it is not taken when it
-                        // does (and goes back).
-                        None => {
+                        // Nothing was changed under a read lease, or nothing is held (a grant
+                        // whose reply has not arrived yet is not taken when it does): back at
+                        // once.
+                        Some(_) | None => {
                             let _ = self.layer.call(&Creds::root(), give_back.into()).await;
                         }
                     }

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use kiln_wire::{Creds, Gfid};
-use tokio::sync::Semaphore;
+use tokio::sync::{Semaphore, watch};
 
 use super::shared::Shared;
 use crate::Layer;
@@ -25,8 +25,9 @@ const PREFETCH_INFLIGHT_MAX: usize = 4;
 #[derive(Debug)]
 pub(super) struct Prefetch {
     inflight: Semaphore,
-    /// Each directory being listed ahead, locked until its listing is kept (or failed).
-    listing: Mutex<HashMap<Gfid, Arc<tokio::sync::Mutex<()>>>>,
+    /// Each directory being listed ahead; its channel closes once the listing is kept (or
+    /// failed, or the fetch was dropped).
+    listing: Mutex<HashMap<Gfid, watch::Receiver<()>>>,
 }
 
 impl Default for Prefetch {
@@ -43,12 +44,13 @@ impl Prefetch {
     /// its walk's prefetch takes the listing kept instead of asking for it again.
     pub(super) async fn wait_for(&self, gfid: &Gfid) {
         let listing = self.lock().get(gfid).cloned();
-        if let Some(listing) = listing {
-            drop(listing.lock().await);
+        if let Some(mut listing) = listing {
+            // Nothing is ever sent: this returns when the fetch's sender goes.
+            let _ = listing.changed().await;
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Gfid, Arc<tokio::sync::Mutex<()>>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Gfid, watch::Receiver<()>>> {
         self.listing.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
@@ -76,11 +78,8 @@ impl<L: Layer> Shared<L> {
             if self.leases.changes() != changes {
                 return;
             }
-            // Held until the listing is kept: an OPENDIR of the directory waits for it.
-            let listing = Arc::new(tokio::sync::Mutex::new(()));
-            let Ok(_listing) = listing.clone().try_lock_owned() else {
-                continue; // (a lock no one else has seen yet is free)
-            };
+            // Kept until the listing is: an OPENDIR of the directory waits for it to go.
+            let (_listing, listing) = watch::channel(());
             {
                 let mut being_listed = self.prefetch.lock();
                 let kept = self.leases.kept_listing(&gfid, self.options.attr_timeout);
