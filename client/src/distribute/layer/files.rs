@@ -123,8 +123,15 @@ impl<L: Layer> Distribute<L> {
         };
         match self.keep_mark(file.brick, &reply).await {
             Ok(before) => look = before.unwrap_or(look),
-            Err(Error::Fop(code @ (ErrorCode::NoEnt | ErrorCode::Stale))) => {
-                return self.call_gone(creds, file, &fop, code).await;
+            // Moved away since: made again there. Nowhere else (unlinked): the reply stands.
+            Err(Error::Fop(ErrorCode::Stale)) => {
+                return match self.follow_home(file).await {
+                    Ok(true) => self
+                        .call_moved(creds, file, &fop)
+                        .await
+                        .unwrap_or(Ok(reply)),
+                    _ => Ok(reply),
+                };
             }
             Err(e) => return Err(e),
         }
@@ -242,16 +249,25 @@ impl<L: Layer> Distribute<L> {
     /// Puts back the mark of a file being moved that a caller's change of mode (`reply`, on
     /// brick `brick`) took off — the sticky bit while it is copied, mode `01000` once moved —
     /// so clients keep sending its changes where they belong; the look it had before.
-    /// `ESTALE` (or `ENOENT`) when the move has since removed a moved file's link file, which
-    /// took the change: it is to be made where the file is now.
+    /// `ESTALE` when the move has since removed the copy the change reached (maybe after the
+    /// mover read it): the change is to be made again where the file is now.
     async fn keep_mark(&self, brick: usize, reply: &FopReply) -> Result<Option<Look>, Error> {
         let (FopReply::Setattr(change) | FopReply::Fsetattr(change)) = reply else {
             return Ok(None);
         };
-        let before = Look::of(&change.pre);
-        if before == Look::Settled
-            || Look::of(&change.post) == before
-            || self.moving_to(brick, change.pre.gfid).await?.is_none()
+        let (before, gfid) = (Look::of(&change.pre), change.pre.gfid);
+        if before == Look::Settled || Look::of(&change.post) == before {
+            return Ok(None);
+        }
+        let gone = |e: Error| match e {
+            Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale) => Error::Fop(ErrorCode::Stale),
+            e => e,
+        };
+        if self
+            .linkto(brick, gfid)
+            .await
+            .map_err(gone)?
+            .is_none_or(|to| to == brick)
         {
             return Ok(None);
         }
@@ -259,14 +275,8 @@ impl<L: Layer> Distribute<L> {
             Look::Copying => change.post.mode.bits() | STICKY,
             Look::Moved | Look::Settled => LINK_FILE_MODE,
         };
-        match self.set_mode(brick, change.pre.gfid, mark).await {
-            // The move ended and removed the source, which took the change while the file
-            // looked copied: the mover gave the copy the change too (`switch_to`).
-            Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) if before == Look::Copying => {
-                Ok(Some(before))
-            }
-            done => done.map(|()| Some(before)),
-        }
+        self.set_mode(brick, gfid, mark).await.map_err(gone)?;
+        Ok(Some(before))
     }
 
     /// `name` in `parent`, found as [`Distribute::find`] finds it once no rebalance is moving
@@ -341,8 +351,15 @@ impl<L: Layer> Distribute<L> {
         let mut look = file_iatt(&reply).map_or(Look::Settled, Look::of);
         match self.keep_mark(brick, &reply).await {
             Ok(before) => look = before.unwrap_or(look),
-            Err(Error::Fop(code @ (ErrorCode::NoEnt | ErrorCode::Stale))) => {
-                return self.call_on_new_home(creds, gfid, brick, fop, code).await;
+            // Moved away since: made again there. Nowhere else (unlinked): the reply stands.
+            Err(Error::Fop(ErrorCode::Stale)) => {
+                return match self
+                    .call_on_new_home(creds, gfid, brick, fop, ErrorCode::Stale)
+                    .await
+                {
+                    Err(Error::Fop(ErrorCode::Stale)) => Ok(reply),
+                    done => done,
+                };
             }
             Err(e) => return Err(e),
         }
