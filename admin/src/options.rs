@@ -332,13 +332,12 @@ pub const OPTIONS: &[OptionDef] = &[
     OptionDef {
         key: "performance.listing-prefetch",
         kind: ValueKind::Bool,
-        default: "off",
+        default: "on",
         apply: Apply::Mount,
         brick: BrickFlag::None,
         help: "with leases, a mount lists the first subdirectories a listing shows before \
                anything opens them, so a walk (find, ls -lR, du) finds their listings kept \
-               (off: the burst of read leases can recall another mount's write leases faster \
-               than it gives them back)",
+               (each costs the brick a listing and a read lease, used or not)",
     },
     OptionDef {
         key: "performance.negative-timeout-ms",

@@ -256,17 +256,13 @@ fn a_held_directory_is_listed_again_without_the_brick_and_never_stale() {
 /// A walk through a tree: the subdirectories a listing shows are listed ahead, each under a
 /// read lease, so the walk opens them without the brick — and a change another mount makes in
 /// one of them afterwards is walked all the same (its lease is recalled first). With
-/// `listing-prefetch=off` each is listed at the brick when the walk opens it.
+/// `listing-prefetch=off` (on by default) each is listed at the brick when the walk opens it.
 #[test]
 fn a_walk_finds_its_subdirectories_listed_ahead_and_never_stale() {
     let metrics = common::free_loopback_addr();
     let brick_args = counted(&metrics);
     // Attributes kept for a minute: a listing fetched ahead may be kept that long.
-    let long = [
-        "attr-timeout-ms=60000",
-        "entry-timeout-ms=60000",
-        "listing-prefetch=on",
-    ];
+    let long = ["attr-timeout-ms=60000", "entry-timeout-ms=60000"];
     let mut a = Mounted::with_brick(&brick_args, &long);
     for d in 0..8 {
         fs::create_dir_all(a.path(&format!("top/d{d}"))).expect("mkdir");
@@ -315,7 +311,7 @@ fn a_walk_finds_its_subdirectories_listed_ahead_and_never_stale() {
 
     // Not listed ahead: each directory is listed when the walk opens it.
     a.unmount();
-    let off = [&long[..2], &["listing-prefetch=off"]].concat();
+    let off = [&long[..], &["listing-prefetch=off"]].concat();
     a.mount(&off);
     let before = common::scrape(&metrics);
     sh_ok(&a.mountpoint, "ls top");
@@ -641,16 +637,19 @@ fn an_untar_in_one_mount_while_another_lists_it() {
             &format!("tar -C x -xf {}", tarball_path.display()),
         )
     });
-    // The other mount walks the tree while it grows; every file it finds is whole.
+    // The other mount walks the tree while it grows; every file it finds is whole, or empty:
+    // one tar has not closed yet when a recall stops waiting for it (close-to-open promises
+    // only a closed file's content; tar writes each of these in one call).
     while !untar.is_finished() {
         let listing = sh_ok(&b.mountpoint, "find x -type f | head -200");
         for path in listing.lines() {
-            let data = fs::read_to_string(b.path(path)).unwrap_or_default();
+            // Removed meanwhile would be a bug too: nothing removes here.
+            let data = fs::read_to_string(b.path(path)).expect("a listed file is there");
             let i: usize = path.rsplit('/').next().expect("name")[1..]
                 .parse()
                 .expect("f<i>");
-            // Removed meanwhile would be a bug too: nothing removes here.
-            assert_eq!(data, format!("file {i}"), "{path} is not whole");
+            let whole = format!("file {i}");
+            assert!(data.is_empty() || data == whole, "{path} is cut: {data:?}");
         }
     }
     untar.join().expect("tar");

@@ -489,12 +489,19 @@ impl<L: Layer> Shared<L> {
         let size = ReaddirSize::new(READDIR_FETCH_BYTES).ok_or(Errno::EINVAL)?;
         let listed = self.layer.opendir_list(c, gfid, size, lease).await;
         let (fd, granted, first) = listed.map_err(errno)?;
-        if granted != LeaseKind::None && self.leases.take_grant(&gfid, recalls) {
+        let taken = granted != LeaseKind::None && self.leases.take_grant(&gfid, recalls);
+        if taken {
             self.leases.hold_read(gfid);
         }
-        // The hold the entries were read under: the one before, or the one just granted if
-        // nothing changed through the mount since they were asked.
-        let mark = held.or_else(|| self.leases.listing_mark_unchanged(&gfid, changes));
+        // The hold the entries were read under: the one before, or the one granted with them
+        // if nothing changed through the mount since they were asked — never one another
+        // listing's grant made meanwhile, which may postdate these entries.
+        let granted_with_them = || {
+            taken
+                .then(|| self.leases.listing_mark_unchanged(&gfid, changes))
+                .flatten()
+        };
+        let mark = held.or_else(granted_with_them);
         Ok((fd, self.take_entries(ino, 0, mark, None, first)))
     }
 

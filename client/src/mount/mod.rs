@@ -62,8 +62,7 @@ pub struct MountOptions {
     /// brick; an application that gets further ahead waits.
     pub behind_bytes_max: usize,
     /// With leases, the first subdirectories a listing shows are listed ahead of a walk that
-    /// may open them next ([`prefetch`]). Off by default: the burst of read leases recalls
-    /// another mount's write leases at once, and that mount gives them back one at a time.
+    /// may open them next ([`prefetch`]).
     pub listing_prefetch: bool,
     /// The kernel also checks permissions itself, from cached attributes, before asking the
     /// brick (which checks every fop again as the caller). On by default: without it, a path
@@ -98,7 +97,7 @@ impl Default for MountOptions {
             deferred_create: true,
             leases: true,
             behind_bytes_max: 64 << 20,
-            listing_prefetch: false,
+            listing_prefetch: true,
             default_permissions: true,
             read_only: false,
             suid: false,

@@ -15,8 +15,8 @@ use std::sync::Arc;
 
 use fuser::{Errno, FileAttr};
 use kiln_wire::{
-    Creds, FileType, FopReply, FopRequest, Gfid, Lease, LeaseKind, Name, RenameMode, SetAttr,
-    TimeSet,
+    Creds, FileType, FopReply, FopRequest, Gfid, Lease, LeaseKind, Name, Recall, RenameMode,
+    SetAttr, TimeSet,
 };
 
 use super::behind;
@@ -618,54 +618,66 @@ impl<L: Layer> Shared<L> {
         }
     }
 
+    /// Answers the recall of `recall`'s lease: what was changed under it goes to the brick,
+    /// what the kernel was told from it goes stale, and the lease goes back.
+    async fn give_back(&self, recall: Recall) {
+        // Files made here and still deferred, open or not, go to the brick first, after what
+        // is queued behind: their creators were told they exist, and the close of one closed
+        // without a FLUSH could not report a create refused once the lease is gone.
+        self.let_writers_close(recall.gfid).await;
+        self.settle_dir(Some(recall.gfid)).await;
+        // What the kernel was told from the mount's descriptions and entries goes stale with
+        // the lease: another client is about to change it.
+        let described = self.leases.described_in(&recall.gfid);
+        let names = self.leases.names_told(&recall.gfid);
+        let held = self.leases.release(&recall.gfid);
+        // Data written behind reaches the brick before the lease goes back, so the recalling
+        // client sees it (writes from now on go through).
+        self.send_writes_behind(None).await;
+        self.invalidate_attrs(&described).await;
+        self.invalidate_entries(&recall.gfid, names).await;
+        let lease = Lease {
+            gfid: recall.gfid,
+            kind: recall.kind,
+        };
+        match held {
+            // Changes made under it go first.
+            Some(LeaseKind::Write) => {
+                let touches = [recall.gfid];
+                self.behind
+                    .push(&Creds::root(), lease.into(), &touches)
+                    .await;
+            }
+            // Nothing was changed under a read lease, or nothing is held (a grant whose reply
+            // has not arrived yet is not taken when it does): back at once.
+            Some(_) | None => {
+                let _ = self.layer.call(&Creds::root(), lease.into()).await;
+            }
+        }
+        // Noted again once the lease is given back (or queued behind, where a listing waits
+        // for it): a grant asked before could be of the lease just given back.
+        self.leases.recalled(recall.gfid);
+    }
+
     /// Follows the events from below until the mount goes: a recalled directory is no longer
-    /// held, and its lease goes back after the changes queued before the recall.
+    /// held, and its lease goes back after the changes queued before the recall. Recalls are
+    /// answered concurrently: a burst of them (another client walking a tree this one is
+    /// writing) gives each lease back in the time of the slowest, not of their sum, which
+    /// would outlast the brick's recall bound and see the leases revoked.
     pub(super) async fn follow_events(self: Arc<Self>) {
+        use futures_util::StreamExt;
         let mut events = self.layer.events();
+        let mut giving_back = futures_util::stream::FuturesUnordered::new();
         loop {
-            match events.recv().await {
+            let event = tokio::select! {
+                event = events.recv() => event,
+                Some(()) = giving_back.next(), if !giving_back.is_empty() => continue,
+            };
+            match event {
                 Ok(LayerEvent::Recall(recall)) => {
                     // A grant of this directory whose reply comes from now on is not taken.
                     self.leases.recalled(recall.gfid);
-                    // Files made here and still deferred, open or not, go to the brick first,
-                    // after what is queued behind: their creators were told they exist, and
-                    // the close of one closed without a FLUSH could not report a create
-                    // refused once the lease is gone.
-                    self.let_writers_close(recall.gfid).await;
-                    self.settle_dir(Some(recall.gfid)).await;
-                    // What the kernel was told from the mount's descriptions and entries goes
-                    // stale with the lease: another client is about to change it.
-                    let described = self.leases.described_in(&recall.gfid);
-                    let names = self.leases.names_told(&recall.gfid);
-                    let held = self.leases.release(&recall.gfid);
-                    // Data written behind reaches the brick before the lease goes back, so
-                    // the recalling client sees it (writes from now on go through).
-                    self.send_writes_behind(None).await;
-                    self.invalidate_attrs(&described).await;
-                    self.invalidate_entries(&recall.gfid, names).await;
-                    let give_back = Lease {
-                        gfid: recall.gfid,
-                        kind: recall.kind,
-                    };
-                    match held {
-                        // Changes made under it go first.
-                        Some(LeaseKind::Write) => {
-                            let touches = [recall.gfid];
-                            self.behind
-                                .push(&Creds::root(), give_back.into(), &touches)
-                                .await;
-                        }
-                        // Nothing was changed under a read lease, or nothing is held (a grant
-                        // whose reply has not arrived yet is not taken when it does): back at
-                        // once.
-                        Some(_) | None => {
-                            let _ = self.layer.call(&Creds::root(), give_back.into()).await;
-                        }
-                    }
-                    // Noted again once the lease is given back (or queued behind, where a
-                    // listing waits for it): a grant asked before could be of the lease
-                    // just given back.
-                    self.leases.recalled(recall.gfid);
+                    giving_back.push(self.give_back(recall));
                 }
                 Ok(LayerEvent::LeasesLost)
                 | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
