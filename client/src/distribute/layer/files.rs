@@ -125,6 +125,7 @@ impl<L: Layer> Distribute<L> {
             Ok(before) => look = before.unwrap_or(look),
             // Moved away since: made again there. Nowhere else (unlinked): the reply stands.
             Err(Error::Fop(ErrorCode::Stale)) => {
+                self.mark_moved_through(file).await;
                 return match self.follow_home(file).await {
                     Ok(true) => self
                         .call_moved(creds, file, &fop)
@@ -213,6 +214,24 @@ impl<L: Layer> Distribute<L> {
             "an open file follows its finished move"
         );
         Ok(true)
+    }
+
+    /// Gives the source of a finished move, reached through `file` after its name went, a
+    /// link file's mode again: a change through this fd took it off, and the copy's mark
+    /// could not be put back by GFID. A change through another fd opened before the move
+    /// then finds it moved and follows it, instead of staying on the removed copy.
+    async fn mark_moved_through(&self, file: &FileFd<L::Fd>) {
+        let attr = kiln_wire::SetAttr {
+            mode: Mode::new(LINK_FILE_MODE),
+            ..kiln_wire::SetAttr::default()
+        };
+        let mark = FdFop::new(|fd| kiln_wire::Fsetattr { fd, attr }.into());
+        let Ok(brick) = self.bricks.get(file.brick) else {
+            return;
+        };
+        if let Err(e) = brick.call_fd(&Creds::root(), &file.fd, mark).await {
+            tracing::debug!(error = %e, "a moved file's source could not be marked again");
+        }
     }
 
     /// The fd of open file `file` on brick `to`, where it is moving or has moved, opened the
