@@ -47,13 +47,12 @@ impl RingOp for SetAttrs {
 
 /// SETATTR's calls on the object `fd` holds, as the calling thread's credentials allow.
 /// `/proc/self/fd/N` ends at the object itself; it is followed only for calls that have no
-/// `AT_EMPTY_PATH` form (an `O_PATH` fd takes no `fchmod`), and callers never pass a symlink
-/// with a mode.
+/// `AT_EMPTY_PATH` form and that an `O_PATH` fd does not take (`fchmod`: only then, a new
+/// file's open fd takes it), and callers never pass a symlink with a mode.
 pub fn set_attrs(fd: BorrowedFd<'_>, attr: &SetAttr) -> Result<(), Errno> {
-    let path = super::fd_path(&fd);
     if let Some(size) = attr.size {
         let flags = OFlags::WRONLY | OFlags::CLOEXEC | OFlags::NONBLOCK;
-        let file = rustix::fs::open(&*path, flags, Mode::empty())?;
+        let file = rustix::fs::open(&*super::fd_path(&fd), flags, Mode::empty())?;
         rustix::fs::ftruncate(&file, size)?;
     }
     if attr.uid.is_some() || attr.gid.is_some() {
@@ -62,7 +61,11 @@ pub fn set_attrs(fd: BorrowedFd<'_>, attr: &SetAttr) -> Result<(), Errno> {
         rustix::fs::chownat(fd, c"", uid, gid, AtFlags::EMPTY_PATH)?;
     }
     if let Some(mode) = attr.mode {
-        rustix::fs::chmod(&*path, Mode::from_raw_mode(mode.bits()))?;
+        let mode = Mode::from_raw_mode(mode.bits());
+        match rustix::fs::fchmod(fd, mode) {
+            Err(Errno::BADF) => rustix::fs::chmod(&*super::fd_path(&fd), mode)?,
+            done => done?,
+        }
     }
     if attr.atime.is_some() || attr.mtime.is_some() {
         let times = rustix::fs::Timestamps {

@@ -41,32 +41,37 @@ pub struct Link {
     pub new_name: CString,
 }
 
-/// Gives an open file with no name (an `O_TMPFILE`) the name `new_dir/new_name`:
-/// `linkat(AT_FDCWD, "/proc/self/fd/N", new_dir, new_name, AT_SYMLINK_FOLLOW)`, which needs no
-/// privilege beyond the caller's right to make the name (unlike `AT_EMPTY_PATH`).
+/// Gives an open file with no name (an `O_TMPFILE`) the name `new_dir/new_name`, from its fd.
+/// A privileged step (the brick's own, or a root caller's, which keeps the brick's
+/// capabilities) links it as `linkat(fd, "", new_dir, new_name, AT_EMPTY_PATH)`, which needs
+/// `CAP_DAC_READ_SEARCH`; any other caller through `/proc/self/fd/N`
+/// (`linkat(AT_FDCWD, path, …, AT_SYMLINK_FOLLOW)`), which needs no privilege beyond the right to
+/// make the name but costs a walk of four components, the `/proc` ones among the slowest.
 #[derive(Debug)]
 pub struct LinkFile {
     pub file: FileRef,
     pub new_dir: DirFd,
     pub new_name: CString,
-    /// `/proc/self/fd/N` of `file`, set once the file is known.
+    privileged: bool,
+    /// `/proc/self/fd/N` of `file`, set once the file is known (unprivileged only).
     path: CString,
 }
 
 impl LinkFile {
-    /// Links the file an earlier step of the chain opened.
-    pub fn chain_file(new_dir: DirFd, new_name: CString) -> LinkFile {
+    /// Links the file an earlier step of the chain opened; `privileged` as the type says.
+    pub fn chain_file(new_dir: DirFd, new_name: CString, privileged: bool) -> LinkFile {
         LinkFile {
             file: FileRef::Chain,
             new_dir,
             new_name,
+            privileged,
             path: CString::default(),
         }
     }
 
-    /// Links the file `held` (a plain fd, `O_PATH` or not) while it has a name.
+    /// Links the file `held` (a plain fd, `O_PATH` or not) while it has a name, as the brick.
     pub fn of(held: &DirFd, new_dir: DirFd, new_name: CString) -> LinkFile {
-        let mut link = LinkFile::chain_file(new_dir, new_name);
+        let mut link = LinkFile::chain_file(new_dir, new_name, true);
         link.resolve_chain_file(&FileRef::Fd(held.clone()));
         link
     }
@@ -164,39 +169,54 @@ impl RingOp for Link {
 impl RingOp for LinkFile {
     const OPCODE: Option<(u8, &'static str)> = Some((opcode::LinkAt::CODE, "linkat"));
 
-    /// Only a plain fd has a `/proc/self/fd` path.
+    /// `linkat` takes no direct descriptor, and only a plain fd has a `/proc/self/fd` path.
     fn on_ring(&self) -> bool {
         matches!(self.file, FileRef::Fd(_))
     }
 
     fn sqe(&self, _buf: &mut Buf, _slot: Option<u32>) -> squeue::Entry {
-        let cwd = types::Fd(libc::AT_FDCWD);
-        opcode::LinkAt::new(
-            cwd,
-            self.path.as_ptr(),
-            types::Fd(raw(&self.new_dir)),
-            self.new_name.as_ptr(),
-        )
-        .flags(libc::AT_SYMLINK_FOLLOW)
-        .build()
+        let new_dir = types::Fd(raw(&self.new_dir));
+        let link = match &self.file {
+            FileRef::Fd(fd) if self.privileged => opcode::LinkAt::new(
+                types::Fd(raw(fd)),
+                c"".as_ptr(),
+                new_dir,
+                self.new_name.as_ptr(),
+            )
+            .flags(libc::AT_EMPTY_PATH),
+            _ => opcode::LinkAt::new(
+                types::Fd(libc::AT_FDCWD),
+                self.path.as_ptr(),
+                new_dir,
+                self.new_name.as_ptr(),
+            )
+            .flags(libc::AT_SYMLINK_FOLLOW),
+        };
+        link.build()
     }
 
     fn blocking(self) -> StepResult {
-        super::plain(&self.file)?;
-        value(rustix::fs::linkat(
-            rustix::fs::CWD,
-            &*self.path,
-            &self.new_dir,
-            &*self.new_name,
-            AtFlags::SYMLINK_FOLLOW,
-        ))
+        let fd = super::plain(&self.file)?;
+        value(if self.privileged {
+            rustix::fs::linkat(fd, c"", &self.new_dir, &*self.new_name, AtFlags::EMPTY_PATH)
+        } else {
+            rustix::fs::linkat(
+                rustix::fs::CWD,
+                &*self.path,
+                &self.new_dir,
+                &*self.new_name,
+                AtFlags::SYMLINK_FOLLOW,
+            )
+        })
     }
 
     fn resolve_chain_file(&mut self, opened: &FileRef) {
         if matches!(self.file, FileRef::Chain) {
             self.file = opened.clone();
         }
-        if let FileRef::Fd(fd) = &self.file {
+        if let FileRef::Fd(fd) = &self.file
+            && !self.privileged
+        {
             self.path = super::fd_path(fd);
         }
     }

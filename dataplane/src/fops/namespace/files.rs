@@ -84,16 +84,21 @@ impl<E: Exec> Fops<E> {
             chain.push::<()>(Step::caller(attr, creds).barrier());
         }
         // Both links from the open file, so the handle is made even when the name fails (and
-        // then undone): it never names another object that held the name.
+        // then undone): it never names another object that held the name. A root caller acts
+        // with the brick's own capabilities.
         let named = chain.push(Step::caller(
-            op::LinkFile::chain_file(dir.clone(), name.clone()),
+            op::LinkFile::chain_file(dir.clone(), name.clone(), creds.uid == 0),
             creds,
         ));
         let handle = chain.push(Step::brick(op::LinkFile::chain_file(
             self.brick.handle_dir(&file.gfid).clone(),
             Brick::handle_name(&file.gfid),
+            true,
         )));
-        let stat = chain.push(Step::brick(op::Statx::of(dir, name)));
+        // The file itself, not its name: no lookup, and nothing another fop renamed there.
+        let stat = chain.push(Step::brick(op::Fstat {
+            file: FileRef::Chain,
+        }));
         let post = chain.push(Step::brick(op::Fstat::dir(dir)));
         let steps = FileSteps {
             pre,
