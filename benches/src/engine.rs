@@ -19,6 +19,13 @@
 //! flight up to the target's `threads` ([`std_loop::threads_for`]). Each target's ratio is
 //! against the std row of its thread count at the same depth, measured just before it.
 //!
+//! A second reference, `layout_loop`, makes for create and unlink the system calls the
+//! GlusterFS layout itself asks for, with nothing of the engine around them: create is an
+//! `O_TMPFILE` file, its `trusted.gfid`, the write, the name and the handle
+//! (`.glusterfs/XX/YY/<gfid>`) linked from the fd; unlink removes the handle and the name. Its
+//! rows (against the std loop, same threads) say how much of a target's distance from the std
+//! loop the layout accounts for, and the placement notes put it beside the targets.
+//!
 //! After each depth an `engine.placement` note per phase puts the targets' ops/s side by side
 //! with where each io_uring target's work ran, per file of the phase (its ring counters):
 //! chains run inline on an idle worker, chains that went to the ring, calls on the blocking
@@ -152,6 +159,61 @@ fn std_phase(
         _ => std::fs::remove_file(path(i)),
     })
     .with_context(|| format!("std loop {phase}"))?;
+    Ok(ops)
+}
+
+/// The phases the layout reference has: the others make no call the layout adds.
+const LAYOUT_PHASES: [&str; 2] = ["create", "unlink"];
+
+/// One phase of the layout reference (see the module doc) on `threads` threads over the
+/// files under `base`, file `i` with GFID `gfid(i, 0xf1)` as the targets' files have.
+fn layout_phase(
+    base: &std::path::Path,
+    phase: &str,
+    files: usize,
+    dirs: usize,
+    threads: usize,
+    data: &[u8],
+) -> anyhow::Result<f64> {
+    use rustix::fs::{AtFlags, CWD, XattrFlags};
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let dir = |i: usize| base.join(format!("d{}", i % dirs));
+    let handle = |i: usize| {
+        let g = gfid(i, 0xf1).to_string();
+        base.join(".glusterfs")
+            .join(&g[0..2])
+            .join(&g[2..4])
+            .join(g)
+    };
+    for i in 0..files {
+        if let Some(parent) = handle(i).parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+    }
+    let (ops, _) = std_loop::run(threads, files, false, |i| {
+        if phase == "unlink" {
+            std::fs::remove_file(handle(i))?;
+            return std::fs::remove_file(dir(i).join(format!("f{i:07}")));
+        }
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .mode(0o644)
+            .custom_flags(libc::O_TMPFILE)
+            .open(dir(i))?;
+        rustix::fs::fsetxattr(
+            &file,
+            "trusted.gfid",
+            gfid(i, 0xf1).as_bytes(),
+            XattrFlags::CREATE,
+        )?;
+        file.write_all(data)?;
+        let name = dir(i).join(format!("f{i:07}"));
+        rustix::fs::linkat(&file, "", CWD, &name, AtFlags::EMPTY_PATH)?;
+        rustix::fs::linkat(&file, "", CWD, handle(i), AtFlags::EMPTY_PATH)?;
+        Ok(())
+    })
+    .with_context(|| format!("layout loop {phase}"))?;
     Ok(ops)
 }
 
@@ -369,6 +431,26 @@ fn depth_rows(
             out.print(&r);
             records.push(r);
             table.insert(phase, reference, ops, None);
+        }
+        let base = scratch.path().join(format!("layout-q{depth}-t{threads}"));
+        for d in 0..bench.dirs {
+            std::fs::create_dir_all(base.join(format!("d{d}")))?;
+        }
+        for phase in LAYOUT_PHASES {
+            let ops = layout_phase(&base, phase, bench.files, bench.dirs, threads, data)?;
+            let reference = std_reference(threads);
+            let mut r = Record::new(
+                &format!("engine.{phase}"),
+                "layout_loop",
+                json!({ "files": bench.files, "dirs": bench.dirs, "depth": depth,
+                        "threads": threads }),
+                &reference,
+            );
+            r.ops_per_s = Some(ops);
+            r.ratio = Some(ops / table.ops(phase, &reference)?);
+            out.print(&r);
+            records.push(r);
+            table.insert(phase, format!("layout_loop threads={threads}"), ops, None);
         }
     }
     for (target, config) in targets {

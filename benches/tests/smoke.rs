@@ -101,6 +101,24 @@ fn engine_workload_runs_and_reports_every_target() {
             }
         }
     }
+    // The layout's own system calls, for the phases the layout adds calls to only.
+    for depth in [1, 8] {
+        let layout = |workload: &str| {
+            records.iter().any(|r| {
+                r["target"] == "layout_loop"
+                    && r["workload"] == workload
+                    && r["params"]["depth"] == depth
+            })
+        };
+        assert!(
+            layout("engine.create") && layout("engine.unlink"),
+            "depth {depth}"
+        );
+        assert!(
+            !layout("engine.stat") && !layout("engine.open_close"),
+            "depth {depth}"
+        );
+    }
     for target in ["std_loop", "blocking", "uring"] {
         assert!(
             records
