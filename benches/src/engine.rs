@@ -141,80 +141,113 @@ fn root() -> Creds {
     Creds::root()
 }
 
-/// One phase of the std loop on `threads` threads over the files under `base`.
-fn std_phase(
-    base: &std::path::Path,
-    phase: &str,
-    files: usize,
-    dirs: usize,
-    threads: usize,
-    data: &[u8],
-) -> anyhow::Result<f64> {
-    use std::io::Write as _;
-    let path = |i: usize| base.join(format!("d{}", i % dirs)).join(format!("f{i:07}"));
-    let (ops, _) = std_loop::run(threads, files, false, |i| match phase {
-        "create" => std::fs::File::create(path(i))?.write_all(data),
-        "stat" => std::fs::symlink_metadata(path(i)).map(drop),
-        "open_close" => std::fs::File::open(path(i)).map(drop),
-        _ => std::fs::remove_file(path(i)),
-    })
-    .with_context(|| format!("std loop {phase}"))?;
-    Ok(ops)
+/// A reference made of plain system calls on OS threads (see the module doc).
+#[derive(Debug, Clone, Copy)]
+enum Reference {
+    /// What `std::fs` makes of each phase.
+    Std,
+    /// The calls the GlusterFS layout asks for on create and unlink.
+    Layout,
 }
 
-/// The phases the layout reference has: the others make no call the layout adds.
-const LAYOUT_PHASES: [&str; 2] = ["create", "unlink"];
+impl Reference {
+    fn name(self) -> &'static str {
+        match self {
+            Reference::Std => "std_loop",
+            Reference::Layout => "layout_loop",
+        }
+    }
 
-/// One phase of the layout reference (see the module doc) on `threads` threads over the
-/// files under `base`, file `i` with GFID `gfid(i, 0xf1)` as the targets' files have.
-fn layout_phase(
-    base: &std::path::Path,
+    /// Its phases: the layout adds no call to stat or open_close.
+    fn phases(self) -> &'static [&'static str] {
+        match self {
+            Reference::Std => &PHASES,
+            Reference::Layout => &["create", "unlink"],
+        }
+    }
+
+    /// Its name in the rows' `reference` and the placement notes, on `threads` threads.
+    fn row(self, threads: usize) -> String {
+        format!("{} threads={threads}", self.name())
+    }
+
+    /// One phase on `threads` threads over the files under `base`, file `i` in directory
+    /// `d{i % dirs}` with the GFID the targets' file `i` has: files per second.
+    fn run(
+        self,
+        base: &std::path::Path,
+        phase: &str,
+        files: usize,
+        dirs: usize,
+        threads: usize,
+        data: &[u8],
+    ) -> anyhow::Result<f64> {
+        let dir = |i: usize| base.join(format!("d{}", i % dirs));
+        let handle = |i: usize| {
+            let g = gfid(i, 0xf1).to_string();
+            base.join(".glusterfs")
+                .join(&g[0..2])
+                .join(&g[2..4])
+                .join(g)
+        };
+        if let Reference::Layout = self {
+            for i in 0..files {
+                if let Some(parent) = handle(i).parent() {
+                    std::fs::create_dir_all(parent)?;
+                }
+            }
+        }
+        let (ops, _) = std_loop::run(threads, files, false, |i| {
+            let path = dir(i).join(format!("f{i:07}"));
+            match self {
+                Reference::Std => std_op(phase, &path, data),
+                Reference::Layout => layout_op(phase, i, &path, &handle(i), data),
+            }
+        })
+        .with_context(|| format!("{} {phase}", self.name()))?;
+        Ok(ops)
+    }
+}
+
+/// What `std::fs` makes of `phase` on the file at `path`.
+fn std_op(phase: &str, path: &std::path::Path, data: &[u8]) -> std::io::Result<()> {
+    use std::io::Write as _;
+    match phase {
+        "create" => std::fs::File::create(path)?.write_all(data),
+        "stat" => std::fs::symlink_metadata(path).map(drop),
+        "open_close" => std::fs::File::open(path).map(drop),
+        _ => std::fs::remove_file(path),
+    }
+}
+
+/// The layout's calls for `phase` on file `i`, named `path`, with its handle at `handle`:
+/// create makes it unnamed in its directory, gives it its GFID and data, then both names.
+fn layout_op(
     phase: &str,
-    files: usize,
-    dirs: usize,
-    threads: usize,
+    i: usize,
+    path: &std::path::Path,
+    handle: &std::path::Path,
     data: &[u8],
-) -> anyhow::Result<f64> {
+) -> std::io::Result<()> {
     use rustix::fs::{AtFlags, CWD, XattrFlags};
     use std::io::Write as _;
     use std::os::unix::fs::OpenOptionsExt as _;
-    let dir = |i: usize| base.join(format!("d{}", i % dirs));
-    let handle = |i: usize| {
-        let g = gfid(i, 0xf1).to_string();
-        base.join(".glusterfs")
-            .join(&g[0..2])
-            .join(&g[2..4])
-            .join(g)
-    };
-    for i in 0..files {
-        if let Some(parent) = handle(i).parent() {
-            std::fs::create_dir_all(parent)?;
-        }
+    if phase == "unlink" {
+        std::fs::remove_file(handle)?;
+        return std::fs::remove_file(path);
     }
-    let (ops, _) = std_loop::run(threads, files, false, |i| {
-        if phase == "unlink" {
-            std::fs::remove_file(handle(i))?;
-            return std::fs::remove_file(dir(i).join(format!("f{i:07}")));
-        }
-        let mut file = std::fs::OpenOptions::new()
-            .write(true)
-            .mode(0o644)
-            .custom_flags(libc::O_TMPFILE)
-            .open(dir(i))?;
-        rustix::fs::fsetxattr(
-            &file,
-            "trusted.gfid",
-            gfid(i, 0xf1).as_bytes(),
-            XattrFlags::CREATE,
-        )?;
-        file.write_all(data)?;
-        let name = dir(i).join(format!("f{i:07}"));
-        rustix::fs::linkat(&file, "", CWD, &name, AtFlags::EMPTY_PATH)?;
-        rustix::fs::linkat(&file, "", CWD, handle(i), AtFlags::EMPTY_PATH)?;
-        Ok(())
-    })
-    .with_context(|| format!("layout loop {phase}"))?;
-    Ok(ops)
+    let dir = path.parent().unwrap_or(path);
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .mode(0o644)
+        .custom_flags(libc::O_TMPFILE)
+        .open(dir)?;
+    let id = gfid(i, 0xf1);
+    rustix::fs::fsetxattr(&file, "trusted.gfid", id.as_bytes(), XattrFlags::CREATE)?;
+    file.write_all(data)?;
+    rustix::fs::linkat(&file, "", CWD, path, AtFlags::EMPTY_PATH)?;
+    rustix::fs::linkat(&file, "", CWD, handle, AtFlags::EMPTY_PATH)?;
+    Ok(())
 }
 
 /// The files of one target's phases: `count` files spread over the directories `dirs`,
@@ -411,46 +444,31 @@ fn depth_rows(
     let mut records = Vec::new();
     let mut table = PlacementTable::new(depth);
     for &threads in &std_threads {
-        let base = scratch.path().join(format!("std-q{depth}-t{threads}"));
-        for d in 0..bench.dirs {
-            std::fs::create_dir_all(base.join(format!("d{d}")))?;
-        }
-        for phase in PHASES {
-            let ops = std_phase(&base, phase, bench.files, bench.dirs, threads, data)?;
-            let reference = std_reference(threads);
-            let mut r = Record::new(
-                &format!("engine.{phase}"),
-                "std_loop",
-                json!({ "files": bench.files, "dirs": bench.dirs, "depth": depth,
-                        "threads": threads }),
-                &reference,
-            );
-            r.ops_per_s = Some(ops);
-            // The reference's own row.
-            r.ratio = Some(1.0);
-            out.print(&r);
-            records.push(r);
-            table.insert(phase, reference, ops, None);
-        }
-        let base = scratch.path().join(format!("layout-q{depth}-t{threads}"));
-        for d in 0..bench.dirs {
-            std::fs::create_dir_all(base.join(format!("d{d}")))?;
-        }
-        for phase in LAYOUT_PHASES {
-            let ops = layout_phase(&base, phase, bench.files, bench.dirs, threads, data)?;
-            let reference = std_reference(threads);
-            let mut r = Record::new(
-                &format!("engine.{phase}"),
-                "layout_loop",
-                json!({ "files": bench.files, "dirs": bench.dirs, "depth": depth,
-                        "threads": threads }),
-                &reference,
-            );
-            r.ops_per_s = Some(ops);
-            r.ratio = Some(ops / table.ops(phase, &reference)?);
-            out.print(&r);
-            records.push(r);
-            table.insert(phase, format!("layout_loop threads={threads}"), ops, None);
+        for reference in [Reference::Std, Reference::Layout] {
+            let base = scratch
+                .path()
+                .join(format!("{}-q{depth}-t{threads}", reference.name()));
+            for d in 0..bench.dirs {
+                std::fs::create_dir_all(base.join(format!("d{d}")))?;
+            }
+            for &phase in reference.phases() {
+                let ops = reference.run(&base, phase, bench.files, bench.dirs, threads, data)?;
+                // The std loop of this thread count is every reference's reference, its own
+                // row's too.
+                table.insert(phase, reference.row(threads), ops, None);
+                let std = std_reference(threads);
+                let mut r = Record::new(
+                    &format!("engine.{phase}"),
+                    reference.name(),
+                    json!({ "files": bench.files, "dirs": bench.dirs, "depth": depth,
+                            "threads": threads }),
+                    &std,
+                );
+                r.ops_per_s = Some(ops);
+                r.ratio = Some(ops / table.ops(phase, &std)?);
+                out.print(&r);
+                records.push(r);
+            }
         }
     }
     for (target, config) in targets {
@@ -491,7 +509,7 @@ fn depth_rows(
 
 /// The name of the std loop reference on `threads` threads.
 fn std_reference(threads: usize) -> String {
-    format!("std_loop threads={threads}")
+    Reference::Std.row(threads)
 }
 
 /// Makes the `dirs` directories the phases spread their files over; returns their GFIDs.
