@@ -40,6 +40,7 @@ per_engine!(
     ftruncate_runs_as_the_caller_on_the_open_file,
     lock_waits_hold_no_thread_and_end_with_their_session,
     readdirp_needs_search_permission_as_stat_does,
+    new_files_are_named_without_cap_dac_read_search,
 );
 
 fn create_write_read_release(kind: EngineKind) {
@@ -163,6 +164,44 @@ fn put_small_files_and_retry(kind: EngineKind) {
             .expect("put");
     }
     assert_eq!(h.list(dir).expect("list").len(), 202);
+    h.assert_consistent();
+}
+
+/// A brick without `CAP_DAC_READ_SEARCH` cannot link an open file another identity opened
+/// from its fd (a user's new file, to its handle): it names new files through `/proc/self/fd`
+/// instead, and PUT and CREATE still make whole files with their handles. (The set is dropped
+/// on this thread before the engine starts: its threads inherit it.)
+fn new_files_are_named_without_cap_dac_read_search(kind: EngineKind) {
+    use rustix::thread::{CapabilitySet, capabilities, set_capabilities};
+    // From the permitted set too, or the first switch back from a user to root would restore
+    // it. Capabilities are per thread, and libtest runs each test on a thread of its own,
+    // which ends with it.
+    let mut dropped = capabilities(None).expect("capget");
+    dropped.effective.remove(CapabilitySet::DAC_READ_SEARCH);
+    dropped.permitted.remove(CapabilitySet::DAC_READ_SEARCH);
+    set_capabilities(None, dropped).expect("capset");
+    let h = Harness::new(kind);
+    assert!(!h.brick.link_by_fd);
+    let dir = h.mkdir_as(&root(), Gfid::ROOT, "d", 0o777).expect("mkdir");
+    let put = h.put_as(&user(1000), dir, "put", b"by PUT").expect("put");
+    let created = h.gfid();
+    let create = Create {
+        parent: dir,
+        name: name("created"),
+        gfid: created,
+        access: AccessMode::ReadWrite,
+        flags: OpenFlags::EXCL,
+        mode: mode(0o640),
+        umask: mode(0),
+    };
+    let FopReply::Create(c) = h.call(&root(), create).expect("create") else {
+        panic!("not a CREATE reply")
+    };
+    h.call(&root(), Release { fd: c.fd }).expect("release");
+    assert_eq!(h.lookup(dir, "put").expect("lookup").gfid, put);
+    assert_eq!(h.lookup(dir, "created").expect("lookup").gfid, created);
+    assert_eq!(h.read_all(put).expect("read"), b"by PUT");
+    // Each with its handle: the layout is whole.
     h.assert_consistent();
 }
 

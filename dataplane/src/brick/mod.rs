@@ -91,6 +91,9 @@ pub struct Brick {
     /// Whether the file system makes unnamed files (`O_TMPFILE`): new regular files are then
     /// made whole before they get their name (`crate::fops::namespace`).
     pub tmpfile: bool,
+    /// Whether the brick may name an open file from its fd (`linkat(AT_EMPTY_PATH)`, which
+    /// needs `CAP_DAC_READ_SEARCH`); else it goes through `/proc/self/fd/N`.
+    pub link_by_fd: bool,
 }
 
 fn io_err(path: &Path) -> impl Fn(Errno) -> BrickError + '_ {
@@ -226,6 +229,7 @@ impl Brick {
             .map(|_| std::sync::atomic::AtomicU64::new(0))
             .collect();
         let tmpfile = makes_unnamed_files(&pending);
+        let link_by_fd = may_link_by_fd();
         Ok(Brick {
             path: path.to_owned(),
             id,
@@ -234,6 +238,7 @@ impl Brick {
             pending,
             handle_parents,
             tmpfile,
+            link_by_fd,
         })
     }
 
@@ -372,6 +377,16 @@ fn makes_unnamed_files(dir: &DirFd) -> bool {
         tracing::info!(error = %e, "no O_TMPFILE on the brick's file system: creates use intent records");
     }
     made.is_ok()
+}
+
+fn may_link_by_fd() -> bool {
+    use rustix::thread::{CapabilitySet, capabilities};
+    let may =
+        capabilities(None).is_ok_and(|c| c.effective.contains(CapabilitySet::DAC_READ_SEARCH));
+    if !may {
+        tracing::info!("no CAP_DAC_READ_SEARCH: new files are linked through /proc/self/fd");
+    }
+    may
 }
 
 fn require_root() -> Result<(), BrickError> {

@@ -43,8 +43,8 @@ pub struct Link {
 
 /// Gives an open file with no name (an `O_TMPFILE`) the name `new_dir/new_name`, from its fd.
 /// A privileged step (the brick's own, or a root caller's, which keeps the brick's
-/// capabilities) links it as `linkat(fd, "", new_dir, new_name, AT_EMPTY_PATH)`, which needs
-/// `CAP_DAC_READ_SEARCH`; any other caller through `/proc/self/fd/N`
+/// capabilities, when those include `CAP_DAC_READ_SEARCH`: `Brick::link_by_fd`) links it as
+/// `linkat(fd, "", new_dir, new_name, AT_EMPTY_PATH)`; any other through `/proc/self/fd/N`
 /// (`linkat(AT_FDCWD, path, …, AT_SYMLINK_FOLLOW)`), which needs no privilege beyond the right to
 /// make the name but costs a walk of four components, the `/proc` ones among the slowest.
 #[derive(Debug)]
@@ -69,9 +69,9 @@ impl LinkFile {
         }
     }
 
-    /// Links the file `held` (a plain fd, `O_PATH` or not) while it has a name, as the brick.
-    pub fn of(held: &DirFd, new_dir: DirFd, new_name: CString) -> LinkFile {
-        let mut link = LinkFile::chain_file(new_dir, new_name, true);
+    /// Links the file `held` (a plain fd, `O_PATH` or not) while it has a name.
+    pub fn of(held: &DirFd, new_dir: DirFd, new_name: CString, privileged: bool) -> LinkFile {
+        let mut link = LinkFile::chain_file(new_dir, new_name, privileged);
         link.resolve_chain_file(&FileRef::Fd(held.clone()));
         link
     }

@@ -86,14 +86,15 @@ impl<E: Exec> Fops<E> {
         // Both links from the open file, so the handle is made even when the name fails (and
         // then undone): it never names another object that held the name. A root caller acts
         // with the brick's own capabilities.
+        let by_fd = self.brick.link_by_fd;
         let named = chain.push(Step::caller(
-            op::LinkFile::chain_file(dir.clone(), name.clone(), creds.uid == 0),
+            op::LinkFile::chain_file(dir.clone(), name.clone(), by_fd && creds.uid == 0),
             creds,
         ));
         let handle = chain.push(Step::brick(op::LinkFile::chain_file(
             self.brick.handle_dir(&file.gfid).clone(),
             Brick::handle_name(&file.gfid),
-            true,
+            by_fd,
         )));
         // The file itself, not its name: no lookup, and nothing another fop renamed there.
         let stat = chain.push(Step::brick(op::Fstat {

@@ -134,6 +134,7 @@ impl<E: Exec> Fops<E> {
             held,
             self.brick.handle_dir(gfid).clone(),
             Brick::handle_name(gfid),
+            self.brick.link_by_fd,
         );
         match self.run1(Step::brick(link)).await {
             // The handle never went (its unlink failed).
