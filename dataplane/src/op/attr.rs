@@ -46,9 +46,9 @@ impl RingOp for SetAttrs {
 }
 
 /// SETATTR's calls on the object `fd` holds, as the calling thread's credentials allow.
-/// `/proc/self/fd/N` ends at the object itself; it is followed only for calls that have no
-/// `AT_EMPTY_PATH` form and that an `O_PATH` fd does not take (`fchmod`: only then, a new
-/// file's open fd takes it), and callers never pass a symlink with a mode.
+/// `/proc/self/fd/N` ends at the object itself; it is followed only for what has no
+/// `AT_EMPTY_PATH` form: a truncate, and a mode on an `O_PATH` fd (an open file, such as a
+/// PUT's new one, takes `fchmod`). Callers never pass a symlink with a mode.
 pub fn set_attrs(fd: BorrowedFd<'_>, attr: &SetAttr) -> Result<(), Errno> {
     if let Some(size) = attr.size {
         let flags = OFlags::WRONLY | OFlags::CLOEXEC | OFlags::NONBLOCK;

@@ -58,7 +58,7 @@ pub struct LinkFile {
 }
 
 impl LinkFile {
-    /// Links the file an earlier step of the chain opened; `privileged` as the type says.
+    /// Links the file an earlier step of the chain opened; `privileged`: see the type.
     pub fn chain_file(new_dir: DirFd, new_name: CString, privileged: bool) -> LinkFile {
         LinkFile {
             file: FileRef::Chain,
