@@ -41,6 +41,7 @@ use anyhow::Context;
 use bytes::Bytes;
 use hdrhistogram::Histogram;
 use kiln_admin::control::RingStats;
+use kiln_dataplane::Brick;
 use kiln_dataplane::engine::{Engine, EngineConfig, EngineKind};
 use kiln_wire::*;
 use serde::Serialize;
@@ -129,6 +130,10 @@ fn name(i: usize) -> Name {
     Name::new(format!("f{i:07}")).unwrap_or_else(|_| unreachable!("short ascii name"))
 }
 
+/// The salt of file GFIDs: the targets' files and the layout loop's share them, and with them
+/// how the handles spread over `.glusterfs/XX/YY`.
+const FILE_SALT: u8 = 0xf1;
+
 fn gfid(i: usize, salt: u8) -> Gfid {
     let mut b = [0u8; 16];
     b[0] = salt;
@@ -183,14 +188,8 @@ impl Reference {
         data: &[u8],
     ) -> anyhow::Result<f64> {
         let dir = |i: usize| base.join(format!("d{}", i % dirs));
-        let handle = |i: usize| {
-            let g = gfid(i, 0xf1).to_string();
-            base.join(".glusterfs")
-                .join(&g[0..2])
-                .join(&g[2..4])
-                .join(g)
-        };
-        if let Reference::Layout = self {
+        let handle = |i: usize| base.join(Brick::handle_path(&gfid(i, FILE_SALT)));
+        if let (Reference::Layout, "create") = (self, phase) {
             for i in 0..files {
                 if let Some(parent) = handle(i).parent() {
                     std::fs::create_dir_all(parent)?;
@@ -201,7 +200,7 @@ impl Reference {
             let path = dir(i).join(format!("f{i:07}"));
             match self {
                 Reference::Std => std_op(phase, &path, data),
-                Reference::Layout => layout_op(phase, i, &path, &handle(i), data),
+                Reference::Layout => layout_op(phase, &gfid(i, FILE_SALT), &path, &handle(i), data),
             }
         })
         .with_context(|| format!("{} {phase}", self.name()))?;
@@ -220,11 +219,11 @@ fn std_op(phase: &str, path: &std::path::Path, data: &[u8]) -> std::io::Result<(
     }
 }
 
-/// The layout's calls for `phase` on file `i`, named `path`, with its handle at `handle`:
+/// The layout's calls for `phase` on file `id`, named `path`, with its handle at `handle`:
 /// create makes it unnamed in its directory, gives it its GFID and data, then both names.
 fn layout_op(
     phase: &str,
-    i: usize,
+    id: &Gfid,
     path: &std::path::Path,
     handle: &std::path::Path,
     data: &[u8],
@@ -242,7 +241,6 @@ fn layout_op(
         .mode(0o644)
         .custom_flags(libc::O_TMPFILE)
         .open(dir)?;
-    let id = gfid(i, 0xf1);
     rustix::fs::fsetxattr(&file, "trusted.gfid", id.as_bytes(), XattrFlags::CREATE)?;
     file.write_all(data)?;
     rustix::fs::linkat(&file, "", CWD, path, AtFlags::EMPTY_PATH)?;
@@ -478,7 +476,7 @@ fn depth_rows(
         let files = Files {
             count: bench.files,
             dirs: Arc::new(make_dirs(rt, &engine, bench.dirs)?),
-            ids: Arc::new((0..bench.files).map(|i| gfid(i, 0xf1)).collect()),
+            ids: Arc::new((0..bench.files).map(|i| gfid(i, FILE_SALT)).collect()),
             data: data.clone(),
         };
         for phase in PHASES {
