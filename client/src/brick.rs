@@ -155,7 +155,7 @@ impl BrickClient {
             quic::endpoint_config(),
             None,
             socket,
-            Arc::new(quinn::TokioRuntime),
+            quic::QuicRuntime::new(quic::Spawn::Runtime),
         )
         .map_err(|e| connect_error(&options, e))?;
         let client = BrickClient {

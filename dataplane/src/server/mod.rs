@@ -404,6 +404,6 @@ fn endpoint(
         quic::endpoint_config(),
         Some(config),
         socket,
-        Arc::new(quinn::TokioRuntime),
+        quic::QuicRuntime::new(quic::Spawn::Local),
     )
 }

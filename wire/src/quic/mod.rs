@@ -20,6 +20,10 @@ use quinn::{RecvStream, SendStream, VarInt};
 use crate::limits::{FRAME_BODY_LEN_MAX_BYTES, FRAME_HEADER_LEN_BYTES};
 use crate::{DecodeError, EncodeError, Header, Message};
 
+mod runtime;
+
+pub use runtime::{QuicRuntime, Spawn};
+
 /// The TLS application protocol name. Versions are negotiated by HELLO, not by ALPN, so a
 /// client of another version gets a clear answer instead of a failed handshake.
 pub const ALPN: &[u8] = b"kiln";
