@@ -10,6 +10,7 @@
 //! * A stream whose frame does not decode is reset with [`StreamCode::BadFrame`]; other
 //!   streams and the connection carry on.
 
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -201,7 +202,20 @@ pub async fn read_message(recv: &mut RecvStream) -> Result<Message, StreamError>
     read_exact(recv, &mut head).await?;
     let header = Header::decode(&head)?;
     let body = read_body(recv, header.body_len as usize).await?;
+    take_end(recv);
     Ok(Message::decode(&header, body)?)
+}
+
+/// Takes the stream's end if it came with the frame, as it does when the peer finishes right
+/// after writing (both ends do): a stream dropped before its end was read sends STOP_SENDING,
+/// which goes out in a packet of its own once the call is over and costs the peer an ACK in
+/// another, two datagrams each way per call instead of one. Never waits: a peer that has not
+/// finished yet is answered all the same.
+fn take_end(recv: &mut RecvStream) {
+    let mut end = std::pin::pin!(recv.read_chunk(1, true));
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    // Bytes past the frame, or no end yet: the stream is dropped unread, as before.
+    let _ = end.as_mut().poll(&mut cx);
 }
 
 async fn read_exact(recv: &mut RecvStream, buf: &mut [u8]) -> Result<(), StreamError> {
