@@ -1,5 +1,5 @@
 //! quinn's I/O on tokio, as [`quinn::TokioRuntime`] does it, less two costs a round trip paid
-//! there (`docs/benchmarks.md`, "where a PING's time goes beyond TCP's"):
+//! there (`docs/benchmarks.md`, "one `epoll_wait` per round trip on the brick, not three"):
 //!
 //! * **The socket is watched for reading only.** tokio's `UdpSocket` asks epoll for write
 //!   readiness too, edge-triggered, and every datagram sent wakes the socket's waiters with
