@@ -44,12 +44,7 @@ async fn spaced_calls() {
     let (server, cert) = server_endpoint(UdpSocket::bind("127.0.0.1:0").expect("bind"));
     let server_addr = server.local_addr().expect("address");
     let answering = tokio::task::spawn_local(async move {
-        let connection = server
-            .accept()
-            .await
-            .expect("incoming")
-            .await
-            .expect("handshake");
+        let connection = accept(&server).await;
         for _ in 0..CALLS {
             let (mut send, mut recv) = connection.accept_bi().await.expect("a call");
             let Message::Request(Request {
@@ -155,12 +150,7 @@ async fn transfer() -> Vec<u8> {
     let (server, cert) = server_endpoint(UdpSocket::bind("127.0.0.1:0").expect("bind"));
     let server_addr = server.local_addr().expect("address");
     let reader = tokio::task::spawn_local(async move {
-        let connection = server
-            .accept()
-            .await
-            .expect("incoming")
-            .await
-            .expect("handshake");
+        let connection = accept(&server).await;
         let (_, mut recv) = connection.accept_bi().await.expect("a stream");
         recv.read_to_end(2 * SENT_BYTES).await.expect("read")
     });
@@ -193,6 +183,16 @@ fn server_endpoint(socket: UdpSocket) -> (quinn::Endpoint, CertificateDer<'stati
     )
     .expect("server endpoint");
     (endpoint, cert)
+}
+
+/// The next connection `server` accepts, handshake done.
+async fn accept(server: &quinn::Endpoint) -> quinn::Connection {
+    server
+        .accept()
+        .await
+        .expect("incoming")
+        .await
+        .expect("handshake")
 }
 
 /// A client endpoint on `socket`, its drivers on the runtime, connected to `server`.
