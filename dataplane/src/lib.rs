@@ -6,8 +6,8 @@
 //! blocking engine ([`exec`]) — running on the brick's worker threads ([`workers`], driven by
 //! [`engine`]), the per-client fd tables, the GFID and directory-fd caches, start-up repair and
 //! the check command ([`recovery`]), directory leases ([`leases`]), and the QUIC server
-//! ([`server`]). It is the only crate with `unsafe` code, fenced in the ring module
-//! (`exec::uring::ring`).
+//! ([`server`]). Its `unsafe` code is fenced in the ring module (`exec::uring::ring`) and in
+//! [`sys`], two xattr system calls rustix does not wrap yet.
 //!
 //! It is not the protocol (that is `kiln-wire`), not configuration storage (that is
 //! `kiln-mgmt`), and not a client.
@@ -26,6 +26,7 @@ pub mod op;
 pub mod profile;
 pub mod recovery;
 pub mod server;
+pub mod sys;
 pub mod workers;
 
 pub use brick::{Brick, BrickError};

@@ -100,7 +100,7 @@ fn dir_at_target(brick: &Brick, target: &[u8], gfid: &Gfid) -> bool {
     let Ok(parent_dir) = open_dir_by_gfid(brick, &parent, 0) else {
         return false;
     };
-    matches!(read_gfid(&proc_path(&parent_dir, &cstr(&name))), Ok(Some(g)) if g == *gfid)
+    matches!(read_gfid(&parent_dir, &cstr(&name)), Ok(Some(g)) if g == *gfid)
 }
 
 /// A record's name and, when Kiln made it, what it says.
@@ -213,7 +213,7 @@ fn settle_dir(brick: &Brick, record: &CString, dir_gfid: &Gfid) -> Result<bool, 
         let file = lstat(&dir, &name_c)
             .is_ok_and(|st| u32::from(st.stx_mode) & libc::S_IFMT != libc::S_IFDIR);
         let Some(gfid) = file
-            .then(|| read_gfid(&proc_path(&dir, &name_c)))
+            .then(|| read_gfid(&dir, &name_c))
             .transpose()?
             .flatten()
         else {
@@ -247,7 +247,7 @@ fn settle_new(brick: &Brick, record: &CString, gfid: &Gfid) -> Result<bool, Errn
         return Ok(false);
     };
     let path = proc_path(&parent_dir, &name_c);
-    let committed = match read_gfid(&path)? {
+    let committed = match read_gfid(&parent_dir, &name_c)? {
         None => {
             ignore_missing(rustix::fs::lsetxattr(
                 &*path,
@@ -275,10 +275,7 @@ fn remove_orphan_handle(brick: &Brick, gfid: &Gfid) -> Result<(), Errno> {
     let Ok(st) = lstat(brick.handle_dir(gfid), &handle) else {
         return Ok(());
     };
-    let own = read_gfid(&proc_path(brick.handle_dir(gfid), &handle))
-        .ok()
-        .flatten()
-        == Some(*gfid);
+    let own = read_gfid(brick.handle_dir(gfid), &handle).ok().flatten() == Some(*gfid);
     let orphan = if is_symlink(&st) && !own {
         let target = rustix::fs::readlinkat(brick.handle_dir(gfid), &*handle, Vec::new())?;
         !dir_at_target(brick, target.as_bytes(), gfid)
@@ -298,7 +295,7 @@ fn remove_orphan_handle(brick: &Brick, gfid: &Gfid) -> Result<(), Errno> {
 fn settle_del(brick: &Brick, record: &CString, gfid: &Gfid) -> Result<bool, Errno> {
     let pending = &brick.pending;
     let st = lstat(pending, record)?;
-    let own = read_gfid(&proc_path(pending, record))?.is_some_and(|g| g == *gfid);
+    let own = read_gfid(pending, record)?.is_some_and(|g| g == *gfid);
     let still_named = if is_symlink(&st) && !own {
         let target = rustix::fs::readlinkat(pending, &**record, Vec::new())?;
         dir_at_target(brick, target.as_bytes(), gfid)
@@ -402,7 +399,7 @@ pub fn check(brick: &Brick, repair_found: bool) -> Result<CheckReport, Errno> {
                 continue;
             };
             let path = proc_path(&dir, &name_c);
-            let gfid = match read_gfid(&path)? {
+            let gfid = match read_gfid(&dir, &name_c)? {
                 Some(g) => Some(g),
                 None => {
                     report.missing_gfid += 1;
@@ -525,7 +522,7 @@ fn check_index(brick: &Brick, report: &mut CheckReport, fix: bool) -> Result<(),
                 let Ok(st) = lstat(&yy_dir, &name_c) else {
                     continue;
                 };
-                let own = read_gfid(&proc_path(&yy_dir, &name_c))? == Some(gfid);
+                let own = read_gfid(&yy_dir, &name_c)? == Some(gfid);
                 let (bad, counter) = if is_symlink(&st) && !own {
                     (
                         open_dir_by_gfid(brick, &gfid, 0).is_err(),

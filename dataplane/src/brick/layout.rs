@@ -3,7 +3,7 @@
 //! an object that lacks a GFID or a handle. Plain blocking calls: the fops run them on the
 //! blocking pool, start-up repair and `check` directly.
 
-use std::ffi::CString;
+use std::ffi::{CStr, CString};
 use std::sync::Arc;
 
 use kiln_wire::{Gfid, Name};
@@ -12,13 +12,15 @@ use rustix::io::Errno;
 
 use super::{Brick, GFID_XATTR, intent};
 use crate::op::{DirFd, cstr, proc_path};
+use crate::sys;
 
 type R<T> = Result<T, Errno>;
 
-/// Reads `trusted.gfid` of the object at `path` (not following a final symlink).
-pub fn read_gfid(path: &CString) -> R<Option<Gfid>> {
+/// Reads `trusted.gfid` of `name` in `dir` (not following a final symlink; an empty name is
+/// `dir` itself).
+pub fn read_gfid(dir: &DirFd, name: &CStr) -> R<Option<Gfid>> {
     let mut buf = [0u8; 16];
-    match rustix::fs::lgetxattr(&**path, GFID_XATTR, &mut buf[..]) {
+    match sys::lgetxattr_at(dir, name, GFID_XATTR, &mut buf[..]) {
         Ok(16) => Ok(Gfid::from_bytes(buf)),
         Ok(_) | Err(Errno::NODATA) => Ok(None),
         Err(e) => Err(e),
@@ -69,7 +71,7 @@ pub fn open_dir_by_gfid(brick: &Brick, gfid: &Gfid, depth: usize) -> R<DirFd> {
         }
     };
     let dir = Arc::new(fd);
-    match read_gfid(&proc_path(&dir, c""))? {
+    match read_gfid(&dir, c"")? {
         Some(found) if found == *gfid => Ok(dir),
         _ => Err(not_a_dir_or_stale(brick, gfid)),
     }
@@ -80,7 +82,7 @@ fn open_through_parent(brick: &Brick, gfid: &Gfid, depth: usize) -> R<std::os::f
     let handle = Brick::handle_name(gfid);
     // Only a handle the brick made (a symlink without a GFID of its own) names a parent and a
     // name; a user's symlink carries its own GFID and text the client chose.
-    if read_gfid(&proc_path(brick.handle_dir(gfid), &handle))? == Some(*gfid) {
+    if read_gfid(brick.handle_dir(gfid), &handle)? == Some(*gfid) {
         return Err(Errno::NOTDIR);
     }
     let target = rustix::fs::readlinkat(brick.handle_dir(gfid), &*handle, Vec::new())?;
@@ -104,9 +106,7 @@ fn not_a_dir_or_stale(brick: &Brick, gfid: &Gfid) -> Errno {
         rustix::fs::StatxFlags::TYPE,
     ) {
         Ok(st) if u32::from(st.stx_mode) & libc::S_IFMT != libc::S_IFLNK => Errno::NOTDIR,
-        Ok(_) if read_gfid(&proc_path(brick.handle_dir(gfid), &handle)) == Ok(Some(*gfid)) => {
-            Errno::NOTDIR
-        }
+        Ok(_) if read_gfid(brick.handle_dir(gfid), &handle) == Ok(Some(*gfid)) => Errno::NOTDIR,
         _ => Errno::STALE,
     }
 }
@@ -120,8 +120,7 @@ pub fn read_or_heal_gfid(
     name: &CString,
     is_dir: bool,
 ) -> R<Gfid> {
-    let path = proc_path(dir, name);
-    let gfid = match read_gfid(&path)? {
+    let gfid = match read_gfid(dir, name)? {
         Some(g) => g,
         // Being created right now: its GFID is on the way; the name does not exist yet.
         None if intent::create_in_flight(brick, parent, name.as_bytes())? => {
@@ -130,14 +129,14 @@ pub fn read_or_heal_gfid(
         None => {
             let g = super::new_gfid();
             match rustix::fs::lsetxattr(
-                &*path,
+                &*proc_path(dir, name),
                 GFID_XATTR,
                 g.as_bytes(),
                 rustix::fs::XattrFlags::CREATE,
             ) {
                 Ok(()) => {}
                 // Another fop assigned one first: use it.
-                Err(Errno::EXIST) => return read_gfid(&path)?.ok_or(Errno::IO),
+                Err(Errno::EXIST) => return read_gfid(dir, name)?.ok_or(Errno::IO),
                 Err(e) => return Err(e),
             }
             tracing::info!(gfid = %g, "assigned a gfid to an object that had none");

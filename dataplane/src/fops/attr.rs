@@ -2,13 +2,14 @@
 
 use kiln_wire::{
     AccessMask, AttrChange, AttrReply, Creds, FsStats, Gfid, LookupReply, LookupXattrsReply, Name,
-    ReadlinkReply, SetAttr, StatfsReply, SymlinkTarget, XattrPresence,
+    ReadlinkReply, SetAttr, StatfsReply, SymlinkTarget,
 };
 use rustix::fs::AtFlags;
 use rustix::io::Errno;
 
 use super::chain::Chain;
 use super::resolve::Named;
+use super::xattr::presence_at;
 use super::{Fops, R, iatt};
 use crate::brick::Brick;
 use crate::creds::ActAs;
@@ -45,12 +46,13 @@ impl<E: Exec> Fops<E> {
             iatt,
             parent: parent_iatt,
         } = self.lookup(creds, parent, name).await?;
+        // On the worker: the name was just looked up, so its inode (and the xattrs ext4 keeps
+        // in it) is in memory, and `listxattrat` walks one name.
         let dir = self.dir(parent).await?;
-        let presence = self.xattr_presence(&dir, vec![cstr(name.as_bytes())]).await;
         Ok(LookupXattrsReply {
             iatt,
             parent: parent_iatt,
-            xattrs: presence.first().copied().unwrap_or(XattrPresence::UNKNOWN),
+            xattrs: presence_at(&dir, &cstr(name.as_bytes())),
         })
     }
 

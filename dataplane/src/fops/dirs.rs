@@ -1,6 +1,6 @@
 //! Directories: OPENDIR (and OPENDIR_LIST, with its first entries), READDIR, READDIRP,
-//! FSYNCDIR. io_uring has no getdents: listings are read on the blocking pool; READDIRP's
-//! entry stats run inline.
+//! FSYNCDIR. io_uring has no getdents: a listing is read on the blocking pool, its entries'
+//! stats and xattr presence in the same call (one hand-off per READDIRP).
 
 use std::os::fd::AsFd;
 use std::sync::{Arc, Mutex};
@@ -8,17 +8,19 @@ use std::sync::{Arc, Mutex};
 use kiln_wire::{
     Creds, DirEntry, DirEntryPlus, DirEntryXattrs, FdId, FileType, Gfid, LeaseKind, Name,
     OpenReply, OpendirList, OpendirListReply, ReaddirReply, ReaddirpReply, ReaddirpXattrsReply,
+    XattrPresence,
 };
 use rustix::fs::AtFlags;
 use rustix::io::Errno;
 
+use super::xattr::presence_at;
 use super::{Fops, R, iatt, lock};
 use crate::brick::GLUSTERFS_DIR;
 use crate::creds::ActAs;
 use crate::exec::Exec;
 use crate::fdtable::{OpenFile, OpenKind, SessionId};
 use crate::op::fd_path;
-use crate::op::{self, DirFd, FileRef, Stat, Step, cstr};
+use crate::op::{self, DirFd, FileRef, Step, cstr};
 
 /// Reply bytes a READDIR entry costs besides its name.
 const READDIR_ENTRY_BYTES: usize = 24;
@@ -122,37 +124,66 @@ impl<E: Exec> Fops<E> {
         offset: u64,
         size: u32,
     ) -> R<ReaddirpReply> {
+        let (listed, eof) = self.list(session, creds, fd, offset, size, false).await?;
+        let entries = listed.into_iter().map(|(e, _)| e).collect();
+        Ok(ReaddirpReply { entries, eof })
+    }
+
+    /// The entries of open directory `fd` from cookie `offset`, with their attributes and,
+    /// when `probe` is set, the presence of the probed xattrs ([`XattrPresence::UNKNOWN`]
+    /// otherwise); and whether the end was reached.
+    async fn list(
+        &self,
+        session: SessionId,
+        creds: &Creds,
+        fd: FdId,
+        offset: u64,
+        size: u32,
+        probe: bool,
+    ) -> R<(Vec<(DirEntryPlus, XattrPresence)>, bool)> {
         let (gfid, dir, stream) = self.dir_fd(session, fd)?;
         let (listing, size, root) = (dir.clone(), size as usize, gfid.is_root());
         let creds = creds.clone();
-        // The names and their stats in one call on the blocking pool: a stat that has to read
-        // its inode from disk holds up no worker. An entry that vanished meanwhile is left
-        // out, and does not cancel the rest.
-        let (cookies, named, eof): (Vec<u64>, Vec<(Name, Stat)>, bool) = self
+        // The names, their stats and what xattrs they have in one call on the blocking pool:
+        // a stat that has to read its inode from disk holds up no worker. An entry that
+        // vanished meanwhile is left out, and does not cancel the rest.
+        let (cookies, named, xattrs, eof) = self
             .exec
             .blocking(move || {
                 may_search(&creds, &listing)?;
                 let (names, eof) =
                     read_dir(&listing, &stream, root, offset, size, READDIRP_ENTRY_BYTES)?;
-                let statted = names.into_iter().filter_map(|e| {
-                    let stat = op::lstat_at(&listing, &cstr(&e.name)).ok()?;
-                    Some((e.cookie, (Name::new(e.name).ok()?, stat)))
-                });
-                let (cookies, named) = statted.unzip();
-                Ok((cookies, named, eof))
+                let (mut cookies, mut named, mut xattrs) = (Vec::new(), Vec::new(), Vec::new());
+                for e in names {
+                    let name_c = cstr(&e.name);
+                    let Ok(stat) = op::lstat_at(&listing, &name_c) else {
+                        continue;
+                    };
+                    let Ok(name) = Name::new(e.name) else {
+                        continue;
+                    };
+                    xattrs.push(match probe {
+                        true => presence_at(&listing, &name_c),
+                        false => XattrPresence::UNKNOWN,
+                    });
+                    cookies.push(e.cookie);
+                    named.push((name, stat));
+                }
+                Ok::<_, Errno>((cookies, named, xattrs, eof))
             })
             .await?;
         let gfids = self.gfids_at(&gfid, &dir, &named).await;
-        let entries = (cookies.into_iter().zip(named).zip(gfids))
-            .filter_map(|((offset, (name, stat)), g)| {
-                Some(DirEntryPlus {
+        let entries = (cookies.into_iter().zip(named).zip(gfids).zip(xattrs))
+            .filter_map(|(((offset, (name, stat)), g), xattrs)| {
+                let entry = DirEntryPlus {
                     offset,
                     name,
                     iatt: iatt(&stat, g.ok()?),
-                })
+                };
+                Some((entry, xattrs))
             })
             .collect();
-        Ok(ReaddirpReply { entries, eof })
+        Ok((entries, eof))
     }
 
     /// OPENDIR_LIST: OPENDIR, then READDIRP_XATTRS from the start through the new fd; the
@@ -201,15 +232,9 @@ impl<E: Exec> Fops<E> {
         offset: u64,
         size: u32,
     ) -> R<ReaddirpXattrsReply> {
-        let ReaddirpReply { entries, eof } =
-            self.readdirp(session, creds, fd, offset, size).await?;
-        let (_, dir, _) = self.dir_fd(session, fd)?;
-        let names = entries.iter().map(|e| cstr(e.name.as_bytes())).collect();
-        let presence = self.xattr_presence(&dir, names).await;
-        debug_assert_eq!(presence.len(), entries.len());
-        let entries = entries
+        let (listed, eof) = self.list(session, creds, fd, offset, size, true).await?;
+        let entries = listed
             .into_iter()
-            .zip(presence)
             .map(|(e, xattrs)| DirEntryXattrs {
                 offset: e.offset,
                 name: e.name,

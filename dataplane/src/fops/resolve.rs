@@ -310,7 +310,7 @@ impl<E: Exec> Fops<E> {
         let g = *gfid;
         let own = self
             .exec
-            .blocking(move || read_gfid(&proc_path(brick.handle_dir(&g), &Brick::handle_name(&g))))
+            .blocking(move || read_gfid(brick.handle_dir(&g), &Brick::handle_name(&g)))
             .await;
         own == Ok(Some(*gfid))
     }

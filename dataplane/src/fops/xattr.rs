@@ -4,7 +4,7 @@
 //! read by clients but never changed (but for GlusterFS's distribution xattrs, which clients
 //! own).
 
-use std::ffi::{CStr, CString};
+use std::ffi::CStr;
 
 use bytes::Bytes;
 use kiln_wire::{
@@ -17,8 +17,8 @@ use super::{Fops, R};
 use crate::brick::GFID_XATTR;
 use crate::creds::ActAs;
 use crate::exec::Exec;
-use crate::op::fd_path;
 use crate::op::{DirFd, cstr};
+use crate::sys;
 
 /// Longest list of xattr names a presence check reads, in bytes; an object with a longer one
 /// is answered [`XattrPresence::UNKNOWN`] (its client asks).
@@ -149,30 +149,11 @@ impl<E: Exec> Fops<E> {
     }
 }
 
-impl<E: Exec> Fops<E> {
-    /// Which probed xattrs each of `names` in directory `dir` has, listed on the blocking
-    /// pool in one hand-off. Presence is not a secret (listxattr(2) needs no permission on
-    /// the object), so the brick lists as itself.
-    pub(super) async fn xattr_presence(
-        &self,
-        dir: &DirFd,
-        names: Vec<CString>,
-    ) -> Vec<XattrPresence> {
-        let dir = dir.clone();
-        self.exec
-            .blocking(move || names.iter().map(|n| presence_at(&dir, n)).collect())
-            .await
-    }
-}
-
 /// Which probed xattrs `name` in `dir` has (not following a symlink: a client asks about
 /// the object the name is); [`XattrPresence::UNKNOWN`] when it cannot be listed.
-fn presence_at(dir: &DirFd, name: &CStr) -> XattrPresence {
-    let mut path = fd_path(dir).into_bytes();
-    path.push(b'/');
-    path.extend_from_slice(name.to_bytes());
+pub(super) fn presence_at(dir: &DirFd, name: &CStr) -> XattrPresence {
     let mut list = [0u8; PRESENCE_LIST_LEN_MAX_BYTES];
-    match rustix::fs::llistxattr(&*cstr(&path), &mut list[..]) {
+    match sys::llistxattr_at(dir, name, &mut list[..]) {
         Ok(len) => XattrPresence::of_list(&list[..len]),
         Err(_) => XattrPresence::UNKNOWN,
     }
