@@ -18,8 +18,8 @@ use rustix::path::Arg;
 
 use crate::op::{DirFd, proc_path};
 
-/// `getxattrat`'s and `listxattrat`'s numbers: new calls take one number on every
-/// architecture (the generic table and x86's agree since Linux 5.1's unification).
+/// `getxattrat`'s and `listxattrat`'s numbers: calls added since Linux 5.1 take the same
+/// number on every architecture but alpha.
 const SYS_GETXATTRAT: libc::c_long = 464;
 const SYS_LISTXATTRAT: libc::c_long = 465;
 
@@ -41,17 +41,17 @@ pub fn lgetxattr_at(
     attr: &str,
     value: &mut [u8],
 ) -> Result<usize, Errno> {
-    if !XATTRAT_MISSING.load(Ordering::Relaxed) {
+    let at = |value: &mut [u8]| {
         let args = XattrArgs {
             value: value.as_mut_ptr() as u64,
             size: u32::try_from(value.len()).unwrap_or(u32::MAX),
             flags: 0,
         };
-        let got = attr.into_with_c_str(|attr| {
+        attr.into_with_c_str(|attr| {
             // SAFETY: `name` and `attr` are NUL-terminated; `args` points at `value`, which
             // outlives the call and is at least `args.size` bytes long; the kernel writes at
             // most that many; `dir` is an open fd for the call's length.
-            let ret = unsafe {
+            result(unsafe {
                 libc::syscall(
                     SYS_GETXATTRAT,
                     dir.as_raw_fd(),
@@ -61,23 +61,20 @@ pub fn lgetxattr_at(
                     &args as *const XattrArgs,
                     size_of::<XattrArgs>(),
                 )
-            };
-            result(ret)
-        });
-        match got {
-            Err(Errno::NOSYS) => XATTRAT_MISSING.store(true, Ordering::Relaxed),
-            done => return done,
-        }
-    }
-    rustix::fs::lgetxattr(&*proc_path(dir, name), attr, value)
+            })
+        })
+    };
+    at_or_proc(value, at, |value| {
+        rustix::fs::lgetxattr(&*proc_path(dir, name), attr, value)
+    })
 }
 
 /// `llistxattr` of `name` in `dir` into `list`: the list's length.
 pub fn llistxattr_at(dir: &DirFd, name: &CStr, list: &mut [u8]) -> Result<usize, Errno> {
-    if !XATTRAT_MISSING.load(Ordering::Relaxed) {
+    let at = |list: &mut [u8]| {
         // SAFETY: `name` is NUL-terminated; the kernel writes at most `list.len()` bytes into
         // `list`, which outlives the call; `dir` is an open fd for the call's length.
-        let ret = unsafe {
+        result(unsafe {
             libc::syscall(
                 SYS_LISTXATTRAT,
                 dir.as_raw_fd(),
@@ -86,13 +83,27 @@ pub fn llistxattr_at(dir: &DirFd, name: &CStr, list: &mut [u8]) -> Result<usize,
                 list.as_mut_ptr(),
                 list.len(),
             )
-        };
-        match result(ret) {
+        })
+    };
+    at_or_proc(list, at, |list| {
+        rustix::fs::llistxattr(&*proc_path(dir, name), list)
+    })
+}
+
+/// `at` into `buf`, or `proc` (the `/proc/self/fd` path) once the kernel said it lacks the
+/// `*xattrat` calls.
+fn at_or_proc(
+    buf: &mut [u8],
+    at: impl FnOnce(&mut [u8]) -> Result<usize, Errno>,
+    proc: impl FnOnce(&mut [u8]) -> Result<usize, Errno>,
+) -> Result<usize, Errno> {
+    if !XATTRAT_MISSING.load(Ordering::Relaxed) {
+        match at(buf) {
             Err(Errno::NOSYS) => XATTRAT_MISSING.store(true, Ordering::Relaxed),
             done => return done,
         }
     }
-    rustix::fs::llistxattr(&*proc_path(dir, name), list)
+    proc(buf)
 }
 
 /// The directory itself for an empty name (`.`, not followed further), as [`proc_path`] does.

@@ -150,7 +150,9 @@ impl<E: Exec> Fops<E> {
 }
 
 /// Which probed xattrs `name` in `dir` has (not following a symlink: a client asks about
-/// the object the name is); [`XattrPresence::UNKNOWN`] when it cannot be listed.
+/// the object the name is); [`XattrPresence::UNKNOWN`] when it cannot be listed. Presence is
+/// not a secret (listxattr(2) needs no permission on the object), so the brick lists as
+/// itself.
 pub(super) fn presence_at(dir: &DirFd, name: &CStr) -> XattrPresence {
     let mut list = [0u8; PRESENCE_LIST_LEN_MAX_BYTES];
     match sys::llistxattr_at(dir, name, &mut list[..]) {
