@@ -389,7 +389,8 @@ impl BrickClient {
             capabilities: Capabilities::LEASES
                 .union(Capabilities::XATTR_PRESENCE)
                 .union(Capabilities::GET)
-                .union(Capabilities::OPENDIR_LIST),
+                .union(Capabilities::OPENDIR_LIST)
+                .union(Capabilities::LISTED_ATTRS),
             client_name: Label::new(options.client_name.clone().into_bytes())
                 .map_err(|e| Error::Tls(format!("client name: {e}")))?,
         };
@@ -648,6 +649,12 @@ impl Layer for BrickClient {
     fn leases(&self) -> bool {
         self.current()
             .is_some_and(|live| live.hello.capabilities.contains(Capabilities::LEASES))
+    }
+
+    fn listed_attrs(&self) -> bool {
+        let wanted = Capabilities::LEASES.union(Capabilities::LISTED_ATTRS);
+        self.current()
+            .is_some_and(|live| live.hello.capabilities.contains(wanted))
     }
 
     fn events(&self) -> tokio::sync::broadcast::Receiver<LayerEvent> {

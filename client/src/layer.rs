@@ -120,6 +120,10 @@ pub trait Layer: Send + Sync + 'static {
     /// Whether the layers below can hold directory leases (LEASE, and RECALL events).
     fn leases(&self) -> bool;
 
+    /// Whether a directory lease below also covers the attributes its listings returned
+    /// (capability `LISTED_ATTRS`): they may be kept until it is recalled.
+    fn listed_attrs(&self) -> bool;
+
     /// The events from below: lease recalls, and the loss of every lease with the session
     /// that held them. A receiver that falls behind (`Lagged`) must assume its leases lost.
     fn events(&self) -> broadcast::Receiver<LayerEvent>;

@@ -114,6 +114,10 @@ impl<L: Layer> Layer for Counting<L> {
         self.below.leases()
     }
 
+    fn listed_attrs(&self) -> bool {
+        self.below.listed_attrs()
+    }
+
     fn events(&self) -> tokio::sync::broadcast::Receiver<kiln_client::LayerEvent> {
         self.below.events()
     }

@@ -253,6 +253,94 @@ fn a_held_directory_is_listed_again_without_the_brick_and_never_stale() {
     assert_brick_consistent(&a);
 }
 
+/// A listing kept under a lease outlives the attribute lifetime: the brick recalls the lease
+/// before another mount changes what the listing returned — a file's mode, its size through
+/// an fd, a new name for it — so the next listing shows each change. A file with two names
+/// is kept only for the attribute lifetime: removing its other name recalls nothing here.
+#[test]
+fn a_kept_listing_lasts_until_another_mount_changes_what_it_listed() {
+    let metrics = common::free_loopback_addr();
+    let brick_args = counted(&metrics);
+    let mut a = Mounted::with_brick(&brick_args, &[]);
+    fs::create_dir(a.path("d")).expect("mkdir");
+    fs::create_dir(a.path("e")).expect("mkdir");
+    make_files(&a.path("d"), 5);
+    fsync_dir(&a.path("d")).expect("sent");
+    a.unmount();
+    a.mount(&[]);
+    let ls = |m: &Path| sh_ok(m, "ls -ln d");
+    // The `ls -ln` field of `name`: 1 the link count, 4 the size.
+    let field = |listing: &str, name: &str, at: usize| {
+        let line = listing.lines().find(|l| l.ends_with(&format!(" {name}")));
+        let line = line.unwrap_or_else(|| panic!("{name} not listed:\n{listing}"));
+        line.split_whitespace().nth(at).expect("field").to_owned()
+    };
+    let past_the_attribute_lifetime = Duration::from_millis(1500);
+
+    let listed = |before: &prometheus_parse::Scrape, after: &prometheus_parse::Scrape| {
+        common::fop_calls(after, "OPENDIR_LIST") - common::fop_calls(before, "OPENDIR_LIST")
+    };
+    // Listed until a listing is kept: the first mount's leases may be in the way until the
+    // brick has seen its session end.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let first = loop {
+        let first = ls(&a.mountpoint);
+        let before = common::scrape(&metrics);
+        ls(&a.mountpoint);
+        if listed(&before, &common::scrape(&metrics)) == 0.0 {
+            break first;
+        }
+        assert!(Instant::now() < deadline, "no listing kept");
+    };
+    std::thread::sleep(past_the_attribute_lifetime);
+    let before = common::scrape(&metrics);
+    let second = ls(&a.mountpoint);
+    let after = common::scrape(&metrics);
+    assert_eq!(first, second);
+    assert_eq!(
+        listed(&before, &after),
+        0.0,
+        "kept past the attribute lifetime"
+    );
+
+    let b = a.another("b", &[]);
+    fs::set_permissions(
+        b.path("d/f1"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )
+    .expect("chmod in b");
+    assert!(
+        ls(&a.mountpoint).contains("-rw------- 1 0 0 6 "),
+        "the mode set in b"
+    );
+    let mut append = fs::OpenOptions::new()
+        .append(true)
+        .open(b.path("d/f2"))
+        .expect("open in b");
+    ls(&a.mountpoint);
+    std::io::Write::write_all(&mut append, b" and more").expect("append in b");
+    drop(append);
+    assert_eq!(
+        field(&ls(&a.mountpoint), "f2", 4),
+        "15",
+        "the size written in b"
+    );
+    fs::hard_link(b.path("d/f3"), b.path("e/g3")).expect("link in b");
+    assert_eq!(
+        field(&ls(&a.mountpoint), "f3", 1),
+        "2",
+        "the name made in b"
+    );
+    fs::remove_file(b.path("e/g3")).expect("unlink in b");
+    std::thread::sleep(past_the_attribute_lifetime);
+    assert_eq!(
+        field(&ls(&a.mountpoint), "f3", 1),
+        "1",
+        "the name removed in b"
+    );
+    assert_brick_consistent(&a);
+}
+
 /// A walk through a tree: the subdirectories a listing shows are listed ahead, each under a
 /// read lease, so the walk opens them without the brick — and a change another mount makes in
 /// one of them afterwards is walked all the same (its lease is recalled first). With
@@ -308,6 +396,10 @@ fn a_walk_finds_its_subdirectories_listed_ahead_and_never_stale() {
     let again = walk(&a.mountpoint);
     assert!(again.lines().any(|l| l == "./d3/from-b"), "{again}");
     drop(b);
+    // That change recalled the leases on `d3` and on `top` (which lists `d3`'s times): past
+    // the brick's contention window (`features.lease-contention-ms`, 1 s) they are granted
+    // again.
+    std::thread::sleep(Duration::from_millis(1200));
 
     // Not listed ahead: each directory is listed when the walk opens it.
     a.unmount();

@@ -30,12 +30,16 @@ impl Capabilities {
     pub const GET: Capabilities = Capabilities(1 << 3);
     /// The brick answers OPENDIR_LIST.
     pub const OPENDIR_LIST: Capabilities = Capabilities(1 << 4);
+    /// A lease on a directory also covers the attributes of what a listing under it
+    /// returned: the brick recalls it before another session changes one of those objects.
+    pub const LISTED_ATTRS: Capabilities = Capabilities(1 << 5);
     /// Everything this build implements.
     pub const SUPPORTED: Capabilities = Self::INVALIDATE_EVENTS
         .union(Self::LEASES)
         .union(Self::XATTR_PRESENCE)
         .union(Self::GET)
-        .union(Self::OPENDIR_LIST);
+        .union(Self::OPENDIR_LIST)
+        .union(Self::LISTED_ATTRS);
 
     pub const fn union(self, other: Capabilities) -> Capabilities {
         Capabilities(self.0 | other.0)

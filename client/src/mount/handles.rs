@@ -449,7 +449,7 @@ impl<L: Layer> Shared<L> {
             self.prefetch.wait_for(&gfid).await;
         }
         let kept = match self.options.default_permissions {
-            true => self.leases.kept_listing(&gfid, self.options.attr_timeout),
+            true => self.kept_listing(&gfid),
             false => None,
         };
         let (fd, listing) = match kept {

@@ -14,9 +14,13 @@
 //!   it under a write lease, is recalled first), so its attributes cost no round trip.
 //! * A held directory's last listing from the start, when it came whole in one reply, is
 //!   kept ([`Leases::keep_listing`]) to answer the next one without the brick (GNU `rm -rf`
-//!   lists every directory twice), for as long as the kernel would keep its entries'
-//!   attributes itself and while nothing changed through the mount: the lease vouches for
-//!   the names, not for the attributes of the objects they name.
+//!   lists every directory twice; a `find` then an `ls -lR` of a tree lists every directory
+//!   again), while nothing changed through the mount. Where the brick's lease covers the
+//!   attributes its listings returned (capability `LISTED_ATTRS`: another client's change
+//!   to one of those objects recalls it) it is kept until the lease goes; otherwise, and
+//!   where it lists a file with several names (whose link count a removal elsewhere
+//!   changes without touching this directory), for as long as the kernel would keep its
+//!   entries' attributes itself.
 //! * A recall, a refused lease or a lost session ends a directory's hold: its entries, its
 //!   kept listing and the descriptions of its objects are forgotten, and fops there go to
 //!   the brick again (after the changes queued before them).
@@ -79,6 +83,8 @@ pub(super) struct Mark {
 struct Kept {
     began: Mark,
     entries: Arc<[DirEntryXattrs]>,
+    /// It lists a file with more than one name.
+    linked: bool,
 }
 
 #[derive(Debug, Default)]
@@ -95,9 +101,12 @@ struct State {
     recalled_since: u64,
     /// The last generation given to a hold.
     last_generation: u64,
-    /// Kept listings, oldest first, by directory and the generation they were kept at; at
-    /// most [`LISTINGS_KEPT_MAX`].
-    kept: VecDeque<(Gfid, u64)>,
+    /// Kept listings, oldest first, by directory, the generation they were kept at and
+    /// their length.
+    kept: VecDeque<(Gfid, u64, usize)>,
+    /// The lengths in `kept` (an entry for each listing, one for each of its entries): at
+    /// most [`LISTED_ENTRIES_KEPT_MAX`].
+    kept_entries: usize,
 }
 
 impl State {
@@ -121,8 +130,9 @@ const RECALLED_MAX: usize = 4096;
 /// Names per held directory the kernel may cache besides the entries the lease knows; past
 /// it, answers there are given uncached.
 const TOLD_NAMES_MAX: usize = 4096;
-/// Listings kept at once, each at most one READDIRP reply; past it the oldest is dropped.
-const LISTINGS_KEPT_MAX: usize = 64;
+/// Entries of kept listings (each listing counting one more), at most one READDIRP reply per
+/// listing; past it the oldest listings are dropped. ~250 bytes each: ~32 MiB at most.
+const LISTED_ENTRIES_KEPT_MAX: usize = 131_072;
 
 /// What a held directory says about a name.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -251,32 +261,42 @@ impl Leases {
         if held.generation != began.generation || changes != began.changes {
             return;
         }
-        held.listing = Some(Kept { began, entries });
-        state.kept.push_back((*dir, began.generation));
-        if state.kept.len() > LISTINGS_KEPT_MAX
-            && let Some((oldest, generation)) = state.kept.pop_front()
-            && let Some(held) = state.dirs.get_mut(&oldest)
-            && held
-                .listing
-                .as_ref()
-                .is_some_and(|k| k.began.generation == generation)
+        let linked =
+            (entries.iter()).any(|e| e.iatt.file_type != FileType::Directory && e.iatt.nlink > 1);
+        let len = entries.len() + 1;
+        held.listing = Some(Kept {
+            began,
+            entries,
+            linked,
+        });
+        state.kept.push_back((*dir, began.generation, len));
+        state.kept_entries += len;
+        while state.kept_entries > LISTED_ENTRIES_KEPT_MAX
+            && let Some((oldest, generation, len)) = state.kept.pop_front()
         {
-            held.listing = None;
+            state.kept_entries -= len;
+            if let Some(held) = state.dirs.get_mut(&oldest)
+                && (held.listing.as_ref()).is_some_and(|k| k.began.generation == generation)
+            {
+                held.listing = None;
+            }
         }
     }
 
     /// The listing kept of held directory `dir`, if nothing changed since it began and it
-    /// began less than `max_age` ago.
+    /// began less than `max_age` ago — or at any time, when the lease covers the attributes
+    /// (`covered`) and no file it lists has several names.
     pub(super) fn kept_listing(
         &self,
         dir: &Gfid,
         max_age: Duration,
+        covered: bool,
     ) -> Option<Arc<[DirEntryXattrs]>> {
         let changes = self.changes();
         let state = self.lock();
         let held = state.dirs.get(dir)?;
         let kept = held.listing.as_ref()?;
-        let fresh = kept.began.at.elapsed() < max_age;
+        let fresh = (covered && !kept.linked) || kept.began.at.elapsed() < max_age;
         let unchanged = kept.began.generation == held.generation && kept.began.changes == changes;
         (fresh && unchanged).then(|| kept.entries.clone())
     }
@@ -341,6 +361,7 @@ impl Leases {
         let mut state = self.lock();
         state.dirs.clear();
         state.kept.clear();
+        state.kept_entries = 0;
         state.local.drain().map(|(gfid, _)| gfid).collect()
     }
 
@@ -600,7 +621,7 @@ mod tests {
     }
 
     #[test]
-    fn a_listing_is_kept_only_while_nothing_changed_and_not_for_long() {
+    fn a_listing_is_kept_while_nothing_changed_and_for_as_long_as_it_is_covered() {
         let leases = Leases::default();
         let long = Duration::from_secs(60);
         assert!(leases.listing_mark(&gfid(1)).is_none(), "not held");
@@ -609,18 +630,25 @@ mod tests {
         let mark = leases.listing_mark(&gfid(1)).expect("held");
         leases.note_change();
         leases.keep_listing(&gfid(1), mark, [entry("a")].into());
-        assert!(leases.kept_listing(&gfid(1), long).is_none());
+        assert!(leases.kept_listing(&gfid(1), long, false).is_none());
         // Kept, and answered until the next change or past its age.
         let mark = leases.listing_mark(&gfid(1)).expect("held");
         leases.keep_listing(&gfid(1), mark, [entry("a")].into());
-        assert_eq!(leases.kept_listing(&gfid(1), long).expect("kept").len(), 1);
+        let kept = leases.kept_listing(&gfid(1), long, false);
+        assert_eq!(kept.expect("kept").len(), 1);
         assert!(
-            leases.kept_listing(&gfid(1), Duration::ZERO).is_none(),
+            leases
+                .kept_listing(&gfid(1), Duration::ZERO, false)
+                .is_none(),
             "too old"
+        );
+        assert!(
+            (leases.kept_listing(&gfid(1), Duration::ZERO, true)).is_some(),
+            "the lease covers the attributes: kept until it goes"
         );
         leases.note_change();
         assert!(
-            leases.kept_listing(&gfid(1), long).is_none(),
+            leases.kept_listing(&gfid(1), long, true).is_none(),
             "changed since"
         );
         // A hold released and taken again does not take a listing read under the first.
@@ -629,8 +657,20 @@ mod tests {
         leases.hold_read(gfid(1));
         leases.keep_listing(&gfid(1), mark, [entry("a")].into());
         assert!(
-            leases.kept_listing(&gfid(1), long).is_none(),
+            leases.kept_listing(&gfid(1), long, true).is_none(),
             "another hold"
+        );
+        // A file with two names: a removal of the other one would not recall this lease.
+        let mut linked = entry("b");
+        linked.iatt.nlink = 2;
+        let mark = leases.listing_mark(&gfid(1)).expect("held");
+        leases.keep_listing(&gfid(1), mark, [entry("a"), linked].into());
+        assert!(leases.kept_listing(&gfid(1), long, true).is_some());
+        assert!(
+            leases
+                .kept_listing(&gfid(1), Duration::ZERO, true)
+                .is_none(),
+            "only for the attribute lifetime"
         );
     }
 
@@ -638,22 +678,22 @@ mod tests {
     fn kept_listings_are_bounded() {
         let leases = Leases::default();
         let long = Duration::from_secs(60);
-        let dirs: Vec<Gfid> = (0..=LISTINGS_KEPT_MAX as u8)
-            .map(|n| gfid(n + 10))
-            .collect();
+        // Two listings fill the bound, each counting one more than its entries.
+        let half: Arc<[DirEntryXattrs]> = vec![entry("a"); LISTED_ENTRIES_KEPT_MAX / 2 - 1].into();
+        let dirs = [gfid(10), gfid(11), gfid(12)];
         for dir in &dirs {
             leases.hold_read(*dir);
             let mark = leases.listing_mark(dir).expect("held");
-            leases.keep_listing(dir, mark, [entry("a")].into());
+            leases.keep_listing(dir, mark, half.clone());
         }
         assert!(
-            leases.kept_listing(&dirs[0], long).is_none(),
+            leases.kept_listing(&dirs[0], long, true).is_none(),
             "the oldest went"
         );
         assert!(
             dirs[1..]
                 .iter()
-                .all(|d| leases.kept_listing(d, long).is_some())
+                .all(|d| leases.kept_listing(d, long, true).is_some())
         );
     }
 

@@ -15,8 +15,8 @@ use std::sync::Arc;
 
 use fuser::{Errno, FileAttr};
 use kiln_wire::{
-    Creds, FileType, FopReply, FopRequest, Gfid, Lease, LeaseKind, Name, Recall, RenameMode,
-    SetAttr, TimeSet,
+    Creds, DirEntryXattrs, FileType, FopReply, FopRequest, Gfid, Lease, LeaseKind, Name, Recall,
+    RenameMode, SetAttr, TimeSet,
 };
 
 use super::behind;
@@ -128,6 +128,13 @@ impl<L: Layer> Shared<L> {
     /// grants them.
     pub(super) fn uses_leases(&self) -> bool {
         self.options.leases && self.layer.leases()
+    }
+
+    /// The listing kept of held directory `dir`, if one may answer now
+    /// ([`super::leases::Leases::kept_listing`]).
+    pub(super) fn kept_listing(&self, dir: &Gfid) -> Option<Arc<[DirEntryXattrs]>> {
+        let (max_age, covered) = (self.options.attr_timeout, self.layer.listed_attrs());
+        self.leases.kept_listing(dir, max_age, covered)
     }
 
     /// MKNOD, MKDIR, SYMLINK or LINK (`fop`) as `c`: the new entry.

@@ -14,8 +14,8 @@ use tokio::sync::{Semaphore, watch};
 use super::shared::Shared;
 use crate::Layer;
 
-/// Subdirectories of one listing reply fetched ahead. A kept listing answers only within the
-/// kernel's attribute lifetime, and the mount keeps 64 at most: a walk must reach these first.
+/// Subdirectories of one listing reply fetched ahead. A kept listing may answer only within
+/// the kernel's attribute lifetime (`super::leases`): a walk must reach these first.
 pub(super) const PREFETCH_SUBDIRS_MAX: usize = 16;
 
 /// Listings the whole mount fetches ahead at once.
@@ -82,7 +82,7 @@ impl<L: Layer> Shared<L> {
             let (_listing, listing) = watch::channel(());
             {
                 let mut being_listed = self.prefetch.lock();
-                let kept = self.leases.kept_listing(&gfid, self.options.attr_timeout);
+                let kept = self.kept_listing(&gfid);
                 if kept.is_some() || being_listed.contains_key(&gfid) {
                     continue;
                 }

@@ -19,6 +19,7 @@ use crate::brick::GLUSTERFS_DIR;
 use crate::creds::ActAs;
 use crate::exec::Exec;
 use crate::fdtable::{OpenFile, OpenKind, SessionId};
+use crate::leases::Cover;
 use crate::op::fd_path;
 use crate::op::{self, DirFd, FileRef, Step, cstr};
 
@@ -144,6 +145,9 @@ impl<E: Exec> Fops<E> {
         let (gfid, dir, stream) = self.dir_fd(session, fd)?;
         let (listing, size, root) = (dir.clone(), size as usize, gfid.is_root());
         let creds = creds.clone();
+        let leases = &self.shared.leases;
+        // Under a lease, what is read here may be kept until the lease is recalled.
+        let began = leases.is_armed().then(|| leases.changes());
         // The names, their stats and what xattrs they have in one call on the blocking pool:
         // a stat that has to read its inode from disk holds up no worker. An entry that
         // vanished meanwhile is left out, and does not cancel the rest.
@@ -173,7 +177,7 @@ impl<E: Exec> Fops<E> {
             })
             .await?;
         let gfids = self.gfids_at(&gfid, &dir, &named).await;
-        let entries = (cookies.into_iter().zip(named).zip(gfids).zip(xattrs))
+        let mut entries: Vec<_> = (cookies.into_iter().zip(named).zip(gfids).zip(xattrs))
             .filter_map(|(((offset, (name, stat)), g), xattrs)| {
                 let entry = DirEntryPlus {
                     offset,
@@ -183,7 +187,35 @@ impl<E: Exec> Fops<E> {
                 Some((entry, xattrs))
             })
             .collect();
+        if let Some(began) = began {
+            let objects: Vec<Gfid> = entries.iter().map(|(e, _)| e.iatt.gfid).collect();
+            if leases.cover(session, gfid, began, &objects) == Cover::Restat {
+                self.restat(&dir, &mut entries).await;
+            }
+        }
         Ok((entries, eof))
+    }
+
+    /// Reads the attributes of listed `entries` of `dir` again (an entry whose name now
+    /// names another inode, or none, keeps what was read before).
+    async fn restat(&self, dir: &DirFd, entries: &mut [(DirEntryPlus, XattrPresence)]) {
+        let names: Vec<_> = entries
+            .iter()
+            .map(|(e, _)| cstr(e.name.as_bytes()))
+            .collect();
+        let dir = dir.clone();
+        let stats: Vec<R<op::Stat>> = self
+            .exec
+            .blocking(move || Ok::<_, Errno>(names.iter().map(|n| op::lstat_at(&dir, n)).collect()))
+            .await
+            .unwrap_or_default();
+        for ((entry, _), stat) in entries.iter_mut().zip(stats) {
+            if let Ok(stat) = stat
+                && stat.ino == entry.iatt.ino
+            {
+                entry.iatt = iatt(&stat, entry.iatt.gfid);
+            }
+        }
     }
 
     /// OPENDIR_LIST: OPENDIR, then READDIRP_XATTRS from the start through the new fd; the

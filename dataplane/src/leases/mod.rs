@@ -33,11 +33,13 @@ use kiln_wire::Recall;
 use tokio::sync::mpsc;
 
 mod gate;
+mod listed;
 mod shared;
 mod table;
 mod touches;
 
 pub use gate::{Slot, Unarmed};
+pub use listed::{Cover, LISTED_MAX};
 pub use shared::{Admitted, Leases};
 pub use touches::{Access, Targets, Touches, touches};
 

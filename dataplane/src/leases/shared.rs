@@ -9,6 +9,7 @@ use rustix::io::Errno;
 use tokio::sync::{Notify, mpsc};
 
 use super::gate::{Gate, Slot, Unarmed};
+use super::listed::Cover;
 use super::table::{Check, Decision, Table};
 use super::{
     DRAIN_POLL, DRAIN_WAIT_MAX, LeaseSettings, LeaseStats, RECALLS_QUEUED_MAX, RecallEvents,
@@ -99,7 +100,7 @@ impl Leases {
     pub async fn admit(
         &self,
         session: SessionId,
-        targets: Targets,
+        mut targets: Targets,
         register: bool,
     ) -> Result<Admitted<'_>, Errno> {
         let mut waited = false;
@@ -112,6 +113,7 @@ impl Leases {
                 let mut table = lock(&self.table);
                 let now = Instant::now();
                 let revoked = table.expire(now);
+                table.add_listed_in(&mut targets);
                 let check = table.check(session, &targets, now);
                 match check {
                     Check::Clear if register => table.register(session, &targets),
@@ -143,6 +145,19 @@ impl Leases {
                 }
             }
         }
+    }
+
+    /// Where the count of changes stands ([`Leases::cover`]): read before a listing reads
+    /// the attributes of what it lists.
+    pub fn changes(&self) -> u64 {
+        lock(&self.table).changes
+    }
+
+    /// A listing of `dir` for `session` returned `objects`, their attributes read after the
+    /// count of changes was `began`: whether the session's lease there covers them from now
+    /// on (`docs/wire.md`, "Listed attributes").
+    pub fn cover(&self, session: SessionId, dir: Gfid, began: u64, objects: &[Gfid]) -> Cover {
+        lock(&self.table).cover(session, dir, began, objects, Instant::now())
     }
 
     /// LEASE `asked` on directory `gfid` for `session`: the kind it holds afterwards

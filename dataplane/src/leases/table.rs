@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use kiln_wire::{Gfid, LeaseKind, Recall};
 use tokio::sync::mpsc;
 
+use super::listed::{Cover, Listed};
 use super::{
     Access, DIRS_SWEEP_MIN, LEASES_PER_SESSION_MAX, LeaseSettings, LeaseStats, RECALL_TIMEOUTS_MAX,
     Targets,
@@ -123,6 +124,11 @@ pub(super) struct Table {
     pub(super) arming: usize,
     /// Directory count after the last sweep.
     swept_at: usize,
+    /// What listings under leases returned.
+    listed: Listed,
+    /// Moves on when a fop that changes an object starts and when it ends: a listing that
+    /// saw it move may have read attributes as they were before a change.
+    pub(super) changes: u64,
     pub(super) stats: LeaseStats,
 }
 
@@ -288,40 +294,97 @@ impl Table {
         }
         self.renew_recalls(session, now);
         let mut first_due: Option<Instant> = None;
-        for (gfid, access) in &targets.dirs {
-            let Some(dir) = self.dirs.get_mut(gfid) else {
+        for (gfid, access) in targets.all() {
+            let Some(dir) = self.dirs.get(&gfid) else {
                 continue;
             };
+            let in_the_way: Vec<(SessionId, bool)> = (dir.holders.iter())
+                .filter(|h| h.session != session && conflicts(h.kind, access))
+                .map(|h| (h.session, h.recall_due.is_none()))
+                .collect();
             let mut recalled = false;
-            for holder in &mut dir.holders {
-                if holder.session == session || !conflicts(holder.kind, *access) {
-                    continue;
+            for (holder, first) in in_the_way {
+                recalled |= first;
+                if let Some(due) = self.recall(gfid, holder, now) {
+                    first_due = Some(first_due.map_or(due, |d| d.min(due)));
                 }
-                let due = match holder.recall_due {
-                    Some(due) => due,
-                    None => {
-                        let due = now + self.settings.recall_timeout;
-                        holder.recall_due = Some(due);
-                        holder.recalled_at = Some(now);
-                        if let Some(attached) = self.sessions.get_mut(&holder.session) {
-                            attached.recalling.push(*gfid);
-                        }
-                        recalled = true;
-                        self.stats.recalls += 1;
-                        self.next_due = Some(self.next_due.map_or(due, |d| d.min(due)));
-                        send_recall(&self.sessions, holder.session, *gfid);
-                        due
-                    }
-                };
-                first_due = Some(first_due.map_or(due, |d| d.min(due)));
             }
-            if recalled {
+            if recalled && let Some(dir) = self.dirs.get_mut(&gfid) {
                 dir.note_recall(session, now);
             }
         }
         match first_due {
             Some(due) => Check::Wait(due),
             None => Check::Clear,
+        }
+    }
+
+    /// Recalls `holder`'s lease on `gfid` — sends RECALL and starts its timeout — unless it is
+    /// recalled already; when the recall runs out (`None`: no such lease).
+    fn recall(&mut self, gfid: Gfid, holder: SessionId, now: Instant) -> Option<Instant> {
+        let timeout = self.settings.recall_timeout;
+        let dir = self.dirs.get_mut(&gfid)?;
+        let lease = dir.holders.iter_mut().find(|h| h.session == holder)?;
+        if let Some(due) = lease.recall_due {
+            return Some(due);
+        }
+        let due = now + timeout;
+        lease.recall_due = Some(due);
+        lease.recalled_at = Some(now);
+        if let Some(attached) = self.sessions.get_mut(&holder) {
+            attached.recalling.push(gfid);
+        }
+        self.stats.recalls += 1;
+        self.next_due = Some(self.next_due.map_or(due, |d| d.min(due)));
+        send_recall(&self.sessions, holder, gfid);
+        Some(due)
+    }
+
+    /// Adds to `targets` the directories where a listing under a lease returned an object
+    /// the fop changes.
+    pub(super) fn add_listed_in(&self, targets: &mut Targets) {
+        let mut listed_in = Vec::new();
+        for object in targets.changed() {
+            for dir in self.listed.dirs_of(object) {
+                let touched = targets.dirs.contains(&(*dir, Access::Change));
+                if !touched && !listed_in.contains(dir) {
+                    listed_in.push(*dir);
+                }
+            }
+        }
+        targets.listed_in = listed_in;
+    }
+
+    /// A listing of `dir` for `session` returned `objects`, their attributes read after
+    /// [`Table::changes`] was `began`: whether `session`'s lease there covers them. Where
+    /// another session's fop is changing one of them, or the index is full, the lease is
+    /// recalled instead.
+    pub(super) fn cover(
+        &mut self,
+        session: SessionId,
+        dir: Gfid,
+        began: u64,
+        objects: &[Gfid],
+        now: Instant,
+    ) -> Cover {
+        if self.holder(session, &dir).is_none() {
+            return Cover::Uncovered;
+        }
+        let changing = |object: &Gfid| {
+            self.dirs.get(object).is_some_and(|d| {
+                (d.running.iter()).any(|&(s, a)| s != session && a == Access::Change)
+            })
+        };
+        if objects.iter().any(changing) || !self.listed.insert(dir, objects) {
+            self.recall(dir, session, now);
+            if let Some(dir) = self.dirs.get_mut(&dir) {
+                dir.note_recall(session, now);
+            }
+            return Cover::Uncovered;
+        }
+        match self.changes == began {
+            true => Cover::Covered,
+            false => Cover::Restat,
         }
     }
 
@@ -349,7 +412,8 @@ impl Table {
     }
 
     pub(super) fn register(&mut self, session: SessionId, targets: &Targets) {
-        for &(gfid, access) in &targets.dirs {
+        self.count_change(targets);
+        for (gfid, access) in targets.all() {
             self.dirs
                 .entry(gfid)
                 .or_default()
@@ -359,14 +423,21 @@ impl Table {
     }
 
     pub(super) fn unregister(&mut self, session: SessionId, targets: &Targets, now: Instant) {
-        for (gfid, access) in &targets.dirs {
-            let Some(dir) = self.dirs.get_mut(gfid) else {
+        self.count_change(targets);
+        for (gfid, access) in targets.all() {
+            let Some(dir) = self.dirs.get_mut(&gfid) else {
                 continue;
             };
-            if let Some(at) = dir.running.iter().position(|r| *r == (session, *access)) {
+            if let Some(at) = dir.running.iter().position(|r| *r == (session, access)) {
                 dir.running.swap_remove(at);
             }
-            self.tidy(gfid, now);
+            self.tidy(&gfid, now);
+        }
+    }
+
+    fn count_change(&mut self, targets: &Targets) {
+        if targets.changed().next().is_some() {
+            self.changes += 1;
         }
     }
 
@@ -377,7 +448,9 @@ impl Table {
         }
         let mut revoked = 0;
         let mut next_due: Option<Instant> = None;
+        let mut unheld = Vec::new();
         for (gfid, dir) in &mut self.dirs {
+            let held = dir.holders.len();
             let mut i = 0;
             while i < dir.holders.len() {
                 let holder = dir.holders[i];
@@ -398,6 +471,12 @@ impl Table {
                 }
                 i += 1;
             }
+            if held > 0 && dir.holders.is_empty() {
+                unheld.push(*gfid);
+            }
+        }
+        for gfid in &unheld {
+            self.listed.forget_dir(gfid);
         }
         self.next_due = next_due;
         self.held -= revoked;
@@ -449,11 +528,11 @@ impl Table {
     /// when the table has doubled since the last sweep.
     pub(super) fn tidy(&mut self, gfid: &Gfid, now: Instant) {
         let contention = self.settings.contention;
-        if self
-            .dirs
-            .get(gfid)
-            .is_some_and(|d| d.is_idle(now, contention))
-        {
+        let dir = self.dirs.get(gfid);
+        if dir.is_none_or(|d| d.holders.is_empty()) {
+            self.listed.forget_dir(gfid);
+        }
+        if dir.is_some_and(|d| d.is_idle(now, contention)) {
             self.dirs.remove(gfid);
         }
         if self.dirs.len() >= DIRS_SWEEP_MIN.max(2 * self.swept_at) {
@@ -797,5 +876,76 @@ mod tests {
         let now = Instant::now();
         t.sessions.get_mut(&1).expect("attached").held = LEASES_PER_SESSION_MAX;
         assert_eq!(lease(&mut t, 1, gfid(1), Read, now), No);
+    }
+
+    /// The check as the shared [`Leases::admit`] makes it.
+    fn admit(t: &mut Table, s: SessionId, mut targets: Targets, now: Instant) -> Check {
+        t.add_listed_in(&mut targets);
+        let check = t.check(s, &targets, now);
+        if check == Check::Clear {
+            t.register(s, &targets);
+            t.unregister(s, &targets, now);
+        }
+        check
+    }
+
+    #[test]
+    fn a_change_to_a_listed_object_recalls_the_leases_it_was_listed_under() {
+        let (mut t, mut q) = table(&[1, 2]);
+        let (d, file, now) = (gfid(1), gfid(2), Instant::now());
+        lease(&mut t, 1, d, Read, now);
+        let began = t.changes;
+        assert_eq!(t.cover(1, d, began, &[file], now), Cover::Covered);
+        assert_eq!(
+            admit(&mut t, 2, on(file, Access::Look), now),
+            Check::Clear,
+            "looking changes nothing"
+        );
+        assert_eq!(
+            admit(&mut t, 1, on(file, Access::Change), now),
+            Check::Clear,
+            "the holder's own change: its mount knows"
+        );
+        assert!(q[0].try_recv().is_err());
+        assert!(matches!(
+            admit(&mut t, 2, on(file, Access::Change), now),
+            Check::Wait(_)
+        ));
+        assert_eq!(q[0].try_recv().ok(), Some(Recall { gfid: d, kind: No }));
+        lease(&mut t, 1, d, No, now);
+        assert_eq!(
+            admit(&mut t, 2, on(file, Access::Change), now),
+            Check::Clear,
+            "back: the change runs"
+        );
+        assert_eq!(t.listed.len(), 0, "the index forgets an unheld directory");
+    }
+
+    #[test]
+    fn a_listing_that_may_have_raced_a_change_reads_again_or_is_not_covered() {
+        let (mut t, mut q) = table(&[1, 2]);
+        let (d, x, y, now) = (gfid(1), gfid(2), gfid(3), Instant::now());
+        assert_eq!(
+            t.cover(1, d, t.changes, &[x], now),
+            Cover::Uncovered,
+            "no lease"
+        );
+        lease(&mut t, 1, d, Read, now);
+        let began = t.changes;
+        admit(&mut t, 2, on(y, Access::Change), now);
+        assert_eq!(
+            t.cover(1, d, began, &[x], now),
+            Cover::Restat,
+            "a change began and ended while the listing read"
+        );
+        let running = on(x, Access::Change);
+        t.register(2, &running);
+        assert_eq!(t.cover(1, d, t.changes, &[x], now), Cover::Uncovered);
+        assert_eq!(
+            q[0].try_recv().ok(),
+            Some(Recall { gfid: d, kind: No }),
+            "the lease whose listing read a changing object is recalled"
+        );
+        t.unregister(2, &running, now);
     }
 }

@@ -2,7 +2,7 @@
 //! before ([`Touches`]) and after ([`Targets`]) its fd and the directory it would remove are
 //! resolved.
 
-use kiln_wire::{FdId, FopRequest, Gfid, Name, RenameMode};
+use kiln_wire::{FdId, FopRequest, Gfid, Name, OpenFlags, RenameMode};
 
 /// How a fop uses a directory it touches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,13 +54,15 @@ pub fn touches(fop: &FopRequest) -> Touches {
             removes: (r.mode == RenameMode::Replace).then(|| (r.new_parent, r.new_name.clone())),
             ..dirs(&[(r.old_parent, Change), (r.new_parent, Change)])
         },
-        Q::Link(r) => dirs(&[(r.gfid, Look), (r.new_parent, Change)]),
+        // A new name changes the object's link count.
+        Q::Link(r) => dirs(&[(r.gfid, Change), (r.new_parent, Change)]),
         Q::Stat(r) => dirs(&[(r.gfid, Look)]),
         Q::Access(r) => dirs(&[(r.gfid, Look)]),
         Q::Readlink(r) => dirs(&[(r.gfid, Look)]),
         Q::Statfs(r) => dirs(&[(r.gfid, Look)]),
         Q::Getxattr(r) => dirs(&[(r.gfid, Look)]),
         Q::Listxattr(r) => dirs(&[(r.gfid, Look)]),
+        Q::Open(r) if r.flags.contains(OpenFlags::TRUNC) => dirs(&[(r.gfid, Change)]),
         Q::Open(r) => dirs(&[(r.gfid, Look)]),
         Q::Get(r) => dirs(&[(r.gfid, Look)]),
         Q::Opendir(r) => dirs(&[(r.gfid, Look)]),
@@ -89,6 +91,9 @@ pub struct Targets {
     pub(super) dirs: Vec<(Gfid, Access)>,
     /// The directory the fop would remove (also among `dirs`, as a change).
     pub(super) removed: Option<Gfid>,
+    /// The directories where a listing under a lease returned an object the fop changes
+    /// (`listed`): changed too, for the leases there, but never stale for its own session.
+    pub(super) listed_in: Vec<Gfid>,
 }
 
 impl Targets {
@@ -96,7 +101,23 @@ impl Targets {
         if let Some(gfid) = removed {
             dirs.push((gfid, Access::Change));
         }
-        Targets { dirs, removed }
+        Targets {
+            dirs,
+            removed,
+            listed_in: Vec::new(),
+        }
+    }
+
+    /// Every directory touched, with how.
+    pub(super) fn all(&self) -> impl Iterator<Item = (Gfid, Access)> + '_ {
+        let listed_in = self.listed_in.iter().map(|&g| (g, Access::Change));
+        self.dirs.iter().copied().chain(listed_in)
+    }
+
+    /// The objects the fop changes.
+    pub(super) fn changed(&self) -> impl Iterator<Item = &Gfid> {
+        let changes = self.dirs.iter().filter(|(_, a)| *a == Access::Change);
+        changes.map(|(g, _)| g)
     }
 }
 

@@ -536,6 +536,10 @@ impl<L: Layer> Layer for Distribute<L> {
         false
     }
 
+    fn listed_attrs(&self) -> bool {
+        false
+    }
+
     fn events(&self) -> broadcast::Receiver<LayerEvent> {
         self.events.subscribe()
     }
