@@ -268,6 +268,218 @@ fn renames_and_links_across_bricks_leave_link_files() {
     });
 }
 
+/// What a [`Racing`] layer puts under a name right after an UNLINK of it passes.
+#[derive(Debug, Clone, Copy)]
+enum Race {
+    /// Nothing (not armed, or done).
+    Off,
+    /// A link file of another object, as a rebalance moving that name's old file makes.
+    OtherObject,
+    /// A link file of this object, as a rebalance moving it makes.
+    SameObject(Gfid),
+}
+
+/// A brick client that, once armed, makes a link file under a name right after an UNLINK of
+/// that name passes: what a rebalance's move does between a RENAME's removal of the new
+/// name's link file and its make of the new one.
+struct Racing {
+    below: BrickClient,
+    volume: String,
+    race: std::sync::Mutex<(Option<Name>, Race)>,
+}
+
+impl Racing {
+    fn arm(&self, name: &str, race: Race) {
+        *self.race.lock().expect("lock") = (Some(self::name(name)), race);
+    }
+
+    async fn make_link_file(&self, parent: Gfid, name: Name, gfid: Gfid) {
+        let root = Creds::root();
+        let mknod = kiln_wire::Mknod {
+            parent,
+            name,
+            gfid,
+            node_type: kiln_wire::NodeType::Regular,
+            mode: kiln_wire::Mode::new(0o1000).expect("mode"),
+            umask: kiln_wire::Mode::from_st_mode(0),
+            rdev: 0,
+        };
+        self.below.call(&root, mknod.into()).await.expect("mknod");
+        let set = kiln_wire::Setxattr {
+            gfid,
+            name: kiln_wire::XattrName::new(LINKTO_XATTR.as_bytes().to_vec()).expect("name"),
+            value: kiln_wire::XattrValue::new(Bytes::from(format!("{}-client-0\0", self.volume)))
+                .expect("value"),
+            mode: kiln_wire::XattrSetMode::Create,
+        };
+        self.below.call(&root, set.into()).await.expect("linkto");
+    }
+}
+
+impl Layer for Racing {
+    type Fd = <BrickClient as Layer>::Fd;
+
+    async fn call(&self, creds: &Creds, fop: kiln_wire::FopRequest) -> Result<FopReply, Error> {
+        let unlinked = match &fop {
+            kiln_wire::FopRequest::Unlink(u) => Some((u.parent, u.name.clone())),
+            _ => None,
+        };
+        let reply = self.below.call(creds, fop).await;
+        if let Some((parent, unlinked)) = unlinked {
+            let race = {
+                let mut armed = self.race.lock().expect("lock");
+                match &*armed {
+                    (Some(name), _) if *name == unlinked => {
+                        std::mem::replace(&mut *armed, (None, Race::Off)).1
+                    }
+                    _ => Race::Off,
+                }
+            };
+            match race {
+                Race::Off => {}
+                Race::OtherObject => {
+                    let other = Gfid::from_bytes(uuid::Uuid::new_v4().into_bytes()).expect("gfid");
+                    self.make_link_file(parent, unlinked, other).await;
+                }
+                Race::SameObject(gfid) => self.make_link_file(parent, unlinked, gfid).await,
+            }
+        }
+        reply
+    }
+
+    async fn open(
+        &self,
+        creds: &Creds,
+        gfid: Gfid,
+        access: kiln_wire::AccessMode,
+        flags: kiln_wire::OpenFlags,
+    ) -> Result<Self::Fd, Error> {
+        self.below.open(creds, gfid, access, flags).await
+    }
+
+    async fn create(
+        &self,
+        creds: &Creds,
+        create: kiln_wire::Create,
+    ) -> Result<(Self::Fd, kiln_wire::EntryReply), Error> {
+        self.below.create(creds, create).await
+    }
+
+    async fn opendir(&self, creds: &Creds, gfid: Gfid) -> Result<Self::Fd, Error> {
+        self.below.opendir(creds, gfid).await
+    }
+
+    async fn call_fd(
+        &self,
+        creds: &Creds,
+        fd: &Self::Fd,
+        fop: kiln_client::FdFop,
+    ) -> Result<FopReply, Error> {
+        self.below.call_fd(creds, fd, fop).await
+    }
+
+    async fn release(&self, creds: &Creds, fd: Self::Fd) -> Result<(), Error> {
+        self.below.release(creds, fd).await
+    }
+
+    async fn batch(&self, batch: kiln_wire::Batch) -> Result<kiln_wire::BatchReply, Error> {
+        self.below.batch(batch).await
+    }
+
+    fn leases(&self) -> bool {
+        false
+    }
+
+    fn listed_attrs(&self) -> bool {
+        false
+    }
+
+    fn events(&self) -> tokio::sync::broadcast::Receiver<kiln_client::LayerEvent> {
+        self.below.events()
+    }
+}
+
+/// A RENAME across bricks replaces the new name's link file; a rebalance moving a file under
+/// that name may make one of its own between the removal and the make. The rename still
+/// succeeds, and the name points at the renamed file: a link file of another object is
+/// replaced, one of the renamed object pointed at its home.
+#[test]
+fn a_rename_survives_a_link_file_made_under_its_new_name_meanwhile() {
+    let volume = Volume::start();
+    let rt = runtime();
+    let creds = Creds::root();
+    rt.block_on(async {
+        let mut bricks = Vec::new();
+        for brickd in &volume.brickds {
+            bricks.push(Racing {
+                below: volume.cluster.connect(brickd.addr, "alice").await,
+                volume: "dist".to_owned(),
+                race: std::sync::Mutex::new((None, Race::Off)),
+            });
+        }
+        let v = Distribute::new(bricks, "dist").expect("a volume");
+        let dir = v.mkdir_all(&creds, "/d", 0o755).await.expect("mkdir");
+        let layout = v.layout(dir.gfid).await.expect("layout");
+        let hashed = |n: &str| {
+            layout
+                .hashed_brick(n.as_bytes(), Munging::default())
+                .expect("brick")
+        };
+        for (i, race) in ["other", "same"].into_iter().enumerate() {
+            let source = format!("s{i}");
+            v.put(
+                &creds,
+                &format!("/d/{source}"),
+                Bytes::from(source.clone()),
+                0o644,
+            )
+            .await
+            .expect("put");
+            let home = hashed(&source);
+            let target = (0..)
+                .map(|n| format!("t{i}-{n}"))
+                .find(|n| hashed(n) != home)
+                .expect("a name elsewhere");
+            let object = v
+                .resolve(&creds, &format!("/d/{source}"))
+                .await
+                .expect("source");
+            let race = match race {
+                "other" => Race::OtherObject,
+                _ => Race::SameObject(object.gfid),
+            };
+            v.bricks()
+                .nth(hashed(&target))
+                .expect("brick")
+                .arm(&target, race);
+            let rename = kiln_wire::Rename {
+                old_parent: dir.gfid,
+                old_name: name(&source),
+                new_parent: dir.gfid,
+                new_name: name(&target),
+                mode: RenameMode::Replace,
+            };
+            v.call(&creds, rename.into()).await.expect("rename");
+            let link = volume.brick(hashed(&target)).join(format!("d/{target}"));
+            assert_eq!(link_file_target(&link), Some(format!("dist-client-{home}")));
+            let gfid = xattr(&link, "trusted.gfid").expect("gfid");
+            assert_eq!(
+                gfid,
+                object.gfid.as_bytes(),
+                "{race:?}: the renamed object's"
+            );
+            let data = v
+                .read_to_end(&creds, &format!("/d/{target}"))
+                .await
+                .expect("read");
+            assert_eq!(data, source.as_bytes());
+        }
+        for brick in v.bricks() {
+            brick.below.close().await;
+        }
+    });
+}
+
 #[test]
 fn rmdir_keeps_a_directory_that_is_not_empty_on_some_brick() {
     let volume = Volume::start();

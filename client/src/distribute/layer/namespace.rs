@@ -6,6 +6,10 @@ use kiln_admin::volume::BrickRole;
 
 use super::*;
 
+/// Link files a RENAME makes at most for its new name before it gives up (a rebalance may
+/// make one there between its removal and its make).
+const LINK_FILE_TRIES: usize = 3;
+
 /// An entry found: where its name hashes, where it lives, and the LOOKUP's answer there.
 #[derive(Debug)]
 pub(super) struct Located {
@@ -318,6 +322,48 @@ impl<L: Layer> Distribute<L> {
         self.bricks.get(on)?.call(&root, set.into()).await.map(drop)
     }
 
+    /// Makes `name` in `parent` on brick `on` a link file to object `gfid` on brick `home`,
+    /// replacing the link file there. A rebalance moving a file under that name may make one
+    /// of its own in between: one of `gfid` is pointed `home`, one of another object removed
+    /// and the make tried again, at most [`LINK_FILE_TRIES`] times; a real file is EEXIST.
+    async fn replace_link_file(
+        &self,
+        on: usize,
+        parent: Gfid,
+        name: &Name,
+        gfid: Gfid,
+        home: usize,
+    ) -> Result<(), Error> {
+        self.remove_link_file(on, parent, name).await?;
+        for _ in 0..LINK_FILE_TRIES {
+            match self.make_link_file(on, parent, name, gfid, home).await {
+                Err(Error::Fop(ErrorCode::Exist)) => {}
+                made => return made,
+            }
+            let root = Creds::root();
+            let there = match self.bricks.get(on)?.lookup(&root, parent, name).await {
+                Ok(there) => there,
+                Err(Error::Fop(ErrorCode::NoEnt)) => continue,
+                Err(e) => return Err(e),
+            };
+            if !looks_like_link_file(&there) {
+                return Err(Error::Fop(ErrorCode::Exist));
+            }
+            if there.gfid == gfid {
+                let set = kiln_wire::Setxattr {
+                    gfid,
+                    name: xattr_name(LINKTO_XATTR),
+                    value: self.link_value(home),
+                    mode: XattrSetMode::Upsert,
+                };
+                return self.bricks.get(on)?.call(&root, set.into()).await.map(drop);
+            }
+            let same = |now: &Iatt| now.gfid == there.gfid && looks_like_link_file(now);
+            self.remove_if_still(on, parent, name, same).await?;
+        }
+        Err(Error::Fop(ErrorCode::Exist))
+    }
+
     /// Removes the link file `name` in `parent` on brick `on`; one already gone is fine.
     pub(super) async fn remove_link_file(
         &self,
@@ -557,16 +603,9 @@ impl<L: Layer> Distribute<L> {
                 .await?;
         }
         if new_hashed != home {
-            self.remove_link_file(new_hashed, r.new_parent, &r.new_name)
+            let (parent, name) = (r.new_parent, &r.new_name);
+            self.replace_link_file(new_hashed, parent, name, source.iatt.gfid, home)
                 .await?;
-            self.make_link_file(
-                new_hashed,
-                r.new_parent,
-                &r.new_name,
-                source.iatt.gfid,
-                home,
-            )
-            .await?;
         }
         if source.hashed != home {
             self.remove_stale_link_file(source.hashed, r.old_parent, &r.old_name)
