@@ -313,12 +313,24 @@ impl<L: Layer> Distribute<L> {
             rdev: 0,
         };
         self.bricks.get(on)?.call(&root, mknod.into()).await?;
+        self.set_linkto(on, gfid, home, XattrSetMode::Create).await
+    }
+
+    /// Points the link file of object `gfid` on brick `on` at brick `home`.
+    async fn set_linkto(
+        &self,
+        on: usize,
+        gfid: Gfid,
+        home: usize,
+        mode: XattrSetMode,
+    ) -> Result<(), Error> {
         let set = kiln_wire::Setxattr {
             gfid,
             name: xattr_name(LINKTO_XATTR),
             value: self.link_value(home),
-            mode: XattrSetMode::Create,
+            mode,
         };
+        let root = Creds::root();
         self.bricks.get(on)?.call(&root, set.into()).await.map(drop)
     }
 
@@ -350,13 +362,7 @@ impl<L: Layer> Distribute<L> {
                 return Err(Error::Fop(ErrorCode::Exist));
             }
             if there.gfid == gfid {
-                let set = kiln_wire::Setxattr {
-                    gfid,
-                    name: xattr_name(LINKTO_XATTR),
-                    value: self.link_value(home),
-                    mode: XattrSetMode::Upsert,
-                };
-                return self.bricks.get(on)?.call(&root, set.into()).await.map(drop);
+                return self.set_linkto(on, gfid, home, XattrSetMode::Upsert).await;
             }
             let same = |now: &Iatt| now.gfid == there.gfid && looks_like_link_file(now);
             self.remove_if_still(on, parent, name, same).await?;
