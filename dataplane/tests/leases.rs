@@ -24,6 +24,7 @@ per_engine!(
     batch_runs_in_order_and_answers_each_fop,
     leases_off_answers_none_and_switches_live,
     opendir_list_takes_its_lease_before_it_lists,
+    a_change_to_a_listed_object_recalls_the_lease_it_was_listed_under,
 );
 
 /// How long a bounded wait may take before the test fails.
@@ -499,5 +500,81 @@ fn opendir_list_takes_its_lease_before_it_lists(kind: EngineKind) {
         // Without a lease asked, none is taken.
         assert_eq!(listed(d, LeaseKind::None).await.lease, LeaseKind::None);
         assert_eq!(lease(&b, d, LeaseKind::Write).await, Ok(LeaseKind::Write));
+    });
+}
+
+/// A lease covers what a listing under it returned (`docs/wire.md`, "Listed attributes"):
+/// another session's change to a listed file — its mode, a new name for it, an `O_TRUNC`
+/// open — or to a listed subdirectory's entries is held until the lease is back; a look at
+/// one, or the holder's own change, is not.
+fn a_change_to_a_listed_object_recalls_the_lease_it_was_listed_under(kind: EngineKind) {
+    let h = harness(kind, BOUND);
+    let d = h.mkdir(Gfid::ROOT, "d").expect("mkdir");
+    let f = h.put(d, "f", b"x").expect("put");
+    let sub = h.mkdir(d, "s").expect("mkdir");
+    let (a, mut events) = h.engine.lease_session();
+    let (b, _qb) = h.engine.lease_session();
+    let size = ReaddirSize::new(4096).expect("size");
+    let list = || async {
+        let fop = OpendirList {
+            gfid: d,
+            size,
+            lease: LeaseKind::Read,
+        };
+        match a.call(root(), fop.into()).await {
+            Ok(FopReply::OpendirList(r)) => {
+                assert_eq!(r.lease, LeaseKind::Read, "granted");
+                a.call(root(), Releasedir { fd: r.fd }.into())
+                    .await
+                    .expect("releasedir");
+            }
+            other => panic!("OPENDIR_LIST answered {other:?}"),
+        }
+    };
+    let chmod = |gfid| -> FopRequest {
+        let attr = SetAttr {
+            mode: Some(mode(0o600)),
+            ..SetAttr::default()
+        };
+        Setattr { gfid, attr }.into()
+    };
+    let changes: [(&str, FopRequest); 4] = [
+        ("a SETATTR of a listed file", chmod(f)),
+        (
+            "a LINK to a listed file",
+            Link {
+                gfid: f,
+                new_parent: Gfid::ROOT,
+                new_name: name("f2"),
+            }
+            .into(),
+        ),
+        (
+            "an O_TRUNC OPEN of a listed file",
+            Open {
+                gfid: f,
+                access: AccessMode::ReadWrite,
+                flags: OpenFlags::TRUNC,
+            }
+            .into(),
+        ),
+        ("a PUT in a listed subdirectory", put(&h, sub, "g")),
+    ];
+    h.rt.block_on(async {
+        for (what, change) in changes {
+            list().await;
+            let stat = Stat { gfid: f };
+            bounded("a look at a listed file", b.call(root(), stat.into()))
+                .await
+                .expect("stat");
+            bounded("the holder's own change", a.call(root(), chmod(f)))
+                .await
+                .expect("own chmod");
+            let mut change = Box::pin(b.call(root(), change));
+            still_held(what, &mut change).await;
+            assert_eq!(recall(&mut events).await.gfid, d, "{what}");
+            assert_eq!(lease(&a, d, LeaseKind::None).await, Ok(LeaseKind::None));
+            bounded(what, change).await.expect(what);
+        }
     });
 }
