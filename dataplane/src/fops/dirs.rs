@@ -190,15 +190,16 @@ impl<E: Exec> Fops<E> {
         if let Some(began) = began {
             let objects: Vec<Gfid> = entries.iter().map(|(e, _)| e.iatt.gfid).collect();
             if leases.cover(session, gfid, began, &objects) == Cover::Restat {
-                self.restat(&dir, &mut entries).await;
+                self.restat(&dir, &mut entries).await?;
             }
         }
         Ok((entries, eof))
     }
 
     /// Reads the attributes of listed `entries` of `dir` again (an entry whose name now
-    /// names another inode, or none, keeps what was read before).
-    async fn restat(&self, dir: &DirFd, entries: &mut [(DirEntryPlus, XattrPresence)]) {
+    /// names another inode, or none, keeps what was read before: the change of the name
+    /// recalls the lease).
+    async fn restat(&self, dir: &DirFd, entries: &mut [(DirEntryPlus, XattrPresence)]) -> R<()> {
         let names: Vec<_> = entries
             .iter()
             .map(|(e, _)| cstr(e.name.as_bytes()))
@@ -207,8 +208,7 @@ impl<E: Exec> Fops<E> {
         let stats: Vec<R<op::Stat>> = self
             .exec
             .blocking(move || Ok::<_, Errno>(names.iter().map(|n| op::lstat_at(&dir, n)).collect()))
-            .await
-            .unwrap_or_default();
+            .await?;
         for ((entry, _), stat) in entries.iter_mut().zip(stats) {
             if let Ok(stat) = stat
                 && stat.ino == entry.iatt.ino
@@ -216,6 +216,7 @@ impl<E: Exec> Fops<E> {
                 entry.iatt = iatt(&stat, entry.iatt.gfid);
             }
         }
+        Ok(())
     }
 
     /// OPENDIR_LIST: OPENDIR, then READDIRP_XATTRS from the start through the new fd; the
