@@ -330,6 +330,16 @@ pub const OPTIONS: &[OptionDef] = &[
                the next fsync or close of the object, or fsync of a directory)",
     },
     OptionDef {
+        key: "performance.listed-attrs",
+        kind: ValueKind::Bool,
+        default: "on",
+        apply: Apply::Mount,
+        brick: BrickFlag::None,
+        help: "with leases, a mount keeps a directory's listing until its lease goes rather \
+               than for the attribute lifetime, where the brick recalls the lease before \
+               another client changes anything the listing showed (LISTED_ATTRS)",
+    },
+    OptionDef {
         key: "performance.listing-prefetch",
         kind: ValueKind::Bool,
         default: "on",

@@ -282,16 +282,19 @@ fn a_kept_listing_lasts_until_another_mount_changes_what_it_listed() {
     };
     // Listed until a listing is kept: the first mount's leases may be in the way until the
     // brick has seen its session end.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let first = loop {
-        let first = ls(&a.mountpoint);
-        let before = common::scrape(&metrics);
-        ls(&a.mountpoint);
-        if listed(&before, &common::scrape(&metrics)) == 0.0 {
-            break first;
+    let until_kept = |m: &Path| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let first = ls(m);
+            let before = common::scrape(&metrics);
+            ls(m);
+            if listed(&before, &common::scrape(&metrics)) == 0.0 {
+                return first;
+            }
+            assert!(Instant::now() < deadline, "no listing kept");
         }
-        assert!(Instant::now() < deadline, "no listing kept");
     };
+    let first = until_kept(&a.mountpoint);
     std::thread::sleep(past_the_attribute_lifetime);
     let before = common::scrape(&metrics);
     let second = ls(&a.mountpoint);
@@ -337,6 +340,21 @@ fn a_kept_listing_lasts_until_another_mount_changes_what_it_listed() {
         field(&ls(&a.mountpoint), "f3", 1),
         "1",
         "the name removed in b"
+    );
+    drop(b);
+
+    // `listed-attrs=off`: kept for the attribute lifetime only, as before the capability.
+    a.unmount();
+    a.mount(&["listed-attrs=off"]);
+    until_kept(&a.mountpoint);
+    std::thread::sleep(past_the_attribute_lifetime);
+    let before = common::scrape(&metrics);
+    ls(&a.mountpoint);
+    let after = common::scrape(&metrics);
+    assert_eq!(
+        listed(&before, &after),
+        1.0,
+        "listed again past the lifetime"
     );
     assert_brick_consistent(&a);
 }

@@ -64,6 +64,10 @@ pub struct MountOptions {
     /// With leases, the first subdirectories a listing shows are listed ahead of a walk that
     /// may open them next ([`prefetch`]).
     pub listing_prefetch: bool,
+    /// With leases, a held directory's listing is kept until the lease goes where the brick
+    /// covers the attributes it listed (capability `LISTED_ATTRS`); off, for the attribute
+    /// lifetime ([`leases`]).
+    pub listed_attrs: bool,
     /// The kernel also checks permissions itself, from cached attributes, before asking the
     /// brick (which checks every fop again as the caller). On by default: without it, a path
     /// walk through cached entries would skip the search-permission check of each directory.
@@ -98,6 +102,7 @@ impl Default for MountOptions {
             leases: true,
             behind_bytes_max: 64 << 20,
             listing_prefetch: true,
+            listed_attrs: true,
             default_permissions: true,
             read_only: false,
             suid: false,
@@ -157,6 +162,7 @@ impl MountOptions {
             "leases" => flag(&mut self.leases)?,
             "behind-bytes-max" => self.behind_bytes_max = bytes(key, value)?,
             "listing-prefetch" => flag(&mut self.listing_prefetch)?,
+            "listed-attrs" => flag(&mut self.listed_attrs)?,
             "default-permissions" => flag(&mut self.default_permissions)?,
             "ro" => flag(&mut self.read_only)?,
             "rw" => self.read_only = false,
@@ -373,12 +379,13 @@ mod tests {
         o.set("attr-timeout-ms", Some("250")).expect("valid");
         o.set("writeback-cache", None).expect("valid");
         o.set("deferred-create", Some("off")).expect("valid");
+        o.set("listed-attrs", Some("off")).expect("valid");
         o.set("ro", None).expect("valid");
         for fstab_only in ["defaults", "_netdev", "nofail", "x-systemd.automount"] {
             o.set(fstab_only, None).expect("ignored");
         }
         assert_eq!(o.attr_timeout, Duration::from_millis(250));
-        assert!(o.writeback_cache && !o.deferred_create && o.read_only);
+        assert!(o.writeback_cache && !o.deferred_create && !o.listed_attrs && o.read_only);
         assert!(o.flags().contains(MountFlags::RDONLY | MountFlags::NOSUID));
         assert_eq!(
             o.set("colour", Some("blue")),

@@ -133,7 +133,8 @@ impl<L: Layer> Shared<L> {
     /// The listing kept of held directory `dir`, if one may answer now
     /// ([`super::leases::Leases::kept_listing`]).
     pub(super) fn kept_listing(&self, dir: &Gfid) -> Option<Arc<[DirEntryXattrs]>> {
-        let (max_age, covered) = (self.options.attr_timeout, self.layer.listed_attrs());
+        let covered = self.options.listed_attrs && self.layer.listed_attrs();
+        let max_age = self.options.attr_timeout;
         self.leases.kept_listing(dir, max_age, covered)
     }
 
