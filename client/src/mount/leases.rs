@@ -131,7 +131,8 @@ const RECALLED_MAX: usize = 4096;
 /// it, answers there are given uncached.
 const TOLD_NAMES_MAX: usize = 4096;
 /// Entries of kept listings (each listing counting one more), at most one READDIRP reply per
-/// listing; past it the oldest listings are dropped. ~250 bytes each: ~32 MiB at most.
+/// listing; past it the oldest listings are dropped. At an estimated ~250 bytes an entry,
+/// ~32 MiB at most.
 const LISTED_ENTRIES_KEPT_MAX: usize = 131_072;
 
 /// What a held directory says about a name.

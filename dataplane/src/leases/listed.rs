@@ -8,7 +8,7 @@ use kiln_wire::Gfid;
 
 /// Objects listed under leases, counted once per directory they were listed in, at most;
 /// past it a listing is not covered (its lease is recalled).
-pub const LISTED_MAX: usize = 262_144;
+const LISTED_MAX: usize = 262_144;
 
 /// What a listing under a lease needs once its objects are known ([`super::Leases::cover`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -39,7 +39,7 @@ mod table;
 mod touches;
 
 pub use gate::{Slot, Unarmed};
-pub use listed::{Cover, LISTED_MAX};
+pub use listed::Cover;
 pub use shared::{Admitted, Leases};
 pub use touches::{Access, Targets, Touches, touches};
 

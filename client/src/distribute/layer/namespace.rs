@@ -346,13 +346,13 @@ impl<L: Layer> Distribute<L> {
         gfid: Gfid,
         home: usize,
     ) -> Result<(), Error> {
+        let root = Creds::root();
         self.remove_link_file(on, parent, name).await?;
         for _ in 0..LINK_FILE_TRIES {
             match self.make_link_file(on, parent, name, gfid, home).await {
                 Err(Error::Fop(ErrorCode::Exist)) => {}
                 made => return made,
             }
-            let root = Creds::root();
             let there = match self.bricks.get(on)?.lookup(&root, parent, name).await {
                 Ok(there) => there,
                 Err(Error::Fop(ErrorCode::NoEnt)) => continue,
