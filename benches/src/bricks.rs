@@ -16,7 +16,7 @@ use kiln_admin::pki::{self, Role};
 use kiln_client::{BrickClient, ConnectOptions};
 use kiln_dataplane::engine::{Engine, EngineConfig, EngineKind, LocalEngine, Session};
 use kiln_dataplane::server::{Server, ServerConfig};
-use kiln_dataplane::{Brick, SessionId};
+use kiln_dataplane::{Brick, ParentAttrs, SessionId};
 use kiln_wire::{Creds, FopReply, FopRequest, Gfid};
 
 use crate::rng::Rng;
@@ -223,7 +223,7 @@ where
                 let job = job.clone();
                 rt.block_on(engine.run_on_worker(t % engine.workers(), move |local| {
                     let local = local.clone();
-                    let session = local.open_session();
+                    let session = local.open_session(ParentAttrs::Omit);
                     tokio::task::spawn_local(async move {
                         let caller = Caller::Worker {
                             local: local.clone(),
@@ -246,7 +246,7 @@ where
             })
         }
         Destination::Engine(engine) => local_tasks(rt, tasks, job, || {
-            Caller::Session(Rc::new(engine.session()))
+            Caller::Session(Rc::new(engine.session_with(ParentAttrs::Omit)))
         }),
         Destination::Volume(volume) => {
             local_tasks(rt, tasks, job, || Caller::Volume(volume.clone()))

@@ -41,7 +41,7 @@ use anyhow::Context;
 use bytes::Bytes;
 use hdrhistogram::Histogram;
 use kiln_admin::control::RingStats;
-use kiln_dataplane::Brick;
+use kiln_dataplane::{Brick, ParentAttrs};
 use kiln_dataplane::engine::{Engine, EngineConfig, EngineKind};
 use kiln_wire::*;
 use serde::Serialize;
@@ -335,7 +335,7 @@ async fn uring_phase(
                 tokio::task::spawn_local(async move {
                     let mut set = tokio::task::JoinSet::new();
                     for k in tasks {
-                        let session = local.open_session();
+                        let session = local.open_session(ParentAttrs::Omit);
                         let (local, files) = (local.clone(), files.clone());
                         set.spawn_local(async move {
                             for i in (k..files.count).step_by(depth) {
@@ -383,7 +383,7 @@ async fn session_phase(
 ) -> anyhow::Result<()> {
     let mut tasks = tokio::task::JoinSet::new();
     for k in 0..depth {
-        let session = engine.session();
+        let session = engine.session_with(ParentAttrs::Omit);
         let files = files.clone();
         tasks.spawn_local(async move {
             for i in (k..files.count).step_by(depth) {
@@ -517,7 +517,7 @@ fn make_dirs(
     dirs: usize,
 ) -> anyhow::Result<Vec<Gfid>> {
     let gfids: Vec<Gfid> = (0..dirs).map(|d| gfid(d, 0xd1)).collect();
-    let session = engine.session();
+    let session = engine.session_with(ParentAttrs::Omit);
     for (d, g) in gfids.iter().enumerate() {
         let mkdir = Mkdir {
             parent: Gfid::ROOT,

@@ -390,7 +390,8 @@ impl BrickClient {
                 .union(Capabilities::XATTR_PRESENCE)
                 .union(Capabilities::GET)
                 .union(Capabilities::OPENDIR_LIST)
-                .union(Capabilities::LISTED_ATTRS),
+                .union(Capabilities::LISTED_ATTRS)
+                .union(Capabilities::NO_PARENT_ATTRS),
             client_name: Label::new(options.client_name.clone().into_bytes())
                 .map_err(|e| Error::Tls(format!("client name: {e}")))?,
         };

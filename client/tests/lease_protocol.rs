@@ -3,7 +3,8 @@
 //! another connection touches the leased directory, whose fop is answered only once the
 //! holder gives the lease back (or, if it stays silent, once the recall runs out, after which
 //! the holder gets ESTALE there); BATCH runs its fops in order as the squashed caller; and a
-//! connection without the capability gets ENOTSUP. Every wait is bounded.
+//! connection without the capability gets ENOTSUP. Every wait is bounded. Also here, as the
+//! other capability a session's replies depend on: `NO_PARENT_ATTRS` leaves them out.
 
 mod common;
 mod hostile_common;
@@ -13,7 +14,7 @@ use std::time::{Duration, Instant};
 use hostile_common::*;
 use kiln_wire::{
     Batch, BatchReply, Call, CallCode, Capabilities, Creds, ErrorCode, Event, FopReply, FopRequest,
-    Gfid, Lease, LeaseKind, LeaseReply, Message, Outcome, Recall, Reply,
+    Gfid, Iatt, Lease, LeaseKind, LeaseReply, Message, Outcome, Recall, Reply,
 };
 
 const ROOT: Gfid = Gfid::ROOT;
@@ -116,6 +117,33 @@ fn hello_negotiates_leases_and_without_them_lease_and_batch_are_refused() {
             LeaseKind::Read
         );
         plain.ping("the connection goes on").await;
+    });
+}
+
+/// A connection that negotiated `NO_PARENT_ATTRS` gets `Iatt::omitted_dir` as the parent's
+/// attributes of a PUT and an UNLINK; one that did not gets the directory's real ones.
+#[test]
+fn no_parent_attrs_leaves_the_parent_out_of_namespace_replies() {
+    let s = Scene::start(&[]);
+    s.rt.block_on(async {
+        let (bare, hello) =
+            RawConn::offering(&s.cluster, s.addr(), "alice", Capabilities::NO_PARENT_ATTRS).await;
+        assert_eq!(hello.capabilities, Capabilities::NO_PARENT_ATTRS);
+        let full = s.raw("alice").await;
+        let d = dir(&full, "d").await;
+        let parents = |reply| match reply {
+            Ok(FopReply::Put(e)) => (e.pre_parent, e.post_parent),
+            Ok(FopReply::Unlink(r)) => (r.pre_parent, r.post_parent),
+            other => panic!("{other:?}"),
+        };
+        let omitted = (Iatt::omitted_dir(d), Iatt::omitted_dir(d));
+        let put_bare = fop_on(&bare, "PUT", put(d, "a", gfid(), b"a")).await;
+        assert_eq!(parents(put_bare), omitted);
+        let unlink_bare = fop_on(&bare, "UNLINK", unlink(d, "a")).await;
+        assert_eq!(parents(unlink_bare), omitted);
+        let (pre, post) = parents(fop_on(&full, "PUT", put(d, "b", gfid(), b"b")).await);
+        assert_eq!((pre.gfid, post.gfid, post.nlink), (d, d, 2));
+        assert!(pre.ino != 0 && pre.ino == post.ino, "the directory's own attributes");
     });
 }
 

@@ -25,7 +25,7 @@ use crate::exec::blocking::BlockingExec;
 use crate::exec::pool::BlockingPool;
 use crate::exec::uring::{RingConfig, RingStats, UringExec};
 use crate::fdtable::SessionId;
-use crate::fops::{BrickState, CrashPoint, Fops, FopsConfig, FopsState};
+use crate::fops::{BrickState, CrashPoint, Fops, FopsConfig, FopsState, ParentAttrs};
 use crate::leases::{LeaseSettings, LeaseStats, Leases, RecallEvents};
 use crate::op::{self, Step};
 use crate::profile::Profile;
@@ -114,11 +114,12 @@ pub struct BlockingEngine {
 }
 
 impl LocalEngine {
-    /// Opens a new session on this worker; end it with [`LocalEngine::end_session`].
-    pub fn open_session(&self) -> SessionId {
+    /// Opens a new session on this worker, its namespace replies carrying `parents`; end it
+    /// with [`LocalEngine::end_session`].
+    pub fn open_session(&self, parents: ParentAttrs) -> SessionId {
         match self {
-            LocalEngine::Ring(fops) => fops.open_new_session(),
-            LocalEngine::Blocking(engine) => engine.fops.open_new_session(),
+            LocalEngine::Ring(fops) => fops.open_new_session(parents),
+            LocalEngine::Blocking(engine) => engine.fops.open_new_session(parents),
         }
     }
 
@@ -353,18 +354,25 @@ impl Engine {
             .map_err(|_| ErrorCode::NotConnected)
     }
 
-    /// Opens a session, pinned to one worker (round robin).
+    /// Opens a session, pinned to one worker (round robin), whose namespace replies carry
+    /// their parents' attributes.
     pub fn session(&self) -> Session {
+        self.session_with(ParentAttrs::Stat)
+    }
+
+    /// Opens a session, pinned to one worker (round robin), whose namespace replies carry
+    /// `parents`.
+    pub fn session_with(&self, parents: ParentAttrs) -> Session {
         let id = self.inner.shared.new_session_id();
         match &self.inner.blocking {
-            Some(engine) => engine.fops.open_session(id),
+            Some(engine) => engine.fops.open_session(id, parents),
             // Queued before any call of the session: the worker's queue keeps order.
             None => self
                 .inner
                 .workers
                 .send_detached(self.worker_of(id), move |local| {
                     if let LocalEngine::Ring(fops) = local {
-                        fops.open_session(id);
+                        fops.open_session(id, parents);
                     }
                 }),
         }

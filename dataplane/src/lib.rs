@@ -32,4 +32,4 @@ pub mod workers;
 pub use brick::{Brick, BrickError};
 pub use engine::{Engine, EngineConfig, EngineKind, EngineState, LocalEngine, Session};
 pub use fdtable::SessionId;
-pub use fops::{CrashPoint, FopsConfig};
+pub use fops::{CrashPoint, FopsConfig, ParentAttrs};

@@ -7,7 +7,7 @@ use std::os::unix::fs::MetadataExt as _;
 
 use bytes::Bytes;
 use common::*;
-use kiln_dataplane::{EngineKind, FopsConfig};
+use kiln_dataplane::{EngineKind, FopsConfig, ParentAttrs};
 use kiln_wire::*;
 
 per_engine!(
@@ -41,6 +41,7 @@ per_engine!(
     lock_waits_hold_no_thread_and_end_with_their_session,
     readdirp_needs_search_permission_as_stat_does,
     new_files_are_named_without_cap_dac_read_search,
+    parent_attributes_only_for_a_session_that_wants_them,
 );
 
 fn create_write_read_release(kind: EngineKind) {
@@ -2033,4 +2034,114 @@ fn readdirp_needs_search_permission_as_stat_does(kind: EngineKind) {
         },
     )
     .expect("root may");
+}
+
+/// A session opened with `ParentAttrs::Omit` (a client that negotiated `NO_PARENT_ATTRS`) gets
+/// `Iatt::omitted_dir` for every parent attribute of every namespace fop, and the fops do
+/// what they do for any session; a default session gets the parents' real attributes.
+fn parent_attributes_only_for_a_session_that_wants_them(kind: EngineKind) {
+    let h = Harness::new(kind);
+    let bare = h.engine.session_with(ParentAttrs::Omit);
+    let d = h.mkdir(Gfid::ROOT, "d").expect("mkdir");
+    let call = |fop: FopRequest| h.call_as(&bare, &root(), fop).expect("fop");
+    let omitted = |reply: &FopReply, parent: Gfid| {
+        let parents: Vec<&Iatt> = match reply {
+            FopReply::Put(e) | FopReply::Mkdir(e) | FopReply::Symlink(e) | FopReply::Link(e) => {
+                vec![&e.pre_parent, &e.post_parent]
+            }
+            FopReply::Create(c) => vec![&c.pre_parent, &c.post_parent],
+            FopReply::Unlink(r) | FopReply::Rmdir(r) => vec![&r.pre_parent, &r.post_parent],
+            FopReply::Rename(r) => vec![&r.pre_old_parent, &r.post_old_parent],
+            other => panic!("not a namespace reply: {other:?}"),
+        };
+        for iatt in parents {
+            assert_eq!(*iatt, Iatt::omitted_dir(parent), "{reply:?}");
+        }
+    };
+    let (f, e, g) = (h.gfid(), h.gfid(), h.gfid());
+    let put = Put {
+        parent: d,
+        name: name("f"),
+        gfid: f,
+        mode: mode(0o644),
+        umask: mode(0),
+        flags: OpenFlags::empty(),
+        data: Payload::new(Bytes::from_static(b"body")).expect("small"),
+        attr: SetAttr::default(),
+    };
+    let reply = call(put.into());
+    omitted(&reply, d);
+    let FopReply::Put(made) = &reply else {
+        panic!()
+    };
+    assert_eq!((made.iatt.gfid, made.iatt.size), (f, 4), "the object itself is there");
+    let create = Create {
+        parent: d,
+        name: name("c"),
+        gfid: g,
+        access: AccessMode::ReadWrite,
+        flags: OpenFlags::EXCL,
+        mode: mode(0o600),
+        umask: mode(0),
+    };
+    omitted(&call(create.into()), d);
+    let mkdir = Mkdir {
+        parent: d,
+        name: name("e"),
+        gfid: e,
+        mode: mode(0o755),
+        umask: mode(0),
+    };
+    omitted(&call(mkdir.into()), d);
+    let symlink = Symlink {
+        parent: d,
+        name: name("s"),
+        gfid: h.gfid(),
+        target: SymlinkTarget::new(b"f".to_vec()).expect("target"),
+    };
+    omitted(&call(symlink.into()), d);
+    let link = Link {
+        gfid: f,
+        new_parent: d,
+        new_name: name("f2"),
+    };
+    omitted(&call(link.into()), d);
+    let rename = Rename {
+        old_parent: d,
+        old_name: name("f2"),
+        new_parent: d,
+        new_name: name("f3"),
+        mode: RenameMode::Replace,
+    };
+    omitted(&call(rename.into()), d);
+    for n in ["f3", "f", "c", "s"] {
+        let unlink = Unlink {
+            parent: d,
+            name: name(n),
+        };
+        omitted(&call(unlink.into()), d);
+    }
+    let rmdir = Rmdir {
+        parent: d,
+        name: name("e"),
+    };
+    omitted(&call(rmdir.into()), d);
+    assert!(h.list(d).expect("list").is_empty(), "every fop did its work");
+    // The harness's own session asks for them.
+    h.put(d, "x", b"x").expect("put");
+    let FopReply::Unlink(r) = h
+        .call(
+            &root(),
+            Unlink {
+                parent: d,
+                name: name("x"),
+            },
+        )
+        .expect("unlink")
+    else {
+        panic!()
+    };
+    assert_eq!((r.post_parent.gfid, r.post_parent.nlink), (d, 2));
+    assert!(r.post_parent.ino != 0 && r.pre_parent.mtime.sec() > 0);
+    h.assert_consistent();
 }

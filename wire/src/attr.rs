@@ -125,6 +125,29 @@ impl Decode for Timespec {
     }
 }
 
+impl Iatt {
+    /// A directory's attributes left out of a reply (capability `NO_PARENT_ATTRS`): its GFID
+    /// and type, every other field zero.
+    pub fn omitted_dir(gfid: Gfid) -> Iatt {
+        Iatt {
+            gfid,
+            ino: 0,
+            file_type: FileType::Directory,
+            mode: Mode(0),
+            nlink: 0,
+            uid: 0,
+            gid: 0,
+            rdev: 0,
+            size: 0,
+            blocks: 0,
+            blksize: 0,
+            atime: Timespec::default(),
+            mtime: Timespec::default(),
+            ctime: Timespec::default(),
+        }
+    }
+}
+
 wire_struct! {
     /// An object's attributes, GlusterFS's `iatt`: what `statx` says plus the GFID.
     pub struct Iatt {

@@ -33,13 +33,18 @@ impl Capabilities {
     /// A lease on a directory also covers the attributes of what a listing under it
     /// returned: the brick recalls it before another session changes one of those objects.
     pub const LISTED_ATTRS: Capabilities = Capabilities(1 << 5);
+    /// The client never reads a namespace reply's parent attributes (`pre_parent`,
+    /// `post_parent`): the brick does not stat the parent for them and sends
+    /// [`Iatt::omitted_dir`](crate::Iatt::omitted_dir) in their place.
+    pub const NO_PARENT_ATTRS: Capabilities = Capabilities(1 << 6);
     /// Everything this build implements.
     pub const SUPPORTED: Capabilities = Self::INVALIDATE_EVENTS
         .union(Self::LEASES)
         .union(Self::XATTR_PRESENCE)
         .union(Self::GET)
         .union(Self::OPENDIR_LIST)
-        .union(Self::LISTED_ATTRS);
+        .union(Self::LISTED_ATTRS)
+        .union(Self::NO_PARENT_ATTRS);
 
     pub const fn union(self, other: Capabilities) -> Capabilities {
         Capabilities(self.0 | other.0)

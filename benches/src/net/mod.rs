@@ -56,6 +56,7 @@ use anyhow::{Context, bail};
 use bytes::Bytes;
 use hdrhistogram::Histogram;
 use kiln_client::{BrickClient, Paths};
+use kiln_dataplane::ParentAttrs;
 use kiln_dataplane::engine::{EngineConfig, EngineKind, Session};
 use kiln_wire::limits::IO_SIZE_MAX_BYTES;
 use kiln_wire::quic::UDP_PAYLOAD_MAX_BYTES;
@@ -386,7 +387,7 @@ fn create(
         let concurrency = concurrency.max(1);
         // The engine, called directly from the client runtime through one session (as one
         // connection is one session on the brick).
-        let session = Arc::new(setup.engine.session());
+        let session = Arc::new(setup.engine.session_with(ParentAttrs::Omit));
         let direct_dirs = rt.block_on(engine_dirs(&session, concurrency, dirs))?;
         let put = {
             let session = session.clone();

@@ -298,7 +298,7 @@ impl<E: Exec> Fops<E> {
     ) -> R<kiln_wire::Done> {
         let open = {
             let mut sessions = lock(&self.sessions);
-            let table = sessions.get_mut(&session).ok_or(Errno::BADF)?;
+            let table = &mut sessions.get_mut(&session).ok_or(Errno::BADF)?.fds;
             match (&table.get(fd)?.kind, dir) {
                 (OpenKind::Dir { .. }, false) => return Err(Errno::ISDIR),
                 (OpenKind::File { .. }, true) => return Err(Errno::NOTDIR),
@@ -413,7 +413,7 @@ impl<E: Exec> Fops<E> {
             // meanwhile must not take a lock nobody would release.
             let wait = {
                 let sessions = lock(&self.sessions);
-                sessions.get(&session).ok_or(Errno::BADF)?.get(r.fd)?;
+                sessions.get(&session).ok_or(Errno::BADF)?.fds.get(r.fd)?;
                 let mut locks = lock(&self.shared.locks);
                 if locks.is_cancelled(session) {
                     return Err(Errno::INTR);

@@ -84,14 +84,32 @@ pub struct Fops<E> {
     config: FopsConfig,
     gfids: Mutex<GfidCache>,
     dirs: Mutex<DirCache>,
-    /// The fd table of each open session. A session is opened explicitly and removed when it
-    /// ends, so a fop still in flight for an ended session cannot open a file for it that
-    /// nobody would ever release (it gets EBADF), and nothing is left behind.
-    sessions: Mutex<HashMap<SessionId, FdTable>>,
+    /// Each open session. A session is opened explicitly and removed when it ends, so a fop
+    /// still in flight for an ended session cannot open a file for it that nobody would ever
+    /// release (it gets EBADF), and nothing is left behind.
+    sessions: Mutex<HashMap<SessionId, OpenSession>>,
     shared: Arc<BrickState>,
     /// This worker's count of fops that passed the lease gate unchecked.
     lease_slot: Arc<leases::Slot>,
     crash_point: Mutex<Option<CrashPoint>>,
+}
+
+/// A session open on one [`Fops`]: its fds, and what its replies carry.
+#[derive(Debug)]
+struct OpenSession {
+    fds: FdTable,
+    parent_attrs: ParentAttrs,
+}
+
+/// Whether a session's namespace replies (CREATE, MKDIR, MKNOD, SYMLINK, PUT, LINK, UNLINK,
+/// RMDIR, RENAME) carry their parent directories' attributes before and after the fop: an
+/// `fstat` of each parent before and after, which a client that never reads them turns off
+/// (capability `NO_PARENT_ATTRS`; the replies then carry [`Iatt::omitted_dir`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ParentAttrs {
+    #[default]
+    Stat,
+    Omit,
 }
 
 /// What every worker of a brick shares: the profile, session ids, POSIX locks (clients on
@@ -249,7 +267,7 @@ impl<E: Exec> Fops<E> {
     pub fn state(&self) -> FopsState {
         let fd_tables = lock(&self.sessions)
             .iter()
-            .map(|(&id, table)| (id, table.len()))
+            .map(|(&id, session)| (id, session.fds.len()))
             .collect();
         FopsState {
             fd_tables,
@@ -259,17 +277,27 @@ impl<E: Exec> Fops<E> {
     }
 
     /// Opens a new session here and returns its id.
-    pub fn open_new_session(&self) -> SessionId {
+    pub fn open_new_session(&self, parent_attrs: ParentAttrs) -> SessionId {
         let id = self.shared.new_session_id();
-        self.open_session(id);
+        self.open_session(id, parent_attrs);
         id
     }
 
     /// Opens session `session` here: fops of it may open files from now on.
-    pub fn open_session(&self, session: SessionId) {
-        let table = FdTable::new(self.config.open_files_per_client_max);
-        let replaced = lock(&self.sessions).insert(session, table);
+    pub fn open_session(&self, session: SessionId, parent_attrs: ParentAttrs) {
+        let open = OpenSession {
+            fds: FdTable::new(self.config.open_files_per_client_max),
+            parent_attrs,
+        };
+        let replaced = lock(&self.sessions).insert(session, open);
         debug_assert!(replaced.is_none(), "session {session} opened twice");
+    }
+
+    /// What `session`'s namespace replies carry (all of it for a session not open here).
+    fn parent_attrs(&self, session: SessionId) -> ParentAttrs {
+        lock(&self.sessions)
+            .get(&session)
+            .map_or(ParentAttrs::Stat, |open| open.parent_attrs)
     }
 
     /// Ends a session: its fds are released, its locks and leases dropped. Returns the files
@@ -285,10 +313,11 @@ impl<E: Exec> Fops<E> {
         locks.release_session(session);
         drop(locks);
         drop(sessions);
-        let Some(mut table) = ended else {
+        let Some(mut ended) = ended else {
             return Vec::new();
         };
-        table
+        ended
+            .fds
             .drain()
             .into_iter()
             .filter_map(|f| match f.kind {
@@ -400,15 +429,23 @@ impl<E: Exec> Fops<E> {
             Q::Statfs(r) => A::Statfs(self.statfs(&r.gfid).await?),
             Q::Setattr(r) => A::Setattr(self.setattr(creds, Named::Gfid(&r.gfid), r.attr).await?),
             Q::Truncate(r) => A::Truncate(self.truncate(creds, &r.gfid, r.size).await?),
-            Q::Mknod(r) => A::Mknod(self.mknod(creds, r).await?),
-            Q::Mkdir(r) => A::Mkdir(self.mkdir(creds, r).await?),
-            Q::Symlink(r) => A::Symlink(self.symlink(creds, r).await?),
+            Q::Mknod(r) => A::Mknod(self.mknod(creds, r, self.parent_attrs(session)).await?),
+            Q::Mkdir(r) => A::Mkdir(self.mkdir(creds, r, self.parent_attrs(session)).await?),
+            Q::Symlink(r) => {
+                A::Symlink(self.symlink(creds, r, self.parent_attrs(session)).await?)
+            }
             Q::Create(r) => A::Create(self.create(session, creds, r).await?),
-            Q::Put(r) => A::Put(self.put(creds, r).await?),
-            Q::Unlink(r) => A::Unlink(self.unlink(creds, &r.parent, &r.name).await?),
-            Q::Rmdir(r) => A::Rmdir(self.rmdir(creds, &r.parent, &r.name).await?),
-            Q::Rename(r) => A::Rename(self.rename(creds, r).await?),
-            Q::Link(r) => A::Link(self.link(creds, r).await?),
+            Q::Put(r) => A::Put(self.put(creds, r, self.parent_attrs(session)).await?),
+            Q::Unlink(r) => {
+                let parents = self.parent_attrs(session);
+                A::Unlink(self.unlink(creds, &r.parent, &r.name, parents).await?)
+            }
+            Q::Rmdir(r) => {
+                let parents = self.parent_attrs(session);
+                A::Rmdir(self.rmdir(creds, &r.parent, &r.name, parents).await?)
+            }
+            Q::Rename(r) => A::Rename(self.rename(creds, r, self.parent_attrs(session)).await?),
+            Q::Link(r) => A::Link(self.link(creds, r, self.parent_attrs(session)).await?),
             Q::Setxattr(r) => {
                 let object = Named::Gfid(&r.gfid);
                 let (value, mode) = (r.value.as_bytes(), r.mode);

@@ -325,7 +325,7 @@ impl<E: Exec> Fops<E> {
 
     pub(super) fn open_file(&self, session: SessionId, fd: FdId) -> R<OpenFile> {
         let sessions = lock(&self.sessions);
-        sessions.get(&session).ok_or(Errno::BADF)?.get(fd).cloned()
+        sessions.get(&session).ok_or(Errno::BADF)?.fds.get(fd).cloned()
     }
 
     /// Adds an open file to the session's table; EBADF when the session is not open (it
@@ -335,11 +335,12 @@ impl<E: Exec> Fops<E> {
         lock(&self.sessions)
             .get(&session)
             .ok_or(Errno::BADF)?
+            .fds
             .check_room()
     }
 
     pub(super) fn insert_open(&self, session: SessionId, file: OpenFile) -> R<FdId> {
         let mut sessions = lock(&self.sessions);
-        sessions.get_mut(&session).ok_or(Errno::BADF)?.insert(file)
+        sessions.get_mut(&session).ok_or(Errno::BADF)?.fds.insert(file)
     }
 }

@@ -21,6 +21,7 @@ use super::access::{Admission, Full};
 use super::{HELLO_TIMEOUT, LiveConfig, ORPHAN_CALL_GRACE};
 use crate::engine::{Engine, LocalEngine};
 use crate::fdtable::SessionId;
+use crate::fops::ParentAttrs;
 use crate::leases::RecallEvents;
 
 /// What every connection of one endpoint shares.
@@ -168,7 +169,7 @@ async fn serve_connection(incoming: quinn::Incoming, context: Rc<Context>) {
     tracing::debug!(%remote, %client, ?capabilities, "session open");
     let session = Rc::new(Session {
         local: context.local.clone(),
-        id: context.local.open_session(),
+        id: context.local.open_session(parent_attrs(capabilities)),
         client: client.clone(),
         live: context.live.clone(),
         request_timeout: context.request_timeout,
@@ -191,6 +192,14 @@ async fn serve_connection(incoming: quinn::Incoming, context: Rc<Context>) {
     context.connections.lock().insert(session.id, connected);
     serve_session(&connection, session, events, &context).await;
     drop(admitted);
+}
+
+/// What the namespace replies of a session with `capabilities` carry.
+fn parent_attrs(capabilities: Capabilities) -> ParentAttrs {
+    match capabilities.contains(Capabilities::NO_PARENT_ATTRS) {
+        true => ParentAttrs::Omit,
+        false => ParentAttrs::Stat,
+    }
 }
 
 /// Whether `config` lets client `client` with certificate `serial` in: not when

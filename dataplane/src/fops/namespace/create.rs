@@ -11,8 +11,8 @@ use rustix::io::Errno;
 
 use super::super::chain::{At, Chain, Results};
 use super::super::resolve::Named;
-use super::super::{Fops, R, iatt};
-use super::files;
+use super::super::{Fops, ParentAttrs, R, iatt};
+use super::{files, parent_iatt};
 use crate::brick::Brick;
 use crate::brick::GFID_XATTR;
 use crate::brick::intent::{self, RecordKind, record_name};
@@ -70,6 +70,17 @@ impl NewKind {
     }
 }
 
+/// What a create fop asked for: the fop, the name, the new object's GFID, and whether the
+/// reply carries the parent's attributes.
+#[derive(Debug)]
+struct NewName<'a> {
+    fop: FopCode,
+    parent: &'a Gfid,
+    name: &'a Name,
+    gfid: Gfid,
+    parents: ParentAttrs,
+}
+
 /// Where a new entry goes and who it is.
 #[derive(Debug)]
 struct NewEntry {
@@ -78,12 +89,13 @@ struct NewEntry {
     name: CString,
     gfid: Gfid,
     record: CString,
+    parents: ParentAttrs,
 }
 
 /// The steps of an entry chain whose results the fop reads back.
 #[derive(Debug)]
 struct EntrySteps {
-    pre: At<Stat>,
+    pre: Option<At<Stat>>,
     record: At<()>,
     /// The caller's create: the commit point.
     commit: At<()>,
@@ -92,44 +104,75 @@ struct EntrySteps {
     handle: At<()>,
     close: Option<At<()>>,
     stat: At<Stat>,
-    post: At<Stat>,
+    post: Option<At<Stat>>,
 }
 
 impl<E: Exec> Fops<E> {
-    pub(in crate::fops) async fn mknod(&self, creds: &Creds, r: Mknod) -> R<EntryReply> {
+    pub(in crate::fops) async fn mknod(
+        &self,
+        creds: &Creds,
+        r: Mknod,
+        parents: ParentAttrs,
+    ) -> R<EntryReply> {
         let mode = FileType::from(r.node_type).to_mode_bits() | (r.mode.bits() & !r.umask.bits());
         let kind = NewKind::Node { mode, rdev: r.rdev };
-        let made = self.make_entry(FopCode::Mknod, creds, &r.parent, &r.name, r.gfid, kind);
-        Ok(made.await?.0)
+        let new = NewName {
+            fop: FopCode::Mknod,
+            parent: &r.parent,
+            name: &r.name,
+            gfid: r.gfid,
+            parents,
+        };
+        Ok(self.make_entry(creds, &new, kind).await?.0)
     }
 
-    pub(in crate::fops) async fn mkdir(&self, creds: &Creds, r: Mkdir) -> R<EntryReply> {
+    pub(in crate::fops) async fn mkdir(
+        &self,
+        creds: &Creds,
+        r: Mkdir,
+        parents: ParentAttrs,
+    ) -> R<EntryReply> {
         let kind = NewKind::Dir {
             mode: r.mode.bits() & !r.umask.bits(),
         };
-        let made = self.make_entry(FopCode::Mkdir, creds, &r.parent, &r.name, r.gfid, kind);
-        Ok(made.await?.0)
+        let new = NewName {
+            fop: FopCode::Mkdir,
+            parent: &r.parent,
+            name: &r.name,
+            gfid: r.gfid,
+            parents,
+        };
+        Ok(self.make_entry(creds, &new, kind).await?.0)
     }
 
-    pub(in crate::fops) async fn symlink(&self, creds: &Creds, r: Symlink) -> R<EntryReply> {
+    pub(in crate::fops) async fn symlink(
+        &self,
+        creds: &Creds,
+        r: Symlink,
+        parents: ParentAttrs,
+    ) -> R<EntryReply> {
         let kind = NewKind::Symlink {
             target: cstr(r.target.as_bytes()),
         };
-        let made = self.make_entry(FopCode::Symlink, creds, &r.parent, &r.name, r.gfid, kind);
-        Ok(made.await?.0)
+        let new = NewName {
+            fop: FopCode::Symlink,
+            parent: &r.parent,
+            name: &r.name,
+            gfid: r.gfid,
+            parents,
+        };
+        Ok(self.make_entry(creds, &new, kind).await?.0)
     }
 
     /// Creates `parent/name` with identity `gfid`: intent record → caller's create (commit) →
     /// GFID xattr → data → handle → stat → record removed, in one chain.
     async fn make_entry(
         &self,
-        fop: FopCode,
         creds: &Creds,
-        parent: &Gfid,
-        name: &Name,
-        gfid: Gfid,
+        new: &NewName<'_>,
         kind: NewKind,
     ) -> R<(EntryReply, Option<FileRef>)> {
+        let (fop, parent, name, gfid) = (new.fop, new.parent, new.name, new.gfid);
         Self::check_entry(parent, name)?;
         if self.shared.is_being_removed(&gfid) {
             // Its object is being removed and may keep it.
@@ -163,6 +206,7 @@ impl<E: Exec> Fops<E> {
                 mode: *mode,
                 data: data.clone(),
                 attr: *attr,
+                parents: new.parents,
             };
             return match self.make_file(fop, creds, &file).await {
                 Ok((reply, opened)) => Ok((reply, Some(opened).filter(|_| kind.keeps_open()))),
@@ -176,6 +220,7 @@ impl<E: Exec> Fops<E> {
             name: cstr(name.as_bytes()),
             gfid,
             record: record_name(RecordKind::New, &gfid),
+            parents: new.parents,
         };
         let (chain, steps) = self.entry_chain(creds, &entry, &kind);
         let mut results = self.run_namespace(fop, chain).await?;
@@ -195,16 +240,12 @@ impl<E: Exec> Fops<E> {
                 .await;
             return Err(e);
         }
-        let (pre, stat, post) = (
-            results.take(steps.pre)?,
-            results.take(steps.stat)?,
-            results.take(steps.post)?,
-        );
+        let stat = results.take(steps.stat)?;
         self.remember_gfid(&stat, gfid);
         let reply = EntryReply {
             iatt: iatt(&stat, gfid),
-            pre_parent: iatt(&pre, *parent),
-            post_parent: iatt(&post, *parent),
+            pre_parent: parent_iatt(&mut results, steps.pre, *parent)?,
+            post_parent: parent_iatt(&mut results, steps.post, *parent)?,
         };
         Ok((reply, opened.filter(|_| kind.keeps_open())))
     }
@@ -213,7 +254,7 @@ impl<E: Exec> Fops<E> {
     fn entry_chain(&self, creds: &Creds, entry: &NewEntry, kind: &NewKind) -> (Chain, EntrySteps) {
         let (dir, name) = (&entry.dir, &entry.name);
         let mut chain = Chain::new();
-        let pre = chain.push(Step::brick(op::Fstat::dir(dir)));
+        let pre = entry.parents.push(&mut chain, dir);
         let record = chain.push(Step::brick(op::Symlink {
             target: cstr(&intent::new_target(&entry.parent, name.as_bytes())),
             dir: self.brick.pending.clone(),
@@ -257,7 +298,7 @@ impl<E: Exec> Fops<E> {
         // Stats last: by name (a direct descriptor cannot be statx'ed), and at the end of the
         // chain, where the ring executor runs them inline.
         let stat = chain.push(Step::brick(op::Statx::of(dir, name)));
-        let post = chain.push(Step::brick(op::Fstat::dir(dir)));
+        let post = entry.parents.push(&mut chain, dir);
         let steps = EntrySteps {
             pre,
             record,
@@ -386,9 +427,14 @@ impl<E: Exec> Fops<E> {
             attr: SetAttr::default(),
             keep_open: true,
         };
-        let made = self
-            .make_entry(FopCode::Create, creds, &r.parent, &r.name, r.gfid, kind)
-            .await;
+        let new = NewName {
+            fop: FopCode::Create,
+            parent: &r.parent,
+            name: &r.name,
+            gfid: r.gfid,
+            parents: self.parent_attrs(session),
+        };
+        let made = self.make_entry(creds, &new, kind).await;
         let (entry, file) = match made {
             Ok(done) => done,
             // Without O_EXCL, CREATE of an existing name opens it, like open(O_CREAT).
@@ -433,7 +479,7 @@ impl<E: Exec> Fops<E> {
             .await
             .is_ok_and(|found| found.iatt.gfid == *gfid)
         {
-            let _ = self.unlink(&brick, parent, name).await;
+            let _ = self.unlink(&brick, parent, name, ParentAttrs::Omit).await;
         }
     }
 
@@ -456,7 +502,12 @@ impl<E: Exec> Fops<E> {
         })
     }
 
-    pub(in crate::fops) async fn put(&self, creds: &Creds, r: Put) -> R<EntryReply> {
+    pub(in crate::fops) async fn put(
+        &self,
+        creds: &Creds,
+        r: Put,
+        parents: ParentAttrs,
+    ) -> R<EntryReply> {
         if self.is_poisoned() {
             return Err(Errno::IO);
         }
@@ -476,9 +527,14 @@ impl<E: Exec> Fops<E> {
             },
             keep_open: false,
         };
-        let (mut entry, file) = self
-            .make_entry(FopCode::Put, creds, &r.parent, &r.name, r.gfid, kind)
-            .await?;
+        let new = NewName {
+            fop: FopCode::Put,
+            parent: &r.parent,
+            name: &r.name,
+            gfid: r.gfid,
+            parents,
+        };
+        let (mut entry, file) = self.make_entry(creds, &new, kind).await?;
         debug_assert!(file.is_none(), "a PUT keeps no file open");
         let mut rewritten = false;
         if entry.iatt.size != r.data.len() as u64 {
@@ -532,7 +588,12 @@ impl<E: Exec> Fops<E> {
         Ok(iatt(&results.take(stat)?, *gfid))
     }
 
-    pub(in crate::fops) async fn link(&self, creds: &Creds, r: Link) -> R<EntryReply> {
+    pub(in crate::fops) async fn link(
+        &self,
+        creds: &Creds,
+        r: Link,
+        parents: ParentAttrs,
+    ) -> R<EntryReply> {
         Self::check_entry(&r.new_parent, &r.new_name)?;
         if self.stat_gfid(&r.gfid).await?.is_dir() {
             return Err(Errno::PERM);
@@ -540,7 +601,7 @@ impl<E: Exec> Fops<E> {
         let dir = self.dir(&r.new_parent).await?;
         let new = cstr(r.new_name.as_bytes());
         let mut chain = Chain::new();
-        let pre = chain.push::<Stat>(Step::brick(op::Fstat::dir(&dir)));
+        let pre = parents.push(&mut chain, &dir);
         let link = op::Link {
             old_dir: self.brick.handle_dir(&r.gfid).clone(),
             old_name: Brick::handle_name(&r.gfid),
@@ -549,14 +610,13 @@ impl<E: Exec> Fops<E> {
         };
         let linked = chain.push::<()>(Step::caller(link, creds));
         let stat = chain.push::<Stat>(Step::brick(op::Statx::of(&dir, &new)));
-        let post = chain.push::<Stat>(Step::brick(op::Fstat::dir(&dir)));
+        let post = parents.push(&mut chain, &dir);
         let mut results = self.run_namespace(FopCode::Link, chain).await?;
-        let pre = results.take(pre)?;
         results.take(linked)?;
         Ok(EntryReply {
             iatt: iatt(&results.take(stat)?, r.gfid),
-            pre_parent: iatt(&pre, r.new_parent),
-            post_parent: iatt(&results.take(post)?, r.new_parent),
+            pre_parent: parent_iatt(&mut results, pre, r.new_parent)?,
+            post_parent: parent_iatt(&mut results, post, r.new_parent)?,
         })
     }
 }

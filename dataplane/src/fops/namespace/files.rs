@@ -12,7 +12,8 @@ use bytes::Bytes;
 use kiln_wire::{Creds, EntryReply, FopCode, Gfid, SetAttr};
 
 use super::super::chain::{At, Chain};
-use super::super::{Fops, R, iatt};
+use super::super::{Fops, ParentAttrs, R, iatt};
+use super::parent_iatt;
 use crate::brick::{Brick, GFID_XATTR};
 use crate::exec::Exec;
 use crate::op::{self, DirFd, FileRef, Stat, Step, cstr};
@@ -30,18 +31,19 @@ pub(super) struct NewFile<'a> {
     pub(super) data: Option<Bytes>,
     /// Attributes set after the data, before the name (a PUT's).
     pub(super) attr: SetAttr,
+    pub(super) parents: ParentAttrs,
 }
 
 /// The steps of an unnamed-file chain the fop reads back.
 #[derive(Debug)]
 pub(super) struct FileSteps {
-    pub(super) pre: At<Stat>,
+    pub(super) pre: Option<At<Stat>>,
     pub(super) opened: At<FileRef>,
     /// The name linked: the commit point.
     pub(super) named: At<()>,
     pub(super) handle: At<()>,
     pub(super) stat: At<Stat>,
-    pub(super) post: At<Stat>,
+    pub(super) post: Option<At<Stat>>,
 }
 
 impl<E: Exec> Fops<E> {
@@ -55,7 +57,7 @@ impl<E: Exec> Fops<E> {
     pub(super) fn unnamed_file_chain(&self, creds: &Creds, file: &NewFile) -> (Chain, FileSteps) {
         let (dir, name) = (file.dir, file.name);
         let mut chain = Chain::new();
-        let pre = chain.push(Step::brick(op::Fstat::dir(dir)));
+        let pre = file.parents.push(&mut chain, dir);
         let flags = file.flags & !(libc::O_CREAT | libc::O_EXCL | libc::O_TRUNC);
         let open = op::Open {
             dir: dir.clone(),
@@ -100,7 +102,7 @@ impl<E: Exec> Fops<E> {
         let stat = chain.push(Step::brick(op::Fstat {
             file: FileRef::Chain,
         }));
-        let post = chain.push(Step::brick(op::Fstat::dir(dir)));
+        let post = file.parents.push(&mut chain, dir);
         let steps = FileSteps {
             pre,
             opened,
@@ -144,16 +146,12 @@ impl<E: Exec> Fops<E> {
             }
             return Err(e);
         }
-        let (pre, stat, post) = (
-            results.take(steps.pre)?,
-            results.take(steps.stat)?,
-            results.take(steps.post)?,
-        );
+        let stat = results.take(steps.stat)?;
         self.remember_gfid(&stat, file.gfid);
         let reply = EntryReply {
             iatt: iatt(&stat, file.gfid),
-            pre_parent: iatt(&pre, file.parent),
-            post_parent: iatt(&post, file.parent),
+            pre_parent: parent_iatt(&mut results, steps.pre, file.parent)?,
+            post_parent: parent_iatt(&mut results, steps.post, file.parent)?,
         };
         Ok((reply, opened))
     }

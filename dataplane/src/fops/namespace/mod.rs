@@ -16,17 +16,33 @@ mod rename;
 
 use std::ffi::CString;
 
-use kiln_wire::{FopCode, Gfid};
+use kiln_wire::{FopCode, Gfid, Iatt};
 use rustix::io::Errno;
 
-use super::chain::{Chain, Results};
-use super::{Fops, R, lock};
+use super::chain::{At, Chain, Results};
+use super::{Fops, ParentAttrs, R, iatt, lock};
 use crate::brick::Brick;
 use crate::exec::Exec;
-use crate::op::{self, DirFd, Step};
+use crate::op::{self, DirFd, Stat, Step};
 use crate::profile;
 pub(super) use dir_record::DirRecord;
 pub(crate) use dir_record::spawn_dir_record_sweeper;
+
+impl ParentAttrs {
+    /// An `fstat` of the parent `dir` pushed onto `chain`, when the reply carries it.
+    fn push(self, chain: &mut Chain, dir: &DirFd) -> Option<At<Stat>> {
+        (self == ParentAttrs::Stat).then(|| chain.push(Step::brick(op::Fstat::dir(dir))))
+    }
+}
+
+/// The attributes of `parent` a reply carries: what the step `at` read, or
+/// [`Iatt::omitted_dir`] when the session did not ask for them.
+fn parent_iatt(results: &mut Results, at: Option<At<Stat>>, parent: Gfid) -> R<Iatt> {
+    match at {
+        Some(at) => Ok(iatt(&results.take(at)?, parent)),
+        None => Ok(Iatt::omitted_dir(parent)),
+    }
+}
 
 impl<E: Exec> Fops<E> {
     fn crash_point_for(&self, fop: FopCode) -> Option<usize> {

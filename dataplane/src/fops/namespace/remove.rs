@@ -2,11 +2,12 @@
 
 use std::ffi::CString;
 
-use kiln_wire::{Creds, FopCode, Gfid, Name, RemoveReply};
+use kiln_wire::{Creds, FopCode, Gfid, Iatt, Name, RemoveReply};
 use rustix::io::Errno;
 
-use super::super::chain::Chain;
-use super::super::{Fops, R, iatt};
+use super::super::chain::{At, Chain, Results};
+use super::super::{Fops, ParentAttrs, R};
+use super::parent_iatt;
 use crate::brick::Brick;
 use crate::brick::intent::{RecordKind, record_name};
 use crate::exec::Exec;
@@ -18,8 +19,10 @@ impl<E: Exec> Fops<E> {
         creds: &Creds,
         parent: &Gfid,
         name: &Name,
+        parents: ParentAttrs,
     ) -> R<RemoveReply> {
-        self.remove(FopCode::Unlink, creds, parent, name).await
+        self.remove(FopCode::Unlink, creds, parent, name, parents)
+            .await
     }
 
     pub(in crate::fops) async fn rmdir(
@@ -27,8 +30,10 @@ impl<E: Exec> Fops<E> {
         creds: &Creds,
         parent: &Gfid,
         name: &Name,
+        parents: ParentAttrs,
     ) -> R<RemoveReply> {
-        self.remove(FopCode::Rmdir, creds, parent, name).await
+        self.remove(FopCode::Rmdir, creds, parent, name, parents)
+            .await
     }
 
     /// UNLINK and RMDIR of `parent/name`. A file's last name goes under the directory's `dir`
@@ -40,6 +45,7 @@ impl<E: Exec> Fops<E> {
         creds: &Creds,
         parent: &Gfid,
         name: &Name,
+        parents: ParentAttrs,
     ) -> R<RemoveReply> {
         Self::check_entry(parent, name)?;
         let dir = self.dir(parent).await?;
@@ -69,8 +75,9 @@ impl<E: Exec> Fops<E> {
             name: n,
             gfid,
             is_dir,
+            parents,
         };
-        let (pre, post) = match held {
+        let (pre_parent, post_parent) = match held {
             // The link count now that this removal has its turn: this name and the handle.
             Some(held) if self.fstat_dir(&held).await?.nlink <= 2 => {
                 self.unlink_last_name(creds, &named, &held).await?
@@ -78,8 +85,8 @@ impl<E: Exec> Fops<E> {
             _ => self.remove_parked(fop, creds, &named).await?,
         };
         Ok(RemoveReply {
-            pre_parent: iatt(&pre, *parent),
-            post_parent: iatt(&post, *parent),
+            pre_parent,
+            post_parent,
         })
     }
 
@@ -93,11 +100,11 @@ impl<E: Exec> Fops<E> {
         creds: &Creds,
         named: &Named,
         held: &DirFd,
-    ) -> R<(Stat, Stat)> {
+    ) -> R<(Iatt, Iatt)> {
         let under_record = self.under_dir_record(&named.parent).await?;
         let (dir, gfid) = (&named.dir, &named.gfid);
         let mut chain = Chain::new();
-        let pre = chain.push::<Stat>(Step::brick(op::Fstat::dir(dir)));
+        let pre = named.parents.push(&mut chain, dir);
         // A missing handle (a damaged brick) is no reason to refuse the unlink.
         chain.push::<()>(Step::brick(op::Unlink {
             dir: self.brick.handle_dir(gfid).clone(),
@@ -110,7 +117,7 @@ impl<E: Exec> Fops<E> {
             dir_flag: false,
         };
         let commit = chain.push::<()>(Step::caller(unlink, creds).barrier());
-        let post = chain.push::<Stat>(Step::brick(op::Fstat::dir(dir)));
+        let post = named.parents.push(&mut chain, dir);
         let mut results = match self.run_namespace(FopCode::Unlink, chain).await {
             Ok(results) => results,
             Err(e) => {
@@ -125,7 +132,7 @@ impl<E: Exec> Fops<E> {
         if let Some(e) = results.error(commit) {
             return Err(e);
         }
-        Ok((results.take(pre)?, results.take(post)?))
+        named.parent_iatts(&mut results, pre, post)
     }
 
     /// Links the handle of `gfid` to the open file `held` again (it is still named).
@@ -148,11 +155,11 @@ impl<E: Exec> Fops<E> {
     /// record, the caller's removal commits, then the handle comes back (names are left, or
     /// the removal was refused) or goes with the record. The parent's attributes before and
     /// after.
-    async fn remove_parked(&self, fop: FopCode, creds: &Creds, named: &Named) -> R<(Stat, Stat)> {
+    async fn remove_parked(&self, fop: FopCode, creds: &Creds, named: &Named) -> R<(Iatt, Iatt)> {
         let (dir, gfid) = (&named.dir, &named.gfid);
         let record = record_name(RecordKind::Del, gfid);
         let mut chain = Chain::new();
-        let pre = chain.push::<Stat>(Step::brick(op::Fstat::dir(dir)));
+        let pre = named.parents.push(&mut chain, dir);
         let parked = chain.push::<()>(self.park_handle(gfid, &record));
         let remove = op::Unlink {
             dir: dir.clone(),
@@ -160,7 +167,7 @@ impl<E: Exec> Fops<E> {
             dir_flag: named.is_dir,
         };
         let commit = chain.push::<()>(Step::caller(remove, creds).barrier());
-        let post = chain.push::<Stat>(Step::brick(op::Fstat::dir(dir)));
+        let post = named.parents.push(&mut chain, dir);
         let mut results = self.run_namespace(fop, chain).await?;
         // No handle to move (a damaged brick) is no reason to refuse the removal.
         let moved = results.ok(parked);
@@ -176,7 +183,7 @@ impl<E: Exec> Fops<E> {
         if named.is_dir {
             self.forget_dir(gfid);
         }
-        Ok((results.take(pre)?, results.take(post)?))
+        named.parent_iatts(&mut results, pre, post)
     }
 
     /// Moves a handle parked in `record` back into place (the removal did not happen).
@@ -233,4 +240,20 @@ struct Named {
     name: CString,
     gfid: Gfid,
     is_dir: bool,
+    parents: ParentAttrs,
+}
+
+impl Named {
+    /// The parent's attributes before and after the removal, as the reply carries them.
+    fn parent_iatts(
+        &self,
+        results: &mut Results,
+        pre: Option<At<Stat>>,
+        post: Option<At<Stat>>,
+    ) -> R<(Iatt, Iatt)> {
+        Ok((
+            parent_iatt(results, pre, self.parent)?,
+            parent_iatt(results, post, self.parent)?,
+        ))
+    }
 }

@@ -8,7 +8,8 @@ use kiln_wire::{Creds, FopCode, Gfid, Rename, RenameMode, RenameReply};
 use rustix::io::Errno;
 
 use super::super::chain::{At, Chain};
-use super::super::{Fops, R, iatt};
+use super::super::{Fops, ParentAttrs, R, iatt};
+use super::parent_iatt;
 use crate::brick::Brick;
 use crate::brick::intent::{RecordKind, record_name};
 use crate::exec::Exec;
@@ -46,23 +47,29 @@ struct Ends {
     dst_dir: DirFd,
     old: CString,
     new: CString,
+    parents: ParentAttrs,
 }
 
 /// The steps of a rename chain whose results the fop reads back.
 #[derive(Debug)]
 struct RenameSteps {
-    pre_old: At<Stat>,
-    pre_new: At<Stat>,
+    pre_old: Option<At<Stat>>,
+    pre_new: Option<At<Stat>>,
     records: Vec<At<()>>,
     victim: Option<At<()>>,
     commit: At<()>,
     stat: At<Stat>,
-    post_old: At<Stat>,
-    post_new: At<Stat>,
+    post_old: Option<At<Stat>>,
+    post_new: Option<At<Stat>>,
 }
 
 impl<E: Exec> Fops<E> {
-    pub(in crate::fops) async fn rename(&self, creds: &Creds, r: Rename) -> R<RenameReply> {
+    pub(in crate::fops) async fn rename(
+        &self,
+        creds: &Creds,
+        r: Rename,
+        parents: ParentAttrs,
+    ) -> R<RenameReply> {
         Self::check_entry(&r.old_parent, &r.old_name)?;
         Self::check_entry(&r.new_parent, &r.new_name)?;
         let ends = Ends {
@@ -70,6 +77,7 @@ impl<E: Exec> Fops<E> {
             dst_dir: self.dir(&r.new_parent).await?,
             old: cstr(r.old_name.as_bytes()),
             new: cstr(r.new_name.as_bytes()),
+            parents,
         };
         let plan = self.plan_rename(creds, &r, &ends).await?;
         let _removing = match &plan.victim {
@@ -107,10 +115,10 @@ impl<E: Exec> Fops<E> {
         }
         Ok(RenameReply {
             iatt: iatt(&results.take(steps.stat)?, plan.src_gfid),
-            pre_old_parent: iatt(&results.take(steps.pre_old)?, r.old_parent),
-            post_old_parent: iatt(&results.take(steps.post_old)?, r.old_parent),
-            pre_new_parent: iatt(&results.take(steps.pre_new)?, r.new_parent),
-            post_new_parent: iatt(&results.take(steps.post_new)?, r.new_parent),
+            pre_old_parent: parent_iatt(&mut results, steps.pre_old, r.old_parent)?,
+            post_old_parent: parent_iatt(&mut results, steps.post_old, r.old_parent)?,
+            pre_new_parent: parent_iatt(&mut results, steps.pre_new, r.new_parent)?,
+            post_new_parent: parent_iatt(&mut results, steps.post_new, r.new_parent)?,
         })
     }
 
@@ -178,8 +186,8 @@ impl<E: Exec> Fops<E> {
         plan: &RenamePlan,
     ) -> (Chain, RenameSteps) {
         let mut chain = Chain::new();
-        let pre_old = chain.push(Step::brick(op::Fstat::dir(&ends.src_dir)));
-        let pre_new = chain.push(Step::brick(op::Fstat::dir(&ends.dst_dir)));
+        let pre_old = ends.parents.push(&mut chain, &ends.src_dir);
+        let pre_new = ends.parents.push(&mut chain, &ends.dst_dir);
         let records = plan
             .moved
             .iter()
@@ -212,8 +220,8 @@ impl<E: Exec> Fops<E> {
             chain.push::<()>(self.install_handle(&m.gfid, &m.record, true));
         }
         let stat = chain.push(Step::brick(op::Statx::of(&ends.dst_dir, &ends.new)));
-        let post_old = chain.push(Step::brick(op::Fstat::dir(&ends.src_dir)));
-        let post_new = chain.push(Step::brick(op::Fstat::dir(&ends.dst_dir)));
+        let post_old = ends.parents.push(&mut chain, &ends.src_dir);
+        let post_new = ends.parents.push(&mut chain, &ends.dst_dir);
         let steps = RenameSteps {
             pre_old,
             pre_new,
