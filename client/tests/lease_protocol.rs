@@ -143,7 +143,10 @@ fn no_parent_attrs_leaves_the_parent_out_of_namespace_replies() {
         assert_eq!(parents(unlink_bare), omitted);
         let (pre, post) = parents(fop_on(&full, "PUT", put(d, "b", gfid(), b"b")).await);
         assert_eq!((pre.gfid, post.gfid, post.nlink), (d, d, 2));
-        assert!(pre.ino != 0 && pre.ino == post.ino, "the directory's own attributes");
+        assert!(
+            pre.ino != 0 && pre.ino == post.ino,
+            "the directory's own attributes"
+        );
     });
 }
 

@@ -1206,6 +1206,41 @@ fn bad_mounts_fail_with_a_clear_message() {
     assert!(!is_kiln_mount(&elsewhere));
 }
 
+/// `kiln umount` returns only once the mount's process has sent what it answered itself and
+/// exited. The process is stopped (SIGSTOP) right after files are made under its write
+/// lease: the unmount itself needs nothing of it, and `kiln umount` must then wait for it to
+/// be let go, send the files and exit; when it returns every file is on the brick.
+#[test]
+fn umount_waits_until_the_mounts_process_has_sent_everything_and_exited() {
+    use rustix::process::Signal;
+    let mut m = Mounted::new(&[]);
+    fs::create_dir(m.path("d")).expect("mkdir");
+    for i in 0..20 {
+        fs::write(m.path(&format!("d/f{i}")), format!("file {i}")).expect("write");
+    }
+    let server = i32::try_from(m.server.as_ref().expect("server").id()).expect("pid");
+    common::signal(server, Signal::STOP);
+    let mountpoint = m.mountpoint.clone();
+    let umount = std::thread::spawn(move || common::kiln_umount(&mountpoint));
+    std::thread::sleep(Duration::from_secs(1));
+    let returned_early = umount.is_finished();
+    common::signal(server, Signal::CONT);
+    assert!(
+        !returned_early,
+        "kiln umount returned before the mount's process was done"
+    );
+    let out = umount.join().expect("kiln umount thread");
+    assert!(out.status.success(), "umount: {}", text(&out));
+    for i in 0..20 {
+        let on_brick = m.cluster.brick.join(format!("d/f{i}"));
+        assert_eq!(
+            fs::read_to_string(&on_brick).expect("on the brick"),
+            format!("file {i}")
+        );
+    }
+    m.wait_server_exit();
+}
+
 #[test]
 fn unmounting_a_busy_mount_is_refused_and_sigterm_waits_for_open_files() {
     let mut m = Mounted::new(&[]);

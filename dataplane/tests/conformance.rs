@@ -2074,7 +2074,11 @@ fn parent_attributes_only_for_a_session_that_wants_them(kind: EngineKind) {
     let FopReply::Put(made) = &reply else {
         panic!()
     };
-    assert_eq!((made.iatt.gfid, made.iatt.size), (f, 4), "the object itself is there");
+    assert_eq!(
+        (made.iatt.gfid, made.iatt.size),
+        (f, 4),
+        "the object itself is there"
+    );
     let create = Create {
         parent: d,
         name: name("c"),
@@ -2126,7 +2130,10 @@ fn parent_attributes_only_for_a_session_that_wants_them(kind: EngineKind) {
         name: name("e"),
     };
     omitted(&call(rmdir.into()), d);
-    assert!(h.list(d).expect("list").is_empty(), "every fop did its work");
+    assert!(
+        h.list(d).expect("list").is_empty(),
+        "every fop did its work"
+    );
     // The harness's own session asks for them.
     h.put(d, "x", b"x").expect("put");
     let FopReply::Unlink(r) = h

@@ -11,6 +11,12 @@
 //! A volume of several bricks (or several addresses, in the volume's brick order) is mounted
 //! as one distributed volume (`kiln_client::distribute`). Without `-f` the command returns
 //! once the volume is mounted and a background process serves it, logging to `--log-file`.
+//!
+//! `kiln umount` returns once the process that served the mount has sent the changes it had
+//! answered itself and not yet sent, closed its brick connections (their leases go with
+//! them) and exited: that process holds a shared `flock` on the directory it mounted over
+//! (opened before the mount covers it) until it exits, and `kiln umount` waits, bounded,
+//! until it can lock it exclusively.
 
 use std::future::Future;
 use std::io::{BufRead as _, BufReader, Write as _};
@@ -37,7 +43,14 @@ const DEFAULT_LOG_FILE: &str = "/var/log/kiln/mount.log";
 /// The line a background mount's server prints when the mount is up.
 const READY: &str = "kiln-mount-ready";
 /// How often the server looks whether it was unmounted from outside.
-const UNMOUNT_POLL: Duration = Duration::from_millis(200);
+const UNMOUNT_POLL: Duration = Duration::from_millis(50);
+/// How often `kiln umount` looks whether the serving process is gone.
+const SERVER_EXIT_POLL: Duration = Duration::from_millis(10);
+/// How long `kiln umount` waits for the serving process beyond its drain limit (closing its
+/// brick connections, exiting).
+const SERVER_EXIT_MARGIN: Duration = Duration::from_secs(10);
+/// How long `kiln umount` waits quietly for the serving process before saying so.
+const SERVER_EXIT_QUIET: Duration = Duration::from_secs(1);
 
 #[derive(Args)]
 pub(crate) struct MountArgs {
@@ -135,6 +148,8 @@ async fn serve(
 ) -> anyhow::Result<()> {
     let mountpoint = &args.mountpoint;
     check_mountpoint(mountpoint)?;
+    // Held until this process is done with the mount; see the module doc.
+    let _serving = hold_mountpoint(mountpoint);
     let (members, by_name) = match parse_addrs(&args.source) {
         Some(addrs) => (addrs.into_iter().map(Member::Serving).collect(), false),
         None => {
@@ -434,13 +449,69 @@ pub(crate) fn umount(args: &UmountArgs) -> anyhow::Result<()> {
         false => UnmountFlags::empty(),
     };
     match unmount(&path, flags) {
-        Ok(()) => Ok(()),
+        // A lazy unmount ends when the last file on it is closed: nothing to wait for now.
+        Ok(()) if args.lazy => Ok(()),
+        Ok(()) => wait_for_server_exit(&path),
         Err(rustix::io::Errno::BUSY) => bail!(
             "cannot unmount {}: target is busy (files or directories on it are in use; \
              `kiln umount --lazy` detaches it now and ends it when they are closed)",
             args.mountpoint.display()
         ),
         Err(e) => Err(e).with_context(|| format!("cannot unmount {}", args.mountpoint.display())),
+    }
+}
+
+/// The directory a mount covers, opened before it is covered and locked shared for as long
+/// as the serving process holds the fd (`None`, logged, where the file system takes no
+/// `flock`: `kiln umount` then does not wait).
+fn hold_mountpoint(mountpoint: &Path) -> Option<std::fs::File> {
+    use rustix::fs::{FlockOperation, flock};
+    let held = std::fs::File::open(mountpoint).and_then(|dir| {
+        flock(&dir, FlockOperation::LockShared)?;
+        Ok(dir)
+    });
+    match held {
+        Ok(dir) => Some(dir),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot lock the mount point: `kiln umount` will not wait");
+            None
+        }
+    }
+}
+
+/// Waits until every process that served a mount over `mountpoint` (now uncovered) has
+/// exited, bounded by the mount's drain limit plus [`SERVER_EXIT_MARGIN`].
+fn wait_for_server_exit(mountpoint: &Path) -> anyhow::Result<()> {
+    use rustix::fs::{FlockOperation, flock};
+    use std::time::Instant;
+    let dir = std::fs::File::open(mountpoint)
+        .with_context(|| format!("{} after the unmount", mountpoint.display()))?;
+    let start = Instant::now();
+    let limit = mount::UNMOUNT_DRAIN_LIMIT + SERVER_EXIT_MARGIN;
+    let mut said = false;
+    loop {
+        match flock(&dir, FlockOperation::NonBlockingLockExclusive) {
+            Ok(()) => return Ok(()),
+            Err(rustix::io::Errno::WOULDBLOCK) => {}
+            // No locks here (the server could not take one either).
+            Err(_) => return Ok(()),
+        }
+        let waited = start.elapsed();
+        if waited >= limit {
+            bail!(
+                "{} is unmounted, but its process is still running after {} s: changes it \
+                 answered itself may not be on the bricks yet (see its log)",
+                mountpoint.display(),
+                waited.as_secs()
+            );
+        }
+        if !said && waited >= SERVER_EXIT_QUIET {
+            eprintln!(
+                "kiln umount: waiting for the mount's process to send its pending changes and exit"
+            );
+            said = true;
+        }
+        std::thread::sleep(SERVER_EXIT_POLL);
     }
 }
 

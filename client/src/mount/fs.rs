@@ -55,7 +55,7 @@ pub(crate) struct KilnFs<L: Layer> {
 }
 
 /// How long an unmount waits for the changes made behind to reach the brick.
-const UNMOUNT_DRAIN_LIMIT: Duration = Duration::from_secs(60);
+pub const UNMOUNT_DRAIN_LIMIT: Duration = Duration::from_secs(60);
 
 impl<L: Layer> Drop for KilnFs<L> {
     fn drop(&mut self) {

@@ -37,6 +37,7 @@ use fuser::{Config, InitFlags, SessionACL};
 use rustix::mount::{MountFlags, UnmountFlags, unmount};
 
 use crate::Layer;
+pub use fs::UNMOUNT_DRAIN_LIMIT;
 
 /// How a volume is mounted: the kernel's cache lifetimes and the usual mount flags.
 #[derive(Debug, Clone, PartialEq, Eq)]

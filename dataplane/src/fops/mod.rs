@@ -431,9 +431,7 @@ impl<E: Exec> Fops<E> {
             Q::Truncate(r) => A::Truncate(self.truncate(creds, &r.gfid, r.size).await?),
             Q::Mknod(r) => A::Mknod(self.mknod(creds, r, self.parent_attrs(session)).await?),
             Q::Mkdir(r) => A::Mkdir(self.mkdir(creds, r, self.parent_attrs(session)).await?),
-            Q::Symlink(r) => {
-                A::Symlink(self.symlink(creds, r, self.parent_attrs(session)).await?)
-            }
+            Q::Symlink(r) => A::Symlink(self.symlink(creds, r, self.parent_attrs(session)).await?),
             Q::Create(r) => A::Create(self.create(session, creds, r).await?),
             Q::Put(r) => A::Put(self.put(creds, r, self.parent_attrs(session)).await?),
             Q::Unlink(r) => {

@@ -325,7 +325,12 @@ impl<E: Exec> Fops<E> {
 
     pub(super) fn open_file(&self, session: SessionId, fd: FdId) -> R<OpenFile> {
         let sessions = lock(&self.sessions);
-        sessions.get(&session).ok_or(Errno::BADF)?.fds.get(fd).cloned()
+        sessions
+            .get(&session)
+            .ok_or(Errno::BADF)?
+            .fds
+            .get(fd)
+            .cloned()
     }
 
     /// Adds an open file to the session's table; EBADF when the session is not open (it
@@ -341,6 +346,10 @@ impl<E: Exec> Fops<E> {
 
     pub(super) fn insert_open(&self, session: SessionId, file: OpenFile) -> R<FdId> {
         let mut sessions = lock(&self.sessions);
-        sessions.get_mut(&session).ok_or(Errno::BADF)?.fds.insert(file)
+        sessions
+            .get_mut(&session)
+            .ok_or(Errno::BADF)?
+            .fds
+            .insert(file)
     }
 }
