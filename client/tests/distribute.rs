@@ -294,26 +294,42 @@ impl Racing {
     }
 
     async fn make_link_file(&self, parent: Gfid, name: Name, gfid: Gfid) {
-        let root = Creds::root();
-        let mknod = kiln_wire::Mknod {
-            parent,
-            name,
-            gfid,
-            node_type: kiln_wire::NodeType::Regular,
-            mode: kiln_wire::Mode::new(0o1000).expect("mode"),
-            umask: kiln_wire::Mode::from_st_mode(0),
-            rdev: 0,
-        };
-        self.below.call(&root, mknod.into()).await.expect("mknod");
-        let set = kiln_wire::Setxattr {
-            gfid,
-            name: kiln_wire::XattrName::new(LINKTO_XATTR.as_bytes().to_vec()).expect("name"),
-            value: kiln_wire::XattrValue::new(Bytes::from(format!("{}-client-0\0", self.volume)))
-                .expect("value"),
-            mode: kiln_wire::XattrSetMode::Create,
-        };
-        self.below.call(&root, set.into()).await.expect("linkto");
+        make_link_file(&self.below, &self.volume, (parent, name), gfid, 0).await;
     }
+}
+
+/// Makes `name` in `parent` on brick `on` a link file of object `gfid` of volume `volume`,
+/// pointing to brick `home`.
+async fn make_link_file(
+    on: &BrickClient,
+    volume: &str,
+    (parent, name): (Gfid, Name),
+    gfid: Gfid,
+    home: usize,
+) {
+    let root = Creds::root();
+    let mknod = kiln_wire::Mknod {
+        parent,
+        name,
+        gfid,
+        node_type: kiln_wire::NodeType::Regular,
+        mode: kiln_wire::Mode::new(0o1000).expect("mode"),
+        umask: kiln_wire::Mode::from_st_mode(0),
+        rdev: 0,
+    };
+    on.call(&root, mknod.into()).await.expect("mknod");
+    let set = kiln_wire::Setxattr {
+        gfid,
+        name: kiln_wire::XattrName::new(LINKTO_XATTR.as_bytes().to_vec()).expect("name"),
+        value: kiln_wire::XattrValue::new(Bytes::from(format!("{volume}-client-{home}\0")))
+            .expect("value"),
+        mode: kiln_wire::XattrSetMode::Create,
+    };
+    on.call(&root, set.into()).await.expect("linkto");
+}
+
+fn random_gfid() -> Gfid {
+    Gfid::from_bytes(uuid::Uuid::new_v4().into_bytes()).expect("gfid")
 }
 
 impl Layer for Racing {
@@ -337,10 +353,7 @@ impl Layer for Racing {
             };
             match race {
                 Race::Off => {}
-                Race::OtherObject => {
-                    let other = Gfid::from_bytes(uuid::Uuid::new_v4().into_bytes()).expect("gfid");
-                    self.make_link_file(parent, unlinked, other).await;
-                }
+                Race::OtherObject => self.make_link_file(parent, unlinked, random_gfid()).await,
                 Race::SameObject(gfid) => self.make_link_file(parent, unlinked, gfid).await,
             }
         }
@@ -477,6 +490,81 @@ fn a_rename_survives_a_link_file_made_under_its_new_name_meanwhile() {
         for brick in v.bricks() {
             brick.below.close().await;
         }
+    });
+}
+
+/// A link file whose object is gone from the brick it points to (a rebalance's move that
+/// raced an unlink leaves one, as may a crash) holds its name for nothing: a lookup finds no
+/// such name and removes it, and each make of the name succeeds — the hashed brick answers
+/// EEXIST, the stale link file goes, and the make runs again.
+#[test]
+fn a_stale_link_file_is_removed_and_its_name_made_again() {
+    let volume = Volume::start();
+    let rt = runtime();
+    let creds = Creds::root();
+    rt.block_on(async {
+        let v = volume.connect().await;
+        let dir = v.mkdir_all(&creds, "/d", 0o755).await.expect("mkdir");
+        let layout = v.layout(dir.gfid).await.expect("layout");
+        let hashed = |n: &str| {
+            layout
+                .hashed_brick(n.as_bytes(), Munging::default())
+                .expect("brick")
+        };
+        let on_brick = |n: &str| volume.brick(hashed(n)).join(format!("d/{n}"));
+        for n in ["looked-up", "put", "mkdir", "create-excl", "create"] {
+            let on = v.bricks().nth(hashed(n)).expect("brick");
+            let home = (hashed(n) + 1) % BRICKS;
+            make_link_file(on, "dist", (dir.gfid, name(n)), random_gfid(), home).await;
+            assert!(link_file_target(&on_brick(n)).is_some(), "{n}: made");
+        }
+        let looked_up = v.resolve(&creds, "/d/looked-up").await;
+        assert!(
+            matches!(looked_up, Err(Error::Fop(ErrorCode::NoEnt))),
+            "{looked_up:?}"
+        );
+        assert!(!on_brick("looked-up").exists(), "the lookup removed it");
+        v.put(&creds, "/d/put", Bytes::from_static(b"put"), 0o644)
+            .await
+            .expect("put");
+        let mkdir = kiln_wire::Mkdir {
+            parent: dir.gfid,
+            name: name("mkdir"),
+            gfid: random_gfid(),
+            mode: kiln_wire::Mode::new(0o755).expect("mode"),
+            umask: kiln_wire::Mode::from_st_mode(0),
+        };
+        v.call(&creds, mkdir.into()).await.expect("mkdir");
+        for (n, flags) in [
+            ("create-excl", kiln_wire::OpenFlags::EXCL),
+            ("create", kiln_wire::OpenFlags::empty()),
+        ] {
+            let create = kiln_wire::Create {
+                parent: dir.gfid,
+                name: name(n),
+                gfid: random_gfid(),
+                access: kiln_wire::AccessMode::ReadWrite,
+                flags,
+                mode: kiln_wire::Mode::new(0o644).expect("mode"),
+                umask: kiln_wire::Mode::from_st_mode(0),
+            };
+            let (fd, entry) = v.create(&creds, create.clone()).await.expect(n);
+            assert_eq!(entry.iatt.gfid, create.gfid, "{n}: the new file");
+            v.release(&creds, fd).await.expect("release");
+        }
+        for (n, file_type) in [
+            ("put", FileType::Regular),
+            ("mkdir", FileType::Directory),
+            ("create-excl", FileType::Regular),
+            ("create", FileType::Regular),
+        ] {
+            let made = v.resolve(&creds, &format!("/d/{n}")).await.expect(n);
+            assert_eq!(made.file_type, file_type, "{n}");
+            let meta = on_brick(n).symlink_metadata().expect(n);
+            assert!(xattr(&on_brick(n), LINKTO_XATTR).is_none(), "{n}: {meta:?}");
+        }
+        let data = v.read_to_end(&creds, "/d/put").await.expect("read");
+        assert_eq!(data, b"put");
     });
 }
 

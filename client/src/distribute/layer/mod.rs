@@ -11,7 +11,10 @@
 //!   object is remembered by GFID.
 //! * **LOOKUP** asks the hashed brick and follows a link file; a miss there is the answer
 //!   when the layout has no holes and was committed (GlusterFS's `lookup-optimize`), else
-//!   every brick is asked.
+//!   every brick is asked. A link file whose object is gone from the brick it points to is
+//!   stale (a move that raced an unlink, a crash) and removed — by the lookup that follows
+//!   it, and by a make of its name that the hashed brick refused with EEXIST, which then
+//!   runs again.
 //! * **MKDIR** runs on the hashed brick first, then the others, and writes the new layout;
 //!   **RMDIR** removes the other copies first and the hashed one last, and puts back the
 //!   copies it removed when one brick still has entries. **RENAME** of a file renames it on
@@ -442,9 +445,20 @@ impl<L: Layer> Layer for Distribute<L> {
         self.exists_unseen(creds, create.parent, &create.name, &layout)
             .await?;
         let (access, flags) = (create.access, create.flags);
-        let (fd, entry) = self.bricks.get(brick)?.create(creds, create).await?;
+        let (parent, name) = (create.parent, create.name.clone());
+        let on_hashed = self.bricks.get(brick)?;
+        let make = || on_hashed.create(creds, create.clone());
+        let (mut fd, mut entry) = self.making(brick, parent, &name, make).await?;
         // A create without EXCL opens a name that exists: one that is a link file is the
-        // file on another brick (the caller's kernel still thought the name free).
+        // file on another brick (the caller's kernel still thought the name free) — or
+        // stale, and then removed and the file made.
+        if let Some(home) = self.link_file_target(brick, &entry.iatt).await?
+            && self.is_gone_from(home, entry.iatt.gfid).await?
+        {
+            let _ = on_hashed.release(creds, fd).await;
+            self.cleared_stale_link_file(brick, parent, &name).await?;
+            (fd, entry) = on_hashed.create(creds, create).await?;
+        }
         if let Some(home) = self.link_file_target(brick, &entry.iatt).await? {
             let _ = self.bricks.get(brick)?.release(creds, fd).await;
             let gfid = entry.iatt.gfid;

@@ -94,10 +94,11 @@ impl<L: Layer> Distribute<L> {
                 Ok(found) if found.iatt.gfid == link => {
                     self.point_link_files(hashed, link, found.home).await?;
                 }
-                // (Not while the home brick serves: a hard link makes its link file before
-                // the name it points to.)
+                // (While the home brick serves, only when the object is gone from it: a hard
+                // link makes its link file before the name it points to.)
                 Err(Error::Fop(ErrorCode::NoEnt))
-                    if self.bricks.role(home) == BrickRole::Removed =>
+                    if self.bricks.role(home) == BrickRole::Removed
+                        || self.is_gone_from(home, link).await? =>
                 {
                     let link_file = |t: &Iatt| t.gfid == link && looks_like_link_file(t);
                     self.remove_if_still(hashed, parent, name, link_file)
@@ -413,6 +414,69 @@ impl<L: Layer> Distribute<L> {
         }
     }
 
+    /// Whether object `gfid` is gone from brick `home` altogether. A link file pointing to
+    /// an object gone from its brick is stale — left by a rebalance's move that raced an
+    /// unlink, or by a crash — and holds its name for nothing.
+    pub(super) async fn is_gone_from(&self, home: usize, gfid: Gfid) -> Result<bool, Error> {
+        match self.bricks.get(home)?.stat(&Creds::root(), gfid).await {
+            Ok(_) => Ok(false),
+            Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => Ok(true),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// After a make of `name` in `parent` on its hashed brick failed with EEXIST: removes a
+    /// stale link file ([`Distribute::is_gone_from`]) that held the name, and says whether the
+    /// make may be tried again.
+    pub(super) async fn cleared_stale_link_file(
+        &self,
+        hashed: usize,
+        parent: Gfid,
+        name: &Name,
+    ) -> Result<bool, Error> {
+        let there = match self
+            .bricks
+            .get(hashed)?
+            .lookup(&Creds::root(), parent, name)
+            .await
+        {
+            Ok(there) => there,
+            // Removed meanwhile.
+            Err(Error::Fop(ErrorCode::NoEnt)) => return Ok(true),
+            Err(e) => return Err(e),
+        };
+        let Some(home) = self.link_file_target(hashed, &there).await? else {
+            return Ok(false);
+        };
+        if !self.is_gone_from(home, there.gfid).await? {
+            return Ok(false);
+        }
+        tracing::info!(brick = hashed, %parent, %name, "a stale link file removed");
+        let link_file = |t: &Iatt| t.gfid == there.gfid && looks_like_link_file(t);
+        self.remove_if_still(hashed, parent, name, link_file)
+            .await?;
+        Ok(true)
+    }
+
+    /// Runs `make` (a make of `name` in `parent` on its hashed brick `hashed`), and once more
+    /// when a stale link file held the name and was removed.
+    pub(super) async fn making<T, F: Future<Output = Result<T, Error>>>(
+        &self,
+        hashed: usize,
+        parent: Gfid,
+        name: &Name,
+        make: impl Fn() -> F,
+    ) -> Result<T, Error> {
+        match make().await {
+            Err(Error::Fop(ErrorCode::Exist))
+                if self.cleared_stale_link_file(hashed, parent, name).await? =>
+            {
+                make().await
+            }
+            made => made,
+        }
+    }
+
     /// [`Distribute::remove_link_file`] of a link file whose name is gone from the brick it
     /// pointed to: one left behind (the brick failed) is only logged — a lookup following it
     /// finds nothing there, but it keeps its directory from being removed.
@@ -434,7 +498,9 @@ impl<L: Layer> Distribute<L> {
         if self.exists_unseen(creds, parent, name, &layout).await? {
             return Err(Error::Fop(ErrorCode::Exist));
         }
-        let reply = self.bricks.get(hashed)?.call(creds, fop).await?;
+        let brick = self.bricks.get(hashed)?;
+        let make = || brick.call(creds, fop.clone());
+        let reply = self.making(hashed, parent, name, make).await?;
         self.note_home(entry_iatt(&reply)?, hashed);
         Ok(reply)
     }
@@ -451,11 +517,9 @@ impl<L: Layer> Distribute<L> {
         {
             return Err(Error::Fop(ErrorCode::Exist));
         }
-        let reply = self
-            .bricks
-            .get(hashed)?
-            .call(creds, r.clone().into())
-            .await?;
+        let on_hashed = self.bricks.get(hashed)?;
+        let make = || on_hashed.call(creds, r.clone().into());
+        let reply = self.making(hashed, r.parent, &r.name, make).await?;
         for (i, brick) in self.bricks.in_service().filter(|(i, _)| *i != hashed) {
             if let Err(e) = brick.call(creds, r.clone().into()).await {
                 // The next lookup of the directory makes the missing copy (and its share of
