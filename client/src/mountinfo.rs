@@ -26,6 +26,9 @@ pub struct MountEntry {
     pub fs_type: String,
     /// What is mounted (a device, `HOST:/VOLUME`, a FUSE server's `fsname`), unescaped.
     pub source: OsString,
+    /// The file system's device, `MAJOR:MINOR`: the same in every mount namespace that has a
+    /// copy of the mount.
+    pub device: String,
 }
 
 impl MountEntry {
@@ -74,6 +77,7 @@ pub fn parse_line(line: &[u8]) -> Option<MountEntry> {
         mount_point: PathBuf::from(OsString::from_vec(unescape(mount_point))),
         fs_type: String::from_utf8_lossy(&unescape(fs_type)).into_owned(),
         source: OsString::from_vec(unescape(source)),
+        device: String::from_utf8_lossy(fields[2]).into_owned(),
     })
 }
 

@@ -1241,6 +1241,50 @@ fn umount_waits_until_the_mounts_process_has_sent_everything_and_exited() {
     m.wait_server_exit();
 }
 
+/// A mount namespace made while the volume is mounted (`unshare -m`, as `ip netns exec` and
+/// services with private mounts do) keeps a copy of the mount, which the mount's process goes
+/// on serving: `kiln umount` then unmounts here, says so, and does not wait; the process ends
+/// when the last copy goes.
+#[test]
+fn umount_does_not_wait_for_a_copy_of_the_mount_in_another_namespace() {
+    let mut m = Mounted::new(&[]);
+    fs::write(m.path("f"), b"seen from the copy").expect("write");
+    let mut copy = Command::new("unshare")
+        .args(["--mount", "--propagation", "private", "sleep", "60"])
+        .spawn()
+        .expect("unshare");
+    // The namespace exists once `unshare` has execed `sleep`.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let pid = copy.id();
+    while fs::read_to_string(format!("/proc/{pid}/comm")).map_or(true, |c| c.trim() != "sleep") {
+        assert!(Instant::now() < deadline, "unshare did not start");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let started = Instant::now();
+    let out = common::kiln_umount(&m.mountpoint);
+    assert!(out.status.success(), "umount: {}", text(&out));
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "kiln umount waited {:?}",
+        started.elapsed()
+    );
+    assert!(
+        text(&out).contains("still mounted in the mount namespace of process"),
+        "{}",
+        text(&out)
+    );
+    assert!(!is_kiln_mount(&m.mountpoint));
+    let mut server = m.server.take().expect("server");
+    assert!(
+        server.try_wait().expect("wait").is_none(),
+        "it serves the copy"
+    );
+    copy.kill().expect("kill the namespace's process");
+    copy.wait().expect("reaped");
+    m.server = Some(server);
+    m.wait_server_exit();
+}
+
 #[test]
 fn unmounting_a_busy_mount_is_refused_and_sigterm_waits_for_open_files() {
     let mut m = Mounted::new(&[]);

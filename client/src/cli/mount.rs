@@ -16,7 +16,8 @@
 //! answered itself and not yet sent, closed its brick connections (their leases go with
 //! them) and exited: that process holds a shared `flock` on the directory it mounted over
 //! (opened before the mount covers it) until it exits, and `kiln umount` waits, bounded,
-//! until it can lock it exclusively.
+//! until it can lock it exclusively. It does not wait when another mount namespace still has
+//! a copy of the mount (one made while it was mounted), which the process goes on serving.
 
 use std::future::Future;
 use std::io::{BufRead as _, BufReader, Write as _};
@@ -441,9 +442,9 @@ pub(crate) fn umount(args: &UmountArgs) -> anyhow::Result<()> {
         .mountpoint
         .canonicalize()
         .with_context(|| format!("{}", args.mountpoint.display()))?;
-    if !kiln_mounts()?.contains(&path) {
+    let Some(device) = kiln_mount_device(&path)? else {
         bail!("{} is not a Kiln mount", args.mountpoint.display());
-    }
+    };
     let flags = match args.lazy {
         true => UnmountFlags::DETACH,
         false => UnmountFlags::empty(),
@@ -451,7 +452,18 @@ pub(crate) fn umount(args: &UmountArgs) -> anyhow::Result<()> {
     match unmount(&path, flags) {
         // A lazy unmount ends when the last file on it is closed: nothing to wait for now.
         Ok(()) if args.lazy => Ok(()),
-        Ok(()) => wait_for_server_exit(&path),
+        Ok(()) => match mounted_elsewhere(&device) {
+            Some(pid) => {
+                eprintln!(
+                    "kiln umount: {} is still mounted in the mount namespace of process {pid} \
+                     (it was made after the mount); its process serves that copy until it \
+                     goes, so this does not wait for it",
+                    args.mountpoint.display()
+                );
+                Ok(())
+            }
+            None => wait_for_server_exit(&path),
+        },
         Err(rustix::io::Errno::BUSY) => bail!(
             "cannot unmount {}: target is busy (files or directories on it are in use; \
              `kiln umount --lazy` detaches it now and ends it when they are closed)",
@@ -513,6 +525,44 @@ fn wait_for_server_exit(mountpoint: &Path) -> anyhow::Result<()> {
         }
         std::thread::sleep(SERVER_EXIT_POLL);
     }
+}
+
+/// The device (`MAJOR:MINOR`) of the Kiln mount on `mountpoint` (canonical), if there is one.
+fn kiln_mount_device(mountpoint: &Path) -> anyhow::Result<Option<String>> {
+    let mounts = kiln_client::mountinfo::read_self().context("/proc/self/mountinfo")?;
+    Ok(mounts
+        .into_iter()
+        .find(|m| m.is_at(mountpoint, "fuse.kiln"))
+        .map(|m| m.device))
+}
+
+/// A process of another mount namespace in which file system `device` is still mounted: a
+/// namespace made while the mount was there (`unshare`, `ip netns exec`, a service's private
+/// mounts) keeps a copy of it, and the FUSE session goes on until every copy is gone.
+fn mounted_elsewhere(device: &str) -> Option<u32> {
+    use std::collections::HashSet;
+    let own = std::fs::read_link("/proc/self/ns/mnt").ok()?;
+    let mut seen = HashSet::from([own]);
+    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(namespace) = std::fs::read_link(entry.path().join("ns/mnt")) else {
+            continue;
+        };
+        if !seen.insert(namespace) {
+            continue;
+        }
+        let mounts = kiln_client::mountinfo::read(&entry.path().join("mountinfo"));
+        if mounts.is_ok_and(|mounts| mounts.iter().any(|m| m.device == device)) {
+            return Some(pid);
+        }
+    }
+    None
 }
 
 /// Mount points of `fuse.kiln` file systems, from `/proc/self/mountinfo`.
