@@ -568,6 +568,61 @@ fn a_stale_link_file_is_removed_and_its_name_made_again() {
     });
 }
 
+/// A directory whose copy on some brick holds only stale link files (the listing shows it
+/// empty) is removed: the stale link files go first. One holding a link file whose object
+/// exists is not empty, and RMDIR leaves it whole.
+#[test]
+fn rmdir_removes_stale_link_files_but_not_live_ones() {
+    let volume = Volume::start();
+    let rt = runtime();
+    let creds = Creds::root();
+    rt.block_on(async {
+        let v = volume.connect().await;
+        let file = v
+            .put(&creds, "/live", Bytes::from_static(b"live"), 0o644)
+            .await
+            .expect("put");
+        let home = volume.holders("live")[0];
+        for (n, d) in ["stale", "live"].into_iter().enumerate() {
+            let dir = v
+                .mkdir_all(&creds, &format!("/{d}-dir"), 0o755)
+                .await
+                .expect("mkdir");
+            let on = (home + 1 + n) % BRICKS;
+            let (gfid, to) = match d {
+                "stale" => (random_gfid(), (on + 1) % BRICKS),
+                _ => (file.gfid, home),
+            };
+            let below = v.bricks().nth(on).expect("brick");
+            make_link_file(below, "dist", (dir.gfid, name("l")), gfid, to).await;
+            let listed = v.read_dir(&creds, dir.gfid).await.expect("list");
+            assert!(listed.is_empty(), "{d}: {listed:?}");
+        }
+        let rmdir = |n: &str| kiln_wire::Rmdir {
+            parent: Gfid::ROOT,
+            name: name(n),
+        };
+        v.call(&creds, rmdir("stale-dir").into())
+            .await
+            .expect("rmdir of a directory with stale link files only");
+        assert!(
+            volume.holders("stale-dir").is_empty(),
+            "gone from every brick"
+        );
+        let refused = v.call(&creds, rmdir("live-dir").into()).await;
+        assert!(
+            matches!(refused, Err(Error::Fop(ErrorCode::NotEmpty))),
+            "{refused:?}"
+        );
+        assert_eq!(volume.holders("live-dir").len(), BRICKS, "put back whole");
+        assert_eq!(
+            volume.holders("live-dir/l").len(),
+            1,
+            "the live link file stays"
+        );
+    });
+}
+
 #[test]
 fn rmdir_keeps_a_directory_that_is_not_empty_on_some_brick() {
     let volume = Volume::start();

@@ -13,8 +13,8 @@
 //!   when the layout has no holes and was committed (GlusterFS's `lookup-optimize`), else
 //!   every brick is asked. A link file whose object is gone from the brick it points to is
 //!   stale (a move that raced an unlink, a crash) and removed — by the lookup that follows
-//!   it, and by a make of its name that the hashed brick refused with EEXIST, which then
-//!   runs again.
+//!   it, by a make of its name that the hashed brick refused with EEXIST (which then runs
+//!   again), and by an RMDIR a brick refused only because of such link files.
 //! * **MKDIR** runs on the hashed brick first, then the others, and writes the new layout;
 //!   **RMDIR** removes the other copies first and the hashed one last, and puts back the
 //!   copies it removed when one brick still has entries. **RENAME** of a file renames it on

@@ -458,6 +458,30 @@ impl<L: Layer> Distribute<L> {
         Ok(true)
     }
 
+    /// After brick `on` refused to remove its copy of directory `dir` (ENOTEMPTY): when every
+    /// entry left there is a stale link file ([`Distribute::is_gone_from`]) — which a listing
+    /// never shows —, removes them and says the RMDIR may be tried again. Anything else in the
+    /// copy leaves it all as it is.
+    async fn cleared_only_stale_link_files(&self, on: usize, dir: Gfid) -> Result<bool, Error> {
+        let entries = self.bricks.get(on)?.read_dir(&Creds::root(), dir).await?;
+        for entry in &entries {
+            let Some(home) = self.link_file_target(on, &entry.iatt).await? else {
+                return Ok(false);
+            };
+            if !self.is_gone_from(home, entry.iatt.gfid).await? {
+                return Ok(false);
+            }
+        }
+        for entry in &entries {
+            tracing::info!(brick = on, %dir, name = %entry.name, "a stale link file removed");
+            let gfid = entry.iatt.gfid;
+            let link_file = |t: &Iatt| t.gfid == gfid && looks_like_link_file(t);
+            self.remove_if_still(on, dir, &entry.name, link_file)
+                .await?;
+        }
+        Ok(!entries.is_empty())
+    }
+
     /// Runs `make` (a make of `name` in `parent` on its hashed brick `hashed`), and once more
     /// when a stale link file held the name and was removed.
     pub(super) async fn making<T, F: Future<Output = Result<T, Error>>>(
@@ -533,8 +557,9 @@ impl<L: Layer> Distribute<L> {
     }
 
     /// RMDIR: the copies on other bricks first, the hashed brick's last; when a brick still
-    /// has entries, the copies removed are put back (same GFID, mode and layout) and the
-    /// answer is ENOTEMPTY.
+    /// has entries — other than stale link files, which go
+    /// ([`Distribute::cleared_only_stale_link_files`]) — the copies removed are put back
+    /// (same GFID, mode and layout) and the answer is ENOTEMPTY.
     pub(super) async fn rmdir(
         &self,
         creds: &Creds,
@@ -549,7 +574,18 @@ impl<L: Layer> Distribute<L> {
             .chain([found.hashed]);
         let mut removed = Vec::new();
         for i in order {
-            match self.bricks.get(i)?.call(creds, r.clone().into()).await {
+            let brick = self.bricks.get(i)?;
+            let removal = match brick.call(creds, r.clone().into()).await {
+                Err(Error::Fop(ErrorCode::NotEmpty))
+                    if self
+                        .cleared_only_stale_link_files(i, found.iatt.gfid)
+                        .await? =>
+                {
+                    brick.call(creds, r.clone().into()).await
+                }
+                removal => removal,
+            };
+            match removal {
                 Ok(reply) if i == found.hashed => {
                     self.forget_layout(found.iatt.gfid);
                     lock(&self.homes).pop(&found.iatt.gfid);
