@@ -69,6 +69,22 @@ async fn close(v: &Distribute<BrickClient>) {
     }
 }
 
+/// Directory `path` made through `v`, and the brick each name in it hashes to.
+async fn hashed_dir<L: Layer>(
+    v: &Distribute<L>,
+    creds: &Creds,
+    path: &str,
+) -> (kiln_wire::Iatt, impl Fn(&str) -> usize) {
+    let dir = v.mkdir_all(creds, path, 0o755).await.expect("mkdir");
+    let layout = v.layout(dir.gfid).await.expect("layout");
+    let hashed = move |n: &str| {
+        layout
+            .hashed_brick(n.as_bytes(), Munging::default())
+            .expect("a brick")
+    };
+    (dir, hashed)
+}
+
 fn name(s: &str) -> Name {
     Name::new(s.to_owned()).expect("name")
 }
@@ -161,13 +177,7 @@ fn renames_and_links_across_bricks_leave_link_files() {
     let creds = Creds::root();
     rt.block_on(async {
         let v = volume.connect().await;
-        let dir = v.mkdir_all(&creds, "/d", 0o755).await.expect("mkdir");
-        let layout = v.layout(dir.gfid).await.expect("layout");
-        let hashed = |n: &str| {
-            layout
-                .hashed_brick(n.as_bytes(), Munging::default())
-                .expect("brick")
-        };
+        let (dir, hashed) = hashed_dir(&v, &creds, "/d").await;
         v.put(&creds, "/d/a", Bytes::from_static(b"data of a"), 0o644)
             .await
             .expect("put");
@@ -431,13 +441,7 @@ fn a_rename_survives_a_link_file_made_under_its_new_name_meanwhile() {
             });
         }
         let v = Distribute::new(bricks, "dist").expect("a volume");
-        let dir = v.mkdir_all(&creds, "/d", 0o755).await.expect("mkdir");
-        let layout = v.layout(dir.gfid).await.expect("layout");
-        let hashed = |n: &str| {
-            layout
-                .hashed_brick(n.as_bytes(), Munging::default())
-                .expect("brick")
-        };
+        let (dir, hashed) = hashed_dir(&v, &creds, "/d").await;
         for (i, race) in ["other", "same"].into_iter().enumerate() {
             let source = format!("s{i}");
             v.put(
@@ -504,13 +508,7 @@ fn a_stale_link_file_is_removed_and_its_name_made_again() {
     let creds = Creds::root();
     rt.block_on(async {
         let v = volume.connect().await;
-        let dir = v.mkdir_all(&creds, "/d", 0o755).await.expect("mkdir");
-        let layout = v.layout(dir.gfid).await.expect("layout");
-        let hashed = |n: &str| {
-            layout
-                .hashed_brick(n.as_bytes(), Munging::default())
-                .expect("brick")
-        };
+        let (dir, hashed) = hashed_dir(&v, &creds, "/d").await;
         let on_brick = |n: &str| volume.brick(hashed(n)).join(format!("d/{n}"));
         for n in ["looked-up", "put", "mkdir", "create-excl", "create"] {
             let on = v.bricks().nth(hashed(n)).expect("brick");
@@ -565,6 +563,7 @@ fn a_stale_link_file_is_removed_and_its_name_made_again() {
         }
         let data = v.read_to_end(&creds, "/d/put").await.expect("read");
         assert_eq!(data, b"put");
+        close(&v).await;
     });
 }
 
@@ -620,6 +619,7 @@ fn rmdir_removes_stale_link_files_but_not_live_ones() {
             1,
             "the live link file stays"
         );
+        close(&v).await;
     });
 }
 
@@ -868,13 +868,7 @@ fn look_alike_link_files_exchanges_and_older_mounts() {
     let creds = Creds::root();
     rt.block_on(async {
         let v = volume.connect().await;
-        let dir = v.mkdir_all(&creds, "/d", 0o755).await.expect("mkdir");
-        let layout = v.layout(dir.gfid).await.expect("layout");
-        let hashed = |n: &str| {
-            layout
-                .hashed_brick(n.as_bytes(), Munging::default())
-                .expect("brick")
-        };
+        let (dir, hashed) = hashed_dir(&v, &creds, "/d").await;
 
         // `touch sticky; chmod 1000 sticky`: empty, mode 01000, no linkto xattr.
         v.put(&creds, "/d/sticky", Bytes::new(), 0o1000)
@@ -1118,13 +1112,7 @@ fn a_rebalance_finishes_or_undoes_a_move_left_half_done() {
     let creds = Creds::root();
     rt.block_on(async {
         let v = volume.connect().await;
-        let dir = v.mkdir_all(&creds, "/m", 0o755).await.expect("mkdir");
-        let layout = v.layout(dir.gfid).await.expect("layout");
-        let hashed = |n: &str| {
-            layout
-                .hashed_brick(n.as_bytes(), Munging::default())
-                .expect("a brick")
-        };
+        let (dir, hashed) = hashed_dir(&v, &creds, "/m").await;
         let brick = |i: usize| v.bricks().nth(i).expect("a brick");
         let linkto = |i: usize| Bytes::from(format!("dist-client-{i}\0"));
         // Two files each on a brick its name does not hash to, as a crash left them.
