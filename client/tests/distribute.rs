@@ -287,6 +287,9 @@ enum Race {
     OtherObject,
     /// A link file of this object, as a rebalance moving it makes.
     SameObject(Gfid),
+    /// Not after an UNLINK: the name in `parent` unlinked right before the `linkto` of `gfid`
+    /// is set here, as a client's unlink between a rebalance's destination and its mark.
+    UnlinkBeforeMark { parent: Gfid, gfid: Gfid },
 }
 
 /// A brick client that, once armed, makes a link file under a name right after an UNLINK of
@@ -305,6 +308,33 @@ impl Racing {
 
     async fn make_link_file(&self, parent: Gfid, name: Name, gfid: Gfid) {
         make_link_file(&self.below, &self.volume, (parent, name), gfid, 0).await;
+    }
+
+    /// Unlinks the armed name first when `fop` sets the `linkto` of its armed object.
+    async fn unlink_before_mark(&self, fop: &kiln_wire::FopRequest) {
+        let kiln_wire::FopRequest::Setxattr(set) = fop else {
+            return;
+        };
+        let armed = {
+            let mut armed = self.race.lock().expect("lock");
+            match &*armed {
+                (Some(name), Race::UnlinkBeforeMark { parent, gfid })
+                    if *gfid == set.gfid && set.name.as_bytes() == LINKTO_XATTR.as_bytes() =>
+                {
+                    let unlink = kiln_wire::Unlink {
+                        parent: *parent,
+                        name: name.clone(),
+                    };
+                    *armed = (None, Race::Off);
+                    Some(unlink)
+                }
+                _ => None,
+            }
+        };
+        if let Some(unlink) = armed {
+            let root = Creds::root();
+            self.below.call(&root, unlink.into()).await.expect("unlink");
+        }
     }
 }
 
@@ -350,6 +380,7 @@ impl Layer for Racing {
             kiln_wire::FopRequest::Unlink(u) => Some((u.parent, u.name.clone())),
             _ => None,
         };
+        self.unlink_before_mark(&fop).await;
         let reply = self.below.call(creds, fop).await;
         if let Some((parent, unlinked)) = unlinked {
             let race = {
@@ -362,7 +393,7 @@ impl Layer for Racing {
                 }
             };
             match race {
-                Race::Off => {}
+                Race::Off | Race::UnlinkBeforeMark { .. } => {}
                 Race::OtherObject => self.make_link_file(parent, unlinked, random_gfid()).await,
                 Race::SameObject(gfid) => self.make_link_file(parent, unlinked, gfid).await,
             }
@@ -921,6 +952,76 @@ fn look_alike_link_files_exchanges_and_older_mounts() {
         assert_eq!(older.healed(), (0, 0));
         assert_eq!(xattr(&volume.brick(2).join("d"), XATTR_NAME), Some(before));
         close(&v).await;
+    });
+}
+
+/// A rebalance moving a file that a client unlinks between the move's destination (a link
+/// file on the new hashed brick) and its mark on the source gives the move up, and removes
+/// that destination too: no link file to nothing is left holding the name.
+#[test]
+fn a_move_raced_by_an_unlink_leaves_no_link_file() {
+    let volume = Volume::start();
+    let rt = runtime();
+    let creds = Creds::root();
+    rt.block_on(async {
+        let plain = volume.connect().await;
+        let two =
+            Distribute::new(plain.bricks().take(2).cloned().collect(), "dist").expect("two bricks");
+        two.mkdir_all(&creds, "/m", 0o755).await.expect("mkdir");
+        for i in 0..20 {
+            let path = format!("/m/f{i}");
+            two.put(&creds, &path, Bytes::from(path.clone()), 0o640)
+                .await
+                .expect("put");
+        }
+        let mut bricks = Vec::new();
+        for brickd in &volume.brickds {
+            bricks.push(Racing {
+                below: volume.cluster.connect(brickd.addr, "alice").await,
+                volume: "dist".to_owned(),
+                race: std::sync::Mutex::new((None, Race::Off)),
+            });
+        }
+        let all = Distribute::new(bricks, "dist").expect("three bricks");
+        all.heal_tree(&creds).await.expect("fix-layout");
+        let m = all.resolve(&creds, "/m").await.expect("/m");
+        let layout = all.layout(m.gfid).await.expect("layout");
+        let hashed = |n: &str| layout.hashed_brick(n.as_bytes(), Munging::default());
+        let (moving, from) = (0..20)
+            .map(|i| format!("f{i}"))
+            .find_map(|f| {
+                let holders = volume.holders(&format!("m/{f}"));
+                (holders != [hashed(&f).expect("a brick")]).then(|| (f, holders[0]))
+            })
+            .expect("a file that moves");
+        let file = all
+            .resolve(&creds, &format!("/m/{moving}"))
+            .await
+            .expect("the file");
+        let race = Race::UnlinkBeforeMark {
+            parent: m.gfid,
+            gfid: file.gfid,
+        };
+        all.bricks().nth(from).expect("brick").arm(&moving, race);
+        let stop = AtomicBool::new(false);
+        let report = all.rebalance(&stop, &mut |_| {}).await.expect("rebalance");
+        assert_eq!(
+            volume.holders(&format!("m/{moving}")),
+            Vec::<usize>::new(),
+            "neither the file nor a link file to it is left"
+        );
+        assert_eq!(report.skipped, 1, "the raced move given up: {report:?}");
+        for i in 0..20 {
+            let f = format!("f{i}");
+            if f != moving {
+                let home = hashed(&f).expect("a brick");
+                assert_eq!(volume.holders(&format!("m/{f}")), [home], "{f} moved home");
+            }
+        }
+        for brick in all.bricks() {
+            brick.below.close().await;
+        }
+        close(&plain).await;
     });
 }
 

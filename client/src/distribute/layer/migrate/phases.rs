@@ -66,7 +66,15 @@ impl<L: Layer> Distribute<L> {
             ));
         }
         let gfid = iatt.gfid;
-        let Some(bytes) = self.mark_and_copy(from, to, gfid, mode).await? else {
+        let copied = self.mark_and_copy(from, to, gfid, mode).await;
+        if !matches!(copied, Ok(Some(_))) && self.is_gone_from(from, gfid).await? {
+            // Unlinked since it was looked at: the destination made for it is a link file
+            // to nothing now, which would hold the name.
+            let link_file = |t: &Iatt| t.gfid == gfid && looks_like_link_file(t);
+            self.remove_if_still(to, dir, name, link_file).await?;
+            return Ok(Outcome::Skipped("it was unlinked during its move"));
+        }
+        let Some(bytes) = copied? else {
             return Ok(Outcome::Skipped("it kept changing"));
         };
         // Renamed, unlinked or linked after it was marked, by a client that looked before:
