@@ -1,6 +1,7 @@
 //! The kernel's table of mounts as this process sees it (`/proc/self/mountinfo`), read and
-//! parsed in one place for everyone who needs it: `kiln umount` finding Kiln mounts, the
-//! benchmarks waiting for a FUSE mount to appear.
+//! parsed in one place for everyone who needs it: `kiln umount` finding Kiln mounts (and
+//! copies of one left in other mount namespaces), the benchmarks waiting for a FUSE mount to
+//! appear.
 //!
 //! A line is `ID PARENT MAJ:MIN ROOT MOUNT_POINT OPTIONS [OPTIONAL...] - FSTYPE SOURCE
 //! SUPER_OPTIONS` (proc(5)). The kernel writes space, tab, newline and backslash inside a
@@ -47,6 +48,31 @@ pub fn read_self() -> std::io::Result<Vec<MountEntry>> {
 /// The mounts listed in a mountinfo file (`/proc/PID/mountinfo`).
 pub fn read(path: &Path) -> std::io::Result<Vec<MountEntry>> {
     Ok(parse(&std::fs::read(path)?).collect())
+}
+
+/// A process of another mount namespace than this one's in which file system `device`
+/// (`MAJOR:MINOR`) is mounted. A namespace made while a mount was there (`unshare`, `ip netns
+/// exec`, a service's private mounts) keeps a copy of it, and a FUSE session goes on until
+/// every copy is gone. Namespaces this process may not read are not looked at.
+pub fn other_namespace_with(device: &str) -> Option<u32> {
+    let own = std::fs::read_link("/proc/self/ns/mnt").ok()?;
+    let mut seen = std::collections::HashSet::from([own]);
+    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse().ok()) else {
+            continue;
+        };
+        let Ok(namespace) = std::fs::read_link(entry.path().join("ns/mnt")) else {
+            continue;
+        };
+        if !seen.insert(namespace) {
+            continue;
+        }
+        let mounts = read(&entry.path().join("mountinfo"));
+        if mounts.is_ok_and(|mounts| mounts.iter().any(|m| m.device == device)) {
+            return Some(pid);
+        }
+    }
+    None
 }
 
 /// The well-formed lines of a mountinfo text.

@@ -50,6 +50,19 @@ impl Volume {
         Distribute::new(bricks, "dist").expect("a volume")
     }
 
+    /// The volume over [`Racing`] brick clients, none armed.
+    async fn connect_racing(&self) -> Distribute<Racing> {
+        let mut bricks = Vec::new();
+        for brickd in &self.brickds {
+            bricks.push(Racing {
+                below: self.cluster.connect(brickd.addr, "alice").await,
+                volume: "dist".to_owned(),
+                race: std::sync::Mutex::new((None, Race::Off)),
+            });
+        }
+        Distribute::new(bricks, "dist").expect("a volume")
+    }
+
     fn brick(&self, i: usize) -> &Path {
         &self.bricks[i]
     }
@@ -463,15 +476,7 @@ fn a_rename_survives_a_link_file_made_under_its_new_name_meanwhile() {
     let rt = runtime();
     let creds = Creds::root();
     rt.block_on(async {
-        let mut bricks = Vec::new();
-        for brickd in &volume.brickds {
-            bricks.push(Racing {
-                below: volume.cluster.connect(brickd.addr, "alice").await,
-                volume: "dist".to_owned(),
-                race: std::sync::Mutex::new((None, Race::Off)),
-            });
-        }
-        let v = Distribute::new(bricks, "dist").expect("a volume");
+        let v = volume.connect_racing().await;
         let (dir, hashed) = hashed_dir(&v, &creds, "/d").await;
         for (i, race) in ["other", "same"].into_iter().enumerate() {
             let source = format!("s{i}");
@@ -974,15 +979,7 @@ fn a_move_raced_by_an_unlink_leaves_no_link_file() {
                 .await
                 .expect("put");
         }
-        let mut bricks = Vec::new();
-        for brickd in &volume.brickds {
-            bricks.push(Racing {
-                below: volume.cluster.connect(brickd.addr, "alice").await,
-                volume: "dist".to_owned(),
-                race: std::sync::Mutex::new((None, Race::Off)),
-            });
-        }
-        let all = Distribute::new(bricks, "dist").expect("three bricks");
+        let all = volume.connect_racing().await;
         all.heal_tree(&creds).await.expect("fix-layout");
         let m = all.resolve(&creds, "/m").await.expect("/m");
         let layout = all.layout(m.gfid).await.expect("layout");

@@ -370,7 +370,7 @@ fn check_mountpoint(mountpoint: &Path) -> anyhow::Result<()> {
         bail!("mount point {} is not a directory", mountpoint.display());
     }
     let canonical = mountpoint.canonicalize()?;
-    if kiln_mounts()?.contains(&canonical) {
+    if kiln_mount_device(&canonical)?.is_some() {
         bail!("{} is already a Kiln mount", mountpoint.display());
     }
     Ok(())
@@ -452,7 +452,7 @@ pub(crate) fn umount(args: &UmountArgs) -> anyhow::Result<()> {
     match unmount(&path, flags) {
         // A lazy unmount ends when the last file on it is closed: nothing to wait for now.
         Ok(()) if args.lazy => Ok(()),
-        Ok(()) => match mounted_elsewhere(&device) {
+        Ok(()) => match kiln_client::mountinfo::other_namespace_with(&device) {
             Some(pid) => {
                 eprintln!(
                     "kiln umount: {} is still mounted in the mount namespace of process {pid} \
@@ -534,45 +534,6 @@ fn kiln_mount_device(mountpoint: &Path) -> anyhow::Result<Option<String>> {
         .into_iter()
         .find(|m| m.is_at(mountpoint, "fuse.kiln"))
         .map(|m| m.device))
-}
-
-/// A process of another mount namespace in which file system `device` is still mounted: a
-/// namespace made while the mount was there (`unshare`, `ip netns exec`, a service's private
-/// mounts) keeps a copy of it, and the FUSE session goes on until every copy is gone.
-fn mounted_elsewhere(device: &str) -> Option<u32> {
-    use std::collections::HashSet;
-    let own = std::fs::read_link("/proc/self/ns/mnt").ok()?;
-    let mut seen = HashSet::from([own]);
-    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|n| n.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        let Ok(namespace) = std::fs::read_link(entry.path().join("ns/mnt")) else {
-            continue;
-        };
-        if !seen.insert(namespace) {
-            continue;
-        }
-        let mounts = kiln_client::mountinfo::read(&entry.path().join("mountinfo"));
-        if mounts.is_ok_and(|mounts| mounts.iter().any(|m| m.device == device)) {
-            return Some(pid);
-        }
-    }
-    None
-}
-
-/// Mount points of `fuse.kiln` file systems, from `/proc/self/mountinfo`.
-fn kiln_mounts() -> anyhow::Result<Vec<PathBuf>> {
-    let mounts = kiln_client::mountinfo::read_self().context("/proc/self/mountinfo")?;
-    Ok(mounts
-        .into_iter()
-        .filter(|m| m.fs_type == "fuse.kiln")
-        .map(|m| m.mount_point)
-        .collect())
 }
 
 /// The arguments of `mount.kiln SPEC DIR [-sfnv] [-N NS] [-o OPTS] [-t TYPE]`, as mount(8)

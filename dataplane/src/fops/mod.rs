@@ -105,9 +105,8 @@ struct OpenSession {
 /// RMDIR, RENAME) carry their parent directories' attributes before and after the fop: an
 /// `fstat` of each parent before and after, which a client that never reads them turns off
 /// (capability `NO_PARENT_ATTRS`; the replies then carry [`Iatt::omitted_dir`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ParentAttrs {
-    #[default]
     Stat,
     Omit,
 }

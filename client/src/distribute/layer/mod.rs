@@ -452,11 +452,10 @@ impl<L: Layer> Layer for Distribute<L> {
         // A create without EXCL opens a name that exists: one that is a link file is the
         // file on another brick (the caller's kernel still thought the name free) — or
         // stale, and then removed and the file made.
-        if let Some(home) = self.link_file_target(brick, &entry.iatt).await?
-            && self.is_gone_from(home, entry.iatt.gfid).await?
-        {
+        if self.is_stale_link_file(brick, &entry.iatt).await? {
             let _ = on_hashed.release(creds, fd).await;
-            self.cleared_stale_link_file(brick, parent, &name).await?;
+            self.remove_link_file_of(brick, parent, &name, entry.iatt.gfid)
+                .await?;
             (fd, entry) = on_hashed.create(creds, create).await?;
         }
         if let Some(home) = self.link_file_target(brick, &entry.iatt).await? {

@@ -100,9 +100,7 @@ impl<L: Layer> Distribute<L> {
                     if self.bricks.role(home) == BrickRole::Removed
                         || self.is_gone_from(home, link).await? =>
                 {
-                    let link_file = |t: &Iatt| t.gfid == link && looks_like_link_file(t);
-                    self.remove_if_still(hashed, parent, name, link_file)
-                        .await?;
+                    self.remove_link_file_of(hashed, parent, name, link).await?;
                 }
                 _ => {}
             }
@@ -365,8 +363,8 @@ impl<L: Layer> Distribute<L> {
             if there.gfid == gfid {
                 return self.set_linkto(on, gfid, home, XattrSetMode::Upsert).await;
             }
-            let same = |now: &Iatt| now.gfid == there.gfid && looks_like_link_file(now);
-            self.remove_if_still(on, parent, name, same).await?;
+            self.remove_link_file_of(on, parent, name, there.gfid)
+                .await?;
         }
         Err(Error::Fop(ErrorCode::Exist))
     }
@@ -391,6 +389,19 @@ impl<L: Layer> Distribute<L> {
             Ok(_) | Err(Error::Fop(ErrorCode::NoEnt)) => Ok(()),
             Err(e) => Err(e),
         }
+    }
+
+    /// [`Distribute::remove_link_file`] of `name` in `parent` on brick `on` if it is still a
+    /// link file of object `gfid` (another client may have made the name anew since).
+    pub(super) async fn remove_link_file_of(
+        &self,
+        on: usize,
+        parent: Gfid,
+        name: &Name,
+        gfid: Gfid,
+    ) -> Result<(), Error> {
+        let link_file = |t: &Iatt| t.gfid == gfid && looks_like_link_file(t);
+        self.remove_if_still(on, parent, name, link_file).await
     }
 
     /// [`Distribute::remove_link_file`] of `name` in `parent` on brick `on` if what it names
@@ -425,9 +436,17 @@ impl<L: Layer> Distribute<L> {
         }
     }
 
+    /// Whether `iatt`, an entry on brick `on`, is a stale link file: a link file whose object
+    /// is gone from the brick it points to ([`Distribute::is_gone_from`]).
+    pub(super) async fn is_stale_link_file(&self, on: usize, iatt: &Iatt) -> Result<bool, Error> {
+        match self.link_file_target(on, iatt).await? {
+            Some(home) => self.is_gone_from(home, iatt.gfid).await,
+            None => Ok(false),
+        }
+    }
+
     /// After a make of `name` in `parent` on its hashed brick failed with EEXIST: removes a
-    /// stale link file ([`Distribute::is_gone_from`]) that held the name, and says whether the
-    /// make may be tried again.
+    /// stale link file that held the name, and says whether the make may be tried again.
     pub(super) async fn cleared_stale_link_file(
         &self,
         hashed: usize,
@@ -445,38 +464,29 @@ impl<L: Layer> Distribute<L> {
             Err(Error::Fop(ErrorCode::NoEnt)) => return Ok(true),
             Err(e) => return Err(e),
         };
-        let Some(home) = self.link_file_target(hashed, &there).await? else {
-            return Ok(false);
-        };
-        if !self.is_gone_from(home, there.gfid).await? {
+        if !self.is_stale_link_file(hashed, &there).await? {
             return Ok(false);
         }
         tracing::info!(brick = hashed, %parent, %name, "a stale link file removed");
-        let link_file = |t: &Iatt| t.gfid == there.gfid && looks_like_link_file(t);
-        self.remove_if_still(hashed, parent, name, link_file)
+        self.remove_link_file_of(hashed, parent, name, there.gfid)
             .await?;
         Ok(true)
     }
 
     /// After brick `on` refused to remove its copy of directory `dir` (ENOTEMPTY): when every
-    /// entry left there is a stale link file ([`Distribute::is_gone_from`]) — which a listing
-    /// never shows —, removes them and says the RMDIR may be tried again. Anything else in the
-    /// copy leaves it all as it is.
+    /// entry left there is a stale link file — which a listing never shows —, removes them
+    /// and says the RMDIR may be tried again. Anything else in the copy leaves it all as it
+    /// is.
     async fn cleared_only_stale_link_files(&self, on: usize, dir: Gfid) -> Result<bool, Error> {
         let entries = self.bricks.get(on)?.read_dir(&Creds::root(), dir).await?;
         for entry in &entries {
-            let Some(home) = self.link_file_target(on, &entry.iatt).await? else {
-                return Ok(false);
-            };
-            if !self.is_gone_from(home, entry.iatt.gfid).await? {
+            if !self.is_stale_link_file(on, &entry.iatt).await? {
                 return Ok(false);
             }
         }
         for entry in &entries {
             tracing::info!(brick = on, %dir, name = %entry.name, "a stale link file removed");
-            let gfid = entry.iatt.gfid;
-            let link_file = |t: &Iatt| t.gfid == gfid && looks_like_link_file(t);
-            self.remove_if_still(on, dir, &entry.name, link_file)
+            self.remove_link_file_of(on, dir, &entry.name, entry.iatt.gfid)
                 .await?;
         }
         Ok(!entries.is_empty())

@@ -70,8 +70,7 @@ impl<L: Layer> Distribute<L> {
         if !matches!(copied, Ok(Some(_))) && self.is_gone_from(from, gfid).await? {
             // Unlinked since it was looked at: the destination made for it is a link file
             // to nothing now, which would hold the name.
-            let link_file = |t: &Iatt| t.gfid == gfid && looks_like_link_file(t);
-            self.remove_if_still(to, dir, name, link_file).await?;
+            self.remove_link_file_of(to, dir, name, gfid).await?;
             return Ok(Outcome::Skipped("it was unlinked during its move"));
         }
         let Some(bytes) = copied? else {

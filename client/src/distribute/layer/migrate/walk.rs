@@ -100,9 +100,7 @@ impl<L: Layer> Distribute<L> {
                     Ok(Outcome::InPlace)
                 }
                 Ok(Home::Everywhere) | Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => {
-                    let gfid = iatt.gfid;
-                    let link_file = |t: &Iatt| t.gfid == gfid && looks_like_link_file(t);
-                    self.remove_if_still(from, dir, name, link_file).await?;
+                    self.remove_link_file_of(from, dir, name, iatt.gfid).await?;
                     Ok(Outcome::LinkFileRemoved)
                 }
                 Err(e) => Err(e),
