@@ -1206,6 +1206,11 @@ fn bad_mounts_fail_with_a_clear_message() {
     assert!(!is_kiln_mount(&elsewhere));
 }
 
+/// Held by the test that makes a mount namespace, and by the one that needs `kiln umount` to
+/// wait: a namespace made beside it would copy that test's mount too, and `kiln umount` rightly
+/// does not wait for a mount another namespace still has.
+static NAMESPACE_COPIES: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// `kiln umount` returns only once the mount's process has sent what it answered itself and
 /// exited. The process is stopped (SIGSTOP) right after files are made under its write
 /// lease: the unmount itself needs nothing of it, and `kiln umount` must then wait for it to
@@ -1213,6 +1218,7 @@ fn bad_mounts_fail_with_a_clear_message() {
 #[test]
 fn umount_waits_until_the_mounts_process_has_sent_everything_and_exited() {
     use rustix::process::Signal;
+    let _alone = NAMESPACE_COPIES.lock().unwrap_or_else(|p| p.into_inner());
     let mut m = Mounted::new(&[]);
     fs::create_dir(m.path("d")).expect("mkdir");
     for i in 0..20 {
@@ -1233,10 +1239,9 @@ fn umount_waits_until_the_mounts_process_has_sent_everything_and_exited() {
     assert!(out.status.success(), "umount: {}", text(&out));
     for i in 0..20 {
         let on_brick = m.cluster.brick.join(format!("d/f{i}"));
-        assert_eq!(
-            fs::read_to_string(&on_brick).expect("on the brick"),
-            format!("file {i}")
-        );
+        let content = fs::read_to_string(&on_brick)
+            .unwrap_or_else(|e| panic!("d/f{i} on the brick: {e}; kiln umount: {}", text(&out)));
+        assert_eq!(content, format!("file {i}"));
     }
     m.wait_server_exit();
 }
@@ -1247,6 +1252,7 @@ fn umount_waits_until_the_mounts_process_has_sent_everything_and_exited() {
 /// when the last copy goes.
 #[test]
 fn umount_does_not_wait_for_a_copy_of_the_mount_in_another_namespace() {
+    let _alone = NAMESPACE_COPIES.lock().unwrap_or_else(|p| p.into_inner());
     let mut m = Mounted::new(&[]);
     fs::write(m.path("f"), b"seen from the copy").expect("write");
     let mut copy = Command::new("unshare")
