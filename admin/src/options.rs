@@ -320,6 +320,16 @@ pub const OPTIONS: &[OptionDef] = &[
         help: "how long a mount's kernel caches a name's lookup, in milliseconds",
     },
     OptionDef {
+        key: "performance.fuse-uring",
+        kind: ValueKind::Bool,
+        default: "on",
+        apply: Apply::Mount,
+        brick: BrickFlag::None,
+        help: "a mount takes the kernel's requests through io_uring, one queue per CPU, \
+               answering each on the CPU that made it, where the kernel offers it (Linux \
+               6.14+, the fuse module's enable_uring on); otherwise through /dev/fuse",
+    },
+    OptionDef {
         key: "performance.leases",
         kind: ValueKind::Bool,
         default: "on",

@@ -1381,3 +1381,97 @@ fn background_mounts_and_the_mount_helper() {
         text(&bad)
     );
 }
+
+/// Whether the kernel offers FUSE over io_uring (Linux 6.14+ with the `fuse` module's
+/// `enable_uring` on; `scripts/test` turns it on). Where it does not, the test that needs it
+/// says so and passes, unless `KILN_REQUIRE_FUSE_URING=1`, which `scripts/test` sets.
+fn fuse_uring_offered() -> bool {
+    let on = fs::read_to_string("/sys/module/fuse/parameters/enable_uring")
+        .is_ok_and(|v| v.trim() == "Y");
+    if !on {
+        assert_ne!(
+            std::env::var("KILN_REQUIRE_FUSE_URING").as_deref(),
+            Ok("1"),
+            "FUSE over io_uring is off or absent (/sys/module/fuse/parameters/enable_uring)"
+        );
+        eprintln!("skipped: the kernel does not offer FUSE over io_uring");
+    }
+    on
+}
+
+/// The names of the threads of process `pid`, with the CPU time (ticks) each used.
+fn threads_of(pid: i32) -> Vec<(String, u64)> {
+    let tasks = fs::read_dir(format!("/proc/{pid}/task")).expect("tasks");
+    tasks
+        .map(|t| {
+            let dir = t.expect("task").path();
+            let name = fs::read_to_string(dir.join("comm")).expect("comm");
+            let stat = fs::read_to_string(dir.join("stat")).expect("stat");
+            let fields: Vec<&str> = stat.rsplit_once(')').expect("stat").1.split(' ').collect();
+            // utime and stime: fields 14 and 15 of stat, 13 and 14 after the name.
+            let cpu = fields[12].parse::<u64>().expect("utime")
+                + fields[13].parse::<u64>().expect("stime");
+            (name.trim().to_owned(), cpu)
+        })
+        .collect()
+}
+
+/// Where the kernel offers it, the mount takes requests through io_uring: one queue per CPU,
+/// each a thread that serves them (the device reader is left only FORGETs and INTERRUPTs),
+/// and real programs work through it; `fuse-uring=off` keeps to `/dev/fuse`.
+#[test]
+fn requests_come_through_io_uring_where_the_kernel_offers_it() {
+    if !fuse_uring_offered() {
+        return;
+    }
+    let cpus = fs::read_to_string("/sys/devices/system/cpu/possible").expect("cpus");
+    let cpus = 1 + cpus
+        .trim()
+        .rsplit(['-', ','])
+        .next()
+        .expect("last")
+        .parse::<usize>()
+        .expect("n");
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let source = scratch.path().join("tree");
+    small_file_tree(&source, 2_000);
+    for options in [&[][..], &["fuse-uring=off"]] {
+        let m = Mounted::new(options);
+        sh_ok(
+            &m.mountpoint,
+            &format!(
+                "cp -a {} copy && diff -r {} copy && ls -lR copy > /dev/null && rm -rf copy",
+                source.display(),
+                source.display()
+            ),
+        );
+        let threads = threads_of(m.pid());
+        let rings: Vec<_> = threads
+            .iter()
+            .filter(|(n, _)| n.starts_with("fuser-ring-"))
+            .collect();
+        if options.is_empty() {
+            assert!(
+                m.logs().contains("requests come through io_uring"),
+                "{}",
+                m.logs()
+            );
+            assert_eq!(
+                rings.len(),
+                cpus,
+                "one queue per CPU, each alive: {threads:?}"
+            );
+            let device = threads
+                .iter()
+                .find(|(n, _)| n == "fuser-0")
+                .expect("device reader");
+            let ring_cpu: u64 = rings.iter().map(|(_, cpu)| cpu).sum();
+            assert!(
+                ring_cpu > device.1,
+                "the queues served the requests, not the device reader: {threads:?}"
+            );
+        } else {
+            assert!(rings.is_empty(), "fuse-uring=off: {threads:?}");
+        }
+    }
+}

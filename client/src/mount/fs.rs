@@ -22,7 +22,7 @@ use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use fuser::{
-    AccessFlags, Errno, FileHandle, FopenFlags, INodeNo, KernelConfig, LockOwner,
+    AccessFlags, Errno, FileHandle, FopenFlags, INodeNo, InitFlags, KernelConfig, LockOwner,
     OpenFlags as FuseOpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory,
     ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyLock, ReplyLseek, ReplyOpen, ReplyStatfs,
     ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
@@ -232,7 +232,17 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         }
         config
             .add_capabilities(available)
-            .map_err(|missing| std::io::Error::other(format!("FUSE features {missing:?}")))
+            .map_err(|missing| std::io::Error::other(format!("FUSE features {missing:?}")))?;
+        if self.shared.options.fuse_uring {
+            match config.add_capabilities(InitFlags::FUSE_OVER_IO_URING) {
+                Ok(()) => tracing::info!("the kernel's requests come through io_uring"),
+                Err(_) => tracing::info!(
+                    "FUSE over io_uring is not offered (Linux 6.14+ with the fuse module's \
+                     enable_uring on): requests come through /dev/fuse"
+                ),
+            }
+        }
+        Ok(())
     }
 
     /// The unmount: what is queued behind reaches the brick (bounded); a change the brick

@@ -65,6 +65,10 @@ pub struct MountOptions {
     /// With leases, the first subdirectories a listing shows are listed ahead of a walk that
     /// may open them next ([`prefetch`]).
     pub listing_prefetch: bool,
+    /// The kernel's requests come through io_uring, a queue per CPU served by a thread on that
+    /// CPU, where the kernel offers it (the `fuse` module's `enable_uring`); otherwise, and
+    /// off, through reads of `/dev/fuse` on one thread.
+    pub fuse_uring: bool,
     /// With leases, a held directory's listing is kept until the lease goes where the brick
     /// covers the attributes it listed (capability `LISTED_ATTRS`); off, for the attribute
     /// lifetime ([`leases`]).
@@ -103,6 +107,7 @@ impl Default for MountOptions {
             leases: true,
             behind_bytes_max: 64 << 20,
             listing_prefetch: true,
+            fuse_uring: true,
             listed_attrs: true,
             default_permissions: true,
             read_only: false,
@@ -164,6 +169,7 @@ impl MountOptions {
             "behind-bytes-max" => self.behind_bytes_max = bytes(key, value)?,
             "listing-prefetch" => flag(&mut self.listing_prefetch)?,
             "listed-attrs" => flag(&mut self.listed_attrs)?,
+            "fuse-uring" => flag(&mut self.fuse_uring)?,
             "default-permissions" => flag(&mut self.default_permissions)?,
             "ro" => flag(&mut self.read_only)?,
             "rw" => self.read_only = false,
