@@ -30,6 +30,9 @@ pub fn measure() -> serde_json::Value {
         "cpuidle_governor": sysfs("/sys/devices/system/cpu/cpuidle/current_governor_ro")
             .or_else(|| sysfs("/sys/devices/system/cpu/cpuidle/current_governor")),
         "guest_halt_poll_ns": sysfs("/sys/module/haltpoll/parameters/guest_halt_poll_ns"),
+        // "Y": a Kiln mount takes requests through io_uring, a queue per CPU, so a request
+        // answered at once costs a switch on the caller's CPU rather than a cross-CPU wake-up.
+        "fuse_enable_uring": sysfs("/sys/module/fuse/parameters/enable_uring"),
     })
 }
 

@@ -1,9 +1,11 @@
 //! The FUSE file system: each kernel request becomes one fop (or none, when the answer is
 //! already known) on the client stack below the mount.
 //!
-//! fuser calls these methods on its reader thread; each one copies what it needs out of the
-//! request, spawns a task on the mount's tokio runtime and returns, so many requests are in
-//! flight at once and the client pipelines them over QUIC. The task sends the reply. What a
+//! fuser calls these methods on a FUSE thread: with FUSE over io_uring, the thread of the
+//! caller's CPU (one per CPU, so two requests may run at once), else the one reader of
+//! `/dev/fuse`. Each copies what it needs out of the request and answers at once, or spawns
+//! a task on the mount's tokio runtime and returns, so many requests are in flight at once
+//! and the client pipelines them over QUIC. The task sends the reply. What a
 //! task does beyond one fop lives with the state it works on: open handles in
 //! [`super::handles`], nodes in [`super::shared`]; the kernel's types become wire types in
 //! [`super::convert`].

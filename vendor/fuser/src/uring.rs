@@ -14,7 +14,9 @@
 //! request's first argument (the operation's fixed header) arrives in `op_in`, the rest in
 //! the payload; they are put back together here into the layout `read(2)` gives, so the
 //! parser and dispatch are the same as on the device. A reply may be sent from any thread:
-//! pushes to a queue's submission ring are serialized by a lock.
+//! pushes to a queue's submission ring are serialized by a lock, and only the queue's thread
+//! submits (another thread's push wakes it through an eventfd), so the kernel's per-entry
+//! work always runs on the queue's CPU.
 //!
 //! FORGETs, INTERRUPTs and notifications still travel through `/dev/fuse`, so the session's
 //! device reader keeps running beside the queues.
@@ -30,6 +32,7 @@ use std::os::fd::RawFd;
 use std::ptr::NonNull;
 use std::sync::Arc;
 use std::sync::Mutex;
+use std::sync::atomic::AtomicBool;
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering;
 use std::thread::JoinHandle;
@@ -66,8 +69,8 @@ const ENT_IN_OUT_OFFSET: usize = 256;
 const HEADER_BYTES: usize = 288;
 /// Header buffers are a page: the kernel may pin them.
 const HEADER_ALLOC_BYTES: usize = 4096;
-/// The user data of the poll on the queue's stop eventfd.
-const STOP: u64 = u64::MAX;
+/// The user data of the read of the queue's wake-up eventfd.
+const WAKE: u64 = u64::MAX;
 /// The smallest payload buffer the kernel accepts (`FUSE_MIN_READ_BUFFER`).
 const PAYLOAD_MIN_BYTES: usize = 8192;
 
@@ -173,7 +176,7 @@ impl Entry {
     }
 }
 
-/// One CPU's queue: its ring, its entries and the way to stop its thread.
+/// One CPU's queue: its ring, its entries and the way to wake its thread.
 pub(crate) struct Queue {
     qid: u16,
     ring: IoUring<squeue::Entry128>,
@@ -182,7 +185,12 @@ pub(crate) struct Queue {
     entries: Box<[Entry]>,
     device: ChannelSender,
     device_fd: RawFd,
-    stop: OwnedFd,
+    /// An eventfd the queue's thread always has a read on: written to have it submit what
+    /// another thread pushed, or to stop.
+    wake: OwnedFd,
+    /// Where that read puts the eventfd's count.
+    wake_count: Buffer,
+    stopping: AtomicBool,
 }
 
 impl std::fmt::Debug for Queue {
@@ -200,8 +208,8 @@ impl Queue {
             .setup_cqsize((QUEUE_DEPTH as u32 + 1) * 2)
             .build((QUEUE_DEPTH as u32 + 1).next_power_of_two())?;
         // SAFETY: eventfd(2) returns a new descriptor or -1.
-        let stop = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
-        if stop < 0 {
+        let wake = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+        if wake < 0 {
             return Err(io::Error::last_os_error());
         }
         Ok(Queue {
@@ -212,13 +220,18 @@ impl Queue {
             device: ch.sender(),
             device_fd: ch.as_fd().as_raw_fd(),
             // SAFETY: a new descriptor this queue now owns.
-            stop: unsafe { OwnedFd::from_raw_fd(stop) },
+            wake: unsafe { OwnedFd::from_raw_fd(wake) },
+            wake_count: Buffer::new(8)?,
+            stopping: AtomicBool::new(false),
         })
     }
 
-    /// Pushes `sqe` and submits it, unless this is the queue's own thread, whose next wait
-    /// submits it: a reply made while dispatching costs no system call of its own, and the
-    /// thread goes to sleep in the call that wakes the requester.
+    /// Pushes `sqe` for the queue's thread to submit with its next wait. A reply made while
+    /// dispatching thus costs no system call of its own, and the thread goes to sleep in the
+    /// call that wakes the requester. Another thread (a reply from the runtime) wakes the
+    /// queue's thread to submit it: an entry's command is always the queue thread's, so the
+    /// kernel's work for the entry's next request runs on that thread, not on whichever
+    /// thread happened to answer the last one.
     fn push(&self, sqe: &squeue::Entry128) -> io::Result<()> {
         let _pushing = self.submitting.lock().unwrap_or_else(|e| e.into_inner());
         {
@@ -228,9 +241,24 @@ impl Queue {
             unsafe { sq.push(sqe) }.map_err(|_| io::Error::other("io_uring queue full"))?;
         }
         if !SERVING.with(|serving| std::ptr::eq(serving.get(), self)) {
-            self.ring.submit()?;
+            self.wake();
         }
         Ok(())
+    }
+
+    /// Wakes the queue's thread.
+    fn wake(&self) {
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: writes 8 bytes from a live buffer to an eventfd this queue owns.
+        let _ = unsafe { libc::write(self.wake.as_raw_fd(), one.as_ptr().cast(), one.len()) };
+    }
+
+    /// Reads the wake-up eventfd (again).
+    fn arm_wake(&self) -> io::Result<()> {
+        let read = opcode::Read::new(types::Fd(self.wake.as_raw_fd()), self.wake_count.ptr.as_ptr(), 8)
+            .build()
+            .user_data(WAKE);
+        self.push(&read.into())
     }
 
     /// Submits what the queue's thread pushed and waits for at least one completion.
@@ -277,30 +305,27 @@ impl Queue {
         self.push(&self.command(index, CMD_COMMIT_AND_FETCH, commit_id))
     }
 
-    /// Registers every entry and the poll on the stop eventfd.
+    /// Registers every entry and the read of the wake-up eventfd (on the queue's thread,
+    /// submitted by its first wait).
     fn start(&self) -> io::Result<()> {
         for index in 0..self.entries.len() {
             self.register(index)?;
         }
-        let poll = opcode::PollAdd::new(types::Fd(self.stop.as_raw_fd()), libc::POLLIN as u32)
-            .build()
-            .user_data(STOP);
-        self.push(&poll.into())
+        self.arm_wake()
     }
 
-    /// Wakes the queue's thread to end.
+    /// Has the queue's thread end.
     fn stop(&self) {
-        let one = 1u64.to_ne_bytes();
-        // SAFETY: writes 8 bytes from a live buffer to an eventfd this queue owns.
-        let _ = unsafe { libc::write(self.stop.as_raw_fd(), one.as_ptr().cast(), one.len()) };
+        self.stopping.store(true, Ordering::Release);
+        self.wake();
     }
 
     /// The queue's thread: waits for requests and dispatches each one, until stopped or the
     /// connection ends.
     fn serve<FS: Filesystem>(self: &Arc<Queue>, se: &SessionEventLoop<FS>) -> io::Result<()> {
         pin_to_cpu(self.qid);
-        self.start()?;
         SERVING.with(|serving| serving.set(Arc::as_ptr(self)));
+        self.start()?;
         let mut request = vec![0u64; (IN_HEADER_BYTES + OP_IN_BYTES + self.payload_bytes()) / 8 + 1];
         let mut done = Vec::with_capacity(QUEUE_DEPTH + 1);
         loop {
@@ -308,8 +333,12 @@ impl Queue {
             // SAFETY: only this thread reads the completion ring.
             done.extend(unsafe { self.ring.completion_shared() }.map(|c| (c.user_data(), c.result())));
             for (user_data, result) in done.drain(..) {
-                if user_data == STOP {
-                    return Ok(());
+                if user_data == WAKE {
+                    if self.stopping.load(Ordering::Acquire) {
+                        return Ok(());
+                    }
+                    self.arm_wake()?;
+                    continue;
                 }
                 let index = user_data as usize;
                 match -result {
@@ -453,8 +482,14 @@ impl RingReply {
         let entry = &self.queue.entries[self.index];
         let total: usize = data.iter().map(|s| s.len()).sum();
         if total < OUT_HEADER_BYTES || total - OUT_HEADER_BYTES > entry.payload.len {
+            // Answered all the same, or the entry (and its caller) would wait forever.
+            let mut head = [0u8; OUT_HEADER_BYTES];
+            for (to, from) in head.iter_mut().zip(data.iter().flat_map(|s| s.iter())) {
+                *to = *from;
+            }
+            self.error(u64::from_ne_bytes(head[8..16].try_into().expect("8 bytes")), libc::EIO);
             return Err(io::Error::other(format!(
-                "a reply of {total} bytes does not fit an io_uring entry"
+                "a reply of {total} bytes does not fit an io_uring entry: answered EIO"
             )));
         }
         let mut at = 0;
