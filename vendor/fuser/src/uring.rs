@@ -346,7 +346,7 @@ impl Queue {
                     libc::EAGAIN | libc::EINTR => self.again(index)?,
                     // The connection ended (unmount or abort).
                     libc::ENOTCONN | libc::ECONNABORTED | libc::ENODEV => return Ok(()),
-                    errno => return Err(io::Error::from_raw_os_error(errno)),
+                    errno => self.failed(index, io::Error::from_raw_os_error(errno))?,
                 }
             }
         }
@@ -354,6 +354,18 @@ impl Queue {
 
     fn payload_bytes(&self) -> usize {
         self.entries[0].payload.len
+    }
+
+    /// Entry `index`'s command failed. A refused registration ends the queue (the kernel
+    /// then never switches to io_uring, and the device serves); a refused commit loses that
+    /// reply, and the entry is registered anew so the queue keeps all its entries.
+    fn failed(&self, index: usize, e: io::Error) -> io::Result<()> {
+        let entry = &self.entries[index];
+        if entry.commit_id.swap(0, Ordering::AcqRel) == 0 {
+            return Err(e);
+        }
+        error!("FUSE io_uring queue {}: a reply was refused: {e}", self.qid);
+        self.register(index)
     }
 
     /// Sends an interrupted command of entry `index` again.
