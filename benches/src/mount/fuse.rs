@@ -190,6 +190,11 @@ impl Place {
                                        "backing": src.display().to_string() });
             }
             Target::Kiln => place.start_kiln(&bench.mount_options, Profiling::On, &dir, logs)?,
+            Target::KilnDevFuse => {
+                let mut options = bench.mount_options.clone();
+                options.push("fuse-uring=off".to_owned());
+                place.start_kiln(&options, Profiling::Off, &dir, logs)?;
+            }
             Target::Glusterfs => {
                 let volume = glusterfs_volume.unwrap_or_default();
                 let (server, volume_id) = volume.split_once(":/").with_context(|| {

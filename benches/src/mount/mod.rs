@@ -143,11 +143,22 @@ pub enum Target {
     Local,
     Bindfs,
     Kiln,
+    /// Kiln's mount kept on `/dev/fuse` (`fuse-uring=off`), compared with `kiln` in the same
+    /// run; the same as `kiln` where the kernel does not offer FUSE over io_uring.
+    KilnDevFuse,
     Glusterfs,
 }
 
 impl Target {
-    pub const ALL: [Target; 4] = [
+    pub const ALL: [Target; 5] = [
+        Target::Local,
+        Target::Bindfs,
+        Target::Kiln,
+        Target::KilnDevFuse,
+        Target::Glusterfs,
+    ];
+    /// What runs unless `--targets` says otherwise.
+    pub const DEFAULT: [Target; 4] = [
         Target::Local,
         Target::Bindfs,
         Target::Kiln,
@@ -159,6 +170,7 @@ impl Target {
             Target::Local => "local",
             Target::Bindfs => "bindfs",
             Target::Kiln => "kiln",
+            Target::KilnDevFuse => "kiln-dev-fuse",
             Target::Glusterfs => "glusterfs",
         }
     }
@@ -387,7 +399,7 @@ fn available(bench: &MountBench, target: Target) -> Result<(), String> {
             which("bindfs").ok_or("bindfs is not installed (Debian package `bindfs`)")?;
             fuse()
         }
-        Target::Kiln => {
+        Target::Kiln | Target::KilnDevFuse => {
             Bins::beside_this_executable().map_err(|e| format!("{e:#}"))?;
             fuse()
         }
@@ -610,6 +622,7 @@ fn references(target: Target) -> &'static [Target] {
     match target {
         Target::Local | Target::Bindfs => &[Target::Local],
         Target::Kiln | Target::Glusterfs => &[Target::Local, Target::Bindfs],
+        Target::KilnDevFuse => &[Target::Local, Target::Kiln],
     }
 }
 
@@ -666,7 +679,12 @@ fn summarize(results: &Results, out: &mut Reporter) {
                 note.insert(format!("{}_s", target.name()), json!(round(s)));
             }
         }
-        for target in [Target::Bindfs, Target::Kiln, Target::Glusterfs] {
+        for target in [
+            Target::Bindfs,
+            Target::Kiln,
+            Target::KilnDevFuse,
+            Target::Glusterfs,
+        ] {
             for &reference in references(target) {
                 if let (Some(t), Some(r)) = (of(target), of(reference))
                     && reference != target
