@@ -26,7 +26,7 @@ use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::Args;
@@ -36,6 +36,7 @@ use kiln_admin::volume::VolumeState;
 use kiln_client::BrickClient;
 use kiln_client::distribute::{BrickSource, Distribute, Listed, Member};
 use kiln_client::mount::{self, MountOptions};
+use rustix::fs::{FlockOperation, flock};
 
 use crate::Global;
 
@@ -477,7 +478,6 @@ pub(crate) fn umount(args: &UmountArgs) -> anyhow::Result<()> {
 /// as the serving process holds the fd (`None`, logged, where the file system takes no
 /// `flock`: `kiln umount` then does not wait).
 fn hold_mountpoint(mountpoint: &Path) -> Option<std::fs::File> {
-    use rustix::fs::{FlockOperation, flock};
     let held = std::fs::File::open(mountpoint).and_then(|dir| {
         flock(&dir, FlockOperation::LockShared)?;
         Ok(dir)
@@ -494,8 +494,6 @@ fn hold_mountpoint(mountpoint: &Path) -> Option<std::fs::File> {
 /// Waits until every process that served a mount over `mountpoint` (now uncovered) has
 /// exited, bounded by the mount's drain limit plus [`SERVER_EXIT_MARGIN`].
 fn wait_for_server_exit(mountpoint: &Path) -> anyhow::Result<()> {
-    use rustix::fs::{FlockOperation, flock};
-    use std::time::Instant;
     let dir = std::fs::File::open(mountpoint)
         .with_context(|| format!("{} after the unmount", mountpoint.display()))?;
     let start = Instant::now();

@@ -386,7 +386,7 @@ impl Queue {
         scratch: &mut [u64],
     ) {
         let entry = &self.entries[index];
-        let reply = RingReply {
+        let reply = || RingReply {
             queue: self.clone(),
             index,
         };
@@ -401,15 +401,15 @@ impl Queue {
         entry.commit_id.store(commit_id, Ordering::Release);
         let Some(len) = assemble(header, payload, scratch) else {
             error!("io_uring request {unique} does not fit its layout");
-            reply.error(unique, libc::EIO);
+            reply().error(unique, libc::EIO);
             return;
         };
         // SAFETY: `scratch` is a live, initialized `u64` buffer; viewed as its bytes.
         let bytes =
             unsafe { std::slice::from_raw_parts(scratch.as_ptr().cast::<u8>(), scratch.len() * 8) };
-        match RequestWithSender::replying_to(ReplyTo::Ring(reply.clone()), &bytes[..len]) {
+        match RequestWithSender::replying_to(ReplyTo::Ring(reply()), &bytes[..len]) {
             Some(req) => req.dispatch(se),
-            None => reply.error(unique, libc::EIO),
+            None => reply().error(unique, libc::EIO),
         }
     }
 }
@@ -568,32 +568,35 @@ impl Rings {
         };
         let payload_bytes = payload_bytes.max(PAYLOAD_MIN_BYTES);
         for qid in 0..possible_cpus() {
-            let qid = u16::try_from(qid).map_err(io::Error::other)?;
-            let queue = match Queue::new(qid, ch, payload_bytes) {
-                Ok(queue) => Arc::new(queue),
-                Err(e) => {
-                    rings.stop();
-                    return Err(e);
-                }
-            };
-            let name = format!("fuser-ring-{qid}");
-            let se = event_loop(name.clone());
-            let serving = queue.clone();
-            let thread = std::thread::Builder::new().name(name).spawn(move || {
-                if let Err(e) = serving.serve(&se) {
-                    error!("FUSE io_uring queue {}: {e}", serving.qid);
-                }
-            });
-            rings.queues.push(queue);
-            match thread {
-                Ok(thread) => rings.threads.push(thread),
-                Err(e) => {
-                    rings.stop();
-                    return Err(e);
-                }
+            if let Err(e) = rings.start_queue(qid, ch, payload_bytes, &event_loop) {
+                rings.stop();
+                return Err(e);
             }
         }
         Ok(rings)
+    }
+
+    /// Starts queue `qid` and its thread.
+    fn start_queue<FS: Filesystem>(
+        &mut self,
+        qid: usize,
+        ch: &Channel,
+        payload_bytes: usize,
+        event_loop: impl Fn(String) -> SessionEventLoop<FS>,
+    ) -> io::Result<()> {
+        let qid = u16::try_from(qid).map_err(io::Error::other)?;
+        let queue = Arc::new(Queue::new(qid, ch, payload_bytes)?);
+        let name = format!("fuser-ring-{qid}");
+        let se = event_loop(name.clone());
+        let serving = queue.clone();
+        let thread = std::thread::Builder::new().name(name).spawn(move || {
+            if let Err(e) = serving.serve(&se) {
+                error!("FUSE io_uring queue {}: {e}", serving.qid);
+            }
+        });
+        self.queues.push(queue);
+        self.threads.push(thread?);
+        Ok(())
     }
 
     /// Stops every queue's thread and waits for them.
