@@ -20,9 +20,9 @@ use std::sync::{Arc, Mutex};
 use kiln_admin::pki::{self, Identity, Role};
 use kiln_wire::quic::{self, CloseCode};
 use kiln_wire::{
-    AccessMode, Batch, BatchReply, Call, Capabilities, Creds, EntryReply, ErrorCode, Event, FdId,
-    FopCode, FopReply, FopRequest, Gfid, Hello, HelloReply, Label, LockCmd, LockKind, Message,
-    OpenFlags, Outcome, PROTOCOL_VERSION, Reply, Request,
+    AccessMode, Batch, BatchReply, BodyChecksum, Call, Capabilities, Creds, EntryReply, ErrorCode,
+    Event, FdId, FopCode, FopReply, FopRequest, Gfid, Hello, HelloReply, Label, LockCmd, LockKind,
+    Message, OpenFlags, Outcome, PROTOCOL_VERSION, Reply, Request,
 };
 use quinn::crypto::rustls::QuicClientConfig;
 
@@ -106,6 +106,13 @@ struct Conn {
 struct Live {
     conn: Conn,
     hello: HelloReply,
+}
+
+impl Live {
+    /// Whether this session's frames carry body checksums.
+    fn crc(&self) -> BodyChecksum {
+        self.hello.capabilities.body_checksum()
+    }
 }
 
 /// An open file or directory on a brick, valid across reconnects (see the module docs).
@@ -266,7 +273,7 @@ impl BrickClient {
             creds: creds.clone(),
             fop,
         };
-        match self.round_trip(&live.conn, call).await? {
+        match self.round_trip(&live.conn, call, live.crc()).await? {
             Outcome::Fop(reply) if reply.code() == code => Ok(reply),
             Outcome::Error { error, .. } => Err(Error::Fop(error)),
             other => Err(Error::Protocol(format!(
@@ -282,7 +289,11 @@ impl BrickClient {
         let live = self.live().await?;
         let nonce = self.inner.next_request.load(Ordering::Relaxed);
         match self
-            .round_trip(&live.conn, Call::Ping(kiln_wire::Ping { nonce }))
+            .round_trip(
+                &live.conn,
+                Call::Ping(kiln_wire::Ping { nonce }),
+                live.crc(),
+            )
             .await?
         {
             Outcome::Ping(p) if p.nonce == nonce => Ok(()),
@@ -290,7 +301,12 @@ impl BrickClient {
         }
     }
 
-    async fn round_trip(&self, conn: &Conn, call: Call) -> Result<Outcome, Error> {
+    async fn round_trip(
+        &self,
+        conn: &Conn,
+        call: Call,
+        crc: BodyChecksum,
+    ) -> Result<Outcome, Error> {
         let id = self.inner.next_request.fetch_add(1, Ordering::Relaxed);
         let (mut send, mut recv) = conn
             .connection
@@ -298,10 +314,10 @@ impl BrickClient {
             .await
             .map_err(|e| self.lost(conn, e.to_string()))?;
         let request = Message::Request(Request { id, call });
-        quic::write_message(&mut send, &request)
+        quic::write_message(&mut send, &request, crc)
             .await
             .map_err(|e| self.stream_error(conn, e))?;
-        match quic::read_message(&mut recv)
+        match quic::read_message(&mut recv, crc)
             .await
             .map_err(|e| self.stream_error(conn, e))?
         {
@@ -391,7 +407,8 @@ impl BrickClient {
                 .union(Capabilities::GET)
                 .union(Capabilities::OPENDIR_LIST)
                 .union(Capabilities::LISTED_ATTRS)
-                .union(Capabilities::NO_PARENT_ATTRS),
+                .union(Capabilities::NO_PARENT_ATTRS)
+                .union(Capabilities::UNCHECKED_BODIES),
             client_name: Label::new(options.client_name.clone().into_bytes())
                 .map_err(|e| Error::Tls(format!("client name: {e}")))?,
         };
@@ -399,19 +416,21 @@ impl BrickClient {
             connection: connection.clone(),
             epoch: self.inner.epochs.fetch_add(1, Ordering::Relaxed) + 1,
         };
-        let outcome =
-            self.round_trip(&conn, Call::Hello(hello))
-                .await
-                .map_err(|e| match connection.close_reason() {
-                    Some(reason) => refused_or_connect(options, reason),
-                    None => e,
-                })?;
+        let outcome = self
+            .round_trip(&conn, Call::Hello(hello), BodyChecksum::Required)
+            .await
+            .map_err(|e| match connection.close_reason() {
+                Some(reason) => refused_or_connect(options, reason),
+                None => e,
+            })?;
         match outcome {
             Outcome::Hello(hello) => {
-                if hello.capabilities.contains(Capabilities::LEASES) {
-                    tokio::spawn(read_events(connection, self.inner.events.clone()));
+                let live = Live { conn, hello };
+                if live.hello.capabilities.contains(Capabilities::LEASES) {
+                    let events = self.inner.events.clone();
+                    tokio::spawn(read_events(connection, events, live.crc()));
                 }
-                Ok(Live { conn, hello })
+                Ok(live)
             }
             Outcome::Error { error, .. } => Err(hello_refused(options, &connection, error).await),
             other => Err(Error::Protocol(format!("bad HELLO answer {other:?}"))),
@@ -637,7 +656,10 @@ impl Layer for BrickClient {
             // A brick without BATCH gets the fops one by one, in order.
             return batch_one_by_one(self, &batch).await;
         }
-        match self.round_trip(&live.conn, Call::Batch(batch)).await? {
+        match self
+            .round_trip(&live.conn, Call::Batch(batch), live.crc())
+            .await?
+        {
             Outcome::Batch(reply) => Ok(reply),
             Outcome::Error { error, .. } => Err(Error::Fop(error)),
             other => Err(Error::Protocol(format!(
@@ -686,9 +708,10 @@ const REFUSAL_REASON_WAIT: std::time::Duration = std::time::Duration::from_secs(
 async fn read_events(
     connection: quinn::Connection,
     events: tokio::sync::broadcast::Sender<LayerEvent>,
+    crc: BodyChecksum,
 ) {
     while let Ok(mut stream) = connection.accept_uni().await {
-        match quic::read_message(&mut stream).await {
+        match quic::read_message(&mut stream, crc).await {
             Ok(Message::Event(Event::Recall(recall))) => {
                 let _ = events.send(LayerEvent::Recall(recall));
             }

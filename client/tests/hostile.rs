@@ -20,9 +20,9 @@ use hostile_common::*;
 use kiln_client::{BrickClient, Error, Layer, LayerExt, Paths};
 use kiln_wire::limits::FRAME_BODY_LEN_MAX_BYTES;
 use kiln_wire::{
-    AccessMask, AccessMode, Call, CallCode, Creds, ErrorCode, FileType, FopCode, FopReply,
-    FopRequest, FrameKind, Gfid, Header, Lock, LockCmd, LockKind, Message, NodeType, OpenFlags,
-    Outcome, Ping, RenameMode, Reply, SetAttr, TimeSet, Timespec,
+    AccessMask, AccessMode, Call, CallCode, Creds, ErrorCode, FLAG_BODY_UNCHECKED, FileType,
+    FopCode, FopReply, FopRequest, FrameKind, Gfid, Header, Lock, LockCmd, LockKind, Message,
+    NodeType, OpenFlags, Outcome, Ping, RenameMode, Reply, SetAttr, TimeSet, Timespec,
 };
 
 use ErrorCode::{
@@ -1149,7 +1149,11 @@ fn bad_frames(raw: &RawConn) -> Vec<(&'static str, Vec<u8>, bool)> {
         ("a body of 4 GiB", announcing(u32::MAX).to_vec(), false),
         ("a bad header checksum", flipped(28), true),
         ("a bad magic", flipped(0), true),
-        ("reserved header bits", with_header(&|h| h.flags = 1), true),
+        ("reserved header bits", with_header(&|h| h.flags = 2), true),
+        ("a body without its checksum, not negotiated", with_header(&|h| {
+            h.flags = FLAG_BODY_UNCHECKED;
+            h.body_checksum = 0;
+        }), true),
         ("an unknown call code", with_header(&|h| h.code = 0x7777), true),
         ("a reply instead of a request", with_header(&|h| h.kind = FrameKind::Reply), true),
         // Lies in the body.

@@ -4,7 +4,8 @@
 //! holder gives the lease back (or, if it stays silent, once the recall runs out, after which
 //! the holder gets ESTALE there); BATCH runs its fops in order as the squashed caller; and a
 //! connection without the capability gets ENOTSUP. Every wait is bounded. Also here, as the
-//! other capability a session's replies depend on: `NO_PARENT_ATTRS` leaves them out.
+//! other capabilities a session's frames depend on: `NO_PARENT_ATTRS` leaves the parents'
+//! attributes out of replies, and `UNCHECKED_BODIES` the body checksums out of frames.
 
 mod common;
 mod hostile_common;
@@ -14,7 +15,7 @@ use std::time::{Duration, Instant};
 use hostile_common::*;
 use kiln_wire::{
     Batch, BatchReply, Call, CallCode, Capabilities, Creds, ErrorCode, Event, FopReply, FopRequest,
-    Gfid, Iatt, Lease, LeaseKind, LeaseReply, Message, Outcome, Recall, Reply,
+    Gfid, Header, Iatt, Lease, LeaseKind, LeaseReply, Message, Outcome, Ping, Recall, Reply,
 };
 
 const ROOT: Gfid = Gfid::ROOT;
@@ -148,6 +149,49 @@ fn no_parent_attrs_leaves_the_parent_out_of_namespace_replies() {
             "the directory's own attributes"
         );
     });
+}
+
+/// A connection that negotiated `UNCHECKED_BODIES` sends its requests without a body checksum
+/// and gets its replies without one; a connection that did not gets them checksummed.
+#[test]
+fn unchecked_bodies_go_both_ways_only_where_negotiated() {
+    let s = Scene::start(&[]);
+    s.rt.block_on(async {
+        let wanted = Capabilities::UNCHECKED_BODIES;
+        let (bare, hello) = RawConn::offering(&s.cluster, s.addr(), "alice", wanted).await;
+        assert_eq!(hello.capabilities, wanted);
+        let full = s.raw("alice").await;
+        let d = dir(&full, "d").await;
+        let data = b"some bytes no checksum covers";
+        let (header, _) = split(&bare.request(Call::Ping(Ping { nonce: 1 })));
+        assert!(
+            !header.body_checked(),
+            "the request goes without its checksum"
+        );
+        let made = fop_on(&bare, "PUT", put(d, "a", gfid(), data)).await;
+        let Ok(FopReply::Put(made)) = made else {
+            panic!("PUT: {made:?}");
+        };
+        assert_eq!(made.iatt.size, data.len() as u64);
+        for (conn, checked) in [(&bare, false), (&full, true)] {
+            let reply = reply_header(conn, Call::Ping(Ping { nonce: 2 })).await;
+            assert_eq!(reply.body_checked(), checked, "checked: {checked}");
+        }
+        full.ping("a checksummed connection beside").await;
+    });
+}
+
+/// The header of the reply to `call` on `conn`, read as raw bytes.
+async fn reply_header(conn: &RawConn, call: Call) -> Header {
+    let (mut send, mut recv) = conn.connection.open_bi().await.expect("a stream");
+    send.write_all(&conn.request(call))
+        .await
+        .expect("the request");
+    send.finish().expect("finish");
+    let bytes = within("the reply", recv.read_to_end(1 << 16))
+        .await
+        .expect("the reply's bytes");
+    Header::decode_prefix(&bytes).expect("the reply's header")
 }
 
 fn a_recall_holds_the_other_connections_fop_until_the_lease_is_back(extra: &[&str]) {

@@ -13,8 +13,8 @@ use kiln_client::brick::quinn_config;
 use kiln_client::{BrickClient, ConnectOptions, Error};
 use kiln_wire::quic::{self, StreamCode};
 use kiln_wire::{
-    Call, CallCode, Capabilities, ErrorCode, Header, Hello, Label, Message, Outcome, Ping, Reply,
-    Request,
+    BodyChecksum, Call, CallCode, Capabilities, ErrorCode, Header, Hello, Label, Message, Outcome,
+    Ping, Reply, Request,
 };
 
 /// Connects with `options` and expects to be kept out.
@@ -149,7 +149,7 @@ async fn round_trip(connection: &quinn::Connection, frame: &[Bytes]) -> Result<M
         .await
         .map_err(|e| e.to_string())?;
     send.finish().map_err(|e| e.to_string())?;
-    quic::read_message(&mut recv)
+    quic::read_message(&mut recv, BodyChecksum::Required)
         .await
         .map_err(|e| e.to_string())
 }

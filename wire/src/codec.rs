@@ -21,6 +21,8 @@ pub enum DecodeError {
     HeaderChecksum,
     #[error("frame body checksum mismatch")]
     BodyChecksum,
+    #[error("a frame body without a checksum on a session that did not negotiate it")]
+    UncheckedBody,
     #[error("unknown frame kind {0}")]
     UnknownKind(u8),
     #[error("unknown message code {code:#06x} for a {kind} frame")]

@@ -42,17 +42,25 @@ impl FrameKind {
     }
 }
 
+/// Header flag: the body carries no checksum (`body_checksum` is zero). Sent only on a session
+/// that negotiated [`Capabilities::UNCHECKED_BODIES`](crate::Capabilities::UNCHECKED_BODIES),
+/// whose transport already authenticates every byte (QUIC's AEAD).
+pub const FLAG_BODY_UNCHECKED: u16 = 1 << 0;
+
+/// Every header flag this build knows; any other set bit is refused.
+const FLAGS_KNOWN: u16 = FLAG_BODY_UNCHECKED;
+
 /// A decoded, checked frame header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Header {
     pub kind: FrameKind,
     /// The message code: a fop code or a session code (see [`crate::Code`]).
     pub code: u16,
-    /// Per-frame flags; none are defined in version 1 and any set bit is refused.
+    /// Per-frame flags: [`FLAG_BODY_UNCHECKED`] or none; any other set bit is refused.
     pub flags: u16,
     pub request_id: RequestId,
     pub body_len: u32,
-    /// CRC-32C of the body.
+    /// CRC-32C of the body; zero when the body is unchecked.
     pub body_checksum: u32,
 }
 
@@ -127,9 +135,16 @@ impl Header {
             FrameKind::from_u8(b[offset::KIND]).ok_or(DecodeError::UnknownKind(b[offset::KIND]))?;
         let flags = read_u16(b, offset::FLAGS);
         let reserved = read_u16(b, offset::RESERVED);
-        if flags != 0 || reserved != 0 {
+        if flags & !FLAGS_KNOWN != 0 || reserved != 0 {
             return Err(DecodeError::ReservedBits(
-                u32::from(flags) << 16 | u32::from(reserved),
+                u32::from(flags & !FLAGS_KNOWN) << 16 | u32::from(reserved),
+            ));
+        }
+        let body_checksum = read_u32(b, offset::BODY_CHECKSUM);
+        if flags & FLAG_BODY_UNCHECKED != 0 && body_checksum != 0 {
+            return Err(DecodeError::invalid(
+                "frame header",
+                "an unchecked body with a checksum",
             ));
         }
         let body_len = read_u32(b, offset::BODY_LEN);
@@ -151,8 +166,13 @@ impl Header {
             flags,
             request_id,
             body_len,
-            body_checksum: read_u32(b, offset::BODY_CHECKSUM),
+            body_checksum,
         })
+    }
+
+    /// Whether the body carries a checksum (it does unless [`FLAG_BODY_UNCHECKED`] is set).
+    pub fn body_checked(&self) -> bool {
+        self.flags & FLAG_BODY_UNCHECKED == 0
     }
 
     /// Decodes the header at the start of `bytes`, which may be longer or shorter.
@@ -216,11 +236,25 @@ mod tests {
             Err(DecodeError::TooLong { .. })
         ));
         let mut h = sample();
-        h.flags = 1;
+        h.flags = 2 | FLAG_BODY_UNCHECKED;
         assert_eq!(
             Header::decode(&h.encode()),
-            Err(DecodeError::ReservedBits(1 << 16))
+            Err(DecodeError::ReservedBits(2 << 16))
         );
+    }
+
+    #[test]
+    fn an_unchecked_body_has_no_checksum() {
+        let mut h = sample();
+        h.flags = FLAG_BODY_UNCHECKED;
+        assert!(matches!(
+            Header::decode(&h.encode()),
+            Err(DecodeError::Invalid { .. })
+        ));
+        h.body_checksum = 0;
+        let decoded = Header::decode(&h.encode()).expect("decodes");
+        assert!(!decoded.body_checked());
+        assert!(sample().body_checked());
     }
 
     #[test]

@@ -53,10 +53,13 @@ pub use flags::{
     SeekWhat, XattrPresence, XattrSetMode,
 };
 pub use fop::*;
-pub use frame::{FrameKind, Header, MAGIC, PROTOCOL_VERSION, checksum, checksum_append};
+pub use frame::{
+    FLAG_BODY_UNCHECKED, FrameKind, Header, MAGIC, PROTOCOL_VERSION, checksum, checksum_append,
+};
 pub use ids::{BrickId, FdId, Gfid, GfidParseError, RequestId};
 pub use message::{
-    Call, CallCode, EncodeError, EncodedFrame, Event, Message, Outcome, Reply, Request,
+    BodyChecksum, Call, CallCode, EncodeError, EncodedFrame, Event, Message, Outcome, Reply,
+    Request,
 };
 pub use names::{
     Label, Name, NameError, Payload, SymlinkTarget, XATTR_NAMESPACES, XattrName, XattrValue,

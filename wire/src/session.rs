@@ -8,6 +8,7 @@ use crate::ids::{BrickId, Gfid};
 use crate::limits::{
     FRAME_BODY_LEN_MAX_BYTES, INFLIGHT_MAX, IO_SIZE_MAX_BYTES, READDIR_REPLY_LEN_MAX_BYTES,
 };
+use crate::message::BodyChecksum;
 use crate::names::{Label, Name};
 
 /// Optional features, negotiated in HELLO: each side offers what it supports and the session
@@ -37,6 +38,10 @@ impl Capabilities {
     /// `post_parent`): the brick does not stat the parent for them and sends
     /// [`Iatt::omitted_dir`](crate::Iatt::omitted_dir) in their place.
     pub const NO_PARENT_ATTRS: Capabilities = Capabilities(1 << 6);
+    /// Frames after HELLO go without their body checksum
+    /// ([`BodyChecksum::Omitted`](crate::BodyChecksum::Omitted)): the transport
+    /// authenticates every byte.
+    pub const UNCHECKED_BODIES: Capabilities = Capabilities(1 << 7);
     /// Everything this build implements.
     pub const SUPPORTED: Capabilities = Self::INVALIDATE_EVENTS
         .union(Self::LEASES)
@@ -44,7 +49,17 @@ impl Capabilities {
         .union(Self::GET)
         .union(Self::OPENDIR_LIST)
         .union(Self::LISTED_ATTRS)
-        .union(Self::NO_PARENT_ATTRS);
+        .union(Self::NO_PARENT_ATTRS)
+        .union(Self::UNCHECKED_BODIES);
+
+    /// Whether a session with these capabilities sends and takes frame bodies without their
+    /// checksum.
+    pub fn body_checksum(self) -> BodyChecksum {
+        match self.contains(Self::UNCHECKED_BODIES) {
+            true => BodyChecksum::Omitted,
+            false => BodyChecksum::Required,
+        }
+    }
 
     pub const fn union(self, other: Capabilities) -> Capabilities {
         Capabilities(self.0 | other.0)

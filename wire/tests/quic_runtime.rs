@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kiln_wire::quic::{self, QuicRuntime, Spawn};
-use kiln_wire::{Call, Message, Outcome, Ping, Reply, Request};
+use kiln_wire::{BodyChecksum, Call, Message, Outcome, Ping, Reply, Request};
 use quinn::rustls::pki_types::{CertificateDer, PrivatePkcs8KeyDer};
 
 /// Bytes sent: ~90 datagrams, each of which a 4 KiB send buffer holds at most two of.
@@ -50,7 +50,9 @@ async fn spaced_calls() {
             let Message::Request(Request {
                 id,
                 call: Call::Ping(ping),
-            }) = quic::read_message(&mut recv).await.expect("a request")
+            }) = quic::read_message(&mut recv, BodyChecksum::Required)
+                .await
+                .expect("a request")
             else {
                 panic!("not a PING");
             };
@@ -58,7 +60,7 @@ async fn spaced_calls() {
                 id,
                 outcome: Outcome::Ping(ping),
             });
-            quic::write_message(&mut send, &reply)
+            quic::write_message(&mut send, &reply, BodyChecksum::Required)
                 .await
                 .expect("the reply");
         }
@@ -78,10 +80,16 @@ async fn spaced_calls() {
         }
         let (mut send, mut recv) = connection.open_bi().await.expect("a stream");
         let call = Call::Ping(Ping { nonce: id });
-        quic::write_message(&mut send, &Message::Request(Request { id, call }))
+        quic::write_message(
+            &mut send,
+            &Message::Request(Request { id, call }),
+            BodyChecksum::Required,
+        )
+        .await
+        .expect("the request");
+        let reply = quic::read_message(&mut recv, BodyChecksum::Required)
             .await
-            .expect("the request");
-        let reply = quic::read_message(&mut recv).await.expect("the reply");
+            .expect("the reply");
         assert!(matches!(reply, Message::Reply(Reply { id: got, .. }) if got == id));
         tokio::time::sleep(PAUSE).await;
     }

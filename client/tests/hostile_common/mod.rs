@@ -23,10 +23,10 @@ use kiln_client::path::new_gfid;
 use kiln_client::{BrickClient, Error, Paths};
 use kiln_wire::quic::{self, StreamCode};
 use kiln_wire::{
-    AccessMode, Call, Capabilities, Creds, ErrorCode, FileType, FopReply, FopRequest, Gfid, Groups,
-    Header, Hello, HelloReply, Label, Message, Mode, Name, NodeType, OpenFlags, Outcome, Payload,
-    Ping, RenameMode, Reply, Request, SetAttr, SymlinkTarget, XattrName, XattrSetMode, XattrValue,
-    checksum,
+    AccessMode, BodyChecksum, Call, Capabilities, Creds, ErrorCode, FileType, FopReply, FopRequest,
+    Gfid, Groups, Header, Hello, HelloReply, Label, Message, Mode, Name, NodeType, OpenFlags,
+    Outcome, Payload, Ping, RenameMode, Reply, Request, SetAttr, SymlinkTarget, XattrName,
+    XattrSetMode, XattrValue, checksum,
 };
 
 use crate::common::{Brickd, Cluster, runtime};
@@ -700,6 +700,8 @@ pub struct RawConn {
     pub connection: quinn::Connection,
     _endpoint: quinn::Endpoint,
     next_id: AtomicU64,
+    /// Whether its frames carry body checksums, as its HELLO negotiated.
+    pub crc: BodyChecksum,
 }
 
 /// What the brick did with one stream.
@@ -738,10 +740,11 @@ impl RawConn {
         let connection = within("a raw QUIC handshake", connecting)
             .await
             .expect("raw handshake");
-        let raw = RawConn {
+        let mut raw = RawConn {
             connection,
             _endpoint: endpoint,
             next_id: AtomicU64::new(1),
+            crc: BodyChecksum::Required,
         };
         let hello = Call::Hello(Hello {
             version_min: kiln_wire::PROTOCOL_VERSION,
@@ -753,7 +756,10 @@ impl RawConn {
             Answer::Reply(Message::Reply(Reply {
                 outcome: Outcome::Hello(reply),
                 ..
-            })) => (raw, reply),
+            })) => {
+                raw.crc = reply.capabilities.body_checksum();
+                (raw, reply)
+            }
             other => panic!("raw HELLO: {other:?}"),
         }
     }
@@ -766,7 +772,7 @@ impl RawConn {
         )
         .await
         .expect("an event stream");
-        within("the event's frame", quic::read_message(&mut recv))
+        within("the event's frame", quic::read_message(&mut recv, self.crc))
             .await
             .expect("an event frame")
     }
@@ -777,10 +783,15 @@ impl RawConn {
 
     /// A request frame for `call`.
     pub fn request(&self, call: Call) -> Vec<u8> {
-        encode(&Message::Request(Request {
+        let request = Message::Request(Request {
             id: self.next_id(),
             call,
-        }))
+        });
+        request
+            .encode_with(self.crc)
+            .expect("encode")
+            .to_bytes()
+            .to_vec()
     }
 
     pub async fn call(&self, call: Call) -> Answer {
@@ -800,7 +811,7 @@ impl RawConn {
             if send.write_all(frame).await.is_ok() && finish {
                 let _ = send.finish();
             }
-            let answer = match quic::read_message(&mut recv).await {
+            let answer = match quic::read_message(&mut recv, self.crc).await {
                 Ok(m) => Answer::Reply(m),
                 Err(quic::StreamError::Read(quinn::ReadError::Reset(code))) => {
                     Answer::Reset(code.into_inner())

@@ -11,8 +11,8 @@ use std::time::Duration;
 use kiln_admin::pki;
 use kiln_wire::quic::{self, CloseCode, StreamCode};
 use kiln_wire::{
-    Call, CallCode, Capabilities, ErrorCode, Event, HelloReply, Message, Outcome, PROTOCOL_VERSION,
-    Recall, Reply, Request,
+    BodyChecksum, Call, CallCode, Capabilities, ErrorCode, Event, HelloReply, Message, Outcome,
+    PROTOCOL_VERSION, Recall, Reply, Request,
 };
 use tokio::sync::watch;
 use tokio::task::JoinSet;
@@ -100,6 +100,8 @@ struct Session {
     client: String,
     live: Arc<RwLock<Live>>,
     request_timeout: Duration,
+    /// Whether its frames carry body checksums (capability `UNCHECKED_BODIES`).
+    crc: BodyChecksum,
 }
 
 pub(super) async fn serve_endpoint(endpoint: quinn::Endpoint, context: Rc<Context>) {
@@ -173,6 +175,7 @@ async fn serve_connection(incoming: quinn::Incoming, context: Rc<Context>) {
         client: client.clone(),
         live: context.live.clone(),
         request_timeout: context.request_timeout,
+        crc: capabilities.body_checksum(),
     });
     let info = ConnectionInfo {
         session: session.id,
@@ -326,7 +329,9 @@ async fn push_recall(connection: quinn::Connection, recall: Recall, timeout: Dur
             .open_uni()
             .await
             .map_err(quinn::WriteError::ConnectionLost)?;
-        quic::write_message(&mut send, &Message::Event(Event::Recall(recall))).await?;
+        // Events are rare and small: always with their checksum, which every client takes.
+        let event = Message::Event(Event::Recall(recall));
+        quic::write_message(&mut send, &event, BodyChecksum::Required).await?;
         Ok::<_, quic::StreamError>(())
     };
     match tokio::time::timeout(timeout, push).await {
@@ -368,9 +373,12 @@ async fn handshake(
         call: CallCode::Hello,
         error,
     };
-    let read = tokio::time::timeout(HELLO_TIMEOUT, quic::read_message(&mut recv))
-        .await
-        .map_err(|_| protocol("no HELLO in time".to_owned()))?;
+    let read = tokio::time::timeout(
+        HELLO_TIMEOUT,
+        quic::read_message(&mut recv, BodyChecksum::Required),
+    )
+    .await
+    .map_err(|_| protocol("no HELLO in time".to_owned()))?;
     let mut capabilities = Capabilities::NONE;
     let (id, outcome, refusal) = match read {
         Ok(Message::Request(Request {
@@ -405,7 +413,8 @@ async fn handshake(
         Ok(_) => return Err(protocol("the first call must be HELLO".to_owned())),
         Err(e) => return Err(protocol(e.to_string())),
     };
-    quic::write_message(&mut send, &Message::Reply(Reply { id, outcome }))
+    let reply = Message::Reply(Reply { id, outcome });
+    quic::write_message(&mut send, &reply, BodyChecksum::Required)
         .await
         .map_err(|e| protocol(e.to_string()))?;
     let Some((close, reason)) = refusal else {
@@ -424,8 +433,11 @@ async fn serve_call(
 ) {
     // A request must arrive whole in time: a peer that opens streams and trickles bytes
     // holds nothing for long.
-    let arrived =
-        tokio::time::timeout(session.request_timeout, quic::read_message(&mut recv)).await;
+    let arrived = tokio::time::timeout(
+        session.request_timeout,
+        quic::read_message(&mut recv, session.crc),
+    )
+    .await;
     let request = match arrived {
         Ok(Ok(Message::Request(request))) => request,
         Ok(Ok(_)) => return reset(send, recv, "not a request"),
@@ -467,7 +479,7 @@ async fn serve_call(
         id: request.id,
         outcome,
     });
-    if let Err(e) = quic::write_message(&mut send, &reply).await {
+    if let Err(e) = quic::write_message(&mut send, &reply, session.crc).await {
         tracing::debug!(error = %e, "reply not delivered");
     }
 }

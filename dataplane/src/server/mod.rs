@@ -14,8 +14,8 @@
 //!   reason and told to the client at HELLO.
 //! * **Per connection** ([`connection`]). One session (its own fd table, locks and leases,
 //!   released when the connection ends), HELLO first (capabilities: `LEASES`,
-//!   `XATTR_PRESENCE`, `GET`, `OPENDIR_LIST`, `LISTED_ATTRS` and `NO_PARENT_ATTRS` when the
-//!   client offers them), then one stream
+//!   `XATTR_PRESENCE`, `GET`, `OPENDIR_LIST`, `LISTED_ATTRS`, `NO_PARENT_ATTRS` and
+//!   `UNCHECKED_BODIES` when the client offers them), then one stream
 //!   per call, at most `inflight_max` at once (QUIC stream credit is the backpressure), each request whole within the request timeout; a BATCH runs its
 //!   fops in order as that many calls. A frame that does not decode resets its own stream
 //!   only. RECALL events go out on unidirectional streams, one each, at most as many at once
@@ -167,7 +167,8 @@ impl Server {
                 .union(Capabilities::GET)
                 .union(Capabilities::OPENDIR_LIST)
                 .union(Capabilities::LISTED_ATTRS)
-                .union(Capabilities::NO_PARENT_ATTRS),
+                .union(Capabilities::NO_PARENT_ATTRS)
+                .union(Capabilities::UNCHECKED_BODIES),
             brick_id,
             volume: Label::new(config.volume.clone().into_bytes())?,
             limits: Limits {

@@ -19,7 +19,7 @@ use bytes::{Bytes, BytesMut};
 use quinn::{RecvStream, SendStream, VarInt};
 
 use crate::limits::{FRAME_BODY_LEN_MAX_BYTES, FRAME_HEADER_LEN_BYTES};
-use crate::{DecodeError, EncodeError, Header, Message};
+use crate::{BodyChecksum, DecodeError, EncodeError, Header, Message};
 
 mod runtime;
 
@@ -181,10 +181,15 @@ pub enum StreamError {
     Closed(#[from] quinn::ClosedStream),
 }
 
-/// Writes `message` as one frame and finishes the stream. Payload chunks go to quinn as the
-/// same `Bytes`, uncopied.
-pub async fn write_message(send: &mut SendStream, message: &Message) -> Result<(), StreamError> {
-    let frame = message.encode()?;
+/// Writes `message` as one frame (with its body checksum or without, as the session
+/// negotiated) and finishes the stream. Payload chunks go to quinn as the same `Bytes`,
+/// uncopied.
+pub async fn write_message(
+    send: &mut SendStream,
+    message: &Message,
+    crc: BodyChecksum,
+) -> Result<(), StreamError> {
+    let frame = message.encode_with(crc)?;
     let mut chunks = Vec::with_capacity(frame.body.len() + 1);
     chunks.push(Bytes::copy_from_slice(&frame.header));
     chunks.extend(frame.body);
@@ -196,14 +201,17 @@ pub async fn write_message(send: &mut SendStream, message: &Message) -> Result<(
 /// Reads one frame from `recv`. The length is checked against the protocol limit before
 /// anything is allocated, and memory is taken only as bytes arrive (a peer that announces a
 /// 1 MiB body and sends one byte holds one byte); a body that arrives in one QUIC chunk is
-/// kept without a copy.
-pub async fn read_message(recv: &mut RecvStream) -> Result<Message, StreamError> {
+/// kept without a copy. A body without a checksum is taken where `crc` allows it.
+pub async fn read_message(
+    recv: &mut RecvStream,
+    crc: BodyChecksum,
+) -> Result<Message, StreamError> {
     let mut head = [0u8; FRAME_HEADER_LEN_BYTES];
     read_exact(recv, &mut head).await?;
     let header = Header::decode(&head)?;
     let body = read_body(recv, header.body_len as usize).await?;
     take_end(recv);
-    Ok(Message::decode(&header, body)?)
+    Ok(Message::decode_with(&header, body, crc)?)
 }
 
 /// Takes the stream's end if it came with the frame, as it does when the peer finishes right
