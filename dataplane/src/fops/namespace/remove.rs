@@ -78,10 +78,11 @@ impl<E: Exec> Fops<E> {
             parents,
         };
         let (pre_parent, post_parent) = match held {
-            // The link count now that this removal has its turn: this name and the handle.
-            Some(held) if self.fstat_dir(&held).await?.nlink <= 2 => {
-                self.unlink_last_name(creds, &named, &held).await?
-            }
+            // This name and the handle, when it was held: a LINK or another UNLINK of the
+            // file since then is made good by either way (the last-name way relinks a
+            // handle whose file is still named after its commit; the parked way counts
+            // the names after its commit).
+            Some(held) if stat.nlink <= 2 => self.unlink_last_name(creds, &named, &held).await?,
             _ => self.remove_parked(fop, creds, &named).await?,
         };
         Ok(RemoveReply {
