@@ -402,13 +402,7 @@ impl BrickClient {
         let hello = Hello {
             version_min: PROTOCOL_VERSION,
             version_max: PROTOCOL_VERSION,
-            capabilities: Capabilities::LEASES
-                .union(Capabilities::XATTR_PRESENCE)
-                .union(Capabilities::GET)
-                .union(Capabilities::OPENDIR_LIST)
-                .union(Capabilities::LISTED_ATTRS)
-                .union(Capabilities::NO_PARENT_ATTRS)
-                .union(Capabilities::UNCHECKED_BODIES),
+            capabilities: Capabilities::OFFERED,
             client_name: Label::new(options.client_name.clone().into_bytes())
                 .map_err(|e| Error::Tls(format!("client name: {e}")))?,
         };

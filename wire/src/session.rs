@@ -51,6 +51,9 @@ impl Capabilities {
         .union(Self::LISTED_ATTRS)
         .union(Self::NO_PARENT_ATTRS)
         .union(Self::UNCHECKED_BODIES);
+    /// What Kiln's client and brick offer at HELLO: everything this build implements but
+    /// `INVALIDATE_EVENTS` (no brick sends INVALIDATE; leases recall with RECALL).
+    pub const OFFERED: Capabilities = Capabilities(Self::SUPPORTED.0 & !Self::INVALIDATE_EVENTS.0);
 
     /// Whether a session with these capabilities sends and takes frame bodies without their
     /// checksum.
@@ -177,5 +180,17 @@ mod tests {
             Capabilities::INVALIDATE_EVENTS
         );
         assert!(Capabilities::SUPPORTED.contains(Capabilities::LEASES));
+    }
+
+    #[test]
+    fn kiln_offers_all_it_implements_but_invalidate_events() {
+        let offered = Capabilities::OFFERED;
+        assert!(!offered.contains(Capabilities::INVALIDATE_EVENTS));
+        assert_eq!(
+            offered.union(Capabilities::INVALIDATE_EVENTS),
+            Capabilities::SUPPORTED
+        );
+        assert_eq!(offered.body_checksum(), BodyChecksum::Omitted);
+        assert_eq!(Capabilities::NONE.body_checksum(), BodyChecksum::Required);
     }
 }

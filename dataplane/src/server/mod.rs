@@ -162,13 +162,7 @@ impl Server {
         let hello = HelloReply {
             version: PROTOCOL_VERSION,
             // Intersected with each client's offer at its HELLO.
-            capabilities: Capabilities::LEASES
-                .union(Capabilities::XATTR_PRESENCE)
-                .union(Capabilities::GET)
-                .union(Capabilities::OPENDIR_LIST)
-                .union(Capabilities::LISTED_ATTRS)
-                .union(Capabilities::NO_PARENT_ATTRS)
-                .union(Capabilities::UNCHECKED_BODIES),
+            capabilities: Capabilities::OFFERED,
             brick_id,
             volume: Label::new(config.volume.clone().into_bytes())?,
             limits: Limits {
