@@ -295,7 +295,7 @@ impl Message {
             });
         }
         match (header.body_checked(), crc) {
-            (true, _) if body_crc(std::slice::from_ref(&body)) != header.body_checksum => {
+            (true, _) if checksum(&body) != header.body_checksum => {
                 return Err(DecodeError::BodyChecksum);
             }
             (false, BodyChecksum::Required) => return Err(DecodeError::UncheckedBody),

@@ -679,12 +679,7 @@ fn summarize(results: &Results, out: &mut Reporter) {
                 note.insert(format!("{}_s", target.name()), json!(round(s)));
             }
         }
-        for target in [
-            Target::Bindfs,
-            Target::Kiln,
-            Target::KilnDevFuse,
-            Target::Glusterfs,
-        ] {
+        for target in Target::ALL {
             for &reference in references(target) {
                 if let (Some(t), Some(r)) = (of(target), of(reference))
                     && reference != target
