@@ -884,6 +884,39 @@ fn permissions_are_checked_as_the_caller() {
     assert_eq!(with.stdout, b"for group 4242");
 }
 
+/// New files in a held directory are written past the kernel's page cache, which then
+/// leaves the set-ID bits to the mount: a write by a caller without `CAP_FSETID` drops
+/// set-user-ID, and set-group-ID where group execute is set, as on a local disk.
+#[test]
+fn a_write_without_cap_fsetid_drops_the_set_id_bits() {
+    let m = Mounted::new(&[]);
+    let dir = m.path("setid");
+    fs::create_dir(&dir).expect("mkdir");
+    fs::set_permissions(&dir, fs::Permissions::from_mode(0o777)).expect("chmod");
+    let write_new = "import os\n\
+        def make(name, mode):\n    \
+            fd = os.open('setid/' + name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)\n    \
+            os.fchmod(fd, mode)\n    \
+            os.write(fd, b'x' * 5000)\n    \
+            os.close(fd)\n\
+        make('u', 0o4755); make('gx', 0o6775); make('g', 0o2745)";
+    let out = as_nobody(&m.mountpoint, "", &format!("python3 -c \"{write_new}\""));
+    assert!(out.status.success(), "{}", text(&out));
+    // Root keeps them.
+    let root_file = m.path("setid/root");
+    write(&root_file, b"");
+    fs::set_permissions(&root_file, fs::Permissions::from_mode(0o4755)).expect("chmod");
+    write(&root_file, b"by root");
+    let expected = [("u", 0o755), ("gx", 0o775), ("g", 0o2745), ("root", 0o4755)];
+    for (name, mode) in expected {
+        let rel = format!("setid/{name}");
+        let seen = fs::metadata(m.path(&rel)).expect("stat").mode() & 0o7777;
+        assert_eq!(seen, mode, "{rel} through the mount: {seen:o}");
+        let stored = fs::metadata(m.on_brick(&rel)).expect("on brick").mode() & 0o7777;
+        assert_eq!(stored, mode, "{rel} on the brick: {stored:o}");
+    }
+}
+
 #[test]
 fn posix_locks_exclude_other_processes_until_close() {
     let m = Mounted::new(&[]);

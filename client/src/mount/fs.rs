@@ -528,7 +528,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         fh: FileHandle,
         offset: u64,
         data: &[u8],
-        _write_flags: WriteFlags,
+        write_flags: WriteFlags,
         _flags: FuseOpenFlags,
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
@@ -536,9 +536,10 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         self.note_change();
         let (s, c) = (self.shared(), creds(req));
         let data = Bytes::copy_from_slice(data);
+        let kill_suidgid = write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID);
         self.spawn(
             reply,
-            async move { s.write(&c, fh, offset, data).await },
+            async move { s.write(&c, fh, offset, data, kill_suidgid).await },
             |reply, len| reply.written(len),
         );
     }

@@ -38,14 +38,14 @@ use fuser::{Errno, FileAttr, FileHandle, FopenFlags, LockOwner};
 use kiln_wire::limits::IO_SIZE_MAX_BYTES;
 use kiln_wire::{
     AccessMode, Creds, DirEntryXattrs, ErrorCode, FopReply, Gfid, LeaseKind, Lock, LockCmd, Mode,
-    OpenFlags, ReadSize, ReaddirSize,
+    OpenFlags, ReadSize, ReaddirSize, SetAttr,
 };
 
 use super::convert::{
     Result, errno, fopen_flags, name_of, open_mode, requested_access, seek_what, unexpected,
 };
 use super::leases::Mark;
-use super::pending::{DEFERRED_BYTES_MAX, Pending};
+use super::pending::{DEFERRED_BYTES_MAX, Pending, killed_suidgid};
 use super::shared::{Shared, Ttl, store_pages};
 use crate::path::new_gfid;
 use crate::{Error, FdFop, Layer, LayerExt};
@@ -102,7 +102,7 @@ pub(super) struct Open<F> {
     /// Owners that took POSIX locks through a `no_flush` handle.
     lock_owners: Mutex<Vec<u64>>,
     /// A `no_flush` deferred create's share of [`UNFLUSHED_TOTAL_BYTES_MAX`].
-    _unflushed: Option<Budgeted>,
+    unflushed: Option<Budgeted>,
 }
 
 /// A handle just opened: its number and the flags the kernel is to keep it with.
@@ -197,16 +197,30 @@ impl<F> Open<F> {
             unsent: tokio::sync::Mutex::new(None),
             no_flush: false,
             lock_owners: Mutex::new(Vec::new()),
-            _unflushed: None,
+            unflushed: None,
         }
     }
 
     /// The flags the kernel keeps this handle with, opened with kernel `flags`.
     fn fopen_flags(&self, flags: i32) -> FopenFlags {
-        match self.no_flush {
-            true => fopen_flags(flags) | FopenFlags::FOPEN_NOFLUSH,
-            false => fopen_flags(flags),
+        let mut fopen = fopen_flags(flags);
+        if self.no_flush {
+            fopen |= FopenFlags::FOPEN_NOFLUSH;
         }
+        if self.writes_direct() {
+            fopen |= FopenFlags::FOPEN_DIRECT_IO;
+        }
+        fopen
+    }
+
+    /// Whether the kernel sends each write(2) through this handle as it comes, as one WRITE,
+    /// past its page cache: a deferred create's in a held directory. Write-through would
+    /// split a write at every page it fills only in part, and look up `security.capability`
+    /// before the first. The release fills the file's pages at once
+    /// ([`Shared::store_released`]); a write-only handle is never mapped. The kernel leaves
+    /// the set-ID bits to the mount ([`Shared::write`]).
+    fn writes_direct(&self) -> bool {
+        self.unflushed.is_some()
     }
 
     /// `size` bytes at `offset` from what the first read fetched, if it has them and the
@@ -599,7 +613,7 @@ impl<L: Layer> Shared<L> {
         // its access, whatever mode the file was given.
         let open = Open {
             no_flush: unflushed.is_some(),
-            _unflushed: unflushed,
+            unflushed,
             ..Open::new(fd, attr.ino.0, access, reopen, &Creds::root())
         };
         Ok((attr, ttl, self.handles.add_opened(open, flags)))
@@ -676,21 +690,31 @@ impl<L: Layer> Shared<L> {
     }
 
     /// WRITE through handle `fh`: gathered by a deferred create while it stays small, else
-    /// below. The bytes written.
+    /// below. `kill_suidgid`: the writer lacks `CAP_FSETID` (the kernel's
+    /// `FUSE_WRITE_KILL_SUIDGID`). The bytes written.
     pub(super) async fn write(
         &self,
         c: &Creds,
         fh: FileHandle,
         offset: u64,
         data: Bytes,
+        kill_suidgid: bool,
     ) -> Result<u32> {
         let open = self.handles.get(fh)?;
         let len = u32::try_from(data.len()).map_err(|_| Errno::EINVAL)?;
+        // Through its page cache the kernel drops the set-ID bits itself.
+        let kill_suidgid = kill_suidgid && open.writes_direct();
         if let Some(slot) = self.pending.get(open.ino)
             && let Some(pending) = slot.lock().await.as_mut()
-            && pending.write(offset, &data)
         {
-            return Ok(len);
+            if kill_suidgid {
+                pending.kill_suidgid();
+            }
+            if pending.write(offset, &data) {
+                return Ok(len);
+            }
+        } else if kill_suidgid {
+            self.kill_suidgid(c, open.ino, fh).await?;
         }
         let fd = self.fd(&open).await?;
         if self.write_behind(c, fh, &open, offset, &data).await? {
@@ -700,6 +724,22 @@ impl<L: Layer> Shared<L> {
         self.forget_described(open.ino);
         written.map_err(errno)?;
         Ok(len)
+    }
+
+    /// Drops the set-user-ID bit of node `ino`, and its set-group-ID bit where group
+    /// execute is set, before a write through handle `fh` by `c`, who lacks `CAP_FSETID`:
+    /// what the kernel does for a write to a local file.
+    async fn kill_suidgid(&self, c: &Creds, ino: u64, fh: FileHandle) -> Result<()> {
+        let mode = self.stat(c, ino, Some(fh)).await?.mode;
+        let kept = killed_suidgid(mode);
+        if kept != mode {
+            let attr = SetAttr {
+                mode: Some(kept),
+                ..SetAttr::default()
+            };
+            self.setattr(&Creds::root(), ino, Some(fh), attr).await?;
+        }
+        Ok(())
     }
 
     /// Gathers `data`, written at `offset` through handle `fh` (`open`) by `c`, to go later

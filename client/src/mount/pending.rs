@@ -128,6 +128,15 @@ impl Pending {
         true
     }
 
+    /// A write by a caller without `CAP_FSETID`: see [`killed_suidgid`].
+    pub(crate) fn kill_suidgid(&mut self) {
+        let mode = killed_suidgid(self.iatt.mode);
+        if mode != self.iatt.mode {
+            self.iatt.mode = mode;
+            self.attr.mode = Some(mode);
+        }
+    }
+
     /// The file's content so far.
     pub(crate) fn data(&self) -> &[u8] {
         &self.data
@@ -244,6 +253,18 @@ impl Pending {
             },
         })
     }
+}
+
+/// File mode `mode` after a write by a caller without `CAP_FSETID`, as the kernel leaves a
+/// local file's: without the set-user-ID bit, and without the set-group-ID bit where group
+/// execute is set (without it, the bit marks mandatory locking and stays).
+pub(crate) fn killed_suidgid(mode: Mode) -> Mode {
+    let bits = mode.bits();
+    let killed = match bits & libc::S_IXGRP {
+        0 => libc::S_ISUID,
+        _ => libc::S_ISUID | libc::S_ISGID,
+    };
+    Mode::from_st_mode(bits & !killed)
 }
 
 /// The deferred creates of a mount, by node id.
