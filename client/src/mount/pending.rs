@@ -128,7 +128,7 @@ impl Pending {
         true
     }
 
-    /// A write by a caller without `CAP_FSETID`: see [`killed_suidgid`].
+    /// A write by a caller without `CAP_FSETID`, or a chown: see [`killed_suidgid`].
     pub(crate) fn kill_suidgid(&mut self) {
         let mode = killed_suidgid(self.iatt.mode);
         if mode != self.iatt.mode {
@@ -153,7 +153,17 @@ impl Pending {
 
     /// Gathers an attribute change by `creds`; `false` when it must run on the brick (it
     /// may be refused, or is not the creator's to make without a check).
-    pub(crate) fn setattr(&mut self, creds: &Creds, attr: SetAttr) -> bool {
+    pub(crate) fn setattr(&mut self, creds: &Creds, mut attr: SetAttr) -> bool {
+        // tar's `fchown` to the owner and group the file was made with changes nothing (a
+        // new file has no set-ID bits for it to drop): the brick is spared the call.
+        let same = |new: Option<u32>, now: u32| new.is_none_or(|n| n == now);
+        if (creds.uid == 0 || creds.uid == self.creds.uid)
+            && same(attr.uid, self.iatt.uid)
+            && same(attr.gid, self.iatt.gid)
+            && self.iatt.mode.bits() & SET_ID_BITS == 0
+        {
+            (attr.uid, attr.gid) = (None, None);
+        }
         let owner_ok = creds.uid == 0 || (creds.uid == self.creds.uid && attr.uid.is_none());
         let group_ok = creds.uid == 0 || attr.gid.is_none_or(|g| g == self.iatt.gid);
         if !owner_ok || !group_ok {
@@ -170,6 +180,10 @@ impl Pending {
             self.iatt.size = size as u64;
             self.iatt.blocks = self.iatt.size.div_ceil(4096) * 8;
             self.iatt.mtime = now();
+        }
+        if attr.uid.is_some() || attr.gid.is_some() {
+            // A chown drops the set-ID bits, root's too; a mode set with it comes after.
+            self.kill_suidgid();
         }
         let now = now();
         if let Some(mode) = attr.mode {
@@ -255,14 +269,17 @@ impl Pending {
     }
 }
 
-/// File mode `mode` after a write by a caller without `CAP_FSETID`, as the kernel leaves a
-/// local file's: without the set-user-ID bit, and without the set-group-ID bit where group
+/// The set-user-ID and set-group-ID bits of a mode.
+const SET_ID_BITS: u32 = libc::S_ISUID | libc::S_ISGID;
+
+/// File mode `mode` after a chown, or a write by a caller without `CAP_FSETID`, as the
+/// kernel leaves a local file's: without the set-user-ID bit, and without the set-group-ID bit where group
 /// execute is set (without it, the bit marks mandatory locking and stays).
 pub(crate) fn killed_suidgid(mode: Mode) -> Mode {
     let bits = mode.bits();
     let killed = match bits & libc::S_IXGRP {
         0 => libc::S_ISUID,
-        _ => libc::S_ISUID | libc::S_ISGID,
+        _ => SET_ID_BITS,
     };
     Mode::from_st_mode(bits & !killed)
 }
@@ -457,6 +474,42 @@ mod tests {
         );
         assert!(p.setattr(&creds(0, 0), give_away), "root may");
         assert!(!p.setattr(&creds(2000, 2000), chmod), "not the creator");
+    }
+
+    #[test]
+    fn a_chown_that_changes_nothing_is_not_sent() {
+        // tar's `fchown` of a file it made to the owner and group it has.
+        let mut p = pending(0o777);
+        let chown_to_self = SetAttr {
+            uid: Some(1000),
+            gid: Some(1000),
+            ..SetAttr::default()
+        };
+        assert!(p.setattr(&creds(1000, 1000), chown_to_self));
+        let put = p.into_put().expect("put");
+        assert_eq!((put.attr.uid, put.attr.gid), (None, None));
+
+        // It drops set-ID bits: sent.
+        let mut p = pending(0o777);
+        let setuid = SetAttr {
+            mode: Some(Mode::new(0o4755).expect("mode")),
+            ..SetAttr::default()
+        };
+        assert!(p.setattr(&creds(0, 0), setuid));
+        assert!(p.setattr(&creds(0, 0), chown_to_self));
+        assert_eq!(p.iatt().mode.bits(), 0o755, "as the kernel leaves it");
+        let put = p.into_put().expect("put");
+        assert_eq!((put.attr.uid, put.attr.gid), (Some(1000), Some(1000)));
+        assert_eq!(put.attr.mode, Mode::new(0o755));
+
+        // Another owner: sent.
+        let mut p = pending(0o777);
+        let to_root = SetAttr {
+            uid: Some(0),
+            ..SetAttr::default()
+        };
+        assert!(p.setattr(&creds(0, 0), to_root));
+        assert_eq!(p.into_put().expect("put").attr.uid, Some(0));
     }
 
     #[test]
