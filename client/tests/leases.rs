@@ -438,6 +438,70 @@ fn a_walk_finds_its_subdirectories_listed_ahead_and_never_stale() {
     assert_brick_consistent(&a);
 }
 
+/// A program reading a directory's files in the order it listed them finds the next ones
+/// fetched ahead, each with the one GET it would have cost anyway; a file another mount
+/// changed after it was fetched ahead is read as that mount left it.
+#[test]
+fn files_read_in_listing_order_are_fetched_ahead_and_never_stale() {
+    let metrics = common::free_loopback_addr();
+    let mut a = Mounted::with_brick(&counted(&metrics), &[]);
+    fs::create_dir(a.path("src")).expect("mkdir");
+    make_files(&a.path("src"), 20);
+    fsync_dir(&a.path("src")).expect("sent");
+    let gets = || common::fop_calls(&common::scrape(&metrics), "GET");
+    // The listing's order, which the reads follow; a new mount has nothing cached.
+    let in_order = |a: &Mounted| {
+        let listed = sh_ok(&a.path("src"), "ls -f");
+        let files: Vec<String> = listed
+            .lines()
+            .filter(|n| n.starts_with('f'))
+            .map(str::to_owned)
+            .collect();
+        assert_eq!(files.len(), 20, "{listed}");
+        files
+    };
+    let read =
+        |a: &Mounted, name: &str| fs::read_to_string(a.path(&format!("src/{name}"))).expect("read");
+    let gets_reach = |want: f64| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while gets() < want && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        gets()
+    };
+
+    a.unmount();
+    a.mount(&[]);
+    let files = in_order(&a);
+    let before = gets();
+    for name in &files[..2] {
+        read(&a, name);
+    }
+    // The second read went to the brick, and fetched the next eight.
+    assert_eq!(gets_reach(before + 10.0) - before, 10.0, "fetched ahead");
+    for name in &files {
+        let i: usize = name[1..].parse().expect("f<i>");
+        assert_eq!(read(&a, name), format!("file {i}"));
+    }
+    assert_eq!(gets() - before, 20.0, "one GET per file, none twice");
+
+    // Fetched ahead, then changed by another mount: read as that mount left it.
+    a.unmount();
+    a.mount(&[]);
+    let files = in_order(&a);
+    let before = gets();
+    for name in &files[..2] {
+        read(&a, name);
+    }
+    assert_eq!(gets_reach(before + 10.0) - before, 10.0, "fetched ahead");
+    let changed = &files[5];
+    let b = a.another("b", &[]);
+    fs::write(b.path(&format!("src/{changed}")), "changed by b").expect("write in b");
+    drop(b);
+    assert_eq!(read(&a, changed), "changed by b");
+    assert_brick_consistent(&a);
+}
+
 #[test]
 fn a_recall_drops_what_the_holder_s_kernel_cached() {
     // Caches that outlive the test: only the recall can make the first mount's kernel ask.

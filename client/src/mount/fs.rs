@@ -505,7 +505,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
     fn read(
         &self,
         req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         size: u32,
@@ -516,7 +516,12 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         let (s, c) = (self.shared(), creds(req));
         self.spawn(
             reply,
-            async move { s.read(&c, fh, offset, size).await },
+            async move {
+                if offset == 0 {
+                    s.read_files_ahead(&c, ino.0);
+                }
+                s.read(&c, fh, offset, size).await
+            },
             |reply, data| reply.data(&data),
         );
     }
@@ -653,7 +658,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
     fn readdirplus(
         &self,
         req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         reply: ReplyDirectoryPlus,
@@ -662,6 +667,10 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         self.run(async move {
             let mut reply = reply;
             let (prefetches, changes) = (s.prefetches(), s.leases.changes());
+            let files_in = s
+                .reads_files_ahead()
+                .then(|| s.inodes.gfid(ino.0))
+                .flatten();
             let mut ahead = Vec::new();
             let result = s
                 .list(&c, fh, offset, |e| {
@@ -672,6 +681,10 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
                     let full = reply.add(attr.ino, e.offset, os(&e.name), &ttl.attr, &attr, GEN);
                     if full {
                         s.inodes.forget(attr.ino.0, 1);
+                    } else if let Some(dir) = files_in
+                        && e.iatt.file_type == FileType::Regular
+                    {
+                        s.inodes.note_listed_in(attr.ino.0, dir);
                     } else if prefetches
                         && e.iatt.file_type == FileType::Directory
                         && !matches!(e.name.as_bytes(), b"." | b"..")

@@ -60,7 +60,7 @@ const READDIR_FETCH_BYTES: u32 = 128 * 1024;
 
 /// Bytes a handle's first read from the start asks the brick for at least (the kernel's
 /// first read of a file is often shorter).
-const GET_AHEAD_BYTES: u32 = 256 * 1024;
+pub(super) const GET_AHEAD_BYTES: u32 = 256 * 1024;
 /// Bytes read ahead that the mount's handles keep at once; past it, a first read gets what
 /// the kernel asked only.
 const AHEAD_BYTES_MAX: usize = 64 << 20;
@@ -661,16 +661,12 @@ impl<L: Layer> Shared<L> {
     async fn read_without_fd(&self, open: &Open<L::Fd>, size: u32) -> Result<Bytes> {
         self.settle(open.ino).await?;
         let asked = size.max(GET_AHEAD_BYTES).min(IO_SIZE_MAX_BYTES as u32);
-        let get = kiln_wire::Get {
-            gfid: self.inodes.gfid(open.ino).ok_or(Errno::ESTALE)?,
-            offset: 0,
-            size: ReadSize::new(asked).ok_or(Errno::EINVAL)?,
-        };
+        let gfid = self.inodes.gfid(open.ino).ok_or(Errno::ESTALE)?;
         let changes = self.leases.changes();
-        let data = match self.layer.call(&open.late_creds, get.into()).await {
-            Ok(FopReply::Get(r)) => r.data.into_bytes(),
-            Ok(other) => return Err(unexpected(&other)),
-            Err(e) => return Err(errno(e)),
+        // The whole file when it was fetched ahead: less than anything asked here.
+        let data = match self.file_ahead(&gfid).await {
+            Some(data) => data,
+            None => self.get(&open.late_creds, gfid, asked).await?,
         };
         let wanted = data.len().min(size as usize);
         if data.len() > wanted
@@ -687,6 +683,20 @@ impl<L: Layer> Shared<L> {
             *open.ahead.lock().unwrap_or_else(|p| p.into_inner()) = Some(ahead);
         }
         Ok(data.slice(..wanted))
+    }
+
+    /// GET of the first `asked` bytes of `gfid` as `c`.
+    async fn get(&self, c: &Creds, gfid: Gfid, asked: u32) -> Result<Bytes> {
+        let get = kiln_wire::Get {
+            gfid,
+            offset: 0,
+            size: ReadSize::new(asked).ok_or(Errno::EINVAL)?,
+        };
+        match self.layer.call(c, get.into()).await {
+            Ok(FopReply::Get(r)) => Ok(r.data.into_bytes()),
+            Ok(other) => Err(unexpected(&other)),
+            Err(e) => Err(errno(e)),
+        }
     }
 
     /// WRITE through handle `fh`: gathered by a deferred create while it stays small, else

@@ -49,6 +49,8 @@ struct Node {
     probed: Option<(XattrPresence, Instant)>,
     /// A directory's permission bits and owner, as last seen, until a time.
     dir_attr: Option<(ParentAttr, Instant)>,
+    /// The directory whose listing last showed this file to the kernel.
+    listed_in: Option<Gfid>,
 }
 
 impl Inodes {
@@ -64,6 +66,7 @@ impl Inodes {
                 absent_xattrs: Vec::new(),
                 probed: None,
                 dir_attr: None,
+                listed_in: None,
             },
         );
         map.by_gfid.insert(Gfid::ROOT, ROOT_INO);
@@ -105,6 +108,7 @@ impl Inodes {
                 absent_xattrs: Vec::new(),
                 probed: None,
                 dir_attr: None,
+                listed_in: None,
             },
         );
         map.by_gfid.insert(gfid, ino);
@@ -167,6 +171,18 @@ impl Inodes {
             node.absent_xattrs.retain(|(n, _)| **n != *name);
             node.absent_xattrs.push((name.into(), until));
         }
+    }
+
+    /// Records that a listing of directory `dir` showed file `ino` to the kernel.
+    pub(crate) fn note_listed_in(&self, ino: u64, dir: Gfid) {
+        if let Some(node) = self.lock().by_ino.get_mut(&ino) {
+            node.listed_in = Some(dir);
+        }
+    }
+
+    /// The directory whose listing last showed file `ino` to the kernel.
+    pub(crate) fn listed_in(&self, ino: u64) -> Option<Gfid> {
+        self.lock().by_ino.get(&ino).and_then(|n| n.listed_in)
     }
 
     /// Records which probed xattrs `ino` has, trusted until `until`.

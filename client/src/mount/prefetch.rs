@@ -1,16 +1,29 @@
-//! Listings fetched ahead of a walk. When a listing shows the kernel subdirectories, the
-//! mount lists the first of them before anything opens them, each under a read lease, and
-//! keeps those listings ([`super::leases`]): the `find`, `ls -lR` or `du` that descends next
-//! opens them without a round trip while the mount fetches the next ones, instead of waiting
-//! for one round trip per directory in turn. Only where a kept listing answers an OPENDIR:
-//! with leases, and with the kernel checking permissions itself.
+//! Listings and small files fetched ahead.
+//!
+//! * **Listings, ahead of a walk.** When a listing shows the kernel subdirectories, the
+//!   mount lists the first of them before anything opens them, each under a read lease, and
+//!   keeps those listings ([`super::leases`]): the `find`, `ls -lR` or `du` that descends next
+//!   opens them without a round trip while the mount fetches the next ones, instead of
+//!   waiting for one round trip per directory in turn. Only where a kept listing answers an
+//!   OPENDIR: with leases, and with the kernel checking permissions itself.
+//! * **Small files, ahead of a program reading a directory's files in the order it listed
+//!   them** (`tar -c`, `cp -r`, `grep -r`). When a file's first read follows the one before
+//!   in the directory's kept listing (or is its first file), the mount also fetches the next
+//!   [`FILES_AHEAD_MAX`] small files there, each with one GET, so the program finds each next
+//!   file's content waiting. A program reading in another order fetches nothing ahead.
+//!   Only where the brick recalls the directory's read lease before another client changes
+//!   a file the listing returned (`LISTED_ATTRS`): content fetched ahead is taken only while
+//!   the mount still holds the lease it was fetched under and has changed nothing itself
+//!   since, so it is what the brick holds when the file is opened (close-to-open).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
-use kiln_wire::{Creds, Gfid};
-use tokio::sync::{Semaphore, watch};
+use bytes::Bytes;
+use kiln_wire::{Creds, DirEntryXattrs, FileType, FopReply, Gfid, ReadSize};
+use tokio::sync::{Semaphore, SetOnce, watch};
 
+use super::handles::GET_AHEAD_BYTES;
 use super::shared::Shared;
 use crate::Layer;
 
@@ -21,13 +34,21 @@ pub(super) const PREFETCH_SUBDIRS_MAX: usize = 16;
 /// Listings the whole mount fetches ahead at once.
 const PREFETCH_INFLIGHT_MAX: usize = 4;
 
-/// The mount's listings in flight ahead of a walk.
+/// Small files fetched ahead of the one a program reads, at most.
+pub(super) const FILES_AHEAD_MAX: usize = 8;
+
+/// Files fetched ahead and not read yet that the mount keeps, at most (the oldest go first):
+/// each smaller than [`GET_AHEAD_BYTES`], 8 MiB in all.
+const FILES_AHEAD_KEPT_MAX: usize = 4 * FILES_AHEAD_MAX;
+
+/// The mount's listings and files fetched ahead.
 #[derive(Debug)]
 pub(super) struct Prefetch {
     inflight: Semaphore,
     /// Each directory being listed ahead; its channel closes once the listing is kept (or
     /// failed, or the fetch was dropped).
     listing: Mutex<HashMap<Gfid, watch::Receiver<()>>>,
+    files: Mutex<FilesAhead>,
 }
 
 impl Default for Prefetch {
@@ -35,8 +56,80 @@ impl Default for Prefetch {
         Prefetch {
             inflight: Semaphore::new(PREFETCH_INFLIGHT_MAX),
             listing: Mutex::default(),
+            files: Mutex::default(),
         }
     }
+}
+
+/// The content of a file fetched ahead, set once its GET is answered (`None`: it failed).
+type FileSlot = Arc<SetOnce<Option<FileAhead>>>;
+
+/// Files fetched ahead, by GFID, until a read takes them.
+#[derive(Debug, Default)]
+struct FilesAhead {
+    slots: HashMap<Gfid, FileSlot>,
+    /// The GFIDs in `slots`, oldest first.
+    order: VecDeque<Gfid>,
+    /// The files of the last first reads, oldest first: never fetched ahead again.
+    read: VecDeque<Gfid>,
+    /// The directory and file of the last first read.
+    last: Option<(Gfid, Gfid)>,
+    /// The mount's change count at the last first read.
+    changes_seen: u64,
+}
+
+impl FilesAhead {
+    /// Notes the first read of `file`, listed in `dir` after `previous` (the file before it
+    /// there, if any): whether it follows the last first read in the listing's order.
+    fn read_after(&mut self, dir: Gfid, previous: Option<Gfid>, file: Gfid) -> bool {
+        let in_order = previous.is_none_or(|p| self.last == Some((dir, p)));
+        self.last = Some((dir, file));
+        if self.read.len() >= FILES_AHEAD_KEPT_MAX {
+            self.read.pop_front();
+        }
+        self.read.push_back(file);
+        in_order
+    }
+
+    /// Whether the mount changed nothing since the last first read (at `changes` now): a
+    /// program that writes through the mount between its reads (`cp -r` within it) would
+    /// find what was fetched for it stale.
+    fn quiet(&mut self, changes: u64) -> bool {
+        std::mem::replace(&mut self.changes_seen, changes) == changes
+    }
+
+    /// A new slot for `gfid`'s content; `None` when it is fetched or read already.
+    fn start(&mut self, gfid: Gfid) -> Option<FileSlot> {
+        if self.slots.contains_key(&gfid) || self.read.contains(&gfid) {
+            return None;
+        }
+        while self.order.len() >= FILES_AHEAD_KEPT_MAX {
+            if let Some(oldest) = self.order.pop_front() {
+                self.slots.remove(&oldest);
+            }
+        }
+        let slot = FileSlot::default();
+        self.slots.insert(gfid, slot.clone());
+        self.order.push_back(gfid);
+        Some(slot)
+    }
+
+    fn take(&mut self, gfid: &Gfid) -> Option<FileSlot> {
+        let slot = self.slots.remove(gfid)?;
+        self.order.retain(|g| g != gfid);
+        Some(slot)
+    }
+}
+
+/// A whole small file's content, and what it is valid under.
+#[derive(Debug)]
+struct FileAhead {
+    data: Bytes,
+    /// The directory whose read lease it was fetched under, and that hold's generation.
+    dir: Gfid,
+    generation: u64,
+    /// The mount's change count when it was asked.
+    changes: u64,
 }
 
 impl Prefetch {
@@ -59,6 +152,101 @@ impl<L: Layer> Shared<L> {
     /// Whether this mount fetches listings ahead.
     pub(super) fn prefetches(&self) -> bool {
         self.options.listing_prefetch && self.options.default_permissions && self.uses_leases()
+    }
+
+    /// Whether this mount fetches small files ahead: as it fetches listings, where the brick
+    /// recalls a listing's lease before another client changes what it returned.
+    pub(super) fn reads_files_ahead(&self) -> bool {
+        self.prefetches() && self.options.listed_attrs && self.layer.listed_attrs()
+    }
+
+    /// At the first read of node `ino` by `c`: when it follows, in the kept listing of the
+    /// directory the kernel listed it in, the file whose first read came before (or is the
+    /// listing's first), fetches as `c` the next small files there not fetched or read yet.
+    pub(super) fn read_files_ahead(self: &Arc<Self>, c: &Creds, ino: u64) {
+        if !self.reads_files_ahead() {
+            return;
+        }
+        let (Some(dir), Some(gfid)) = (self.inodes.listed_in(ino), self.inodes.gfid(ino)) else {
+            return;
+        };
+        let (Some(generation), changes) = (self.leases.generation(&dir), self.leases.changes())
+        else {
+            return;
+        };
+        let Some(listing) = self.kept_listing(&dir) else {
+            return;
+        };
+        let Some(at) = listing.iter().position(|e| e.iatt.gfid == gfid) else {
+            return;
+        };
+        let is_file = |e: &&DirEntryXattrs| e.iatt.file_type == FileType::Regular;
+        let previous = listing[..at]
+            .iter()
+            .rev()
+            .find(is_file)
+            .map(|e| e.iatt.gfid);
+        let slots: Vec<(Gfid, FileSlot)> = {
+            let mut files = self.files_ahead();
+            let in_order = files.read_after(dir, previous, gfid);
+            if !files.quiet(changes) || !in_order {
+                return;
+            }
+            listing[at + 1..]
+                .iter()
+                .filter(is_file)
+                .filter(|e| (1..u64::from(GET_AHEAD_BYTES)).contains(&e.iatt.size))
+                .take(FILES_AHEAD_MAX)
+                .filter_map(|e| Some((e.iatt.gfid, files.start(e.iatt.gfid)?)))
+                .collect()
+        };
+        for (file, slot) in slots {
+            let (s, c) = (self.clone(), c.clone());
+            tokio::spawn(async move {
+                let data = s.get_whole(&c, file).await;
+                let ahead = data.map(|data| FileAhead {
+                    data,
+                    dir,
+                    generation,
+                    changes,
+                });
+                let _ = slot.set(ahead);
+            });
+        }
+    }
+
+    /// The whole content of small file `gfid` as `c` reads it: one GET of
+    /// [`GET_AHEAD_BYTES`] that returns less. `None` if the brick refused or the file is not
+    /// small.
+    async fn get_whole(&self, c: &Creds, gfid: Gfid) -> Option<Bytes> {
+        let get = kiln_wire::Get {
+            gfid,
+            offset: 0,
+            size: ReadSize::new(GET_AHEAD_BYTES)?,
+        };
+        match self.layer.call(c, get.into()).await {
+            Ok(FopReply::Get(r)) if r.data.len() < GET_AHEAD_BYTES as usize => {
+                Some(r.data.into_bytes())
+            }
+            _ => None,
+        }
+    }
+
+    /// The whole content of small file `gfid` fetched ahead (waiting for its GET if it is
+    /// under way), if it is still what the brick holds: the mount holds the read lease it
+    /// was fetched under and has changed nothing since it was asked.
+    pub(super) async fn file_ahead(&self, gfid: &Gfid) -> Option<Bytes> {
+        let slot = self.files_ahead().take(gfid)?;
+        let ahead = slot.wait().await.as_ref()?;
+        let held = self.leases.generation(&ahead.dir) == Some(ahead.generation);
+        (held && self.leases.changes() == ahead.changes).then(|| ahead.data.clone())
+    }
+
+    fn files_ahead(&self) -> std::sync::MutexGuard<'_, FilesAhead> {
+        self.prefetch
+            .files
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
     }
 
     /// Lists directories `dirs` (node and GFID, just shown to the kernel by a listing when
