@@ -320,6 +320,17 @@ pub const OPTIONS: &[OptionDef] = &[
         help: "how long a mount's kernel caches a name's lookup, in milliseconds",
     },
     OptionDef {
+        key: "performance.file-prefetch",
+        kind: ValueKind::Bool,
+        default: "on",
+        apply: Apply::Mount,
+        brick: BrickFlag::None,
+        help: "with listings fetched ahead and a brick that recalls a listing's lease before \
+               another client changes what it showed, a program reading a directory's files \
+               in the order it listed them finds the next small files fetched ahead (a GET \
+               each, wasted if the program stops reading)",
+    },
+    OptionDef {
         key: "performance.fuse-uring",
         kind: ValueKind::Bool,
         default: "on",

@@ -499,6 +499,17 @@ fn files_read_in_listing_order_are_fetched_ahead_and_never_stale() {
     fs::write(b.path(&format!("src/{changed}")), "changed by b").expect("write in b");
     drop(b);
     assert_eq!(read(&a, changed), "changed by b");
+
+    // Off, nothing is fetched ahead.
+    a.unmount();
+    a.mount(&["file-prefetch=off"]);
+    let files = in_order(&a);
+    let before = gets();
+    for name in &files[..2] {
+        read(&a, name);
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(gets() - before, 2.0, "only what was read");
     assert_brick_consistent(&a);
 }
 

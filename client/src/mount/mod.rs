@@ -65,6 +65,9 @@ pub struct MountOptions {
     /// With leases, the first subdirectories a listing shows are listed ahead of a walk that
     /// may open them next ([`prefetch`]).
     pub listing_prefetch: bool,
+    /// With listings fetched ahead, the next small files of a directory read in the order it
+    /// was listed are fetched ahead of the reader ([`prefetch`]).
+    pub file_prefetch: bool,
     /// The kernel's requests come through io_uring, a queue per CPU served by a thread on that
     /// CPU, where the kernel offers it (the `fuse` module's `enable_uring`); otherwise, and
     /// off, through reads of `/dev/fuse` on one thread.
@@ -107,6 +110,7 @@ impl Default for MountOptions {
             leases: true,
             behind_bytes_max: 64 << 20,
             listing_prefetch: true,
+            file_prefetch: true,
             fuse_uring: true,
             listed_attrs: true,
             default_permissions: true,
@@ -168,6 +172,7 @@ impl MountOptions {
             "leases" => flag(&mut self.leases)?,
             "behind-bytes-max" => self.behind_bytes_max = bytes(key, value)?,
             "listing-prefetch" => flag(&mut self.listing_prefetch)?,
+            "file-prefetch" => flag(&mut self.file_prefetch)?,
             "listed-attrs" => flag(&mut self.listed_attrs)?,
             "fuse-uring" => flag(&mut self.fuse_uring)?,
             "default-permissions" => flag(&mut self.default_permissions)?,

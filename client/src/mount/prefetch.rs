@@ -157,7 +157,10 @@ impl<L: Layer> Shared<L> {
     /// Whether this mount fetches small files ahead: as it fetches listings, where the brick
     /// recalls a listing's lease before another client changes what it returned.
     pub(super) fn reads_files_ahead(&self) -> bool {
-        self.prefetches() && self.options.listed_attrs && self.layer.listed_attrs()
+        self.options.file_prefetch
+            && self.prefetches()
+            && self.options.listed_attrs
+            && self.layer.listed_attrs()
     }
 
     /// At the first read of node `ino` by `c`: when it follows, in the kept listing of the
