@@ -470,14 +470,20 @@ fn files_read_in_listing_order_are_fetched_ahead_and_never_stale() {
         gets()
     };
 
-    a.unmount();
-    a.mount(&[]);
-    let files = in_order(&a);
-    let before = gets();
-    for name in &files[..2] {
-        read(&a, name);
-    }
-    // The second read went to the brick, and fetched the next eight.
+    // A fresh mount reads the listing's first two files: (the files in order, the GETs before).
+    let read_two = |a: &mut Mounted, options: &[&str]| {
+        a.unmount();
+        a.mount(options);
+        let files = in_order(a);
+        let before = gets();
+        for name in &files[..2] {
+            read(a, name);
+        }
+        (files, before)
+    };
+
+    // The first read fetched the next eight, the second one more.
+    let (files, before) = read_two(&mut a, &[]);
     assert_eq!(gets_reach(before + 10.0) - before, 10.0, "fetched ahead");
     for name in &files {
         let i: usize = name[1..].parse().expect("f<i>");
@@ -486,13 +492,7 @@ fn files_read_in_listing_order_are_fetched_ahead_and_never_stale() {
     assert_eq!(gets() - before, 20.0, "one GET per file, none twice");
 
     // Fetched ahead, then changed by another mount: read as that mount left it.
-    a.unmount();
-    a.mount(&[]);
-    let files = in_order(&a);
-    let before = gets();
-    for name in &files[..2] {
-        read(&a, name);
-    }
+    let (files, before) = read_two(&mut a, &[]);
     assert_eq!(gets_reach(before + 10.0) - before, 10.0, "fetched ahead");
     let changed = &files[5];
     let b = a.another("b", &[]);
@@ -501,13 +501,7 @@ fn files_read_in_listing_order_are_fetched_ahead_and_never_stale() {
     assert_eq!(read(&a, changed), "changed by b");
 
     // Off, nothing is fetched ahead.
-    a.unmount();
-    a.mount(&["file-prefetch=off"]);
-    let files = in_order(&a);
-    let before = gets();
-    for name in &files[..2] {
-        read(&a, name);
-    }
+    let (_, before) = read_two(&mut a, &["file-prefetch=off"]);
     std::thread::sleep(Duration::from_millis(300));
     assert_eq!(gets() - before, 2.0, "only what was read");
     assert_brick_consistent(&a);
