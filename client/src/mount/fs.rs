@@ -103,9 +103,7 @@ impl<L: Layer> KilnFs<L> {
     /// wait moves to the runtime.
     fn run(&self, task: impl Future<Output = ()> + Send + 'static) {
         let _entered = self.runtime.enter();
-        let mut task = Box::pin(task);
-        let mut first = std::task::Context::from_waker(std::task::Waker::noop());
-        if task.as_mut().poll(&mut first).is_pending() {
+        if let Some(task) = poll_here(Box::pin(task)) {
             // Polled again there at once: what woke the no-op waker meanwhile is not lost.
             self.runtime.spawn(task);
         }
@@ -216,6 +214,27 @@ impl<L: Layer> KilnFs<L> {
         self.shared.store_released(&open);
         let (s, c) = (self.shared(), creds(req));
         self.run(async move { s.release_handle(&c, fh, open).await });
+    }
+}
+
+/// Polls `task` once on this thread: `Some(task)` when it waits and must go on elsewhere,
+/// `None` once it is done — or panicked. A panic is caught: the request's reply, dropped
+/// with the task, answers it EIO, and the thread (a FUSE queue's, whose requests the kernel
+/// would otherwise wait for forever, its callers unkillable) serves the next request.
+fn poll_here<F: Future<Output = ()>>(
+    mut task: std::pin::Pin<Box<F>>,
+) -> Option<std::pin::Pin<Box<F>>> {
+    let mut first = std::task::Context::from_waker(std::task::Waker::noop());
+    let polled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        task.as_mut().poll(&mut first)
+    }));
+    match polled {
+        Ok(std::task::Poll::Pending) => Some(task),
+        Ok(std::task::Poll::Ready(())) => None,
+        Err(_) => {
+            tracing::error!("a request's handler panicked; the request is answered EIO");
+            None
+        }
     }
 }
 
@@ -979,5 +998,37 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
             },
             |reply, offset| reply.offset(offset),
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use super::*;
+
+    /// Stands for a request's reply: fuser answers EIO when one is dropped unsent.
+    struct Reply<'a>(&'a AtomicBool);
+
+    impl Drop for Reply<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn a_handler_that_panics_drops_its_reply_and_the_thread_goes_on() {
+        let dropped = AtomicBool::new(false);
+        let reply = Reply(&dropped);
+        let left = poll_here(Box::pin(async move {
+            let _reply = reply;
+            panic!("a handler's bug");
+        }));
+        assert!(left.is_none());
+        assert!(dropped.load(Ordering::SeqCst), "the reply answers EIO");
+
+        let waits = poll_here(Box::pin(std::future::pending::<()>()));
+        assert!(waits.is_some(), "a waiting task goes on elsewhere");
+        assert!(poll_here(Box::pin(async {})).is_none());
     }
 }
