@@ -686,7 +686,7 @@ impl<L: Layer> Shared<L> {
     }
 
     /// GET of the first `asked` bytes of `gfid` as `c`.
-    async fn get(&self, c: &Creds, gfid: Gfid, asked: u32) -> Result<Bytes> {
+    pub(super) async fn get(&self, c: &Creds, gfid: Gfid, asked: u32) -> Result<Bytes> {
         let get = kiln_wire::Get {
             gfid,
             offset: 0,

@@ -20,7 +20,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
-use kiln_wire::{Creds, DirEntryXattrs, FileType, FopReply, Gfid, ReadSize};
+use kiln_wire::{Creds, DirEntryXattrs, FileType, Gfid};
 use tokio::sync::{Semaphore, SetOnce, watch};
 
 use super::handles::GET_AHEAD_BYTES;
@@ -222,17 +222,8 @@ impl<L: Layer> Shared<L> {
     /// [`GET_AHEAD_BYTES`] that returns less. `None` if the brick refused or the file is not
     /// small.
     async fn get_whole(&self, c: &Creds, gfid: Gfid) -> Option<Bytes> {
-        let get = kiln_wire::Get {
-            gfid,
-            offset: 0,
-            size: ReadSize::new(GET_AHEAD_BYTES)?,
-        };
-        match self.layer.call(c, get.into()).await {
-            Ok(FopReply::Get(r)) if r.data.len() < GET_AHEAD_BYTES as usize => {
-                Some(r.data.into_bytes())
-            }
-            _ => None,
-        }
+        let data = self.get(c, gfid, GET_AHEAD_BYTES).await.ok()?;
+        (data.len() < GET_AHEAD_BYTES as usize).then_some(data)
     }
 
     /// The whole content of small file `gfid` fetched ahead (waiting for its GET if it is
