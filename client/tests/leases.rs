@@ -508,6 +508,57 @@ fn files_read_in_listing_order_are_fetched_ahead_and_never_stale() {
 }
 
 #[test]
+fn a_listing_of_many_replies_answers_the_lookups_and_stats_of_what_it_lists() {
+    const MANY: usize = 2_000;
+    let metrics = common::free_loopback_addr();
+    // Entries the kernel looks up last a minute; attributes, and entries from a listing, a
+    // second.
+    let options = ["entry-timeout-ms=60000"];
+    let mut a = Mounted::with_brick(&counted(&metrics), &options);
+    fs::create_dir(a.path("many")).expect("mkdir");
+    make_files(&a.path("many"), MANY);
+    fsync_dir(&a.path("many")).expect("sent");
+    a.unmount();
+    a.mount(&options);
+    let calls = |fop: &str| common::fop_calls(&common::scrape(&metrics), fop);
+    let replies = calls("READDIRP_XATTRS");
+    assert_eq!(names(&a.path("many")).len(), MANY);
+    assert!(
+        calls("READDIRP_XATTRS") - replies >= 1.0,
+        "listed over several replies (the first comes with the OPENDIR_LIST)"
+    );
+    let asked = || calls("LOOKUP_XATTRS") + calls("STAT") + calls("FSTAT");
+    // Once what the listing showed the kernel has timed out, a stat of each file asks the
+    // mount for its entry (a LOOKUP); a second later, for its attributes (a GETATTR). Only
+    // the root's attributes, each second, reach the brick.
+    for kind in ["LOOKUP", "GETATTR"] {
+        std::thread::sleep(Duration::from_millis(1_200));
+        let before = asked();
+        for i in 0..MANY {
+            let meta = fs::metadata(a.path(&format!("many/f{i}"))).expect("stat");
+            assert_eq!(meta.len(), format!("file {i}").len() as u64, "f{i}");
+        }
+        let brick_asked = asked() - before;
+        assert!(
+            brick_asked < (MANY / 100) as f64,
+            "{kind}: {brick_asked} fops on the brick, the kept listing did not answer"
+        );
+    }
+
+    // Another mount's change recalls the lease first: seen at once.
+    let b = a.another("b", &[]);
+    fs::write(b.path("many/f7"), "changed by b").expect("write in b");
+    drop(b);
+    let meta = fs::metadata(a.path("many/f7")).expect("stat");
+    assert_eq!(meta.len(), "changed by b".len() as u64);
+    assert_eq!(
+        fs::read_to_string(a.path("many/f7")).expect("read"),
+        "changed by b"
+    );
+    assert_brick_consistent(&a);
+}
+
+#[test]
 fn a_recall_drops_what_the_holder_s_kernel_cached() {
     // Caches that outlive the test: only the recall can make the first mount's kernel ask.
     let long = ["attr-timeout-ms=60000", "entry-timeout-ms=60000"];

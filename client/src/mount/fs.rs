@@ -687,7 +687,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
             let mut reply = reply;
             let (prefetches, changes) = (s.prefetches(), s.leases.changes());
             let files_in = s
-                .reads_files_ahead()
+                .answers_from_listings()
                 .then(|| s.inodes.gfid(ino.0))
                 .flatten();
             let mut ahead = Vec::new();

@@ -44,7 +44,7 @@ use kiln_wire::{
 use super::convert::{
     Result, errno, fopen_flags, name_of, open_mode, requested_access, seek_what, unexpected,
 };
-use super::leases::Mark;
+use super::leases::{LISTED_ENTRIES_KEPT_MAX, Mark};
 use super::pending::{DEFERRED_BYTES_MAX, Pending, killed_suidgid};
 use super::shared::{Shared, Ttl, store_pages};
 use crate::path::new_gfid;
@@ -250,9 +250,19 @@ struct Listing {
     next: usize,
     /// No entries follow the fetched ones.
     eof: bool,
-    /// A listing from the start of a directory held with a lease: where the hold was when
-    /// it began, and every entry fetched so far (the directory's entries at the end).
-    whole: Option<(u64, Vec<(kiln_wire::Name, Gfid)>)>,
+    /// What a listing from the start of a held directory has fetched so far.
+    whole: Option<Whole>,
+}
+
+/// A listing from the start of a directory held with a lease, followed across replies.
+#[derive(Debug, Default)]
+struct Whole {
+    /// Where the hold was when it began and every entry fetched so far, while the listing
+    /// may still be kept ([`LISTED_ENTRIES_KEPT_MAX`] entries at most).
+    kept: Option<(Mark, Vec<DirEntryXattrs>)>,
+    /// The hold's generation when it began and every name fetched so far, while the
+    /// directory's entries are not known yet (they are these at the end).
+    names: Option<(u64, Vec<(kiln_wire::Name, Gfid)>)>,
 }
 
 impl Listing {
@@ -467,9 +477,9 @@ impl<L: Layer> Shared<L> {
             false => None,
         };
         let (fd, listing) = match kept {
-            Some(entries) => {
+            Some(kept) => {
                 let listing = Listing {
-                    entries,
+                    entries: kept.entries.clone(),
                     eof: true,
                     ..Listing::default()
                 };
@@ -1116,7 +1126,7 @@ impl<L: Layer> Shared<L> {
         ino: u64,
         offset: u64,
         mark: Option<Mark>,
-        so_far: Option<(u64, Vec<(kiln_wire::Name, Gfid)>)>,
+        so_far: Option<Whole>,
         reply: kiln_wire::ReaddirpXattrsReply,
     ) -> Listing {
         let entries: Arc<[DirEntryXattrs]> = reply.entries.into();
@@ -1131,40 +1141,58 @@ impl<L: Layer> Shared<L> {
     }
 
     /// Follows a listing of directory `ino` from its start while it holds a lease there,
-    /// with `entries` fetched at `offset` (`eof`: the last of them). A whole listing in one
-    /// reply is kept to answer the next one ([`super::leases`]). The entries fetched so far;
-    /// at the end, the directory's entries for the lease.
+    /// with `entries` fetched at `offset` (`eof`: the last of them). A whole listing is kept
+    /// to answer the next one ([`super::leases`]), and its names are the directory's entries
+    /// for the lease. What the listing has fetched so far, until its end.
     fn learn_entries(
         &self,
         ino: u64,
         offset: u64,
         mark: Option<Mark>,
-        so_far: Option<(u64, Vec<(kiln_wire::Name, Gfid)>)>,
+        so_far: Option<Whole>,
         entries: &Arc<[DirEntryXattrs]>,
         eof: bool,
-    ) -> Option<(u64, Vec<(kiln_wire::Name, Gfid)>)> {
+    ) -> Option<Whole> {
         let dir = self.inodes.gfid(ino)?;
-        if let Some(mark) = mark
-            && offset == 0
-            && eof
-        {
-            self.leases.keep_listing(&dir, mark, entries.clone());
-        }
-        let (began, mut seen) = match (offset, so_far) {
-            // Only while the entries are not known yet.
-            (0, _) => (self.leases.listing_began(&dir, &mark?)?, Vec::new()),
+        let mut whole = match (offset, so_far) {
+            (0, _) => Whole {
+                kept: mark.map(|mark| (mark, Vec::new())),
+                // Only while the entries are not known yet.
+                names: mark
+                    .and_then(|mark| Some((self.leases.listing_began(&dir, &mark)?, Vec::new()))),
+            },
             (_, so_far) => so_far?,
         };
-        let named = entries
-            .iter()
-            .filter(|e| !matches!(e.name.as_bytes(), b"." | b".."))
-            .map(|e| (e.name.clone(), e.iatt.gfid));
-        seen.extend(named);
-        if eof {
-            self.leases.listed(&dir, began, seen);
-            return None;
+        let in_one_reply = offset == 0 && eof;
+        if let Some((_, fetched)) = &mut whole.kept
+            && !in_one_reply
+        {
+            match fetched.len() + entries.len() <= LISTED_ENTRIES_KEPT_MAX {
+                true => fetched.extend(entries.iter().cloned()),
+                false => whole.kept = None,
+            }
         }
-        Some((began, seen))
+        if let Some((_, seen)) = &mut whole.names {
+            let named = entries
+                .iter()
+                .filter(|e| !matches!(e.name.as_bytes(), b"." | b".."))
+                .map(|e| (e.name.clone(), e.iatt.gfid));
+            seen.extend(named);
+        }
+        if !eof {
+            return (whole.kept.is_some() || whole.names.is_some()).then_some(whole);
+        }
+        if let Some((mark, fetched)) = whole.kept {
+            let all = match in_one_reply {
+                true => entries.clone(),
+                false => fetched.into(),
+            };
+            self.leases.keep_listing(&dir, mark, all);
+        }
+        if let Some((began, seen)) = whole.names {
+            self.leases.listed(&dir, began, seen);
+        }
+        None
     }
 
     /// One READDIRP_XATTRS through directory handle `open` from `offset`; from the start of

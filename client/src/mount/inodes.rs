@@ -173,7 +173,8 @@ impl Inodes {
         }
     }
 
-    /// Records that a listing of directory `dir` showed file `ino` to the kernel.
+    /// Records that file `ino` was shown to the kernel from directory `dir`'s listing (in the
+    /// listing, or in a LOOKUP the kept listing answered).
     pub(crate) fn note_listed_in(&self, ino: u64, dir: Gfid) {
         if let Some(node) = self.lock().by_ino.get_mut(&ino) {
             node.listed_in = Some(dir);

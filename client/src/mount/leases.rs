@@ -12,10 +12,10 @@
 //!   ([`Local`]) until the brick has answered the changes to them; a held directory itself
 //!   is described for as long as it is held (another client's change to it, or a look at
 //!   it under a write lease, is recalled first), so its attributes cost no round trip.
-//! * A held directory's last listing from the start, when it came whole in one reply, is
-//!   kept ([`Leases::keep_listing`]) to answer the next one without the brick (GNU `rm -rf`
-//!   lists every directory twice; a `find` then an `ls -lR` of a tree lists every directory
-//!   again), while nothing changed through the mount. Where the brick's lease covers the
+//! * A held directory's last whole listing from the start is kept ([`Leases::keep_listing`])
+//!   to answer the next one without the brick (GNU `rm -rf` lists every directory twice; a
+//!   `find` then an `ls -lR` of a tree lists every directory again), and the LOOKUPs and
+//!   GETATTRs of what it lists, while nothing changed through the mount. Where the brick's lease covers the
 //!   attributes its listings returned (capability `LISTED_ATTRS`: another client's change
 //!   to one of those objects recalls it) it is kept until the lease goes; otherwise, and
 //!   where it lists a file with several names (whose link count a removal elsewhere
@@ -27,7 +27,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use kiln_wire::{DirEntryXattrs, FileType, Gfid, Iatt, LeaseKind, Mode, Name, Timespec};
@@ -82,9 +82,44 @@ pub(super) struct Mark {
 #[derive(Debug)]
 struct Kept {
     began: Mark,
-    entries: Arc<[DirEntryXattrs]>,
+    listing: Arc<KeptListing>,
     /// It lists a file with more than one name.
     linked: bool,
+}
+
+/// The entries of a kept listing, and where each object is among them.
+#[derive(Debug)]
+pub(super) struct KeptListing {
+    pub(super) entries: Arc<[DirEntryXattrs]>,
+    /// Where each GFID first is in `entries`: found at the first question, not scanned for
+    /// at every one (a directory may list many files).
+    by_gfid: OnceLock<HashMap<Gfid, usize>>,
+}
+
+impl KeptListing {
+    fn new(entries: Arc<[DirEntryXattrs]>) -> KeptListing {
+        KeptListing {
+            entries,
+            by_gfid: OnceLock::new(),
+        }
+    }
+
+    /// Where `gfid` first is in the listing.
+    pub(super) fn position(&self, gfid: &Gfid) -> Option<usize> {
+        let by_gfid = self.by_gfid.get_or_init(|| {
+            let mut at = HashMap::with_capacity(self.entries.len());
+            for (i, e) in self.entries.iter().enumerate() {
+                at.entry(e.iatt.gfid).or_insert(i);
+            }
+            at
+        });
+        by_gfid.get(gfid).copied()
+    }
+
+    /// The entry of `gfid`.
+    pub(super) fn entry(&self, gfid: &Gfid) -> Option<&DirEntryXattrs> {
+        self.entries.get(self.position(gfid)?)
+    }
 }
 
 #[derive(Debug, Default)]
@@ -130,10 +165,10 @@ const RECALLED_MAX: usize = 4096;
 /// Names per held directory the kernel may cache besides the entries the lease knows; past
 /// it, answers there are given uncached.
 const TOLD_NAMES_MAX: usize = 4096;
-/// Entries of kept listings (each listing counting one more), at most one READDIRP reply per
-/// listing; past it the oldest listings are dropped. At an estimated ~250 bytes an entry,
-/// ~32 MiB at most.
-const LISTED_ENTRIES_KEPT_MAX: usize = 131_072;
+/// Entries of kept listings (each listing counting one more); past it the oldest listings are
+/// dropped, and a longer listing is not kept. At an estimated ~250 bytes an entry, ~32 MiB at
+/// most.
+pub(super) const LISTED_ENTRIES_KEPT_MAX: usize = 131_072;
 
 /// What a held directory says about a name.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -217,7 +252,10 @@ impl Leases {
             && held.generation == generation
             && !held.complete
         {
-            held.entries = entries.into_iter().collect();
+            let before = std::mem::replace(&mut held.entries, entries.into_iter().collect());
+            // Names the kernel may have cached and the listing did not show stay noted.
+            let gone = before.into_keys().filter(|n| !held.entries.contains_key(n));
+            held.told.extend(gone.collect::<Vec<_>>());
             held.complete = true;
         }
     }
@@ -267,7 +305,7 @@ impl Leases {
         let len = entries.len() + 1;
         held.listing = Some(Kept {
             began,
-            entries,
+            listing: Arc::new(KeptListing::new(entries)),
             linked,
         });
         state.kept.push_back((*dir, began.generation, len));
@@ -292,14 +330,14 @@ impl Leases {
         dir: &Gfid,
         max_age: Duration,
         covered: bool,
-    ) -> Option<Arc<[DirEntryXattrs]>> {
+    ) -> Option<Arc<KeptListing>> {
         let changes = self.changes();
         let state = self.lock();
         let held = state.dirs.get(dir)?;
         let kept = held.listing.as_ref()?;
         let fresh = (covered && !kept.linked) || kept.began.at.elapsed() < max_age;
         let unchanged = kept.began.generation == held.generation && kept.began.changes == changes;
-        (fresh && unchanged).then(|| kept.entries.clone())
+        (fresh && unchanged).then(|| kept.listing.clone())
     }
 
     /// What the mount describes in held directory `dir`: the directory and the objects made
@@ -368,10 +406,13 @@ impl Leases {
 
     /// Notes that the kernel is told of `name` in `dir` (an entry or an absence it caches);
     /// whether it may cache it — false when `dir` is held and too many names are noted
-    /// already, so that the answer must go uncached (its recall could not drop it).
+    /// already, so that the answer must go uncached (its recall could not drop it). An entry
+    /// the hold knows needs no note: the recall drops every one (and one that goes is noted
+    /// then).
     pub(super) fn tell(&self, dir: &Gfid, name: &Name) -> bool {
         match self.lock().dirs.get_mut(dir) {
             None => true,
+            Some(held) if held.entries.contains_key(name) => true,
             Some(held) if held.told.len() < TOLD_NAMES_MAX => {
                 held.told.insert(name.clone());
                 true
@@ -426,9 +467,14 @@ impl Leases {
         }
     }
 
-    /// Forgets `name` in `dir` if it is held; the object it named.
+    /// Forgets `name` in `dir` if it is held; the object it named. The kernel may have cached
+    /// the name: it is noted as told, past [`TOLD_NAMES_MAX`] too.
     pub(super) fn remove_entry(&self, dir: &Gfid, name: &Name) -> Option<Gfid> {
-        self.lock().changed(dir)?.entries.remove(name)
+        let mut state = self.lock();
+        let held = state.changed(dir)?;
+        let gone = held.entries.remove(name)?;
+        held.told.insert(name.clone());
+        Some(gone)
     }
 
     /// Describes `gfid`, made under a lease, as `iatt`.
@@ -561,10 +607,16 @@ mod tests {
         }
         assert!(!leases.tell(&gfid(1), &name("one-too-many")));
         assert!(leases.tell(&gfid(1), &name("n7")), "already noted");
+        assert!(leases.tell(&gfid(1), &name("a")), "an entry the hold knows");
         let told = leases.names_told(&gfid(1));
         assert_eq!(told.len(), TOLD_NAMES_MAX + 1);
         assert!(told.contains(&name("a")) && told.contains(&name("n0")));
         assert_eq!(leases.all_names_told().len(), 1);
+        assert_eq!(leases.remove_entry(&gfid(1), &name("a")), Some(gfid(2)));
+        assert!(
+            leases.names_told(&gfid(1)).contains(&name("a")),
+            "an entry that goes stays noted, past the bound"
+        );
         leases.release(&gfid(1));
         assert!(leases.names_told(&gfid(1)).is_empty());
     }
@@ -635,8 +687,11 @@ mod tests {
         // Kept, and answered until the next change or past its age.
         let mark = leases.listing_mark(&gfid(1)).expect("held");
         leases.keep_listing(&gfid(1), mark, [entry("a")].into());
-        let kept = leases.kept_listing(&gfid(1), long, false);
-        assert_eq!(kept.expect("kept").len(), 1);
+        let kept = leases.kept_listing(&gfid(1), long, false).expect("kept");
+        assert_eq!(kept.entries.len(), 1);
+        let a = kept.entries[0].iatt.gfid;
+        assert_eq!(kept.position(&a), Some(0));
+        assert!(kept.entry(&gfid(99)).is_none(), "not listed");
         assert!(
             leases
                 .kept_listing(&gfid(1), Duration::ZERO, false)

@@ -21,7 +21,7 @@ use kiln_wire::{
 
 use super::behind;
 use super::convert::{Result, errno};
-use super::leases::{Answer, new_iatt, now};
+use super::leases::{Answer, KeptListing, new_iatt, now};
 use super::pending::ParentAttr;
 use super::shared::{Shared, Ttl};
 use crate::{Error, Layer, LayerEvent};
@@ -132,10 +132,24 @@ impl<L: Layer> Shared<L> {
 
     /// The listing kept of held directory `dir`, if one may answer now
     /// ([`super::leases::Leases::kept_listing`]).
-    pub(super) fn kept_listing(&self, dir: &Gfid) -> Option<Arc<[DirEntryXattrs]>> {
+    pub(super) fn kept_listing(&self, dir: &Gfid) -> Option<Arc<KeptListing>> {
         let covered = self.options.listed_attrs && self.layer.listed_attrs();
         let max_age = self.options.attr_timeout;
         self.leases.kept_listing(dir, max_age, covered)
+    }
+
+    /// Whether kept listings answer the LOOKUPs and GETATTRs of what they list: with leases,
+    /// where the kernel checks permissions itself (the brick is not asked).
+    pub(super) fn answers_from_listings(&self) -> bool {
+        self.uses_leases() && self.options.default_permissions
+    }
+
+    /// What the kept listing of held directory `dir` says of `gfid`, while it may answer.
+    pub(super) fn listed(&self, dir: &Gfid, gfid: &Gfid) -> Option<DirEntryXattrs> {
+        if !self.answers_from_listings() {
+            return None;
+        }
+        self.kept_listing(dir)?.entry(gfid).cloned()
     }
 
     /// MKNOD, MKDIR, SYMLINK or LINK (`fop`) as `c`: the new entry.

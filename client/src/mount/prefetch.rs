@@ -180,9 +180,10 @@ impl<L: Layer> Shared<L> {
         let Some(listing) = self.kept_listing(&dir) else {
             return;
         };
-        let Some(at) = listing.iter().position(|e| e.iatt.gfid == gfid) else {
+        let Some(at) = listing.position(&gfid) else {
             return;
         };
+        let listing = &listing.entries;
         let is_file = |e: &&DirEntryXattrs| e.iatt.file_type == FileType::Regular;
         let previous = listing[..at]
             .iter()

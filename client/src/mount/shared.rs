@@ -251,6 +251,14 @@ impl<L: Layer> Shared<L> {
                 if let Some(local) = self.leases.local(&gfid) {
                     return Ok(Some(self.entry(&local.iatt)));
                 }
+                if let Some(listed) = self.listed(&lookup.parent, &gfid) {
+                    let (attr, ttl) = self.entry(&listed.iatt);
+                    self.note_xattrs(attr.ino.0, listed.xattrs);
+                    if listed.iatt.file_type == FileType::Regular {
+                        self.inodes.note_listed_in(attr.ino.0, lookup.parent);
+                    }
+                    return Ok(Some((attr, ttl)));
+                }
             }
             Answer::Unknown => {}
         }
@@ -291,6 +299,11 @@ impl<L: Layer> Shared<L> {
             && self.leases.holds(&pending.parent)
         {
             return Ok(pending.iatt());
+        }
+        // A file as the kept listing it was listed in has it.
+        let listed_in = self.inodes.listed_in(ino).zip(self.inodes.gfid(ino));
+        if let Some(listed) = listed_in.and_then(|(dir, gfid)| self.listed(&dir, &gfid)) {
+            return Ok(listed.iatt);
         }
         self.settle(ino).await?;
         if let Some(open) = fh.and_then(|fh| self.handles.get(fh).ok()) {
