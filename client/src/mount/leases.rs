@@ -15,12 +15,12 @@
 //! * A held directory's last whole listing from the start is kept ([`Leases::keep_listing`])
 //!   to answer the next one without the brick (GNU `rm -rf` lists every directory twice; a
 //!   `find` then an `ls -lR` of a tree lists every directory again), and the LOOKUPs and
-//!   GETATTRs of what it lists, while nothing changed through the mount. Where the brick's lease covers the
-//!   attributes its listings returned (capability `LISTED_ATTRS`: another client's change
-//!   to one of those objects recalls it) it is kept until the lease goes; otherwise, and
-//!   where it lists a file with several names (whose link count a removal elsewhere
-//!   changes without touching this directory), for as long as the kernel would keep its
-//!   entries' attributes itself.
+//!   GETATTRs of what it lists, while nothing changed through the mount. Where the brick's
+//!   lease covers the attributes its listings returned (capability `LISTED_ATTRS`: another
+//!   client's change to one of those objects recalls it) it is kept until the lease goes;
+//!   otherwise, and where it lists a file with several names (whose link count a removal
+//!   elsewhere changes without touching this directory), for as long as the kernel would
+//!   keep its entries' attributes itself.
 //! * A recall, a refused lease or a lost session ends a directory's hold: its entries, its
 //!   kept listing and the descriptions of its objects are forgotten, and fops there go to
 //!   the brick again (after the changes queued before them).
