@@ -530,7 +530,8 @@ fn a_listing_of_many_replies_answers_the_lookups_and_stats_of_what_it_lists() {
     let asked = || calls("LOOKUP_XATTRS") + calls("STAT") + calls("FSTAT");
     // Once what the listing showed the kernel has timed out, a stat of each file asks the
     // mount for its entry (a LOOKUP); a second later, for its attributes (a GETATTR). Only
-    // the root's attributes, each second, reach the brick.
+    // the root's attributes, each second, reach the brick: a few fops, however slow the
+    // pass, against one or two per file when the listing does not answer.
     for kind in ["LOOKUP", "GETATTR"] {
         std::thread::sleep(Duration::from_millis(1_200));
         let before = asked();
@@ -540,7 +541,7 @@ fn a_listing_of_many_replies_answers_the_lookups_and_stats_of_what_it_lists() {
         }
         let brick_asked = asked() - before;
         assert!(
-            brick_asked < (MANY / 100) as f64,
+            brick_asked < (MANY / 10) as f64,
             "{kind}: {brick_asked} fops on the brick, the kept listing did not answer"
         );
     }
