@@ -306,7 +306,18 @@ pub fn run(
         }),
     );
     // Each FUSE request wakes the FUSE thread and then its caller: what that costs here.
-    out.note("handoff", &crate::handoff::measure());
+    let handoff = crate::handoff::measure();
+    if handoff["fuse_enable_uring"] == "N" && targets.contains(&Target::Kiln) {
+        out.note(
+            "warning",
+            &json!({
+                "fuse_enable_uring": "N",
+                "effect": "the Kiln mount reads /dev/fuse, not a queue per CPU over io_uring",
+                "fix": "echo Y > /sys/module/fuse/parameters/enable_uring (as root) before the run",
+            }),
+        );
+    }
+    out.note("handoff", &handoff);
 
     let mut records = Vec::new();
     let mut results = Results::default();
