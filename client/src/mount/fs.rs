@@ -686,7 +686,8 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         self.run(async move {
             let mut reply = reply;
             let (prefetches, changes) = (s.prefetches(), s.leases.changes());
-            let files_in = s
+            // Where a file's kept listing is found again (its GETATTR, its read-ahead).
+            let listed_in = s
                 .answers_from_listings()
                 .then(|| s.inodes.gfid(ino.0))
                 .flatten();
@@ -700,7 +701,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
                     let full = reply.add(attr.ino, e.offset, os(&e.name), &ttl.attr, &attr, GEN);
                     if full {
                         s.inodes.forget(attr.ino.0, 1);
-                    } else if let Some(dir) = files_in
+                    } else if let Some(dir) = listed_in
                         && e.iatt.file_type == FileType::Regular
                     {
                         s.inodes.note_listed_in(attr.ino.0, dir);

@@ -255,7 +255,7 @@ impl Leases {
             let before = std::mem::replace(&mut held.entries, entries.into_iter().collect());
             // Names the kernel may have cached and the listing did not show stay noted.
             let gone = before.into_keys().filter(|n| !held.entries.contains_key(n));
-            held.told.extend(gone.collect::<Vec<_>>());
+            held.told.extend(gone);
             held.complete = true;
         }
     }

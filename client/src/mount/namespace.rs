@@ -15,8 +15,8 @@ use std::sync::Arc;
 
 use fuser::{Errno, FileAttr};
 use kiln_wire::{
-    Creds, DirEntryXattrs, FileType, FopReply, FopRequest, Gfid, Lease, LeaseKind, Name, Recall,
-    RenameMode, SetAttr, TimeSet,
+    Creds, FileType, FopReply, FopRequest, Gfid, Iatt, Lease, LeaseKind, Name, Recall, RenameMode,
+    SetAttr, TimeSet, XattrPresence,
 };
 
 use super::behind;
@@ -144,12 +144,15 @@ impl<L: Layer> Shared<L> {
         self.uses_leases() && self.options.default_permissions
     }
 
-    /// What the kept listing of held directory `dir` says of `gfid`, while it may answer.
-    pub(super) fn listed(&self, dir: &Gfid, gfid: &Gfid) -> Option<DirEntryXattrs> {
+    /// What the kept listing of held directory `dir` says of `gfid` (its attributes and
+    /// probed xattrs), while it may answer.
+    pub(super) fn listed(&self, dir: &Gfid, gfid: &Gfid) -> Option<(Iatt, XattrPresence)> {
         if !self.answers_from_listings() {
             return None;
         }
-        self.kept_listing(dir)?.entry(gfid).cloned()
+        let kept = self.kept_listing(dir)?;
+        let entry = kept.entry(gfid)?;
+        Some((entry.iatt.clone(), entry.xattrs))
     }
 
     /// MKNOD, MKDIR, SYMLINK or LINK (`fop`) as `c`: the new entry.
@@ -252,7 +255,7 @@ impl<L: Layer> Shared<L> {
         fop: &FopRequest,
         parent: &Gfid,
         name: &Name,
-    ) -> Result<Option<kiln_wire::Iatt>> {
+    ) -> Result<Option<Iatt>> {
         if !self.uses_leases() || matches!(fop, FopRequest::Link(_)) {
             return Ok(None);
         }
@@ -536,7 +539,7 @@ impl<L: Layer> Shared<L> {
         c: &Creds,
         gfid: &Gfid,
         attr: SetAttr,
-    ) -> Option<kiln_wire::Iatt> {
+    ) -> Option<Iatt> {
         let local = self.leases.local(gfid)?;
         let creator = c.uid == 0 || c.uid == local.iatt.uid;
         let owners = attr.uid.is_none() && attr.gid.is_none();
@@ -750,7 +753,7 @@ fn outcome(
 }
 
 /// Applies `attr`'s mode, owners and times to `iatt`.
-fn apply(iatt: &mut kiln_wire::Iatt, attr: &SetAttr) {
+fn apply(iatt: &mut Iatt, attr: &SetAttr) {
     if let Some(mode) = attr.mode {
         iatt.mode = mode;
     }

@@ -251,10 +251,10 @@ impl<L: Layer> Shared<L> {
                 if let Some(local) = self.leases.local(&gfid) {
                     return Ok(Some(self.entry(&local.iatt)));
                 }
-                if let Some(listed) = self.listed(&lookup.parent, &gfid) {
-                    let (attr, ttl) = self.entry(&listed.iatt);
-                    self.note_xattrs(attr.ino.0, listed.xattrs);
-                    if listed.iatt.file_type == FileType::Regular {
+                if let Some((iatt, xattrs)) = self.listed(&lookup.parent, &gfid) {
+                    let (attr, ttl) = self.entry(&iatt);
+                    self.note_xattrs(attr.ino.0, xattrs);
+                    if iatt.file_type == FileType::Regular {
                         self.inodes.note_listed_in(attr.ino.0, lookup.parent);
                     }
                     return Ok(Some((attr, ttl)));
@@ -302,8 +302,8 @@ impl<L: Layer> Shared<L> {
         }
         // A file as the kept listing it was listed in has it.
         let listed_in = self.inodes.listed_in(ino).zip(self.inodes.gfid(ino));
-        if let Some(listed) = listed_in.and_then(|(dir, gfid)| self.listed(&dir, &gfid)) {
-            return Ok(listed.iatt);
+        if let Some((iatt, _)) = listed_in.and_then(|(dir, gfid)| self.listed(&dir, &gfid)) {
+            return Ok(iatt);
         }
         self.settle(ino).await?;
         if let Some(open) = fh.and_then(|fh| self.handles.get(fh).ok()) {
