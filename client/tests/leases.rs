@@ -438,6 +438,65 @@ fn a_walk_finds_its_subdirectories_listed_ahead_and_never_stale() {
     assert_brick_consistent(&a);
 }
 
+/// Changes through the mount drop only the kept listings that show what they change: an
+/// `rm -rf` emptying one directory finds the next ones' listings, fetched ahead, still kept;
+/// a listing that shows a file changed here (its mode, its content) is asked again, never
+/// answered stale.
+#[test]
+fn a_change_keeps_the_listings_that_do_not_show_it() {
+    let metrics = common::free_loopback_addr();
+    let long = ["attr-timeout-ms=60000", "entry-timeout-ms=60000"];
+    let mut a = Mounted::with_brick(&counted(&metrics), &long);
+    for d in 0..8 {
+        fs::create_dir_all(a.path(&format!("top/d{d}"))).expect("mkdir");
+        make_files(&a.path(&format!("top/d{d}")), 3);
+    }
+    fsync_dir(&a.path("top")).expect("sent");
+    a.unmount();
+    a.mount(&long);
+    let listings = || common::fop_calls(&common::scrape(&metrics), "OPENDIR_LIST");
+    // Listing `top` lists its eight subdirectories ahead.
+    let before = listings();
+    sh_ok(&a.mountpoint, "ls top");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while listings() - before < 9.0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(
+        listings() - before,
+        9.0,
+        "top and its subdirectories listed"
+    );
+
+    // Through this mount: `d0` emptied, a file of `d1` rewritten longer, one of `d2`
+    // made private.
+    sh_ok(&a.mountpoint, "rm -rf top/d0");
+    fs::write(a.path("top/d1/f0"), "rewritten, longer").expect("rewrite");
+    sh_ok(&a.mountpoint, "chmod 600 top/d2/f1");
+    let before = listings();
+    let walked = sh_ok(
+        &a.mountpoint.join("top"),
+        "find . -printf '%p %s %m\\n' | sort",
+    );
+    let relisted = listings() - before;
+    let expected: Vec<String> = std::iter::once(". 4096 755".to_owned())
+        .chain((1..8).flat_map(|d| {
+            std::iter::once(format!("./d{d} 4096 755")).chain((0..3).map(move |f| {
+                let (size, mode) = match (d, f) {
+                    (1, 0) => (17, 644),
+                    (2, 1) => (6, 600),
+                    _ => (6, 644),
+                };
+                format!("./d{d}/f{f} {size} {mode}")
+            }))
+        }))
+        .collect();
+    assert_eq!(walked.lines().collect::<Vec<_>>(), expected, "{walked}");
+    // `top` (which shows `d0`), `d1` and `d2` are listed again; `d3`..`d7` are not.
+    assert_eq!(relisted, 3.0, "listings asked again during the walk");
+    assert_brick_consistent(&a);
+}
+
 /// A program reading a directory's files in the order it listed them finds the next ones
 /// fetched ahead, each with the one GET it would have cost anyway; a file another mount
 /// changed after it was fetched ahead is read as that mount left it.

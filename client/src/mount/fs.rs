@@ -118,10 +118,16 @@ impl<L: Layer> KilnFs<L> {
         !self.shared.options.carries_xattr(name.as_bytes())
     }
 
-    /// Notes a fop that may change an object (before it runs): no listing the mount kept
-    /// before it answers a listing after it.
-    fn note_change(&self) {
-        self.shared.leases.note_change();
+    /// Notes a fop that may change nodes `inos` (the objects and the directories whose
+    /// entries it changes), before it runs: no listing the mount kept that shows one of them
+    /// answers after it. A node the mount does not know may be anything.
+    fn note_change(&self, inos: &[INodeNo]) {
+        for ino in inos {
+            match self.shared.inodes.gfid(ino.0) {
+                Some(gfid) => self.shared.leases.note_change(gfid),
+                None => return self.shared.leases.note_any_change(),
+            }
+        }
     }
 
     /// Runs the fop `build` makes on node `ino` as the caller of `req`, once the node is on
@@ -151,9 +157,10 @@ impl<L: Layer> KilnFs<L> {
         &self,
         req: &Request,
         reply: ReplyEntry,
+        changes: &[INodeNo],
         build: impl FnOnce(&Shared<L>) -> Result<FopRequest> + Send + 'static,
     ) {
-        self.note_change();
+        self.note_change(changes);
         let (s, c) = (self.shared(), creds(req));
         self.spawn(
             reply,
@@ -171,9 +178,10 @@ impl<L: Layer> KilnFs<L> {
         &self,
         req: &Request,
         reply: ReplyEmpty,
+        changes: &[INodeNo],
         build: impl FnOnce(&Shared<L>) -> Result<FopRequest> + Send + 'static,
     ) {
-        self.note_change();
+        self.note_change(changes);
         let (s, c) = (self.shared(), creds(req));
         self.spawn(
             reply,
@@ -343,7 +351,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
-        self.note_change();
+        self.note_change(&[ino]);
         let (s, c) = (self.shared(), creds(req));
         let attr = SetAttr {
             mode: mode.map(Mode::from_st_mode),
@@ -385,7 +393,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         reply: ReplyEntry,
     ) {
         let name = name_of(name);
-        self.make_entry(req, reply, move |s| {
+        self.make_entry(req, reply, &[parent], move |s| {
             let node_type = node_type(mode)?;
             Ok(kiln_wire::Mknod {
                 parent: s.gfid(parent.0)?,
@@ -410,7 +418,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         reply: ReplyEntry,
     ) {
         let name = name_of(name);
-        self.make_entry(req, reply, move |s| {
+        self.make_entry(req, reply, &[parent], move |s| {
             Ok(kiln_wire::Mkdir {
                 parent: s.gfid(parent.0)?,
                 name: name?,
@@ -424,7 +432,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
 
     fn unlink(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let name = name_of(name);
-        self.change_entry(req, reply, move |s| {
+        self.change_entry(req, reply, &[parent], move |s| {
             Ok(kiln_wire::Unlink {
                 parent: s.gfid(parent.0)?,
                 name: name?,
@@ -435,7 +443,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
 
     fn rmdir(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let name = name_of(name);
-        self.change_entry(req, reply, move |s| {
+        self.change_entry(req, reply, &[parent], move |s| {
             Ok(kiln_wire::Rmdir {
                 parent: s.gfid(parent.0)?,
                 name: name?,
@@ -455,7 +463,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         let name = name_of(link_name);
         let target = SymlinkTarget::new(Bytes::copy_from_slice(target.as_os_str().as_bytes()))
             .map_err(|e| Errno::from_i32(e.errno()));
-        self.make_entry(req, reply, move |s| {
+        self.make_entry(req, reply, &[parent], move |s| {
             Ok(kiln_wire::Symlink {
                 parent: s.gfid(parent.0)?,
                 name: name?,
@@ -477,7 +485,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         reply: ReplyEmpty,
     ) {
         let (old_name, new_name) = (name_of(name), name_of(newname));
-        self.change_entry(req, reply, move |s| {
+        self.change_entry(req, reply, &[parent, newparent], move |s| {
             let mode = rename_mode(flags)?;
             Ok(kiln_wire::Rename {
                 old_parent: s.gfid(parent.0)?,
@@ -499,7 +507,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         reply: ReplyEntry,
     ) {
         let name = name_of(newname);
-        self.make_entry(req, reply, move |s| {
+        self.make_entry(req, reply, &[ino, newparent], move |s| {
             Ok(kiln_wire::Link {
                 gfid: s.gfid(ino.0)?,
                 new_parent: s.gfid(newparent.0)?,
@@ -511,7 +519,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
 
     fn open(&self, req: &Request, ino: INodeNo, flags: FuseOpenFlags, reply: ReplyOpen) {
         if flags.0 & libc::O_ACCMODE != libc::O_RDONLY || flags.0 & libc::O_TRUNC != 0 {
-            self.note_change();
+            self.note_change(&[ino]);
         }
         let (s, c) = (self.shared(), creds(req));
         self.spawn(
@@ -548,7 +556,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
     fn write(
         &self,
         req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         data: &[u8],
@@ -557,7 +565,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
-        self.note_change();
+        self.note_change(&[ino]);
         let (s, c) = (self.shared(), creds(req));
         let data = Bytes::copy_from_slice(data);
         let kill_suidgid = write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID);
@@ -589,7 +597,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
             return;
         }
         // It may send a deferred create.
-        self.note_change();
+        self.note_change(&[ino]);
         let (s, c) = (self.shared(), creds(req));
         self.spawn(
             reply,
@@ -685,7 +693,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         let (s, c) = (self.shared(), creds(req));
         self.run(async move {
             let mut reply = reply;
-            let (prefetches, changes) = (s.prefetches(), s.leases.changes());
+            let prefetches = s.prefetches();
             // Where a file's kept listing is found again (its GETATTR, its read-ahead).
             let listed_in = s
                 .answers_from_listings()
@@ -720,7 +728,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
                 Err(e) => reply.error(e),
             }
             if !ahead.is_empty() {
-                tokio::spawn(s.prefetch_listings(c, ahead, changes));
+                tokio::spawn(s.prefetch_listings(c, ahead));
             }
         });
     }
@@ -796,7 +804,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
             reply.error(Errno::from_i32(libc::EOPNOTSUPP));
             return;
         }
-        self.note_change();
+        self.note_change(&[ino]);
         self.shared.inodes.forget_xattr(ino.0, name.as_bytes());
         let name = xattr_name(name);
         let value = XattrValue::new(Bytes::copy_from_slice(value))
@@ -854,7 +862,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
             reply.error(Errno::from_i32(libc::EOPNOTSUPP));
             return;
         }
-        self.note_change();
+        self.note_change(&[ino]);
         self.shared.inodes.forget_xattr(ino.0, name.as_bytes());
         let name = xattr_name(name);
         self.run_done(req, reply, ino.0, move |s| {
@@ -884,7 +892,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         flags: i32,
         reply: ReplyCreate,
     ) {
-        self.note_change();
+        self.note_change(&[parent]);
         let (s, c, name) = (self.shared(), creds(req), name.to_owned());
         self.spawn(
             reply,
@@ -954,14 +962,14 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
     fn fallocate(
         &self,
         req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         length: u64,
         mode: i32,
         reply: ReplyEmpty,
     ) {
-        self.note_change();
+        self.note_change(&[ino]);
         let (s, c) = (self.shared(), creds(req));
         self.spawn(
             reply,

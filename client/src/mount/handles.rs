@@ -518,7 +518,7 @@ impl<L: Layer> Shared<L> {
             self.leases.hold_read(gfid);
         }
         // The hold the entries were read under: the one before, or the one granted with them
-        // if nothing changed through the mount since they were asked — never one another
+        // if no change to it was noted since they were asked — never one another
         // listing's grant made meanwhile, which may postdate these entries.
         let granted_with_them = || {
             taken

@@ -15,7 +15,9 @@
 //! * A held directory's last whole listing from the start is kept ([`Leases::keep_listing`])
 //!   to answer the next one without the brick (GNU `rm -rf` lists every directory twice; a
 //!   `find` then an `ls -lR` of a tree lists every directory again), and the LOOKUPs and
-//!   GETATTRs of what it lists, while nothing changed through the mount. Where the brick's
+//!   GETATTRs of what it lists, until a change through the mount to the directory or to an
+//!   object it lists ([`Leases::note_change`]; an `rm -rf` emptying one directory keeps the
+//!   listings of the next ones, fetched ahead). Where the brick's
 //!   lease covers the attributes its listings returned (capability `LISTED_ATTRS`: another
 //!   client's change to one of those objects recalls it) it is kept until the lease goes;
 //!   otherwise, and where it lists a file with several names (whose link count a removal
@@ -142,12 +144,67 @@ struct State {
     /// The lengths in `kept` (an entry for each listing, one for each of its entries): at
     /// most [`LISTED_ENTRIES_KEPT_MAX`].
     kept_entries: usize,
+    /// Each object a kept listing shows (one without a file of several names) and the
+    /// directory listed: a change noted to the object drops that listing.
+    listed_by: HashMap<Gfid, Gfid>,
+    /// The last objects noted changed (`None`: anything), by the change count that noted
+    /// them, oldest first: what a listing under way must not show to be kept. At most
+    /// [`RECENT_CHANGES_MAX`].
+    recent: VecDeque<(u64, Option<Gfid>)>,
+    /// The first change count whose objects `recent` holds whole (earlier ones were dropped
+    /// at its bound).
+    recent_from: u64,
 }
 
 impl State {
     fn next_generation(&mut self) -> u64 {
         self.last_generation += 1;
         self.last_generation
+    }
+
+    /// Whether nothing noted changed since change count `since` was `dir` or (when given) an
+    /// object `listing` shows.
+    fn untouched_since(&self, since: u64, dir: &Gfid, listing: Option<&KeptListing>) -> bool {
+        let shown = |g: &Gfid| g == dir || listing.is_some_and(|l| l.position(g).is_some());
+        since + 1 >= self.recent_from
+            && (self.recent.iter().rev())
+                .take_while(|(count, _)| *count > since)
+                .all(|(_, g)| g.as_ref().is_some_and(|g| !shown(g)))
+    }
+
+    /// Remembers that change `count` may have changed `object` (`None`: anything).
+    fn log_change(&mut self, count: u64, object: Option<Gfid>) {
+        if self.recent.len() >= RECENT_CHANGES_MAX
+            && let Some((dropped, _)) = self.recent.pop_front()
+        {
+            self.recent_from = dropped + 1;
+        }
+        self.recent.push_back((count, object));
+    }
+
+    /// Drops the listing kept of `dir`, if there is one (its length stays counted in
+    /// `kept_entries` until its turn in `kept` comes).
+    fn drop_listing(&mut self, dir: &Gfid) {
+        let Some(kept) = self.dirs.get_mut(dir).and_then(|held| held.listing.take()) else {
+            return;
+        };
+        if !kept.linked {
+            for e in kept.listing.entries.iter() {
+                if self.listed_by.get(&e.iatt.gfid) == Some(dir) {
+                    self.listed_by.remove(&e.iatt.gfid);
+                }
+            }
+        }
+    }
+
+    /// Drops every kept listing.
+    fn drop_listings(&mut self) {
+        for held in self.dirs.values_mut() {
+            held.listing = None;
+        }
+        self.listed_by.clear();
+        self.kept.clear();
+        self.kept_entries = 0;
     }
 
     /// Moves held directory `dir`'s generation on; its hold, if there is one.
@@ -169,6 +226,9 @@ const TOLD_NAMES_MAX: usize = 4096;
 /// dropped, and a longer listing is not kept. At an estimated ~250 bytes an entry, ~32 MiB at
 /// most.
 pub(super) const LISTED_ENTRIES_KEPT_MAX: usize = 131_072;
+/// Objects noted changed that are remembered for the listings under way; a listing that
+/// began before the oldest is not kept.
+const RECENT_CHANGES_MAX: usize = 4096;
 
 /// What a held directory says about a name.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -184,9 +244,10 @@ pub(super) enum Answer {
 #[derive(Debug, Default)]
 pub(super) struct Leases {
     state: Mutex<State>,
-    /// Counts the fops through the mount that may change an object: a kept listing (and a
-    /// handle's read-ahead) is answered only while it has not moved. Outside the lock: every
-    /// write and every read looks at it.
+    /// Counts the fops through the mount that may change an object: a handle's read-ahead,
+    /// and a kept listing that shows a file of several names, are answered only while it has
+    /// not moved. Moved under the lock; read outside it: every write and every read looks at
+    /// it.
     changes: AtomicU64,
 }
 
@@ -260,9 +321,26 @@ impl Leases {
         }
     }
 
-    /// Notes a fop that may change an object: no listing kept before it is answered.
-    pub(super) fn note_change(&self) {
-        self.changes.fetch_add(1, Ordering::SeqCst);
+    /// Notes a fop that may change `object` (an object, or a directory whose entries it
+    /// changes): the listing that shows it and the listing of it are dropped, and one under
+    /// way that shows it is not kept.
+    pub(super) fn note_change(&self, object: Gfid) {
+        let mut state = self.lock();
+        let count = self.changes.fetch_add(1, Ordering::SeqCst) + 1;
+        state.log_change(count, Some(object));
+        state.drop_listing(&object);
+        if let Some(dir) = state.listed_by.get(&object).copied() {
+            state.drop_listing(&dir);
+        }
+    }
+
+    /// Notes a fop that may change any object: every listing is dropped, and none under way
+    /// is kept.
+    pub(super) fn note_any_change(&self) {
+        let mut state = self.lock();
+        let count = self.changes.fetch_add(1, Ordering::SeqCst) + 1;
+        state.log_change(count, None);
+        state.drop_listings();
     }
 
     /// How many fops that may change an object the mount has noted.
@@ -282,42 +360,64 @@ impl Leases {
         })
     }
 
-    /// [`Leases::listing_mark`] of a hold taken while a listing was read, if nothing changed
-    /// through the mount since `changes` (the count when the listing was asked).
+    /// Where a listing of `dir` asked when the mount had noted `changes` changes began, for
+    /// a hold taken while it was read: `None` if a change to `dir` was noted since.
     pub(super) fn listing_mark_unchanged(&self, dir: &Gfid, changes: u64) -> Option<Mark> {
-        self.listing_mark(dir)
-            .filter(|mark| mark.changes == changes)
+        let state = self.lock();
+        let generation = state.dirs.get(dir)?.generation;
+        state.untouched_since(changes, dir, None).then(|| Mark {
+            generation,
+            changes,
+            at: Instant::now(),
+        })
     }
 
     /// Keeps `entries`, a whole listing of held directory `dir` that began at `began`,
-    /// unless the hold or anything through the mount changed meanwhile.
+    /// unless the hold changed meanwhile or a change was noted to `dir` or to an object it
+    /// shows (to anything, where it shows a file of several names).
     pub(super) fn keep_listing(&self, dir: &Gfid, began: Mark, entries: Arc<[DirEntryXattrs]>) {
         let mut state = self.lock();
         let changes = self.changes();
-        let Some(held) = state.dirs.get_mut(dir) else {
-            return;
-        };
-        if held.generation != began.generation || changes != began.changes {
+        if state
+            .dirs
+            .get(dir)
+            .is_none_or(|held| held.generation != began.generation)
+        {
             return;
         }
         let linked =
             (entries.iter()).any(|e| e.iatt.file_type != FileType::Directory && e.iatt.nlink > 1);
-        let len = entries.len() + 1;
-        held.listing = Some(Kept {
-            began,
-            listing: Arc::new(KeptListing::new(entries)),
-            linked,
-        });
+        let listing = Arc::new(KeptListing::new(entries));
+        let untouched = changes == began.changes
+            || (!linked && state.untouched_since(began.changes, dir, Some(&listing)));
+        if !untouched {
+            return;
+        }
+        state.drop_listing(dir);
+        if !linked {
+            for e in listing.entries.iter() {
+                state.listed_by.insert(e.iatt.gfid, *dir);
+            }
+        }
+        let len = listing.entries.len() + 1;
+        if let Some(held) = state.dirs.get_mut(dir) {
+            held.listing = Some(Kept {
+                began,
+                listing,
+                linked,
+            });
+        }
         state.kept.push_back((*dir, began.generation, len));
         state.kept_entries += len;
         while state.kept_entries > LISTED_ENTRIES_KEPT_MAX
             && let Some((oldest, generation, len)) = state.kept.pop_front()
         {
             state.kept_entries -= len;
-            if let Some(held) = state.dirs.get_mut(&oldest)
-                && (held.listing.as_ref()).is_some_and(|k| k.began.generation == generation)
-            {
-                held.listing = None;
+            let current = (state.dirs.get(&oldest))
+                .and_then(|held| held.listing.as_ref())
+                .is_some_and(|k| k.began.generation == generation);
+            if current {
+                state.drop_listing(&oldest);
             }
         }
     }
@@ -336,7 +436,10 @@ impl Leases {
         let held = state.dirs.get(dir)?;
         let kept = held.listing.as_ref()?;
         let fresh = (covered && !kept.linked) || kept.began.at.elapsed() < max_age;
-        let unchanged = kept.began.generation == held.generation && kept.began.changes == changes;
+        // A change noted to what it shows dropped it; where it shows a file of several
+        // names, any change might have been to one of the others.
+        let unchanged = kept.began.generation == held.generation
+            && (!kept.linked || kept.began.changes == changes);
         (fresh && unchanged).then(|| kept.listing.clone())
     }
 
@@ -358,6 +461,7 @@ impl Leases {
     /// descriptions are forgotten.
     pub(super) fn release(&self, dir: &Gfid) -> Option<LeaseKind> {
         let mut state = self.lock();
+        state.drop_listing(dir);
         let held = state.dirs.remove(dir)?;
         for child in held.entries.values() {
             state.local.remove(child);
@@ -398,9 +502,8 @@ impl Leases {
     /// Ends every hold (the session that held the leases is gone); what the mount described.
     pub(super) fn release_all(&self) -> Vec<Gfid> {
         let mut state = self.lock();
+        state.drop_listings();
         state.dirs.clear();
-        state.kept.clear();
-        state.kept_entries = 0;
         state.local.drain().map(|(gfid, _)| gfid).collect()
     }
 
@@ -679,9 +782,9 @@ mod tests {
         let long = Duration::from_secs(60);
         assert!(leases.listing_mark(&gfid(1)).is_none(), "not held");
         leases.hold_read(gfid(1));
-        // A change through the mount while it was read: not kept.
+        // A change through the mount to what it shows while it was read: not kept.
         let mark = leases.listing_mark(&gfid(1)).expect("held");
-        leases.note_change();
+        leases.note_change(gfid(9));
         leases.keep_listing(&gfid(1), mark, [entry("a")].into());
         assert!(leases.kept_listing(&gfid(1), long, false).is_none());
         // Kept, and answered until the next change or past its age.
@@ -702,7 +805,7 @@ mod tests {
             (leases.kept_listing(&gfid(1), Duration::ZERO, true)).is_some(),
             "the lease covers the attributes: kept until it goes"
         );
-        leases.note_change();
+        leases.note_change(gfid(9));
         assert!(
             leases.kept_listing(&gfid(1), long, true).is_none(),
             "changed since"
@@ -728,6 +831,72 @@ mod tests {
                 .is_none(),
             "only for the attribute lifetime"
         );
+    }
+
+    #[test]
+    fn only_changes_to_what_a_listing_shows_drop_it() {
+        let leases = Leases::default();
+        let long = Duration::from_secs(60);
+        let (dir, other) = (gfid(1), gfid(2));
+        leases.hold_read(dir);
+        leases.hold_read(other);
+        let keep = |dir: &Gfid, mark: Mark, entries: &[DirEntryXattrs]| {
+            leases.keep_listing(dir, mark, entries.to_vec().into());
+            leases.kept_listing(dir, long, true).is_some()
+        };
+        // Changes elsewhere while it is read, and after: kept, and it answers.
+        let mark = leases.listing_mark(&dir).expect("held");
+        leases.note_change(other);
+        leases.note_change(gfid(50));
+        assert!(keep(&dir, mark, &[entry("a")]), "changes elsewhere");
+        leases.note_change(gfid(51));
+        assert!(leases.kept_listing(&dir, long, true).is_some());
+        // A change to the directory itself (its entries) while it is read, or after.
+        let mark = leases.listing_mark(&dir).expect("held");
+        leases.note_change(dir);
+        assert!(!keep(&dir, mark, &[entry("a")]), "the directory changed");
+        let mark = leases.listing_mark(&dir).expect("held");
+        assert!(keep(&dir, mark, &[entry("a")]));
+        leases.note_change(dir);
+        assert!(leases.kept_listing(&dir, long, true).is_none());
+        // A change to an object it shows drops it, and only it.
+        let mark = leases.listing_mark(&dir).expect("held");
+        assert!(keep(&dir, mark, &[entry("a")]));
+        let mut b = entry("b");
+        b.iatt.gfid = gfid(10);
+        let mark = leases.listing_mark(&other).expect("held");
+        assert!(keep(&other, mark, &[b]));
+        leases.note_change(gfid(9));
+        assert!(leases.kept_listing(&dir, long, true).is_none());
+        assert!(leases.kept_listing(&other, long, true).is_some());
+        // A change that may be to anything drops every listing, and one under way.
+        let mark = leases.listing_mark(&dir).expect("held");
+        leases.note_any_change();
+        assert!(leases.kept_listing(&other, long, true).is_none());
+        assert!(!keep(&dir, mark, &[entry("a")]), "anything changed");
+        // A listing with a file of several names goes with any change.
+        let mut linked = entry("c");
+        linked.iatt.nlink = 2;
+        let mark = leases.listing_mark(&dir).expect("held");
+        assert!(keep(&dir, mark, &[linked]));
+        leases.note_change(gfid(52));
+        assert!(leases.kept_listing(&dir, long, true).is_none());
+        // One that began before the changes remembered is not kept.
+        let mark = leases.listing_mark(&dir).expect("held");
+        for _ in 0..=RECENT_CHANGES_MAX {
+            leases.note_change(gfid(60));
+        }
+        assert!(!keep(&dir, mark, &[entry("a")]), "too many changes since");
+        // A hold taken with a listing takes it if nothing was noted to the directory since
+        // it was asked.
+        let asked = leases.changes();
+        leases.note_change(gfid(53));
+        let mark = leases
+            .listing_mark_unchanged(&dir, asked)
+            .expect("untouched");
+        assert!(keep(&dir, mark, &[entry("a")]));
+        leases.note_change(dir);
+        assert!(leases.listing_mark_unchanged(&dir, asked).is_none());
     }
 
     #[test]

@@ -244,23 +244,15 @@ impl<L: Layer> Shared<L> {
             .unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Lists directories `dirs` (node and GFID, just shown to the kernel by a listing when
-    /// the mount had noted `changes` changes) as `c`, one after the other, and keeps each
-    /// listing; a failure only means nothing is kept. Stops at the first change noted since:
-    /// it drops every kept listing (an `rm -rf` would have each directory listed twice).
-    pub(super) async fn prefetch_listings(
-        self: Arc<Self>,
-        c: Creds,
-        dirs: Vec<(u64, Gfid)>,
-        changes: u64,
-    ) {
+    /// Lists directories `dirs` (node and GFID, just shown to the kernel by a listing) as
+    /// `c`, one after the other, and keeps each listing; a failure only means nothing is
+    /// kept. Changes through the mount meanwhile drop only the listings that show what they
+    /// change: an `rm -rf` finds the next directories' listings kept while it empties one.
+    pub(super) async fn prefetch_listings(self: Arc<Self>, c: Creds, dirs: Vec<(u64, Gfid)>) {
         for (ino, gfid) in dirs {
             let Ok(_turn) = self.prefetch.inflight.acquire().await else {
                 return;
             };
-            if self.leases.changes() != changes {
-                return;
-            }
             // Kept until the listing is: an OPENDIR of the directory waits for it to go.
             let (_listing, listing) = watch::channel(());
             {
