@@ -185,7 +185,7 @@ fn main() -> ExitCode {
         .init();
     let cli = match mount_helper_args() {
         Ok(Some(args)) => Cli::parse_from(args),
-        Ok(None) => Cli::parse(),
+        Ok(None) => parse(),
         Err(e) => {
             eprintln!("{e:#}");
             return ExitCode::FAILURE;
@@ -299,6 +299,47 @@ fn setup(subcommand: &str, args: Vec<std::ffi::OsString>) -> anyhow::Result<()> 
 
 /// When run as `mount.kiln` (a link to `kiln`, which mount(8) runs for `-t kiln`), the
 /// `kiln mount` arguments it stands for; a fake mount (`-f`) exits at once.
+/// `kiln volume …` (run by scripts, one process per change) parsed with the `volume` part of
+/// the command tree alone: clap builds every subcommand it is given before it parses, and
+/// the whole tree is most of a `kiln volume set`'s own time.
+#[derive(Parser)]
+#[command(name = "kiln", bin_name = "kiln", version)]
+struct VolumeCli {
+    #[command(flatten)]
+    global: Global,
+    #[command(subcommand)]
+    command: VolumeOnly,
+}
+
+#[derive(Subcommand)]
+enum VolumeOnly {
+    /// Volumes of the management daemon (`kiln-mgmtd`).
+    Volume {
+        /// Print the daemon's answer as JSON.
+        #[arg(long)]
+        json: bool,
+        #[command(subcommand)]
+        command: volume::VolumeCommand,
+    },
+}
+
+/// The command line: `kiln volume …` through [`VolumeCli`], anything else (or a `volume`
+/// line it refuses, for the whole tree's usage and errors) through [`Cli`].
+fn parse() -> Cli {
+    if std::env::args_os()
+        .nth(1)
+        .is_some_and(|word| word == "volume")
+        && let Ok(VolumeCli { global, command }) = VolumeCli::try_parse()
+    {
+        let VolumeOnly::Volume { json, command } = command;
+        return Cli {
+            global,
+            command: Command::Volume { json, command },
+        };
+    }
+    Cli::parse()
+}
+
 fn mount_helper_args() -> anyhow::Result<Option<Vec<String>>> {
     let mut args = std::env::args();
     let name = args.next().unwrap_or_default();
@@ -316,4 +357,34 @@ fn mount_helper_args() -> anyhow::Result<Option<Vec<String>>> {
 fn unreachable_usage() -> ! {
     eprintln!("kiln: cert issue needs --brick NAME or --client NAME");
     std::process::exit(2)
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, Parser};
+
+    use super::{Cli, VolumeCli};
+
+    #[test]
+    fn the_volume_parser_takes_what_the_whole_one_takes() {
+        VolumeCli::command().debug_assert();
+        let lines: [(&[&str], bool); 6] = [
+            (
+                &["kiln", "volume", "set", "v", "network.inflight-max", "64"],
+                true,
+            ),
+            (&["kiln", "volume", "--json", "status", "v"], true),
+            (&["kiln", "volume", "list", "--socket", "/run/x.sock"], true),
+            (&["kiln", "volume", "set"], false),
+            (&["kiln", "volume", "bogus"], false),
+            (
+                &["kiln", "volume", "set", "v", "k", "x", "--no-such-flag"],
+                false,
+            ),
+        ];
+        for (line, valid) in lines {
+            assert_eq!(VolumeCli::try_parse_from(line).is_ok(), valid, "{line:?}");
+            assert_eq!(Cli::try_parse_from(line).is_ok(), valid, "{line:?}");
+        }
+    }
 }
