@@ -497,6 +497,45 @@ fn a_change_keeps_the_listings_that_do_not_show_it() {
     assert_brick_consistent(&a);
 }
 
+/// Past the first 16 subdirectories a listing shows, each one a walk opens lists the next
+/// ahead: a directory of many subdirectories is walked with each found listed, and an `ls`
+/// of it lists no more than the first 16 ahead.
+#[test]
+fn each_subdirectory_opened_lists_the_next_one_ahead() {
+    let metrics = common::free_loopback_addr();
+    let long = ["attr-timeout-ms=60000", "entry-timeout-ms=60000"];
+    let mut a = Mounted::with_brick(&counted(&metrics), &long);
+    for d in 0..24 {
+        fs::create_dir_all(a.path(&format!("top/d{d:02}"))).expect("mkdir");
+    }
+    fsync_dir(&a.path("top")).expect("sent");
+    a.unmount();
+    a.mount(&long);
+    let listings = || common::fop_calls(&common::scrape(&metrics), "OPENDIR_LIST");
+    let base = listings();
+    // The count once `want` listings were asked and nothing more came for a while.
+    let settled = |want: f64| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while listings() - base < want && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        listings() - base
+    };
+    // In the order the listing shows them.
+    let shown = sh_ok(&a.mountpoint, "ls -U top");
+    let names: Vec<&str> = shown.lines().collect();
+    assert_eq!(names.len(), 24, "{shown}");
+    assert_eq!(settled(17.0), 17.0, "top and its first 16 subdirectories");
+    // Opening the first lists the 17th ahead; opening that one asks nothing for itself and
+    // lists the 18th.
+    sh_ok(&a.mountpoint, &format!("ls top/{}", names[0]));
+    assert_eq!(settled(18.0), 18.0);
+    sh_ok(&a.mountpoint, &format!("ls top/{}", names[16]));
+    assert_eq!(settled(19.0), 19.0);
+    assert_brick_consistent(&a);
+}
+
 /// A program reading a directory's files in the order it listed them finds the next ones
 /// fetched ahead, each with the one GET it would have cost anyway; a file another mount
 /// changed after it was fetched ahead is read as that mount left it.

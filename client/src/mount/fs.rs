@@ -39,7 +39,6 @@ use super::convert::{
     negative_attr, node_type, os, rename_mode, reply_entry, reply_xattr, time_set, wire_lock,
     xattr_name, xattr_set_mode,
 };
-use super::prefetch::PREFETCH_SUBDIRS_MAX;
 use super::shared::Shared;
 use crate::path::new_gfid;
 use crate::{FdFop, Layer};
@@ -648,7 +647,12 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         let (s, c) = (self.shared(), creds(req));
         self.spawn(
             reply,
-            async move { s.opendir_handle(&c, ino.0).await },
+            async move {
+                if s.prefetches() {
+                    s.walk_opens(&c, ino.0);
+                }
+                s.opendir_handle(&c, ino.0).await
+            },
             |reply, fh| reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE),
         );
     }
@@ -716,7 +720,6 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
                     } else if prefetches
                         && e.iatt.file_type == FileType::Directory
                         && !matches!(e.name.as_bytes(), b"." | b"..")
-                        && ahead.len() < PREFETCH_SUBDIRS_MAX
                     {
                         ahead.push((attr.ino.0, e.iatt.gfid));
                     }
@@ -727,8 +730,10 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
                 Ok(()) => reply.ok(),
                 Err(e) => reply.error(e),
             }
-            if !ahead.is_empty() {
-                tokio::spawn(s.prefetch_listings(c, ahead));
+            if !ahead.is_empty()
+                && let Some(dir) = s.inodes.gfid(ino.0)
+            {
+                s.subdirs_shown(&c, dir, ahead);
             }
         });
     }

@@ -1,11 +1,15 @@
 //! Listings and small files fetched ahead.
 //!
 //! * **Listings, ahead of a walk.** When a listing shows the kernel subdirectories, the
-//!   mount lists the first of them before anything opens them, each under a read lease, and
-//!   keeps those listings ([`super::leases`]): the `find`, `ls -lR` or `du` that descends next
-//!   opens them without a round trip while the mount fetches the next ones, instead of
-//!   waiting for one round trip per directory in turn. Only where a kept listing answers an
-//!   OPENDIR: with leases, and with the kernel checking permissions itself.
+//!   mount lists the first [`PREFETCH_SUBDIRS_MAX`] of them before anything opens them, each
+//!   under a read lease, and keeps those listings ([`super::leases`]): the `find`, `ls -lR`,
+//!   `du` or `rm -rf` that descends next opens them without a round trip while the mount
+//!   fetches the next ones, instead of waiting for one round trip per directory in turn.
+//!   The subdirectories past those wait ([`Later`]): each OPENDIR of one of them lists the
+//!   next one ahead, so the walk keeps finding its next directories listed however many a
+//!   directory holds, and an `ls` of a large directory lists no more than the first ahead.
+//!   Only where a kept listing answers an OPENDIR: with leases, and with the kernel
+//!   checking permissions itself.
 //! * **Small files, ahead of a program reading a directory's files in the order it listed
 //!   them** (`tar -c`, `cp -r`, `grep -r`). When a file's first read follows the one before
 //!   in the directory's kept listing (or is its first file), the mount also fetches the next
@@ -27,9 +31,15 @@ use super::handles::GET_AHEAD_BYTES;
 use super::shared::Shared;
 use crate::Layer;
 
-/// Subdirectories of one listing reply fetched ahead. A kept listing may answer only within
-/// the kernel's attribute lifetime (`super::leases`): a walk must reach these first.
+/// Subdirectories of one listing fetched ahead before anything opens them; past those, one
+/// more is as the walk opens one ([`Later`]). A kept listing may answer only within the
+/// kernel's attribute lifetime where the brick lacks `LISTED_ATTRS` (`super::leases`): a
+/// walk must reach these first.
 pub(super) const PREFETCH_SUBDIRS_MAX: usize = 16;
+
+/// Subdirectories waiting to be listed ahead ([`Later`]), at most; past it they are
+/// forgotten.
+const LATER_MAX: usize = 65_536;
 
 /// Listings the whole mount fetches ahead at once.
 const PREFETCH_INFLIGHT_MAX: usize = 4;
@@ -45,6 +55,7 @@ const FILES_AHEAD_KEPT_MAX: usize = 4 * FILES_AHEAD_MAX;
 #[derive(Debug)]
 pub(super) struct Prefetch {
     inflight: Semaphore,
+    later: Mutex<Later>,
     /// Each directory being listed ahead; its channel closes once the listing is kept (or
     /// failed, or the fetch was dropped).
     listing: Mutex<HashMap<Gfid, watch::Receiver<()>>>,
@@ -55,9 +66,62 @@ impl Default for Prefetch {
     fn default() -> Prefetch {
         Prefetch {
             inflight: Semaphore::new(PREFETCH_INFLIGHT_MAX),
+            later: Mutex::default(),
             listing: Mutex::default(),
             files: Mutex::default(),
         }
+    }
+}
+
+/// Subdirectories shown by listings and not listed ahead yet: an OPENDIR of one shown in
+/// the same directory lists the next of them ahead.
+#[derive(Debug, Default)]
+struct Later {
+    /// By directory listed: its subdirectories (node and GFID) waiting, in listing order.
+    by_dir: HashMap<Gfid, VecDeque<(u64, Gfid)>>,
+    /// The directory each subdirectory shown (listed ahead or waiting) was shown in.
+    shown_in: HashMap<Gfid, Gfid>,
+    /// Subdirectories waiting in `by_dir`.
+    waiting: usize,
+}
+
+impl Later {
+    /// Notes `subdirs`, just shown in `dir`; those to list ahead now: the first
+    /// [`PREFETCH_SUBDIRS_MAX`] not shown before, unless some of `dir`'s wait already.
+    fn shown(&mut self, dir: Gfid, subdirs: Vec<(u64, Gfid)>) -> Vec<(u64, Gfid)> {
+        if self.shown_in.len() + subdirs.len() > LATER_MAX {
+            *self = Later::default();
+        }
+        // Those shown before (`rm -rf` lists each directory twice) are noted already.
+        let subdirs: Vec<_> = (subdirs.into_iter())
+            .filter(|(_, gfid)| self.shown_in.insert(*gfid, dir).is_none())
+            .collect();
+        let waiting = self.by_dir.entry(dir).or_default();
+        let now = match waiting.is_empty() {
+            true => subdirs.len().min(PREFETCH_SUBDIRS_MAX),
+            false => 0,
+        };
+        let mut subdirs = subdirs.into_iter();
+        let ahead: Vec<_> = subdirs.by_ref().take(now).collect();
+        let before = waiting.len();
+        waiting.extend(subdirs);
+        self.waiting += waiting.len() - before;
+        if waiting.is_empty() {
+            self.by_dir.remove(&dir);
+        }
+        ahead
+    }
+
+    /// A walk opens `gfid`: the next subdirectory waiting where it was shown, if any.
+    fn opened(&mut self, gfid: &Gfid) -> Option<(u64, Gfid)> {
+        let dir = self.shown_in.remove(gfid)?;
+        let waiting = self.by_dir.get_mut(&dir)?;
+        let next = waiting.pop_front();
+        if waiting.is_empty() {
+            self.by_dir.remove(&dir);
+        }
+        self.waiting -= usize::from(next.is_some());
+        next
     }
 }
 
@@ -244,11 +308,39 @@ impl<L: Layer> Shared<L> {
             .unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Subdirectories `subdirs` (node and GFID) were just shown to the kernel in directory
+    /// `dir`, as `c`: lists the first of them ahead, and notes the rest for later
+    /// ([`Later`]).
+    pub(super) fn subdirs_shown(self: &Arc<Self>, c: &Creds, dir: Gfid, subdirs: Vec<(u64, Gfid)>) {
+        let ahead = self.later().shown(dir, subdirs);
+        if !ahead.is_empty() {
+            tokio::spawn(self.clone().prefetch_listings(c.clone(), ahead));
+        }
+    }
+
+    /// A walk opens directory node `ino`, as `c`: lists ahead the next subdirectory waiting
+    /// where it was shown.
+    pub(super) fn walk_opens(self: &Arc<Self>, c: &Creds, ino: u64) {
+        let Some(gfid) = self.inodes.gfid(ino) else {
+            return;
+        };
+        if let Some(next) = self.later().opened(&gfid) {
+            tokio::spawn(self.clone().prefetch_listings(c.clone(), vec![next]));
+        }
+    }
+
+    fn later(&self) -> std::sync::MutexGuard<'_, Later> {
+        self.prefetch
+            .later
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Lists directories `dirs` (node and GFID, just shown to the kernel by a listing) as
     /// `c`, one after the other, and keeps each listing; a failure only means nothing is
     /// kept. Changes through the mount meanwhile drop only the listings that show what they
     /// change: an `rm -rf` finds the next directories' listings kept while it empties one.
-    pub(super) async fn prefetch_listings(self: Arc<Self>, c: Creds, dirs: Vec<(u64, Gfid)>) {
+    async fn prefetch_listings(self: Arc<Self>, c: Creds, dirs: Vec<(u64, Gfid)>) {
         for (ino, gfid) in dirs {
             let Ok(_turn) = self.prefetch.inflight.acquire().await else {
                 return;
@@ -268,5 +360,48 @@ impl<L: Layer> Shared<L> {
             }
             self.prefetch.lock().remove(&gfid);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gfid(n: u16) -> Gfid {
+        let mut bytes = [0; 16];
+        bytes[14..].copy_from_slice(&n.to_be_bytes());
+        bytes[0] = 1;
+        Gfid::from_bytes(bytes).expect("a non-null gfid")
+    }
+
+    fn subdirs(range: std::ops::Range<u16>) -> Vec<(u64, Gfid)> {
+        range.map(|n| (u64::from(n), gfid(n))).collect()
+    }
+
+    #[test]
+    fn a_walk_opening_subdirectories_lists_the_next_ones_ahead() {
+        let mut later = Later::default();
+        let (dir, other) = (gfid(1000), gfid(2000));
+        let max = PREFETCH_SUBDIRS_MAX as u16;
+        // The first ones go at once, the rest wait, in order.
+        let now = later.shown(dir, subdirs(0..max + 3));
+        assert_eq!(now, subdirs(0..max));
+        // Shown again (a second listing, a later reply): nothing new goes or waits twice.
+        assert!(later.shown(dir, subdirs(0..max + 3)).is_empty());
+        assert_eq!(later.waiting, 3);
+        // A later reply of the same listing waits behind what waits already.
+        assert!(later.shown(dir, subdirs(max + 3..max + 5)).is_empty());
+        // Each opened subdirectory shown there lists the next one waiting, once.
+        assert_eq!(later.opened(&gfid(0)), Some((u64::from(max), gfid(max))));
+        assert_eq!(later.opened(&gfid(0)), None, "opened before");
+        assert_eq!(later.opened(&gfid(5000)), None, "shown nowhere");
+        for n in 1..5 {
+            assert_eq!(later.opened(&gfid(n)).map(|(_, g)| g), Some(gfid(max + n)));
+        }
+        assert_eq!(later.opened(&gfid(6)), None, "none left");
+        assert_eq!(later.waiting, 0);
+        assert!(later.by_dir.is_empty());
+        // Another directory's subdirectories go at once while none of its own wait.
+        assert_eq!(later.shown(other, subdirs(3000..3002)).len(), 2);
     }
 }
