@@ -438,6 +438,22 @@ fn a_walk_finds_its_subdirectories_listed_ahead_and_never_stale() {
     assert_brick_consistent(&a);
 }
 
+/// A brick counting its fops (served on `metrics`) holding `top/d0`..`top/d<subdirs - 1>`
+/// with `files` files each ([`make_files`]), and a fresh mount of it that keeps entries and
+/// attributes for a minute (a listing fetched ahead may be kept that long).
+fn a_fresh_mount_of_subdirs(metrics: &str, subdirs: usize, files: usize) -> Mounted {
+    let long = ["attr-timeout-ms=60000", "entry-timeout-ms=60000"];
+    let mut a = Mounted::with_brick(&counted(metrics), &long);
+    for d in 0..subdirs {
+        fs::create_dir_all(a.path(&format!("top/d{d}"))).expect("mkdir");
+        make_files(&a.path(&format!("top/d{d}")), files);
+    }
+    fsync_dir(&a.path("top")).expect("sent");
+    a.unmount();
+    a.mount(&long);
+    a
+}
+
 /// Changes through the mount drop only the kept listings that show what they change: an
 /// `rm -rf` emptying one directory finds the next ones' listings, fetched ahead, still kept;
 /// a listing that shows a file changed here (its mode, its content) is asked again, never
@@ -445,15 +461,7 @@ fn a_walk_finds_its_subdirectories_listed_ahead_and_never_stale() {
 #[test]
 fn a_change_keeps_the_listings_that_do_not_show_it() {
     let metrics = common::free_loopback_addr();
-    let long = ["attr-timeout-ms=60000", "entry-timeout-ms=60000"];
-    let mut a = Mounted::with_brick(&counted(&metrics), &long);
-    for d in 0..8 {
-        fs::create_dir_all(a.path(&format!("top/d{d}"))).expect("mkdir");
-        make_files(&a.path(&format!("top/d{d}")), 3);
-    }
-    fsync_dir(&a.path("top")).expect("sent");
-    a.unmount();
-    a.mount(&long);
+    let a = a_fresh_mount_of_subdirs(&metrics, 8, 3);
     let listings = || common::fop_calls(&common::scrape(&metrics), "OPENDIR_LIST");
     // Listing `top` lists its eight subdirectories ahead.
     let before = listings();
@@ -503,14 +511,7 @@ fn a_change_keeps_the_listings_that_do_not_show_it() {
 #[test]
 fn each_subdirectory_opened_lists_the_next_one_ahead() {
     let metrics = common::free_loopback_addr();
-    let long = ["attr-timeout-ms=60000", "entry-timeout-ms=60000"];
-    let mut a = Mounted::with_brick(&counted(&metrics), &long);
-    for d in 0..24 {
-        fs::create_dir_all(a.path(&format!("top/d{d:02}"))).expect("mkdir");
-    }
-    fsync_dir(&a.path("top")).expect("sent");
-    a.unmount();
-    a.mount(&long);
+    let a = a_fresh_mount_of_subdirs(&metrics, 24, 0);
     let listings = || common::fop_calls(&common::scrape(&metrics), "OPENDIR_LIST");
     let base = listings();
     // The count once `want` listings were asked and nothing more came for a while.

@@ -86,13 +86,7 @@ enum Command {
     #[command(subcommand)]
     Cert(CertCommand),
     /// Volumes of the management daemon (`kiln-mgmtd`).
-    Volume {
-        /// Print the daemon's answer as JSON.
-        #[arg(long)]
-        json: bool,
-        #[command(subcommand)]
-        command: volume::VolumeCommand,
-    },
+    Volume(VolumeArgs),
     /// The management daemons: a cluster of hosts sharing one configuration in etcd.
     Cluster {
         /// Print the daemon's answer as JSON.
@@ -222,11 +216,11 @@ fn main() -> ExitCode {
         Command::Cert(CertCommand::Serial { cert }) => pki::serial_of(&cert)
             .map(|serial| println!("{serial}"))
             .map_err(anyhow::Error::from),
-        Command::Volume {
+        Command::Volume(VolumeArgs {
             json,
             command: volume::VolumeCommand::Heal { name },
-        } => rebalance::start(&cli.global, &name, TaskKind::FixLayout, json),
-        Command::Volume {
+        }) => rebalance::start(&cli.global, &name, TaskKind::FixLayout, json),
+        Command::Volume(VolumeArgs {
             json,
             command:
                 volume::VolumeCommand::Rebalance {
@@ -234,7 +228,7 @@ fn main() -> ExitCode {
                     action,
                     for_daemon,
                 },
-        } => {
+        }) => {
             let kind = match action {
                 volume::RebalanceArg::FixLayout => TaskKind::FixLayout,
                 _ => TaskKind::Rebalance,
@@ -250,7 +244,7 @@ fn main() -> ExitCode {
                 volume::RebalanceArg::Stop => rebalance::stop(&cli.global, &name, json),
             }
         }
-        Command::Volume {
+        Command::Volume(VolumeArgs {
             json,
             command:
                 volume::VolumeCommand::RemoveBrick {
@@ -258,8 +252,10 @@ fn main() -> ExitCode {
                     brick,
                     action,
                 },
-        } => rebalance::remove_brick(&cli.global, &name, &brick, action, json),
-        Command::Volume { json, command } => volume::run(&cli.global.socket, json, command),
+        }) => rebalance::remove_brick(&cli.global, &name, &brick, action, json),
+        Command::Volume(VolumeArgs { json, command }) => {
+            volume::run(&cli.global.socket, json, command)
+        }
         Command::Cluster { json, command } => {
             use kiln_admin::command::Request;
             let request = match command {
@@ -314,13 +310,17 @@ struct VolumeCli {
 #[derive(Subcommand)]
 enum VolumeOnly {
     /// Volumes of the management daemon (`kiln-mgmtd`).
-    Volume {
-        /// Print the daemon's answer as JSON.
-        #[arg(long)]
-        json: bool,
-        #[command(subcommand)]
-        command: volume::VolumeCommand,
-    },
+    Volume(VolumeArgs),
+}
+
+/// `kiln volume`'s own arguments.
+#[derive(Args)]
+struct VolumeArgs {
+    /// Print the daemon's answer as JSON.
+    #[arg(long)]
+    json: bool,
+    #[command(subcommand)]
+    command: volume::VolumeCommand,
 }
 
 /// The command line: `kiln volume …` through [`VolumeCli`], anything else (or a `volume`
@@ -331,10 +331,10 @@ fn parse() -> Cli {
         .is_some_and(|word| word == "volume")
         && let Ok(VolumeCli { global, command }) = VolumeCli::try_parse()
     {
-        let VolumeOnly::Volume { json, command } = command;
+        let VolumeOnly::Volume(volume) = command;
         return Cli {
             global,
-            command: Command::Volume { json, command },
+            command: Command::Volume(volume),
         };
     }
     Cli::parse()

@@ -697,12 +697,9 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         let (s, c) = (self.shared(), creds(req));
         self.run(async move {
             let mut reply = reply;
-            let prefetches = s.prefetches();
+            let (prefetches, dir) = (s.prefetches(), s.inodes.gfid(ino.0));
             // Where a file's kept listing is found again (its GETATTR, its read-ahead).
-            let listed_in = s
-                .answers_from_listings()
-                .then(|| s.inodes.gfid(ino.0))
-                .flatten();
+            let listed_in = dir.filter(|_| s.answers_from_listings());
             let mut ahead = Vec::new();
             let result = s
                 .list(&c, fh, offset, |e| {
@@ -730,8 +727,8 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
                 Ok(()) => reply.ok(),
                 Err(e) => reply.error(e),
             }
-            if !ahead.is_empty()
-                && let Some(dir) = s.inodes.gfid(ino.0)
+            if let Some(dir) = dir
+                && !ahead.is_empty()
             {
                 s.subdirs_shown(&c, dir, ahead);
             }

@@ -81,8 +81,6 @@ struct Later {
     by_dir: HashMap<Gfid, VecDeque<(u64, Gfid)>>,
     /// The directory each subdirectory shown (listed ahead or waiting) was shown in.
     shown_in: HashMap<Gfid, Gfid>,
-    /// Subdirectories waiting in `by_dir`.
-    waiting: usize,
 }
 
 impl Later {
@@ -103,9 +101,7 @@ impl Later {
         };
         let mut subdirs = subdirs.into_iter();
         let ahead: Vec<_> = subdirs.by_ref().take(now).collect();
-        let before = waiting.len();
         waiting.extend(subdirs);
-        self.waiting += waiting.len() - before;
         if waiting.is_empty() {
             self.by_dir.remove(&dir);
         }
@@ -120,7 +116,6 @@ impl Later {
         if waiting.is_empty() {
             self.by_dir.remove(&dir);
         }
-        self.waiting -= usize::from(next.is_some());
         next
     }
 }
@@ -388,7 +383,7 @@ mod tests {
         assert_eq!(now, subdirs(0..max));
         // Shown again (a second listing, a later reply): nothing new goes or waits twice.
         assert!(later.shown(dir, subdirs(0..max + 3)).is_empty());
-        assert_eq!(later.waiting, 3);
+        assert_eq!(later.by_dir[&dir].len(), 3);
         // A later reply of the same listing waits behind what waits already.
         assert!(later.shown(dir, subdirs(max + 3..max + 5)).is_empty());
         // Each opened subdirectory shown there lists the next one waiting, once.
@@ -399,7 +394,6 @@ mod tests {
             assert_eq!(later.opened(&gfid(n)).map(|(_, g)| g), Some(gfid(max + n)));
         }
         assert_eq!(later.opened(&gfid(6)), None, "none left");
-        assert_eq!(later.waiting, 0);
         assert!(later.by_dir.is_empty());
         // Another directory's subdirectories go at once while none of its own wait.
         assert_eq!(later.shown(other, subdirs(3000..3002)).len(), 2);
