@@ -2,6 +2,7 @@
 
 use bytes::Bytes;
 use io_uring::{opcode, squeue, types};
+use rustix::buffer::spare_capacity;
 
 use super::{
     Buf, BufKind, Completed, Completion, Done, FileRef, Op, RingOp, StepResult, len32, on_file,
@@ -111,6 +112,22 @@ impl RingOp for Write {
     }
 }
 
+/// The buffer of a read of up to `len` bytes: capacity only. The read fills it; nothing
+/// zeroes it first (a GET asks 256 KiB of a file that may hold 4).
+pub(crate) fn read_buf(len: usize) -> Vec<u8> {
+    Vec::with_capacity(len)
+}
+
+/// A read's bytes as a reply carries them. A buffer the read filled less than half is copied
+/// out, so the reply does not hold the whole buffer while it waits to be sent.
+fn read_bytes(data: Vec<u8>) -> Bytes {
+    if data.len() < data.capacity() / 2 {
+        Bytes::copy_from_slice(&data)
+    } else {
+        Bytes::from(data)
+    }
+}
+
 impl RingOp for Read {
     const OPCODE: Option<(u8, &'static str)> = Some((opcode::Read::CODE, "read"));
 
@@ -128,7 +145,8 @@ impl RingOp for Read {
 
     fn sqe(&self, buf: &mut Buf, slot: Option<u32>) -> squeue::Entry {
         let (ptr, len) = match buf {
-            Buf::Read(v) => (v.as_mut_ptr(), len32(v.len())),
+            // Into the spare capacity: the kernel writes the bytes, nothing zeroes them first.
+            Buf::Read(v) => (v.as_mut_ptr(), len32(v.capacity())),
             _ => (std::ptr::null_mut(), 0),
         };
         on_file!(super::target(&self.file, slot), |fd| {
@@ -138,9 +156,9 @@ impl RingOp for Read {
 
     fn complete(self, done: Completion, buf: Buf) -> Completed {
         Completed::Done(match (done, buf) {
-            (Completion::Value(n), Buf::Read(mut data)) => {
-                data.truncate(n as usize);
-                Ok(Done::Data(Bytes::from(data)))
+            // The ring set the buffer's length to the bytes the kernel wrote.
+            (Completion::Value(n), Buf::Read(data)) if data.len() == n as usize => {
+                Ok(Done::Data(read_bytes(data)))
             }
             _ => Err(super::invariant("a read completed without its buffer")),
         })
@@ -148,17 +166,14 @@ impl RingOp for Read {
 
     fn blocking(self) -> StepResult {
         let fd = plain(&self.file)?;
-        let mut buf = vec![0u8; self.len];
-        let mut done = 0;
-        while done < self.len {
-            let n = rustix::io::pread(fd, &mut buf[done..], self.offset + done as u64)?;
-            if n == 0 {
+        let mut buf = read_buf(self.len);
+        while buf.len() < self.len {
+            let at = self.offset + buf.len() as u64;
+            if rustix::io::pread(fd, spare_capacity(&mut buf), at)? == 0 {
                 break;
             }
-            done += n;
         }
-        buf.truncate(done);
-        Ok(Done::Data(Bytes::from(buf)))
+        Ok(Done::Data(read_bytes(buf)))
     }
 
     fn file_mut(&mut self) -> Option<&mut FileRef> {

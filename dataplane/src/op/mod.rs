@@ -35,6 +35,7 @@ use kiln_wire::{Creds, FileType, Gfid, Iatt, Mode, Timespec};
 use rustix::io::Errno;
 
 pub use attr::{SetAttrs, set_attrs};
+pub(crate) use io::read_buf;
 pub use io::{Fallocate, Fsync, Ftruncate, Read, Write};
 pub use namespace::{Link, LinkFile, Mkdir, Mknod, Rename, Symlink, Unlink};
 pub use open::{Close, Open};

@@ -168,8 +168,9 @@ impl Ring {
         }
         .await;
         let mut out = Vec::with_capacity(n);
-        for (i, (step, buf)) in slot.steps.into_iter().zip(slot.bufs).enumerate() {
+        for (i, (step, mut buf)) in slot.steps.into_iter().zip(slot.bufs).enumerate() {
             let result = slot.results[i].unwrap_or(-libc::ECANCELED);
+            mark_filled(&mut buf, result);
             let completion = self.completion(result, slot.fixed[i], step.op.opens_file());
             out.push((step, buf, completion));
         }
@@ -318,12 +319,25 @@ impl Ring {
     }
 }
 
+/// A read's buffer takes the length the kernel filled: `result` bytes from its start.
+fn mark_filled(buf: &mut Buf, result: i32) {
+    if let (Buf::Read(data), Ok(n)) = (buf, usize::try_from(result)) {
+        assert!(
+            data.is_empty() && n <= data.capacity(),
+            "a read past its buffer"
+        );
+        // SAFETY: the READ's SQE gave the kernel the buffer's capacity, and its CQE says it
+        // wrote `n` bytes of it from the start.
+        unsafe { data.set_len(n) };
+    }
+}
+
 fn new_buf(kind: BufKind) -> Buf {
     match kind {
         BufKind::None => Buf::None,
         // SAFETY: `libc::statx` is plain old data; all-zero is a valid value.
         BufKind::Statx => Buf::Statx(Box::new(unsafe { std::mem::zeroed() })),
-        BufKind::Read(len) => Buf::Read(vec![0u8; len]),
+        BufKind::Read(len) => Buf::Read(crate::op::read_buf(len)),
     }
 }
 
