@@ -382,6 +382,18 @@ pub const OPTIONS: &[OptionDef] = &[
         help: "how long a mount's kernel caches that a name does not exist, in milliseconds",
     },
     OptionDef {
+        key: "performance.read-ahead-kib",
+        kind: ValueKind::Integer {
+            min: 0,
+            max: 65_536,
+        },
+        default: "4096",
+        apply: Apply::Mount,
+        brick: BrickFlag::None,
+        help: "how far a mount's kernel reads ahead of a program reading a file in order, in \
+               KiB (0: the kernel's 128 KiB, one READ in flight)",
+    },
+    OptionDef {
         key: "performance.writeback-cache",
         kind: ValueKind::Bool,
         default: "off",

@@ -236,6 +236,47 @@ fn a_small_file_read_once_is_one_get() {
     assert_eq!(served("OPEN") + served("READ") + served("RELEASE"), 0.0);
 }
 
+/// A mount's kernel reads 4 MiB ahead of a program reading a file in order, where FUSE starts
+/// every mount at 128 KiB (one READ in flight); `read-ahead-kib` sets it, 0 leaves the
+/// kernel's. A file read through it reads back whole.
+#[test]
+fn a_mount_reads_ahead_as_its_option_says() {
+    let mut m = Mounted::new(&[]);
+    assert_eq!(read_ahead_kib_becomes(&m.mountpoint, 4096), 4096);
+    let big: Vec<u8> = (0..9 << 20).map(|i: u32| (i % 251) as u8).collect();
+    write(&m.path("big"), &big);
+    m.unmount();
+    m.mount(&["read-ahead-kib=512"]);
+    assert_eq!(read_ahead_kib_becomes(&m.mountpoint, 512), 512);
+    assert!(fs::read(m.path("big")).expect("read big") == big);
+    m.unmount();
+    m.mount(&["read-ahead-kib=0"]);
+    assert_eq!(read_ahead_kib_becomes(&m.mountpoint, 128), 128);
+}
+
+/// The read-ahead of the mount on `mountpoint` once it is `want` (it is set just after the
+/// mount comes up), or after 5 s.
+fn read_ahead_kib_becomes(mountpoint: &Path, want: u32) -> u32 {
+    let dev = fs::metadata(mountpoint).expect("stat the mount").dev();
+    let knob = format!(
+        "/sys/class/bdi/{}:{}/read_ahead_kb",
+        libc::major(dev),
+        libc::minor(dev)
+    );
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let kib: u32 = fs::read_to_string(&knob)
+            .expect("read_ahead_kb")
+            .trim()
+            .parse()
+            .expect("a number");
+        if kib == want || Instant::now() > deadline {
+            return kib;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// A small file the mount creates is put whole into the kernel's page cache at its close
 /// (`FUSE_NOTIFY_STORE`): reading it back, as `tar -c` does after `tar -x`, reaches neither
 /// the mount nor the brick, though its writes left pages only partly filled. What is read is

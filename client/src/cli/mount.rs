@@ -63,9 +63,9 @@ pub(crate) struct MountArgs {
     mountpoint: PathBuf,
     /// Comma-separated options: attr-timeout-ms=N, entry-timeout-ms=N,
     /// negative-timeout-ms=N, writeback-cache[=on|off], deferred-create[=on|off],
-    /// leases[=on|off], behind-bytes-max=N, default-permissions[=on|off], selinux[=on|off]
-    /// and acl[=on|off] (both off by default), ro, rw,
-    /// suid, dev (both off by default), noexec, noatime; tls-dir=DIR, client=NAME, server-name=NAME,
+    /// leases[=on|off], behind-bytes-max=N, read-ahead-kib=N, default-permissions[=on|off],
+    /// selinux[=on|off] and acl[=on|off] (both off by default), ro, rw, suid, dev (both off
+    /// by default), noexec, noatime; tls-dir=DIR, client=NAME, server-name=NAME,
     /// socket=PATH, log-file=PATH. fstab-only options (defaults, _netdev, nofail, x-…) are
     /// ignored.
     #[arg(short = 'o', value_delimiter = ',')]

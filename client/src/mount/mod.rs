@@ -39,6 +39,12 @@ use rustix::mount::{MountFlags, UnmountFlags, unmount};
 use crate::Layer;
 pub use fs::UNMOUNT_DRAIN_LIMIT;
 
+/// The kernel's read-ahead on a mount unless told otherwise: four of the largest READs.
+pub const READ_AHEAD_KIB_DEFAULT: u32 = 4 * 1024;
+
+/// The most read-ahead a mount may be given.
+pub const READ_AHEAD_KIB_MAX: u32 = 64 * 1024;
+
 /// How a volume is mounted: the kernel's cache lifetimes and the usual mount flags.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MountOptions {
@@ -68,6 +74,10 @@ pub struct MountOptions {
     /// With listings fetched ahead, the next small files of a directory read in the order it
     /// was listed are fetched ahead of the reader ([`prefetch`]).
     pub file_prefetch: bool,
+    /// KiB the kernel reads ahead of a program reading a file in order (the mount's
+    /// `read_ahead_kb`; 0 keeps the kernel's). FUSE starts every mount at 128 KiB, one
+    /// READ in flight; a network file system wants several.
+    pub read_ahead_kib: u32,
     /// The kernel's requests come through io_uring, a queue per CPU served by a thread on that
     /// CPU, where the kernel offers it (the `fuse` module's `enable_uring`); otherwise, and
     /// off, through reads of `/dev/fuse` on one thread.
@@ -111,6 +121,7 @@ impl Default for MountOptions {
             behind_bytes_max: 64 << 20,
             listing_prefetch: true,
             file_prefetch: true,
+            read_ahead_kib: READ_AHEAD_KIB_DEFAULT,
             fuse_uring: true,
             listed_attrs: true,
             default_permissions: true,
@@ -173,6 +184,7 @@ impl MountOptions {
             "behind-bytes-max" => self.behind_bytes_max = bytes(key, value)?,
             "listing-prefetch" => flag(&mut self.listing_prefetch)?,
             "file-prefetch" => flag(&mut self.file_prefetch)?,
+            "read-ahead-kib" => self.read_ahead_kib = kib(key, value)?,
             "listed-attrs" => flag(&mut self.listed_attrs)?,
             "fuse-uring" => flag(&mut self.fuse_uring)?,
             "default-permissions" => flag(&mut self.default_permissions)?,
@@ -258,6 +270,17 @@ fn bytes(key: &str, value: Option<&str>) -> Result<usize, OptionError> {
     }
 }
 
+fn kib(key: &str, value: Option<&str>) -> Result<u32, OptionError> {
+    let value = value.ok_or_else(|| bad(key, "needs a number of KiB".into()))?;
+    match value.parse() {
+        Ok(n) if n <= READ_AHEAD_KIB_MAX => Ok(n),
+        _ => Err(bad(
+            key,
+            format!("'{value}' is not a number of KiB up to {READ_AHEAD_KIB_MAX}"),
+        )),
+    }
+}
+
 fn millis(key: &str, value: Option<&str>) -> Result<Duration, OptionError> {
     let value = value.ok_or_else(|| bad(key, "needs a number of milliseconds".into()))?;
     value
@@ -313,6 +336,7 @@ pub fn mount<L: Layer>(
     )?;
     let mut config = Config::default();
     config.n_threads = Some(1);
+    let read_ahead_kib = options.read_ahead_kib;
     let fs = fs::KilnFs::new(runtime, layer, options);
     let shared = fs.shared();
     let session = fuser::Session::from_fd(fs, device, SessionACL::All, config).and_then(|s| {
@@ -320,14 +344,43 @@ pub fn mount<L: Layer>(
         s.spawn()
     });
     match session {
-        Ok(session) => Ok(Mounted {
-            session,
-            mountpoint,
-        }),
+        Ok(session) => {
+            if read_ahead_kib > 0 {
+                set_read_ahead(mountpoint.clone(), read_ahead_kib);
+            }
+            Ok(Mounted {
+                session,
+                mountpoint,
+            })
+        }
         Err(e) => {
             let _ = unmount(&mountpoint, UnmountFlags::DETACH);
             Err(e)
         }
+    }
+}
+
+/// Sets the read-ahead of the mount on `mountpoint` to `kib`, on a thread of its own: the
+/// kernel sets it from the INIT reply (at most 128 KiB, whatever the mount asks), and holds
+/// every request until that reply is in, so a `stat` of the mount point returns only after.
+/// A mount that cannot be given it (no sysfs) keeps the kernel's.
+fn set_read_ahead(mountpoint: PathBuf, kib: u32) {
+    let set = move || {
+        // Fails only when the mount is gone already.
+        let Ok(meta) = std::fs::metadata(&mountpoint) else {
+            return;
+        };
+        let (major, minor) = (rustix::fs::major(meta.dev()), rustix::fs::minor(meta.dev()));
+        let knob = format!("/sys/class/bdi/{major}:{minor}/read_ahead_kb");
+        if let Err(e) = std::fs::write(&knob, kib.to_string()) {
+            tracing::warn!(error = %e, knob, "the mount keeps the kernel's read-ahead");
+        }
+    };
+    let spawned = std::thread::Builder::new()
+        .name("kiln-read-ahead".into())
+        .spawn(set);
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "the mount keeps the kernel's read-ahead");
     }
 }
 
@@ -392,6 +445,7 @@ mod tests {
         o.set("writeback-cache", None).expect("valid");
         o.set("deferred-create", Some("off")).expect("valid");
         o.set("listed-attrs", Some("off")).expect("valid");
+        o.set("read-ahead-kib", Some("0")).expect("valid");
         o.set("ro", None).expect("valid");
         for fstab_only in ["defaults", "_netdev", "nofail", "x-systemd.automount"] {
             o.set(fstab_only, None).expect("ignored");
@@ -411,6 +465,13 @@ mod tests {
             o.set("negative-timeout-ms", None),
             Err(OptionError::BadValue { .. })
         ));
+        assert_eq!(o.read_ahead_kib, 0);
+        for bad_kib in [None, Some("lots"), Some("65537")] {
+            assert!(matches!(
+                o.set("read-ahead-kib", bad_kib),
+                Err(OptionError::BadValue { .. })
+            ));
+        }
         assert!(matches!(
             o.set("writeback-cache", Some("maybe")),
             Err(OptionError::BadValue { .. })
