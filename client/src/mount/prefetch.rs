@@ -108,6 +108,13 @@ impl Later {
         ahead
     }
 
+    /// Whether subdirectory `gfid`, shown by a listing, is still to be opened by a walk: a
+    /// fetch ahead the walk overtook (it opened the directory, or removed it, first) is not
+    /// made.
+    fn unopened(&self, gfid: &Gfid) -> bool {
+        self.shown_in.contains_key(gfid)
+    }
+
     /// A walk opens `gfid`: the next subdirectory waiting where it was shown, if any.
     fn opened(&mut self, gfid: &Gfid) -> Option<(u64, Gfid)> {
         let dir = self.shown_in.remove(gfid)?;
@@ -340,6 +347,9 @@ impl<L: Layer> Shared<L> {
             let Ok(_turn) = self.prefetch.inflight.acquire().await else {
                 return;
             };
+            if !self.later().unopened(&gfid) {
+                continue;
+            }
             // Kept until the listing is: an OPENDIR of the directory waits for it to go.
             let (_listing, listing) = watch::channel(());
             {
@@ -386,8 +396,11 @@ mod tests {
         assert_eq!(later.by_dir[&dir].len(), 3);
         // A later reply of the same listing waits behind what waits already.
         assert!(later.shown(dir, subdirs(max + 3..max + 5)).is_empty());
-        // Each opened subdirectory shown there lists the next one waiting, once.
+        // Each opened subdirectory shown there lists the next one waiting, once; one the
+        // walk opened is not fetched ahead any more.
+        assert!(later.unopened(&gfid(0)) && later.unopened(&gfid(max)));
         assert_eq!(later.opened(&gfid(0)), Some((u64::from(max), gfid(max))));
+        assert!(!later.unopened(&gfid(0)) && later.unopened(&gfid(max)));
         assert_eq!(later.opened(&gfid(0)), None, "opened before");
         assert_eq!(later.opened(&gfid(5000)), None, "shown nowhere");
         for n in 1..5 {
