@@ -145,8 +145,9 @@ impl RingOp for Read {
 
     fn sqe(&self, buf: &mut Buf, slot: Option<u32>) -> squeue::Entry {
         let (ptr, len) = match buf {
-            // Into the spare capacity: the kernel writes the bytes, nothing zeroes them first.
-            Buf::Read(v) => (v.as_mut_ptr(), len32(v.capacity())),
+            // Into the spare capacity (`read_buf` made it `len` exactly): the kernel writes
+            // the bytes, nothing zeroes them first.
+            Buf::Read(v) => (v.as_mut_ptr(), len32(self.len.min(v.capacity()))),
             _ => (std::ptr::null_mut(), 0),
         };
         on_file!(super::target(&self.file, slot), |fd| {
