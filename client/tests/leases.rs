@@ -454,6 +454,18 @@ fn a_fresh_mount_of_subdirs(metrics: &str, subdirs: usize, files: usize) -> Moun
     a
 }
 
+/// The OPENDIR_LISTs the brick counting its fops on `metrics` served since it had served
+/// `base`, once they reach `want` (or after 10 s) and `quiet` more has passed.
+fn listings_once(metrics: &str, base: f64, want: f64, quiet: Duration) -> f64 {
+    let listings = || common::fop_calls(&common::scrape(metrics), "OPENDIR_LIST") - base;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while listings() < want && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(quiet);
+    listings()
+}
+
 /// Changes through the mount drop only the kept listings that show what they change: an
 /// `rm -rf` emptying one directory finds the next ones' listings, fetched ahead, still kept;
 /// a listing that shows a file changed here (its mode, its content) is asked again, never
@@ -466,12 +478,8 @@ fn a_change_keeps_the_listings_that_do_not_show_it() {
     // Listing `top` lists its eight subdirectories ahead.
     let before = listings();
     sh_ok(&a.mountpoint, "ls top");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while listings() - before < 9.0 && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
-    }
     assert_eq!(
-        listings() - before,
+        listings_once(&metrics, before, 9.0, Duration::ZERO),
         9.0,
         "top and its subdirectories listed"
     );
@@ -512,17 +520,9 @@ fn a_change_keeps_the_listings_that_do_not_show_it() {
 fn each_subdirectory_opened_lists_the_next_one_ahead() {
     let metrics = common::free_loopback_addr();
     let a = a_fresh_mount_of_subdirs(&metrics, 24, 0);
-    let listings = || common::fop_calls(&common::scrape(&metrics), "OPENDIR_LIST");
-    let base = listings();
+    let base = common::fop_calls(&common::scrape(&metrics), "OPENDIR_LIST");
     // The count once `want` listings were asked and nothing more came for a while.
-    let settled = |want: f64| {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while listings() - base < want && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        std::thread::sleep(Duration::from_millis(300));
-        listings() - base
-    };
+    let settled = |want| listings_once(&metrics, base, want, Duration::from_millis(300));
     // In the order the listing shows them.
     let shown = sh_ok(&a.mountpoint, "ls -U top");
     let names: Vec<&str> = shown.lines().collect();

@@ -293,8 +293,6 @@ fn setup(subcommand: &str, args: Vec<std::ffi::OsString>) -> anyhow::Result<()> 
     up::exec_sibling("kiln-mgmtd", &all)
 }
 
-/// When run as `mount.kiln` (a link to `kiln`, which mount(8) runs for `-t kiln`), the
-/// `kiln mount` arguments it stands for; a fake mount (`-f`) exits at once.
 /// `kiln volume …` (run by scripts, one process per change) parsed with the `volume` part of
 /// the command tree alone: clap builds every subcommand it is given before it parses, and
 /// the whole tree is most of a `kiln volume set`'s own time.
@@ -340,6 +338,8 @@ fn parse() -> Cli {
     Cli::parse()
 }
 
+/// When run as `mount.kiln` (a link to `kiln`, which mount(8) runs for `-t kiln`), the
+/// `kiln mount` arguments it stands for; a fake mount (`-f`) exits at once.
 fn mount_helper_args() -> anyhow::Result<Option<Vec<String>>> {
     let mut args = std::env::args();
     let name = args.next().unwrap_or_default();

@@ -95,9 +95,10 @@ impl Later {
             .filter(|(_, gfid)| self.shown_in.insert(*gfid, dir).is_none())
             .collect();
         let waiting = self.by_dir.entry(dir).or_default();
-        let now = match waiting.is_empty() {
-            true => subdirs.len().min(PREFETCH_SUBDIRS_MAX),
-            false => 0,
+        let now = if waiting.is_empty() {
+            subdirs.len().min(PREFETCH_SUBDIRS_MAX)
+        } else {
+            0
         };
         let mut subdirs = subdirs.into_iter();
         let ahead: Vec<_> = subdirs.by_ref().take(now).collect();
