@@ -300,6 +300,15 @@ pub const OPTIONS: &[OptionDef] = &[
                yet on the brick; an application further ahead waits",
     },
     OptionDef {
+        key: "performance.connections",
+        kind: ValueKind::Integer { min: 1, max: 16 },
+        default: "1",
+        apply: Apply::Mount,
+        brick: BrickFlag::None,
+        help: "QUIC connections a mount makes to each brick: large reads and writes are \
+               spread over them (more than one core's worth of encryption per brick)",
+    },
+    OptionDef {
         key: "performance.deferred-create",
         kind: ValueKind::Bool,
         default: "on",

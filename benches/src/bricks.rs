@@ -140,6 +140,15 @@ impl Served {
         &self,
         udp_payload: u16,
     ) -> anyhow::Result<(Server, BrickClient)> {
+        self.serve_and_connect_with(udp_payload, 1).await
+    }
+
+    /// [`Served::serve_and_connect`] with a client of `connections` connections (bulk lanes).
+    pub async fn serve_and_connect_with(
+        &self,
+        udp_payload: u16,
+        connections: usize,
+    ) -> anyhow::Result<(Server, BrickClient)> {
         let listen: SocketAddr = "127.0.0.1:0".parse()?;
         let mut config = ServerConfig::new(listen, self.brick_identity.clone());
         config.volume = "bench".into();
@@ -150,7 +159,9 @@ impl Served {
             config.endpoints = self.endpoints;
         }
         let server = Server::start(&self.engine, self.brick.id, config).await?;
-        let volume = BrickClient::connect(self.client_options(server.local_addr(), udp_payload)?)
+        let mut options = self.client_options(server.local_addr(), udp_payload)?;
+        options.connections = connections;
+        let volume = BrickClient::connect(options)
             .await
             .with_context(|| format!("connecting to {}", server.local_addr()))?;
         Ok((server, volume))

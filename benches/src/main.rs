@@ -141,6 +141,10 @@ struct NetArgs {
     /// 1 MiB requests in flight during the bulk runs.
     #[arg(long, default_value_t = 8)]
     bulk_inflight: usize,
+    /// Connections of the bulk client, one run per value (the TCP reference as many); above
+    /// 1, large requests are spread over them and the client runtime has a thread per core.
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 4])]
+    bulk_connections: Vec<usize>,
     /// Largest UDP payload (client and server) of the connection the PUTs and PINGs use.
     #[arg(long, default_value_t = kiln_wire::quic::UDP_PAYLOAD_MAX_BYTES)]
     udp_payload: u16,
@@ -411,6 +415,7 @@ impl NetArgs {
             pings: self.pings,
             bulk_mib: self.bulk_mib,
             bulk_inflight: self.bulk_inflight,
+            bulk_connections: self.bulk_connections,
             udp_payload: self.udp_payload,
             bulk_udp_payloads: self.bulk_udp_payloads,
             engine: match self.engine {

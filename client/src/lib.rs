@@ -16,7 +16,7 @@ pub mod mount;
 pub mod mountinfo;
 pub mod path;
 
-pub use brick::{BrickClient, ConnectOptions, Fd};
+pub use brick::{BrickClient, CONNECTIONS_MAX, ConnectOptions, Fd, LANE_IO_MIN_BYTES};
 pub use error::Error;
 pub use layer::{FdFop, Layer, LayerEvent, LayerExt};
 pub use path::Paths;

@@ -1550,3 +1550,30 @@ fn requests_come_through_io_uring_where_the_kernel_offers_it() {
         }
     }
 }
+
+/// With `connections=3` the mount reaches the brick over three connections, and a large
+/// file's reads and writes are spread over them: the brick holds the file open on each
+/// session while a reader has it open, and what is read is what was written.
+#[test]
+fn a_mount_spreads_large_files_over_its_connections() {
+    let m = Mounted::new(&["connections=3"]);
+    let big: Vec<u8> = (0..9 << 20).map(|i: u32| (i % 253) as u8).collect();
+    write(&m.path("big"), &big);
+    let mut reader = fs::File::open(m.path("big")).expect("open big");
+    let mut read = Vec::new();
+    reader.read_to_end(&mut read).expect("read big");
+    assert!(read == big, "the file reads back as written");
+    let brickd = m.brickd.as_ref().expect("the brick");
+    let file = fs::metadata(m.on_brick("big")).expect("big on the brick");
+    let open_on_brick = fs::read_dir(format!("/proc/{}/fd", brickd.pid()))
+        .expect("the brick's fds")
+        .filter_map(Result::ok)
+        .filter_map(|fd| fs::metadata(fd.path()).ok())
+        .filter(|f| (f.dev(), f.ino()) == (file.dev(), file.ino()))
+        .count();
+    assert!(
+        open_on_brick >= 3,
+        "the open file is held by {open_on_brick} brick descriptors, not one per connection"
+    );
+    drop(reader);
+}

@@ -539,3 +539,123 @@ fn a_reopened_fd_never_reaches_an_object_that_took_its_gfid() {
     });
     drop(second);
 }
+
+/// The brick's descriptors of the file at `path` on the brick (by inode: the brick opens
+/// files through their GFID handles).
+fn brick_fds_of(brickd: &common::Brickd, path: &std::path::Path) -> usize {
+    use std::os::unix::fs::MetadataExt;
+    let file = std::fs::metadata(path).expect("the file on the brick");
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{}/fd", brickd.pid())) else {
+        return 0;
+    };
+    fds.filter_map(Result::ok)
+        .filter_map(|fd| std::fs::metadata(fd.path()).ok())
+        .filter(|m| (m.dev(), m.ino()) == (file.dev(), file.ino()))
+        .count()
+}
+
+/// 1 MiB chunk `i`, different for every `i` below 251.
+fn mib_chunk(i: usize) -> Bytes {
+    let salt = (i % 251) as u8;
+    (0..1usize << 20)
+        .map(|b| (b % 253) as u8 ^ salt)
+        .collect::<Vec<u8>>()
+        .into()
+}
+
+#[test]
+fn a_client_spreads_large_reads_and_writes_over_its_connections() {
+    let cluster = Cluster::new();
+    let brickd = cluster.start("127.0.0.1:0", &["--root-allow", "alice"]);
+    let rt = runtime();
+    let creds = Creds::root();
+    let mut options = cluster.options(brickd.addr, "alice");
+    for refused in [0, kiln_client::CONNECTIONS_MAX + 1] {
+        options.connections = refused;
+        let e = rt
+            .block_on(BrickClient::connect(options.clone()))
+            .expect_err("a connection count out of range");
+        assert!(matches!(e, Error::Misuse(_)), "{e:?}");
+    }
+    options.connections = 3;
+    let v = rt.block_on(BrickClient::connect(options)).expect("connect");
+    let path = cluster.brick.join("big");
+    let (writer, reader) = rt.block_on(async {
+        let writer = v.create_file(&creds, "/big", 0o644).await.expect("create");
+        let writes = (0..6).map(|i| v.write(&creds, &writer, (i as u64) << 20, mib_chunk(i)));
+        for written in futures_util::future::join_all(writes).await {
+            written.expect("write");
+        }
+        // Small I/O stays on the main connection.
+        v.write(&creds, &writer, 6 << 20, Bytes::from_static(b"tail"))
+            .await
+            .expect("small write");
+        let reader = v
+            .open(
+                &creds,
+                writer.gfid(),
+                AccessMode::ReadOnly,
+                OpenFlags::empty(),
+            )
+            .await
+            .expect("open");
+        for i in 0..6 {
+            let got = v
+                .read(&creds, &reader, (i as u64) << 20, 1 << 20)
+                .await
+                .expect("read");
+            assert!(got == mib_chunk(i), "MiB {i} reads back as written");
+        }
+        (writer, reader)
+    });
+    let open = brick_fds_of(&brickd, &path);
+    let held = open
+        .checked_sub(6)
+        .unwrap_or_else(|| panic!("{open} descriptors of the file, not 6 or 7"));
+    assert!(
+        held <= 1,
+        "{open} descriptors: each fd open on the main session and on both lanes"
+    );
+    rt.block_on(async {
+        v.release(&creds, writer).await.expect("release");
+        v.release(&creds, reader).await.expect("release");
+    });
+    // The brick may keep an `O_PATH` descriptor of the file in its GFID cache.
+    eventually("the lanes' files to close", || {
+        brick_fds_of(&brickd, &path) <= held
+    });
+    assert_eq!(
+        std::fs::metadata(&path).expect("on the brick").len(),
+        (6 << 20) + 4
+    );
+    rt.block_on(async {
+        // A file removed while open cannot be opened by GFID on a lane: its large I/O goes
+        // over the main connection, and nothing fails.
+        let created = v.create_file(&creds, "/gone", 0o644).await.expect("create");
+        let fd = v
+            .open(
+                &creds,
+                created.gfid(),
+                AccessMode::ReadWrite,
+                OpenFlags::empty(),
+            )
+            .await
+            .expect("open");
+        v.release(&creds, created).await.expect("release");
+        v.remove_all(&creds, "/gone").await.expect("unlink");
+        for i in 0..3 {
+            v.write(&creds, &fd, (i as u64) << 20, mib_chunk(i))
+                .await
+                .expect("write to an unlinked file");
+        }
+        for i in 0..3 {
+            let got = v
+                .read(&creds, &fd, (i as u64) << 20, 1 << 20)
+                .await
+                .expect("read of an unlinked file");
+            assert!(got == mib_chunk(i), "MiB {i} of the unlinked file");
+        }
+        v.release(&creds, fd).await.expect("release");
+        v.close().await;
+    });
+}

@@ -1,5 +1,6 @@
-//! (c) bulk: one file written, then read, in 1 MiB requests over QUIC, once per UDP payload
-//! cap, against the same bytes copied over TCP on loopback.
+//! (c) bulk: one file written, then read, in 1 MiB requests over QUIC, once per client
+//! connection count and UDP payload cap, against the same bytes copied over as many TCP
+//! connections on loopback.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -7,7 +8,7 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 use bytes::Bytes;
 use hdrhistogram::Histogram;
-use kiln_client::{BrickClient, Fd, Layer, LayerExt, Paths};
+use kiln_client::{BrickClient, CONNECTIONS_MAX, Fd, Layer, LayerExt, Paths};
 use kiln_dataplane::server::Server;
 use kiln_wire::limits::IO_SIZE_MAX_BYTES;
 use kiln_wire::*;
@@ -16,7 +17,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::task::JoinSet;
 
 use super::{
-    NetBench, SHUTDOWN_GRACE, join_peer, note_udp, spawn_tcp_peer, tcp_connect, udp_counters,
+    NetBench, SHUTDOWN_GRACE, client_runtime, join_peer, note_udp, spawn_tcp_peer, tcp_connect,
+    udp_counters,
 };
 use crate::bricks::Served;
 use crate::report::{Record, Reporter, histogram, nanos};
@@ -37,7 +39,8 @@ fn bulk_chunk(i: usize) -> Bytes {
 /// Chunks cycle through this many patterns (memory stays bounded whatever `bulk_mib`).
 const BULK_PATTERNS: usize = 4;
 
-/// (c) bulk: TCP copy, then QUIC write + read once per UDP payload cap.
+/// (c) bulk: per connection count, a TCP copy over as many connections, then QUIC write +
+/// read once per UDP payload cap.
 pub(super) fn bulk(
     bench: &NetBench,
     setup: &Served,
@@ -46,19 +49,6 @@ pub(super) fn bulk(
     out: &mut Reporter,
 ) -> anyhow::Result<Vec<Record>> {
     let mib = bench.bulk_mib.max(1);
-    let mut records = Vec::new();
-    let tcp_rate = tcp_bulk(rt, mib)?;
-    let mut r = Record::new(
-        "net.bulk",
-        "tcp",
-        json!({ "mib": mib, "request_kib": BULK_REQUEST_BYTES / 1024 }),
-        "tcp",
-    );
-    r.mib_per_s = Some(tcp_rate);
-    r.ratio = Some(1.0);
-    out.print(&r);
-    records.push(r);
-
     // The first connection (create, ping) is done; each bulk run gets a fresh server and
     // connection, so both caps start from the same state (path MTU discovery from scratch).
     let (server, volume) = first;
@@ -67,67 +57,152 @@ pub(super) fn bulk(
         server.shutdown(SHUTDOWN_GRACE).await;
     });
     let chunks: Arc<Vec<Bytes>> = Arc::new((0..BULK_PATTERNS).map(bulk_chunk).collect());
-    for &udp_payload in &bench.bulk_udp_payloads {
-        let (server, volume) = rt.block_on(setup.serve_and_connect(udp_payload))?;
-        let params = json!({ "mib": mib, "request_kib": BULK_REQUEST_BYTES / 1024,
-                             "inflight": bench.bulk_inflight.max(1), "udp_payload": udp_payload });
-        let run = QuicBulk {
-            rt,
-            volume: &volume,
-            mib,
-            inflight: bench.bulk_inflight,
-            chunks: &chunks,
-            path: format!("/bulk-{udp_payload}"),
-            phase: |dir: &str| format!("net.bulk_{dir} quic udp_payload={udp_payload}"),
+    let mut records = Vec::new();
+    for &connections in &bench.bulk_connections {
+        if !(1..=CONNECTIONS_MAX).contains(&connections) {
+            bail!("{connections} bulk connections: 1 to {CONNECTIONS_MAX} are allowed");
+        }
+        // One connection runs on the bench's client runtime; several, whose drivers are
+        // tasks of their own, on a runtime with a thread per core, the TCP reference too.
+        let threads = match connections {
+            1 => bench.client_threads,
+            _ => std::thread::available_parallelism().map_or(2, usize::from),
         };
-        let (gfid, write_rate, h) = run.write(out)?;
-        let r = bulk_record("net.bulk_write", params.clone(), write_rate, &h, tcp_rate);
-        out.print(&r);
-        records.push(r);
-        let (read_rate, h) = run.read(gfid, out)?;
-        let r = bulk_record("net.bulk_read", params, read_rate, &h, tcp_rate);
-        out.print(&r);
-        records.push(r);
-
-        rt.block_on(async {
-            volume.close().await;
-            server.shutdown(SHUTDOWN_GRACE).await;
-        });
+        let own = (connections > 1)
+            .then(|| client_runtime(threads))
+            .transpose()?;
+        let rt = own.as_ref().unwrap_or(rt);
+        let run = BulkRun {
+            mib,
+            connections,
+            client_threads: threads.max(1),
+        };
+        records.extend(run.measure(bench, setup, rt, &chunks, out)?);
     }
     Ok(records)
 }
 
-/// The reference: `mib` MiB over one TCP connection in 1 MiB writes, to a reader thread
-/// that acknowledges the last byte. Returns MiB/s.
-fn tcp_bulk(rt: &tokio::runtime::Runtime, mib: usize) -> anyhow::Result<f64> {
-    let total = mib * BULK_REQUEST_BYTES;
-    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
-    let addr = listener.local_addr()?;
-    let peer = spawn_tcp_peer(listener, move |mut stream| async move {
-        let mut buf = vec![0u8; BULK_REQUEST_BYTES];
-        let mut got = 0;
-        // Every read returns at least one byte, so this is at most `total` reads.
-        while got < total {
-            match stream.read(&mut buf).await? {
-                0 => bail!("TCP copy ended after {got} of {total} bytes"),
-                n => got += n,
-            }
+/// One connection count's bulk runs.
+struct BulkRun {
+    mib: usize,
+    connections: usize,
+    /// The client runtime's threads (a current-thread runtime is one).
+    client_threads: usize,
+}
+
+impl BulkRun {
+    fn params(&self) -> serde_json::Value {
+        json!({ "mib": self.mib, "request_kib": BULK_REQUEST_BYTES / 1024,
+                "connections": self.connections, "client_threads": self.client_threads })
+    }
+
+    /// The TCP reference, then a QUIC write and read per UDP payload cap, each on a fresh
+    /// server and client.
+    fn measure(
+        &self,
+        bench: &NetBench,
+        setup: &Served,
+        rt: &tokio::runtime::Runtime,
+        chunks: &Arc<Vec<Bytes>>,
+        out: &mut Reporter,
+    ) -> anyhow::Result<Vec<Record>> {
+        let (mib, connections) = (self.mib, self.connections);
+        let tcp_rate = tcp_bulk(rt, mib, connections)?;
+        let mut r = Record::new("net.bulk", "tcp", self.params(), "tcp");
+        r.mib_per_s = Some(tcp_rate);
+        r.ratio = Some(1.0);
+        out.print(&r);
+        let mut records = vec![r];
+        for &udp_payload in &bench.bulk_udp_payloads {
+            let (server, volume) =
+                rt.block_on(setup.serve_and_connect_with(udp_payload, connections))?;
+            let mut params = self.params();
+            params["inflight"] = json!(bench.bulk_inflight.max(1));
+            params["udp_payload"] = json!(udp_payload);
+            let run = QuicBulk {
+                rt,
+                volume: &volume,
+                mib,
+                inflight: bench.bulk_inflight,
+                chunks,
+                path: format!("/bulk-{udp_payload}-{connections}"),
+                phase: |dir: &str| {
+                    format!(
+                        "net.bulk_{dir} quic udp_payload={udp_payload} connections={connections}"
+                    )
+                },
+            };
+            let (gfid, write_rate, h) = run.write(out)?;
+            let r = bulk_record("net.bulk_write", params.clone(), write_rate, &h, tcp_rate);
+            out.print(&r);
+            records.push(r);
+            let (read_rate, h) = run.read(gfid, out)?;
+            let r = bulk_record("net.bulk_read", params, read_rate, &h, tcp_rate);
+            out.print(&r);
+            records.push(r);
+
+            rt.block_on(async {
+                volume.close().await;
+                server.shutdown(SHUTDOWN_GRACE).await;
+            });
         }
-        stream.write_all(&[1]).await?;
-        anyhow::Ok(())
-    });
+        Ok(records)
+    }
+}
+
+/// The reference: `mib` MiB over `connections` TCP connections (a share each) in 1 MiB
+/// writes, each to a reader thread that acknowledges its last byte. Returns MiB/s.
+fn tcp_bulk(rt: &tokio::runtime::Runtime, mib: usize, connections: usize) -> anyhow::Result<f64> {
+    let shares: Vec<usize> = (0..connections)
+        .map(|i| mib / connections + usize::from(i < mib % connections))
+        .collect();
+    let mut peers = Vec::with_capacity(connections);
+    let mut addrs = Vec::with_capacity(connections);
+    for &share in &shares {
+        let total = share * BULK_REQUEST_BYTES;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+        addrs.push(listener.local_addr()?);
+        peers.push(spawn_tcp_peer(listener, move |mut stream| async move {
+            let mut buf = vec![0u8; BULK_REQUEST_BYTES];
+            let mut got = 0;
+            // Every read returns at least one byte, so this is at most `total` reads.
+            while got < total {
+                match stream.read(&mut buf).await? {
+                    0 => bail!("TCP copy ended after {got} of {total} bytes"),
+                    n => got += n,
+                }
+            }
+            stream.write_all(&[1]).await?;
+            anyhow::Ok(())
+        }));
+    }
     let tcp_rate = rt.block_on(async {
-        let mut stream = tcp_connect(addr).await?;
+        let mut streams = Vec::with_capacity(connections);
+        for addr in addrs {
+            streams.push(tcp_connect(addr).await?);
+        }
         let buf = bulk_chunk(0);
         let start = Instant::now();
-        for _ in 0..mib {
-            stream.write_all(&buf).await?;
+        let mut writers = JoinSet::new();
+        for (mut stream, share) in streams.into_iter().zip(shares) {
+            let buf = buf.clone();
+            writers.spawn(async move {
+                for _ in 0..share {
+                    stream.write_all(&buf).await?;
+                }
+                let mut ack = [0u8; 1];
+                stream.read_exact(&mut ack).await?;
+                anyhow::Ok(())
+            });
         }
-        let mut ack = [0u8; 1];
-        stream.read_exact(&mut ack).await?;
+        while let Some(done) = writers.join_next().await {
+            done??;
+        }
         anyhow::Ok(mib as f64 / start.elapsed().as_secs_f64())
     })?;
-    join_peer(peer)?;
+    for peer in peers {
+        join_peer(peer)?;
+    }
     Ok(tcp_rate)
 }
 

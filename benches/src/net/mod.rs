@@ -81,6 +81,8 @@ pub struct NetBench {
     pub pings: usize,
     pub bulk_mib: usize,
     pub bulk_inflight: usize,
+    /// Client connections of the bulk runs, one run each.
+    pub bulk_connections: Vec<usize>,
     /// UDP payload cap of the connection the PUTs and PINGs use.
     pub udp_payload: u16,
     /// UDP payload caps for the bulk runs, one run each.

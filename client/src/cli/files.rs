@@ -126,6 +126,7 @@ pub(crate) async fn connect(global: &Global) -> Result<BrickClient, Error> {
     if let Some(name) = &global.server_name {
         options.server_name.clone_from(name);
     }
+    options.connections = global.connections;
     BrickClient::connect(options).await
 }
 

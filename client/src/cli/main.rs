@@ -67,6 +67,9 @@ struct Global {
     /// The management daemon's socket.
     #[arg(long, env = "KILN_MGMT_SOCKET", default_value = kiln_admin::command::DEFAULT_SOCKET, global = true)]
     socket: PathBuf,
+    /// QUIC connections to each brick (a mount's `connections` option).
+    #[arg(skip = 1usize)]
+    connections: usize,
 }
 
 #[derive(Subcommand)]

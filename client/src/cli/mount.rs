@@ -63,7 +63,8 @@ pub(crate) struct MountArgs {
     mountpoint: PathBuf,
     /// Comma-separated options: attr-timeout-ms=N, entry-timeout-ms=N,
     /// negative-timeout-ms=N, writeback-cache[=on|off], deferred-create[=on|off],
-    /// leases[=on|off], behind-bytes-max=N, read-ahead-kib=N, default-permissions[=on|off],
+    /// leases[=on|off], behind-bytes-max=N, read-ahead-kib=N, connections=N (to each brick;
+    /// large reads and writes are spread over them), default-permissions[=on|off],
     /// selinux[=on|off] and acl[=on|off] (both off by default), ro, rw, suid, dev (both off
     /// by default), noexec, noatime; tls-dir=DIR, client=NAME, server-name=NAME,
     /// socket=PATH, log-file=PATH. fstab-only options (defaults, _netdev, nofail, x-…) are
@@ -168,6 +169,10 @@ async fn serve(
     };
     // The client stack this volume needs: a brick client per brick, and over several a
     // distribution layer.
+    let global = &Global {
+        connections: options.connections,
+        ..global.clone()
+    };
     let members: Vec<Member<BrickClient>> =
         crate::files::connect_members(global, &members)
             .await

@@ -37,6 +37,7 @@ use fuser::{Config, InitFlags, SessionACL};
 use rustix::mount::{MountFlags, UnmountFlags, unmount};
 
 use crate::Layer;
+use crate::brick::CONNECTIONS_MAX;
 pub use fs::UNMOUNT_DRAIN_LIMIT;
 
 /// The kernel's read-ahead on a mount unless told otherwise: four of the largest READs.
@@ -78,6 +79,10 @@ pub struct MountOptions {
     /// `read_ahead_kb`; 0 keeps the kernel's). FUSE starts every mount at 128 KiB, one
     /// READ in flight; a network file system wants several.
     pub read_ahead_kib: u32,
+    /// QUIC connections to each brick: the main one, and lanes for large READs and WRITEs
+    /// (a file read ahead, a large file written behind), 1 to
+    /// [`crate::brick::CONNECTIONS_MAX`].
+    pub connections: usize,
     /// The kernel's requests come through io_uring, a queue per CPU served by a thread on that
     /// CPU, where the kernel offers it (the `fuse` module's `enable_uring`); otherwise, and
     /// off, through reads of `/dev/fuse` on one thread.
@@ -122,6 +127,7 @@ impl Default for MountOptions {
             listing_prefetch: true,
             file_prefetch: true,
             read_ahead_kib: READ_AHEAD_KIB_DEFAULT,
+            connections: 1,
             fuse_uring: true,
             listed_attrs: true,
             default_permissions: true,
@@ -185,6 +191,7 @@ impl MountOptions {
             "listing-prefetch" => flag(&mut self.listing_prefetch)?,
             "file-prefetch" => flag(&mut self.file_prefetch)?,
             "read-ahead-kib" => self.read_ahead_kib = kib(key, value)?,
+            "connections" => self.connections = connections(key, value)?,
             "listed-attrs" => flag(&mut self.listed_attrs)?,
             "fuse-uring" => flag(&mut self.fuse_uring)?,
             "default-permissions" => flag(&mut self.default_permissions)?,
@@ -277,6 +284,17 @@ fn kib(key: &str, value: Option<&str>) -> Result<u32, OptionError> {
         _ => Err(bad(
             key,
             format!("'{value}' is not a number of KiB up to {READ_AHEAD_KIB_MAX}"),
+        )),
+    }
+}
+
+fn connections(key: &str, value: Option<&str>) -> Result<usize, OptionError> {
+    let value = value.ok_or_else(|| bad(key, "needs a number of connections".into()))?;
+    match value.parse() {
+        Ok(n) if (1..=CONNECTIONS_MAX).contains(&n) => Ok(n),
+        _ => Err(bad(
+            key,
+            format!("'{value}' is not a number of connections from 1 to {CONNECTIONS_MAX}"),
         )),
     }
 }
@@ -476,5 +494,13 @@ mod tests {
             o.set("writeback-cache", Some("maybe")),
             Err(OptionError::BadValue { .. })
         ));
+        o.set("connections", Some("4")).expect("valid");
+        assert_eq!(o.connections, 4);
+        for bad_count in [None, Some("0"), Some("17"), Some("many")] {
+            assert!(matches!(
+                o.set("connections", bad_count),
+                Err(OptionError::BadValue { .. })
+            ));
+        }
     }
 }

@@ -11,6 +11,13 @@
 //!   `EXCL` again), as whoever uses it first. When that is not possible — the file is gone,
 //!   or the fd held POSIX locks, which died with the old session — it fails with EBADF; it
 //!   never reaches another file, because the GFID names the file.
+//! * With [`ConnectOptions::connections`] above 1, large READs and WRITEs are spread over
+//!   extra connections ([`lanes`]).
+
+mod lanes;
+
+use lanes::Lanes;
+pub use lanes::{CONNECTIONS_MAX, LANE_IO_MIN_BYTES};
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -45,6 +52,9 @@ pub struct ConnectOptions {
     pub udp_payload_max_bytes: u16,
     /// A brick silent this long is gone: calls in flight and connection attempts fail.
     pub idle_timeout: std::time::Duration,
+    /// QUIC connections to the brick, 1 to [`CONNECTIONS_MAX`]: the main one, and lanes for
+    /// large READs and WRITEs ([`lanes`]).
+    pub connections: usize,
 }
 
 impl ConnectOptions {
@@ -65,6 +75,7 @@ impl ConnectOptions {
             client_name: client_name.to_owned(),
             udp_payload_max_bytes: quic::UDP_PAYLOAD_MAX_BYTES,
             idle_timeout: quic::IDLE_TIMEOUT,
+            connections: 1,
         })
     }
 }
@@ -92,6 +103,7 @@ struct Inner {
     next_request: AtomicU64,
     /// Recalls from the brick, and the loss of a session's leases, for the layers above.
     events: tokio::sync::broadcast::Sender<LayerEvent>,
+    lanes: Lanes,
 }
 
 /// One connection; `epoch` counts connections made by this client.
@@ -130,6 +142,8 @@ pub struct Fd {
     /// The file's inode number once a reply named it (0 until then): a reopen by GFID after
     /// a reconnect must reach the same inode, not an object that took over the GFID.
     ino: AtomicU64,
+    /// The file opened on each lane of its client, once a large request went there.
+    on_lanes: Box<[tokio::sync::OnceCell<Fd>]>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -148,8 +162,14 @@ impl Fd {
 }
 
 impl BrickClient {
-    /// Connects to the brick and says HELLO.
+    /// Connects to the brick and says HELLO, on each of `options.connections`.
     pub async fn connect(options: ConnectOptions) -> Result<BrickClient, Error> {
+        let lanes = Lanes::connect(&options).await?;
+        BrickClient::connect_one(options, lanes).await
+    }
+
+    /// Connects one connection, with its own endpoint, and says HELLO.
+    async fn connect_one(options: ConnectOptions, lanes: Lanes) -> Result<BrickClient, Error> {
         let client_config = quinn_config(&options)?;
         let bind: SocketAddr = match options.addr {
             SocketAddr::V4(_) => "0.0.0.0:0",
@@ -176,6 +196,7 @@ impl BrickClient {
                 epochs: AtomicU64::new(0),
                 next_request: AtomicU64::new(1),
                 events: tokio::sync::broadcast::Sender::new(EVENTS_QUEUED_MAX),
+                lanes,
             }),
         };
         client.live().await?;
@@ -193,8 +214,15 @@ impl BrickClient {
         self.current().map(|live| live.conn.connection.stats())
     }
 
-    /// Closes the connection; calls in flight fail.
+    /// Closes the connections; calls in flight fail.
     pub async fn close(&self) {
+        for lane in self.inner.lanes.clients() {
+            lane.close_one().await;
+        }
+        self.close_one().await;
+    }
+
+    async fn close_one(&self) {
         let live = self.inner.live.lock().map(|mut l| l.take()).unwrap_or(None);
         if let Some(live) = live {
             live.conn
@@ -501,7 +529,100 @@ impl BrickClient {
             state: Mutex::new((live.conn.epoch, id)),
             locked: AtomicBool::new(false),
             ino: AtomicU64::new(0),
+            on_lanes: (0..self.inner.lanes.len())
+                .map(|_| tokio::sync::OnceCell::new())
+                .collect(),
         }
+    }
+
+    /// `fd` (of the client this one is a lane of) opened on this client's session by its GFID,
+    /// as `creds`.
+    async fn adopt(&self, creds: &Creds, fd: &Fd) -> Result<Fd, Error> {
+        let adopted = Fd {
+            client: self.inner.id,
+            gfid: fd.gfid,
+            kind: fd.kind,
+            // Epoch 0 is no connection's: the first use opens it by its GFID (`fd_id`).
+            state: Mutex::new((
+                0,
+                FdId {
+                    slot: 0,
+                    generation: 0,
+                },
+            )),
+            locked: AtomicBool::new(false),
+            ino: AtomicU64::new(fd.ino.load(Ordering::Relaxed)),
+            on_lanes: Box::new([]),
+        };
+        let live = self.live().await?;
+        self.fd_id(&live, creds, &adopted).await?;
+        Ok(adopted)
+    }
+
+    /// Sends `fop` on `fd` over lane `lane`, or over the main connection if the file cannot
+    /// be opened there.
+    async fn call_fd_on_lane(
+        &self,
+        lane: usize,
+        creds: &Creds,
+        fd: &Fd,
+        fop: FdFop,
+    ) -> Result<FopReply, Error> {
+        let client = &self.inner.lanes.clients()[lane];
+        let opened = fd.on_lanes[lane]
+            .get_or_try_init(|| client.adopt(creds, fd))
+            .await;
+        match opened {
+            Ok(on_lane) => client.call_fd_here(creds, on_lane, fop).await,
+            Err(e) => {
+                tracing::debug!(error = %e, lane, "file not opened on a lane; main connection");
+                self.call_fd_here(creds, fd, fop).await
+            }
+        }
+    }
+
+    /// Sends `fop` on `fd` over this client's own connection. Opens `fd` again first if the
+    /// connection it was opened on is gone. An fd that takes a POSIX lock is marked: locks are
+    /// not carried over a reconnect, so after one it fails with EBADF.
+    async fn call_fd_here(&self, creds: &Creds, fd: &Fd, fop: FdFop) -> Result<FopReply, Error> {
+        let takes_lock = matches!(
+            fop.request(),
+            FopRequest::Lk(lk) if lk.cmd != LockCmd::Get && lk.lock.kind != LockKind::Unlock
+        );
+        let code = fop.code();
+        let live = self.live().await?;
+        let id = self.fd_id(&live, creds, fd).await?;
+        let request = fop
+            .on(id)
+            .ok_or_else(|| Error::Misuse(format!("{} names no fd", code.name())))?;
+        let reply = self.call_on(&live, creds, request).await?;
+        if takes_lock {
+            fd.locked.store(true, Ordering::Relaxed);
+        }
+        if let Some(ino) = inode_of(&reply) {
+            let _ = fd
+                .ino
+                .compare_exchange(0, ino, Ordering::Relaxed, Ordering::Relaxed);
+        }
+        Ok(reply)
+    }
+
+    /// Releases `fd` on this client's own session; an fd of an older connection died with it
+    /// and needs nothing.
+    async fn release_here(&self, creds: &Creds, fd: &Fd) -> Result<(), Error> {
+        let live = self.live().await?;
+        if fd.client != self.inner.id {
+            return Err(Error::Fop(ErrorCode::BadFd));
+        }
+        let (epoch, id) = *fd.state.lock().map_err(|_| Error::Fop(ErrorCode::BadFd))?;
+        if epoch != live.conn.epoch {
+            return Ok(());
+        }
+        let fop = match fd.kind {
+            FdKind::File { .. } => FopRequest::Release(kiln_wire::Release { fd: id }),
+            FdKind::Dir => FopRequest::Releasedir(kiln_wire::Releasedir { fd: id }),
+        };
+        self.call_on(&live, creds, fop).await.map(drop)
     }
 }
 
@@ -595,9 +716,8 @@ impl Layer for BrickClient {
         }
     }
 
-    /// Opens `fd` again first if the connection it was opened on is gone. An fd that takes a
-    /// POSIX lock is marked: locks are not carried over a reconnect, so after one it fails
-    /// with EBADF.
+    /// A large READ or WRITE may go over a lane ([`lanes`]); everything else over the main
+    /// connection ([`BrickClient::call_fd_here`]).
     async fn call_fd(&self, creds: &Creds, fd: &Fd, fop: FdFop) -> Result<FopReply, Error> {
         if matches!(fop.code(), FopCode::Release | FopCode::Releasedir) {
             return Err(Error::Misuse(format!(
@@ -605,43 +725,23 @@ impl Layer for BrickClient {
                 fop.code().name()
             )));
         }
-        let takes_lock = matches!(
-            fop.request(),
-            FopRequest::Lk(lk) if lk.cmd != LockCmd::Get && lk.lock.kind != LockKind::Unlock
-        );
-        let code = fop.code();
-        let live = self.live().await?;
-        let id = self.fd_id(&live, creds, fd).await?;
-        let request = fop
-            .on(id)
-            .ok_or_else(|| Error::Misuse(format!("{} names no fd", code.name())))?;
-        let reply = self.call_on(&live, creds, request).await?;
-        if takes_lock {
-            fd.locked.store(true, Ordering::Relaxed);
+        if fd.client == self.inner.id
+            && let Some(lane) = self.inner.lanes.pick(fd, fop.request())
+        {
+            return self.call_fd_on_lane(lane, creds, fd, fop).await;
         }
-        if let Some(ino) = inode_of(&reply) {
-            let _ = fd
-                .ino
-                .compare_exchange(0, ino, Ordering::Relaxed, Ordering::Relaxed);
-        }
-        Ok(reply)
+        self.call_fd_here(creds, fd, fop).await
     }
 
-    /// An fd of an older connection died with it and needs nothing.
+    /// Releases the file on the main session and on every lane it was opened on.
     async fn release(&self, creds: &Creds, fd: Fd) -> Result<(), Error> {
-        let live = self.live().await?;
-        if fd.client != self.inner.id {
-            return Err(Error::Fop(ErrorCode::BadFd));
+        let released = self.release_here(creds, &fd).await;
+        for (client, on_lane) in self.inner.lanes.clients().iter().zip(fd.on_lanes) {
+            if let Some(on_lane) = on_lane.into_inner() {
+                client.release_here(creds, &on_lane).await?;
+            }
         }
-        let (epoch, id) = *fd.state.lock().map_err(|_| Error::Fop(ErrorCode::BadFd))?;
-        if epoch != live.conn.epoch {
-            return Ok(());
-        }
-        let fop = match fd.kind {
-            FdKind::File { .. } => FopRequest::Release(kiln_wire::Release { fd: id }),
-            FdKind::Dir => FopRequest::Releasedir(kiln_wire::Releasedir { fd: id }),
-        };
-        self.call_on(&live, creds, fop).await.map(drop)
+        released
     }
 
     async fn batch(&self, batch: Batch) -> Result<BatchReply, Error> {
