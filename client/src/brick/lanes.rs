@@ -3,9 +3,9 @@
 //!
 //! One QUIC connection is driven by one task at each end, so it moves at most what one core
 //! encrypts, decrypts and copies. Large READs and WRITEs (at least [`LANE_IO_MIN_BYTES`]) are
-//! spread round robin over the main connection and the lanes; each lane has a UDP socket of
-//! its own, so the brick's `SO_REUSEPORT` group hashes it to one of its endpoint workers
-//! independently of the others. Everything else (namespace fops, small I/O, locks, fsync,
+//! spread round robin over the main connection and the lanes. Each has a UDP socket of its
+//! own, on consecutive ports where they are free, and the brick steers consecutive ports to
+//! different endpoint workers (`kiln_wire::quic::steer_by_source_port`). Everything else (namespace fops, small I/O, locks, fsync,
 //! leases and their recalls) stays on the main connection.
 //!
 //! A lane is a brick client with a session of its own. A file is opened on a lane by its GFID
@@ -42,8 +42,9 @@ pub(super) struct Lanes {
 }
 
 impl Lanes {
-    /// Connects the `options.connections - 1` lanes, each with its own endpoint.
-    pub(super) async fn connect(options: &ConnectOptions) -> Result<Lanes, Error> {
+    /// Connects the `options.connections - 1` lanes, each with its own endpoint on the port
+    /// after the last one's where it can. Returns them and the last lane's port.
+    pub(super) async fn connect(options: &ConnectOptions) -> Result<(Lanes, Option<u16>), Error> {
         if !(1..=CONNECTIONS_MAX).contains(&options.connections) {
             return Err(Error::Misuse(format!(
                 "{} connections to a brick; 1 to {CONNECTIONS_MAX} are allowed",
@@ -51,13 +52,18 @@ impl Lanes {
             )));
         }
         let mut clients = Vec::with_capacity(options.connections - 1);
+        let mut last_port = None;
         for _ in 1..options.connections {
-            clients.push(BrickClient::connect_one(options.clone(), Lanes::default()).await?);
+            let lane = BrickClient::connect_one(options.clone(), Lanes::default(), last_port);
+            let lane = lane.await?;
+            last_port = lane.local_port();
+            clients.push(lane);
         }
-        Ok(Lanes {
+        let lanes = Lanes {
             clients,
             next: AtomicUsize::new(0),
-        })
+        };
+        Ok((lanes, last_port))
     }
 
     pub(super) fn len(&self) -> usize {

@@ -164,20 +164,37 @@ impl Fd {
 impl BrickClient {
     /// Connects to the brick and says HELLO, on each of `options.connections`.
     pub async fn connect(options: ConnectOptions) -> Result<BrickClient, Error> {
-        let lanes = Lanes::connect(&options).await?;
-        BrickClient::connect_one(options, lanes).await
+        let (lanes, last_port) = Lanes::connect(&options).await?;
+        BrickClient::connect_one(options, lanes, last_port).await
     }
 
-    /// Connects one connection, with its own endpoint, and says HELLO.
-    async fn connect_one(options: ConnectOptions, lanes: Lanes) -> Result<BrickClient, Error> {
+    /// Connects one connection, with its own endpoint, and says HELLO. Its UDP port is the one
+    /// after `after` where that is free (the brick steers consecutive ports to different
+    /// endpoints), else any.
+    async fn connect_one(
+        options: ConnectOptions,
+        lanes: Lanes,
+        after: Option<u16>,
+    ) -> Result<BrickClient, Error> {
         let client_config = quinn_config(&options)?;
-        let bind: SocketAddr = match options.addr {
+        let mut bind: SocketAddr = match options.addr {
             SocketAddr::V4(_) => "0.0.0.0:0",
             SocketAddr::V6(_) => "[::]:0",
         }
         .parse()
         .map_err(|_| Error::Tls("bad bind address".into()))?;
-        let socket = quic::udp_socket(bind, false).map_err(|e| connect_error(&options, e))?;
+        let next = after.and_then(|port| port.checked_add(1));
+        let socket = match next {
+            Some(port) => quic::udp_socket(SocketAddr::new(bind.ip(), port), false),
+            None => Err(std::io::ErrorKind::AddrInUse.into()),
+        };
+        let socket = match socket {
+            Ok(socket) => socket,
+            Err(_) => {
+                bind.set_port(0);
+                quic::udp_socket(bind, false).map_err(|e| connect_error(&options, e))?
+            }
+        };
         let endpoint = quinn::Endpoint::new(
             quic::endpoint_config(),
             None,
@@ -201,6 +218,11 @@ impl BrickClient {
         };
         client.live().await?;
         Ok(client)
+    }
+
+    /// The UDP port of this client's (main) connection.
+    fn local_port(&self) -> Option<u16> {
+        self.inner.endpoint.local_addr().ok().map(|a| a.port())
     }
 
     /// What the brick said at HELLO on the current connection.

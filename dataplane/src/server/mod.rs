@@ -3,8 +3,10 @@
 //!
 //! * **Where it runs.** On the io_uring engine, each of the first `endpoints` ring workers runs
 //!   its own quinn endpoint on its own tokio runtime, all bound to one UDP port with
-//!   `SO_REUSEPORT`; the kernel hashes each client's address to one of them, and that
-//!   connection's fops go straight to that worker's engine with no thread hop. On the blocking
+//!   `SO_REUSEPORT`; a datagram from source port `p` goes to endpoint `p % endpoints`
+//!   ([`quic::steer_by_source_port`], so a client's lanes on consecutive ports reach
+//!   different workers; the kernel's address hash where the program cannot be attached), and
+//!   that connection's fops go straight to that worker's engine with no thread hop. On the blocking
 //!   engine one `kiln-net` thread runs the endpoint and hands fops to the pool.
 //! * **Who gets in, as whom** ([`access`]). TLS 1.3 with client certificates required: a
 //!   client's certificate must chain to the cluster CA, be in its validity window and carry the
@@ -352,6 +354,11 @@ fn bind_once(listen: SocketAddr, count: usize) -> Result<Sockets, ServerError> {
             port_guard = Some(claim_port(local_addr).map_err(listen_error(local_addr))?);
         }
         sockets.push(socket);
+    }
+    if count > 1
+        && let Err(e) = quic::steer_by_source_port(&sockets[0], count)
+    {
+        tracing::warn!(error = %e, "cannot steer clients to endpoints by source port; the kernel hashes them");
     }
     Ok((sockets, local_addr, port_guard))
 }

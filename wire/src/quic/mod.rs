@@ -22,8 +22,10 @@ use crate::limits::{FRAME_BODY_LEN_MAX_BYTES, FRAME_HEADER_LEN_BYTES};
 use crate::{BodyChecksum, DecodeError, EncodeError, Header, Message};
 
 mod runtime;
+mod steer;
 
 pub use runtime::{QuicRuntime, Spawn};
+pub use steer::steer_by_source_port;
 
 /// The TLS application protocol name. Versions are negotiated by HELLO, not by ALPN, so a
 /// client of another version gets a clear answer instead of a failed handshake.
