@@ -299,14 +299,16 @@ fn net_workload_runs_and_reports_every_target() {
             && r["target"] == "quic"
             && r["params"]["concurrency"] == c));
     }
-    for cap in [kiln_wire::quic::UDP_PAYLOAD_MAX_BYTES, 1452] {
-        for workload in ["net.bulk_write", "net.bulk_read"] {
-            assert!(
-                records
-                    .iter()
-                    .any(|r| r["workload"] == workload && r["params"]["udp_payload"] == cap),
-                "no {workload} with udp_payload {cap}"
-            );
+    for connections in [1, 4] {
+        for cap in [kiln_wire::quic::UDP_PAYLOAD_MAX_BYTES, 1452] {
+            for workload in ["net.bulk_write", "net.bulk_read"] {
+                assert!(
+                    records.iter().any(|r| r["workload"] == workload
+                        && r["params"]["udp_payload"] == cap
+                        && r["params"]["connections"] == connections),
+                    "no {workload} with udp_payload {cap} over {connections} connections"
+                );
+            }
         }
     }
     let positive = |v: &Value| v.as_f64().is_some_and(|x| x > 0.0);
@@ -370,12 +372,17 @@ fn assert_net_ratios(records: &[&Value]) {
     let (tcp, quic) = (row("net.ping", "tcp"), row("net.ping", "quic"));
     assert_ratio(tcp, 1.0);
     assert_ratio(quic, num(tcp, "p50_us") / num(quic, "p50_us"));
-    let tcp = row("net.bulk", "tcp");
-    assert_ratio(tcp, 1.0);
+    // Each bulk row against the TCP copy over as many connections.
     for r in records
         .iter()
         .filter(|r| r["workload"] == "net.bulk_write" || r["workload"] == "net.bulk_read")
     {
+        let connections = &r["params"]["connections"];
+        let tcp = find(records, &format!("net.bulk tcp {connections}"), |t| {
+            t["workload"] == "net.bulk" && t["params"]["connections"] == *connections
+        });
+        assert_eq!(tcp["target"], "tcp", "{tcp}");
+        assert_ratio(tcp, 1.0);
         assert_ratio(r, num(r, "mib_per_s") / num(tcp, "mib_per_s"));
     }
 }
