@@ -142,8 +142,9 @@ pub struct Fd {
     /// The file's inode number once a reply named it (0 until then): a reopen by GFID after
     /// a reconnect must reach the same inode, not an object that took over the GFID.
     ino: AtomicU64,
-    /// The file opened on each lane of its client, once a large request went there.
-    on_lanes: Box<[tokio::sync::OnceCell<Fd>]>,
+    /// The file opened on each lane of its client once a large request went there, or
+    /// `None` where the brick refused to open it (its requests then stay on the main one).
+    on_lanes: Box<[tokio::sync::OnceCell<Option<Fd>>]>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -558,8 +559,8 @@ impl BrickClient {
     }
 
     /// `fd` (of the client this one is a lane of) opened on this client's session by its GFID,
-    /// as `creds`.
-    async fn adopt(&self, creds: &Creds, fd: &Fd) -> Result<Fd, Error> {
+    /// as `creds`; `None` if the brick refuses (the file is gone, or `creds` may not open it).
+    async fn adopt(&self, creds: &Creds, fd: &Fd) -> Result<Option<Fd>, Error> {
         let adopted = Fd {
             client: self.inner.id,
             gfid: fd.gfid,
@@ -577,12 +578,18 @@ impl BrickClient {
             on_lanes: Box::new([]),
         };
         let live = self.live().await?;
-        self.fd_id(&live, creds, &adopted).await?;
-        Ok(adopted)
+        match self.fd_id(&live, creds, &adopted).await {
+            Ok(_) => Ok(Some(adopted)),
+            Err(Error::Fop(e)) => {
+                tracing::debug!(error = %e, gfid = %fd.gfid, "a lane cannot open the file");
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// Sends `fop` on `fd` over lane `lane`, or over the main connection if the file cannot
-    /// be opened there.
+    /// be opened there (or the lane cannot be reached to open it, tried again next time).
     async fn call_fd_on_lane(
         &self,
         lane: usize,
@@ -595,9 +602,10 @@ impl BrickClient {
             .get_or_try_init(|| client.adopt(creds, fd))
             .await;
         match opened {
-            Ok(on_lane) => client.call_fd_here(creds, on_lane, fop).await,
+            Ok(Some(on_lane)) => client.call_fd_here(creds, on_lane, fop).await,
+            Ok(None) => self.call_fd_here(creds, fd, fop).await,
             Err(e) => {
-                tracing::debug!(error = %e, lane, "file not opened on a lane; main connection");
+                tracing::debug!(error = %e, lane, "lane unreachable; main connection");
                 self.call_fd_here(creds, fd, fop).await
             }
         }
@@ -755,12 +763,14 @@ impl Layer for BrickClient {
         self.call_fd_here(creds, fd, fop).await
     }
 
-    /// Releases the file on the main session and on every lane it was opened on.
+    /// Releases the file on the main session and on every lane it was opened on; the first
+    /// failure is the answer, after every release was tried.
     async fn release(&self, creds: &Creds, fd: Fd) -> Result<(), Error> {
-        let released = self.release_here(creds, &fd).await;
+        let mut released = self.release_here(creds, &fd).await;
         for (client, on_lane) in self.inner.lanes.clients().iter().zip(fd.on_lanes) {
-            if let Some(on_lane) = on_lane.into_inner() {
-                client.release_here(creds, &on_lane).await?;
+            if let Some(on_lane) = on_lane.into_inner().flatten() {
+                let lane_released = client.release_here(creds, &on_lane).await;
+                released = released.and(lane_released);
             }
         }
         released
