@@ -2,7 +2,8 @@
 //!
 //! ```text
 //! kiln-bench engine [--files N] [--dirs N] [--depths 1,16,256] [--loop-fs-mib M] [--json]
-//! kiln-bench net [--files N] [--concurrency 1,16,128] [--pings N] [--bulk-mib M] [--json]
+//! kiln-bench net [--files N] [--concurrency 1,16,128] [--pings N] [--bulk-mib M]
+//!                [--bulk-connections 1,4] [--json]
 //! kiln-bench mgmt [--sets N] [--tasks N] [--store embedded|etcd] [--no-glusterfs]
 //!                 [--loop-fs-mib M] [--json]
 //! kiln-bench mount [--files N] [--dirs N] [--linux-source auto|off|PATH] [--git-files N]

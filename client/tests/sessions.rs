@@ -563,6 +563,26 @@ fn mib_chunk(i: usize) -> Bytes {
         .into()
 }
 
+/// Writes MiB `0..mibs` of `fd` (chunk `i` at MiB `i`), all at once.
+async fn write_mibs(v: &BrickClient, fd: &kiln_client::Fd, mibs: usize) {
+    let creds = Creds::root();
+    let writes = (0..mibs).map(|i| v.write(&creds, fd, (i as u64) << 20, mib_chunk(i)));
+    for written in futures_util::future::join_all(writes).await {
+        written.expect("write");
+    }
+}
+
+/// Reads MiB `0..mibs` of `fd` back: each as [`write_mibs`] wrote it.
+async fn read_mibs(v: &BrickClient, fd: &kiln_client::Fd, mibs: usize) {
+    for i in 0..mibs {
+        let got = v
+            .read(&Creds::root(), fd, (i as u64) << 20, 1 << 20)
+            .await
+            .expect("read");
+        assert!(got == mib_chunk(i), "MiB {i} reads back as written");
+    }
+}
+
 #[test]
 fn a_client_spreads_large_reads_and_writes_over_its_connections() {
     let cluster = Cluster::new();
@@ -582,10 +602,7 @@ fn a_client_spreads_large_reads_and_writes_over_its_connections() {
     let path = cluster.brick.join("big");
     let (writer, reader) = rt.block_on(async {
         let writer = v.create_file(&creds, "/big", 0o644).await.expect("create");
-        let writes = (0..6).map(|i| v.write(&creds, &writer, (i as u64) << 20, mib_chunk(i)));
-        for written in futures_util::future::join_all(writes).await {
-            written.expect("write");
-        }
+        write_mibs(&v, &writer, 6).await;
         // Small I/O stays on the main connection.
         v.write(&creds, &writer, 6 << 20, Bytes::from_static(b"tail"))
             .await
@@ -599,13 +616,7 @@ fn a_client_spreads_large_reads_and_writes_over_its_connections() {
             )
             .await
             .expect("open");
-        for i in 0..6 {
-            let got = v
-                .read(&creds, &reader, (i as u64) << 20, 1 << 20)
-                .await
-                .expect("read");
-            assert!(got == mib_chunk(i), "MiB {i} reads back as written");
-        }
+        read_mibs(&v, &reader, 6).await;
         (writer, reader)
     });
     let open = brick_fds_of(&brickd, &path);
@@ -643,18 +654,8 @@ fn a_client_spreads_large_reads_and_writes_over_its_connections() {
             .expect("open");
         v.release(&creds, created).await.expect("release");
         v.remove_all(&creds, "/gone").await.expect("unlink");
-        for i in 0..3 {
-            v.write(&creds, &fd, (i as u64) << 20, mib_chunk(i))
-                .await
-                .expect("write to an unlinked file");
-        }
-        for i in 0..3 {
-            let got = v
-                .read(&creds, &fd, (i as u64) << 20, 1 << 20)
-                .await
-                .expect("read of an unlinked file");
-            assert!(got == mib_chunk(i), "MiB {i} of the unlinked file");
-        }
+        write_mibs(&v, &fd, 3).await;
+        read_mibs(&v, &fd, 3).await;
         v.release(&creds, fd).await.expect("release");
         v.close().await;
     });

@@ -30,11 +30,14 @@
 //!   `ratio` = TCP's p50 ÷ QUIC's p50, so above 1 means faster than TCP; 0.5 means a PING
 //!   takes twice as long as the bare TCP round trip.
 //! * `net.bulk_write` / `net.bulk_read` — one file of `bulk_mib` MiB written then read in
-//!   1 MiB requests, up to `bulk_inflight` in flight, over one connection; reads are checked
-//!   against what was written, the file is removed afterwards. Once per UDP payload cap in
+//!   1 MiB requests, up to `bulk_inflight` in flight, over a client of `connections`
+//!   connections (one per value of `bulk_connections`; above one, the requests are spread
+//!   over them and the client runtime has a thread per core); reads are checked against what
+//!   was written, the file is removed afterwards. Once per UDP payload cap in
 //!   `bulk_udp_payloads` (default the 64 KiB loopback maximum, then 1452, a typical Ethernet
-//!   path), each on a fresh server and connection. The reference `net.bulk`/`tcp` copies the
-//!   same bytes in 1 MiB writes over one TCP connection on loopback to a reader thread.
+//!   path), each on a fresh server and client. The reference `net.bulk`/`tcp` copies the
+//!   same bytes in 1 MiB writes over as many TCP connections on loopback (a share each), each
+//!   to a reader thread.
 //!   `ratio` = QUIC MiB/s ÷ TCP MiB/s. Nothing is fsynced: the brick's writes land in the page
 //!   cache, and the read comes from there.
 //!

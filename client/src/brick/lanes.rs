@@ -5,15 +5,16 @@
 //! encrypts, decrypts and copies. Large READs and WRITEs (at least [`LANE_IO_MIN_BYTES`]) are
 //! spread round robin over the main connection and the lanes. Each has a UDP socket of its
 //! own, on consecutive ports where they are free, and the brick steers consecutive ports to
-//! different endpoint workers (`kiln_wire::quic::steer_by_source_port`). Everything else (namespace fops, small I/O, locks, fsync,
-//! leases and their recalls) stays on the main connection.
+//! different endpoint workers (`kiln_wire::quic::steer_by_source_port`). Everything else
+//! (namespace fops, small I/O, locks, fsync, leases and their recalls) stays on the main
+//! connection.
 //!
 //! A lane is a brick client with a session of its own. A file is opened on a lane by its GFID
 //! at its first large request there, as after a reconnect: the same access mode, never
-//! `TRUNC` or `EXCL` again, and the same inode when the main fd knows it
-//! ([`BrickClient::fd_id`]). A lane that cannot open it leaves the request on the main
-//! connection. The lane fds are released with the main fd. Data written through a lane is in
-//! the same inode, so an `fsync` on the main fd covers it once the WRITE was answered.
+//! `TRUNC` or `EXCL` again, and the same inode when the main fd knows it. A lane the brick
+//! will not open it on leaves that fd's requests on the main connection. The lane fds are
+//! released with the main fd. Data written through a lane is in the same inode, so an
+//! `fsync` on the main fd covers it once the WRITE was answered.
 //!
 //! What a lane does not share with the main session: its identity for leases. A WRITE through
 //! a lane to a file the main session listed under a directory lease is another session's

@@ -1,5 +1,6 @@
-//! The brick client: one QUIC connection to one brick, the bottom [`Layer`] of every client
-//! stack (what GlusterFS's protocol/client translator is).
+//! The brick client: a QUIC connection to one brick (and, when asked, lanes beside it for
+//! bulk I/O), the bottom [`Layer`] of every client stack (what GlusterFS's protocol/client
+//! translator is).
 //!
 //! * Any number of tasks call through one [`BrickClient`] at once, each with its own
 //!   credentials; each call is its own QUIC stream, and the brick's stream credit bounds how
