@@ -660,3 +660,38 @@ fn a_client_spreads_large_reads_and_writes_over_its_connections() {
         v.close().await;
     });
 }
+
+/// `local_port` puts the client's connection on that UDP port (a port just freed, so free),
+/// and a client of several connections puts them on the ports after it, the main one last.
+#[test]
+fn a_client_binds_the_ports_it_is_given() {
+    let cluster = Cluster::new();
+    let brickd = cluster.start("127.0.0.1:0", &[]);
+    let rt = runtime();
+    let free_port = || {
+        std::net::UdpSocket::bind("0.0.0.0:0")
+            .and_then(|s| s.local_addr())
+            .expect("a free port")
+            .port()
+    };
+    let mut options = cluster.options(brickd.addr, "alice");
+    options.local_port = free_port();
+    let v = rt
+        .block_on(BrickClient::connect(options.clone()))
+        .expect("connect");
+    assert_eq!(v.local_port(), Some(options.local_port));
+    rt.block_on(v.close());
+    // The lanes take the given port and the next; the main connection the one after.
+    let first = (0..100)
+        .map(|_| free_port())
+        .find(|&p| {
+            p < u16::MAX - 2
+                && (1..3).all(|i| std::net::UdpSocket::bind(("0.0.0.0", p + i)).is_ok())
+        })
+        .expect("three free ports in a row");
+    options.local_port = first;
+    options.connections = 3;
+    let v = rt.block_on(BrickClient::connect(options)).expect("connect");
+    assert_eq!(v.local_port(), Some(first + 2));
+    rt.block_on(v.close());
+}

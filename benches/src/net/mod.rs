@@ -15,12 +15,14 @@
 //!
 //! * `net.create` — PUT of small files (create + write + close in one round trip,
 //!   [`Paths::put_at`]) into a few directories, `files` per concurrency level, by
-//!   `concurrency` tasks sharing the connection. References: `std_loop`, `File::create` +
-//!   `write_all` of as many files on the same file system, on as many OS threads as the
-//!   brick's engine runs fops on (one per PUT in flight, up to that: a std row per thread
-//!   count, each PUT row against the one of its thread count); and `engine_direct`, the same
-//!   PUTs at the same concurrency through one engine [`Session`] from the client runtime (no
-//!   network, no TLS, no codec). p50/p99 are per PUT. Every row prints its thread counts:
+//!   `concurrency` tasks sharing the connection (or round robin over `connections` clients on
+//!   consecutive ports, which the brick steers to its endpoints in turn). References:
+//!   `std_loop`, `File::create` + `write_all` of as many files on the same file system, on as
+//!   many OS threads as the brick's engine runs fops on (one per PUT in flight, up to that: a
+//!   std row per thread count, each PUT row against the one of its thread count); and
+//!   `engine_direct`, the same PUTs at the same concurrency through an engine [`Session`] per
+//!   connection (round robin) from the client runtime (no network, no TLS, no codec).
+//!   p50/p99 are per PUT. Every row prints its thread counts:
 //!   `threads` (the engine's fop threads, or the std loop's), `pool_threads` (the io_uring
 //!   engine's blocking pool), `client_threads` (the client runtime's; a current-thread
 //!   runtime is one).
@@ -276,11 +278,13 @@ pub fn run(bench: &NetBench, scratch: &Scratch, out: &mut Reporter) -> anyhow::R
     );
 
     let mut records = Vec::new();
-    // More connections for the PUTs: each gets its own client port, so the kernel spreads
-    // them over the brick's endpoints.
+    // More connections for the PUTs, each a client on the port after the last one's, which
+    // the brick steers to its next endpoint.
     let mut volumes = vec![volume.clone()];
     for _ in 1..bench.connections.max(1) {
-        let options = setup.client_options(server.local_addr(), bench.udp_payload)?;
+        let mut options = setup.client_options(server.local_addr(), bench.udp_payload)?;
+        let last = volumes.last().and_then(BrickClient::local_port);
+        options.local_port = last.and_then(|p| p.checked_add(1)).unwrap_or(0);
         volumes.push(rt.block_on(BrickClient::connect(options))?);
     }
     let volumes = Arc::new(volumes);
@@ -390,15 +394,21 @@ fn create(
 
     for &concurrency in &bench.concurrency {
         let concurrency = concurrency.max(1);
-        // The engine, called directly from the client runtime through one session (as one
-        // connection is one session on the brick).
-        let session = Arc::new(setup.engine.session_with(ParentAttrs::Omit));
-        let direct_dirs = rt.block_on(engine_dirs(&session, concurrency, dirs))?;
+        // The engine, called directly from the client runtime through a session per
+        // connection (as a connection is a session on the brick; sessions go to the workers
+        // in turn, as the connections' ports do), round robin.
+        let sessions: Arc<Vec<Session>> = Arc::new(
+            (0..volumes.len())
+                .map(|_| setup.engine.session_with(ParentAttrs::Omit))
+                .collect(),
+        );
+        let direct_dirs = rt.block_on(engine_dirs(&sessions[0], concurrency, dirs))?;
         let put = {
-            let session = session.clone();
+            let (sessions, next) = (sessions.clone(), Arc::new(AtomicUsize::new(0)));
             move |parent: Gfid, name: Name, data: Bytes| {
-                let session = session.clone();
-                async move { engine_put(&session, parent, name, data).await }
+                let turn = next.fetch_add(1, Ordering::Relaxed) % sessions.len();
+                let sessions = sessions.clone();
+                async move { engine_put(&sessions[turn], parent, name, data).await }
             }
         };
         let (direct_rate, h) = rt.block_on(put_phase(
@@ -408,7 +418,7 @@ fn create(
             &data,
             put,
         ))?;
-        drop(session);
+        drop(sessions);
         let std_threads = threads.std_loop(concurrency);
         let std_rate = *std_rates
             .get(&std_threads)

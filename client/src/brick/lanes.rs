@@ -43,8 +43,9 @@ pub(super) struct Lanes {
 }
 
 impl Lanes {
-    /// Connects the `options.connections - 1` lanes, each with its own endpoint on the port
-    /// after the last one's where it can. Returns them and the last lane's port.
+    /// Connects the `options.connections - 1` lanes, each with its own endpoint, from
+    /// `options.local_port` on, each on the port after the last one's where it can. Returns
+    /// them and the port the main connection should take.
     pub(super) async fn connect(options: &ConnectOptions) -> Result<(Lanes, Option<u16>), Error> {
         if !(1..=CONNECTIONS_MAX).contains(&options.connections) {
             return Err(Error::Misuse(format!(
@@ -53,18 +54,18 @@ impl Lanes {
             )));
         }
         let mut clients = Vec::with_capacity(options.connections - 1);
-        let mut last_port = None;
+        let mut port = (options.local_port != 0).then_some(options.local_port);
         for _ in 1..options.connections {
-            let lane = BrickClient::connect_one(options.clone(), Lanes::default(), last_port);
+            let lane = BrickClient::connect_one(options.clone(), Lanes::default(), port);
             let lane = lane.await?;
-            last_port = lane.local_port();
+            port = lane.local_port().and_then(|p| p.checked_add(1));
             clients.push(lane);
         }
         let lanes = Lanes {
             clients,
             next: AtomicUsize::new(0),
         };
-        Ok((lanes, last_port))
+        Ok((lanes, port))
     }
 
     pub(super) fn len(&self) -> usize {

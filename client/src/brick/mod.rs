@@ -56,6 +56,10 @@ pub struct ConnectOptions {
     /// QUIC connections to the brick, 1 to [`CONNECTIONS_MAX`]: the main one, and lanes for
     /// large READs and WRITEs ([`lanes`]).
     pub connections: usize,
+    /// The UDP port of the client's first connection, the others on the ports after it, where
+    /// they are free (else any); 0 = any. The brick sends a client on port `p` to its endpoint
+    /// `p % endpoints`, so clients on consecutive ports reach different workers.
+    pub local_port: u16,
 }
 
 impl ConnectOptions {
@@ -77,6 +81,7 @@ impl ConnectOptions {
             udp_payload_max_bytes: quic::UDP_PAYLOAD_MAX_BYTES,
             idle_timeout: quic::IDLE_TIMEOUT,
             connections: 1,
+            local_port: 0,
         })
     }
 }
@@ -166,17 +171,17 @@ impl Fd {
 impl BrickClient {
     /// Connects to the brick and says HELLO, on each of `options.connections`.
     pub async fn connect(options: ConnectOptions) -> Result<BrickClient, Error> {
-        let (lanes, last_port) = Lanes::connect(&options).await?;
-        BrickClient::connect_one(options, lanes, last_port).await
+        let (lanes, port) = Lanes::connect(&options).await?;
+        BrickClient::connect_one(options, lanes, port).await
     }
 
-    /// Connects one connection, with its own endpoint, and says HELLO. Its UDP port is the one
-    /// after `after` where that is free (the brick steers consecutive ports to different
-    /// endpoints), else any.
+    /// Connects one connection, with its own endpoint, and says HELLO. Its UDP port is `port`
+    /// where that is free (the brick steers consecutive ports to different endpoints), else
+    /// any.
     async fn connect_one(
         options: ConnectOptions,
         lanes: Lanes,
-        after: Option<u16>,
+        port: Option<u16>,
     ) -> Result<BrickClient, Error> {
         let client_config = quinn_config(&options)?;
         let mut bind: SocketAddr = match options.addr {
@@ -185,8 +190,7 @@ impl BrickClient {
         }
         .parse()
         .map_err(|_| Error::Tls("bad bind address".into()))?;
-        let next = after.and_then(|port| port.checked_add(1));
-        let socket = match next {
+        let socket = match port {
             Some(port) => quic::udp_socket(SocketAddr::new(bind.ip(), port), false),
             None => Err(std::io::ErrorKind::AddrInUse.into()),
         };
@@ -222,8 +226,8 @@ impl BrickClient {
         Ok(client)
     }
 
-    /// The UDP port of this client's (main) connection.
-    fn local_port(&self) -> Option<u16> {
+    /// The UDP port of this client's (main) connection: its last, lanes first.
+    pub fn local_port(&self) -> Option<u16> {
         self.inner.endpoint.local_addr().ok().map(|a| a.port())
     }
 
