@@ -301,6 +301,7 @@ pub const OPTIONS: &[OptionDef] = &[
     },
     OptionDef {
         key: "performance.connections",
+        // `kiln_client::CONNECTIONS_MAX` (a mount test checks they agree).
         kind: ValueKind::Integer { min: 1, max: 16 },
         default: "1",
         apply: Apply::Mount,

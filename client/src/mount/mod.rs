@@ -496,6 +496,12 @@ mod tests {
         ));
         o.set("connections", Some("4")).expect("valid");
         assert_eq!(o.connections, 4);
+        // The volume option allows what the mount does.
+        let volume_option = kiln_admin::options::find("performance.connections").expect("known");
+        assert!(matches!(
+            volume_option.kind,
+            kiln_admin::options::ValueKind::Integer { min: 1, max } if max == CONNECTIONS_MAX as u64
+        ));
         for bad_count in [None, Some("0"), Some("17"), Some("many")] {
             assert!(matches!(
                 o.set("connections", bad_count),

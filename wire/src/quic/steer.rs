@@ -21,33 +21,39 @@ const NETWORK_HEADER: u32 = (-0x10_0000_i32) as u32;
 const IPV6_HEADER_BYTES: u32 = 40;
 
 fn op(code: u32, k: u32) -> libc::sock_filter {
+    jump(code, k, 0, 0)
+}
+
+fn jump(code: u32, k: u32, jt: u8, jf: u8) -> libc::sock_filter {
     libc::sock_filter {
         // Every opcode fits in 16 bits (`<linux/bpf_common.h>`).
         code: code as u16,
-        jt: 0,
-        jf: 0,
+        jt,
+        jf,
         k,
     }
 }
 
-/// The program: A = the UDP source port; return A % `endpoints`.
-fn program(ipv6: bool, endpoints: u32) -> Vec<libc::sock_filter> {
-    use libc::{BPF_A, BPF_ABS, BPF_ALU, BPF_B, BPF_H, BPF_IND, BPF_K, BPF_LD, BPF_LDX};
-    use libc::{BPF_MOD, BPF_MSH, BPF_RET};
-    let mut ops = Vec::with_capacity(4);
-    if ipv6 {
-        ops.push(op(
-            BPF_LD | BPF_H | BPF_ABS,
-            NETWORK_HEADER + IPV6_HEADER_BYTES,
-        ));
-    } else {
-        // X = the IPv4 header's length (4 × IHL), then A = the half-word after it.
-        ops.push(op(BPF_LDX | BPF_B | BPF_MSH, NETWORK_HEADER));
-        ops.push(op(BPF_LD | BPF_H | BPF_IND, NETWORK_HEADER));
-    }
-    ops.push(op(BPF_ALU | BPF_MOD | BPF_K, endpoints));
-    ops.push(op(BPF_RET | BPF_A, 0));
-    ops
+/// The program: A = the UDP source port, read after an IPv4 header of any length or an
+/// IPv6 header (a dual-stack socket gets both); return A % `endpoints`.
+fn program(endpoints: u32) -> [libc::sock_filter; 9] {
+    use libc::{BPF_A, BPF_ABS, BPF_ALU, BPF_B, BPF_H, BPF_IND, BPF_JA, BPF_JEQ, BPF_JMP, BPF_K};
+    use libc::{BPF_LD, BPF_LDX, BPF_MOD, BPF_MSH, BPF_RET, BPF_RSH};
+    [
+        // 0–2: the IP version; IPv6 goes to 6. (A jump counts from the next instruction.)
+        op(BPF_LD | BPF_B | BPF_ABS, NETWORK_HEADER),
+        op(BPF_ALU | BPF_RSH | BPF_K, 4),
+        jump(BPF_JMP | BPF_JEQ | BPF_K, 6, 3, 0),
+        // 3–5, IPv4: X = the header's length (4 × IHL), A = the half-word after it.
+        op(BPF_LDX | BPF_B | BPF_MSH, NETWORK_HEADER),
+        op(BPF_LD | BPF_H | BPF_IND, NETWORK_HEADER),
+        op(BPF_JMP | BPF_JA, 1),
+        // 6, IPv6: A = the half-word after the fixed header.
+        op(BPF_LD | BPF_H | BPF_ABS, NETWORK_HEADER + IPV6_HEADER_BYTES),
+        // 7–8: the endpoint.
+        op(BPF_ALU | BPF_MOD | BPF_K, endpoints),
+        op(BPF_RET | BPF_A, 0),
+    ]
 }
 
 /// Steers the `SO_REUSEPORT` group `socket` belongs to by source port, over its first
@@ -57,7 +63,7 @@ pub fn steer_by_source_port(socket: &UdpSocket, endpoints: usize) -> io::Result<
         .ok()
         .filter(|&n| n > 0)
         .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "no endpoints to steer to"))?;
-    let mut ops = program(socket.local_addr()?.is_ipv6(), endpoints);
+    let mut ops = program(endpoints);
     let fprog = libc::sock_fprog {
         len: u16::try_from(ops.len()).map_err(|_| io::ErrorKind::InvalidInput)?,
         filter: ops.as_mut_ptr(),
@@ -89,10 +95,12 @@ mod tests {
     use super::*;
     use crate::quic::udp_socket;
 
-    /// Which of `group` receives a datagram sent from `from` (bounded wait).
+    /// Which of `group` receives a datagram sent from `from` to the group's port on `from`'s
+    /// own address (bounded wait).
     fn receiver(group: &[UdpSocket], from: &UdpSocket) -> usize {
-        from.send_to(b"x", group[0].local_addr().expect("addr"))
-            .expect("send");
+        let mut to = from.local_addr().expect("addr");
+        to.set_port(group[0].local_addr().expect("addr").port());
+        from.send_to(b"x", to).expect("send");
         for _ in 0..200 {
             for (i, socket) in group.iter().enumerate() {
                 let mut buf = [0u8; 8];
@@ -141,6 +149,12 @@ mod tests {
     #[test]
     fn a_group_steered_by_source_port_takes_consecutive_ports_in_turn_v6() {
         steered("[::1]:0", "[::1]:0");
+    }
+
+    /// A group bound to `[::]` takes IPv4 too; those datagrams are steered by their port.
+    #[test]
+    fn a_dual_stack_group_steers_ipv4_by_source_port() {
+        steered("[::]:0", "127.0.0.1:0");
     }
 
     #[test]
