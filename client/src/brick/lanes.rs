@@ -68,25 +68,21 @@ impl Lanes {
         Ok((lanes, port))
     }
 
-    pub(super) fn len(&self) -> usize {
-        self.clients.len()
-    }
-
     pub(super) fn clients(&self) -> &[BrickClient] {
         &self.clients
     }
 
     /// The lane `fop` on `fd` takes, or `None` for the main connection.
     pub(super) fn pick(&self, fd: &Fd, fop: &FopRequest) -> Option<usize> {
+        if self.clients.is_empty() {
+            return None;
+        }
         let bytes = match fop {
             FopRequest::Read(r) => r.size.get() as usize,
             FopRequest::Write(w) => w.data.len(),
             _ => return None,
         };
-        if self.clients.is_empty()
-            || bytes < LANE_IO_MIN_BYTES
-            || !matches!(fd.kind, FdKind::File { .. })
-        {
+        if bytes < LANE_IO_MIN_BYTES || !matches!(fd.kind, FdKind::File { .. }) {
             return None;
         }
         let turn = self.next.fetch_add(1, Ordering::Relaxed) % (self.clients.len() + 1);

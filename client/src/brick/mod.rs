@@ -184,22 +184,16 @@ impl BrickClient {
         port: Option<u16>,
     ) -> Result<BrickClient, Error> {
         let client_config = quinn_config(&options)?;
-        let mut bind: SocketAddr = match options.addr {
+        let bind: SocketAddr = match options.addr {
             SocketAddr::V4(_) => "0.0.0.0:0",
             SocketAddr::V6(_) => "[::]:0",
         }
         .parse()
         .map_err(|_| Error::Tls("bad bind address".into()))?;
-        let socket = match port {
-            Some(port) => quic::udp_socket(SocketAddr::new(bind.ip(), port), false),
-            None => Err(std::io::ErrorKind::AddrInUse.into()),
-        };
-        let socket = match socket {
-            Ok(socket) => socket,
-            Err(_) => {
-                bind.set_port(0);
-                quic::udp_socket(bind, false).map_err(|e| connect_error(&options, e))?
-            }
+        let asked = port.map(|port| quic::udp_socket(SocketAddr::new(bind.ip(), port), false));
+        let socket = match asked {
+            Some(Ok(socket)) => socket,
+            _ => quic::udp_socket(bind, false).map_err(|e| connect_error(&options, e))?,
         };
         let endpoint = quinn::Endpoint::new(
             quic::endpoint_config(),
@@ -550,14 +544,20 @@ impl BrickClient {
     }
 
     fn new_fd(&self, live: &Live, gfid: Gfid, kind: FdKind, id: FdId) -> Fd {
+        self.fd_at(gfid, kind, (live.conn.epoch, id), 0)
+    }
+
+    /// An fd of this client in state `state` (connection epoch, the brick's id), with a slot
+    /// per lane.
+    fn fd_at(&self, gfid: Gfid, kind: FdKind, state: (u64, FdId), ino: u64) -> Fd {
         Fd {
             client: self.inner.id,
             gfid,
             kind,
-            state: Mutex::new((live.conn.epoch, id)),
+            state: Mutex::new(state),
             locked: AtomicBool::new(false),
-            ino: AtomicU64::new(0),
-            on_lanes: (0..self.inner.lanes.len())
+            ino: AtomicU64::new(ino),
+            on_lanes: (0..self.inner.lanes.clients().len())
                 .map(|_| tokio::sync::OnceCell::new())
                 .collect(),
         }
@@ -566,22 +566,16 @@ impl BrickClient {
     /// `fd` (of the client this one is a lane of) opened on this client's session by its GFID,
     /// as `creds`; `None` if the brick refuses (the file is gone, or `creds` may not open it).
     async fn adopt(&self, creds: &Creds, fd: &Fd) -> Result<Option<Fd>, Error> {
-        let adopted = Fd {
-            client: self.inner.id,
-            gfid: fd.gfid,
-            kind: fd.kind,
-            // Epoch 0 is no connection's: the first use opens it by its GFID (`fd_id`).
-            state: Mutex::new((
-                0,
-                FdId {
-                    slot: 0,
-                    generation: 0,
-                },
-            )),
-            locked: AtomicBool::new(false),
-            ino: AtomicU64::new(fd.ino.load(Ordering::Relaxed)),
-            on_lanes: Box::new([]),
-        };
+        // Epoch 0 is no connection's: `fd_id` opens it by its GFID.
+        let unopened = (
+            0,
+            FdId {
+                slot: 0,
+                generation: 0,
+            },
+        );
+        let ino = fd.ino.load(Ordering::Relaxed);
+        let adopted = self.fd_at(fd.gfid, fd.kind, unopened, ino);
         let live = self.live().await?;
         match self.fd_id(&live, creds, &adopted).await {
             Ok(_) => Ok(Some(adopted)),
