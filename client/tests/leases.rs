@@ -705,6 +705,99 @@ fn a_recall_drops_the_names_the_holder_s_kernel_cached() {
     assert!(!a.path("d/gone").exists(), "gone in a at once");
 }
 
+/// A mount with `options`, on a brick counting its fops at `metrics`, over directories
+/// `spool` (3 files) and `other` (1 file) it did not make and never listed (made before, by
+/// a mount without leases, so that no lease is left there).
+fn a_fresh_mount_over_spool(metrics: &str, options: &[&str]) -> Mounted {
+    let mut a = Mounted::with_brick(&counted(metrics), &["leases=off"]);
+    for (dir, files) in [("spool", 3), ("other", 1)] {
+        fs::create_dir(a.path(dir)).expect("mkdir");
+        make_files(&a.path(dir), files);
+        fsync_dir(&a.path(dir)).expect("sent");
+    }
+    a.unmount();
+    a.mount(options);
+    a
+}
+
+/// A mount changing a directory it did not make and never listed asks for its write lease
+/// with the first change, then answers the absences the brick told it of under the lease
+/// itself, and makes and removes names there without waiting; another
+/// mount sees every change whole as soon as it looks, and the first mount then asks again.
+#[test]
+fn a_directory_made_before_is_changed_under_its_write_lease() {
+    let metrics = common::free_loopback_addr();
+    // The kernel keeps no absence: it asks the mount each time.
+    let a = a_fresh_mount_over_spool(&metrics, &["negative-timeout-ms=0"]);
+    let lookups = || common::fop_calls(&common::scrape(&metrics), "LOOKUP_XATTRS");
+    // The first change asks for the lease.
+    fs::create_dir(a.path("spool/sub")).expect("mkdir");
+    // An absence learned under the lease: the brick is asked once, however often the kernel
+    // asks the mount.
+    let before = lookups();
+    for _ in 0..5 {
+        assert!(!a.path("spool/nope").exists());
+    }
+    assert_eq!(lookups() - before, 1.0, "one LOOKUP of the absent name");
+    // Files made and removed there (`f0` made before, learned at its removal); a name
+    // learned absent is made.
+    for i in 3..40 {
+        fs::write(a.path(&format!("spool/f{i}")), format!("file {i}")).expect("write");
+    }
+    fs::write(a.path("spool/nope"), "file nope").expect("write");
+    for i in [0, 5, 7] {
+        fs::remove_file(a.path(&format!("spool/f{i}"))).expect("unlink");
+    }
+    fs::rename(a.path("spool/f8"), a.path("spool/renamed")).expect("rename");
+
+    // Another mount sees all of it at once (its look recalls the lease).
+    let b = a.another("b", &[]);
+    let mut want: Vec<String> = (1..40)
+        .filter(|i| ![5, 7, 8].contains(i))
+        .map(|i| format!("f{i}"))
+        .chain(["nope", "renamed", "sub"].map(String::from))
+        .collect();
+    want.sort();
+    assert_eq!(names(&b.path("spool")), want);
+    assert_each_whole(&b.path("spool"), &want[..want.len() - 3]);
+    assert_eq!(
+        fs::read_to_string(b.path("spool/renamed")).expect("read"),
+        "file 8"
+    );
+    // What the first mount learned went with the lease: a name made in the other mount is
+    // there for it at once.
+    fs::write(b.path("spool/from-b"), "made in b").expect("create in b");
+    assert_eq!(
+        fs::read_to_string(a.path("spool/from-b")).expect("seen in a"),
+        "made in b"
+    );
+    fsync_dir(&a.path("spool")).expect("nothing refused");
+    assert_brick_consistent(&a);
+}
+
+/// A name the mount learned absent, then filled by a rename of an object it knew nothing of
+/// (from a directory it held no lease on), is asked of the brick again, not answered absent.
+#[test]
+fn a_rename_into_a_held_directory_of_an_unknown_name_is_asked_again() {
+    let metrics = common::free_loopback_addr();
+    // The kernel keeps no entry: it asks the mount after the rename too.
+    let always = ["entry-timeout-ms=0", "negative-timeout-ms=0"];
+    let a = a_fresh_mount_over_spool(&metrics, &always);
+    fs::create_dir(a.path("spool/sub")).expect("mkdir");
+    assert!(!a.path("spool/moved").exists(), "learned absent");
+    fs::rename(a.path("other/f0"), a.path("spool/moved")).expect("rename");
+    assert_eq!(
+        fs::read_to_string(a.path("spool/moved")).expect("found"),
+        "file 0"
+    );
+    let b = a.another("b", &[]);
+    assert_eq!(
+        fs::read_to_string(b.path("spool/moved")).expect("found in b"),
+        "file 0"
+    );
+    assert_brick_consistent(&a);
+}
+
 #[test]
 fn tar_reads_back_a_tree_the_mount_made_without_seeing_it_change() {
     // The listing's attributes (from the brick) and a stat's (the mount's description of what

@@ -1186,8 +1186,12 @@ fn tar_git_and_rsync_work_on_the_mount() {
         ),
     );
 
-    // rm -rf of everything leaves the brick empty (but for its own .glusterfs).
+    // rm -rf of everything leaves the brick empty (but for its own .glusterfs) once the
+    // removals sent behind are on it (an fsync of the directory waits for them).
     sh_ok(&m.mountpoint, "rm -rf untar repo rsynced");
+    fs::File::open(&m.mountpoint)
+        .and_then(|root| root.sync_all())
+        .expect("removals sent");
     let left: Vec<_> = fs::read_dir(&m.cluster.brick)
         .expect("brick")
         .map(|e| e.expect("entry").file_name())

@@ -899,8 +899,12 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         self.spawn(
             reply,
             async move {
-                s.create_handle(&c, parent.0, &name, (mode, umask, flags))
-                    .await
+                let created = s.create_handle(&c, parent.0, &name, (mode, umask, flags));
+                let created = created.await;
+                if created.is_ok() {
+                    s.ask_write_lease(&c, parent.0);
+                }
+                created
             },
             |reply, (attr, ttl, opened)| {
                 reply.created(&ttl.entry, &attr, GEN, opened.fh, opened.flags);

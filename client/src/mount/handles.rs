@@ -44,7 +44,7 @@ use kiln_wire::{
 use super::convert::{
     Result, errno, fopen_flags, name_of, open_mode, requested_access, seek_what, unexpected,
 };
-use super::leases::{LISTED_ENTRIES_KEPT_MAX, Mark};
+use super::leases::{Answer, LISTED_ENTRIES_KEPT_MAX, Mark};
 use super::pending::{DEFERRED_BYTES_MAX, Pending, killed_suidgid};
 use super::shared::{Shared, Ttl, store_pages};
 use crate::path::new_gfid;
@@ -565,11 +565,10 @@ impl<L: Layer> Shared<L> {
             umask: Mode::from_st_mode(umask),
         };
         let (parent_gfid, name) = (create.parent, create.name.clone());
-        // In a held directory the mount knows whether the name is taken.
-        let taken = matches!(
-            self.leases.lookup(&parent_gfid, &name),
-            super::leases::Answer::Present(_)
-        );
+        // In a held directory the mount may know whether the name is taken.
+        let answer = self.leases.lookup(&parent_gfid, &name);
+        let taken = matches!(answer, Answer::Present(_));
+        let known_free = answer == Answer::Absent;
         if taken && flags & libc::O_EXCL != 0 {
             return Err(Errno::EEXIST);
         }
@@ -583,7 +582,8 @@ impl<L: Layer> Shared<L> {
                     && flags & libc::O_DIRECT == 0
                     && open_flags.bits() & synchronous == 0 =>
             {
-                let pending = Pending::new(create, parent_attr, c.clone());
+                let mut pending = Pending::new(create, parent_attr, c.clone());
+                pending.name_free = known_free;
                 let iatt = pending.iatt();
                 (iatt, Err(pending))
             }
@@ -593,7 +593,10 @@ impl<L: Layer> Shared<L> {
                 (created.iatt, Ok(fd))
             }
         };
-        self.leases.add_entry(&parent_gfid, &name, iatt.gfid);
+        // A name the mount did not know free is its entry once the brick has made it.
+        if fd.is_ok() || known_free {
+            self.leases.add_entry(&parent_gfid, &name, iatt.gfid);
+        }
         self.touch_dir(&parent_gfid, 0);
         let (attr, mut ttl) = self.entry(&iatt);
         self.inodes.mark_bare(attr.ino.0, Instant::now() + ttl.attr);
@@ -612,13 +615,15 @@ impl<L: Layer> Shared<L> {
             .unwrap_or(OpenFlags::empty());
         // Its close would only queue the PUT behind: the release does that, and the closer
         // is spared a FUSE request it would wait for.
-        let unflushed =
-            (fd.is_none() && self.leases.holds(&parent_gfid) && !self.options.writeback_cache)
-                .then(|| {
-                    let total = &self.handles.unflushed_bytes;
-                    Budgeted::reserve(total, DEFERRED_BYTES_MAX, UNFLUSHED_TOTAL_BYTES_MAX)
-                })
-                .flatten();
+        let unflushed = (fd.is_none()
+            && known_free
+            && self.leases.holds(&parent_gfid)
+            && !self.options.writeback_cache)
+            .then(|| {
+                let total = &self.handles.unflushed_bytes;
+                Budgeted::reserve(total, DEFERRED_BYTES_MAX, UNFLUSHED_TOTAL_BYTES_MAX)
+            })
+            .flatten();
         // A deferred create's handle is opened late as root: the create granted it
         // its access, whatever mode the file was given.
         let open = Open {
@@ -1006,13 +1011,13 @@ impl<L: Layer> Shared<L> {
         Ok(())
     }
 
-    /// The first close of a deferred create in a held directory: its PUT is queued behind
-    /// instead of sent, and the close returns at once; the file's content. `None` when it
-    /// must be sent now.
+    /// The first close of a deferred create in a held directory, of a name it knew free: its
+    /// PUT is queued behind instead of sent, and the close returns at once; the file's
+    /// content. `None` when it must be sent now.
     async fn close_behind(&self, ino: u64) -> Option<Bytes> {
         let slot = self.pending.get(ino)?;
-        let parent = slot.lock().await.as_ref().map(|p| p.parent);
-        if !parent.is_some_and(|p| self.leases.holds(&p)) {
+        let parent = slot.lock().await.as_ref().map(|p| (p.parent, p.name_free));
+        if !parent.is_some_and(|(p, free)| free && self.leases.holds(&p)) {
             return None;
         }
         let pending = self.pending.take(ino).await?;

@@ -5,7 +5,11 @@
 //!   may look inside. A directory the mount lists gets a **read** lease (asked with the
 //!   OPENDIR_LIST that opens it, which takes it before it reads the first entries), and its
 //!   entries are known once a listing from the start reaches the end with
-//!   the lease still held; its first change made here asks for the write lease with it.
+//!   the lease still held. A change made here in a directory not held for writing (listed
+//!   or not) asks for the write lease with it ([`Leases::asks_write`]).
+//! * Where the entries are not all known, the names the brick answered under the lease are
+//!   ([`Leases::learn`]): an absence, or a file's name, stays true until the lease goes,
+//!   as no other client may change the directory without its recall.
 //! * Where the entries are known the mount answers LOOKUP itself (a name it does not have
 //!   does not exist). Under a write lease it also makes and removes names itself, queueing
 //!   the changes behind ([`super::behind`]). The objects made there are described here
@@ -46,6 +50,12 @@ struct Held {
     /// Entries of the directory: all of them when `complete`, else those learned.
     entries: HashMap<Name, Gfid>,
     complete: bool,
+    /// While not `complete`: names known free (the brick answered "none" under the lease, or
+    /// the mount removed them); at most [`LEARNED_NAMES_MAX`].
+    absent: HashSet<Name>,
+    /// A name removed here was not noted in `absent` (past its bound): a name not known may
+    /// have changes queued, so the brick is asked about it only after them.
+    unnoted: bool,
     /// Moves on (to a number no hold had before) with every change to `entries` or the
     /// directory's description: a listing that began before one does not make the entries
     /// complete.
@@ -59,11 +69,20 @@ struct Held {
 }
 
 impl Held {
+    /// Whether one more learned name may be noted (entries not all known, room left).
+    fn may_learn(&self) -> bool {
+        !self.complete && self.entries.len() + self.absent.len() < LEARNED_NAMES_MAX
+    }
+}
+
+impl Held {
     fn new(kind: LeaseKind, complete: bool, generation: u64) -> Held {
         Held {
             kind,
             entries: HashMap::new(),
             complete,
+            absent: HashSet::new(),
+            unnoted: false,
             generation,
             told: HashSet::new(),
             listing: None,
@@ -134,6 +153,10 @@ struct State {
     recalled: HashMap<Gfid, u64>,
     /// Recalls seen so far.
     recalls: u64,
+    /// Directories a write lease was last asked for, and when: not asked again within
+    /// [`WRITE_ASK_INTERVAL`] (the brick refuses while another client holds or lately
+    /// recalled a lease there).
+    write_asked: HashMap<Gfid, Instant>,
     /// The first recall `recalled` still knows of (earlier ones were dropped at its bound).
     recalled_since: u64,
     /// The last generation given to a hold.
@@ -222,6 +245,13 @@ const RECALLED_MAX: usize = 4096;
 /// Names per held directory the kernel may cache besides the entries the lease knows; past
 /// it, answers there are given uncached.
 const TOLD_NAMES_MAX: usize = 4096;
+/// Names a hold whose entries are not all known learns at most (entries and absences); past
+/// it, the brick is asked about the others.
+const LEARNED_NAMES_MAX: usize = 16_384;
+/// How long after asking for a directory's write lease the mount does not ask again.
+const WRITE_ASK_INTERVAL: Duration = Duration::from_secs(1);
+/// Directories `write_asked` remembers before the old asks are swept out.
+const WRITE_ASKED_MAX: usize = 4096;
 /// Entries of kept listings (each listing counting one more); past it the oldest listings are
 /// dropped, and a longer listing is not kept. At an estimated ~250 bytes an entry, ~32 MiB at
 /// most.
@@ -265,13 +295,43 @@ impl Leases {
         self.lock().dirs.contains_key(dir)
     }
 
-    /// Whether the mount holds a read lease on `dir` and knows all its entries: its first
-    /// change there may ask for the write lease.
-    pub(super) fn may_upgrade(&self, dir: &Gfid) -> bool {
-        self.lock()
+    /// Whether a change made here in `dir` should ask for its write lease: not held for
+    /// writing, and not asked within [`WRITE_ASK_INTERVAL`] (noted as asked now).
+    pub(super) fn asks_write(&self, dir: &Gfid) -> bool {
+        let mut state = self.lock();
+        if state
             .dirs
             .get(dir)
-            .is_some_and(|held| held.kind == LeaseKind::Read && held.complete)
+            .is_some_and(|h| h.kind == LeaseKind::Write)
+        {
+            return false;
+        }
+        let now = Instant::now();
+        let recent = |at: &Instant| now.duration_since(*at) < WRITE_ASK_INTERVAL;
+        if state.write_asked.get(dir).is_some_and(recent) {
+            return false;
+        }
+        if state.write_asked.len() >= WRITE_ASKED_MAX {
+            state.write_asked.retain(|_, at| recent(at));
+        }
+        state.write_asked.insert(*dir, now);
+        true
+    }
+
+    /// Whether the brick may be asked about a name held directory `dir` does not know
+    /// before the changes queued there are sent: every name they change is known (made or
+    /// removed here), so none is this one.
+    pub(super) fn asks_before_queued(&self, dir: &Gfid) -> bool {
+        let state = self.lock();
+        state
+            .dirs
+            .get(dir)
+            .is_some_and(|held| !held.complete && !held.unnoted)
+    }
+
+    /// Whether the mount holds a lease on `dir` and knows all its entries.
+    pub(super) fn knows_all(&self, dir: &Gfid) -> bool {
+        self.lock().dirs.get(dir).is_some_and(|held| held.complete)
     }
 
     /// Starts holding `dir`'s write lease; it has no entries (the mount just made it).
@@ -290,10 +350,37 @@ impl Leases {
         }
     }
 
-    /// The write lease was granted on a directory held for reading.
-    pub(super) fn upgrade(&self, dir: &Gfid) {
-        if let Some(held) = self.lock().dirs.get_mut(dir) {
-            held.kind = LeaseKind::Write;
+    /// The write lease was granted on `dir`, an existing directory: held for reading, it is
+    /// held for writing now, with what it knew; else held with its entries not known.
+    pub(super) fn hold_write(&self, dir: Gfid) {
+        let mut state = self.lock();
+        let generation = state.next_generation();
+        let held = state
+            .dirs
+            .entry(dir)
+            .or_insert_with(|| Held::new(LeaseKind::Write, false, generation));
+        held.kind = LeaseKind::Write;
+    }
+
+    /// The brick answered `name` in `dir` with `found` (`None`: no such name) to a question
+    /// asked at hold generation `generation`: noted if the hold has not changed since and
+    /// does not know all its entries. A directory found is not noted (its removal needs to
+    /// know it empty, a rename over it too).
+    pub(super) fn learn(&self, dir: &Gfid, generation: u64, name: &Name, found: Option<Gfid>) {
+        let mut state = self.lock();
+        let Some(held) = state.dirs.get_mut(dir) else {
+            return;
+        };
+        if held.generation != generation || !held.may_learn() {
+            return;
+        }
+        match found {
+            Some(gfid) => {
+                held.entries.insert(name.clone(), gfid);
+            }
+            None => {
+                held.absent.insert(name.clone());
+            }
         }
     }
 
@@ -318,6 +405,7 @@ impl Leases {
             let gone = before.into_keys().filter(|n| !held.entries.contains_key(n));
             held.told.extend(gone);
             held.complete = true;
+            held.absent = HashSet::new();
         }
     }
 
@@ -548,7 +636,7 @@ impl Leases {
             None => Answer::Unknown,
             Some(held) => match held.entries.get(name) {
                 Some(g) => Answer::Present(*g),
-                None if held.complete => Answer::Absent,
+                None if held.complete || held.absent.contains(name) => Answer::Absent,
                 None => Answer::Unknown,
             },
         }
@@ -566,8 +654,27 @@ impl Leases {
     /// brick).
     pub(super) fn add_entry(&self, dir: &Gfid, name: &Name, gfid: Gfid) {
         if let Some(held) = self.lock().changed(dir) {
+            held.absent.remove(name);
             held.entries.insert(name.clone(), gfid);
         }
+    }
+
+    /// Forgets what held directory `dir` knew of `name`, which names an object the mount
+    /// does not know (a rename of a name it did not know moved it there): the brick is asked.
+    /// The other entries stay known, the absences not.
+    pub(super) fn forget_name(&self, dir: &Gfid, name: &Name) {
+        let mut state = self.lock();
+        let Some(held) = state.changed(dir) else {
+            return;
+        };
+        held.entries.remove(name);
+        held.absent.remove(name);
+        if held.complete {
+            // The names it removed were absent as not listed: they are not noted.
+            held.complete = false;
+            held.unnoted = true;
+        }
+        held.told.insert(name.clone());
     }
 
     /// Forgets `name` in `dir` if it is held; the object it named. The kernel may have cached
@@ -575,6 +682,11 @@ impl Leases {
     pub(super) fn remove_entry(&self, dir: &Gfid, name: &Name) -> Option<Gfid> {
         let mut state = self.lock();
         let held = state.changed(dir)?;
+        if held.may_learn() {
+            held.absent.insert(name.clone());
+        } else if !held.complete {
+            held.unnoted = true;
+        }
         let gone = held.entries.remove(name)?;
         held.told.insert(name.clone());
         Some(gone)
@@ -762,9 +874,55 @@ mod tests {
             Answer::Present(gfid(2))
         );
         assert_eq!(leases.lookup(&gfid(1), &name("b")), Answer::Absent);
-        assert!(leases.may_upgrade(&gfid(1)));
-        leases.upgrade(&gfid(1));
-        assert!(leases.holds(&gfid(1)) && !leases.may_upgrade(&gfid(1)));
+        assert!(leases.asks_write(&gfid(1)));
+        leases.hold_write(gfid(1));
+        assert!(leases.holds(&gfid(1)) && leases.knows_all(&gfid(1)));
+        assert_eq!(leases.lookup(&gfid(1), &name("b")), Answer::Absent);
+    }
+
+    #[test]
+    fn a_write_lease_asked_is_not_asked_again_at_once() {
+        let leases = Leases::default();
+        assert!(leases.asks_write(&gfid(1)));
+        assert!(!leases.asks_write(&gfid(1)), "asked already");
+        assert!(leases.asks_write(&gfid(2)), "another directory");
+        leases.hold_write(gfid(3));
+        assert!(!leases.asks_write(&gfid(3)), "held");
+    }
+
+    #[test]
+    fn a_hold_of_unknown_entries_learns_what_the_brick_answered_under_it() {
+        let leases = Leases::default();
+        leases.hold_write(gfid(1));
+        assert!(leases.holds(&gfid(1)) && !leases.knows_all(&gfid(1)));
+        assert_eq!(leases.lookup(&gfid(1), &name("a")), Answer::Unknown);
+        let asked = leases.generation(&gfid(1)).expect("held");
+        leases.learn(&gfid(1), asked, &name("a"), None);
+        leases.learn(&gfid(1), asked, &name("f"), Some(gfid(2)));
+        assert_eq!(leases.lookup(&gfid(1), &name("a")), Answer::Absent);
+        assert_eq!(
+            leases.lookup(&gfid(1), &name("f")),
+            Answer::Present(gfid(2))
+        );
+        assert!(!leases.is_empty(&gfid(1)), "other names are not known");
+        // Made, then removed, here.
+        leases.add_entry(&gfid(1), &name("a"), gfid(3));
+        assert_eq!(
+            leases.lookup(&gfid(1), &name("a")),
+            Answer::Present(gfid(3))
+        );
+        assert_eq!(leases.remove_entry(&gfid(1), &name("f")), Some(gfid(2)));
+        assert_eq!(leases.lookup(&gfid(1), &name("f")), Answer::Absent);
+        // An answer to a question asked before a change here is not learned.
+        let before = leases.generation(&gfid(1)).expect("held");
+        leases.add_entry(&gfid(1), &name("c"), gfid(4));
+        leases.learn(&gfid(1), before, &name("b"), None);
+        assert_eq!(leases.lookup(&gfid(1), &name("b")), Answer::Unknown);
+        // Nor one about a directory no longer held.
+        let held = leases.generation(&gfid(1)).expect("held");
+        leases.release(&gfid(1));
+        leases.learn(&gfid(1), held, &name("b"), None);
+        assert_eq!(leases.lookup(&gfid(1), &name("b")), Answer::Unknown);
     }
 
     fn entry(n: &str) -> DirEntryXattrs {

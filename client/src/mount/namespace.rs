@@ -39,8 +39,9 @@ const RECALL_CLOSE_GRACE: std::time::Duration = std::time::Duration::from_millis
 enum Want {
     /// The directory the fop makes: held, with no entries, once granted.
     NewDir,
-    /// A directory held for reading, whose entries the mount knows.
-    Upgrade,
+    /// An existing directory the fop changes: held for writing, with what the mount knows
+    /// of its entries, once granted.
+    Existing,
 }
 
 /// A namespace fop as the mount sees it: which names in which directories it needs.
@@ -166,7 +167,7 @@ impl<L: Layer> Shared<L> {
         self.settle_dir(None).await;
         self.behind.settle(&parent).await;
         // A new directory comes with its write lease, in the same round trip.
-        let mut wants = self.upgrades(&[parent]);
+        let mut wants = self.write_leases_for(&[parent]);
         if matches!(fop, FopRequest::Mkdir(_)) && self.uses_leases() {
             wants.push((gfid, Want::NewDir));
         }
@@ -198,16 +199,41 @@ impl<L: Layer> Shared<L> {
         });
     }
 
-    /// The write leases to ask with a change in `dirs`: those held for reading whose entries
-    /// the mount knows (the change is where the mount starts writing there).
-    fn upgrades(&self, dirs: &[Gfid]) -> Vec<(Gfid, Want)> {
+    /// The write leases to ask with a change in `dirs`: those the mount does not hold for
+    /// writing (the change is where the mount starts writing there).
+    fn write_leases_for(&self, dirs: &[Gfid]) -> Vec<(Gfid, Want)> {
         if !self.uses_leases() {
             return Vec::new();
         }
         dirs.iter()
-            .filter(|d| self.leases.may_upgrade(d))
-            .map(|d| (*d, Want::Upgrade))
+            .filter(|d| self.leases.asks_write(d))
+            .map(|d| (*d, Want::Existing))
             .collect()
+    }
+
+    /// Asks, in the background, for the write lease on directory `ino`, where the mount
+    /// made a file without it (a create, whose PUT goes alone).
+    pub(super) fn ask_write_lease(self: &Arc<Self>, c: &Creds, ino: u64) {
+        let Some(dir) = self.inodes.gfid(ino) else {
+            return;
+        };
+        if !self.uses_leases() || !self.leases.asks_write(&dir) {
+            return;
+        }
+        let (s, c) = (self.clone(), c.clone());
+        tokio::spawn(async move {
+            let recalls = s.leases.recalls();
+            let lease = Lease {
+                gfid: dir,
+                kind: LeaseKind::Write,
+            };
+            let granted = s.layer.call(&c, lease.into()).await;
+            if matches!(granted, Ok(FopReply::Lease(r)) if r.kind == LeaseKind::Write)
+                && s.leases.take_grant(&dir, recalls)
+            {
+                s.leases.hold_write(dir);
+            }
+        });
     }
 
     /// Runs `fop`, asking in the same batch for the write leases `wants`; the fop's reply.
@@ -241,7 +267,7 @@ impl<L: Layer> Shared<L> {
             {
                 match want {
                     Want::NewDir => self.leases.hold_new(*gfid),
-                    Want::Upgrade => self.leases.upgrade(gfid),
+                    Want::Existing => self.leases.hold_write(*gfid),
                 }
             }
         }
@@ -262,8 +288,11 @@ impl<L: Layer> Shared<L> {
         let Some(dir) = self.writable_held_dir(c, parent) else {
             return Ok(None);
         };
-        if self.leases.lookup(parent, name) != Answer::Absent {
-            return Err(Errno::EEXIST);
+        match self.leases.lookup(parent, name) {
+            Answer::Absent => {}
+            Answer::Present(_) => return Err(Errno::EEXIST),
+            // Entries not all known: the brick says.
+            Answer::Unknown => return Ok(None),
         }
         let gid = if dir.mode & libc::S_ISGID != 0 {
             dir.gid
@@ -371,7 +400,7 @@ impl<L: Layer> Shared<L> {
             self.behind.settle(&parent).await;
         }
         self.anchor_handles().await;
-        let wants = self.upgrades(&change.parents());
+        let wants = self.write_leases_for(&change.parents());
         self.call_with_leases(c, fop, &wants).await.map_err(errno)?;
         self.note_changed(&change);
         Ok(())
@@ -394,7 +423,7 @@ impl<L: Layer> Shared<L> {
             },
             Change::Rmdir { parent, name } => match self.leases.lookup(parent, name) {
                 Answer::Present(g) if self.leases.is_empty(&g) => (g, None),
-                Answer::Present(g) if self.leases.holds(&g) => return Err(Errno::ENOTEMPTY),
+                Answer::Present(g) if self.leases.knows_all(&g) => return Err(Errno::ENOTEMPTY),
                 Answer::Absent => return Err(Errno::ENOENT),
                 _ => return Ok(false),
             },
@@ -499,13 +528,16 @@ impl<L: Layer> Shared<L> {
                     self.leases.release(&replaced);
                     self.unlinked(&replaced);
                 }
-                if let Some(source) = source {
-                    self.leases.add_entry(new_parent, new_name, source);
-                    self.touch_ctime(&source);
-                    if !self.leases.holds(new_parent) {
-                        // Described only where no other client reaches it unrecalled.
-                        self.leases.forget_local(&source);
+                match source {
+                    Some(source) => {
+                        self.leases.add_entry(new_parent, new_name, source);
+                        self.touch_ctime(&source);
+                        if !self.leases.holds(new_parent) {
+                            // Described only where no other client reaches it unrecalled.
+                            self.leases.forget_local(&source);
+                        }
                     }
+                    None => self.leases.forget_name(new_parent, new_name),
                 }
                 if parent != new_parent {
                     match moved_dir {

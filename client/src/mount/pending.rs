@@ -41,6 +41,9 @@ pub(crate) struct Pending {
     attr: SetAttr,
     /// What the kernel is told the file looks like.
     iatt: Iatt,
+    /// The name was known free in a held directory when the file was made: under that
+    /// directory's write lease its PUT may go behind.
+    pub(crate) name_free: bool,
 }
 
 /// The parent directory's attributes that decide a create: who may, and the new file's group.
@@ -99,6 +102,7 @@ impl Pending {
             data: Vec::new(),
             attr: SetAttr::default(),
             iatt,
+            name_free: false,
         }
     }
 

@@ -262,10 +262,23 @@ impl<L: Layer> Shared<L> {
             }
             Answer::Unknown => {}
         }
-        self.behind.settle(&lookup.parent).await;
+        if !self.leases.asks_before_queued(&lookup.parent) {
+            self.behind.settle(&lookup.parent).await;
+        }
         let (parent, name) = (lookup.parent, lookup.name.clone());
+        // Asked under a lease of a directory whose entries are not all known: the answer
+        // is learned.
+        let held = self.leases.generation(&parent);
+        let learn = |found| {
+            if let Some(generation) = held {
+                self.leases.learn(&parent, generation, &name, found);
+            }
+        };
         match self.layer.call(c, lookup.into()).await {
             Ok(FopReply::LookupXattrs(r)) => {
+                if r.iatt.file_type != FileType::Directory {
+                    learn(Some(r.iatt.gfid));
+                }
                 let (attr, mut ttl) = self.entry(&r.iatt);
                 self.note_xattrs(attr.ino.0, r.xattrs);
                 if !self.leases.tell(&parent, &name) {
@@ -274,8 +287,12 @@ impl<L: Layer> Shared<L> {
                 Ok(Some((attr, ttl)))
             }
             Ok(other) => Err(unexpected(&other)),
-            Err(Error::Fop(ErrorCode::NoEnt)) if negative && self.leases.tell(&parent, &name) => {
-                Ok(None)
+            Err(Error::Fop(ErrorCode::NoEnt)) => {
+                learn(None);
+                match negative && self.leases.tell(&parent, &name) {
+                    true => Ok(None),
+                    false => Err(Errno::ENOENT),
+                }
             }
             Err(e) => Err(errno(e)),
         }
