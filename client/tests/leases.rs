@@ -798,6 +798,50 @@ fn a_rename_into_a_held_directory_of_an_unknown_name_is_asked_again() {
     assert_brick_consistent(&a);
 }
 
+/// Names looked up one after another in a directory the mount never listed (as `git status`
+/// does) list it, under a read lease, from the second: the next names, present or not, are
+/// answered from the listing, until another mount's change recalls the lease.
+#[test]
+fn lookups_in_a_directory_never_listed_list_it() {
+    let metrics = common::free_loopback_addr();
+    // The kernel keeps what it is told: each name reaches the mount once.
+    let long = ["attr-timeout-ms=60000", "entry-timeout-ms=60000"];
+    let a = a_fresh_mount_over_spool(&metrics, &long);
+    let scrape = || common::scrape(&metrics);
+    let (lookups, listings) = (
+        || common::fop_calls(&scrape(), "LOOKUP_XATTRS"),
+        || common::fop_calls(&scrape(), "OPENDIR_LIST"),
+    );
+    assert!(a.path("spool").is_dir());
+    let (looked, listed) = (lookups(), listings());
+    assert_eq!(
+        fs::read_to_string(a.path("spool/f0")).expect("read"),
+        "file 0"
+    );
+    assert!(!a.path("spool/none0").exists());
+    assert_eq!(listings_once(&metrics, listed, 1.0, Duration::ZERO), 1.0);
+    assert_eq!(lookups() - looked, 2.0, "the two names before the listing");
+    let looked = lookups();
+    assert_eq!(
+        fs::read_to_string(a.path("spool/f2")).expect("read"),
+        "file 2"
+    );
+    assert!(!a.path("spool/none1").exists());
+    assert_eq!(lookups() - looked, 0.0, "answered from the listing");
+    // Another mount's new file recalls the lease: the first mount finds it.
+    let b = a.another("b", &[]);
+    fs::write(b.path("spool/from-b"), "made in b").expect("create in b");
+    assert_eq!(
+        fs::read_to_string(a.path("spool/from-b")).expect("seen in a"),
+        "made in b"
+    );
+    assert_eq!(
+        listings() - listed,
+        1.0,
+        "not listed again within the bound"
+    );
+}
+
 #[test]
 fn tar_reads_back_a_tree_the_mount_made_without_seeing_it_change() {
     // The listing's attributes (from the brick) and a stat's (the mount's description of what

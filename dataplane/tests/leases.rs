@@ -435,10 +435,12 @@ fn leases_off_answers_none_and_switches_live(kind: EngineKind) {
 }
 
 /// OPENDIR_LIST takes its lease before it reads the entries, answers the lease, the entries
-/// and a working fd, and gives the lease back when it fails.
+/// and a working fd, and gives the lease back when it fails; it never lowers a lease the
+/// session holds.
 fn opendir_list_takes_its_lease_before_it_lists(kind: EngineKind) {
     let h = harness(kind, BOUND);
     let d = h.mkdir(Gfid::ROOT, "d").expect("mkdir");
+    let e = h.mkdir(Gfid::ROOT, "e").expect("mkdir");
     h.put(d, "f", b"x").expect("put");
     let (closed, fop) = mkdir(&h, Gfid::ROOT, "closed");
     let FopRequest::Mkdir(fop) = fop else {
@@ -500,6 +502,16 @@ fn opendir_list_takes_its_lease_before_it_lists(kind: EngineKind) {
         // Without a lease asked, none is taken.
         assert_eq!(listed(d, LeaseKind::None).await.lease, LeaseKind::None);
         assert_eq!(lease(&b, d, LeaseKind::Write).await, Ok(LeaseKind::Write));
+
+        // A lease the session holds is never lowered by a listing's: a write lease a LEASE
+        // took beside it stays, and the listing says it took none.
+        assert_eq!(lease(&a, e, LeaseKind::Write).await, Ok(LeaseKind::Write));
+        assert_eq!(listed(e, LeaseKind::Read).await.lease, LeaseKind::None);
+        assert_eq!(
+            lease(&b, e, LeaseKind::Read).await,
+            Ok(LeaseKind::None),
+            "the write lease is in the way"
+        );
     });
 }
 

@@ -10,6 +10,13 @@
 //!   directory holds, and an `ls` of a large directory lists no more than the first ahead.
 //!   Only where a kept listing answers an OPENDIR: with leases, and with the kernel
 //!   checking permissions itself.
+//! * **Listings, ahead of lookups.** The second name the brick is asked about within
+//!   [`MISSES_WINDOW`] in a directory the mount holds no lease on lists that directory the
+//!   same way ([`Shared::lookup_missed`]): a program looking many names up there without
+//!   listing it (`git status`, `make`, a reader of a spool) finds the next ones answered from
+//!   the listing kept (a lookup that finds it under way waits for it). A directory not kept
+//!   (its listing takes more than one reply) is not listed for this again within
+//!   [`RELIST_AFTER`].
 //! * **Small files, ahead of a program reading a directory's files in the order it listed
 //!   them** (`tar -c`, `cp -r`, `grep -r`). When a file's first read follows the one before
 //!   in the directory's kept listing (or is its first file), the mount also fetches the next
@@ -22,6 +29,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kiln_wire::{Creds, DirEntryXattrs, FileType, Gfid};
@@ -37,9 +45,28 @@ use crate::Layer;
 /// walk must reach these first.
 pub(super) const PREFETCH_SUBDIRS_MAX: usize = 16;
 
+/// Why directories are listed ahead.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ahead {
+    /// A listing showed them: not once the walk opened (or removed) them itself.
+    OfWalk,
+    /// Names in them were looked up ([`Shared::lookup_missed`]).
+    OfLookups,
+}
+
 /// Subdirectories waiting to be listed ahead ([`Later`]), at most; past it they are
 /// forgotten.
 const LATER_MAX: usize = 65_536;
+
+/// Names the brick is asked about in one directory held by no lease, within
+/// [`MISSES_WINDOW`] of the first, that list the directory ahead.
+const MISSES_BEFORE_LISTING: u32 = 2;
+/// How close together those questions must come.
+pub(super) const MISSES_WINDOW: Duration = Duration::from_secs(1);
+/// How long after a directory was listed for its lookups they may list it again.
+pub(super) const RELIST_AFTER: Duration = Duration::from_secs(10);
+/// Directories whose questions are counted, at most; past it the counts start over.
+const MISSED_DIRS_MAX: usize = 4096;
 
 /// Listings the whole mount fetches ahead at once.
 const PREFETCH_INFLIGHT_MAX: usize = 4;
@@ -60,6 +87,9 @@ pub(super) struct Prefetch {
     /// failed, or the fetch was dropped).
     listing: Mutex<HashMap<Gfid, watch::Receiver<()>>>,
     files: Mutex<FilesAhead>,
+    /// Directories held by no lease whose names the brick was asked about: how many, since
+    /// when.
+    missed: Mutex<HashMap<Gfid, (u32, Instant)>>,
 }
 
 impl Default for Prefetch {
@@ -69,6 +99,7 @@ impl Default for Prefetch {
             later: Mutex::default(),
             listing: Mutex::default(),
             files: Mutex::default(),
+            missed: Mutex::default(),
         }
     }
 }
@@ -210,6 +241,28 @@ impl Prefetch {
         }
     }
 
+    /// Whether directory `gfid` is being listed ahead.
+    pub(super) fn is_listing(&self, gfid: &Gfid) -> bool {
+        self.lock().contains_key(gfid)
+    }
+
+    /// Counts a question to the brick about a name in directory `dir` (held by no lease) at
+    /// `now`; whether it is the one that lists `dir` ahead.
+    fn missed(&self, dir: Gfid, now: Instant) -> bool {
+        let mut missed = self.missed.lock().unwrap_or_else(|p| p.into_inner());
+        if missed.len() >= MISSED_DIRS_MAX {
+            missed.clear();
+        }
+        let (count, since) = missed.entry(dir).or_insert((0, now));
+        let listed = *count >= MISSES_BEFORE_LISTING;
+        let over = now.duration_since(*since);
+        if (!listed && over > MISSES_WINDOW) || (listed && over > RELIST_AFTER) {
+            (*count, *since) = (0, now);
+        }
+        *count += 1;
+        *count == MISSES_BEFORE_LISTING
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Gfid, watch::Receiver<()>>> {
         self.listing.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -317,8 +370,27 @@ impl<L: Layer> Shared<L> {
     pub(super) fn subdirs_shown(self: &Arc<Self>, c: &Creds, dir: Gfid, subdirs: Vec<(u64, Gfid)>) {
         let ahead = self.later().shown(dir, subdirs);
         if !ahead.is_empty() {
-            tokio::spawn(self.clone().prefetch_listings(c.clone(), ahead));
+            tokio::spawn(
+                self.clone()
+                    .prefetch_listings(c.clone(), ahead, Ahead::OfWalk),
+            );
         }
+    }
+
+    /// The brick is about to be asked, as `c`, about a name in directory node `ino` (`dir`):
+    /// where the mount holds no lease there, the second such question within
+    /// [`MISSES_WINDOW`] lists `dir` ahead.
+    pub(super) fn lookup_missed(self: &Arc<Self>, c: &Creds, ino: u64, dir: Gfid) {
+        if !self.prefetches()
+            || self.leases.has_lease(&dir)
+            || !self.prefetch.missed(dir, Instant::now())
+        {
+            return;
+        }
+        let listing = self
+            .clone()
+            .prefetch_listings(c.clone(), vec![(ino, dir)], Ahead::OfLookups);
+        tokio::spawn(listing);
     }
 
     /// A walk opens directory node `ino`, as `c`: lists ahead the next subdirectory waiting
@@ -328,7 +400,10 @@ impl<L: Layer> Shared<L> {
             return;
         };
         if let Some(next) = self.later().opened(&gfid) {
-            tokio::spawn(self.clone().prefetch_listings(c.clone(), vec![next]));
+            let listing = self
+                .clone()
+                .prefetch_listings(c.clone(), vec![next], Ahead::OfWalk);
+            tokio::spawn(listing);
         }
     }
 
@@ -339,16 +414,16 @@ impl<L: Layer> Shared<L> {
             .unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Lists directories `dirs` (node and GFID, just shown to the kernel by a listing) as
-    /// `c`, one after the other, and keeps each listing; a failure only means nothing is
-    /// kept. Changes through the mount meanwhile drop only the listings that show what they
-    /// change: an `rm -rf` finds the next directories' listings kept while it empties one.
-    async fn prefetch_listings(self: Arc<Self>, c: Creds, dirs: Vec<(u64, Gfid)>) {
+    /// Lists directories `dirs` (node and GFID) as `c`, one after the other, and keeps each
+    /// listing; a failure only means nothing is kept. Changes through the mount meanwhile
+    /// drop only the listings that show what they change: an `rm -rf` finds the next
+    /// directories' listings kept while it empties one.
+    async fn prefetch_listings(self: Arc<Self>, c: Creds, dirs: Vec<(u64, Gfid)>, why: Ahead) {
         for (ino, gfid) in dirs {
             let Ok(_turn) = self.prefetch.inflight.acquire().await else {
                 return;
             };
-            if !self.later().unopened(&gfid) {
+            if why == Ahead::OfWalk && !self.later().unopened(&gfid) {
                 continue;
             }
             // Kept until the listing is: an OPENDIR of the directory waits for it to go.

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use fuser::{Errno, FileAttr, FileHandle};
 use kiln_wire::{
-    Creds, ErrorCode, FileType, FopReply, FopRequest, FsStats, Gfid, Iatt, SetAttr, XattrName,
-    XattrPresence,
+    Creds, ErrorCode, FileType, FopReply, FopRequest, FsStats, Gfid, Iatt, Name, SetAttr,
+    XattrName, XattrPresence,
 };
 
 use super::MountOptions;
@@ -119,7 +119,7 @@ impl<L: Layer> Shared<L> {
     /// Has the kernel drop what it caches of `names` in directory `dir` (entries and
     /// absences); returns once it has, off the runtime's threads like
     /// [`Shared::invalidate_attrs`].
-    pub(super) async fn invalidate_entries(&self, dir: &Gfid, names: Vec<kiln_wire::Name>) {
+    pub(super) async fn invalidate_entries(&self, dir: &Gfid, names: Vec<Name>) {
         let (Some(kernel), Some(parent)) = (self.kernel.get().cloned(), self.inodes.ino_of(dir))
         else {
             return;
@@ -228,7 +228,7 @@ impl<L: Layer> Shared<L> {
     /// LOOKUP of `name` in node `parent`, as `c`: a deferred create's entry, the brick's, or
     /// `None` for a negative entry the kernel may cache.
     pub(super) async fn lookup(
-        &self,
+        self: &Arc<Self>,
         c: &Creds,
         parent: u64,
         name: &OsStr,
@@ -240,28 +240,19 @@ impl<L: Layer> Shared<L> {
         if let Some(iatt) = self.pending.find(lookup.parent, &lookup.name).await {
             return Ok(Some(self.entry(&iatt)));
         }
-        let negative = !self.options.negative_timeout.is_zero();
-        match self.leases.lookup(&lookup.parent, &lookup.name) {
-            // A held directory knows all its names.
-            Answer::Absent if negative && self.leases.tell(&lookup.parent, &lookup.name) => {
-                return Ok(None);
-            }
-            Answer::Absent => return Err(Errno::ENOENT),
-            Answer::Present(gfid) => {
-                if let Some(local) = self.leases.local(&gfid) {
-                    return Ok(Some(self.entry(&local.iatt)));
-                }
-                if let Some((iatt, xattrs)) = self.listed(&lookup.parent, &gfid) {
-                    let (attr, ttl) = self.entry(&iatt);
-                    self.note_xattrs(attr.ino.0, xattrs);
-                    if iatt.file_type == FileType::Regular {
-                        self.inodes.note_listed_in(attr.ino.0, lookup.parent);
-                    }
-                    return Ok(Some((attr, ttl)));
-                }
-            }
-            Answer::Unknown => {}
+        if let Some(answer) = self.lookup_here(&lookup.parent, &lookup.name) {
+            return answer;
         }
+        if self.prefetch.is_listing(&lookup.parent) {
+            // A listing of the directory under way answers it once kept.
+            self.prefetch.wait_for(&lookup.parent).await;
+            if let Some(answer) = self.lookup_here(&lookup.parent, &lookup.name) {
+                return answer;
+            }
+        } else {
+            self.lookup_missed(c, parent, lookup.parent);
+        }
+        let negative = !self.options.negative_timeout.is_zero();
         if !self.leases.asks_before_queued(&lookup.parent) {
             self.behind.settle(&lookup.parent).await;
         }
@@ -295,6 +286,31 @@ impl<L: Layer> Shared<L> {
                 }
             }
             Err(e) => Err(errno(e)),
+        }
+    }
+
+    /// LOOKUP of `name` in directory `parent` answered from what the mount holds: a held
+    /// directory's entries, the description of an object made here, a kept listing; `None`
+    /// when the brick must answer.
+    fn lookup_here(&self, parent: &Gfid, name: &Name) -> Option<Result<Option<(FileAttr, Ttl)>>> {
+        let negative = !self.options.negative_timeout.is_zero();
+        match self.leases.lookup(parent, name) {
+            // A held directory knows all its names.
+            Answer::Absent if negative && self.leases.tell(parent, name) => Some(Ok(None)),
+            Answer::Absent => Some(Err(Errno::ENOENT)),
+            Answer::Present(gfid) => {
+                if let Some(local) = self.leases.local(&gfid) {
+                    return Some(Ok(Some(self.entry(&local.iatt))));
+                }
+                let (iatt, xattrs) = self.listed(parent, &gfid)?;
+                let (attr, ttl) = self.entry(&iatt);
+                self.note_xattrs(attr.ino.0, xattrs);
+                if iatt.file_type == FileType::Regular {
+                    self.inodes.note_listed_in(attr.ino.0, *parent);
+                }
+                Some(Ok(Some((attr, ttl))))
+            }
+            Answer::Unknown => None,
         }
     }
 

@@ -249,7 +249,7 @@ impl<E: Exec> Fops<E> {
             }),
             Err(e) => {
                 if r.lease != LeaseKind::None {
-                    self.give_back(session, r.gfid).await;
+                    self.give_back(session, r.gfid, r.lease);
                 }
                 Err(e)
             }

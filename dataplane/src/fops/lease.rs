@@ -25,31 +25,30 @@ impl<E: Exec> Fops<E> {
         Ok(LeaseReply { kind })
     }
 
-    /// The lease OPENDIR_LIST asked on directory `gfid` before its listing, as LEASE would
-    /// grant it: what is granted, none where LEASE would fail.
+    /// The lease OPENDIR_LIST asked on directory `gfid` before its listing, taken as LEASE
+    /// would grant it where the session holds none there (one it holds stays as it is): what
+    /// it took, none where it took none or LEASE would fail.
     pub(super) async fn lease_before_listing(
         &self,
         session: SessionId,
         gfid: Gfid,
         kind: LeaseKind,
     ) -> LeaseKind {
-        if kind == LeaseKind::None {
-            return kind;
+        let leases = &self.shared.leases;
+        if kind == LeaseKind::None || !leases.is_attached(session) {
+            return LeaseKind::None;
         }
-        match self.lease(session, Lease { gfid, kind }).await {
-            Ok(reply) => reply.kind,
-            Err(_) => LeaseKind::None,
+        if !self.stat_gfid(&gfid).await.is_ok_and(|s| s.is_dir()) {
+            return LeaseKind::None;
         }
+        let took = leases.take_for_listing(session, gfid, kind).await;
+        took.unwrap_or(LeaseKind::None)
     }
 
-    /// Gives back the lease an OPENDIR_LIST took when the rest of it failed: the client never
-    /// learns of it.
-    pub(super) async fn give_back(&self, session: SessionId, gfid: Gfid) {
-        let none = Lease {
-            gfid,
-            kind: LeaseKind::None,
-        };
-        let _ = self.lease(session, none).await;
+    /// Gives back the lease `took` that an OPENDIR_LIST took when the rest of it failed (if
+    /// the session still holds just that): the client never learns of it.
+    pub(super) fn give_back(&self, session: SessionId, gfid: Gfid, took: LeaseKind) {
+        self.shared.leases.give_back(session, gfid, took);
     }
 
     /// The GFID of `parent/name` if it is a directory, looked up as the brick; `None` for

@@ -17,6 +17,15 @@ use super::{
 };
 use crate::fdtable::SessionId;
 
+/// How a lease is asked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ask {
+    /// By LEASE: the kind asked, raised or lowered.
+    Lease,
+    /// By OPENDIR_LIST, before its listing: only where the session holds none.
+    ListingWhereNone,
+}
+
 /// The brick's leases and the gate in front of every fop.
 #[derive(Debug, Default)]
 pub struct Leases {
@@ -168,9 +177,49 @@ impl Leases {
         gfid: Gfid,
         asked: LeaseKind,
     ) -> Result<LeaseKind, Errno> {
+        self.grant_as(session, gfid, asked, Ask::Lease).await
+    }
+
+    /// The lease an OPENDIR_LIST asks before its listing (`docs/wire.md`): `asked` on
+    /// directory `gfid`, taken as LEASE takes it, but only where `session` holds none there
+    /// (a lease it holds, a write lease a LEASE beside the listing took included, is never
+    /// lowered by it); the lease it took, none where it took none.
+    pub async fn take_for_listing(
+        &self,
+        session: SessionId,
+        gfid: Gfid,
+        asked: LeaseKind,
+    ) -> Result<LeaseKind, Errno> {
+        self.grant_as(session, gfid, asked, Ask::ListingWhereNone)
+            .await
+    }
+
+    /// Gives back the lease `took` an OPENDIR_LIST took on `gfid` for `session` when the rest
+    /// of it failed: only if it is still what the session holds there (a LEASE beside it may
+    /// have raised it since, and that stays).
+    pub fn give_back(&self, session: SessionId, gfid: Gfid, took: LeaseKind) {
+        let mut table = lock(&self.table);
+        if table.holder(session, &gfid).map(|h| h.kind) != Some(took) {
+            return;
+        }
+        table.set(session, gfid, LeaseKind::None);
+        table.stats.returns += 1;
+        table.tidy(&gfid, Instant::now());
+        self.settle(&mut table);
+        drop(table);
+        self.changed.notify_waiters();
+    }
+
+    async fn grant_as(
+        &self,
+        session: SessionId,
+        gfid: Gfid,
+        asked: LeaseKind,
+        ask: Ask,
+    ) -> Result<LeaseKind, Errno> {
         let give_up = Instant::now() + DRAIN_WAIT_MAX;
         loop {
-            if let Some(kind) = self.try_grant(session, gfid, asked, give_up)? {
+            if let Some(kind) = self.try_grant(session, gfid, asked, ask, give_up)? {
                 return Ok(kind);
             }
             let _arming = Arming(self);
@@ -186,11 +235,15 @@ impl Leases {
         session: SessionId,
         gfid: Gfid,
         asked: LeaseKind,
+        ask: Ask,
         give_up: Instant,
     ) -> Result<Option<LeaseKind>, Errno> {
         let mut table = lock(&self.table);
         if !table.is_attached(session) {
             return Err(Errno::NOTSUP);
+        }
+        if ask == Ask::ListingWhereNone && table.holder(session, &gfid).is_some() {
+            return Ok(Some(LeaseKind::None));
         }
         let now = Instant::now();
         let mut wake = table.expire(now) > 0;
