@@ -842,6 +842,41 @@ fn lookups_in_a_directory_never_listed_list_it() {
     );
 }
 
+/// A directory the mount holds the write lease of without knowing its entries is listed
+/// at the second name the brick is asked about there; then the mount makes new names there
+/// without asking, and another mount sees every one.
+#[test]
+fn a_held_directory_of_unknown_entries_is_listed_then_changed_without_asking() {
+    let metrics = common::free_loopback_addr();
+    let a = a_fresh_mount_over_spool(&metrics, &[]);
+    let scrape = || common::scrape(&metrics);
+    let lookups = || common::fop_calls(&scrape(), "LOOKUP_XATTRS");
+    // The write lease, with the first change.
+    fs::create_dir(a.path("spool/sub")).expect("mkdir");
+    let listed = common::fop_calls(&scrape(), "OPENDIR_LIST");
+    assert!(!a.path("spool/x0").exists() && !a.path("spool/x1").exists());
+    assert_eq!(listings_once(&metrics, listed, 1.0, Duration::ZERO), 1.0);
+    let looked = lookups();
+    for i in 0..20 {
+        fs::write(a.path(&format!("spool/n{i}")), format!("file n{i}")).expect("write");
+    }
+    assert!(!a.path("spool/x2").exists());
+    assert_eq!(lookups() - looked, 0.0, "every name answered by the mount");
+    let b = a.another("b", &[]);
+    let mut want: Vec<String> = (0..3)
+        .map(|i| format!("f{i}"))
+        .chain((0..20).map(|i| format!("n{i}")))
+        .chain(["sub".to_owned()])
+        .collect();
+    want.sort();
+    assert_eq!(names(&b.path("spool")), want);
+    for i in 0..20 {
+        let data = fs::read_to_string(b.path(&format!("spool/n{i}"))).expect("read");
+        assert_eq!(data, format!("file n{i}"));
+    }
+    assert_brick_consistent(&a);
+}
+
 #[test]
 fn tar_reads_back_a_tree_the_mount_made_without_seeing_it_change() {
     // The listing's attributes (from the brick) and a stat's (the mount's description of what

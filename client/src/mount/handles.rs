@@ -502,13 +502,15 @@ impl<L: Layer> Shared<L> {
     /// the mount holds no lease there — a read lease taken before they are read (the listing
     /// can then tell the mount every entry): the fd, and the listing the handle starts with.
     async fn opendir_below(&self, c: &Creds, ino: u64, gfid: Gfid) -> Result<(L::Fd, Listing)> {
+        // Where the hold stands before the changes queued are sent: those made after are
+        // counted in by the hold, those before are on the brick when it lists.
+        let held = self.leases.listing_mark(&gfid);
         // A listing shows the files created here that are still deferred.
         self.settle_dir(Some(gfid)).await;
         let lease = match self.uses_leases() && !self.leases.has_lease(&gfid) {
             true => LeaseKind::Read,
             false => LeaseKind::None,
         };
-        let held = self.leases.listing_mark(&gfid);
         let (changes, recalls) = (self.leases.changes(), self.leases.recalls());
         let size = ReaddirSize::new(READDIR_FETCH_BYTES).ok_or(Errno::EINVAL)?;
         let listed = self.layer.opendir_list(c, gfid, size, lease).await;

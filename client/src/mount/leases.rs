@@ -56,6 +56,11 @@ struct Held {
     /// A name removed here was not noted in `absent` (past its bound): a name not known may
     /// have changes queued, so the brick is asked about it only after them.
     unnoted: bool,
+    /// While not `complete`: the names changed here, each with the generation it moved the
+    /// hold to, for a listing under way to count them in ([`Leases::listed`]); every change
+    /// past generation `logged_after` is there. At most [`CHANGED_NAMES_MAX`].
+    changed_names: VecDeque<(u64, Name)>,
+    logged_after: u64,
     /// Moves on (to a number no hold had before) with every change to `entries` or the
     /// directory's description: a listing that began before one does not make the entries
     /// complete.
@@ -69,13 +74,6 @@ struct Held {
 }
 
 impl Held {
-    /// Whether one more learned name may be noted (entries not all known, room left).
-    fn may_learn(&self) -> bool {
-        !self.complete && self.entries.len() + self.absent.len() < LEARNED_NAMES_MAX
-    }
-}
-
-impl Held {
     fn new(kind: LeaseKind, complete: bool, generation: u64) -> Held {
         Held {
             kind,
@@ -83,10 +81,71 @@ impl Held {
             complete,
             absent: HashSet::new(),
             unnoted: false,
+            changed_names: VecDeque::new(),
+            logged_after: generation,
             generation,
             told: HashSet::new(),
             listing: None,
         }
+    }
+}
+
+impl Held {
+    /// Whether one more learned name may be noted (entries not all known, room left).
+    fn may_learn(&self) -> bool {
+        !self.complete && self.entries.len() + self.absent.len() < LEARNED_NAMES_MAX
+    }
+
+    /// Notes that `name` changed here at the hold's generation, while the entries are not
+    /// all known.
+    fn log_change(&mut self, name: &Name) {
+        if self.complete {
+            return;
+        }
+        if self.changed_names.len() >= CHANGED_NAMES_MAX
+            && let Some((dropped, _)) = self.changed_names.pop_front()
+        {
+            self.logged_after = dropped;
+        }
+        self.changed_names
+            .push_back((self.generation, name.clone()));
+    }
+
+    /// The entries a listing that began at `generation` found (`listed`), with the changes
+    /// made here since counted in; `None` when one of them cannot be (not logged, or the
+    /// name is not known now).
+    fn entries_since(
+        &self,
+        generation: u64,
+        listed: Vec<(Name, Gfid)>,
+    ) -> Option<HashMap<Name, Gfid>> {
+        let mut entries: HashMap<Name, Gfid> = listed.into_iter().collect();
+        if self.generation == generation {
+            return Some(entries);
+        }
+        if generation < self.logged_after {
+            return None;
+        }
+        let since = self.changed_names.iter().filter(|(g, _)| *g > generation);
+        for (_, name) in since {
+            match self.entries.get(name) {
+                Some(gfid) => entries.insert(name.clone(), *gfid),
+                None if self.absent.contains(name) => entries.remove(name),
+                None => return None,
+            };
+        }
+        Some(entries)
+    }
+
+    /// The entries are all known from now on.
+    fn make_complete(&mut self, entries: HashMap<Name, Gfid>) {
+        let before = std::mem::replace(&mut self.entries, entries);
+        // Names the kernel may have cached and the listing did not show stay noted.
+        let gone = before.into_keys().filter(|n| !self.entries.contains_key(n));
+        self.told.extend(gone);
+        self.complete = true;
+        self.absent = HashSet::new();
+        self.changed_names = VecDeque::new();
     }
 }
 
@@ -248,6 +307,9 @@ const TOLD_NAMES_MAX: usize = 4096;
 /// Names a hold whose entries are not all known learns at most (entries and absences); past
 /// it, the brick is asked about the others.
 const LEARNED_NAMES_MAX: usize = 16_384;
+/// Names changed here logged per hold whose entries are not all known; past it a listing
+/// that began before the oldest does not complete them.
+const CHANGED_NAMES_MAX: usize = 1024;
 /// How long after asking for a directory's write lease the mount does not ask again.
 const WRITE_ASK_INTERVAL: Duration = Duration::from_secs(1);
 /// Directories `write_asked` remembers before the old asks are swept out.
@@ -393,19 +455,17 @@ impl Leases {
         (!held.complete).then_some(mark.generation)
     }
 
-    /// A listing of `dir` that began at `generation` reached the end with `entries`: they are
-    /// all of them, unless the hold changed meanwhile.
+    /// A listing of `dir` that began at `generation` reached the end with `entries`: they
+    /// are all of them, with the names changed here since counted in — unless the hold
+    /// changed in a way that cannot be (it is another hold, or a change was not logged).
+    /// A listing begins after the changes queued before it are on the brick.
     pub(super) fn listed(&self, dir: &Gfid, generation: u64, entries: Vec<(Name, Gfid)>) {
-        if let Some(held) = self.lock().dirs.get_mut(dir)
-            && held.generation == generation
-            && !held.complete
-        {
-            let before = std::mem::replace(&mut held.entries, entries.into_iter().collect());
-            // Names the kernel may have cached and the listing did not show stay noted.
-            let gone = before.into_keys().filter(|n| !held.entries.contains_key(n));
-            held.told.extend(gone);
-            held.complete = true;
-            held.absent = HashSet::new();
+        let mut state = self.lock();
+        let Some(held) = state.dirs.get_mut(dir).filter(|h| !h.complete) else {
+            return;
+        };
+        if let Some(entries) = held.entries_since(generation, entries) {
+            held.make_complete(entries);
         }
     }
 
@@ -656,6 +716,7 @@ impl Leases {
         if let Some(held) = self.lock().changed(dir) {
             held.absent.remove(name);
             held.entries.insert(name.clone(), gfid);
+            held.log_change(name);
         }
     }
 
@@ -673,7 +734,9 @@ impl Leases {
             // The names it removed were absent as not listed: they are not noted.
             held.complete = false;
             held.unnoted = true;
+            held.logged_after = held.generation;
         }
+        held.log_change(name);
         held.told.insert(name.clone());
     }
 
@@ -687,6 +750,7 @@ impl Leases {
         } else if !held.complete {
             held.unnoted = true;
         }
+        held.log_change(name);
         let gone = held.entries.remove(name)?;
         held.told.insert(name.clone());
         Some(gone)
@@ -853,31 +917,76 @@ mod tests {
     }
 
     #[test]
-    fn a_read_lease_knows_the_entries_once_a_whole_listing_ends_unchanged() {
+    fn a_read_lease_knows_the_entries_once_a_whole_listing_ends() {
         let leases = Leases::default();
         leases.hold_read(gfid(1));
         assert!(!leases.holds(&gfid(1)), "reading only");
         assert_eq!(leases.lookup(&gfid(1), &name("a")), Answer::Unknown);
-        // A change during the listing: it does not complete the entries.
-        let starts = |leases: &Leases| {
-            let mark = leases.listing_mark(&gfid(1)).expect("held");
-            leases.listing_began(&gfid(1), &mark)
-        };
-        let began = starts(&leases).expect("incomplete");
+        let mark = leases.listing_mark(&gfid(1)).expect("held");
+        let began = leases.listing_began(&gfid(1), &mark).expect("incomplete");
+        // A change made here during the listing is counted in.
         leases.add_entry(&gfid(1), &name("new"), gfid(9));
-        leases.listed(&gfid(1), began, vec![(name("a"), gfid(2))]);
-        assert_eq!(leases.lookup(&gfid(1), &name("b")), Answer::Unknown);
-        let began = starts(&leases).expect("still incomplete");
         leases.listed(&gfid(1), began, vec![(name("a"), gfid(2))]);
         assert_eq!(
             leases.lookup(&gfid(1), &name("a")),
             Answer::Present(gfid(2))
         );
+        assert_eq!(
+            leases.lookup(&gfid(1), &name("new")),
+            Answer::Present(gfid(9))
+        );
         assert_eq!(leases.lookup(&gfid(1), &name("b")), Answer::Absent);
+        assert!(leases.listing_began(&gfid(1), &mark).is_none(), "known");
         assert!(leases.asks_write(&gfid(1)));
         leases.hold_write(gfid(1));
         assert!(leases.holds(&gfid(1)) && leases.knows_all(&gfid(1)));
         assert_eq!(leases.lookup(&gfid(1), &name("b")), Answer::Absent);
+    }
+
+    #[test]
+    fn a_listing_counts_in_the_changes_made_while_it_ran() {
+        let leases = Leases::default();
+        leases.hold_write(gfid(1));
+        let mark = leases.listing_mark(&gfid(1)).expect("held");
+        let began = leases
+            .listing_began(&gfid(1), &mark)
+            .expect("not all known");
+        // Made and removed here while the listing ran, which may or may not show them.
+        leases.add_entry(&gfid(1), &name("new"), gfid(7));
+        leases.remove_entry(&gfid(1), &name("old"));
+        let listed = vec![(name("old"), gfid(2)), (name("kept"), gfid(3))];
+        leases.listed(&gfid(1), began, listed);
+        assert!(leases.knows_all(&gfid(1)));
+        let answers = ["new", "old", "kept", "other"].map(|n| leases.lookup(&gfid(1), &name(n)));
+        assert_eq!(
+            answers,
+            [
+                Answer::Present(gfid(7)),
+                Answer::Absent,
+                Answer::Present(gfid(3)),
+                Answer::Absent
+            ]
+        );
+        // A name moved in from an object the mount did not know cannot be counted in.
+        leases.release(&gfid(1));
+        leases.hold_write(gfid(1));
+        let mark = leases.listing_mark(&gfid(1)).expect("held");
+        let began = leases
+            .listing_began(&gfid(1), &mark)
+            .expect("not all known");
+        leases.forget_name(&gfid(1), &name("moved"));
+        leases.listed(&gfid(1), began, vec![]);
+        assert!(!leases.knows_all(&gfid(1)));
+        // Nor the changes of another hold.
+        let mark = leases.listing_mark(&gfid(1)).expect("held");
+        let began = leases
+            .listing_began(&gfid(1), &mark)
+            .expect("not all known");
+        leases.release(&gfid(1));
+        leases.hold_write(gfid(1));
+        leases.add_entry(&gfid(1), &name("x"), gfid(8));
+        leases.listed(&gfid(1), began, vec![]);
+        assert!(!leases.knows_all(&gfid(1)));
     }
 
     #[test]

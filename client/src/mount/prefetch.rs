@@ -11,8 +11,8 @@
 //!   Only where a kept listing answers an OPENDIR: with leases, and with the kernel
 //!   checking permissions itself.
 //! * **Listings, ahead of lookups.** The second name the brick is asked about within
-//!   [`MISSES_WINDOW`] in a directory the mount holds no lease on lists that directory the
-//!   same way ([`Shared::lookup_missed`]): a program looking many names up there without
+//!   [`MISSES_WINDOW`] in a directory whose entries the mount does not all know (held by no
+//!   lease, or by one that has not listed it) lists that directory the same way ([`Shared::lookup_missed`]): a program looking many names up there without
 //!   listing it (`git status`, `make`, a reader of a spool) finds the next ones answered from
 //!   the listing kept (a lookup that finds it under way waits for it). A directory not kept
 //!   (its listing takes more than one reply) is not listed for this again within
@@ -378,11 +378,11 @@ impl<L: Layer> Shared<L> {
     }
 
     /// The brick is about to be asked, as `c`, about a name in directory node `ino` (`dir`):
-    /// where the mount holds no lease there, the second such question within
+    /// where the mount does not know all its entries, the second such question within
     /// [`MISSES_WINDOW`] lists `dir` ahead.
     pub(super) fn lookup_missed(self: &Arc<Self>, c: &Creds, ino: u64, dir: Gfid) {
         if !self.prefetches()
-            || self.leases.has_lease(&dir)
+            || self.leases.knows_all(&dir)
             || !self.prefetch.missed(dir, Instant::now())
         {
             return;
