@@ -88,9 +88,7 @@ impl Held {
             listing: None,
         }
     }
-}
 
-impl Held {
     /// Whether one more learned name may be noted (entries not all known, room left).
     fn may_learn(&self) -> bool {
         !self.complete && self.entries.len() + self.absent.len() < LEARNED_NAMES_MAX

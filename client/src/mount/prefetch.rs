@@ -12,10 +12,11 @@
 //!   checking permissions itself.
 //! * **Listings, ahead of lookups.** The second name the brick is asked about within
 //!   [`MISSES_WINDOW`] in a directory whose entries the mount does not all know (held by no
-//!   lease, or by one that has not listed it) lists that directory the same way ([`Shared::lookup_missed`]): a program looking many names up there without
-//!   listing it (`git status`, `make`, a reader of a spool) finds the next ones answered from
-//!   the listing kept (a lookup that finds it under way waits for it). A directory not kept
-//!   (its listing takes more than one reply) is not listed for this again within
+//!   lease, or by one that has not listed it) lists that directory the same way
+//!   ([`Shared::lookup_missed`]): a program looking many names up there without listing it
+//!   (`git status`, `make`, a reader of a spool) finds the next ones answered from the
+//!   listing kept (a lookup that finds it under way waits for it). A directory not kept (its
+//!   listing takes more than one reply) is not listed for this again within
 //!   [`RELIST_AFTER`].
 //! * **Small files, ahead of a program reading a directory's files in the order it listed
 //!   them** (`tar -c`, `cp -r`, `grep -r`). When a file's first read follows the one before
@@ -58,13 +59,13 @@ enum Ahead {
 /// forgotten.
 const LATER_MAX: usize = 65_536;
 
-/// Names the brick is asked about in one directory held by no lease, within
-/// [`MISSES_WINDOW`] of the first, that list the directory ahead.
+/// Names the brick is asked about in one directory whose entries the mount does not all
+/// know, within [`MISSES_WINDOW`] of the first, that list the directory ahead.
 const MISSES_BEFORE_LISTING: u32 = 2;
 /// How close together those questions must come.
-pub(super) const MISSES_WINDOW: Duration = Duration::from_secs(1);
+const MISSES_WINDOW: Duration = Duration::from_secs(1);
 /// How long after a directory was listed for its lookups they may list it again.
-pub(super) const RELIST_AFTER: Duration = Duration::from_secs(10);
+const RELIST_AFTER: Duration = Duration::from_secs(10);
 /// Directories whose questions are counted, at most; past it the counts start over.
 const MISSED_DIRS_MAX: usize = 4096;
 
@@ -87,8 +88,8 @@ pub(super) struct Prefetch {
     /// failed, or the fetch was dropped).
     listing: Mutex<HashMap<Gfid, watch::Receiver<()>>>,
     files: Mutex<FilesAhead>,
-    /// Directories held by no lease whose names the brick was asked about: how many, since
-    /// when.
+    /// Directories whose entries the mount does not all know, and how many names the brick
+    /// was asked about there since when.
     missed: Mutex<HashMap<Gfid, (u32, Instant)>>,
 }
 
@@ -246,8 +247,8 @@ impl Prefetch {
         self.lock().contains_key(gfid)
     }
 
-    /// Counts a question to the brick about a name in directory `dir` (held by no lease) at
-    /// `now`; whether it is the one that lists `dir` ahead.
+    /// Counts a question to the brick about a name in directory `dir` (whose entries the
+    /// mount does not all know) at `now`; whether it is the one that lists `dir` ahead.
     fn missed(&self, dir: Gfid, now: Instant) -> bool {
         let mut missed = self.missed.lock().unwrap_or_else(|p| p.into_inner());
         if missed.len() >= MISSED_DIRS_MAX {
