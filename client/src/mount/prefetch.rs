@@ -15,9 +15,9 @@
 //!   lease, or by one that has not listed it) lists that directory the same way
 //!   ([`Shared::lookup_missed`]): a program looking many names up there without listing it
 //!   (`git status`, `make`, a reader of a spool) finds the next ones answered from the
-//!   listing kept (a lookup that finds it under way waits for it). A directory not kept (its
-//!   listing takes more than one reply) is not listed for this again within
-//!   [`RELIST_AFTER`].
+//!   listing kept (those asked while it is under way go to the brick, as before). A
+//!   directory not kept (its listing takes more than one reply) is not listed for this again
+//!   within [`RELIST_AFTER`].
 //! * **Small files, ahead of a program reading a directory's files in the order it listed
 //!   them** (`tar -c`, `cp -r`, `grep -r`). When a file's first read follows the one before
 //!   in the directory's kept listing (or is its first file), the mount also fetches the next
@@ -240,11 +240,6 @@ impl Prefetch {
             // Nothing is ever sent: this returns when the fetch's sender goes.
             let _ = listing.changed().await;
         }
-    }
-
-    /// Whether directory `gfid` is being listed ahead.
-    pub(super) fn is_listing(&self, gfid: &Gfid) -> bool {
-        self.lock().contains_key(gfid)
     }
 
     /// Counts a question to the brick about a name in directory `dir` (whose entries the

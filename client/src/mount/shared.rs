@@ -243,15 +243,7 @@ impl<L: Layer> Shared<L> {
         if let Some(answer) = self.lookup_here(&lookup.parent, &lookup.name) {
             return answer;
         }
-        if self.prefetch.is_listing(&lookup.parent) {
-            // A listing of the directory under way answers it once kept.
-            self.prefetch.wait_for(&lookup.parent).await;
-            if let Some(answer) = self.lookup_here(&lookup.parent, &lookup.name) {
-                return answer;
-            }
-        } else {
-            self.lookup_missed(c, parent, lookup.parent);
-        }
+        self.lookup_missed(c, parent, lookup.parent);
         let negative = !self.options.negative_timeout.is_zero();
         if !self.leases.asks_before_queued(&lookup.parent) {
             self.behind.settle(&lookup.parent).await;
