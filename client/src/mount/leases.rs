@@ -414,12 +414,13 @@ impl Leases {
     /// held for writing now, with what it knew; else held with its entries not known.
     pub(super) fn hold_write(&self, dir: Gfid) {
         let mut state = self.lock();
-        let generation = state.next_generation();
-        let held = state
-            .dirs
-            .entry(dir)
-            .or_insert_with(|| Held::new(LeaseKind::Write, false, generation));
-        held.kind = LeaseKind::Write;
+        match state.dirs.get_mut(&dir) {
+            Some(held) => held.kind = LeaseKind::Write,
+            None => {
+                let held = Held::new(LeaseKind::Write, false, state.next_generation());
+                state.dirs.insert(dir, held);
+            }
+        }
     }
 
     /// The brick answered `name` in `dir` with `found` (`None`: no such name) to a question

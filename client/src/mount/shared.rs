@@ -244,7 +244,6 @@ impl<L: Layer> Shared<L> {
             return answer;
         }
         self.lookup_missed(c, parent, lookup.parent);
-        let negative = !self.options.negative_timeout.is_zero();
         if !self.leases.asks_before_queued(&lookup.parent) {
             self.behind.settle(&lookup.parent).await;
         }
@@ -272,10 +271,7 @@ impl<L: Layer> Shared<L> {
             Ok(other) => Err(unexpected(&other)),
             Err(Error::Fop(ErrorCode::NoEnt)) => {
                 learn(None);
-                match negative && self.leases.tell(&parent, &name) {
-                    true => Ok(None),
-                    false => Err(Errno::ENOENT),
-                }
+                self.absent(&parent, &name)
             }
             Err(e) => Err(errno(e)),
         }
@@ -285,11 +281,9 @@ impl<L: Layer> Shared<L> {
     /// directory's entries, the description of an object made here, a kept listing; `None`
     /// when the brick must answer.
     fn lookup_here(&self, parent: &Gfid, name: &Name) -> Option<Result<Option<(FileAttr, Ttl)>>> {
-        let negative = !self.options.negative_timeout.is_zero();
         match self.leases.lookup(parent, name) {
             // A held directory knows all its names.
-            Answer::Absent if negative && self.leases.tell(parent, name) => Some(Ok(None)),
-            Answer::Absent => Some(Err(Errno::ENOENT)),
+            Answer::Absent => Some(self.absent(parent, name)),
             Answer::Present(gfid) => {
                 if let Some(local) = self.leases.local(&gfid) {
                     return Some(Ok(Some(self.entry(&local.iatt))));
@@ -303,6 +297,17 @@ impl<L: Layer> Shared<L> {
                 Some(Ok(Some((attr, ttl))))
             }
             Answer::Unknown => None,
+        }
+    }
+
+    /// The answer to a LOOKUP of `name` in `parent`, which does not exist: a negative entry
+    /// where the kernel may cache one (and the name is noted for the lease's recall), else
+    /// ENOENT.
+    fn absent(&self, parent: &Gfid, name: &Name) -> Result<Option<(FileAttr, Ttl)>> {
+        let negative = !self.options.negative_timeout.is_zero();
+        match negative && self.leases.tell(parent, name) {
+            true => Ok(None),
+            false => Err(Errno::ENOENT),
         }
     }
 

@@ -248,8 +248,9 @@ impl<E: Exec> Fops<E> {
                 listing,
             }),
             Err(e) => {
+                // The client never learns of the lease it took.
                 if r.lease != LeaseKind::None {
-                    self.give_back(session, r.gfid, r.lease);
+                    self.shared.leases.give_back(session, r.gfid, r.lease);
                 }
                 Err(e)
             }

@@ -1,5 +1,6 @@
 //! LEASE (and OPENDIR_LIST's lease), and what the lease check needs from the disk: the
-//! directory an RMDIR or a replacing RENAME would remove. The lease rules themselves are [`crate::leases`]'s.
+//! directory an RMDIR or a replacing RENAME would remove. The lease rules themselves are
+//! [`crate::leases`]'s.
 
 use kiln_wire::{Gfid, Lease, LeaseKind, LeaseReply, Name};
 use rustix::io::Errno;
@@ -34,21 +35,11 @@ impl<E: Exec> Fops<E> {
         gfid: Gfid,
         kind: LeaseKind,
     ) -> LeaseKind {
-        let leases = &self.shared.leases;
-        if kind == LeaseKind::None || !leases.is_attached(session) {
+        if kind == LeaseKind::None || !self.stat_gfid(&gfid).await.is_ok_and(|s| s.is_dir()) {
             return LeaseKind::None;
         }
-        if !self.stat_gfid(&gfid).await.is_ok_and(|s| s.is_dir()) {
-            return LeaseKind::None;
-        }
-        let took = leases.take_for_listing(session, gfid, kind).await;
-        took.unwrap_or(LeaseKind::None)
-    }
-
-    /// Gives back the lease `took` that an OPENDIR_LIST took when the rest of it failed (if
-    /// the session still holds just that): the client never learns of it.
-    pub(super) fn give_back(&self, session: SessionId, gfid: Gfid, took: LeaseKind) {
-        self.shared.leases.give_back(session, gfid, took);
+        let took = self.shared.leases.take_for_listing(session, gfid, kind);
+        took.await.unwrap_or(LeaseKind::None)
     }
 
     /// The GFID of `parent/name` if it is a directory, looked up as the brick; `None` for
