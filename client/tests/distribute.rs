@@ -729,7 +729,7 @@ fn a_mount_over_three_bricks_is_one_tree() {
         "cp -a {src} tree && diff -r {src} tree && tar -cf {tar} -C tree . && \
          mv tree/d1/f1 tree/d2/moved && \
          ln tree/d2/moved tree/d3/hard && cat tree/d3/hard && ls tree/d1 | wc -l && \
-         readlink tree/link",
+         readlink tree/link && sync .",
         src = src.display(),
         tar = m.cluster.dir.path().join("tree.tar").display()
     );
@@ -777,7 +777,11 @@ fn a_mount_over_three_bricks_is_one_tree() {
     // (Once the kernel's attributes of them have expired: a LOOKUP's, merged.)
     std::thread::sleep(Duration::from_millis(1500));
     assert_eq!(from_listing, times());
-    mount_common::sh_ok(&m.mountpoint, "rm -rf tree fresh && test -z \"$(ls -A)\"");
+    // (`sync .`: the changes the mount made behind reach the bricks.)
+    mount_common::sh_ok(
+        &m.mountpoint,
+        "rm -rf tree fresh && test -z \"$(ls -A)\" && sync .",
+    );
     for n in 0..BRICKS {
         let brick = match n {
             0 => m.cluster.brick.clone(),

@@ -1267,3 +1267,72 @@ fn two_mounts_agree_with_one_model_op_by_op() {
     fsync_dir(&b.path("d")).expect("nothing refused");
     assert_brick_consistent(&a);
 }
+
+/// Over a distributed volume a directory's lease holds on every brick's copy: files made
+/// under a write lease are answered by the mount (no brick is asked whether their names are
+/// free) and land on the bricks their names hash to, and a change in another mount on any
+/// brick recalls the lease, so each mount sees the other's changes at once.
+#[test]
+fn a_lease_holds_on_every_brick_of_a_distributed_volume() {
+    const BRICKS: usize = 3;
+    let metrics: Vec<String> = (0..BRICKS).map(|_| common::free_loopback_addr()).collect();
+    let args = |n: usize| counted(&metrics[n]).map(String::from).to_vec();
+    let a = Mounted::distributed_with(BRICKS, args, &[]);
+    let b = a.another("b", &[]);
+    let lookups = || -> f64 {
+        let count = |m: &String| {
+            let scrape = common::scrape(m);
+            common::fop_calls(&scrape, "LOOKUP") + common::fop_calls(&scrape, "LOOKUP_XATTRS")
+        };
+        metrics.iter().map(count).sum()
+    };
+
+    fs::create_dir(a.path("d")).expect("mkdir");
+    let before = lookups();
+    make_files(&a.path("d"), 300);
+    // (Without the lease each of the 300 names is looked up first.)
+    let looked_up = lookups() - before;
+    assert!(looked_up < 10.0, "{looked_up} names looked up at a brick");
+    // Seen whole in the other mount at once: its listing recalls the lease on every brick.
+    let seen = names(&b.path("d"));
+    assert_eq!(seen.len(), 300);
+    assert_each_whole(&b.path("d"), &seen);
+    let on_each: Vec<usize> = a
+        .brick_dirs()
+        .iter()
+        .map(|brick| fs::read_dir(brick.join("d")).map_or(0, Iterator::count))
+        .collect();
+    assert_eq!(on_each.iter().sum::<usize>(), 300, "{on_each:?}");
+    assert!(on_each.iter().all(|&n| n > 0), "{on_each:?}");
+
+    // The first mount lists the directory (under a read lease on every copy) and keeps the
+    // listing; files the other mount makes, on every brick, recall it.
+    assert_eq!(names(&a.path("d")).len(), 300);
+    make_files(&b.path("d"), 320);
+    let seen = names(&a.path("d"));
+    assert_eq!(seen.len(), 320);
+    assert_each_whole(&a.path("d"), &seen);
+    fs::remove_file(b.path("d/f5")).expect("unlink in b");
+    fs::rename(b.path("d/f6"), b.path("d/moved")).expect("rename in b");
+    let seen = names(&a.path("d"));
+    assert!(!seen.contains(&"f5".to_owned()) && seen.contains(&"moved".to_owned()));
+    assert_eq!(seen.len(), 319);
+
+    fsync_dir(&a.path("d")).expect("nothing refused");
+    fsync_dir(&b.path("d")).expect("nothing refused");
+    let brickds = a.brickd.iter().chain(&a.more_brickds);
+    let logs: Vec<String> = brickds.map(|brickd| brickd.logs()).collect();
+    for log in &logs {
+        assert!(!log.contains("lease revoked"), "{log}");
+    }
+    assert!(
+        logs.iter()
+            .filter(|log| log.contains("recall delivered"))
+            .count()
+            >= 2,
+        "recalls from more than one brick"
+    );
+    for brick in a.brick_dirs() {
+        common::assert_brick_checks_clean(&brick);
+    }
+}

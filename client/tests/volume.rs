@@ -1217,6 +1217,15 @@ fn make_links(mountpoint: &Path, count: usize) {
         )
         .expect("mkfifo");
     }
+    sync_mount(mountpoint);
+}
+
+/// Waits until every change the mount at `mountpoint` made behind is on the bricks (an fsync
+/// of a directory): the tests below look at the bricks themselves.
+fn sync_mount(mountpoint: &Path) {
+    let root = std::fs::File::open(mountpoint).expect("open the mount's root");
+    root.sync_all()
+        .expect("the changes made behind reach the bricks");
 }
 
 fn check_links(mountpoint: &Path, count: usize) {
@@ -1271,6 +1280,7 @@ fn remove_brick_under_a_workload_loses_nothing() {
     for i in 0..16 {
         std::fs::write(mountpoint.join(format!("held/h{i}")), "before").expect("write");
     }
+    sync_mount(&mountpoint);
     let on_leaving = (0..16)
         .map(|i| format!("held/h{i}"))
         .find(|rel| bricks[1].join(rel).exists())
@@ -1384,6 +1394,7 @@ fn a_brick_forced_out_takes_its_files_and_frees_their_names() {
         // Renamed, most to a name hashed to another brick, which gets a link file.
         std::fs::rename(&first, name(i)).expect("rename");
     }
+    sync_mount(&mountpoint);
     let on = |brick: usize, i: usize| bricks[brick].join(format!("d/r{i}"));
     let data_on = |brick: usize, i: usize| {
         use std::os::unix::fs::PermissionsExt;

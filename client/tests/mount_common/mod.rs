@@ -54,15 +54,37 @@ impl Mounted {
     /// A distributed volume of `bricks` bricks (the first is `brickd` and `cluster.brick`,
     /// the others `brick-N` beside it), mounted with `options`.
     pub fn distributed(bricks: usize, options: &[&str]) -> Mounted {
-        let mut mounted = Mounted::with_brick(&[], &[]);
+        Mounted::distributed_with(bricks, |_| Vec::new(), options)
+    }
+
+    /// [`Mounted::distributed`] with brick `n` started with `brick_args(n)`.
+    pub fn distributed_with(
+        bricks: usize,
+        brick_args: impl Fn(usize) -> Vec<String>,
+        options: &[&str],
+    ) -> Mounted {
+        let first = brick_args(0);
+        let mut mounted = Mounted::with_brick(&strs(&first), &[]);
         mounted.unmount();
         for n in 1..bricks {
             let brick = mounted.cluster.add_brick(n);
-            let brickd = mounted.cluster.start_brick(&brick, "127.0.0.1:0", &[]);
+            let brickd = mounted
+                .cluster
+                .start_brick(&brick, "127.0.0.1:0", &strs(&brick_args(n)));
             mounted.more_brickds.push(brickd);
         }
         mounted.mount(options);
         mounted
+    }
+
+    /// The brick directories of the volume, in brick order.
+    pub fn brick_dirs(&self) -> Vec<PathBuf> {
+        std::iter::once(self.cluster.brick.clone())
+            .chain((1..=self.more_brickds.len()).map(|n| {
+                let dir = self.cluster.dir.path();
+                dir.join(format!("brick-{n}"))
+            }))
+            .collect()
     }
 
     /// What `kiln mount` is given: the brick's address, or the bricks' comma-separated.
@@ -385,3 +407,7 @@ copy_file_range = 1
 sendfile = 1
 posix_fadvise = 1
 ";
+
+fn strs(args: &[String]) -> Vec<&str> {
+    args.iter().map(String::as_str).collect()
+}

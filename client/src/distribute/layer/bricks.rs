@@ -98,10 +98,19 @@ pub(super) struct Bricks<L> {
     /// Bumped at every change of the bricks or their roles.
     generation: AtomicU64,
     source: Option<Box<dyn BrickSource<L>>>,
+    /// Called with each brick as it joins, before any fop reaches it.
+    joined: Option<Joined<L>>,
 }
 
+/// What [`Bricks`] calls with each brick as it joins the list.
+pub(super) type Joined<L> = Box<dyn Fn(&L) + Send + Sync>;
+
 impl<L: Send + Sync + 'static> Bricks<L> {
-    pub(super) fn new(members: Vec<Member<L>>) -> Result<Bricks<L>, Error> {
+    /// The list of `members`, each given to `joined` (and so is each brick that joins later).
+    pub(super) fn new(
+        members: Vec<Member<L>>,
+        joined: Option<Joined<L>>,
+    ) -> Result<Bricks<L>, Error> {
         if members.is_empty() || members.len() > BRICKS_MAX {
             return Err(Error::Misuse(format!(
                 "a distributed volume has 1 to {BRICKS_MAX} bricks, not {}",
@@ -117,6 +126,7 @@ impl<L: Send + Sync + 'static> Bricks<L> {
             answered: Mutex::new(None),
             generation: AtomicU64::new(0),
             source: None,
+            joined,
         };
         for member in members {
             bricks.push(member)?;
@@ -135,6 +145,9 @@ impl<L: Send + Sync + 'static> Bricks<L> {
             .ok_or_else(|| Error::Misuse(format!("a volume of more than {BRICKS_MAX} bricks")))?;
         let (brick, role) = member.split();
         if let Some(brick) = brick {
+            if let Some(joined) = &self.joined {
+                joined(&brick);
+            }
             assert!(slot.set(brick).is_ok(), "slot {n} is taken");
         }
         self.roles[n].store(role_code(role), Ordering::Release);
@@ -313,7 +326,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_list_grows_and_its_roles_change_as_the_source_says() {
-        let mut bricks = Bricks::new(vec![Member::Serving(1_u32)]).expect("bricks");
+        let mut bricks = Bricks::new(vec![Member::Serving(1_u32)], None).expect("bricks");
         assert!(!bricks.refresh().await.expect("no source"));
         bricks.set_source(Box::new(Grow));
         assert!(bricks.refresh().await.expect("refresh"));
@@ -331,7 +344,7 @@ mod tests {
         assert_eq!(*bricks.get(2).expect("brick 2"), 8);
         // Not asked again within the interval.
         assert!(!bricks.refresh().await.expect("refresh"));
-        assert!(Bricks::<u32>::new(Vec::new()).is_err());
-        assert!(Bricks::<u32>::new(vec![Member::Removed]).is_err());
+        assert!(Bricks::<u32>::new(Vec::new(), None).is_err());
+        assert!(Bricks::<u32>::new(vec![Member::Removed], None).is_err());
     }
 }

@@ -22,7 +22,9 @@
 //!   directory, on every brick.
 //! * **READDIRP** lists brick after brick, each directory once (from the first brick) and no
 //!   link files, with offsets of this layer's own that map to (brick, brick offset).
-//! * **STATFS** sums the bricks. Leases are not offered through this layer (yet).
+//! * **STATFS** sums the bricks.
+//! * **Leases** on a directory are held on every brick's copy, and a recall from any brick is
+//!   passed up ([`leases`]).
 //! * **Heal.** A LOOKUP that finds a directory makes its copies missing on some brick, and
 //!   rebuilds a layout with holes or overlaps, or one that leaves a brick out, over every
 //!   brick (uncommitted, so names placed by the old one stay reachable);
@@ -60,6 +62,7 @@ use crate::{Error, LayerExt, Paths};
 mod bricks;
 mod files;
 mod heal;
+mod leases;
 mod listing;
 mod migrate;
 mod namespace;
@@ -105,8 +108,10 @@ pub struct Distribute<L: Layer> {
     munging: Munging,
     layouts: Mutex<lru::LruCache<Gfid, KeptLayout>>,
     homes: Mutex<lru::LruCache<Gfid, Home>>,
-    /// Never sent on: no leases through this layer.
+    /// Every brick's events, passed on as they come ([`leases`]).
     events: broadcast::Sender<LayerEvent>,
+    /// Whether they are: the layer was made in a runtime to run the tasks passing them.
+    passes_events: bool,
     healed: Healed,
 }
 
@@ -128,14 +133,21 @@ impl<L: Layer> Distribute<L> {
     }
 
     /// The layer over the bricks of volume `volume` (at least one in service), in order.
+    /// Made in a tokio runtime, it passes the bricks' events on, and grants leases where they
+    /// all do.
     pub fn of_members(members: Vec<Member<L>>, volume: &str) -> Result<Distribute<L>, Error> {
+        let events = broadcast::Sender::new(leases::EVENTS_QUEUED_MAX);
+        let runtime = tokio::runtime::Handle::try_current().ok();
+        let passes_events = runtime.is_some();
+        let joined = runtime.map(|runtime| leases::pass_events_on(runtime, events.clone()));
         Ok(Distribute {
-            bricks: Arc::new(Bricks::new(members)?),
+            bricks: Arc::new(Bricks::new(members, joined)?),
             volume: volume.to_owned(),
             munging: Munging::default(),
             layouts: Mutex::new(lru::LruCache::new(capacity(LAYOUTS_MAX))),
             homes: Mutex::new(lru::LruCache::new(capacity(HOMES_MAX))),
-            events: broadcast::channel(1).0,
+            events,
+            passes_events,
             healed: Healed::default(),
         })
     }
@@ -379,7 +391,7 @@ impl<L: Layer> Layer for Distribute<L> {
             Q::Rename(r) => self.rename(creds, r).await,
             Q::Link(r) => self.link(creds, r).await,
             Q::Statfs(_) => self.statfs(creds, fop).await,
-            Q::Lease(_) => Err(Error::Fop(ErrorCode::NotSupported)),
+            Q::Lease(r) => self.lease(creds, r).await,
             Q::Stat(ref r) => self.on_object(creds, r.gfid, fop.clone()).await,
             Q::Access(ref r) => self.on_object(creds, r.gfid, fop.clone()).await,
             Q::Readlink(ref r) => self.on_object(creds, r.gfid, fop.clone()).await,
@@ -546,11 +558,11 @@ impl<L: Layer> Layer for Distribute<L> {
     }
 
     fn leases(&self) -> bool {
-        false
+        self.bricks_lease()
     }
 
     fn listed_attrs(&self) -> bool {
-        false
+        self.bricks_cover_listed_attrs()
     }
 
     fn events(&self) -> broadcast::Receiver<LayerEvent> {

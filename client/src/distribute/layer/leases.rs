@@ -1,0 +1,128 @@
+//! Directory leases through the layer: a directory has a copy on every brick, and another
+//! client changes it on whichever brick a name hashes to, so a lease on it is the same lease
+//! on every copy, and a recall from any brick is the directory's recall.
+//!
+//! * **LEASE** on a directory is asked of every brick at once. The lease granted is the least
+//!   any brick granted; a brick that granted more is lowered to it at once, so the session
+//!   holds no more anywhere than the layer above was told. A brick without the directory's
+//!   copy grants nothing (another client's heal could make one there unseen).
+//! * **Events**: each brick's recalls and lost sessions are passed on as they come, from the
+//!   moment it joins the layer (before any fop can reach it), so no recall is missed; a brick
+//!   whose events fell behind loses every lease above, as its own receiver would.
+
+use kiln_wire::{Lease, LeaseKind, LeaseReply};
+use tokio::sync::broadcast::error::RecvError;
+
+use super::*;
+
+/// Events waiting for the layer above before it is told it fell behind (and loses them all).
+pub(super) const EVENTS_QUEUED_MAX: usize = 4096;
+
+impl<L: Layer> Distribute<L> {
+    /// LEASE `lease` on the object it names: on every brick for a directory, the least any
+    /// granted (the others lowered to it); on a file's brick as it is.
+    pub(super) async fn lease(&self, creds: &Creds, lease: Lease) -> Result<FopReply, Error> {
+        let gfid = lease.gfid;
+        if let Home::Brick(b) = self.home(creds, gfid).await? {
+            return self.call_on_file(creds, gfid, b, lease.into()).await;
+        }
+        let asked = futures_util::future::join_all(self.bricks.in_service().map(|(i, brick)| {
+            let fop = FopRequest::from(lease.clone());
+            async move { (i, granted(brick.call(creds, fop).await)) }
+        }))
+        .await;
+        let least = asked
+            .iter()
+            .map(|(_, kind)| *kind)
+            .min_by_key(|kind| rank(*kind))
+            .unwrap_or(LeaseKind::None);
+        for (i, kind) in asked {
+            if rank(kind) > rank(least) {
+                let lower = Lease { gfid, kind: least };
+                let lowered = match self.bricks.get(i) {
+                    Ok(brick) => brick.call(creds, lower.into()).await,
+                    Err(e) => Err(e),
+                };
+                if let Err(e) = lowered {
+                    // (Recalled from there as any lease is, it costs another client a wait.)
+                    tracing::warn!(%gfid, brick = i, error = %e, "a lease not lowered");
+                }
+            }
+        }
+        Ok(FopReply::Lease(LeaseReply { kind: least }))
+    }
+
+    /// Whether every brick in service grants directory leases (and so does this layer: it
+    /// passes their events on).
+    pub(super) fn bricks_lease(&self) -> bool {
+        self.passes_events && self.bricks.in_service().all(|(_, brick)| brick.leases())
+    }
+
+    /// Whether every brick in service recalls a lease for the attributes its listings
+    /// returned.
+    pub(super) fn bricks_cover_listed_attrs(&self) -> bool {
+        self.bricks_lease() && self.bricks.in_service().all(|(_, b)| b.listed_attrs())
+    }
+}
+
+/// What [`Bricks`] calls with each brick that joins: its events passed on to `to` by a task
+/// of `runtime`, subscribed at once.
+pub(super) fn pass_events_on<L: Layer>(
+    runtime: tokio::runtime::Handle,
+    to: broadcast::Sender<LayerEvent>,
+) -> bricks::Joined<L> {
+    Box::new(move |brick: &L| {
+        let mut from = brick.events();
+        let to = to.clone();
+        runtime.spawn(async move {
+            loop {
+                let event = match from.recv().await {
+                    Ok(event) => event,
+                    Err(RecvError::Lagged(_)) => LayerEvent::LeasesLost,
+                    Err(RecvError::Closed) => return,
+                };
+                // (No one above listening: nothing to tell.)
+                let _ = to.send(event);
+            }
+        });
+    })
+}
+
+/// The lease a brick's answer to LEASE grants: none when it failed.
+fn granted(answer: Result<FopReply, Error>) -> LeaseKind {
+    match answer {
+        Ok(FopReply::Lease(reply)) => reply.kind,
+        _ => LeaseKind::None,
+    }
+}
+
+/// Leases in order of what they allow.
+fn rank(kind: LeaseKind) -> u8 {
+    match kind {
+        LeaseKind::None => 0,
+        LeaseKind::Read => 1,
+        LeaseKind::Write => 2,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_least_lease_is_the_one_every_brick_granted() {
+        let answers = [
+            Ok(FopReply::Lease(LeaseReply {
+                kind: LeaseKind::Write,
+            })),
+            Err(Error::Fop(ErrorCode::NoEnt)),
+            Ok(FopReply::Lease(LeaseReply {
+                kind: LeaseKind::Read,
+            })),
+        ];
+        let kinds: Vec<LeaseKind> = answers.into_iter().map(granted).collect();
+        assert_eq!(kinds, [LeaseKind::Write, LeaseKind::None, LeaseKind::Read]);
+        assert!(rank(LeaseKind::None) < rank(LeaseKind::Read));
+        assert!(rank(LeaseKind::Read) < rank(LeaseKind::Write));
+    }
+}
