@@ -7,7 +7,7 @@
 //! kiln-bench mgmt [--sets N] [--tasks N] [--store embedded|etcd] [--no-glusterfs]
 //!                 [--loop-fs-mib M] [--json]
 //! kiln-bench mount [--files N] [--dirs N] [--linux-source auto|off|PATH] [--git-files N]
-//!                  [--targets local,bindfs,kiln,kiln-dev-fuse,glusterfs] [--mount-options O,...]
+//!                  [--targets local,bindfs,kiln,kiln-dev-fuse,kiln-dist,glusterfs] [--mount-options O,...]
 //!                  [--glusterfs-setup | --glusterfs-volume HOST:/VOL] [--json]
 //! kiln-bench smallfile [--ops create,stat,read,...] [--targets local,engine,volume,kiln-mount,path=DIR]
 //!                  [--threads N] [--files N] [--file-bytes B] [--fanout N] [--fsync] [--seed S]
@@ -204,7 +204,8 @@ struct MountArgs {
     seed: u64,
     /// Targets to measure (default: local, bindfs, kiln and glusterfs, each where available;
     /// the others are skipped with a note). `kiln-dev-fuse` is Kiln's mount kept on
-    /// `/dev/fuse`, against `kiln` on FUSE over io_uring in the same run.
+    /// `/dev/fuse`, against `kiln` on FUSE over io_uring in the same run; `kiln-dist` a
+    /// distributed volume of two bricks on the same disk, against `kiln` (one brick).
     #[arg(long, value_enum, value_delimiter = ',')]
     targets: Option<Vec<Target>>,
     /// `-o` options of `kiln mount`, comma-separated (e.g. writeback-cache=on,

@@ -121,6 +121,33 @@ fn link_file_target(path: &PathBuf) -> Option<String> {
     )
 }
 
+/// The names of directory `dir`, sorted, listed in replies of about `size` bytes (READDIRP
+/// with xattr presence, as the mount lists), and how many the first reply held.
+async fn list_in_replies<L: Layer>(v: &L, dir: Gfid, size: u32) -> (Vec<String>, usize) {
+    let creds = Creds::root();
+    let fd = v.opendir(&creds, dir).await.expect("opendir");
+    let size = kiln_wire::ReaddirSize::new(size).expect("a listing size");
+    let (mut names, mut offset, mut first) = (Vec::new(), 0, None);
+    loop {
+        let fop =
+            kiln_client::FdFop::new(|fd| kiln_wire::ReaddirpXattrs { fd, offset, size }.into());
+        let Ok(FopReply::ReaddirpXattrs(reply)) = v.call_fd(&creds, &fd, fop).await else {
+            panic!("READDIRP_XATTRS failed");
+        };
+        first.get_or_insert(reply.entries.len());
+        for e in reply.entries {
+            offset = e.offset;
+            names.push(e.name.to_string());
+        }
+        if reply.eof {
+            break;
+        }
+    }
+    v.release(&creds, fd).await.expect("releasedir");
+    names.sort();
+    (names, first.unwrap_or(0))
+}
+
 #[test]
 fn files_spread_over_bricks_by_name_hash() {
     let volume = Volume::start();
@@ -170,6 +197,21 @@ fn files_spread_over_bricks_by_name_hash() {
         want.push("sub".into());
         want.sort();
         assert_eq!(listed, want);
+        // A reply takes entries from brick after brick until it is full: in one reply when
+        // they fit, and every name once over many small ones.
+        let (one_reply, first_reply_entries) = list_in_replies(&v, dir.gfid, 128 * 1024).await;
+        assert_eq!(one_reply, want);
+        assert_eq!(
+            first_reply_entries,
+            want.len(),
+            "the whole directory in one reply"
+        );
+        let (small_replies, first_reply_entries) = list_in_replies(&v, dir.gfid, 1024).await;
+        assert_eq!(small_replies, want);
+        assert!(
+            first_reply_entries < 10,
+            "{first_reply_entries} entries in 1 KiB"
+        );
         for i in (0..FILES).step_by(7) {
             let data = v
                 .read_to_end(&creds, &format!("/d/f{i}"))

@@ -136,10 +136,10 @@ pub(super) struct Place {
     target: Target,
     /// The directory `t/` is made in.
     pub(super) base: PathBuf,
-    /// The mount (dropped before `brickd`: fields drop in order).
+    /// The mount (dropped before `brickds`: fields drop in order).
     mount: Option<FuseMount>,
-    /// The Kiln target's brick server.
-    brickd: Option<Daemon>,
+    /// The Kiln targets' brick servers.
+    brickds: Vec<Daemon>,
     /// The Kiln brick's control socket, when it keeps a fop profile.
     control: Option<PathBuf>,
     detail: serde_json::Value,
@@ -161,7 +161,7 @@ impl Place {
             target,
             base: dir.clone(),
             mount: None,
-            brickd: None,
+            brickds: Vec::new(),
             control: None,
             detail: json!({}),
         };
@@ -189,11 +189,17 @@ impl Place {
                 place.detail = json!({ "bindfs": version("bindfs"), "options": bench.bindfs_options.join(","),
                                        "backing": src.display().to_string() });
             }
-            Target::Kiln => place.start_kiln(&bench.mount_options, Profiling::On, &dir, logs)?,
+            Target::Kiln => {
+                place.start_kiln(&bench.mount_options, Profiling::On, 1, &dir, logs)?;
+            }
             Target::KilnDevFuse => {
                 let mut options = bench.mount_options.clone();
                 options.push("fuse-uring=off".to_owned());
-                place.start_kiln(&options, Profiling::Off, &dir, logs)?;
+                place.start_kiln(&options, Profiling::Off, 1, &dir, logs)?;
+            }
+            Target::KilnDist => {
+                let options = &bench.mount_options;
+                place.start_kiln(options, Profiling::Off, super::DIST_BRICKS, &dir, logs)?;
             }
             Target::Glusterfs => {
                 let volume = glusterfs_volume.unwrap_or_default();
@@ -231,51 +237,63 @@ impl Place {
         Ok(place)
     }
 
-    /// A fresh brick, `kiln-brickd serve` on loopback, and `kiln mount -f` of it.
+    /// `bricks` fresh bricks, `kiln-brickd serve` of each on loopback, and `kiln mount -f` of
+    /// them (a distributed volume when there are several). The first keeps a fop profile
+    /// when `profiling` is on.
     fn start_kiln(
         &mut self,
         mount_options: &[String],
         profiling: Profiling,
+        bricks: usize,
         dir: &Path,
         logs: &Path,
     ) -> anyhow::Result<()> {
         let bins = Bins::beside_this_executable()?;
         let tls = dir.join("tls");
         loopback_pki(&tls, BRICK_NAME, CLIENT_NAME)?;
-        let brick = dir.join("brick");
-        std::fs::create_dir(&brick)?;
-        let brick_log = logs.join("kiln-brickd.log");
-        run_bounded(
-            Command::new(&bins.brickd).arg("format").arg(&brick),
-            None,
-            &brick_log,
-            COMMAND_TIMEOUT,
-        )?;
-
-        let mut cmd = Command::new(&bins.brickd);
-        cmd.arg("serve")
-            .arg(&brick)
-            .args(["--listen", "127.0.0.1:0", "--name", BRICK_NAME, "--tls-dir"])
-            .arg(&tls)
-            .args(["--root-allow", CLIENT_NAME])
-            .stdout(Stdio::piped());
-        if profiling == Profiling::On {
-            // The brick refuses a control socket in a directory others may enter.
-            let private = dir.join("control");
-            std::fs::DirBuilder::new()
-                .mode(0o700)
-                .create(&private)
-                .with_context(|| format!("cannot create {}", private.display()))?;
-            let socket = private.join(CONTROL_SOCKET);
-            cmd.arg("--control")
-                .arg(&socket)
-                .args(["--count-fop-hits", "--latency-measurement"]);
-            self.control = Some(socket);
+        let mut addrs = Vec::with_capacity(bricks);
+        let mut brick_dirs = Vec::with_capacity(bricks);
+        for n in 0..bricks {
+            let (brick, brick_log) = match n {
+                0 => (dir.join("brick"), logs.join("kiln-brickd.log")),
+                n => (
+                    dir.join(format!("brick-{n}")),
+                    logs.join(format!("kiln-brickd-{n}.log")),
+                ),
+            };
+            std::fs::create_dir(&brick)?;
+            run_bounded(
+                Command::new(&bins.brickd).arg("format").arg(&brick),
+                None,
+                &brick_log,
+                COMMAND_TIMEOUT,
+            )?;
+            let mut cmd = Command::new(&bins.brickd);
+            cmd.arg("serve")
+                .arg(&brick)
+                .args(["--listen", "127.0.0.1:0", "--name", BRICK_NAME, "--tls-dir"])
+                .arg(&tls)
+                .args(["--root-allow", CLIENT_NAME])
+                .stdout(Stdio::piped());
+            if profiling == Profiling::On && n == 0 {
+                // The brick refuses a control socket in a directory others may enter.
+                let private = dir.join("control");
+                std::fs::DirBuilder::new()
+                    .mode(0o700)
+                    .create(&private)
+                    .with_context(|| format!("cannot create {}", private.display()))?;
+                let socket = private.join(CONTROL_SOCKET);
+                cmd.arg("--control")
+                    .arg(&socket)
+                    .args(["--count-fop-hits", "--latency-measurement"]);
+                self.control = Some(socket);
+            }
+            let mut brickd = Daemon::spawn("kiln-brickd", &mut cmd, &brick_log)?;
+            let stdout = brickd.take_stdout().context("no pipe from kiln-brickd")?;
+            addrs.push(brickd_address(stdout, &brick_log)?.to_string());
+            brick_dirs.push(brick.display().to_string());
+            self.brickds.push(brickd);
         }
-        let mut brickd = Daemon::spawn("kiln-brickd", &mut cmd, &brick_log)?;
-        let stdout = brickd.take_stdout().context("no pipe from kiln-brickd")?;
-        let addr = brickd_address(stdout, &brick_log)?;
-        self.brickd = Some(brickd);
 
         let mnt = dir.join("mnt");
         std::fs::create_dir(&mnt)?;
@@ -283,7 +301,7 @@ impl Place {
         cmd.arg("--tls-dir")
             .arg(&tls)
             .args(["--client", CLIENT_NAME, "mount"])
-            .arg(addr.to_string())
+            .arg(addrs.join(","))
             .arg(&mnt)
             .arg("-f");
         for option in mount_options {
@@ -302,8 +320,8 @@ impl Place {
         mount.wait_mounted()?;
         self.base = mnt;
         self.detail = json!({
-            "brick": brick.display().to_string(),
-            "brickd": addr.to_string(),
+            "bricks": brick_dirs,
+            "brickds": addrs,
             "mount_options": mount_options.join(","),
             "binaries": bins.kiln.parent().map(|p| p.display().to_string()),
             "brick_profile": match profiling {
@@ -327,7 +345,7 @@ impl Place {
 
     /// Unmounts and stops everything; fails unless every server exited 0.
     pub(super) fn finish(mut self) -> anyhow::Result<serde_json::Value> {
-        let mut note = json!({ "target": self.target.name() });
+        let mut note = json!({ "target": self.target.name(), "brickds": [] });
         if self.target == Target::Glusterfs {
             // Remove the work directory (empty after rm) before the unmount.
             let _ = std::fs::remove_dir(&self.base);
@@ -335,9 +353,12 @@ impl Place {
         if let Some(mount) = self.mount.as_mut() {
             note["unmount"] = mount.finish()?;
         }
-        if let Some(brickd) = self.brickd.as_mut() {
+        for brickd in &mut self.brickds {
             let (status, killed) = brickd.stop()?;
-            note["brickd"] = json!({ "status": status.map(|s| s.to_string()), "sigkill": killed });
+            let stopped = json!({ "status": status.map(|s| s.to_string()), "sigkill": killed });
+            if let Some(stops) = note["brickds"].as_array_mut() {
+                stops.push(stopped);
+            }
             if killed || !status.is_some_and(|s| s.success()) {
                 bail!(
                     "kiln-brickd did not stop cleanly on SIGTERM (status {status:?}, SIGKILL \
@@ -372,11 +393,11 @@ impl KilnMount {
             target: Target::Kiln,
             base: dir.clone(),
             mount: None,
-            brickd: None,
+            brickds: Vec::new(),
             control: None,
             detail: json!({}),
         };
-        place.start_kiln(mount_options, Profiling::Off, &dir, &logs)?;
+        place.start_kiln(mount_options, Profiling::Off, 1, &dir, &logs)?;
         Ok(KilnMount { place })
     }
 

@@ -146,15 +146,22 @@ pub enum Target {
     /// Kiln's mount kept on `/dev/fuse` (`fuse-uring=off`), compared with `kiln` in the same
     /// run; the same as `kiln` where the kernel does not offer FUSE over io_uring.
     KilnDevFuse,
+    /// Kiln's mount of a distributed volume of [`DIST_BRICKS`] bricks on this disk, compared
+    /// with `kiln` (one brick) in the same run.
+    KilnDist,
     Glusterfs,
 }
 
+/// The bricks of the `kiln-dist` target's volume.
+pub const DIST_BRICKS: usize = 2;
+
 impl Target {
-    pub const ALL: [Target; 5] = [
+    pub const ALL: [Target; 6] = [
         Target::Local,
         Target::Bindfs,
         Target::Kiln,
         Target::KilnDevFuse,
+        Target::KilnDist,
         Target::Glusterfs,
     ];
     /// What runs unless `--targets` says otherwise.
@@ -171,6 +178,7 @@ impl Target {
             Target::Bindfs => "bindfs",
             Target::Kiln => "kiln",
             Target::KilnDevFuse => "kiln-dev-fuse",
+            Target::KilnDist => "kiln-dist",
             Target::Glusterfs => "glusterfs",
         }
     }
@@ -410,7 +418,7 @@ fn available(bench: &MountBench, target: Target) -> Result<(), String> {
             which("bindfs").ok_or("bindfs is not installed (Debian package `bindfs`)")?;
             fuse()
         }
-        Target::Kiln | Target::KilnDevFuse => {
+        Target::Kiln | Target::KilnDevFuse | Target::KilnDist => {
             Bins::beside_this_executable().map_err(|e| format!("{e:#}"))?;
             fuse()
         }
@@ -633,7 +641,7 @@ fn references(target: Target) -> &'static [Target] {
     match target {
         Target::Local | Target::Bindfs => &[Target::Local],
         Target::Kiln | Target::Glusterfs => &[Target::Local, Target::Bindfs],
-        Target::KilnDevFuse => &[Target::Local, Target::Kiln],
+        Target::KilnDevFuse | Target::KilnDist => &[Target::Local, Target::Kiln],
     }
 }
 

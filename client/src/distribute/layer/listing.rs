@@ -3,6 +3,10 @@
 
 use super::*;
 
+/// What one listed entry costs a reply besides its name, as a brick counts it (its
+/// attributes, offset and xattr presence).
+const LISTED_ENTRY_BYTES: u64 = 140;
+
 /// The offsets of a directory listing this layer keeps: the latest ones given out, so a
 /// listing goes on from where the kernel stopped and a `seekdir` back a little works,
 /// while the memory one open directory holds stays bounded.
@@ -49,7 +53,9 @@ impl Offsets {
 }
 
 impl<L: Layer> Distribute<L> {
-    /// The entries of directory `fds` from this layer's `offset`.
+    /// The entries of directory `fds` from this layer's `offset`: brick after brick until
+    /// about `size` bytes of entries (counted as a brick counts them), so a small directory
+    /// comes whole in one reply however many bricks it spans.
     pub(super) async fn list(
         &self,
         creds: &Creds,
@@ -68,6 +74,8 @@ impl<L: Layer> Distribute<L> {
                 .ok_or(Error::Fop(ErrorCode::Inval))?,
         };
         let first = self.dir_fds(fds).next().map(|(i, _)| i);
+        let mut entries = Vec::new();
+        let mut left = u64::from(size.get());
         while brick < fds.fds.len() {
             // (A brick removed since the directory was opened is left out.)
             let in_service = self.bricks.role(brick).in_service();
@@ -79,7 +87,7 @@ impl<L: Layer> Distribute<L> {
                 kiln_wire::ReaddirpXattrs {
                     fd,
                     offset: from,
-                    size,
+                    size: ReaddirSize::saturating(left),
                 }
                 .into()
             });
@@ -89,43 +97,61 @@ impl<L: Layer> Distribute<L> {
                 return Err(Error::Protocol("a READDIRP answered otherwise".into()));
             };
             let last = reply.entries.last().map(|e| e.offset);
-            let mut entries = Vec::new();
-            for mut e in reply.entries {
-                let is_dir = e.iatt.file_type == FileType::Directory;
-                if is_dir && Some(brick) != first {
-                    continue;
-                }
-                if is_dir {
-                    // Its times as a STAT or LOOKUP of it gives them, the latest of every
-                    // copy: a program that compares them (tar's "file changed as we read
-                    // it") sees one directory.
-                    self.merge_copies(creds, &mut e.iatt, brick).await;
-                }
-                match self.link_file_target(brick, &e.iatt).await {
-                    Ok(None) => {}
-                    // A link file, or an entry removed since it was listed.
-                    Ok(Some(_)) | Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => {
-                        continue;
-                    }
-                    Err(e) => return Err(e),
-                }
-                self.note_home(&e.iatt, brick);
+            let shown = self.shown(creds, brick, first, reply.entries).await?;
+            for e in shown {
+                left = left.saturating_sub(listed_bytes(&e));
                 let offset = lock(&fds.offsets).push(brick, e.offset);
                 entries.push(DirEntryXattrs { offset, ..e });
-            }
-            if !entries.is_empty() {
-                let eof = reply.eof && brick + 1 == fds.fds.len();
-                return Ok(ReaddirpXattrsReply { entries, eof });
             }
             (brick, from) = match (reply.eof, last) {
                 (false, Some(last)) => (brick, last),
                 _ => (brick + 1, 0),
             };
+            // Stop where this brick has more, or the reply is full; the next listing goes on
+            // from its last entry.
+            if !entries.is_empty() && (!reply.eof || left < LISTED_ENTRY_BYTES) {
+                break;
+            }
         }
-        Ok(ReaddirpXattrsReply {
-            entries: Vec::new(),
-            eof: true,
-        })
+        let eof = brick >= fds.fds.len();
+        Ok(ReaddirpXattrsReply { entries, eof })
+    }
+
+    /// What of brick `brick`'s `listed` entries this layer shows: each directory once (from
+    /// the `first` brick, with the latest times of its copies), no link files.
+    async fn shown(
+        &self,
+        creds: &Creds,
+        brick: usize,
+        first: Option<usize>,
+        listed: Vec<DirEntryXattrs>,
+    ) -> Result<Vec<DirEntryXattrs>, Error> {
+        let mut shown = Vec::with_capacity(listed.len());
+        for e in listed {
+            let is_dir = e.iatt.file_type == FileType::Directory;
+            if is_dir && Some(brick) != first {
+                continue;
+            }
+            match self.link_file_target(brick, &e.iatt).await {
+                Ok(None) => shown.push(e),
+                // A link file, or an entry removed since it was listed.
+                Ok(Some(_)) | Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        // A directory's times as a STAT or LOOKUP of it gives them, the latest of every copy:
+        // a program that compares them (tar's "file changed as we read it") sees one
+        // directory. Asked for all of them at once.
+        let merges = shown.iter_mut().map(|e| async move {
+            if e.iatt.file_type == FileType::Directory {
+                self.merge_copies(creds, &mut e.iatt, brick).await;
+            }
+        });
+        futures_util::future::join_all(merges).await;
+        for e in &shown {
+            self.note_home(&e.iatt, brick);
+        }
+        Ok(shown)
     }
 
     /// A fop on an open directory.
@@ -198,6 +224,11 @@ impl<L: Layer> Distribute<L> {
             .enumerate()
             .filter_map(move |(i, fd)| fd.as_ref().filter(|_| in_service(i)).map(|fd| (i, fd)))
     }
+}
+
+/// What entry `e` costs a reply.
+fn listed_bytes(e: &DirEntryXattrs) -> u64 {
+    e.name.as_bytes().len() as u64 + LISTED_ENTRY_BYTES
 }
 
 #[cfg(test)]

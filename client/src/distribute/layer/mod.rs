@@ -56,9 +56,10 @@ use super::{
     COMMIT_HASH_COMMITTED, COMMIT_HASH_INVALID, DiskLayout, Layout, Munging, XATTR_NAME,
     first_brick,
 };
-use crate::layer::{FdFop, Layer, LayerEvent, batch_one_by_one};
+use crate::layer::{FdFop, Layer, LayerEvent};
 use crate::{Error, LayerExt, Paths};
 
+mod batch;
 mod bricks;
 mod files;
 mod heal;
@@ -552,9 +553,9 @@ impl<L: Layer> Layer for Distribute<L> {
         }
     }
 
-    /// One fop after another through [`Layer::call`]: each may need several bricks.
+    /// Through [`Layer::call`], in waves of fops that cannot see each other ([`batch`]).
     async fn batch(&self, batch: Batch) -> Result<BatchReply, Error> {
-        batch_one_by_one(self, &batch).await
+        self.batch_in_waves(&batch).await
     }
 
     fn leases(&self) -> bool {

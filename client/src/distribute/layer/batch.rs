@@ -1,0 +1,217 @@
+//! A BATCH through the layer. Its fops are bound for several bricks, so no one request carries
+//! it; sent one after another, each would wait for the one before (an `rm -rf`'s UNLINKs, an
+//! untar's PUTs, queued by the mount under a write lease). They run in waves instead: a wave
+//! is a run of consecutive fops none of which can see another's effect — creates and removals
+//! of different names, attribute changes of different objects — and runs at once; a fop that
+//! could (the same name, an object made or changed in the wave, a parent changed in it) starts
+//! the next wave, and one whose effects reach further (a directory made or removed, a rename,
+//! a link, a lease) runs alone. Each fop's result is the one it would have had in order.
+
+use std::collections::HashSet;
+use std::ops::Range;
+
+use kiln_wire::BatchReply;
+
+use super::*;
+
+/// Fops of one wave, at most: what one batch puts in flight on the bricks at once.
+const WAVE_FOPS_MAX: usize = 64;
+
+impl<L: Layer> Distribute<L> {
+    /// Runs `batch` wave after wave ([`waves`]); a broken connection ends it.
+    pub(super) async fn batch_in_waves(&self, batch: &Batch) -> Result<BatchReply, Error> {
+        let fops = batch.fops();
+        let mut results = Vec::with_capacity(fops.len());
+        for wave in waves(fops) {
+            let calls = fops[wave]
+                .iter()
+                .map(|fop| self.call(&batch.creds, fop.clone()));
+            for answer in futures_util::future::join_all(calls).await {
+                results.push(match answer {
+                    Ok(reply) => Ok(reply),
+                    Err(Error::Fop(code)) => Err(code),
+                    Err(e) => return Err(e),
+                });
+            }
+        }
+        Ok(BatchReply { results })
+    }
+}
+
+/// `fops` cut into waves: consecutive runs whose fops may run at once, in order.
+fn waves(fops: &[FopRequest]) -> Vec<Range<usize>> {
+    let mut waves = Vec::new();
+    let (mut wave, mut start) = (Wave::default(), 0);
+    for (i, fop) in fops.iter().enumerate() {
+        if wave.admit(fop) {
+            continue;
+        }
+        if start < i {
+            waves.push(start..i);
+        }
+        (wave, start) = (Wave::default(), i);
+        if !wave.admit(fop) {
+            // A fop that runs alone.
+            waves.push(i..i + 1);
+            start = i + 1;
+        }
+    }
+    if start < fops.len() {
+        waves.push(start..fops.len());
+    }
+    waves
+}
+
+/// What the fops admitted to a wave touch.
+#[derive(Default)]
+struct Wave {
+    len: usize,
+    /// Names made or removed.
+    names: HashSet<(Gfid, Name)>,
+    /// Objects made, or whose attributes change.
+    changed: HashSet<Gfid>,
+    /// Directories a name is made or removed in.
+    parents: HashSet<Gfid>,
+    /// Whether a name is removed (which may take an object with it).
+    removes: bool,
+    /// Whether an existing object's attributes change (one a removal may take).
+    sets_attrs: bool,
+}
+
+/// What one fop touches, for a wave.
+struct Access {
+    name: Option<(Gfid, Name)>,
+    changes: Option<Gfid>,
+    parent: Option<Gfid>,
+    removes: bool,
+    sets_attrs: bool,
+}
+
+impl Access {
+    /// What `fop` touches, if it may run beside others at all.
+    fn of(fop: &FopRequest) -> Option<Access> {
+        use FopRequest as Q;
+        let make = |parent: Gfid, name: &Name, gfid: Gfid| Access {
+            name: Some((parent, name.clone())),
+            changes: Some(gfid),
+            parent: Some(parent),
+            removes: false,
+            sets_attrs: false,
+        };
+        let set = |gfid: Gfid| Access {
+            name: None,
+            changes: Some(gfid),
+            parent: None,
+            removes: false,
+            sets_attrs: true,
+        };
+        Some(match fop {
+            Q::Put(r) => make(r.parent, &r.name, r.gfid),
+            Q::Mknod(r) => make(r.parent, &r.name, r.gfid),
+            Q::Symlink(r) => make(r.parent, &r.name, r.gfid),
+            Q::Unlink(r) => Access {
+                name: Some((r.parent, r.name.clone())),
+                changes: None,
+                parent: Some(r.parent),
+                removes: true,
+                sets_attrs: false,
+            },
+            Q::Setattr(r) => set(r.gfid),
+            Q::Setxattr(r) => set(r.gfid),
+            Q::Removexattr(r) => set(r.gfid),
+            Q::Truncate(r) => set(r.gfid),
+            _ => return None,
+        })
+    }
+}
+
+impl Wave {
+    /// Takes `fop` into the wave if it can run beside every fop there.
+    fn admit(&mut self, fop: &FopRequest) -> bool {
+        let Some(access) = Access::of(fop) else {
+            return false;
+        };
+        let clash = self.len == WAVE_FOPS_MAX
+            || access.name.as_ref().is_some_and(|n| self.names.contains(n))
+            || access
+                .changes
+                .is_some_and(|g| self.changed.contains(&g) || self.parents.contains(&g))
+            || access.parent.is_some_and(|p| self.changed.contains(&p))
+            || (access.removes && self.sets_attrs)
+            || (access.sets_attrs && self.removes);
+        if clash {
+            return false;
+        }
+        self.len += 1;
+        self.names.extend(access.name);
+        self.changed.extend(access.changes);
+        self.parents.extend(access.parent);
+        self.removes |= access.removes;
+        self.sets_attrs |= access.sets_attrs;
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kiln_wire::{SetAttr, Unlink};
+
+    use super::*;
+
+    fn gfid(n: u128) -> Gfid {
+        Gfid::from_bytes(n.to_le_bytes()).expect("not nil")
+    }
+
+    fn unlink(parent: u128, name: &str) -> FopRequest {
+        Unlink {
+            parent: gfid(parent),
+            name: Name::new(Bytes::copy_from_slice(name.as_bytes())).expect("a name"),
+        }
+        .into()
+    }
+
+    fn setattr(object: u128) -> FopRequest {
+        kiln_wire::Setattr {
+            gfid: gfid(object),
+            attr: SetAttr::default(),
+        }
+        .into()
+    }
+
+    fn lease(dir: u128) -> FopRequest {
+        kiln_wire::Lease {
+            gfid: gfid(dir),
+            kind: kiln_wire::LeaseKind::None,
+        }
+        .into()
+    }
+
+    #[test]
+    fn fops_that_cannot_see_each_other_share_a_wave() {
+        // Removals of different names, then the same name again; attribute changes of
+        // different objects, then one a removal may take; a lease alone.
+        let fops = [
+            unlink(1, "a"),
+            unlink(1, "b"),
+            unlink(2, "a"),
+            unlink(1, "a"),
+            setattr(7),
+            setattr(8),
+            setattr(8),
+            unlink(1, "c"),
+            lease(1),
+            setattr(1),
+            unlink(1, "d"),
+        ];
+        assert_eq!(
+            waves(&fops),
+            [0..3, 3..4, 4..6, 6..7, 7..8, 8..9, 9..10, 10..11]
+        );
+        let many: Vec<FopRequest> = (1..=WAVE_FOPS_MAX as u128 + 1).map(setattr).collect();
+        assert_eq!(
+            waves(&many),
+            [0..WAVE_FOPS_MAX, WAVE_FOPS_MAX..WAVE_FOPS_MAX + 1]
+        );
+        assert!(waves(&[]).is_empty());
+    }
+}
