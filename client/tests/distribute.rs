@@ -588,7 +588,14 @@ fn a_stale_link_file_is_removed_and_its_name_made_again() {
         let v = volume.connect().await;
         let (dir, hashed) = hashed_dir(&v, &creds, "/d").await;
         let on_brick = |n: &str| volume.brick(hashed(n)).join(format!("d/{n}"));
-        for n in ["looked-up", "put", "mkdir", "create-excl", "create"] {
+        for n in [
+            "looked-up",
+            "put",
+            "mkdir",
+            "create-excl",
+            "create",
+            "batched",
+        ] {
             let on = v.bricks().nth(hashed(n)).expect("brick");
             let home = (hashed(n) + 1) % BRICKS;
             make_link_file(on, "dist", (dir.gfid, name(n)), random_gfid(), home).await;
@@ -628,7 +635,27 @@ fn a_stale_link_file_is_removed_and_its_name_made_again() {
             assert_eq!(entry.iatt.gfid, create.gfid, "{n}: the new file");
             v.release(&creds, fd).await.expect("release");
         }
+        // In a BATCH (as a mount sends what it made behind): the one made on a stale link
+        // file's name goes the whole way, beside one made on a free name.
+        let mut batch = kiln_wire::Batch::new(creds.clone());
+        for n in ["batched", "batched-free"] {
+            let put = kiln_wire::Put {
+                parent: dir.gfid,
+                name: name(n),
+                gfid: random_gfid(),
+                mode: kiln_wire::Mode::new(0o644).expect("mode"),
+                umask: kiln_wire::Mode::from_st_mode(0),
+                flags: kiln_wire::OpenFlags::empty(),
+                data: kiln_wire::Payload::new(Bytes::from_static(b"batched")).expect("data"),
+                attr: kiln_wire::SetAttr::default(),
+            };
+            batch.push(put.into()).expect("batchable");
+        }
+        let answered = v.batch(batch).await.expect("batch");
+        assert!(answered.results.iter().all(Result::is_ok), "{answered:?}");
         for (n, file_type) in [
+            ("batched", FileType::Regular),
+            ("batched-free", FileType::Regular),
             ("put", FileType::Regular),
             ("mkdir", FileType::Directory),
             ("create-excl", FileType::Regular),

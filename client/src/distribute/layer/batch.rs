@@ -6,11 +6,17 @@
 //! could (the same name, an object made or changed in the wave, a parent changed in it) starts
 //! the next wave, and one whose effects reach further (a directory made or removed, a rename,
 //! a link, a lease) runs alone. Each fop's result is the one it would have had in order.
+//!
+//! Within a wave, the new names whose brick is known without asking (the parent's layout is
+//! authoritative: PUT, MKNOD, SYMLINK) go as one BATCH per brick; what such a BATCH could not
+//! settle (EEXIST: maybe a stale link file), and every other fop, through [`Layer::call`].
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::ops::Range;
 
 use kiln_wire::BatchReply;
+
+use super::namespace::authoritative;
 
 use super::*;
 
@@ -23,10 +29,7 @@ impl<L: Layer> Distribute<L> {
         let fops = batch.fops();
         let mut results = Vec::with_capacity(fops.len());
         for wave in waves(fops) {
-            let calls = fops[wave]
-                .iter()
-                .map(|fop| self.call(&batch.creds, fop.clone()));
-            for answer in futures_util::future::join_all(calls).await {
+            for answer in self.run_wave(&batch.creds, &fops[wave]).await {
                 results.push(match answer {
                     Ok(reply) => Ok(reply),
                     Err(Error::Fop(code)) => Err(code),
@@ -35,6 +38,79 @@ impl<L: Layer> Distribute<L> {
             }
         }
         Ok(BatchReply { results })
+    }
+
+    /// The answers to `fops`, none of which can see another's effect, all run at once.
+    async fn run_wave(&self, creds: &Creds, fops: &[FopRequest]) -> Vec<Result<FopReply, Error>> {
+        let mut answers: Vec<Option<Result<FopReply, Error>>> = fops.iter().map(|_| None).collect();
+        let mut per_brick: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+        for (i, fop) in fops.iter().enumerate() {
+            if let Some(brick) = self.new_name_brick(fop).await {
+                per_brick.entry(brick).or_default().push(i);
+            }
+        }
+        let batches = per_brick.into_iter().map(|(brick, indexes)| async move {
+            let answered = self.batch_on(creds, brick, &indexes, fops).await;
+            (brick, indexes, answered)
+        });
+        for (brick, indexes, answered) in futures_util::future::join_all(batches).await {
+            // A BATCH that failed as a whole leaves its fops to go one by one below.
+            let Ok(results) = answered else { continue };
+            for (i, result) in indexes.into_iter().zip(results) {
+                answers[i] = match result {
+                    Ok(reply) => {
+                        if let Ok(iatt) = entry_iatt(&reply) {
+                            self.note_home(iatt, brick);
+                        }
+                        Some(Ok(reply))
+                    }
+                    // The name may be a stale link file's: the whole make clears it.
+                    Err(ErrorCode::Exist) => None,
+                    Err(code) => Some(Err(Error::Fop(code))),
+                };
+            }
+        }
+        let rest = answers.iter().enumerate().filter(|(_, a)| a.is_none());
+        let calls = rest.map(|(i, _)| async move { (i, self.call(creds, fops[i].clone()).await) });
+        for (i, answer) in futures_util::future::join_all(calls).await {
+            answers[i] = Some(answer);
+        }
+        answers.into_iter().flatten().collect()
+    }
+
+    /// The brick new name `fop` (PUT, MKNOD, SYMLINK) goes to as it is: its hashed brick,
+    /// where the parent's layout is authoritative (no older layout may have placed the name
+    /// elsewhere).
+    async fn new_name_brick(&self, fop: &FopRequest) -> Option<usize> {
+        let (parent, name) = match fop {
+            FopRequest::Put(r) => (r.parent, &r.name),
+            FopRequest::Mknod(r) => (r.parent, &r.name),
+            FopRequest::Symlink(r) => (r.parent, &r.name),
+            _ => return None,
+        };
+        let (hashed, layout) = self.hashed(parent, name).await.ok()?;
+        authoritative(&layout).then_some(hashed)
+    }
+
+    /// `fops[indexes]` as one BATCH on brick `brick`: an answer each.
+    async fn batch_on(
+        &self,
+        creds: &Creds,
+        brick: usize,
+        indexes: &[usize],
+        fops: &[FopRequest],
+    ) -> Result<Vec<Result<FopReply, ErrorCode>>, Error> {
+        let mut batch = Batch::new(creds.clone());
+        for &i in indexes {
+            batch
+                .push(fops[i].clone())
+                .map_err(|e| Error::Misuse(e.to_string()))?;
+        }
+        let reply = self.bricks.get(brick)?.batch(batch).await?;
+        match reply.results.len() == indexes.len() {
+            true => Ok(reply.results),
+            false => Err(Error::Protocol("a BATCH answered otherwise".into())),
+        }
     }
 }
 
