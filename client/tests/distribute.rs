@@ -668,6 +668,44 @@ fn a_stale_link_file_is_removed_and_its_name_made_again() {
         }
         let data = v.read_to_end(&creds, "/d/put").await.expect("read");
         assert_eq!(data, b"put");
+
+        // Removals in a BATCH: a name on its hashed brick, a name that is nowhere, and a name
+        // whose hashed brick holds only a link file (its file was renamed from another brick).
+        v.put(&creds, "/d/src", Bytes::from_static(b"src"), 0o644)
+            .await
+            .expect("put");
+        let moved = (0..)
+            .map(|i| format!("moved-{i}"))
+            .find(|n| hashed(n) != hashed("src"))
+            .expect("a name hashed elsewhere");
+        let rename = kiln_wire::Rename {
+            old_parent: dir.gfid,
+            old_name: name("src"),
+            new_parent: dir.gfid,
+            new_name: name(&moved),
+            mode: RenameMode::Replace,
+        };
+        v.call(&creds, rename.into()).await.expect("rename");
+        assert!(link_file_target(&on_brick(&moved)).is_some(), "a link file");
+        let mut batch = kiln_wire::Batch::new(creds.clone());
+        for n in ["batched", "nowhere", moved.as_str()] {
+            let unlink = kiln_wire::Unlink {
+                parent: dir.gfid,
+                name: name(n),
+            };
+            batch.push(unlink.into()).expect("batchable");
+        }
+        let answered = v.batch(batch).await.expect("batch");
+        assert!(
+            matches!(
+                answered.results.as_slice(),
+                [Ok(_), Err(ErrorCode::NoEnt), Ok(_)]
+            ),
+            "{answered:?}"
+        );
+        for n in ["batched", moved.as_str()] {
+            assert_eq!(volume.holders(&format!("d/{n}")), [0_usize; 0], "{n}");
+        }
         close(&v).await;
     });
 }

@@ -7,16 +7,34 @@
 //! the next wave, and one whose effects reach further (a directory made or removed, a rename,
 //! a link, a lease) runs alone. Each fop's result is the one it would have had in order.
 //!
-//! Within a wave, the new names whose brick is known without asking (the parent's layout is
-//! authoritative: PUT, MKNOD, SYMLINK) go as one BATCH per brick; what such a BATCH could not
-//! settle (EEXIST: maybe a stale link file), and every other fop, through [`Layer::call`].
+//! Within a wave, where the parent's layout is authoritative (no older layout may have placed
+//! a name elsewhere), new names (PUT, MKNOD, SYMLINK) go as one BATCH per hashed brick, and
+//! removals (UNLINK) as one BATCH of LOOKUPs per hashed brick, then one of UNLINKs of the
+//! names found there settled (not link files, not being moved); what those could not settle
+//! (EEXIST: maybe a stale link file; a link file; a moving file) and every other fop go
+//! through [`Layer::call`], the whole way.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ops::Range;
 
 use kiln_wire::BatchReply;
 
+use super::files::Look;
 use super::namespace::authoritative;
+
+/// Fops of one wave by the brick they go to, as their indexes in the wave.
+type ByBrick = BTreeMap<usize, Vec<usize>>;
+
+/// What a BATCH on a brick answered each fop of a wave it carried: (brick, index, answer).
+type Answered = Vec<(usize, usize, Result<FopReply, ErrorCode>)>;
+
+/// How a fop of a wave reaches a brick without the whole way through [`Layer::call`].
+enum Direct {
+    /// A new name, made on this brick.
+    Make(usize),
+    /// A removal, of a name looked up on this brick first.
+    Remove(usize),
+}
 
 use super::*;
 
@@ -43,32 +61,51 @@ impl<L: Layer> Distribute<L> {
     /// The answers to `fops`, none of which can see another's effect, all run at once.
     async fn run_wave(&self, creds: &Creds, fops: &[FopRequest]) -> Vec<Result<FopReply, Error>> {
         let mut answers: Vec<Option<Result<FopReply, Error>>> = fops.iter().map(|_| None).collect();
-        let mut per_brick: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+        let (mut makes, mut removals) = (ByBrick::new(), ByBrick::new());
         for (i, fop) in fops.iter().enumerate() {
-            if let Some(brick) = self.new_name_brick(fop).await {
-                per_brick.entry(brick).or_default().push(i);
+            match self.direct(fop).await {
+                Some(Direct::Make(brick)) => makes.entry(brick).or_default().push(i),
+                Some(Direct::Remove(brick)) => removals.entry(brick).or_default().push(i),
+                None => {}
             }
         }
-        let batches = per_brick.into_iter().map(|(brick, indexes)| async move {
-            let answered = self.batch_on(creds, brick, &indexes, fops).await;
-            (brick, indexes, answered)
-        });
-        for (brick, indexes, answered) in futures_util::future::join_all(batches).await {
-            // A BATCH that failed as a whole leaves its fops to go one by one below.
-            let Ok(results) = answered else { continue };
-            for (i, result) in indexes.into_iter().zip(results) {
-                answers[i] = match result {
-                    Ok(reply) => {
-                        if let Ok(iatt) = entry_iatt(&reply) {
-                            self.note_home(iatt, brick);
-                        }
-                        Some(Ok(reply))
+        let (made, looked_up) = tokio::join!(
+            self.batches(creds, &makes, |i| fops[i].clone()),
+            self.batches(creds, &removals, |i| lookup_of(&fops[i])),
+        );
+        for (brick, i, answer) in made {
+            answers[i] = match answer {
+                Ok(reply) => {
+                    if let Ok(iatt) = entry_iatt(&reply) {
+                        self.note_home(iatt, brick);
                     }
-                    // The name may be a stale link file's: the whole make clears it.
-                    Err(ErrorCode::Exist) => None,
-                    Err(code) => Some(Err(Error::Fop(code))),
-                };
+                    Some(Ok(reply))
+                }
+                // The name may be a stale link file's: the whole make clears it.
+                Err(ErrorCode::Exist) => None,
+                Err(code) => Some(Err(Error::Fop(code))),
+            };
+        }
+        let (mut unlinks, mut found) = (ByBrick::new(), HashMap::new());
+        for (brick, i, answer) in looked_up {
+            match answer {
+                Ok(FopReply::Lookup(r)) if Look::of(&r.iatt) == Look::Settled => {
+                    unlinks.entry(brick).or_default().push(i);
+                    found.insert(i, r.iatt);
+                }
+                // The layout is authoritative: a name not on its hashed brick is nowhere.
+                Err(ErrorCode::NoEnt) => answers[i] = Some(Err(Error::Fop(ErrorCode::NoEnt))),
+                _ => {}
             }
+        }
+        for (_, i, answer) in self.batches(creds, &unlinks, |i| fops[i].clone()).await {
+            if answer.is_ok()
+                && let Some(iatt) = found.get(&i)
+                && iatt.nlink <= 1
+            {
+                lock(&self.homes).pop(&iatt.gfid);
+            }
+            answers[i] = Some(answer.map_err(Error::Fop));
         }
         let rest = answers.iter().enumerate().filter(|(_, a)| a.is_none());
         let calls = rest.map(|(i, _)| async move { (i, self.call(creds, fops[i].clone()).await) });
@@ -78,39 +115,56 @@ impl<L: Layer> Distribute<L> {
         answers.into_iter().flatten().collect()
     }
 
-    /// The brick new name `fop` (PUT, MKNOD, SYMLINK) goes to as it is: its hashed brick,
-    /// where the parent's layout is authoritative (no older layout may have placed the name
-    /// elsewhere).
-    async fn new_name_brick(&self, fop: &FopRequest) -> Option<usize> {
-        let (parent, name) = match fop {
-            FopRequest::Put(r) => (r.parent, &r.name),
-            FopRequest::Mknod(r) => (r.parent, &r.name),
-            FopRequest::Symlink(r) => (r.parent, &r.name),
+    /// How `fop` reaches a brick directly, if it can: a new name or a removal in a parent
+    /// whose layout is authoritative, by its hashed brick.
+    async fn direct(&self, fop: &FopRequest) -> Option<Direct> {
+        let (parent, name, direct): (_, _, fn(usize) -> Direct) = match fop {
+            FopRequest::Put(r) => (r.parent, &r.name, Direct::Make),
+            FopRequest::Mknod(r) => (r.parent, &r.name, Direct::Make),
+            FopRequest::Symlink(r) => (r.parent, &r.name, Direct::Make),
+            FopRequest::Unlink(r) => (r.parent, &r.name, Direct::Remove),
             _ => return None,
         };
         let (hashed, layout) = self.hashed(parent, name).await.ok()?;
-        authoritative(&layout).then_some(hashed)
+        authoritative(&layout).then(|| direct(hashed))
     }
 
-    /// `fops[indexes]` as one BATCH on brick `brick`: an answer each.
-    async fn batch_on(
+    /// The fops `fop_of(i)` of each brick's indexes in `by_brick`, as one BATCH per brick, all
+    /// at once. A BATCH that failed as a whole answers none of its fops.
+    async fn batches(
         &self,
         creds: &Creds,
-        brick: usize,
-        indexes: &[usize],
-        fops: &[FopRequest],
-    ) -> Result<Vec<Result<FopReply, ErrorCode>>, Error> {
-        let mut batch = Batch::new(creds.clone());
-        for &i in indexes {
-            batch
-                .push(fops[i].clone())
-                .map_err(|e| Error::Misuse(e.to_string()))?;
+        by_brick: &ByBrick,
+        fop_of: impl Fn(usize) -> FopRequest,
+    ) -> Answered {
+        let fop_of = &fop_of;
+        let sent = by_brick.iter().map(|(&brick, indexes)| async move {
+            let mut batch = Batch::new(creds.clone());
+            for &i in indexes {
+                batch.push(fop_of(i)).ok()?;
+            }
+            let reply = self.bricks.get(brick).ok()?.batch(batch).await.ok()?;
+            (reply.results.len() == indexes.len()).then(|| {
+                let answers = indexes.iter().zip(reply.results);
+                answers
+                    .map(|(&i, answer)| (brick, i, answer))
+                    .collect::<Vec<_>>()
+            })
+        });
+        let answered = futures_util::future::join_all(sent).await;
+        answered.into_iter().flatten().flatten().collect()
+    }
+}
+
+/// The LOOKUP of the name UNLINK `fop` removes.
+fn lookup_of(fop: &FopRequest) -> FopRequest {
+    match fop {
+        FopRequest::Unlink(r) => kiln_wire::Lookup {
+            parent: r.parent,
+            name: r.name.clone(),
         }
-        let reply = self.bricks.get(brick)?.batch(batch).await?;
-        match reply.results.len() == indexes.len() {
-            true => Ok(reply.results),
-            false => Err(Error::Protocol("a BATCH answered otherwise".into())),
-        }
+        .into(),
+        other => unreachable!("a removal is an UNLINK, not {}", other.code().name()),
     }
 }
 
