@@ -2,10 +2,11 @@
 //! it; sent one after another, each would wait for the one before (an `rm -rf`'s UNLINKs, an
 //! untar's PUTs, queued by the mount under a write lease). They run in waves instead: a wave
 //! is a run of consecutive fops none of which can see another's effect — creates and removals
-//! of different names, attribute changes of different objects — and runs at once; a fop that
-//! could (the same name, an object made or changed in the wave, a parent changed in it) starts
-//! the next wave, and one whose effects reach further (a directory made or removed, a rename,
-//! a link, a lease) runs alone. Each fop's result is the one it would have had in order.
+//! of different names (directories too), attribute changes of different objects — and runs
+//! at once; a fop that could (the same name, an object made or changed in the wave, a parent
+//! made or changed in it) starts the next wave, and one whose effects reach further (a
+//! directory removed, which must be empty; a rename; a link; a lease) runs alone. Each fop's
+//! result is the one it would have had in order.
 //!
 //! Within a wave, where the parent's layout is authoritative (no older layout may have placed
 //! a name elsewhere), new names (PUT, MKNOD, SYMLINK) go as one BATCH per hashed brick, and
@@ -237,6 +238,7 @@ impl Access {
         };
         Some(match fop {
             Q::Put(r) => make(r.parent, &r.name, r.gfid),
+            Q::Mkdir(r) => make(r.parent, &r.name, r.gfid),
             Q::Mknod(r) => make(r.parent, &r.name, r.gfid),
             Q::Symlink(r) => make(r.parent, &r.name, r.gfid),
             Q::Unlink(r) => Access {
@@ -308,6 +310,17 @@ mod tests {
         .into()
     }
 
+    fn mkdir(parent: u128, name: &str, gfid_of_new: u128) -> FopRequest {
+        kiln_wire::Mkdir {
+            parent: gfid(parent),
+            name: Name::new(Bytes::copy_from_slice(name.as_bytes())).expect("a name"),
+            gfid: gfid(gfid_of_new),
+            mode: Mode::new(0o755).expect("mode"),
+            umask: Mode::from_st_mode(0),
+        }
+        .into()
+    }
+
     fn lease(dir: u128) -> FopRequest {
         kiln_wire::Lease {
             gfid: gfid(dir),
@@ -343,5 +356,18 @@ mod tests {
             [0..WAVE_FOPS_MAX, WAVE_FOPS_MAX..WAVE_FOPS_MAX + 1]
         );
         assert!(waves(&[]).is_empty());
+    }
+
+    #[test]
+    fn what_goes_in_a_directory_made_waits_for_the_wave_that_makes_it() {
+        let fops = [
+            mkdir(1, "d", 5),
+            unlink(1, "x"),
+            mkdir(1, "e", 6),
+            unlink(5, "f"),
+            unlink(6, "g"),
+            mkdir(1, "d", 7),
+        ];
+        assert_eq!(waves(&fops), [0..3, 3..6]);
     }
 }
