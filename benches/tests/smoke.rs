@@ -794,7 +794,11 @@ mod needs_root {
             .find(|s| s["target"] == "kiln")
             .expect("the kiln stop note");
         assert_eq!(stop["unmount"]["status"], "exit status: 0", "{stop}");
-        assert_eq!(stop["brickd"]["sigkill"], false, "{stop}");
+        let brickds = stop["brickds"]
+            .as_array()
+            .expect("the brick servers' stops");
+        assert!(!brickds.is_empty(), "{stop}");
+        assert!(brickds.iter().all(|b| b["sigkill"] == false), "{stop}");
     }
 
     #[test]
@@ -853,7 +857,7 @@ mod needs_root {
             .filter_map(|l| l.get("smallfile_target"))
             .find(|n| n["target"] == "kiln-mount")
             .expect("the kiln-mount stop note");
-        assert_eq!(mount["stopped"]["brickd"]["sigkill"], false, "{mount}");
+        assert_eq!(mount["stopped"]["brickds"][0]["sigkill"], false, "{mount}");
         assert_eq!(mount["fs"], "fuse", "{mount}");
     }
 

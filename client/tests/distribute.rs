@@ -98,6 +98,18 @@ async fn hashed_dir<L: Layer>(
     (dir, hashed)
 }
 
+/// RENAME of `from` to `to` in directory `dir`, replacing what is there.
+fn rename_in(dir: Gfid, from: &str, to: &str) -> kiln_wire::FopRequest {
+    kiln_wire::Rename {
+        old_parent: dir,
+        old_name: name(from),
+        new_parent: dir,
+        new_name: name(to),
+        mode: RenameMode::Replace,
+    }
+    .into()
+}
+
 fn name(s: &str) -> Name {
     Name::new(s.to_owned()).expect("name")
 }
@@ -243,14 +255,8 @@ fn renames_and_links_across_bricks_leave_link_files() {
             .find(|n| hashed(n) != home)
             .expect("a name elsewhere");
         let a = v.resolve(&creds, "/d/a").await.expect("a");
-        let rename = kiln_wire::Rename {
-            old_parent: dir.gfid,
-            old_name: name("a"),
-            new_parent: dir.gfid,
-            new_name: name(&moved),
-            mode: RenameMode::Replace,
-        };
-        v.call(&creds, rename.into()).await.expect("rename");
+        let rename = rename_in(dir.gfid, "a", &moved);
+        v.call(&creds, rename).await.expect("rename");
         // The data stays where it was; the new name's hashed brick has a link file to it.
         assert_eq!(volume.holders(&format!("d/{moved}")), {
             let mut both = vec![home, hashed(&moved)];
@@ -678,14 +684,8 @@ fn a_stale_link_file_is_removed_and_its_name_made_again() {
             .map(|i| format!("moved-{i}"))
             .find(|n| hashed(n) != hashed("src"))
             .expect("a name hashed elsewhere");
-        let rename = kiln_wire::Rename {
-            old_parent: dir.gfid,
-            old_name: name("src"),
-            new_parent: dir.gfid,
-            new_name: name(&moved),
-            mode: RenameMode::Replace,
-        };
-        v.call(&creds, rename.into()).await.expect("rename");
+        let rename = rename_in(dir.gfid, "src", &moved);
+        v.call(&creds, rename).await.expect("rename");
         assert!(link_file_target(&on_brick(&moved)).is_some(), "a link file");
         let mut batch = kiln_wire::Batch::new(creds.clone());
         for n in ["batched", "nowhere", moved.as_str()] {

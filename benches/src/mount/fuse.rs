@@ -254,45 +254,10 @@ impl Place {
         let mut addrs = Vec::with_capacity(bricks);
         let mut brick_dirs = Vec::with_capacity(bricks);
         for n in 0..bricks {
-            let (brick, brick_log) = match n {
-                0 => (dir.join("brick"), logs.join("kiln-brickd.log")),
-                n => (
-                    dir.join(format!("brick-{n}")),
-                    logs.join(format!("kiln-brickd-{n}.log")),
-                ),
-            };
-            std::fs::create_dir(&brick)?;
-            run_bounded(
-                Command::new(&bins.brickd).arg("format").arg(&brick),
-                None,
-                &brick_log,
-                COMMAND_TIMEOUT,
-            )?;
-            let mut cmd = Command::new(&bins.brickd);
-            cmd.arg("serve")
-                .arg(&brick)
-                .args(["--listen", "127.0.0.1:0", "--name", BRICK_NAME, "--tls-dir"])
-                .arg(&tls)
-                .args(["--root-allow", CLIENT_NAME])
-                .stdout(Stdio::piped());
-            if profiling == Profiling::On && n == 0 {
-                // The brick refuses a control socket in a directory others may enter.
-                let private = dir.join("control");
-                std::fs::DirBuilder::new()
-                    .mode(0o700)
-                    .create(&private)
-                    .with_context(|| format!("cannot create {}", private.display()))?;
-                let socket = private.join(CONTROL_SOCKET);
-                cmd.arg("--control")
-                    .arg(&socket)
-                    .args(["--count-fop-hits", "--latency-measurement"]);
-                self.control = Some(socket);
-            }
-            let mut brickd = Daemon::spawn("kiln-brickd", &mut cmd, &brick_log)?;
-            let stdout = brickd.take_stdout().context("no pipe from kiln-brickd")?;
-            addrs.push(brickd_address(stdout, &brick_log)?.to_string());
-            brick_dirs.push(brick.display().to_string());
-            self.brickds.push(brickd);
+            let profile = profiling == Profiling::On && n == 0;
+            let (addr, brick) = self.start_brickd(&bins, &tls, n, profile, dir, logs)?;
+            addrs.push(addr);
+            brick_dirs.push(brick);
         }
 
         let mnt = dir.join("mnt");
@@ -330,6 +295,58 @@ impl Place {
             },
         });
         Ok(())
+    }
+
+    /// Brick `n` of a Kiln target, fresh, served on loopback (with a fop profile read on a
+    /// control socket when `profile`): its address and its directory.
+    fn start_brickd(
+        &mut self,
+        bins: &Bins,
+        tls: &Path,
+        n: usize,
+        profile: bool,
+        dir: &Path,
+        logs: &Path,
+    ) -> anyhow::Result<(String, String)> {
+        let (brick, brick_log) = match n {
+            0 => (dir.join("brick"), logs.join("kiln-brickd.log")),
+            n => (
+                dir.join(format!("brick-{n}")),
+                logs.join(format!("kiln-brickd-{n}.log")),
+            ),
+        };
+        std::fs::create_dir(&brick)?;
+        run_bounded(
+            Command::new(&bins.brickd).arg("format").arg(&brick),
+            None,
+            &brick_log,
+            COMMAND_TIMEOUT,
+        )?;
+        let mut cmd = Command::new(&bins.brickd);
+        cmd.arg("serve")
+            .arg(&brick)
+            .args(["--listen", "127.0.0.1:0", "--name", BRICK_NAME, "--tls-dir"])
+            .arg(tls)
+            .args(["--root-allow", CLIENT_NAME])
+            .stdout(Stdio::piped());
+        if profile {
+            // The brick refuses a control socket in a directory others may enter.
+            let private = dir.join("control");
+            std::fs::DirBuilder::new()
+                .mode(0o700)
+                .create(&private)
+                .with_context(|| format!("cannot create {}", private.display()))?;
+            let socket = private.join(CONTROL_SOCKET);
+            cmd.arg("--control")
+                .arg(&socket)
+                .args(["--count-fop-hits", "--latency-measurement"]);
+            self.control = Some(socket);
+        }
+        let mut brickd = Daemon::spawn("kiln-brickd", &mut cmd, &brick_log)?;
+        let stdout = brickd.take_stdout().context("no pipe from kiln-brickd")?;
+        let addr = brickd_address(stdout, &brick_log)?.to_string();
+        self.brickds.push(brickd);
+        Ok((addr, brick.display().to_string()))
     }
 
     /// The Kiln brick's control socket, where its fop profile is read; None for the other

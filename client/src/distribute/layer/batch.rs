@@ -22,6 +22,7 @@ use kiln_wire::BatchReply;
 
 use super::files::Look;
 use super::namespace::authoritative;
+use super::*;
 
 /// Fops of one wave by the brick they go to, as their indexes in the wave.
 type ByBrick = BTreeMap<usize, Vec<usize>>;
@@ -36,8 +37,6 @@ enum Direct {
     /// A removal, of a name looked up on this brick first.
     Remove(usize),
 }
-
-use super::*;
 
 /// Fops of one wave, at most: what one batch puts in flight on the bricks at once.
 const WAVE_FOPS_MAX: usize = 64;
