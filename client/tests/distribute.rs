@@ -842,8 +842,9 @@ fn a_mount_over_three_bricks_is_one_tree() {
     );
     let out = mount_common::sh_ok(&m.mountpoint, &script);
     assert_eq!(out, "1/1\n39\nd1/f1\n", "{}", m.logs());
-    let per_brick: Vec<usize> = std::iter::once(m.cluster.brick.clone())
-        .chain((1..BRICKS).map(|n| m.cluster.dir.path().join(format!("brick-{n}"))))
+    let per_brick: Vec<usize> = m
+        .brick_dirs()
+        .into_iter()
         .map(|brick| {
             (1..=5)
                 .map(|d| {
@@ -889,11 +890,7 @@ fn a_mount_over_three_bricks_is_one_tree() {
         &m.mountpoint,
         "rm -rf tree fresh && test -z \"$(ls -A)\" && sync .",
     );
-    for n in 0..BRICKS {
-        let brick = match n {
-            0 => m.cluster.brick.clone(),
-            n => m.cluster.dir.path().join(format!("brick-{n}")),
-        };
+    for (n, brick) in m.brick_dirs().iter().enumerate() {
         assert!(!brick.join("tree").exists(), "brick {n} still has the tree");
     }
 }

@@ -34,6 +34,13 @@ pub const XATTR_LIST_ENTRIES_MAX: usize = 32 * 1024;
 /// Largest READDIR/READDIRP reply a client may ask for, in bytes of encoded entries.
 pub const READDIR_REPLY_LEN_MAX_BYTES: usize = 128 * 1024;
 
+/// What one READDIR entry counts against a reply's asked size besides its name, in bytes.
+pub const READDIR_ENTRY_BYTES: usize = 24;
+
+/// What one READDIRP entry counts against a reply's asked size besides its name, in bytes
+/// (its attributes and, in READDIRP_XATTRS, its xattr presence included).
+pub const READDIRP_ENTRY_BYTES: usize = 140;
+
 /// Most supplementary groups carried with a caller's credentials.
 pub const GROUPS_MAX: usize = 32;
 

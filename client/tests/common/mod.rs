@@ -63,7 +63,15 @@ impl Cluster {
 
     /// Formats one more brick, `brick-N`, beside the first (for a distributed volume).
     pub fn add_brick(&self, n: usize) -> PathBuf {
-        format_brick(&self.dir.path().join(format!("brick-{n}")))
+        format_brick(&self.brick_dir(n))
+    }
+
+    /// Brick `n` of a distributed volume: the first, or `brick-N` beside it.
+    pub fn brick_dir(&self, n: usize) -> PathBuf {
+        match n {
+            0 => self.brick.clone(),
+            n => self.dir.path().join(format!("brick-{n}")),
+        }
     }
 
     /// Starts `kiln-brickd serve` on `listen` with `extra` arguments and waits until it

@@ -79,12 +79,8 @@ impl Mounted {
 
     /// The brick directories of the volume, in brick order.
     pub fn brick_dirs(&self) -> Vec<PathBuf> {
-        std::iter::once(self.cluster.brick.clone())
-            .chain((1..=self.more_brickds.len()).map(|n| {
-                let dir = self.cluster.dir.path();
-                dir.join(format!("brick-{n}"))
-            }))
-            .collect()
+        let bricks = 1 + self.more_brickds.len();
+        (0..bricks).map(|n| self.cluster.brick_dir(n)).collect()
     }
 
     /// What `kiln mount` is given: the brick's address, or the bricks' comma-separated.

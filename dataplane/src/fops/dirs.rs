@@ -5,6 +5,7 @@
 use std::os::fd::AsFd;
 use std::sync::{Arc, Mutex};
 
+use kiln_wire::limits::{READDIR_ENTRY_BYTES, READDIRP_ENTRY_BYTES};
 use kiln_wire::{
     Creds, DirEntry, DirEntryPlus, DirEntryXattrs, FdId, FileType, Gfid, LeaseKind, Name,
     OpenReply, OpendirList, OpendirListReply, ReaddirReply, ReaddirpReply, ReaddirpXattrsReply,
@@ -22,12 +23,6 @@ use crate::fdtable::{OpenFile, OpenKind, SessionId};
 use crate::leases::Cover;
 use crate::op::fd_path;
 use crate::op::{self, DirFd, FileRef, Step, cstr};
-
-/// Reply bytes a READDIR entry costs besides its name.
-const READDIR_ENTRY_BYTES: usize = 24;
-/// Reply bytes a READDIRP entry costs besides its name (its attributes and, in
-/// READDIRP_XATTRS, its xattr presence included).
-const READDIRP_ENTRY_BYTES: usize = 140;
 
 impl<E: Exec> Fops<E> {
     pub(super) async fn opendir(

@@ -1,11 +1,13 @@
 //! Open directories: READDIRP (and READDIR) brick after brick, each directory once (with the
 //! latest times of its copies) and no link files, under offsets of this layer's own.
 
+use kiln_wire::limits::READDIRP_ENTRY_BYTES;
+
 use super::*;
 
-/// What one listed entry costs a reply besides its name, as a brick counts it (its
-/// attributes, offset and xattr presence).
-const LISTED_ENTRY_BYTES: u64 = 140;
+/// What one listed entry counts against a reply's size besides its name, as a brick counts
+/// it.
+const LISTED_ENTRY_BYTES: u64 = READDIRP_ENTRY_BYTES as u64;
 
 /// The offsets of a directory listing this layer keeps: the latest ones given out, so a
 /// listing goes on from where the kernel stopped and a `seekdir` back a little works,
