@@ -820,6 +820,106 @@ fn rmdir_keeps_a_directory_that_is_not_empty_on_some_brick() {
     }
 }
 
+/// A BATCH as `rm -rf` queues it (files, then their directory, then its parent), run in
+/// waves across directories: each RMDIR after the removals in its directory, a make of the
+/// same name after the RMDIR, and each answer the one it has in order — a directory still
+/// holding a file refused (every copy put back), a parent left non-empty refused, a name
+/// that is nowhere ENOENT.
+#[test]
+fn a_batch_removes_directories_after_their_files_and_answers_in_order() {
+    let volume = Volume::start();
+    let rt = runtime();
+    let creds = Creds::root();
+    rt.block_on(async {
+        let v = volume.connect().await;
+        let t = v.mkdir_all(&creds, "/t", 0o755).await.expect("mkdir");
+        let mut dirs = Vec::new();
+        for d in ["a", "b", "c"] {
+            dirs.push(
+                v.mkdir_all(&creds, &format!("/t/{d}"), 0o755)
+                    .await
+                    .expect(d),
+            );
+            for f in 0..5 {
+                let path = format!("/t/{d}/f{f}");
+                v.put(&creds, &path, Bytes::from_static(b"x"), 0o644)
+                    .await
+                    .expect("put");
+            }
+        }
+        v.put(&creds, "/t/top", Bytes::from_static(b"x"), 0o644)
+            .await
+            .expect("put");
+        let unlink = |parent: Gfid, n: &str| kiln_wire::Unlink {
+            parent,
+            name: name(n),
+        };
+        let rmdir = |parent: Gfid, n: &str| kiln_wire::Rmdir {
+            parent,
+            name: name(n),
+        };
+        let mut batch = kiln_wire::Batch::new(creds.clone());
+        let mut expected = Vec::new();
+        for (d, dir) in ["a", "b"].into_iter().zip(&dirs) {
+            for f in 0..5 {
+                batch
+                    .push(unlink(dir.gfid, &format!("f{f}")).into())
+                    .expect("fits");
+                expected.push(Ok(()));
+            }
+            batch.push(rmdir(t.gfid, d).into()).expect("fits");
+            expected.push(Ok(()));
+        }
+        // c keeps one file.
+        for f in 0..4 {
+            batch
+                .push(unlink(dirs[2].gfid, &format!("f{f}")).into())
+                .expect("fits");
+            expected.push(Ok(()));
+        }
+        let mkdir = kiln_wire::Mkdir {
+            parent: t.gfid,
+            name: name("a"),
+            gfid: random_gfid(),
+            mode: kiln_wire::Mode::new(0o755).expect("mode"),
+            umask: kiln_wire::Mode::from_st_mode(0),
+        };
+        let tail: [(kiln_wire::FopRequest, Result<(), ErrorCode>); 5] = [
+            (rmdir(t.gfid, "c").into(), Err(ErrorCode::NotEmpty)),
+            (unlink(t.gfid, "top").into(), Ok(())),
+            (rmdir(Gfid::ROOT, "t").into(), Err(ErrorCode::NotEmpty)),
+            (mkdir.clone().into(), Ok(())),
+            (rmdir(t.gfid, "nowhere").into(), Err(ErrorCode::NoEnt)),
+        ];
+        for (fop, answer) in tail {
+            batch.push(fop).expect("fits");
+            expected.push(answer);
+        }
+        let answered = v.batch(batch).await.expect("batch");
+        let answers: Vec<Result<(), ErrorCode>> = answered
+            .results
+            .iter()
+            .map(|r| r.as_ref().map(drop).map_err(|e| *e))
+            .collect();
+        assert_eq!(answers, expected);
+        assert!(
+            volume.holders("t/b").is_empty(),
+            "b removed from every brick"
+        );
+        assert!(volume.holders("t/top").is_empty());
+        assert_eq!(volume.holders("t/c"), [0, 1, 2], "every copy of c is back");
+        assert_eq!(volume.holders("t/a"), [0, 1, 2], "a made again");
+        let a = v.resolve(&creds, "/t/a").await.expect("a");
+        assert_eq!(a.gfid, mkdir.gfid, "the new a");
+        let c = v.resolve(&creds, "/t/c/f4").await.expect("c's last file");
+        assert_eq!(c.file_type, FileType::Regular);
+        close(&v).await;
+    });
+    for i in 0..BRICKS {
+        common::assert_brick_checks_clean(volume.brick(i));
+    }
+}
+
 /// `kiln mount` of three bricks: programs see one tree (tar finds no directory changing as
 /// it reads it); files spread over the bricks; a rename and a hard link across bricks and a
 /// recursive removal work.

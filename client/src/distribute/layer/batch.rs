@@ -1,12 +1,20 @@
 //! A BATCH through the layer. Its fops are bound for several bricks, so no one request carries
-//! it; sent one after another, each would wait for the one before (an `rm -rf`'s UNLINKs, an
-//! untar's PUTs, queued by the mount under a write lease). They run in waves instead: a wave
-//! is a run of consecutive fops none of which can see another's effect — creates and removals
-//! of different names (directories too), attribute changes of different objects — and runs
-//! at once; a fop that could (the same name, an object made or changed in the wave, a parent
-//! made or changed in it) starts the next wave, and one whose effects reach further (a
-//! directory removed, which must be empty; a rename; a link; a lease) runs alone. Each fop's
+//! it; sent one after another, each would wait for the one before (an `rm -rf`'s UNLINKs and
+//! RMDIRs, an untar's MKDIRs and PUTs, queued by the mount under a write lease). They run in
+//! waves instead: each fop goes in the first wave after every earlier fop that could see its
+//! effect or whose effect it could see — a fop on the same name, on an object made or changed
+//! before, in a directory made, changed or removed before; a removal after an attribute change
+//! (it may take the object) and the other way round — and the fops of a wave (at most 64) run
+//! at once. So the files of many directories go in one wave, and each directory's RMDIR in
+//! the next. Fops whose effects reach further (a rename, a link, a lease, an RMDIR whose
+//! directory is not known beforehand) run alone, after everything before them. Each fop's
 //! result is the one it would have had in order.
+//!
+//! Before the first wave, the layouts of the directories the batch works in are read at once
+//! (one round trip, not one per directory as its turn comes), and the directory each RMDIR
+//! removes is looked up on its name's hashed brick (one BATCH of LOOKUPs per brick), where no
+//! fop before it in the batch names that name: its GFID places it, and its RMDIR needs no
+//! lookup of its own.
 //!
 //! Within a wave, where the parent's layout is authoritative (no older layout may have placed
 //! a name elsewhere), new names (PUT, MKNOD, SYMLINK) go as one BATCH per hashed brick, and
@@ -16,7 +24,6 @@
 //! through [`Layer::call`], the whole way.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::ops::Range;
 
 use kiln_wire::BatchReply;
 
@@ -24,11 +31,18 @@ use super::files::Look;
 use super::namespace::authoritative;
 use super::*;
 
-/// Fops of one wave by the brick they go to, as their indexes in the wave.
+/// Fops of one wave by the brick they go to, as their indexes in the batch.
 type ByBrick = BTreeMap<usize, Vec<usize>>;
 
-/// What a BATCH on a brick answered each fop of a wave it carried: (brick, index, answer).
+/// What a BATCH on a brick answered each fop it carried: (brick, index, answer).
 type Answered = Vec<(usize, usize, Result<FopReply, ErrorCode>)>;
+
+/// A directory an RMDIR of the batch removes, found before the batch runs.
+struct FoundDir {
+    /// The brick its name hashes to.
+    hashed: usize,
+    iatt: Iatt,
+}
 
 /// How a fop of a wave reaches a brick without the whole way through [`Layer::call`].
 enum Direct {
@@ -44,26 +58,90 @@ const WAVE_FOPS_MAX: usize = 64;
 impl<L: Layer> Distribute<L> {
     /// Runs `batch` wave after wave ([`waves`]); a broken connection ends it.
     pub(super) async fn batch_in_waves(&self, batch: &Batch) -> Result<BatchReply, Error> {
-        let fops = batch.fops();
-        let mut results = Vec::with_capacity(fops.len());
-        for wave in waves(fops) {
-            for answer in self.run_wave(&batch.creds, &fops[wave]).await {
-                results.push(match answer {
+        let (creds, fops) = (&batch.creds, batch.fops());
+        self.read_layouts(fops).await;
+        let removed = self.removed_dirs(creds, fops).await;
+        let mut results: Vec<Option<Result<FopReply, ErrorCode>>> =
+            fops.iter().map(|_| None).collect();
+        for wave in waves(fops, |i| removed.get(&i).map(|dir| dir.iatt.gfid)) {
+            let answers = self.run_wave(creds, fops, &wave, &removed).await;
+            for (i, answer) in wave.into_iter().zip(answers) {
+                results[i] = Some(match answer {
                     Ok(reply) => Ok(reply),
                     Err(Error::Fop(code)) => Err(code),
                     Err(e) => return Err(e),
                 });
             }
         }
-        Ok(BatchReply { results })
+        let results = results.into_iter().map(|result| {
+            result.unwrap_or_else(|| unreachable!("every fop of a batch is in one wave"))
+        });
+        Ok(BatchReply {
+            results: results.collect(),
+        })
     }
 
-    /// The answers to `fops`, none of which can see another's effect, all run at once.
-    async fn run_wave(&self, creds: &Creds, fops: &[FopRequest]) -> Vec<Result<FopReply, Error>> {
-        let mut answers: Vec<Option<Result<FopReply, Error>>> = fops.iter().map(|_| None).collect();
-        let (mut makes, mut removals) = (ByBrick::new(), ByBrick::new());
+    /// Reads, all at once, the layouts of the directories `fops` make or remove names in
+    /// that are not made by the batch itself (theirs are written when they are made). One
+    /// that cannot be read is read again, and its error met, by the fop that needs it.
+    async fn read_layouts(&self, fops: &[FopRequest]) {
+        let made: HashSet<Gfid> = fops.iter().filter_map(made_dir).collect();
+        let parents: HashSet<Gfid> = (fops.iter().flat_map(names_of))
+            .map(|(parent, _)| parent)
+            .filter(|parent| !made.contains(parent))
+            .collect();
+        futures_util::future::join_all(parents.into_iter().map(|dir| self.layout(dir))).await;
+    }
+
+    /// The directories `fops`' RMDIRs remove, by the RMDIR's index: looked up on their names'
+    /// hashed bricks (one BATCH per brick, all at once) where the parent's layout is
+    /// authoritative and no fop before the RMDIR in the batch names its name or makes its
+    /// parent (so what the name holds then is what it holds now).
+    async fn removed_dirs(&self, creds: &Creds, fops: &[FopRequest]) -> HashMap<usize, FoundDir> {
+        let (mut named, mut made, mut by_brick) = (HashSet::new(), HashSet::new(), ByBrick::new());
         for (i, fop) in fops.iter().enumerate() {
-            match self.direct(fop).await {
+            if let FopRequest::Rmdir(r) = fop
+                && !named.contains(&(r.parent, r.name.clone()))
+                && !made.contains(&r.parent)
+                && let Ok((hashed, layout)) = self.hashed(r.parent, &r.name).await
+                && authoritative(&layout)
+            {
+                by_brick.entry(hashed).or_default().push(i);
+            }
+            named.extend(names_of(fop));
+            made.extend(made_dir(fop));
+        }
+        let looked_up = self
+            .batches(creds, &by_brick, |i| lookup_of(&fops[i]))
+            .await;
+        let found = looked_up
+            .into_iter()
+            .filter_map(|(hashed, i, answer)| match answer {
+                Ok(FopReply::Lookup(r)) if r.iatt.file_type == FileType::Directory => Some((
+                    i,
+                    FoundDir {
+                        hashed,
+                        iatt: r.iatt,
+                    },
+                )),
+                _ => None,
+            });
+        found.collect()
+    }
+
+    /// The answers to the fops of `wave` (indexes into `fops`), none of which can see
+    /// another's effect, all run at once.
+    async fn run_wave(
+        &self,
+        creds: &Creds,
+        fops: &[FopRequest],
+        wave: &[usize],
+        removed: &HashMap<usize, FoundDir>,
+    ) -> Vec<Result<FopReply, Error>> {
+        let mut answers: HashMap<usize, Result<FopReply, Error>> = HashMap::new();
+        let (mut makes, mut removals) = (ByBrick::new(), ByBrick::new());
+        for &i in wave {
+            match self.direct(&fops[i]).await {
                 Some(Direct::Make(brick)) => makes.entry(brick).or_default().push(i),
                 Some(Direct::Remove(brick)) => removals.entry(brick).or_default().push(i),
                 None => {}
@@ -74,17 +152,17 @@ impl<L: Layer> Distribute<L> {
             self.batches(creds, &removals, |i| lookup_of(&fops[i])),
         );
         for (brick, i, answer) in made {
-            answers[i] = match answer {
+            match answer {
                 Ok(reply) => {
                     if let Ok(iatt) = entry_iatt(&reply) {
                         self.note_home(iatt, brick);
                     }
-                    Some(Ok(reply))
+                    answers.insert(i, Ok(reply));
                 }
                 // The name may be a stale link file's: the whole make clears it.
-                Err(ErrorCode::Exist) => None,
-                Err(code) => Some(Err(Error::Fop(code))),
-            };
+                Err(ErrorCode::Exist) => {}
+                Err(code) => _ = answers.insert(i, Err(Error::Fop(code))),
+            }
         }
         let (mut unlinks, mut found) = (ByBrick::new(), HashMap::new());
         for (brick, i, answer) in looked_up {
@@ -94,7 +172,7 @@ impl<L: Layer> Distribute<L> {
                     found.insert(i, r.iatt);
                 }
                 // The layout is authoritative: a name not on its hashed brick is nowhere.
-                Err(ErrorCode::NoEnt) => answers[i] = Some(Err(Error::Fop(ErrorCode::NoEnt))),
+                Err(ErrorCode::NoEnt) => _ = answers.insert(i, Err(Error::Fop(ErrorCode::NoEnt))),
                 _ => {}
             }
         }
@@ -105,14 +183,25 @@ impl<L: Layer> Distribute<L> {
             {
                 lock(&self.homes).pop(&iatt.gfid);
             }
-            answers[i] = Some(answer.map_err(Error::Fop));
+            answers.insert(i, answer.map_err(Error::Fop));
         }
-        let rest = answers.iter().enumerate().filter(|(_, a)| a.is_none());
-        let calls = rest.map(|(i, _)| async move { (i, self.call(creds, fops[i].clone()).await) });
-        for (i, answer) in futures_util::future::join_all(calls).await {
-            answers[i] = Some(answer);
-        }
-        answers.into_iter().flatten().collect()
+        let rest = wave.iter().filter(|i| !answers.contains_key(i));
+        let calls = rest.map(|&i| async move {
+            let answer = match (&fops[i], removed.get(&i)) {
+                (FopRequest::Rmdir(r), Some(dir)) => {
+                    self.remove_dir(creds, r, dir.hashed, &dir.iatt).await
+                }
+                (fop, _) => self.call(creds, fop.clone()).await,
+            };
+            (i, answer)
+        });
+        answers.extend(futures_util::future::join_all(calls).await);
+        let answer = |i| {
+            answers
+                .remove(i)
+                .unwrap_or_else(|| unreachable!("fop {i} answered"))
+        };
+        wave.iter().map(answer).collect()
     }
 
     /// How `fop` reaches a brick directly, if it can: a new name or a removal in a parent
@@ -156,56 +245,135 @@ impl<L: Layer> Distribute<L> {
     }
 }
 
-/// The LOOKUP of the name UNLINK `fop` removes.
+/// The LOOKUP of the name UNLINK or RMDIR `fop` removes.
 fn lookup_of(fop: &FopRequest) -> FopRequest {
+    let (parent, name) = match fop {
+        FopRequest::Unlink(r) => (r.parent, &r.name),
+        FopRequest::Rmdir(r) => (r.parent, &r.name),
+        other => unreachable!(
+            "a removal is an UNLINK or RMDIR, not {}",
+            other.code().name()
+        ),
+    };
+    kiln_wire::Lookup {
+        parent,
+        name: name.clone(),
+    }
+    .into()
+}
+
+/// The directory `fop` makes, if it is a MKDIR.
+fn made_dir(fop: &FopRequest) -> Option<Gfid> {
     match fop {
-        FopRequest::Unlink(r) => kiln_wire::Lookup {
-            parent: r.parent,
-            name: r.name.clone(),
-        }
-        .into(),
-        other => unreachable!("a removal is an UNLINK, not {}", other.code().name()),
+        FopRequest::Mkdir(r) => Some(r.gfid),
+        _ => None,
     }
 }
 
-/// `fops` cut into waves: consecutive runs whose fops may run at once, in order.
-fn waves(fops: &[FopRequest]) -> Vec<Range<usize>> {
-    let mut waves = Vec::new();
-    let (mut wave, mut start) = (Wave::default(), 0);
+/// The names `fop` makes, removes or moves.
+fn names_of(fop: &FopRequest) -> Vec<(Gfid, Name)> {
+    match fop {
+        FopRequest::Rename(r) => vec![
+            (r.old_parent, r.old_name.clone()),
+            (r.new_parent, r.new_name.clone()),
+        ],
+        FopRequest::Link(r) => vec![(r.new_parent, r.new_name.clone())],
+        FopRequest::Create(r) => vec![(r.parent, r.name.clone())],
+        fop => Access::of(fop, None)
+            .and_then(|a| a.name)
+            .into_iter()
+            .collect(),
+    }
+}
+
+/// `fops` placed in waves, as their indexes: each in the first wave, with room, after those
+/// of every earlier fop it touches ([`Waves::place`]). `removed_dir(i)` is the directory the
+/// RMDIR at `i` removes, when known; one not known runs alone.
+fn waves(fops: &[FopRequest], removed_dir: impl Fn(usize) -> Option<Gfid>) -> Vec<Vec<usize>> {
+    let mut waves = Waves::default();
     for (i, fop) in fops.iter().enumerate() {
-        if wave.admit(fop) {
-            continue;
-        }
-        if start < i {
-            waves.push(start..i);
-        }
-        (wave, start) = (Wave::default(), i);
-        if !wave.admit(fop) {
-            // A fop that runs alone.
-            waves.push(i..i + 1);
-            start = i + 1;
-        }
+        waves.place(i, Access::of(fop, removed_dir(i)));
     }
-    if start < fops.len() {
-        waves.push(start..fops.len());
-    }
-    waves
+    waves.waves
 }
 
-/// What the fops admitted to a wave touch.
+/// Waves being filled, with the last wave that touched each thing.
 #[derive(Default)]
-struct Wave {
-    len: usize,
+struct Waves {
+    waves: Vec<Vec<usize>>,
     /// Names made or removed.
-    names: HashSet<(Gfid, Name)>,
-    /// Objects made, or whose attributes change.
-    changed: HashSet<Gfid>,
+    names: HashMap<(Gfid, Name), usize>,
+    /// Objects made, removed, or whose attributes change.
+    changed: HashMap<Gfid, usize>,
     /// Directories a name is made or removed in.
-    parents: HashSet<Gfid>,
-    /// Whether a name is removed (which may take an object with it).
-    removes: bool,
-    /// Whether an existing object's attributes change (one a removal may take).
-    sets_attrs: bool,
+    parents: HashMap<Gfid, usize>,
+    /// A name removed (which may take an object with it).
+    removes: Option<usize>,
+    /// An existing object's attributes changed (one a removal may take).
+    sets_attrs: Option<usize>,
+    /// A fop run alone: everything after it waits for it.
+    alone: Option<usize>,
+}
+
+impl Waves {
+    /// Places fop `i`, which touches `access` (`None`: it runs alone, after every fop before
+    /// it).
+    fn place(&mut self, i: usize, access: Option<Access>) {
+        let Some(a) = access else {
+            self.alone = Some(self.waves.len());
+            self.waves.push(vec![i]);
+            return;
+        };
+        let after = [
+            self.alone,
+            a.name
+                .as_ref()
+                .and_then(|name| self.names.get(name).copied()),
+            a.changes
+                .and_then(|object| self.changed.get(&object).copied()),
+            a.changes
+                .and_then(|object| self.parents.get(&object).copied()),
+            a.parent
+                .and_then(|parent| self.changed.get(&parent).copied()),
+            self.removes.filter(|_| a.sets_attrs),
+            self.sets_attrs.filter(|_| a.removes),
+        ];
+        let first = after.into_iter().flatten().max().map_or(0, |w| w + 1);
+        let room = |w: &usize| {
+            self.waves
+                .get(*w)
+                .is_none_or(|wave| wave.len() < WAVE_FOPS_MAX)
+        };
+        let w = (first..)
+            .find(room)
+            .unwrap_or_else(|| unreachable!("waves past the last"));
+        if w == self.waves.len() {
+            self.waves.push(Vec::new());
+        }
+        self.waves[w].push(i);
+        // (A fop may go before an earlier one it does not touch: the latest wave is kept.)
+        if let Some(name) = a.name {
+            touched(&mut self.names, name, w);
+        }
+        if let Some(object) = a.changes {
+            touched(&mut self.changed, object, w);
+        }
+        if let Some(parent) = a.parent {
+            touched(&mut self.parents, parent, w);
+        }
+        if a.removes {
+            self.removes = self.removes.max(Some(w));
+        }
+        if a.sets_attrs {
+            self.sets_attrs = self.sets_attrs.max(Some(w));
+        }
+    }
+}
+
+/// Records that wave `w` touched `key`, keeping the latest wave that did.
+fn touched<K: Eq + std::hash::Hash>(last: &mut HashMap<K, usize>, key: K, w: usize) {
+    let wave = last.entry(key).or_insert(w);
+    *wave = (*wave).max(w);
 }
 
 /// What one fop touches, for a wave.
@@ -218,14 +386,15 @@ struct Access {
 }
 
 impl Access {
-    /// What `fop` touches, if it may run beside others at all.
-    fn of(fop: &FopRequest) -> Option<Access> {
+    /// What `fop` touches, if it may run beside others at all; an RMDIR only with
+    /// `removed_dir`, the directory it removes.
+    fn of(fop: &FopRequest, removed_dir: Option<Gfid>) -> Option<Access> {
         use FopRequest as Q;
-        let make = |parent: Gfid, name: &Name, gfid: Gfid| Access {
+        let entry = |parent: Gfid, name: &Name, object: Option<Gfid>, removes: bool| Access {
             name: Some((parent, name.clone())),
-            changes: Some(gfid),
+            changes: object,
             parent: Some(parent),
-            removes: false,
+            removes,
             sets_attrs: false,
         };
         let set = |gfid: Gfid| Access {
@@ -236,50 +405,19 @@ impl Access {
             sets_attrs: true,
         };
         Some(match fop {
-            Q::Put(r) => make(r.parent, &r.name, r.gfid),
-            Q::Mkdir(r) => make(r.parent, &r.name, r.gfid),
-            Q::Mknod(r) => make(r.parent, &r.name, r.gfid),
-            Q::Symlink(r) => make(r.parent, &r.name, r.gfid),
-            Q::Unlink(r) => Access {
-                name: Some((r.parent, r.name.clone())),
-                changes: None,
-                parent: Some(r.parent),
-                removes: true,
-                sets_attrs: false,
-            },
+            Q::Put(r) => entry(r.parent, &r.name, Some(r.gfid), false),
+            Q::Mkdir(r) => entry(r.parent, &r.name, Some(r.gfid), false),
+            Q::Mknod(r) => entry(r.parent, &r.name, Some(r.gfid), false),
+            Q::Symlink(r) => entry(r.parent, &r.name, Some(r.gfid), false),
+            // (Its object unknown: any attribute change may be of it.)
+            Q::Unlink(r) => entry(r.parent, &r.name, None, true),
+            Q::Rmdir(r) => entry(r.parent, &r.name, Some(removed_dir?), false),
             Q::Setattr(r) => set(r.gfid),
             Q::Setxattr(r) => set(r.gfid),
             Q::Removexattr(r) => set(r.gfid),
             Q::Truncate(r) => set(r.gfid),
             _ => return None,
         })
-    }
-}
-
-impl Wave {
-    /// Takes `fop` into the wave if it can run beside every fop there.
-    fn admit(&mut self, fop: &FopRequest) -> bool {
-        let Some(access) = Access::of(fop) else {
-            return false;
-        };
-        let clash = self.len == WAVE_FOPS_MAX
-            || access.name.as_ref().is_some_and(|n| self.names.contains(n))
-            || access
-                .changes
-                .is_some_and(|g| self.changed.contains(&g) || self.parents.contains(&g))
-            || access.parent.is_some_and(|p| self.changed.contains(&p))
-            || (access.removes && self.sets_attrs)
-            || (access.sets_attrs && self.removes);
-        if clash {
-            return false;
-        }
-        self.len += 1;
-        self.names.extend(access.name);
-        self.changed.extend(access.changes);
-        self.parents.extend(access.parent);
-        self.removes |= access.removes;
-        self.sets_attrs |= access.sets_attrs;
-        true
     }
 }
 
@@ -328,10 +466,24 @@ mod tests {
         .into()
     }
 
+    fn rmdir(parent: u128, name: &str) -> FopRequest {
+        kiln_wire::Rmdir {
+            parent: gfid(parent),
+            name: Name::new(Bytes::copy_from_slice(name.as_bytes())).expect("a name"),
+        }
+        .into()
+    }
+
+    /// No RMDIR's directory known.
+    fn unknown(_: usize) -> Option<Gfid> {
+        None
+    }
+
     #[test]
     fn fops_that_cannot_see_each_other_share_a_wave() {
         // Removals of different names, then the same name again; attribute changes of
-        // different objects, then one a removal may take; a lease alone.
+        // different objects, then one a removal may take; a lease alone, and everything
+        // after it later.
         let fops = [
             unlink(1, "a"),
             unlink(1, "b"),
@@ -345,16 +497,12 @@ mod tests {
             setattr(1),
             unlink(1, "d"),
         ];
-        assert_eq!(
-            waves(&fops),
-            [0..3, 3..4, 4..6, 6..7, 7..8, 8..9, 9..10, 10..11]
-        );
+        let expected: [&[usize]; 8] = [&[0, 1, 2], &[3], &[4, 5], &[6], &[7], &[8], &[9], &[10]];
+        assert_eq!(waves(&fops, unknown), expected);
         let many: Vec<FopRequest> = (1..=WAVE_FOPS_MAX as u128 + 1).map(setattr).collect();
-        assert_eq!(
-            waves(&many),
-            [0..WAVE_FOPS_MAX, WAVE_FOPS_MAX..WAVE_FOPS_MAX + 1]
-        );
-        assert!(waves(&[]).is_empty());
+        let full: Vec<usize> = (0..WAVE_FOPS_MAX).collect();
+        assert_eq!(waves(&many, unknown), [full, vec![WAVE_FOPS_MAX]]);
+        assert!(waves(&[], unknown).is_empty());
     }
 
     #[test]
@@ -367,6 +515,34 @@ mod tests {
             unlink(6, "g"),
             mkdir(1, "d", 7),
         ];
-        assert_eq!(waves(&fops), [0..3, 3..6]);
+        assert_eq!(waves(&fops, unknown), [vec![0, 1, 2], vec![3, 4, 5]]);
+    }
+
+    #[test]
+    fn a_directory_is_removed_after_what_was_in_it_and_before_what_follows_in_it() {
+        // `rm -rf` of 1/d (5) and 1/e (6), then of 1 itself from 9: the files of both
+        // directories first, then both RMDIRs, then 1's. An RMDIR whose directory is not
+        // known runs alone, after everything before it.
+        let fops = [
+            unlink(5, "x"),
+            rmdir(1, "d"),
+            unlink(6, "y"),
+            rmdir(1, "e"),
+            rmdir(9, "p"),
+            rmdir(1, "f"),
+            unlink(7, "z"),
+            unlink(5, "w"),
+        ];
+        let removed = |i| match i {
+            1 => Some(gfid(5)),
+            3 => Some(gfid(6)),
+            4 => Some(gfid(1)),
+            _ => None,
+        };
+        let expected: [&[usize]; 5] = [&[0, 2], &[1, 3], &[4], &[5], &[6, 7]];
+        assert_eq!(waves(&fops, removed), expected);
+        // The same batch with no directory known: every RMDIR alone.
+        let expected: [&[usize]; 7] = [&[0], &[1], &[2], &[3], &[4], &[5], &[6, 7]];
+        assert_eq!(waves(&fops, unknown), expected);
     }
 }

@@ -566,10 +566,7 @@ impl<L: Layer> Distribute<L> {
         Ok(reply)
     }
 
-    /// RMDIR: the copies on other bricks first, the hashed brick's last; when a brick still
-    /// has entries — other than stale link files, which go
-    /// ([`Distribute::cleared_only_stale_link_files`]) — the copies removed are put back
-    /// (same GFID, mode and layout) and the answer is ENOTEMPTY.
+    /// RMDIR of the directory `name` in `parent` ([`Distribute::remove_dir`]).
     pub(super) async fn rmdir(
         &self,
         creds: &Creds,
@@ -579,37 +576,69 @@ impl<L: Layer> Distribute<L> {
         if found.iatt.file_type != FileType::Directory {
             return Err(Error::Fop(ErrorCode::NotDir));
         }
-        let order = (self.bricks.in_service().map(|(i, _)| i))
-            .filter(|&i| i != found.hashed)
-            .chain([found.hashed]);
-        let mut removed = Vec::new();
-        for i in order {
-            let brick = self.bricks.get(i)?;
-            let removal = match brick.call(creds, r.clone().into()).await {
-                Err(Error::Fop(ErrorCode::NotEmpty))
-                    if self
-                        .cleared_only_stale_link_files(i, found.iatt.gfid)
-                        .await? =>
-                {
-                    brick.call(creds, r.clone().into()).await
-                }
-                removal => removal,
-            };
+        self.remove_dir(creds, &r, found.hashed, &found.iatt).await
+    }
+
+    /// RMDIR `r` of directory `dir`, found on its name's hashed brick `hashed`: the copies on
+    /// the other bricks first, all at once, the hashed brick's last (so a lookup finds the
+    /// directory until it is gone); when a brick still has entries — other than stale link
+    /// files, which go ([`Distribute::cleared_only_stale_link_files`]) — the copies removed
+    /// are put back (same GFID, mode and layout) and the answer is ENOTEMPTY.
+    pub(super) async fn remove_dir(
+        &self,
+        creds: &Creds,
+        r: &kiln_wire::Rmdir,
+        hashed: usize,
+        dir: &Iatt,
+    ) -> Result<FopReply, Error> {
+        let others = (self.bricks.in_service().map(|(i, _)| i)).filter(|&i| i != hashed);
+        let removals = futures_util::future::join_all(
+            others.map(|i| async move { (i, self.remove_dir_copy(creds, r, i, dir.gfid).await) }),
+        )
+        .await;
+        let (mut removed, mut failed) = (Vec::new(), None);
+        for (i, removal) in removals {
             match removal {
-                Ok(reply) if i == found.hashed => {
-                    self.forget_layout(found.iatt.gfid);
-                    lock(&self.homes).pop(&found.iatt.gfid);
-                    return Ok(reply);
-                }
                 Ok(_) => removed.push(i),
-                Err(Error::Fop(ErrorCode::NoEnt)) if i != found.hashed => {}
-                Err(e) => {
-                    self.put_back_dir(&r, &found.iatt, &removed).await;
-                    return Err(e);
-                }
+                Err(Error::Fop(ErrorCode::NoEnt)) => {}
+                Err(e) => failed = failed.or(Some(e)),
             }
         }
-        Err(Error::Fop(ErrorCode::NoEnt))
+        let last = match failed {
+            Some(e) => Err(e),
+            None => self.remove_dir_copy(creds, r, hashed, dir.gfid).await,
+        };
+        match last {
+            Ok(reply) => {
+                self.forget_layout(dir.gfid);
+                lock(&self.homes).pop(&dir.gfid);
+                Ok(reply)
+            }
+            Err(e) => {
+                self.put_back_dir(r, dir, &removed).await;
+                Err(e)
+            }
+        }
+    }
+
+    /// RMDIR `r` of directory `dir`'s copy on brick `on`, again once stale link files alone
+    /// kept it.
+    async fn remove_dir_copy(
+        &self,
+        creds: &Creds,
+        r: &kiln_wire::Rmdir,
+        on: usize,
+        dir: Gfid,
+    ) -> Result<FopReply, Error> {
+        let brick = self.bricks.get(on)?;
+        match brick.call(creds, r.clone().into()).await {
+            Err(Error::Fop(ErrorCode::NotEmpty))
+                if self.cleared_only_stale_link_files(on, dir).await? =>
+            {
+                brick.call(creds, r.clone().into()).await
+            }
+            removal => removal,
+        }
     }
 
     /// Makes the removed copies of directory `iatt` (`r.name` in `r.parent`) again on
