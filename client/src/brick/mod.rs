@@ -660,138 +660,167 @@ impl BrickClient {
 impl Layer for BrickClient {
     type Fd = Fd;
 
-    async fn call(&self, creds: &Creds, fop: FopRequest) -> Result<FopReply, Error> {
-        let opens = matches!(
-            fop.code(),
-            FopCode::Open | FopCode::Create | FopCode::Opendir | FopCode::OpendirList
-        );
-        if opens || fop.fd().is_some() {
-            return Err(Error::Misuse(format!(
-                "{} through Layer::call, which takes fops that name no fd and open nothing",
-                fop.code().name()
-            )));
-        }
-        self.call_raw(creds, fop).await
+    fn call(
+        &self,
+        creds: &Creds,
+        fop: FopRequest,
+    ) -> impl Future<Output = Result<FopReply, Error>> + Send {
+        Box::pin(async move {
+            let opens = matches!(
+                fop.code(),
+                FopCode::Open | FopCode::Create | FopCode::Opendir | FopCode::OpendirList
+            );
+            if opens || fop.fd().is_some() {
+                return Err(Error::Misuse(format!(
+                    "{} through Layer::call, which takes fops that name no fd and open nothing",
+                    fop.code().name()
+                )));
+            }
+            self.call_raw(creds, fop).await
+        })
     }
 
-    async fn open(
+    fn open(
         &self,
         creds: &Creds,
         gfid: Gfid,
         access: AccessMode,
         flags: OpenFlags,
-    ) -> Result<Fd, Error> {
-        let live = self.live().await?;
-        let fop = kiln_wire::Open {
-            gfid,
-            access,
-            flags,
-        };
-        match self.call_on(&live, creds, fop.into()).await? {
-            FopReply::Open(r) => Ok(self.new_fd(&live, gfid, FdKind::File { access, flags }, r.fd)),
-            _ => Err(unexpected("OPEN")),
-        }
+    ) -> impl Future<Output = Result<Fd, Error>> + Send {
+        Box::pin(async move {
+            let live = self.live().await?;
+            let fop = kiln_wire::Open {
+                gfid,
+                access,
+                flags,
+            };
+            match self.call_on(&live, creds, fop.into()).await? {
+                FopReply::Open(r) => {
+                    Ok(self.new_fd(&live, gfid, FdKind::File { access, flags }, r.fd))
+                }
+                _ => Err(unexpected("OPEN")),
+            }
+        })
     }
 
-    async fn create(
+    fn create(
         &self,
         creds: &Creds,
         create: kiln_wire::Create,
-    ) -> Result<(Fd, EntryReply), Error> {
-        let live = self.live().await?;
-        let (gfid, access, flags) = (create.gfid, create.access, create.flags);
-        match self.call_on(&live, creds, create.into()).await? {
-            FopReply::Create(r) => {
-                let fd = self.new_fd(&live, gfid, FdKind::File { access, flags }, r.fd);
-                fd.ino.store(r.iatt.ino, Ordering::Relaxed);
-                let entry = EntryReply {
-                    iatt: r.iatt,
-                    pre_parent: r.pre_parent,
-                    post_parent: r.post_parent,
-                };
-                Ok((fd, entry))
+    ) -> impl Future<Output = Result<(Fd, EntryReply), Error>> + Send {
+        Box::pin(async move {
+            let live = self.live().await?;
+            let (gfid, access, flags) = (create.gfid, create.access, create.flags);
+            match self.call_on(&live, creds, create.into()).await? {
+                FopReply::Create(r) => {
+                    let fd = self.new_fd(&live, gfid, FdKind::File { access, flags }, r.fd);
+                    fd.ino.store(r.iatt.ino, Ordering::Relaxed);
+                    let entry = EntryReply {
+                        iatt: r.iatt,
+                        pre_parent: r.pre_parent,
+                        post_parent: r.post_parent,
+                    };
+                    Ok((fd, entry))
+                }
+                _ => Err(unexpected("CREATE")),
             }
-            _ => Err(unexpected("CREATE")),
-        }
+        })
     }
 
-    async fn opendir(&self, creds: &Creds, gfid: Gfid) -> Result<Fd, Error> {
-        let live = self.live().await?;
-        let fop = kiln_wire::Opendir { gfid };
-        match self.call_on(&live, creds, fop.into()).await? {
-            FopReply::Opendir(r) => Ok(self.new_fd(&live, gfid, FdKind::Dir, r.fd)),
-            _ => Err(unexpected("OPENDIR")),
-        }
+    fn opendir(&self, creds: &Creds, gfid: Gfid) -> impl Future<Output = Result<Fd, Error>> + Send {
+        Box::pin(async move {
+            let live = self.live().await?;
+            let fop = kiln_wire::Opendir { gfid };
+            match self.call_on(&live, creds, fop.into()).await? {
+                FopReply::Opendir(r) => Ok(self.new_fd(&live, gfid, FdKind::Dir, r.fd)),
+                _ => Err(unexpected("OPENDIR")),
+            }
+        })
     }
 
-    async fn opendir_list(
+    fn opendir_list(
         &self,
         creds: &Creds,
         gfid: Gfid,
         size: kiln_wire::ReaddirSize,
         lease: kiln_wire::LeaseKind,
-    ) -> Result<(Fd, kiln_wire::LeaseKind, kiln_wire::ReaddirpXattrsReply), Error> {
-        let live = self.live().await?;
-        if !live.hello.capabilities.contains(Capabilities::OPENDIR_LIST) {
-            return opendir_list_apart(self, creds, gfid, size, lease).await;
-        }
-        let fop = kiln_wire::OpendirList { gfid, size, lease };
-        match self.call_on(&live, creds, fop.into()).await? {
-            FopReply::OpendirList(r) => {
-                let fd = self.new_fd(&live, gfid, FdKind::Dir, r.fd);
-                Ok((fd, r.lease, r.listing))
+    ) -> impl Future<
+        Output = Result<(Fd, kiln_wire::LeaseKind, kiln_wire::ReaddirpXattrsReply), Error>,
+    > + Send {
+        Box::pin(async move {
+            let live = self.live().await?;
+            if !live.hello.capabilities.contains(Capabilities::OPENDIR_LIST) {
+                return opendir_list_apart(self, creds, gfid, size, lease).await;
             }
-            _ => Err(unexpected("OPENDIR_LIST")),
-        }
+            let fop = kiln_wire::OpendirList { gfid, size, lease };
+            match self.call_on(&live, creds, fop.into()).await? {
+                FopReply::OpendirList(r) => {
+                    let fd = self.new_fd(&live, gfid, FdKind::Dir, r.fd);
+                    Ok((fd, r.lease, r.listing))
+                }
+                _ => Err(unexpected("OPENDIR_LIST")),
+            }
+        })
     }
 
     /// A large READ or WRITE may go over a lane ([`lanes`]); everything else over the main
     /// connection ([`BrickClient::call_fd_here`]).
-    async fn call_fd(&self, creds: &Creds, fd: &Fd, fop: FdFop) -> Result<FopReply, Error> {
-        if matches!(fop.code(), FopCode::Release | FopCode::Releasedir) {
-            return Err(Error::Misuse(format!(
-                "{} through Layer::call_fd; Layer::release ends an fd",
-                fop.code().name()
-            )));
-        }
-        if fd.client == self.inner.id
-            && let Some(lane) = self.inner.lanes.pick(fd, fop.request())
-        {
-            return self.call_fd_on_lane(lane, creds, fd, fop).await;
-        }
-        self.call_fd_here(creds, fd, fop).await
+    fn call_fd(
+        &self,
+        creds: &Creds,
+        fd: &Fd,
+        fop: FdFop,
+    ) -> impl Future<Output = Result<FopReply, Error>> + Send {
+        Box::pin(async move {
+            if matches!(fop.code(), FopCode::Release | FopCode::Releasedir) {
+                return Err(Error::Misuse(format!(
+                    "{} through Layer::call_fd; Layer::release ends an fd",
+                    fop.code().name()
+                )));
+            }
+            if fd.client == self.inner.id
+                && let Some(lane) = self.inner.lanes.pick(fd, fop.request())
+            {
+                return self.call_fd_on_lane(lane, creds, fd, fop).await;
+            }
+            self.call_fd_here(creds, fd, fop).await
+        })
     }
 
     /// Releases the file on the main session and on every lane it was opened on; the first
     /// failure is the answer, after every release was tried.
-    async fn release(&self, creds: &Creds, fd: Fd) -> Result<(), Error> {
-        let mut released = self.release_here(creds, &fd).await;
-        for (client, on_lane) in self.inner.lanes.clients().iter().zip(fd.on_lanes) {
-            if let Some(on_lane) = on_lane.into_inner().flatten() {
-                let lane_released = client.release_here(creds, &on_lane).await;
-                released = released.and(lane_released);
+    fn release(&self, creds: &Creds, fd: Fd) -> impl Future<Output = Result<(), Error>> + Send {
+        Box::pin(async move {
+            let mut released = self.release_here(creds, &fd).await;
+            for (client, on_lane) in self.inner.lanes.clients().iter().zip(fd.on_lanes) {
+                if let Some(on_lane) = on_lane.into_inner().flatten() {
+                    let lane_released = client.release_here(creds, &on_lane).await;
+                    released = released.and(lane_released);
+                }
             }
-        }
-        released
+            released
+        })
     }
 
-    async fn batch(&self, batch: Batch) -> Result<BatchReply, Error> {
-        let live = self.live().await?;
-        if !live.hello.capabilities.contains(Capabilities::LEASES) {
-            // A brick without BATCH gets the fops one by one, in order.
-            return batch_one_by_one(self, &batch).await;
-        }
-        match self
-            .round_trip(&live.conn, Call::Batch(batch), live.crc())
-            .await?
-        {
-            Outcome::Batch(reply) => Ok(reply),
-            Outcome::Error { error, .. } => Err(Error::Fop(error)),
-            other => Err(Error::Protocol(format!(
-                "a {:?} reply to BATCH",
-                other.code()
-            ))),
-        }
+    fn batch(&self, batch: Batch) -> impl Future<Output = Result<BatchReply, Error>> + Send {
+        Box::pin(async move {
+            let live = self.live().await?;
+            if !live.hello.capabilities.contains(Capabilities::LEASES) {
+                // A brick without BATCH gets the fops one by one, in order.
+                return batch_one_by_one(self, &batch).await;
+            }
+            match self
+                .round_trip(&live.conn, Call::Batch(batch), live.crc())
+                .await?
+            {
+                Outcome::Batch(reply) => Ok(reply),
+                Outcome::Error { error, .. } => Err(Error::Fop(error)),
+                other => Err(Error::Protocol(format!(
+                    "a {:?} reply to BATCH",
+                    other.code()
+                ))),
+            }
+        })
     }
 
     fn leases(&self) -> bool {

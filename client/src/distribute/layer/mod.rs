@@ -361,201 +361,231 @@ impl<L: Layer> Distribute<L> {
 impl<L: Layer> Layer for Distribute<L> {
     type Fd = DistFd<L::Fd>;
 
-    async fn call(&self, creds: &Creds, fop: FopRequest) -> Result<FopReply, Error> {
-        use FopRequest as Q;
-        match fop {
-            Q::Lookup(ref r) => {
-                let (parent, name) = (r.parent, r.name.clone());
-                let found = self.locate(creds, parent, &name, fop).await?;
-                self.looked_up(creds, parent, &name, found).await
+    fn call(
+        &self,
+        creds: &Creds,
+        fop: FopRequest,
+    ) -> impl Future<Output = Result<FopReply, Error>> + Send {
+        Box::pin(async move {
+            use FopRequest as Q;
+            match fop {
+                Q::Lookup(ref r) => {
+                    let (parent, name) = (r.parent, r.name.clone());
+                    let found = self.locate(creds, parent, &name, fop).await?;
+                    self.looked_up(creds, parent, &name, found).await
+                }
+                Q::LookupXattrs(ref r) => {
+                    let (parent, name) = (r.parent, r.name.clone());
+                    let found = self.locate(creds, parent, &name, fop).await?;
+                    self.looked_up(creds, parent, &name, found).await
+                }
+                Q::Mknod(ref r) => {
+                    let (parent, name) = (r.parent, r.name.clone());
+                    self.make_file(creds, parent, &name, fop).await
+                }
+                Q::Symlink(ref r) => {
+                    let (parent, name) = (r.parent, r.name.clone());
+                    self.make_file(creds, parent, &name, fop).await
+                }
+                Q::Put(ref r) => {
+                    let (parent, name) = (r.parent, r.name.clone());
+                    self.make_file(creds, parent, &name, fop).await
+                }
+                Q::Mkdir(r) => self.mkdir(creds, r).await,
+                Q::Rmdir(r) => self.rmdir(creds, r).await,
+                Q::Unlink(r) => self.unlink(creds, r).await,
+                Q::Rename(r) => self.rename(creds, r).await,
+                Q::Link(r) => self.link(creds, r).await,
+                Q::Statfs(_) => self.statfs(creds, fop).await,
+                Q::Lease(r) => self.lease(creds, r).await,
+                Q::Stat(ref r) => self.on_object(creds, r.gfid, fop.clone()).await,
+                Q::Access(ref r) => self.on_object(creds, r.gfid, fop.clone()).await,
+                Q::Readlink(ref r) => self.on_object(creds, r.gfid, fop.clone()).await,
+                // The layouts and link files are this layer's to write.
+                Q::Setxattr(ref r) if is_dht_xattr(&r.name) => Err(Error::Fop(ErrorCode::Perm)),
+                Q::Removexattr(ref r) if is_dht_xattr(&r.name) => Err(Error::Fop(ErrorCode::Perm)),
+                Q::Setxattr(ref r) => self.on_object(creds, r.gfid, fop.clone()).await,
+                Q::Getxattr(ref r) => self.on_object(creds, r.gfid, fop.clone()).await,
+                Q::Listxattr(ref r) => self.on_object(creds, r.gfid, fop.clone()).await,
+                Q::Removexattr(ref r) => self.on_object(creds, r.gfid, fop.clone()).await,
+                Q::Setattr(ref r) => self.on_object(creds, r.gfid, fop.clone()).await,
+                Q::Truncate(ref r) => self.on_object(creds, r.gfid, fop.clone()).await,
+                Q::Get(ref r) => self.on_object(creds, r.gfid, fop.clone()).await,
+                other => Err(Error::Misuse(format!(
+                    "{} through Layer::call, which takes fops that name no fd and open nothing",
+                    other.code().name()
+                ))),
             }
-            Q::LookupXattrs(ref r) => {
-                let (parent, name) = (r.parent, r.name.clone());
-                let found = self.locate(creds, parent, &name, fop).await?;
-                self.looked_up(creds, parent, &name, found).await
-            }
-            Q::Mknod(ref r) => {
-                let (parent, name) = (r.parent, r.name.clone());
-                self.make_file(creds, parent, &name, fop).await
-            }
-            Q::Symlink(ref r) => {
-                let (parent, name) = (r.parent, r.name.clone());
-                self.make_file(creds, parent, &name, fop).await
-            }
-            Q::Put(ref r) => {
-                let (parent, name) = (r.parent, r.name.clone());
-                self.make_file(creds, parent, &name, fop).await
-            }
-            Q::Mkdir(r) => self.mkdir(creds, r).await,
-            Q::Rmdir(r) => self.rmdir(creds, r).await,
-            Q::Unlink(r) => self.unlink(creds, r).await,
-            Q::Rename(r) => self.rename(creds, r).await,
-            Q::Link(r) => self.link(creds, r).await,
-            Q::Statfs(_) => self.statfs(creds, fop).await,
-            Q::Lease(r) => self.lease(creds, r).await,
-            Q::Stat(ref r) => self.on_object(creds, r.gfid, fop.clone()).await,
-            Q::Access(ref r) => self.on_object(creds, r.gfid, fop.clone()).await,
-            Q::Readlink(ref r) => self.on_object(creds, r.gfid, fop.clone()).await,
-            // The layouts and link files are this layer's to write.
-            Q::Setxattr(ref r) if is_dht_xattr(&r.name) => Err(Error::Fop(ErrorCode::Perm)),
-            Q::Removexattr(ref r) if is_dht_xattr(&r.name) => Err(Error::Fop(ErrorCode::Perm)),
-            Q::Setxattr(ref r) => self.on_object(creds, r.gfid, fop.clone()).await,
-            Q::Getxattr(ref r) => self.on_object(creds, r.gfid, fop.clone()).await,
-            Q::Listxattr(ref r) => self.on_object(creds, r.gfid, fop.clone()).await,
-            Q::Removexattr(ref r) => self.on_object(creds, r.gfid, fop.clone()).await,
-            Q::Setattr(ref r) => self.on_object(creds, r.gfid, fop.clone()).await,
-            Q::Truncate(ref r) => self.on_object(creds, r.gfid, fop.clone()).await,
-            Q::Get(ref r) => self.on_object(creds, r.gfid, fop.clone()).await,
-            other => Err(Error::Misuse(format!(
-                "{} through Layer::call, which takes fops that name no fd and open nothing",
-                other.code().name()
-            ))),
-        }
+        })
     }
 
-    async fn open(
+    fn open(
         &self,
         creds: &Creds,
         gfid: Gfid,
         access: AccessMode,
         flags: OpenFlags,
-    ) -> Result<Self::Fd, Error> {
-        let mut brick = match self.home(creds, gfid).await? {
-            Home::Brick(b) => b,
-            Home::Everywhere => return Err(Error::Fop(ErrorCode::IsDir)),
-        };
-        let fd = match self
-            .bricks
-            .get(brick)?
-            .open(creds, gfid, access, flags)
-            .await
-        {
-            // Moved since this layer last saw it (a rebalance): looked for again.
-            Err(Error::Fop(code @ (ErrorCode::NoEnt | ErrorCode::Stale))) => {
-                lock(&self.homes).pop(&gfid);
-                match self.home(creds, gfid).await? {
-                    Home::Brick(b) if b != brick => brick = b,
-                    _ => return Err(Error::Fop(code)),
+    ) -> impl Future<Output = Result<Self::Fd, Error>> + Send {
+        Box::pin(async move {
+            let mut brick = match self.home(creds, gfid).await? {
+                Home::Brick(b) => b,
+                Home::Everywhere => return Err(Error::Fop(ErrorCode::IsDir)),
+            };
+            let fd = match self
+                .bricks
+                .get(brick)?
+                .open(creds, gfid, access, flags)
+                .await
+            {
+                // Moved since this layer last saw it (a rebalance): looked for again.
+                Err(Error::Fop(code @ (ErrorCode::NoEnt | ErrorCode::Stale))) => {
+                    lock(&self.homes).pop(&gfid);
+                    match self.home(creds, gfid).await? {
+                        Home::Brick(b) if b != brick => brick = b,
+                        _ => return Err(Error::Fop(code)),
+                    }
+                    self.bricks
+                        .get(brick)?
+                        .open(creds, gfid, access, flags)
+                        .await?
                 }
-                self.bricks
-                    .get(brick)?
-                    .open(creds, gfid, access, flags)
-                    .await?
-            }
-            opened => opened?,
-        };
-        Ok(DistFd::File(FileFd::new(gfid, brick, fd, access, flags)))
+                opened => opened?,
+            };
+            Ok(DistFd::File(FileFd::new(gfid, brick, fd, access, flags)))
+        })
     }
 
-    async fn create(
+    fn create(
         &self,
         creds: &Creds,
         create: kiln_wire::Create,
-    ) -> Result<(Self::Fd, EntryReply), Error> {
-        let (brick, layout) = self.hashed(create.parent, &create.name).await?;
-        // A name placed by an older layout gets a link file here first, which the create
-        // opens (or, exclusive, fails on).
-        self.exists_unseen(creds, create.parent, &create.name, &layout)
-            .await?;
-        let (access, flags) = (create.access, create.flags);
-        let (parent, name) = (create.parent, create.name.clone());
-        let on_hashed = self.bricks.get(brick)?;
-        let make = || on_hashed.create(creds, create.clone());
-        let (mut fd, mut entry) = self.making(brick, parent, &name, make).await?;
-        // A create without EXCL opens a name that exists: one that is a link file is the
-        // file on another brick (the caller's kernel still thought the name free) — or
-        // stale, and then removed and the file made.
-        if self.is_stale_link_file(brick, &entry.iatt).await? {
-            let _ = on_hashed.release(creds, fd).await;
-            self.remove_link_file_of(brick, parent, &name, entry.iatt.gfid)
+    ) -> impl Future<Output = Result<(Self::Fd, EntryReply), Error>> + Send {
+        Box::pin(async move {
+            let (brick, layout) = self.hashed(create.parent, &create.name).await?;
+            // A name placed by an older layout gets a link file here first, which the create
+            // opens (or, exclusive, fails on).
+            self.exists_unseen(creds, create.parent, &create.name, &layout)
                 .await?;
-            (fd, entry) = on_hashed.create(creds, create).await?;
-        }
-        if let Some(home) = self.link_file_target(brick, &entry.iatt).await? {
-            let _ = self.bricks.get(brick)?.release(creds, fd).await;
+            let (access, flags) = (create.access, create.flags);
+            let (parent, name) = (create.parent, create.name.clone());
+            let on_hashed = self.bricks.get(brick)?;
+            let make = || on_hashed.create(creds, create.clone());
+            let (mut fd, mut entry) = self.making(brick, parent, &name, make).await?;
+            // A create without EXCL opens a name that exists: one that is a link file is the
+            // file on another brick (the caller's kernel still thought the name free) — or
+            // stale, and then removed and the file made.
+            if self.is_stale_link_file(brick, &entry.iatt).await? {
+                let _ = on_hashed.release(creds, fd).await;
+                self.remove_link_file_of(brick, parent, &name, entry.iatt.gfid)
+                    .await?;
+                (fd, entry) = on_hashed.create(creds, create).await?;
+            }
+            if let Some(home) = self.link_file_target(brick, &entry.iatt).await? {
+                let _ = self.bricks.get(brick)?.release(creds, fd).await;
+                let gfid = entry.iatt.gfid;
+                let fd = self
+                    .bricks
+                    .get(home)?
+                    .open(creds, gfid, access, flags)
+                    .await?;
+                let iatt = self.bricks.get(home)?.stat(creds, gfid).await?;
+                self.note_home(&iatt, home);
+                return Ok((
+                    DistFd::File(FileFd::new(gfid, home, fd, access, flags)),
+                    EntryReply { iatt, ..entry },
+                ));
+            }
+            self.note_home(&entry.iatt, brick);
             let gfid = entry.iatt.gfid;
-            let fd = self
-                .bricks
-                .get(home)?
-                .open(creds, gfid, access, flags)
-                .await?;
-            let iatt = self.bricks.get(home)?.stat(creds, gfid).await?;
-            self.note_home(&iatt, home);
-            return Ok((
-                DistFd::File(FileFd::new(gfid, home, fd, access, flags)),
-                EntryReply { iatt, ..entry },
-            ));
-        }
-        self.note_home(&entry.iatt, brick);
-        let gfid = entry.iatt.gfid;
-        Ok((
-            DistFd::File(FileFd::new(gfid, brick, fd, access, flags)),
-            entry,
-        ))
+            Ok((
+                DistFd::File(FileFd::new(gfid, brick, fd, access, flags)),
+                entry,
+            ))
+        })
     }
 
-    async fn opendir(&self, creds: &Creds, gfid: Gfid) -> Result<Self::Fd, Error> {
-        let opened = futures_util::future::join_all(self.bricks.indexes().map(|i| async move {
-            match self.bricks.get(i) {
-                Ok(brick) => brick.opendir(creds, gfid).await.map(Some),
-                Err(_) => Ok(None),
-            }
-        }))
-        .await;
-        let mut fds = Vec::with_capacity(opened.len());
-        let mut failure = None;
-        for result in opened {
-            match result {
-                Ok(fd) => fds.push(fd),
-                Err(e) => {
-                    fds.push(None);
-                    failure = Some(e);
-                }
-            }
-        }
-        match (fds.iter().any(Option::is_some), failure) {
-            (false, Some(e)) => Err(e),
-            _ => Ok(DistFd::Dir(DirFds {
-                fds,
-                offsets: Mutex::new(listing::Offsets::default()),
-            })),
-        }
-    }
-
-    async fn call_fd(&self, creds: &Creds, fd: &Self::Fd, fop: FdFop) -> Result<FopReply, Error> {
-        match fd {
-            DistFd::File(file) => self.call_file(creds, file, fop).await,
-            DistFd::Dir(fds) => self.call_dir(creds, fds, fop).await,
-        }
-    }
-
-    async fn release(&self, creds: &Creds, fd: Self::Fd) -> Result<(), Error> {
-        match fd {
-            // (An fd on a brick removed since is gone with its brick.)
-            DistFd::File(file) => {
-                let mut result = Ok(());
-                for (brick, fd) in file.into_fds() {
-                    if let Ok(brick) = self.bricks.get(brick) {
-                        result = result.and(brick.release(creds, fd).await);
+    fn opendir(
+        &self,
+        creds: &Creds,
+        gfid: Gfid,
+    ) -> impl Future<Output = Result<Self::Fd, Error>> + Send {
+        Box::pin(async move {
+            let opened =
+                futures_util::future::join_all(self.bricks.indexes().map(|i| async move {
+                    match self.bricks.get(i) {
+                        Ok(brick) => brick.opendir(creds, gfid).await.map(Some),
+                        Err(_) => Ok(None),
+                    }
+                }))
+                .await;
+            let mut fds = Vec::with_capacity(opened.len());
+            let mut failure = None;
+            for result in opened {
+                match result {
+                    Ok(fd) => fds.push(fd),
+                    Err(e) => {
+                        fds.push(None);
+                        failure = Some(e);
                     }
                 }
-                result
             }
-            DistFd::Dir(fds) => {
-                let mut result = Ok(());
-                for (brick, fd) in fds.fds.into_iter().enumerate() {
-                    if let (Some(fd), Ok(brick)) = (fd, self.bricks.get(brick)) {
-                        result = result.and(brick.release(creds, fd).await);
+            match (fds.iter().any(Option::is_some), failure) {
+                (false, Some(e)) => Err(e),
+                _ => Ok(DistFd::Dir(DirFds {
+                    fds,
+                    offsets: Mutex::new(listing::Offsets::default()),
+                })),
+            }
+        })
+    }
+
+    fn call_fd(
+        &self,
+        creds: &Creds,
+        fd: &Self::Fd,
+        fop: FdFop,
+    ) -> impl Future<Output = Result<FopReply, Error>> + Send {
+        Box::pin(async move {
+            match fd {
+                DistFd::File(file) => self.call_file(creds, file, fop).await,
+                DistFd::Dir(fds) => self.call_dir(creds, fds, fop).await,
+            }
+        })
+    }
+
+    fn release(
+        &self,
+        creds: &Creds,
+        fd: Self::Fd,
+    ) -> impl Future<Output = Result<(), Error>> + Send {
+        Box::pin(async move {
+            match fd {
+                // (An fd on a brick removed since is gone with its brick.)
+                DistFd::File(file) => {
+                    let mut result = Ok(());
+                    for (brick, fd) in file.into_fds() {
+                        if let Ok(brick) = self.bricks.get(brick) {
+                            result = result.and(brick.release(creds, fd).await);
+                        }
                     }
+                    result
                 }
-                result
+                DistFd::Dir(fds) => {
+                    let mut result = Ok(());
+                    for (brick, fd) in fds.fds.into_iter().enumerate() {
+                        if let (Some(fd), Ok(brick)) = (fd, self.bricks.get(brick)) {
+                            result = result.and(brick.release(creds, fd).await);
+                        }
+                    }
+                    result
+                }
             }
-        }
+        })
     }
 
     /// Through [`Layer::call`], in waves of fops that cannot see each other ([`batch`]).
-    async fn batch(&self, batch: Batch) -> Result<BatchReply, Error> {
-        self.batch_in_waves(&batch).await
+    fn batch(&self, batch: Batch) -> impl Future<Output = Result<BatchReply, Error>> + Send {
+        Box::pin(async move { self.batch_in_waves(&batch).await })
     }
 
     fn leases(&self) -> bool {
