@@ -656,7 +656,8 @@ impl BrickClient {
 }
 
 /// The bottom of the stack: each fop goes to the brick over the current connection (made
-/// again first if it broke), with the fd ids of that connection's session.
+/// again first if it broke), with the fd ids of that connection's session. Each fop runs from
+/// the heap, as the distribution layer's do: its state stays out of the futures above.
 impl Layer for BrickClient {
     type Fd = Fd;
 
