@@ -6,8 +6,9 @@
 //! before, in a directory made, changed or removed before; a removal after an attribute change
 //! (it may take the object) and the other way round — and the fops of a wave (at most 64) run
 //! at once. So the files of many directories go in one wave, and each directory's RMDIR in
-//! the next. Fops whose effects reach further (a rename, a link, a lease, an RMDIR whose
-//! directory is not known beforehand) run alone, after everything before them. Each fop's
+//! the next; a new directory's write lease beside its first files. Fops whose effects reach
+//! further (a rename, a link, a lease given back, an RMDIR whose directory is not known
+//! beforehand) run alone, after everything before them. Each fop's
 //! result is the one it would have had in order.
 //!
 //! Before the first wave, the layouts of the directories the batch works in are read at once
@@ -25,7 +26,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
-use kiln_wire::BatchReply;
+use kiln_wire::{BatchReply, LeaseKind};
 
 use super::files::Look;
 use super::namespace::authoritative;
@@ -305,7 +306,7 @@ struct Waves {
     names: HashMap<(Gfid, Name), usize>,
     /// Objects made, removed, or whose attributes change.
     changed: HashMap<Gfid, usize>,
-    /// Directories a name is made or removed in.
+    /// Directories a name is made or removed in, or a write lease asked on.
     parents: HashMap<Gfid, usize>,
     /// A name removed (which may take an object with it).
     removes: Option<usize>,
@@ -412,6 +413,16 @@ impl Access {
             // (Its object unknown: any attribute change may be of it.)
             Q::Unlink(r) => entry(r.parent, &r.name, None, true),
             Q::Rmdir(r) => entry(r.parent, &r.name, Some(removed_dir?), false),
+            // Asking for a write lease on a directory changes nothing, but goes after what
+            // made the directory; what removes it or changes it waits for it. (A lease given
+            // back or lowered waits for every change before it: it runs alone.)
+            Q::Lease(r) if r.kind == LeaseKind::Write => Access {
+                name: None,
+                changes: None,
+                parent: Some(r.gfid),
+                removes: false,
+                sets_attrs: false,
+            },
             Q::Setattr(r) => set(r.gfid),
             Q::Setxattr(r) => set(r.gfid),
             Q::Removexattr(r) => set(r.gfid),
@@ -461,7 +472,7 @@ mod tests {
     fn lease(dir: u128) -> FopRequest {
         kiln_wire::Lease {
             gfid: gfid(dir),
-            kind: kiln_wire::LeaseKind::None,
+            kind: LeaseKind::None,
         }
         .into()
     }
@@ -516,6 +527,27 @@ mod tests {
             mkdir(1, "d", 7),
         ];
         assert_eq!(waves(&fops, unknown), [vec![0, 1, 2], vec![3, 4, 5]]);
+    }
+
+    #[test]
+    fn a_write_lease_goes_after_its_directory_is_made_and_beside_what_goes_in_it() {
+        let ask = |dir: u128| -> FopRequest {
+            kiln_wire::Lease {
+                gfid: gfid(dir),
+                kind: LeaseKind::Write,
+            }
+            .into()
+        };
+        let fops = [
+            mkdir(1, "d", 5),
+            ask(5),
+            unlink(5, "f"),
+            mkdir(1, "e", 6),
+            rmdir(1, "d"),
+        ];
+        let removed = |i| (i == 4).then(|| gfid(5));
+        let expected: [&[usize]; 3] = [&[0, 3], &[1, 2], &[4]];
+        assert_eq!(waves(&fops, removed), expected);
     }
 
     #[test]

@@ -38,24 +38,25 @@ impl<L: Layer> Distribute<L> {
         self.store_layout(dir, layout).await
     }
 
-    /// Writes `layout` of directory `dir` to every brick's copy, and keeps it.
+    /// Writes `layout` of directory `dir` to every brick's copy, all at once, and keeps it.
     pub(super) async fn store_layout(
         &self,
         dir: Gfid,
         layout: Layout,
     ) -> Result<Arc<Layout>, Error> {
         let generation = self.bricks.generation();
-        for (brick, _) in self.bricks.in_service() {
-            let Some(disk) = layout.disk_layout(brick) else {
-                continue;
-            };
-            match self.set_disk_layout(brick, dir, disk).await {
-                // No copy there (a MKDIR that did not reach it): the next lookup makes it
-                // and writes its share.
-                Ok(()) | Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => {}
-                Err(e) => return Err(e),
-            }
-        }
+        let shares = self.bricks.in_service().filter_map(|(brick, _)| {
+            let disk = layout.disk_layout(brick)?;
+            Some(async move {
+                match self.set_disk_layout(brick, dir, disk).await {
+                    // No copy there (a MKDIR that did not reach it): the next lookup makes it
+                    // and writes its share.
+                    Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => Ok(()),
+                    written => written,
+                }
+            })
+        });
+        futures_util::future::try_join_all(shares).await?;
         let layout = Arc::new(layout);
         self.keep_layout(dir, layout.clone(), generation);
         Ok(layout)

@@ -554,13 +554,18 @@ impl<L: Layer> Distribute<L> {
         let on_hashed = self.bricks.get(hashed)?;
         let make = || on_hashed.call(creds, r.clone().into());
         let reply = self.making(hashed, r.parent, &r.name, make).await?;
-        for (i, brick) in self.bricks.in_service().filter(|(i, _)| *i != hashed) {
-            if let Err(e) = brick.call(creds, r.clone().into()).await {
-                // The next lookup of the directory makes the missing copy (and its share of
-                // the layout), as GlusterFS's self-heal does.
-                tracing::warn!(brick = i, error = %e, "mkdir did not reach every brick");
+        let others = self.bricks.in_service().filter(|(i, _)| *i != hashed);
+        let copies = others.map(|(i, brick)| {
+            let r = r.clone();
+            async move {
+                if let Err(e) = brick.call(creds, r.into()).await {
+                    // The next lookup of the directory makes the missing copy (and its share
+                    // of the layout), as GlusterFS's self-heal does.
+                    tracing::warn!(brick = i, error = %e, "mkdir did not reach every brick");
+                }
             }
-        }
+        });
+        futures_util::future::join_all(copies).await;
         self.write_new_layout(r.gfid).await?;
         lock(&self.homes).put(r.gfid, Home::Everywhere);
         Ok(reply)
