@@ -134,17 +134,39 @@ fn link_file_target(path: &PathBuf) -> Option<String> {
 }
 
 /// The names of directory `dir`, sorted, listed in replies of about `size` bytes (READDIRP
-/// with xattr presence, as the mount lists), and how many the first reply held.
-async fn list_in_replies<L: Layer>(v: &L, dir: Gfid, size: u32) -> (Vec<String>, usize) {
+/// with xattr presence, as the mount lists; the first, with `opened_listing`, from an
+/// OPENDIR_LIST that asks for a read lease, granted where the bricks grant leases), and how
+/// many the first reply held.
+async fn list_in_replies<L: Layer>(
+    v: &L,
+    dir: Gfid,
+    size: u32,
+    opened_listing: bool,
+) -> (Vec<String>, usize) {
     let creds = Creds::root();
-    let fd = v.opendir(&creds, dir).await.expect("opendir");
     let size = kiln_wire::ReaddirSize::new(size).expect("a listing size");
+    let (fd, mut first_reply) = if opened_listing {
+        let read = kiln_wire::LeaseKind::Read;
+        let (fd, lease, reply) = v.opendir_list(&creds, dir, size, read).await.expect("list");
+        let granted = match v.leases() {
+            true => read,
+            false => kiln_wire::LeaseKind::None,
+        };
+        assert_eq!(lease, granted, "the lease every brick granted");
+        (fd, Some(reply))
+    } else {
+        (v.opendir(&creds, dir).await.expect("opendir"), None)
+    };
     let (mut names, mut offset, mut first) = (Vec::new(), 0, None);
     loop {
         let fop =
             kiln_client::FdFop::new(|fd| kiln_wire::ReaddirpXattrs { fd, offset, size }.into());
-        let Ok(FopReply::ReaddirpXattrs(reply)) = v.call_fd(&creds, &fd, fop).await else {
-            panic!("READDIRP_XATTRS failed");
+        let reply = match first_reply.take() {
+            Some(reply) => reply,
+            None => match v.call_fd(&creds, &fd, fop).await {
+                Ok(FopReply::ReaddirpXattrs(reply)) => reply,
+                other => panic!("READDIRP_XATTRS failed: {other:?}"),
+            },
         };
         first.get_or_insert(reply.entries.len());
         for e in reply.entries {
@@ -156,6 +178,14 @@ async fn list_in_replies<L: Layer>(v: &L, dir: Gfid, size: u32) -> (Vec<String>,
         }
     }
     v.release(&creds, fd).await.expect("releasedir");
+    if opened_listing {
+        // Given back: an OPENDIR_LIST takes a lease only where the session holds none.
+        let back = kiln_wire::Lease {
+            gfid: dir,
+            kind: kiln_wire::LeaseKind::None,
+        };
+        v.call(&creds, back.into()).await.expect("lease given back");
+    }
     names.sort();
     (names, first.unwrap_or(0))
 }
@@ -210,20 +240,34 @@ fn files_spread_over_bricks_by_name_hash() {
         want.sort();
         assert_eq!(listed, want);
         // A reply takes entries from brick after brick until it is full: in one reply when
-        // they fit, and every name once over many small ones.
-        let (one_reply, first_reply_entries) = list_in_replies(&v, dir.gfid, 128 * 1024).await;
-        assert_eq!(one_reply, want);
-        assert_eq!(
-            first_reply_entries,
-            want.len(),
-            "the whole directory in one reply"
-        );
-        let (small_replies, first_reply_entries) = list_in_replies(&v, dir.gfid, 1024).await;
-        assert_eq!(small_replies, want);
-        assert!(
-            first_reply_entries < 10,
-            "{first_reply_entries} entries in 1 KiB"
-        );
+        // they fit, and every name once over many small ones — opened and listed apart, or
+        // as one OPENDIR_LIST on every brick at once.
+        for opened_listing in [false, true] {
+            let (one_reply, first_reply_entries) =
+                list_in_replies(&v, dir.gfid, 128 * 1024, opened_listing).await;
+            assert_eq!(one_reply, want);
+            assert_eq!(
+                first_reply_entries,
+                want.len(),
+                "the whole directory in one reply"
+            );
+            let (small_replies, first_reply_entries) =
+                list_in_replies(&v, dir.gfid, 1024, opened_listing).await;
+            assert_eq!(small_replies, want);
+            assert!(
+                first_reply_entries < 10,
+                "{first_reply_entries} entries in 1 KiB"
+            );
+            // The first brick's ~40 entries whole, and the second's cut where the reply is
+            // full (all of them read ahead by OPENDIR_LIST).
+            let (replies, first_reply_entries) =
+                list_in_replies(&v, dir.gfid, 8 * 1024, opened_listing).await;
+            assert_eq!(replies, want);
+            assert!(
+                first_reply_entries > per_brick[0] && first_reply_entries < want.len() - 20,
+                "{first_reply_entries} entries in 8 KiB, {per_brick:?} on the bricks"
+            );
+        }
         for i in (0..FILES).step_by(7) {
             let data = v
                 .read_to_end(&creds, &format!("/d/f{i}"))

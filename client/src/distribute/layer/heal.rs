@@ -318,7 +318,7 @@ impl<L: Layer> Distribute<L> {
 }
 
 /// Keeps the latest of each time of `iatt` and `copy` (two copies of one directory).
-fn merge_times(iatt: &mut Iatt, copy: &Iatt) {
+pub(super) fn merge_times(iatt: &mut Iatt, copy: &Iatt) {
     iatt.atime = iatt.atime.max(copy.atime);
     iatt.mtime = iatt.mtime.max(copy.mtime);
     iatt.ctime = iatt.ctime.max(copy.ctime);

@@ -31,12 +31,24 @@ impl<L: Layer> Distribute<L> {
             async move { (i, granted(brick.call(creds, fop).await)) }
         }))
         .await;
+        let kind = self.least_lease(creds, gfid, &asked).await;
+        Ok(FopReply::Lease(LeaseReply { kind }))
+    }
+
+    /// The least of the leases on directory `gfid` the bricks `asked` granted (brick,
+    /// lease); a brick that granted more is lowered to it at once.
+    pub(super) async fn least_lease(
+        &self,
+        creds: &Creds,
+        gfid: Gfid,
+        asked: &[(usize, LeaseKind)],
+    ) -> LeaseKind {
         let least = asked
             .iter()
             .map(|(_, kind)| *kind)
             .min_by_key(|kind| rank(*kind))
             .unwrap_or(LeaseKind::None);
-        for (i, kind) in asked {
+        for &(i, kind) in asked {
             if rank(kind) > rank(least) {
                 let lower = Lease { gfid, kind: least };
                 let lowered = match self.bricks.get(i) {
@@ -49,7 +61,7 @@ impl<L: Layer> Distribute<L> {
                 }
             }
         }
-        Ok(FopReply::Lease(LeaseReply { kind: least }))
+        least
     }
 
     /// Whether every brick in service grants directory leases (and so does this layer: it

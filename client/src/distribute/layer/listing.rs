@@ -1,8 +1,9 @@
 //! Open directories: READDIRP (and READDIR) brick after brick, each directory once (with the
 //! latest times of its copies) and no link files, under offsets of this layer's own.
 
-use kiln_wire::limits::READDIRP_ENTRY_BYTES;
+use kiln_wire::limits::{BATCH_FOPS_MAX, READDIRP_ENTRY_BYTES};
 
+use super::heal::merge_times;
 use super::*;
 
 /// What one listed entry counts against a reply's size besides its name, as a brick counts
@@ -55,6 +56,66 @@ impl Offsets {
 }
 
 impl<L: Layer> Distribute<L> {
+    /// OPENDIR_LIST of directory `gfid` on every brick at once: each copy opened, and
+    /// `lease` taken on it before its first `size` bytes of entries are read. The lease
+    /// granted is the least any brick granted (the others lowered to it, as
+    /// [`Distribute::lease`] does); the entries are what a listing from the start gives
+    /// ([`Distribute::list`]) out of what the bricks sent. A brick that fails (no copy there)
+    /// is left out, as OPENDIR leaves it; when all fail, the error is the last one.
+    pub(super) async fn open_listed(
+        &self,
+        creds: &Creds,
+        gfid: Gfid,
+        size: ReaddirSize,
+        lease: LeaseKind,
+    ) -> Result<(DistFd<L::Fd>, LeaseKind, ReaddirpXattrsReply), Error> {
+        let opened = futures_util::future::join_all(self.bricks.indexes().map(|i| async move {
+            let brick = self.bricks.get(i).ok()?;
+            Some(brick.opendir_list(creds, gfid, size, lease).await)
+        }))
+        .await;
+        let (mut fds, mut firsts, mut granted, mut failure) = (vec![], vec![], vec![], None);
+        for (i, result) in opened.into_iter().enumerate() {
+            let (fd, first) = match result {
+                Some(Ok((fd, kind, first))) => {
+                    granted.push((i, kind));
+                    (Some(fd), Some(first))
+                }
+                Some(Err(e)) => {
+                    granted.push((i, LeaseKind::None));
+                    failure = Some(e);
+                    (None, None)
+                }
+                None => (None, None),
+            };
+            fds.push(fd);
+            firsts.push(first);
+        }
+        if let (false, Some(e)) = (fds.iter().any(Option::is_some), failure) {
+            return Err(e);
+        }
+        let least = self.least_lease(creds, gfid, &granted).await;
+        let fds = DirFds {
+            fds,
+            offsets: Mutex::new(Offsets::default()),
+        };
+        match self.list_from(creds, &fds, 0, size, firsts).await {
+            Ok(listing) => Ok((DistFd::Dir(fds), least, listing)),
+            Err(e) => {
+                // Nothing stays open or held that the caller would not know of.
+                let _ = Layer::release(self, creds, DistFd::Dir(fds)).await;
+                if least != LeaseKind::None {
+                    let back = kiln_wire::Lease {
+                        gfid,
+                        kind: LeaseKind::None,
+                    };
+                    let _ = self.lease(creds, back).await;
+                }
+                Err(e)
+            }
+        }
+    }
+
     /// The entries of directory `fds` from this layer's `offset`: brick after brick until
     /// about `size` bytes of entries (counted as a brick counts them), so a small directory
     /// comes whole in one reply however many bricks it spans.
@@ -64,6 +125,19 @@ impl<L: Layer> Distribute<L> {
         fds: &DirFds<L::Fd>,
         offset: u64,
         size: ReaddirSize,
+    ) -> Result<ReaddirpXattrsReply, Error> {
+        self.list_from(creds, fds, offset, size, Vec::new()).await
+    }
+
+    /// [`Distribute::list`], with `firsts[brick]`, where there is one, the brick's entries
+    /// from the start, already read (up to `size`: they are cut where the reply is full).
+    async fn list_from(
+        &self,
+        creds: &Creds,
+        fds: &DirFds<L::Fd>,
+        offset: u64,
+        size: ReaddirSize,
+        mut firsts: Vec<Option<ReaddirpXattrsReply>>,
     ) -> Result<ReaddirpXattrsReply, Error> {
         let (mut brick, mut from) = match offset {
             // A listing from the start: the offsets of earlier ones go.
@@ -85,23 +159,21 @@ impl<L: Layer> Distribute<L> {
                 (brick, from) = (brick + 1, 0);
                 continue;
             };
-            let fop = FdFop::new(|fd| {
-                kiln_wire::ReaddirpXattrs {
-                    fd,
-                    offset: from,
-                    size: ReaddirSize::saturating(left),
-                }
-                .into()
-            });
-            let FopReply::ReaddirpXattrs(reply) =
-                self.bricks.get(brick)?.call_fd(creds, fd, fop).await?
-            else {
-                return Err(Error::Protocol("a READDIRP answered otherwise".into()));
+            let read = firsts.get_mut(brick).and_then(Option::take);
+            let reply = match read.filter(|_| from == 0) {
+                Some(reply) => reply,
+                None => self.read_entries(creds, brick, fd, from, left).await?,
             };
             let last = reply.entries.last().map(|e| e.offset);
-            let shown = self.shown(creds, brick, first, reply.entries).await?;
-            for e in shown {
-                left = left.saturating_sub(listed_bytes(&e));
+            for e in self.shown(creds, brick, first, reply.entries).await? {
+                let cost = listed_bytes(&e);
+                if !entries.is_empty() && cost > left {
+                    // Full, with entries read ahead left: the next listing goes on after the
+                    // last one taken (its offset says where).
+                    let eof = false;
+                    return Ok(ReaddirpXattrsReply { entries, eof });
+                }
+                left = left.saturating_sub(cost);
                 let offset = lock(&fds.offsets).push(brick, e.offset);
                 entries.push(DirEntryXattrs { offset, ..e });
             }
@@ -117,6 +189,29 @@ impl<L: Layer> Distribute<L> {
         }
         let eof = brick >= fds.fds.len();
         Ok(ReaddirpXattrsReply { entries, eof })
+    }
+
+    /// READDIRP_XATTRS of up to `size` bytes of brick `brick`'s entries after its `offset`.
+    async fn read_entries(
+        &self,
+        creds: &Creds,
+        brick: usize,
+        fd: &L::Fd,
+        offset: u64,
+        size: u64,
+    ) -> Result<ReaddirpXattrsReply, Error> {
+        let fop = FdFop::new(|fd| {
+            kiln_wire::ReaddirpXattrs {
+                fd,
+                offset,
+                size: ReaddirSize::saturating(size),
+            }
+            .into()
+        });
+        match self.bricks.get(brick)?.call_fd(creds, fd, fop).await? {
+            FopReply::ReaddirpXattrs(reply) => Ok(reply),
+            _ => Err(Error::Protocol("a READDIRP answered otherwise".into())),
+        }
     }
 
     /// What of brick `brick`'s `listed` entries this layer shows: each directory once (from
@@ -141,19 +236,47 @@ impl<L: Layer> Distribute<L> {
                 Err(e) => return Err(e),
             }
         }
-        // A directory's times as a STAT or LOOKUP of it gives them, the latest of every copy:
-        // a program that compares them (tar's "file changed as we read it") sees one
-        // directory. Asked for all of them at once.
-        let merges = shown.iter_mut().map(|e| async move {
-            if e.iatt.file_type == FileType::Directory {
-                self.merge_copies(creds, &mut e.iatt, brick).await;
-            }
-        });
-        futures_util::future::join_all(merges).await;
+        self.merge_dir_copies(creds, brick, &mut shown).await;
         for e in &shown {
             self.note_home(&e.iatt, brick);
         }
         Ok(shown)
+    }
+
+    /// Gives each directory in `shown` (listed on brick `brick`) its times as a STAT or
+    /// LOOKUP of it gives them, the latest of every copy: a program that compares them (tar's
+    /// "file changed as we read it") sees one directory. Each other brick is asked for its
+    /// copies' as one BATCH of STATs, all bricks at once; a copy missing, or a brick out of
+    /// reach, has nothing to merge.
+    async fn merge_dir_copies(&self, creds: &Creds, brick: usize, shown: &mut [DirEntryXattrs]) {
+        let is_dir = |e: &DirEntryXattrs| e.iatt.file_type == FileType::Directory;
+        let dirs: Vec<usize> = (0..shown.len()).filter(|&i| is_dir(&shown[i])).collect();
+        if dirs.is_empty() {
+            return;
+        }
+        let others = self.bricks.in_service().filter(|(i, _)| *i != brick);
+        let (shown_now, dirs) = (&*shown, &dirs);
+        let stated = futures_util::future::join_all(others.map(|(_, other)| async move {
+            let mut answers = Vec::with_capacity(dirs.len());
+            for chunk in dirs.chunks(BATCH_FOPS_MAX) {
+                let mut batch = Batch::new(creds.clone());
+                for &i in chunk {
+                    let stat = kiln_wire::Stat {
+                        gfid: shown_now[i].iatt.gfid,
+                    };
+                    batch.push(stat.into()).ok()?;
+                }
+                let reply = other.batch(batch).await.ok()?;
+                answers.extend(chunk.iter().copied().zip(reply.results));
+            }
+            Some(answers)
+        }))
+        .await;
+        for (i, answer) in stated.into_iter().flatten().flatten() {
+            if let Ok(FopReply::Stat(copy)) = answer {
+                merge_times(&mut shown[i].iatt, &copy.iatt);
+            }
+        }
     }
 
     /// A fop on an open directory.

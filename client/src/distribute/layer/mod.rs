@@ -47,8 +47,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use kiln_wire::{
     AccessMode, Batch, BatchReply, Creds, DirEntry, DirEntryXattrs, EntryReply, ErrorCode,
-    FileType, FopCode, FopReply, FopRequest, FsStats, Gfid, Iatt, Mode, Name, NodeType, OpenFlags,
-    ReaddirSize, ReaddirpXattrsReply, RenameMode, XattrName, XattrSetMode, XattrValue,
+    FileType, FopCode, FopReply, FopRequest, FsStats, Gfid, Iatt, LeaseKind, Mode, Name, NodeType,
+    OpenFlags, ReaddirSize, ReaddirpXattrsReply, RenameMode, XattrName, XattrSetMode, XattrValue,
 };
 use tokio::sync::broadcast;
 
@@ -505,6 +505,18 @@ impl<L: Layer> Layer for Distribute<L> {
                 entry,
             ))
         })
+    }
+
+    /// On every brick at once ([`Distribute::open_listed`]).
+    fn opendir_list(
+        &self,
+        creds: &Creds,
+        gfid: Gfid,
+        size: ReaddirSize,
+        lease: LeaseKind,
+    ) -> impl Future<Output = Result<(Self::Fd, LeaseKind, ReaddirpXattrsReply), Error>> + Send
+    {
+        Box::pin(self.open_listed(creds, gfid, size, lease))
     }
 
     fn opendir(
