@@ -4,12 +4,12 @@
 //! waves instead: each fop goes in the first wave after every earlier fop that could see its
 //! effect or whose effect it could see — a fop on the same name, on an object made or changed
 //! before, in a directory made, changed or removed before; a removal after an attribute change
-//! (it may take the object) and the other way round — and the fops of a wave (at most 64) run
-//! at once. So the files of many directories go in one wave, and each directory's RMDIR in
-//! the next; a new directory's write lease beside its first files. Fops whose effects reach
-//! further (a rename, a link, a lease given back, an RMDIR whose directory is not known
-//! beforehand) run alone, after everything before them. Each fop's
-//! result is the one it would have had in order.
+//! (it may take the object) and the other way round — and the fops of a wave (at most as many
+//! as a BATCH carries) run at once. So the files of many directories go in one wave, and each
+//! directory's RMDIR in the next; a new directory's write lease beside its first files. Fops
+//! whose effects reach further (a rename, a link, a lease given back, an RMDIR whose directory
+//! is not known beforehand) run alone, after everything before them. Each fop's result is the
+//! one it would have had in order.
 //!
 //! Before the first wave, the layouts of the directories the batch works in are read at once
 //! (one round trip, not one per directory as its turn comes), and the directory each RMDIR
@@ -53,8 +53,10 @@ enum Direct {
     Remove(usize),
 }
 
-/// Fops of one wave, at most: what one batch puts in flight on the bricks at once.
-const WAVE_FOPS_MAX: usize = 64;
+/// Fops of one wave, at most: what one batch puts in flight on the bricks at once. As many
+/// as a batch carries: a wave's creates and removals go as one BATCH per brick, so a smaller
+/// wave costs more requests, not less work.
+const WAVE_FOPS_MAX: usize = kiln_wire::limits::BATCH_FOPS_MAX;
 
 impl<L: Layer> Distribute<L> {
     /// Runs `batch` wave after wave ([`waves`]); a broken connection ends it.
