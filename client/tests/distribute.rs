@@ -864,6 +864,87 @@ fn rmdir_keeps_a_directory_that_is_not_empty_on_some_brick() {
     }
 }
 
+/// A layout read under a lease the layer holds stays in use past its lifetime, and not past
+/// the lease: another client's write of the layout recalls the lease first, and the next use
+/// reads the new one.
+#[test]
+fn a_layout_held_under_a_lease_is_read_again_once_another_client_rewrites_it() {
+    let volume = Volume::start();
+    let rt = runtime();
+    let creds = Creds::root();
+    rt.block_on(async {
+        let a = volume.connect().await;
+        let b = volume.connect().await;
+        let dir = a.mkdir_all(&creds, "/d", 0o755).await.expect("mkdir");
+        if !a.leases() {
+            panic!("the bricks grant leases");
+        }
+        // A gives its lease back when it is recalled, as a mount does.
+        let mut events = a.events();
+        let lease = |kind| kiln_wire::Lease {
+            gfid: dir.gfid,
+            kind,
+        };
+        let write = kiln_wire::LeaseKind::Write;
+        let granted = a.call(&creds, lease(write).into()).await.expect("lease");
+        assert!(
+            matches!(&granted, FopReply::Lease(r) if r.kind == write),
+            "{granted:?}"
+        );
+        let held = a.layout(dir.gfid).await.expect("layout");
+        tokio::time::sleep(kiln_client::distribute::LAYOUT_TTL + Duration::from_millis(100)).await;
+        assert_eq!(
+            a.layout(dir.gfid).await.expect("layout").disk_layout(0),
+            held.disk_layout(0),
+            "the same layout, past its lifetime"
+        );
+        // B swaps the shares of bricks 0 and 1 (as a fix-layout rewrites them).
+        let (share0, share1) = (held.disk_layout(0), held.disk_layout(1));
+        assert_ne!(share0, share1);
+        let rewrite = async {
+            for (i, share) in [(0, share1), (1, share0)] {
+                let value = share.expect("a share").encode();
+                let set = kiln_wire::Setxattr {
+                    gfid: dir.gfid,
+                    name: kiln_wire::XattrName::new(Bytes::from_static(XATTR_NAME.as_bytes()))
+                        .expect("name"),
+                    value: kiln_wire::XattrValue::new(Bytes::copy_from_slice(&value))
+                        .expect("value"),
+                    mode: kiln_wire::XattrSetMode::Upsert,
+                };
+                let brick = b.bricks().nth(i).expect("brick");
+                brick.call(&creds, set.into()).await.expect("setxattr");
+            }
+        };
+        let give_back = async {
+            loop {
+                match events.recv().await.expect("events") {
+                    kiln_client::LayerEvent::Recall(r) if r.gfid == dir.gfid => break,
+                    _ => {}
+                }
+            }
+            // Straight to the bricks, not through A's layer: what A's layer learns of the
+            // lease's end is the recall.
+            for brick in a.bricks() {
+                let none = kiln_wire::LeaseKind::None;
+                brick
+                    .call(&creds, lease(none).into())
+                    .await
+                    .expect("given back");
+            }
+        };
+        tokio::join!(rewrite, give_back);
+        let now = a.layout(dir.gfid).await.expect("layout");
+        assert_eq!(
+            (now.disk_layout(0), now.disk_layout(1)),
+            (share1, share0),
+            "the new layout"
+        );
+        close(&a).await;
+        close(&b).await;
+    });
+}
+
 /// A BATCH as `rm -rf` queues it (files, then their directory, then its parent), run in
 /// waves across directories: each RMDIR after the removals in its directory, a make of the
 /// same name after the RMDIR, and each answer the one it has in order — a directory still

@@ -13,6 +13,7 @@
 use kiln_wire::{Lease, LeaseKind, LeaseReply};
 use tokio::sync::broadcast::error::RecvError;
 
+use super::layouts::Layouts;
 use super::*;
 
 /// Events waiting for the layer above before it is told it fell behind (and loses them all).
@@ -26,12 +27,37 @@ impl<L: Layer> Distribute<L> {
         if let Home::Brick(b) = self.home(creds, gfid).await? {
             return self.call_on_file(creds, gfid, b, lease.into()).await;
         }
+        if lease.kind == LeaseKind::None {
+            self.layouts.unleased(Some(gfid));
+        }
+        // Asking for one where every brick serves, the directory's layout is read with it,
+        // after it, and kept as long as the lease is held.
+        let with_layout =
+            lease.kind != LeaseKind::None && self.bricks.in_service().count() == self.bricks.len();
+        let (recalls, generation) = (self.layouts.recalls(), self.bricks.generation());
         let asked = futures_util::future::join_all(self.bricks.in_service().map(|(i, brick)| {
-            let fop = FopRequest::from(lease.clone());
-            async move { (i, granted(brick.call(creds, fop).await)) }
+            let lease = lease.clone();
+            async move {
+                if !with_layout {
+                    return (i, granted(brick.call(creds, lease.into()).await), None);
+                }
+                let (kind, layout) = lease_and_layout(brick, lease).await;
+                (i, kind, Some(layout))
+            }
         }))
         .await;
-        let kind = self.least_lease(creds, gfid, &asked).await;
+        let kinds: Vec<(usize, LeaseKind)> = asked.iter().map(|(i, kind, _)| (*i, *kind)).collect();
+        let kind = self.least_lease(creds, gfid, &kinds).await;
+        if kind != LeaseKind::None
+            && with_layout
+            && let Some(disks) = (asked.into_iter())
+                .map(|(_, _, disk)| disk?.ok())
+                .collect::<Option<Vec<_>>>()
+            && let Some(layout) = layout_of_disks(&disks)
+        {
+            self.layouts
+                .keep_leased(gfid, Arc::new(layout), generation, recalls);
+        }
         Ok(FopReply::Lease(LeaseReply { kind }))
     }
 
@@ -77,15 +103,58 @@ impl<L: Layer> Distribute<L> {
     }
 }
 
+/// LEASE `lease` on `brick` and, after it in the same BATCH, a read of the directory's
+/// layout there: what it granted (none when it failed) and the layout read.
+async fn lease_and_layout<L: Layer>(
+    brick: &L,
+    lease: Lease,
+) -> (LeaseKind, Result<Option<DiskLayout>, Error>) {
+    let dir = lease.gfid;
+    let mut batch = Batch::new(Creds::root());
+    let pushed = batch.push(lease.into()).and(batch.push(layout_read(dir)));
+    let answered = match pushed {
+        Ok(()) => brick.batch(batch).await,
+        Err(e) => Err(Error::Misuse(e.to_string())),
+    };
+    let mut results = match answered {
+        Ok(reply) if reply.results.len() == 2 => reply.results.into_iter(),
+        Ok(_) => {
+            return (
+                LeaseKind::None,
+                Err(Error::Protocol("a BATCH half answered".into())),
+            );
+        }
+        Err(e) => return (LeaseKind::None, Err(e)),
+    };
+    let mut next = || {
+        results
+            .next()
+            .map(|r| r.map_err(Error::Fop))
+            .unwrap_or(Err(Error::Fop(ErrorCode::Io)))
+    };
+    let kind = granted(next());
+    (kind, disk_layout_read(dir, next()))
+}
+
+/// The layout the bricks' `disks` make up, if every brick's share was read and they make one.
+fn layout_of_disks(disks: &[Option<DiskLayout>]) -> Option<Layout> {
+    if disks.iter().all(Option::is_none) {
+        return None;
+    }
+    Layout::from_disk(disks).ok()
+}
+
 /// What [`Bricks`] calls with each brick that joins: its events passed on to `to` by a task
-/// of `runtime`, subscribed at once.
+/// of `runtime`, subscribed at once; a recall, or a loss of every lease, ends the lease on the
+/// layouts `layouts` keeps under it first.
 pub(super) fn pass_events_on<L: Layer>(
     runtime: tokio::runtime::Handle,
     to: broadcast::Sender<LayerEvent>,
+    layouts: Arc<Layouts>,
 ) -> bricks::Joined<L> {
     Box::new(move |brick: &L| {
         let mut from = brick.events();
-        let to = to.clone();
+        let (to, layouts) = (to.clone(), layouts.clone());
         runtime.spawn(async move {
             loop {
                 let event = match from.recv().await {
@@ -93,6 +162,10 @@ pub(super) fn pass_events_on<L: Layer>(
                     Err(RecvError::Lagged(_)) => LayerEvent::LeasesLost,
                     Err(RecvError::Closed) => return,
                 };
+                match &event {
+                    LayerEvent::Recall(recall) => layouts.unleased(Some(recall.gfid)),
+                    LayerEvent::LeasesLost => layouts.unleased(None),
+                }
                 // (No one above listening: nothing to tell.)
                 let _ = to.send(event);
             }

@@ -63,6 +63,7 @@ mod batch;
 mod bricks;
 mod files;
 mod heal;
+mod layouts;
 mod leases;
 mod listing;
 mod migrate;
@@ -85,7 +86,8 @@ const HOMES_MAX: usize = 1 << 20;
 /// Directory layouts this layer keeps.
 const LAYOUTS_MAX: usize = 64 * 1024;
 /// How long a directory's layout is used before it is read again: how long this layer may
-/// place new names by a layout another client (a fix-layout, a rebalance) has replaced.
+/// place new names by a layout another client (a fix-layout, a rebalance) has replaced. One
+/// read under a lease this layer holds is used until the lease goes ([`layouts`]).
 pub const LAYOUT_TTL: Duration = Duration::from_secs(1);
 /// The mode of a link file: the sticky bit alone (`---------T`).
 const LINK_FILE_MODE: u32 = 0o1000;
@@ -107,7 +109,7 @@ pub struct Distribute<L: Layer> {
     /// The volume's name: link files name bricks `VOLUME-client-N`.
     volume: String,
     munging: Munging,
-    layouts: Mutex<lru::LruCache<Gfid, KeptLayout>>,
+    layouts: Arc<layouts::Layouts>,
     homes: Mutex<lru::LruCache<Gfid, Home>>,
     /// Every brick's events, passed on as they come ([`leases`]).
     events: broadcast::Sender<LayerEvent>,
@@ -115,10 +117,6 @@ pub struct Distribute<L: Layer> {
     passes_events: bool,
     healed: Healed,
 }
-
-/// A directory's layout as this layer keeps it: with when it was read, and the bricks'
-/// generation then.
-type KeptLayout = (Arc<Layout>, Instant, u64);
 
 /// This layer's handle on an open file (its brick's fd) or directory (every brick's).
 #[derive(Debug)]
@@ -138,14 +136,16 @@ impl<L: Layer> Distribute<L> {
     /// all do.
     pub fn of_members(members: Vec<Member<L>>, volume: &str) -> Result<Distribute<L>, Error> {
         let events = broadcast::Sender::new(leases::EVENTS_QUEUED_MAX);
+        let layouts = Arc::new(layouts::Layouts::new());
         let runtime = tokio::runtime::Handle::try_current().ok();
         let passes_events = runtime.is_some();
-        let joined = runtime.map(|runtime| leases::pass_events_on(runtime, events.clone()));
+        let joined =
+            runtime.map(|runtime| leases::pass_events_on(runtime, events.clone(), layouts.clone()));
         Ok(Distribute {
             bricks: Arc::new(Bricks::new(members, joined)?),
             volume: volume.to_owned(),
             munging: Munging::default(),
-            layouts: Mutex::new(lru::LruCache::new(capacity(LAYOUTS_MAX))),
+            layouts,
             homes: Mutex::new(lru::LruCache::new(capacity(HOMES_MAX))),
             events,
             passes_events,
@@ -232,23 +232,18 @@ impl<L: Layer> Distribute<L> {
         Ok(layout)
     }
 
-    /// The layout of `dir` read last, and whether it is fresh (read within [`LAYOUT_TTL`],
-    /// and no brick added or role changed since).
+    /// The layout of `dir` read last, and whether it is fresh ([`layouts`]).
     fn cached_layout(&self, dir: Gfid) -> Option<(Arc<Layout>, bool)> {
-        let generation = self.bricks.generation();
-        lock(&self.layouts).get(&dir).map(|(layout, read, seen)| {
-            let fresh = read.elapsed() < LAYOUT_TTL && *seen == generation;
-            (layout.clone(), fresh)
-        })
+        self.layouts.get(dir, self.bricks.generation())
     }
 
     /// Keeps `layout` of `dir`, made or read under the bricks' `generation`.
     fn keep_layout(&self, dir: Gfid, layout: Arc<Layout>, generation: u64) {
-        lock(&self.layouts).put(dir, (layout, Instant::now(), generation));
+        self.layouts.keep(dir, layout, generation);
     }
 
     fn forget_layout(&self, dir: Gfid) {
-        lock(&self.layouts).pop(&dir);
+        self.layouts.forget(dir);
     }
 
     /// The brick `name` hashes to in directory `parent`. A name in a hole of the layout reads
@@ -648,11 +643,21 @@ fn entry_iatt(reply: &FopReply) -> Result<&Iatt, Error> {
 
 /// The layout one brick's copy of directory `dir` carries, if any.
 async fn read_disk_layout<L: Layer>(brick: &L, dir: Gfid) -> Result<Option<DiskLayout>, Error> {
-    let get = kiln_wire::Getxattr {
+    disk_layout_read(dir, brick.call(&Creds::root(), layout_read(dir)).await)
+}
+
+/// The read of directory `dir`'s layout xattr.
+fn layout_read(dir: Gfid) -> FopRequest {
+    kiln_wire::Getxattr {
         gfid: dir,
         name: xattr_name(XATTR_NAME),
-    };
-    match brick.call(&Creds::root(), get.into()).await {
+    }
+    .into()
+}
+
+/// The layout one brick's copy of directory `dir` carries, if any, from its `read`.
+fn disk_layout_read(dir: Gfid, read: Result<FopReply, Error>) -> Result<Option<DiskLayout>, Error> {
+    match read {
         Ok(FopReply::Getxattr(r)) => DiskLayout::decode(r.value.as_bytes())
             .map(Some)
             .map_err(|e| layout_error(dir, &e)),
