@@ -3,7 +3,8 @@
 //!
 //! * **Directories** exist on every brick with the same GFID; each copy carries its share of
 //!   the directory's [`Layout`] (`trusted.glusterfs.dht`). A directory's layout is read from
-//!   all bricks once and cached; one with no layout anywhere (a fresh root) gets one.
+//!   all bricks and kept for [`LAYOUT_TTL`], or while a lease on it is held ([`layouts`]);
+//!   one with no layout anywhere (a fresh root) gets one.
 //! * **Files** (and symlinks, special files) live on the brick their name hashes to in the
 //!   parent's layout — or elsewhere, with a **link file** on the hashed brick (mode
 //!   `---------T`, size 0, the same GFID, `trusted.glusterfs.dht.linkto` naming the brick that
@@ -16,12 +17,14 @@
 //!   it, by a make of its name that the hashed brick refused with EEXIST (which then runs
 //!   again), and by an RMDIR a brick refused only because of such link files.
 //! * **MKDIR** runs on the hashed brick first, then the others, and writes the new layout;
-//!   **RMDIR** removes the other copies first and the hashed one last, and puts back the
+//!   **RMDIR** removes the other copies first (at once) and the hashed one last, and puts back the
 //!   copies it removed when one brick still has entries. **RENAME** of a file renames it on
 //!   the brick that holds it and leaves a link file on the new name's hashed brick; of a
 //!   directory, on every brick.
 //! * **READDIRP** lists brick after brick, each directory once (from the first brick) and no
-//!   link files, with offsets of this layer's own that map to (brick, brick offset).
+//!   link files, with offsets of this layer's own that map to (brick, brick offset); a
+//!   directory opened with its listing is one OPENDIR_LIST on every brick at once.
+//! * **BATCH** runs in waves of fops that cannot see each other ([`batch`]).
 //! * **STATFS** sums the bricks.
 //! * **Leases** on a directory are held on every brick's copy, and a recall from any brick is
 //!   passed up ([`leases`]).
@@ -34,8 +37,8 @@
 //! by its bricks (`server.root-allow`), as GlusterFS's DHT writes them as root too.
 //!
 //! Here: the layer, its routing of each fop and the caches; [`namespace`] where a name is and
-//! the namespace fops; [`heal`] layouts written and directories healed; [`listing`] open
-//! directories.
+//! the namespace fops; [`heal`] layouts written and directories healed; [`layouts`] the
+//! layouts kept; [`listing`] open directories; [`batch`] BATCH; [`leases`] leases.
 
 use std::fmt::Debug;
 use std::future::Future;
@@ -87,7 +90,7 @@ const HOMES_MAX: usize = 1 << 20;
 const LAYOUTS_MAX: usize = 64 * 1024;
 /// How long a directory's layout is used before it is read again: how long this layer may
 /// place new names by a layout another client (a fix-layout, a rebalance) has replaced. One
-/// read under a lease this layer holds is used until the lease goes ([`layouts`]).
+/// read under a lease this layer holds is used until the lease goes.
 pub const LAYOUT_TTL: Duration = Duration::from_secs(1);
 /// The mode of a link file: the sticky bit alone (`---------T`).
 const LINK_FILE_MODE: u32 = 0o1000;
