@@ -5,10 +5,13 @@
 //! * **LEASE** on a directory is asked of every brick at once. The lease granted is the least
 //!   any brick granted; a brick that granted more is lowered to it at once, so the session
 //!   holds no more anywhere than the layer above was told. A brick without the directory's
-//!   copy grants nothing (another client's heal could make one there unseen).
+//!   copy grants nothing (another client's heal could make one there unseen). Asked of
+//!   every brick of the volume, it carries a read of the directory's layout after it in the
+//!   same BATCH, which stays in use while the lease is held ([`super::layouts`]).
 //! * **Events**: each brick's recalls and lost sessions are passed on as they come, from the
 //!   moment it joins the layer (before any fop can reach it), so no recall is missed; a brick
-//!   whose events fell behind loses every lease above, as its own receiver would.
+//!   whose events fell behind loses every lease above, as its own receiver would. A recall
+//!   ends the lease's hold on the directory's layout first.
 
 use kiln_wire::{Lease, LeaseKind, LeaseReply};
 use tokio::sync::broadcast::error::RecvError;
