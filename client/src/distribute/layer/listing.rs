@@ -55,7 +55,49 @@ impl Offsets {
     }
 }
 
+impl<F> DirFds<F> {
+    /// A directory open on the bricks that have `fds[brick]`, its listing not begun.
+    pub(super) fn new(fds: Vec<Option<F>>) -> DirFds<F> {
+        DirFds {
+            fds,
+            offsets: Mutex::new(Offsets::default()),
+        }
+    }
+}
+
 impl<L: Layer> Distribute<L> {
+    /// `open` on every brick at once: what each opened, by brick (`None` where it failed or
+    /// the brick is gone), and whether one failed; the error of one that failed when none
+    /// opened. A brick without a copy of the directory is left out, as GlusterFS's OPENDIR
+    /// leaves it.
+    pub(super) async fn open_everywhere<'a, T, Opened>(
+        &'a self,
+        open: impl Fn(&'a L) -> Opened,
+    ) -> Result<(Vec<Option<T>>, bool), Error>
+    where
+        Opened: Future<Output = Result<T, Error>>,
+    {
+        let open = &open;
+        let opened = futures_util::future::join_all(self.bricks.indexes().map(|i| async move {
+            match self.bricks.get(i) {
+                Ok(brick) => open(brick).await.map(Some),
+                Err(_) => Ok(None),
+            }
+        }))
+        .await;
+        let (mut fds, mut failure) = (Vec::with_capacity(opened.len()), None);
+        for result in opened {
+            fds.push(result.unwrap_or_else(|e| {
+                failure = Some(e);
+                None
+            }));
+        }
+        match (fds.iter().any(Option::is_some), failure) {
+            (false, Some(e)) => Err(e),
+            (_, failure) => Ok((fds, failure.is_some())),
+        }
+    }
+
     /// OPENDIR_LIST of directory `gfid` on every brick at once: each copy opened, and
     /// `lease` taken on it before its first `size` bytes of entries are read. The lease
     /// granted is the least any brick granted (the others lowered to it, as
@@ -69,36 +111,26 @@ impl<L: Layer> Distribute<L> {
         size: ReaddirSize,
         lease: LeaseKind,
     ) -> Result<(DistFd<L::Fd>, LeaseKind, ReaddirpXattrsReply), Error> {
-        let opened = futures_util::future::join_all(self.bricks.indexes().map(|i| async move {
-            let brick = self.bricks.get(i).ok()?;
-            Some(brick.opendir_list(creds, gfid, size, lease).await)
-        }))
-        .await;
-        let (mut fds, mut firsts, mut granted, mut failure) = (vec![], vec![], vec![], None);
-        for (i, result) in opened.into_iter().enumerate() {
-            let (fd, first) = match result {
-                Some(Ok((fd, kind, first))) => {
+        let (opened, failed) =
+            (self.open_everywhere(|brick| brick.opendir_list(creds, gfid, size, lease))).await?;
+        let (mut fds, mut firsts, mut granted) = (vec![], vec![], vec![]);
+        for (i, opened) in opened.into_iter().enumerate() {
+            let (fd, first) = match opened {
+                Some((fd, kind, first)) => {
                     granted.push((i, kind));
                     (Some(fd), Some(first))
-                }
-                Some(Err(e)) => {
-                    granted.push((i, LeaseKind::None));
-                    failure = Some(e);
-                    (None, None)
                 }
                 None => (None, None),
             };
             fds.push(fd);
             firsts.push(first);
         }
-        if let (false, Some(e)) = (fds.iter().any(Option::is_some), failure) {
-            return Err(e);
+        // A brick without the directory's copy grants nothing.
+        if failed && let Some(refused) = fds.iter().position(Option::is_none) {
+            granted.push((refused, LeaseKind::None));
         }
         let least = self.least_lease(creds, gfid, &granted).await;
-        let fds = DirFds {
-            fds,
-            offsets: Mutex::new(Offsets::default()),
-        };
+        let fds = DirFds::new(fds);
         match self.list_from(creds, &fds, 0, size, firsts).await {
             Ok(listing) => Ok((DistFd::Dir(fds), least, listing)),
             Err(e) => {

@@ -523,32 +523,10 @@ impl<L: Layer> Layer for Distribute<L> {
         gfid: Gfid,
     ) -> impl Future<Output = Result<Self::Fd, Error>> + Send {
         Box::pin(async move {
-            let opened =
-                futures_util::future::join_all(self.bricks.indexes().map(|i| async move {
-                    match self.bricks.get(i) {
-                        Ok(brick) => brick.opendir(creds, gfid).await.map(Some),
-                        Err(_) => Ok(None),
-                    }
-                }))
-                .await;
-            let mut fds = Vec::with_capacity(opened.len());
-            let mut failure = None;
-            for result in opened {
-                match result {
-                    Ok(fd) => fds.push(fd),
-                    Err(e) => {
-                        fds.push(None);
-                        failure = Some(e);
-                    }
-                }
-            }
-            match (fds.iter().any(Option::is_some), failure) {
-                (false, Some(e)) => Err(e),
-                _ => Ok(DistFd::Dir(DirFds {
-                    fds,
-                    offsets: Mutex::new(listing::Offsets::default()),
-                })),
-            }
+            let (fds, _) = self
+                .open_everywhere(|brick| brick.opendir(creds, gfid))
+                .await?;
+            Ok(DistFd::Dir(DirFds::new(fds)))
         })
     }
 
