@@ -124,6 +124,13 @@ pub trait Layer: Send + Sync + 'static {
     /// (capability `LISTED_ATTRS`): they may be kept until it is recalled.
     fn listed_attrs(&self) -> bool;
 
+    /// Whether this layer takes UNLINK_SETTLED (capability `UNLINK_SETTLED`), which removes a
+    /// name in one round trip unless it is a distribution link file or a file being moved.
+    /// Only a brick client does; the distribution layer sends it to the bricks below.
+    fn unlink_settled(&self) -> bool {
+        false
+    }
+
     /// The events from below: lease recalls, and the loss of every lease with the session
     /// that held them. A receiver that falls behind (`Lagged`) must assume its leases lost.
     fn events(&self) -> broadcast::Receiver<LayerEvent>;

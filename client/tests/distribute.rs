@@ -1045,6 +1045,83 @@ fn a_batch_removes_directories_after_their_files_and_answers_in_order() {
     }
 }
 
+/// UNLINKs of files that live on their hashed brick go to it as UNLINK_SETTLED, in one BATCH
+/// per brick; those whose hashed brick holds a link file (renamed there from a name hashed
+/// elsewhere) are refused there and removed where they live, link file and all — in a BATCH
+/// and alone.
+#[test]
+fn unlinks_remove_files_where_they_live_and_their_link_files() {
+    let volume = Volume::start();
+    let rt = runtime();
+    let creds = Creds::root();
+    rt.block_on(async {
+        let v = volume.connect().await;
+        let (dir, hashed) = hashed_dir(&v, &creds, "/u").await;
+        let mut moved = Vec::new();
+        for i in 0..8 {
+            let from = format!("f{i}");
+            v.put(
+                &creds,
+                &format!("/u/{from}"),
+                Bytes::from_static(b"x"),
+                0o644,
+            )
+            .await
+            .expect("put");
+            let to = (0..)
+                .map(|j| format!("g{i}-{j}"))
+                .find(|to| hashed(to) != hashed(&from))
+                .expect("a name hashed elsewhere");
+            v.call(&creds, rename_in(dir.gfid, &from, &to))
+                .await
+                .expect("rename");
+            assert_eq!(volume.holders(&format!("u/{to}")).len(), 2, "a link file");
+            moved.push(to);
+        }
+        let plain: Vec<String> = (0..8).map(|i| format!("p{i}")).collect();
+        for p in &plain {
+            v.put(&creds, &format!("/u/{p}"), Bytes::from_static(b"x"), 0o644)
+                .await
+                .expect("put");
+        }
+        let unlink = |n: &str| -> kiln_wire::FopRequest {
+            kiln_wire::Unlink {
+                parent: dir.gfid,
+                name: name(n),
+            }
+            .into()
+        };
+        let (alone, batched) = ([&moved[0], &plain[0]], moved[1..].iter().chain(&plain[1..]));
+        for n in alone {
+            v.call(&creds, unlink(n)).await.expect("unlink alone");
+        }
+        let mut batch = kiln_wire::Batch::new(creds.clone());
+        for n in batched.clone() {
+            batch.push(unlink(n)).expect("fits");
+        }
+        batch.push(unlink("nowhere")).expect("fits");
+        let answered = v.batch(batch).await.expect("batch");
+        let answers: Vec<Result<(), ErrorCode>> = answered
+            .results
+            .iter()
+            .map(|r| r.as_ref().map(drop).map_err(|e| *e))
+            .collect();
+        let mut expected = vec![Ok(()); batched.count()];
+        expected.push(Err(ErrorCode::NoEnt));
+        assert_eq!(answers, expected);
+        for n in moved.iter().chain(&plain) {
+            assert!(
+                volume.holders(&format!("u/{n}")).is_empty(),
+                "{n} everywhere gone"
+            );
+        }
+        close(&v).await;
+    });
+    for i in 0..BRICKS {
+        common::assert_brick_checks_clean(volume.brick(i));
+    }
+}
+
 /// `kiln mount` of three bricks: programs see one tree (tar finds no directory changing as
 /// it reads it); files spread over the bricks; a rename and a hard link across bricks and a
 /// recursive removal work.

@@ -42,6 +42,7 @@ per_engine!(
     readdirp_needs_search_permission_as_stat_does,
     new_files_are_named_without_cap_dac_read_search,
     parent_attributes_only_for_a_session_that_wants_them,
+    unlink_settled_leaves_sticky_files_alone,
 );
 
 fn create_write_read_release(kind: EngineKind) {
@@ -2150,5 +2151,51 @@ fn parent_attributes_only_for_a_session_that_wants_them(kind: EngineKind) {
     };
     assert_eq!((r.post_parent.gfid, r.post_parent.nlink), (d, 2));
     assert!(r.post_parent.ino != 0 && r.pre_parent.mtime.sec() > 0);
+    h.assert_consistent();
+}
+
+/// UNLINK_SETTLED removes what UNLINK removes, but a regular file with the sticky bit (a link
+/// file, or a file being moved between bricks) is answered EXDEV and left whole.
+fn unlink_settled_leaves_sticky_files_alone(kind: EngineKind) {
+    let h = Harness::new(kind);
+    let settled = |n: &str| {
+        h.call(
+            &root(),
+            UnlinkSettled {
+                parent: Gfid::ROOT,
+                name: name(n),
+            },
+        )
+    };
+    let set_mode = |gfid, bits| {
+        let attr = SetAttr {
+            mode: Some(mode(bits)),
+            ..SetAttr::default()
+        };
+        h.call(&root(), Setattr { gfid, attr }).expect("setattr");
+    };
+    h.put(Gfid::ROOT, "plain", b"data").expect("put");
+    assert!(matches!(settled("plain"), Ok(FopReply::UnlinkSettled(_))));
+    assert_eq!(h.lookup(Gfid::ROOT, "plain").err(), Some(ErrorCode::NoEnt));
+    for (n, bits) in [("link-file", 0o1000), ("being-moved", 0o1644)] {
+        let gfid = h.put(Gfid::ROOT, n, b"data").expect("put");
+        set_mode(gfid, bits);
+        assert_eq!(settled(n).err(), Some(ErrorCode::CrossDevice), "{n}");
+        assert_eq!(h.read_all(gfid).expect("still whole"), b"data", "{n}");
+        h.unlink(Gfid::ROOT, n).expect("a plain UNLINK removes it");
+    }
+    let dir = h.mkdir(Gfid::ROOT, "sticky-dir").expect("mkdir");
+    set_mode(dir, 0o1777);
+    assert_eq!(settled("sticky-dir").err(), Some(ErrorCode::IsDir));
+    assert_eq!(settled("missing").err(), Some(ErrorCode::NoEnt));
+    let two = h.put(Gfid::ROOT, "one-of-two", b"linked").expect("put");
+    let link = Link {
+        gfid: two,
+        new_parent: Gfid::ROOT,
+        new_name: name("two-of-two"),
+    };
+    h.call(&root(), link).expect("link");
+    settled("one-of-two").expect("one name of two");
+    assert_eq!(h.lookup(Gfid::ROOT, "two-of-two").expect("kept").nlink, 1);
     h.assert_consistent();
 }

@@ -124,6 +124,10 @@ wire_struct! {
     }
     pub struct Mkdir { pub parent: Gfid, pub name: Name, pub gfid: Gfid, pub mode: Mode, pub umask: Mode }
     pub struct Unlink { pub parent: Gfid, pub name: Name }
+    /// UNLINK of a name whose object is not a regular file with the sticky bit set (a
+    /// distribution link file, or a file being moved between bricks): such a name is left as
+    /// it is and answered EXDEV (capability `UNLINK_SETTLED`).
+    pub struct UnlinkSettled { pub parent: Gfid, pub name: Name }
     pub struct Rmdir { pub parent: Gfid, pub name: Name }
     pub struct Symlink { pub parent: Gfid, pub name: Name, pub gfid: Gfid, pub target: SymlinkTarget }
     pub struct Rename {
@@ -486,6 +490,7 @@ fops! {
     103 "READDIRP_XATTRS" ReaddirpXattrs(ReaddirpXattrs) -> ReaddirpXattrsReply;
     104 "GET" Get(Get) -> ReadReply;
     105 "OPENDIR_LIST" OpendirList(OpendirList) -> OpendirListReply;
+    106 "UNLINK_SETTLED" UnlinkSettled(UnlinkSettled) -> RemoveReply;
 }
 
 /// Matches the fops on an open file or directory (each names it in its `fd` field), binding
@@ -523,6 +528,7 @@ macro_rules! match_fd {
             | FopRequest::Mknod(_)
             | FopRequest::Mkdir(_)
             | FopRequest::Unlink(_)
+            | FopRequest::UnlinkSettled(_)
             | FopRequest::Rmdir(_)
             | FopRequest::Symlink(_)
             | FopRequest::Rename(_)
@@ -600,7 +606,7 @@ mod tests {
             assert!(seen.insert(code as u16), "duplicate code {}", code as u16);
             assert_eq!(FopCode::from_u16(code as u16), Some(code));
         }
-        assert_eq!(FopCode::ALL.len(), 47);
+        assert_eq!(FopCode::ALL.len(), 48);
         for (i, &code) in FopCode::ALL.iter().enumerate() {
             assert_eq!(code.index(), i);
         }
@@ -629,6 +635,7 @@ mod tests {
             (FopCode::ReaddirpXattrs, 103),
             (FopCode::Get, 104),
             (FopCode::OpendirList, 105),
+            (FopCode::UnlinkSettled, 106),
         ];
         for (code, n) in frozen {
             assert_eq!(code as u16, n, "{}", code.name());

@@ -42,6 +42,8 @@ impl Capabilities {
     /// ([`BodyChecksum::Omitted`](crate::BodyChecksum::Omitted)): the transport
     /// authenticates every byte.
     pub const UNCHECKED_BODIES: Capabilities = Capabilities(1 << 7);
+    /// The brick answers UNLINK_SETTLED.
+    pub const UNLINK_SETTLED: Capabilities = Capabilities(1 << 8);
     /// Everything this build implements.
     pub const SUPPORTED: Capabilities = Self::INVALIDATE_EVENTS
         .union(Self::LEASES)
@@ -50,7 +52,8 @@ impl Capabilities {
         .union(Self::OPENDIR_LIST)
         .union(Self::LISTED_ATTRS)
         .union(Self::NO_PARENT_ATTRS)
-        .union(Self::UNCHECKED_BODIES);
+        .union(Self::UNCHECKED_BODIES)
+        .union(Self::UNLINK_SETTLED);
     /// What Kiln's client and brick offer at HELLO: everything this build implements but
     /// `INVALIDATE_EVENTS` (no brick sends INVALIDATE; leases recall with RECALL).
     pub const OFFERED: Capabilities = Capabilities(Self::SUPPORTED.0 & !Self::INVALIDATE_EVENTS.0);

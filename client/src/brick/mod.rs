@@ -29,8 +29,8 @@ use kiln_admin::pki::{self, Identity, Role};
 use kiln_wire::quic::{self, CloseCode};
 use kiln_wire::{
     AccessMode, Batch, BatchReply, BodyChecksum, Call, Capabilities, Creds, EntryReply, ErrorCode,
-    Event, FdId, FopCode, FopReply, FopRequest, Gfid, Hello, HelloReply, Label, LockCmd, LockKind,
-    Message, OpenFlags, Outcome, PROTOCOL_VERSION, Reply, Request,
+    Event, FdId, FileType, FopCode, FopReply, FopRequest, Gfid, Hello, HelloReply, Label, LockCmd,
+    LockKind, Message, OpenFlags, Outcome, PROTOCOL_VERSION, Reply, Request,
 };
 use quinn::crypto::rustls::QuicClientConfig;
 
@@ -311,6 +311,27 @@ impl BrickClient {
                 match read? {
                     FopReply::Read(r) => Ok(FopReply::Get(r)),
                     _ => Err(unexpected("READ")),
+                }
+            }
+            FopRequest::UnlinkSettled(r) if !has(Capabilities::UNLINK_SETTLED) => {
+                let lookup = kiln_wire::Lookup {
+                    parent: r.parent,
+                    name: r.name.clone(),
+                };
+                let FopReply::Lookup(found) = self.send(live, creds, lookup.into()).await? else {
+                    return Err(unexpected("LOOKUP"));
+                };
+                let sticky = found.iatt.mode.bits() & libc::S_ISVTX != 0;
+                if found.iatt.file_type == FileType::Regular && sticky {
+                    return Err(Error::Fop(ErrorCode::CrossDevice));
+                }
+                let unlink = kiln_wire::Unlink {
+                    parent: r.parent,
+                    name: r.name,
+                };
+                match self.send(live, creds, unlink.into()).await? {
+                    FopReply::Unlink(r) => Ok(FopReply::UnlinkSettled(r)),
+                    _ => Err(unexpected("UNLINK")),
                 }
             }
             fop => self.send(live, creds, fop).await,
@@ -833,6 +854,14 @@ impl Layer for BrickClient {
         let wanted = Capabilities::LEASES.union(Capabilities::LISTED_ATTRS);
         self.current()
             .is_some_and(|live| live.hello.capabilities.contains(wanted))
+    }
+
+    fn unlink_settled(&self) -> bool {
+        self.current().is_some_and(|live| {
+            live.hello
+                .capabilities
+                .contains(Capabilities::UNLINK_SETTLED)
+        })
     }
 
     fn events(&self) -> tokio::sync::broadcast::Receiver<LayerEvent> {

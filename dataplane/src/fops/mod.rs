@@ -435,7 +435,17 @@ impl<E: Exec> Fops<E> {
             Q::Put(r) => A::Put(self.put(creds, r, self.parent_attrs(session)).await?),
             Q::Unlink(r) => {
                 let parents = self.parent_attrs(session);
-                A::Unlink(self.unlink(creds, &r.parent, &r.name, parents).await?)
+                A::Unlink(
+                    self.unlink(creds, &r.parent, &r.name, parents, false)
+                        .await?,
+                )
+            }
+            Q::UnlinkSettled(r) => {
+                let parents = self.parent_attrs(session);
+                A::UnlinkSettled(
+                    self.unlink(creds, &r.parent, &r.name, parents, true)
+                        .await?,
+                )
             }
             Q::Rmdir(r) => {
                 let parents = self.parent_attrs(session);

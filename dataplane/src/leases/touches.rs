@@ -46,6 +46,7 @@ pub fn touches(fop: &FopRequest) -> Touches {
         Q::Create(r) => dirs(&[(r.parent, Change)]),
         Q::Put(r) => dirs(&[(r.parent, Change)]),
         Q::Unlink(r) => dirs(&[(r.parent, Change)]),
+        Q::UnlinkSettled(r) => dirs(&[(r.parent, Change)]),
         Q::Rmdir(r) => Touches {
             removes: Some((r.parent, r.name.clone())),
             ..dirs(&[(r.parent, Change)])

@@ -29,7 +29,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use kiln_wire::{BatchReply, LeaseKind};
 
 use super::files::Look;
-use super::namespace::authoritative;
+use super::namespace::{as_unlink, authoritative};
 use super::*;
 
 /// Fops of one wave by the brick they go to, as their indexes in the batch.
@@ -142,18 +142,30 @@ impl<L: Layer> Distribute<L> {
         removed: &HashMap<usize, FoundDir>,
     ) -> Vec<Result<FopReply, Error>> {
         let mut answers: HashMap<usize, Result<FopReply, Error>> = HashMap::new();
-        let (mut makes, mut removals) = (ByBrick::new(), ByBrick::new());
+        let (mut makes, mut settled, mut removals) =
+            (ByBrick::new(), ByBrick::new(), ByBrick::new());
         for &i in wave {
             match self.direct(&fops[i]).await {
                 Some(Direct::Make(brick)) => makes.entry(brick).or_default().push(i),
+                Some(Direct::Remove(brick)) if self.takes_unlink_settled(brick) => {
+                    settled.entry(brick).or_default().push(i);
+                }
                 Some(Direct::Remove(brick)) => removals.entry(brick).or_default().push(i),
                 None => {}
             }
         }
-        let (made, looked_up) = tokio::join!(
+        let (made, unlinked, looked_up) = tokio::join!(
             self.batches(creds, &makes, |i| fops[i].clone()),
+            self.batches(creds, &settled, |i| unlink_settled_of(&fops[i])),
             self.batches(creds, &removals, |i| lookup_of(&fops[i])),
         );
+        for (_, i, answer) in unlinked {
+            match answer {
+                // A link file or a file being moved: the whole UNLINK follows it.
+                Err(ErrorCode::CrossDevice) => {}
+                answer => _ = answers.insert(i, answer.map(as_unlink).map_err(Error::Fop)),
+            }
+        }
         for (brick, i, answer) in made {
             match answer {
                 Ok(reply) => {
@@ -246,6 +258,18 @@ impl<L: Layer> Distribute<L> {
         let answered = futures_util::future::join_all(sent).await;
         answered.into_iter().flatten().flatten().collect()
     }
+}
+
+/// UNLINK `fop` as UNLINK_SETTLED.
+fn unlink_settled_of(fop: &FopRequest) -> FopRequest {
+    let FopRequest::Unlink(r) = fop else {
+        unreachable!(
+            "only an UNLINK goes as UNLINK_SETTLED, not {}",
+            fop.code().name()
+        )
+    };
+    let (parent, name) = (r.parent, r.name.clone());
+    kiln_wire::UnlinkSettled { parent, name }.into()
 }
 
 /// The LOOKUP of the name UNLINK or RMDIR `fop` removes.

@@ -661,12 +661,26 @@ impl<L: Layer> Distribute<L> {
         }
     }
 
-    /// UNLINK on the brick holding the entry, and its link file on the hashed brick.
+    /// UNLINK on the brick holding the entry, and its link file on the hashed brick: where
+    /// the parent's layout is authoritative, first as UNLINK_SETTLED on the hashed brick,
+    /// which removes a file that lives there in one round trip.
     pub(super) async fn unlink(
         &self,
         creds: &Creds,
         r: kiln_wire::Unlink,
     ) -> Result<FopReply, Error> {
+        if let Ok((hashed, layout)) = self.hashed(r.parent, &r.name).await
+            && authoritative(&layout)
+            && self.takes_unlink_settled(hashed)
+        {
+            let (parent, name) = (r.parent, r.name.clone());
+            let settled = kiln_wire::UnlinkSettled { parent, name };
+            match self.bricks.get(hashed)?.call(creds, settled.into()).await {
+                // A link file or a file being moved: found and followed below.
+                Err(Error::Fop(ErrorCode::CrossDevice)) => {}
+                answer => return answer.map(as_unlink),
+            }
+        }
         let found = self.find_settled(creds, r.parent, &r.name).await?;
         self.unlink_located(creds, r.parent, &r.name, &found).await
     }
@@ -851,6 +865,19 @@ impl<L: Layer> Distribute<L> {
                 .await;
         }
         linked
+    }
+
+    /// Whether brick `i` takes UNLINK_SETTLED.
+    pub(super) fn takes_unlink_settled(&self, i: usize) -> bool {
+        self.bricks.get(i).is_ok_and(|brick| brick.unlink_settled())
+    }
+}
+
+/// An UNLINK_SETTLED reply as the UNLINK's it answers.
+pub(super) fn as_unlink(reply: FopReply) -> FopReply {
+    match reply {
+        FopReply::UnlinkSettled(r) => FopReply::Unlink(r),
+        other => other,
     }
 }
 

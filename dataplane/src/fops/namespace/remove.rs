@@ -14,15 +14,18 @@ use crate::exec::Exec;
 use crate::op::{self, DirFd, Stat, Step, cstr};
 
 impl<E: Exec> Fops<E> {
+    /// UNLINK; with `only_settled` (UNLINK_SETTLED) a regular file with the sticky bit set —
+    /// a distribution link file, or a file being moved — is left as it is, answered EXDEV.
     pub(in crate::fops) async fn unlink(
         &self,
         creds: &Creds,
         parent: &Gfid,
         name: &Name,
         parents: ParentAttrs,
+        only_settled: bool,
     ) -> R<RemoveReply> {
-        self.remove(FopCode::Unlink, creds, parent, name, parents)
-            .await
+        let fop = Removal::Unlink { only_settled };
+        self.remove(fop, creds, parent, name, parents).await
     }
 
     pub(in crate::fops) async fn rmdir(
@@ -32,7 +35,7 @@ impl<E: Exec> Fops<E> {
         name: &Name,
         parents: ParentAttrs,
     ) -> R<RemoveReply> {
-        self.remove(FopCode::Rmdir, creds, parent, name, parents)
+        self.remove(Removal::Rmdir, creds, parent, name, parents)
             .await
     }
 
@@ -41,7 +44,7 @@ impl<E: Exec> Fops<E> {
     /// through a removal record of its own ([`Fops::remove_parked`]).
     async fn remove(
         &self,
-        fop: FopCode,
+        removal: Removal,
         creds: &Creds,
         parent: &Gfid,
         name: &Name,
@@ -51,22 +54,27 @@ impl<E: Exec> Fops<E> {
         let dir = self.dir(parent).await?;
         let n = cstr(name.as_bytes());
         // What UNLINK removes is held (`O_PATH`) until it is done; a directory is looked at.
-        let (stat, held) = match fop {
-            FopCode::Unlink => {
+        let (stat, held) = match removal {
+            Removal::Unlink { .. } => {
                 let held = self.hold_as(creds, &dir, &n).await?;
                 (self.fstat_dir(&held).await?, Some(held))
             }
-            _ => {
+            Removal::Rmdir => {
                 let stat = Step::caller(op::Statx::of(&dir, &n), creds);
                 (self.run_one(stat).await?, None)
             }
         };
         let is_dir = stat.is_dir();
-        match (fop, is_dir) {
-            (FopCode::Unlink, true) => return Err(Errno::ISDIR),
-            (FopCode::Rmdir, false) => return Err(Errno::NOTDIR),
-            _ => {}
-        }
+        let sticky_file = stat.is_regular() && stat.mode & libc::S_ISVTX != 0;
+        let fop = match (removal, is_dir) {
+            (Removal::Unlink { .. }, true) => return Err(Errno::ISDIR),
+            (Removal::Unlink { only_settled: true }, false) if sticky_file => {
+                return Err(Errno::XDEV);
+            }
+            (Removal::Unlink { .. }, false) => FopCode::Unlink,
+            (Removal::Rmdir, false) => return Err(Errno::NOTDIR),
+            (Removal::Rmdir, true) => FopCode::Rmdir,
+        };
         let gfid = self.gfid_at(parent, &dir, name.as_bytes(), &stat).await?;
         let _removing = self.shared.removing(gfid).await;
         let named = Named {
@@ -257,4 +265,15 @@ impl Named {
             parent_iatt(results, post, self.parent)?,
         ))
     }
+}
+
+/// What [`Fops::remove`] removes.
+#[derive(Debug, Clone, Copy)]
+enum Removal {
+    /// A name that is not a directory's; with `only_settled`, not a regular file with the
+    /// sticky bit set either.
+    Unlink {
+        only_settled: bool,
+    },
+    Rmdir,
 }
