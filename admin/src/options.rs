@@ -330,6 +330,16 @@ pub const OPTIONS: &[OptionDef] = &[
         help: "how long a mount's kernel caches a name's lookup, in milliseconds",
     },
     OptionDef {
+        key: "performance.file-leases",
+        kind: ValueKind::Bool,
+        default: "on",
+        apply: Apply::Mount,
+        brick: BrickFlag::None,
+        help: "with leases, a mount holds a read lease on each file it opens for reading \
+               that no kept listing describes (a round trip at its first open), so another \
+               client's change to it drops what the kernel caches of it at once",
+    },
+    OptionDef {
         key: "performance.file-prefetch",
         kind: ValueKind::Bool,
         default: "on",

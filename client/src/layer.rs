@@ -124,6 +124,11 @@ pub trait Layer: Send + Sync + 'static {
     /// (capability `LISTED_ATTRS`): they may be kept until it is recalled.
     fn listed_attrs(&self) -> bool;
 
+    /// Whether the layers below grant read leases on files (capability `FILE_LEASES`).
+    fn file_leases(&self) -> bool {
+        false
+    }
+
     /// Whether this layer takes UNLINK_SETTLED (capability `UNLINK_SETTLED`), which removes a
     /// name in one round trip unless it is a distribution link file or a file being moved.
     /// Only a brick client does; the distribution layer sends it to the bricks below.

@@ -705,6 +705,54 @@ fn a_recall_drops_the_names_the_holder_s_kernel_cached() {
     assert!(!a.path("d/gone").exists(), "gone in a at once");
 }
 
+/// A file read in one mount and then changed in place in another reads changed in the first
+/// at once, whatever its caches' lifetimes: its first open there took a read lease on the
+/// file (its directory is held by no lease there), which the change recalled, dropping what
+/// the first mount's kernel cached of it. With `file-leases=off` the first mount reads the
+/// pages it cached until their attributes' lifetime runs out.
+#[test]
+fn a_file_read_here_and_changed_in_another_mount_reads_changed_at_once() {
+    let mut a = Mounted::with_brick(&["--lease-recall-timeout-ms", RECALL_TIMEOUT_MS], &[]);
+    fs::create_dir(a.path("d")).expect("mkdir");
+    fs::write(a.path("d/f"), b"0000").expect("write");
+    fsync_dir(&a.path("d")).expect("sent");
+    let b = a.another("b", &[]);
+    let rewrite = |data: &[u8]| {
+        use std::io::Write;
+        let mut f = fs::OpenOptions::new()
+            .write(true)
+            .open(b.path("d/f"))
+            .expect("open in b");
+        f.write_all(data).expect("write in b");
+    };
+    for (file_leases, before, after, seen) in [
+        ("on", b"1111", b"2222", b"2222"),
+        ("off", b"3333", b"4444", b"3333"),
+    ] {
+        rewrite(before);
+        a.unmount();
+        // Caches that outlive the test, and no directory listed at a lookup: only a lease
+        // on the file itself can make the kernel read it again.
+        a.mount(&[
+            "attr-timeout-ms=60000",
+            "entry-timeout-ms=60000",
+            "listing-prefetch=off",
+            &format!("file-leases={file_leases}"),
+        ]);
+        // Read twice: the first read after the lookup refreshes what the kernel holds.
+        for _ in 0..2 {
+            assert_eq!(fs::read(a.path("d/f")).expect("read in a"), before);
+        }
+        rewrite(after);
+        assert_eq!(
+            fs::read(a.path("d/f")).expect("read in a again"),
+            seen,
+            "file-leases={file_leases}\n{}",
+            a.logs()
+        );
+    }
+}
+
 /// A mount with `options`, on a brick counting its fops at `metrics`, over directories
 /// `spool` (3 files) and `other` (1 file) it did not make and never listed (made before, by
 /// a mount without leases, so that no lease is left there).

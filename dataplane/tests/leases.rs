@@ -25,6 +25,7 @@ per_engine!(
     leases_off_answers_none_and_switches_live,
     opendir_list_takes_its_lease_before_it_lists,
     a_change_to_a_listed_object_recalls_the_lease_it_was_listed_under,
+    a_file_s_read_lease_is_recalled_before_another_session_changes_the_file,
 );
 
 /// How long a bounded wait may take before the test fails.
@@ -123,10 +124,26 @@ fn grants_follow_the_rules(kind: EngineKind) {
         assert_eq!(lease(&b, d, LeaseKind::Read).await, Ok(LeaseKind::Read));
         assert_eq!(lease(&b, d, LeaseKind::None).await, Ok(LeaseKind::None));
         assert!(!leases.is_armed(), "every lease back: unchecked again");
+        assert_eq!(lease(&a, f, LeaseKind::Read).await, Ok(LeaseKind::Read));
         assert_eq!(
-            lease(&a, f, LeaseKind::Read).await,
+            lease(&a, f, LeaseKind::Write).await,
+            Err(ErrorCode::Inval),
+            "a file's lease is a read lease"
+        );
+        assert_eq!(lease(&a, f, LeaseKind::None).await, Ok(LeaseKind::None));
+        let link = Symlink {
+            parent: d,
+            name: name("link"),
+            gfid: h.gfid(),
+            target: SymlinkTarget::new("f".to_owned()).expect("target"),
+        };
+        let FopReply::Symlink(link) = a.call(root(), link.into()).await.expect("symlink") else {
+            panic!("SYMLINK reply")
+        };
+        assert_eq!(
+            lease(&a, link.iatt.gfid, LeaseKind::Read).await,
             Err(ErrorCode::NotDir),
-            "a lease is on a directory"
+            "a lease is on a directory or a regular file"
         );
         assert_eq!(
             lease(&a, h.gfid(), LeaseKind::Read).await,
@@ -140,7 +157,7 @@ fn grants_follow_the_rules(kind: EngineKind) {
         let batch = Batch::new(root());
         assert_eq!(plain.batch(batch).await, Err(ErrorCode::NotSupported));
     });
-    assert_eq!(leases.stats().grants, 3);
+    assert_eq!(leases.stats().grants, 4);
     assert_eq!(leases.stats().held, 0);
 }
 
@@ -589,4 +606,73 @@ fn a_change_to_a_listed_object_recalls_the_lease_it_was_listed_under(kind: Engin
             bounded(what, change).await.expect(what);
         }
     });
+}
+
+/// A read lease on a file (capability `FILE_LEASES`) shares reads, and is recalled before
+/// another session changes the file: by its GFID (SETATTR) or through an fd (WRITE).
+fn a_file_s_read_lease_is_recalled_before_another_session_changes_the_file(kind: EngineKind) {
+    let h = harness(kind, BOUND);
+    let f = h.put(Gfid::ROOT, "f", b"first").expect("put");
+    let (a, mut events) = h.engine.lease_session();
+    let (b, _qb) = h.engine.lease_session();
+    h.rt.block_on(async {
+        assert_eq!(lease(&a, f, LeaseKind::Read).await, Ok(LeaseKind::Read));
+        let size = ReadSize::new(64).expect("size");
+        let get = Get {
+            gfid: f,
+            offset: 0,
+            size,
+        };
+        b.call(root(), get.into())
+            .await
+            .expect("a read goes through");
+        let FopReply::Open(opened) = (b.call(
+            root(),
+            Open {
+                gfid: f,
+                access: AccessMode::ReadWrite,
+                flags: OpenFlags::empty(),
+            }
+            .into(),
+        ))
+        .await
+        .expect("open") else {
+            panic!("OPEN reply")
+        };
+        assert!(
+            events.try_recv().is_err(),
+            "reads and an open conflict with no read lease"
+        );
+        let data = Payload::new(bytes::Bytes::from_static(b"again")).expect("small");
+        let write = Write {
+            fd: opened.fd,
+            offset: 0,
+            data,
+        };
+        let mut change = Box::pin(b.call(root(), write.into()));
+        still_held(
+            "a WRITE under another session's read lease of the file",
+            &mut change,
+        )
+        .await;
+        let recalled = recall(&mut events).await;
+        assert_eq!((recalled.gfid, recalled.kind), (f, LeaseKind::None));
+        assert_eq!(lease(&a, f, LeaseKind::None).await, Ok(LeaseKind::None));
+        bounded("the held WRITE", change).await.expect("write");
+        assert_eq!(lease(&a, f, LeaseKind::Read).await, Ok(LeaseKind::Read));
+        let attr = SetAttr {
+            mode: Some(mode(0o600)),
+            ..SetAttr::default()
+        };
+        let mut change = Box::pin(b.call(root(), Setattr { gfid: f, attr }.into()));
+        still_held(
+            "a SETATTR under another session's read lease of the file",
+            &mut change,
+        )
+        .await;
+        assert_eq!(recall(&mut events).await.gfid, f);
+        assert_eq!(lease(&a, f, LeaseKind::None).await, Ok(LeaseKind::None));
+        bounded("the held SETATTR", change).await.expect("setattr");
+    });
+    assert_eq!(h.read_all(f).expect("read"), b"again");
 }

@@ -44,6 +44,9 @@ impl Capabilities {
     pub const UNCHECKED_BODIES: Capabilities = Capabilities(1 << 7);
     /// The brick answers UNLINK_SETTLED.
     pub const UNLINK_SETTLED: Capabilities = Capabilities(1 << 8);
+    /// The brick grants read leases on regular files (LEASE), recalled as a directory's
+    /// are before another session changes the file.
+    pub const FILE_LEASES: Capabilities = Capabilities(1 << 9);
     /// Everything this build implements.
     pub const SUPPORTED: Capabilities = Self::INVALIDATE_EVENTS
         .union(Self::LEASES)
@@ -53,7 +56,8 @@ impl Capabilities {
         .union(Self::LISTED_ATTRS)
         .union(Self::NO_PARENT_ATTRS)
         .union(Self::UNCHECKED_BODIES)
-        .union(Self::UNLINK_SETTLED);
+        .union(Self::UNLINK_SETTLED)
+        .union(Self::FILE_LEASES);
     /// What Kiln's client and brick offer at HELLO: everything this build implements but
     /// `INVALIDATE_EVENTS` (no brick sends INVALIDATE; leases recall with RECALL).
     pub const OFFERED: Capabilities = Capabilities(Self::SUPPORTED.0 & !Self::INVALIDATE_EVENTS.0);

@@ -856,6 +856,12 @@ impl Layer for BrickClient {
             .is_some_and(|live| live.hello.capabilities.contains(wanted))
     }
 
+    fn file_leases(&self) -> bool {
+        let wanted = Capabilities::LEASES.union(Capabilities::FILE_LEASES);
+        self.current()
+            .is_some_and(|live| live.hello.capabilities.contains(wanted))
+    }
+
     fn unlink_settled(&self) -> bool {
         self.current().is_some_and(|live| {
             live.hello

@@ -37,8 +37,8 @@ use bytes::Bytes;
 use fuser::{Errno, FileAttr, FileHandle, FopenFlags, LockOwner};
 use kiln_wire::limits::IO_SIZE_MAX_BYTES;
 use kiln_wire::{
-    AccessMode, Creds, DirEntryXattrs, ErrorCode, FopReply, Gfid, LeaseKind, Lock, LockCmd, Mode,
-    OpenFlags, ReadSize, ReaddirSize, SetAttr,
+    AccessMode, Creds, DirEntryXattrs, ErrorCode, FopReply, Gfid, Lease, LeaseKind, Lock, LockCmd,
+    Mode, OpenFlags, ReadSize, ReaddirSize, SetAttr,
 };
 
 use super::convert::{
@@ -418,7 +418,12 @@ impl<L: Layer> Shared<L> {
     }
 
     /// OPEN of node `ino` with kernel `flags`, as `c`; the new handle.
-    pub(super) async fn open_handle(&self, c: &Creds, ino: u64, flags: i32) -> Result<Opened> {
+    pub(super) async fn open_handle(
+        self: &Arc<Self>,
+        c: &Creds,
+        ino: u64,
+        flags: i32,
+    ) -> Result<Opened> {
         let gfid = self.gfid(ino)?;
         if flags & libc::O_TRUNC != 0 && self.handles.executing(ino) {
             // The kernel refuses it too, but only once the file system has opened — and
@@ -427,10 +432,16 @@ impl<L: Layer> Shared<L> {
         }
         self.settle(ino).await?;
         let (access, open_flags) = open_mode(flags, self.options.writeback_cache);
-        let fd = match self.opens_late(access, open_flags) {
-            true => None,
-            false => Some(self.open_below(c, gfid, flags, access, open_flags).await?),
+        let opened = async {
+            match self.opens_late(access, open_flags) {
+                true => Ok(None),
+                false => {
+                    Some(self.open_below(c, gfid, flags, access, open_flags).await).transpose()
+                }
+            }
         };
+        let (fd, leased_now) = tokio::join!(opened, self.lease_file(c, gfid, access));
+        let fd = fd?;
         if access != AccessMode::ReadOnly {
             // Writes (or O_TRUNC) change it on the brick.
             self.forget_described(ino);
@@ -440,7 +451,64 @@ impl<L: Layer> Shared<L> {
             no_flush: self.no_flush(ino, access, flags),
             ..Open::new(fd, ino, access, open_flags, c)
         };
-        Ok(self.handles.add_opened(open, flags))
+        let mut opened = self.handles.add_opened(open, flags);
+        if leased_now {
+            // The pages the kernel kept may predate the lease: read again under it.
+            opened.flags.remove(FopenFlags::FOPEN_KEEP_CACHE);
+        }
+        Ok(opened)
+    }
+
+    /// Asks a read lease on file `gfid`, opened for `access`, where the mount holds none and
+    /// nothing else keeps the kernel's caches of it true ([`super::file_leases`]): whether
+    /// what the kernel cached before must go (a lease taken now, or a recall under way). The
+    /// kernel's attributes of a file leased now are dropped here; its pages by the open.
+    async fn lease_file(self: &Arc<Self>, c: &Creds, gfid: Gfid, access: AccessMode) -> bool {
+        if access != AccessMode::ReadOnly
+            || !self.uses_file_leases()
+            || self.files.holds(&gfid)
+            || self.cached_truly(&gfid)
+            || !self.files.may_ask(&gfid)
+        {
+            return false;
+        }
+        let asked = self.files.asked();
+        let lease = Lease {
+            gfid,
+            kind: LeaseKind::Read,
+        };
+        match self.layer.call(c, lease.into()).await {
+            Ok(FopReply::Lease(r)) if r.kind == LeaseKind::Read => {}
+            // Refused (another client changed it lately): as without leases.
+            Ok(_) => {
+                self.files.refused(gfid);
+                return false;
+            }
+            Err(_) => return false,
+        }
+        match self.files.take(gfid, asked) {
+            Ok(None) => {}
+            // Room made: the least lately opened goes back, off this open's way.
+            Ok(Some(evicted)) => {
+                let s = self.clone();
+                tokio::spawn(async move { s.give_back_file(evicted).await });
+            }
+            // A recall came since it was asked: it goes back, and the file is changing.
+            Err(()) => self.give_back_file(gfid).await,
+        }
+        self.invalidate_attrs(&[gfid]).await;
+        true
+    }
+
+    /// Whether the mount answers for what the kernel caches of `gfid` by other means than a
+    /// lease on it: it made it under a lease, or a kept listing under a lease that covers its
+    /// attributes (`LISTED_ATTRS`) shows it.
+    fn cached_truly(&self, gfid: &Gfid) -> bool {
+        self.leases.local(gfid).is_some()
+            || self
+                .leases
+                .listing_of(gfid)
+                .is_some_and(|dir| self.listed(&dir, gfid).is_some() && self.layer.listed_attrs())
     }
 
     /// Opens `gfid` below for an OPEN with kernel `flags`, as `access` with `open_flags`.

@@ -604,6 +604,22 @@ impl Leases {
             .collect()
     }
 
+    /// The objects the listing kept of held directory `dir` shows: what the brick recalls
+    /// `dir`'s lease for before another client changes one (`LISTED_ATTRS`).
+    pub(super) fn listed_in(&self, dir: &Gfid) -> Vec<Gfid> {
+        let state = self.lock();
+        let kept = state.dirs.get(dir).and_then(|held| held.listing.as_ref());
+        kept.map_or_else(Vec::new, |kept| {
+            kept.listing.entries.iter().map(|e| e.iatt.gfid).collect()
+        })
+    }
+
+    /// The held directory whose kept listing shows `object` (one without a file of several
+    /// names), if one does.
+    pub(super) fn listing_of(&self, object: &Gfid) -> Option<Gfid> {
+        self.lock().listed_by.get(object).copied()
+    }
+
     /// Ends the hold on `dir` (recalled, refused or removed): its entries and its objects'
     /// descriptions are forgotten.
     pub(super) fn release(&self, dir: &Gfid) -> Option<LeaseKind> {

@@ -17,6 +17,7 @@
 
 mod behind;
 mod convert;
+mod file_leases;
 mod fs;
 mod handles;
 mod inodes;
@@ -72,6 +73,10 @@ pub struct MountOptions {
     /// With leases, the first subdirectories a listing shows are listed ahead of a walk that
     /// may open them next ([`prefetch`]).
     pub listing_prefetch: bool,
+    /// With leases, a file opened for reading that no kept listing describes is held under
+    /// a read lease, so another client's change to it drops what the kernel caches of it
+    /// at once ([`file_leases`]).
+    pub file_leases: bool,
     /// With listings fetched ahead, the next small files of a directory read in the order it
     /// was listed are fetched ahead of the reader ([`prefetch`]).
     pub file_prefetch: bool,
@@ -125,6 +130,7 @@ impl Default for MountOptions {
             leases: true,
             behind_bytes_max: 64 << 20,
             listing_prefetch: true,
+            file_leases: true,
             file_prefetch: true,
             read_ahead_kib: READ_AHEAD_KIB_DEFAULT,
             connections: 1,
@@ -189,6 +195,7 @@ impl MountOptions {
             "leases" => flag(&mut self.leases)?,
             "behind-bytes-max" => self.behind_bytes_max = bytes(key, value)?,
             "listing-prefetch" => flag(&mut self.listing_prefetch)?,
+            "file-leases" => flag(&mut self.file_leases)?,
             "file-prefetch" => flag(&mut self.file_prefetch)?,
             "read-ahead-kib" => self.read_ahead_kib = kib(key, value)?,
             "connections" => self.connections = connections(key, value)?,

@@ -131,6 +131,12 @@ impl<L: Layer> Shared<L> {
         self.options.leases && self.layer.leases()
     }
 
+    /// Whether this mount takes read leases on the files it reads: with leases, the option
+    /// on, and the bricks granting them.
+    pub(super) fn uses_file_leases(&self) -> bool {
+        self.uses_leases() && self.options.file_leases && self.layer.file_leases()
+    }
+
     /// The listing kept of held directory `dir`, if one may answer now
     /// ([`super::leases::Leases::kept_listing`]).
     pub(super) fn kept_listing(&self, dir: &Gfid) -> Option<Arc<KeptListing>> {
@@ -685,7 +691,9 @@ impl<L: Layer> Shared<L> {
         self.settle_dir(Some(recall.gfid)).await;
         // What the kernel was told from the mount's descriptions and entries goes stale with
         // the lease: another client is about to change it.
-        let described = self.leases.described_in(&recall.gfid);
+        let mut described = self.leases.described_in(&recall.gfid);
+        // The objects its listing showed too: the recall may be for a change to one of them.
+        described.extend(self.leases.listed_in(&recall.gfid));
         let names = self.leases.names_told(&recall.gfid);
         let held = self.leases.release(&recall.gfid);
         // Data written behind reaches the brick before the lease goes back, so the recalling
@@ -716,6 +724,17 @@ impl<L: Layer> Shared<L> {
         self.leases.recalled(recall.gfid);
     }
 
+    /// Gives back the read lease on a file: what the kernel caches of it goes first, so its
+    /// next read sees the change the recall is for.
+    pub(super) async fn give_back_file(&self, gfid: Gfid) {
+        self.invalidate_files(&[gfid]).await;
+        let lease = Lease {
+            gfid,
+            kind: LeaseKind::None,
+        };
+        let _ = self.layer.call(&Creds::root(), lease.into()).await;
+    }
+
     /// Follows the events from below until the mount goes: a recalled directory is no longer
     /// held, and its lease goes back after the changes queued before the recall. Recalls are
     /// answered concurrently: a burst of them (another client walking a tree this one is
@@ -723,6 +742,7 @@ impl<L: Layer> Shared<L> {
     /// would outlast the brick's recall bound and see the leases revoked.
     pub(super) async fn follow_events(self: Arc<Self>) {
         use futures_util::StreamExt;
+        use futures_util::future::Either;
         let mut events = self.layer.events();
         let mut giving_back = futures_util::stream::FuturesUnordered::new();
         loop {
@@ -732,12 +752,19 @@ impl<L: Layer> Shared<L> {
             };
             match event {
                 Ok(LayerEvent::Recall(recall)) => {
-                    // A grant of this directory whose reply comes from now on is not taken.
-                    self.leases.recalled(recall.gfid);
-                    giving_back.push(self.give_back(recall));
+                    // A grant of this file or directory whose reply comes from now on is not
+                    // taken.
+                    if self.files.recalled(&recall.gfid) {
+                        giving_back.push(Either::Left(self.give_back_file(recall.gfid)));
+                    } else {
+                        self.leases.recalled(recall.gfid);
+                        giving_back.push(Either::Right(self.give_back(recall)));
+                    }
                 }
                 Ok(LayerEvent::LeasesLost)
                 | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
+                    let files = self.files.release_all();
+                    self.invalidate_files(&files).await;
                     let names = self.leases.all_names_told();
                     let described = self.leases.release_all();
                     self.send_writes_behind(None).await;

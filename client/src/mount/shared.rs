@@ -17,6 +17,7 @@ use kiln_wire::{
 use super::MountOptions;
 use super::behind::Behind;
 use super::convert::{Result, attr_of, errno, file_attr, name_of, unexpected};
+use super::file_leases::FileLeases;
 use super::handles::{Handles, Open};
 use super::inodes::Inodes;
 use super::leases::{Answer, Leases};
@@ -33,6 +34,7 @@ pub(super) struct Shared<L: Layer> {
     pub(super) handles: Handles<L::Fd>,
     pub(super) pending: PendingCreates,
     pub(super) leases: Leases,
+    pub(super) files: FileLeases,
     pub(super) behind: Behind,
     pub(super) prefetch: Prefetch,
     /// Tells the kernel to drop what it caches (set once the FUSE session exists).
@@ -56,6 +58,7 @@ impl<L: Layer> Shared<L> {
             handles: Handles::new(),
             pending: PendingCreates::default(),
             leases: Leases::default(),
+            files: FileLeases::default(),
             prefetch: Prefetch::default(),
             kernel: std::sync::OnceLock::new(),
         }
@@ -65,6 +68,18 @@ impl<L: Layer> Shared<L> {
     /// once it has. Off the runtime's threads: the write to `/dev/fuse` may wait for the
     /// kernel.
     pub(super) async fn invalidate_attrs(&self, gfids: &[Gfid]) {
+        // An offset below zero: attributes only, no page cache range.
+        self.invalidate_inodes(gfids, -1).await;
+    }
+
+    /// Has the kernel drop its cached attributes and pages of files `gfids`, as
+    /// [`Shared::invalidate_attrs`].
+    pub(super) async fn invalidate_files(&self, gfids: &[Gfid]) {
+        // From offset 0, every page.
+        self.invalidate_inodes(gfids, 0).await;
+    }
+
+    async fn invalidate_inodes(&self, gfids: &[Gfid], offset: i64) {
         let Some(kernel) = self.kernel.get().cloned() else {
             return;
         };
@@ -74,8 +89,7 @@ impl<L: Layer> Shared<L> {
         }
         let dropped = tokio::task::spawn_blocking(move || {
             for ino in inos {
-                // An offset below zero: attributes only, no page cache range.
-                let _ = kernel.inval_inode(fuser::INodeNo(ino), -1, 0);
+                let _ = kernel.inval_inode(fuser::INodeNo(ino), offset, 0);
             }
         });
         let _ = dropped.await;

@@ -11,16 +11,23 @@ use crate::fdtable::SessionId;
 use crate::op::{self, Stat, Step, cstr};
 
 impl<E: Exec> Fops<E> {
-    /// LEASE: asks for a lease on directory `gfid` (ENOTDIR for anything else, ESTALE when it
-    /// is gone) or gives one back (kind none, which needs no directory: a removed one's
-    /// leases are gone already). ENOTSUP for a session that did not negotiate leases.
+    /// LEASE: asks for a lease on directory `gfid`, or a read lease on regular file `gfid`
+    /// (capability `FILE_LEASES`: EINVAL for a write lease on a file, ENOTDIR for anything
+    /// else, ESTALE when it is gone), or gives one back (kind none, which needs no object: a
+    /// removed directory's leases are gone already). ENOTSUP for a session that did not
+    /// negotiate leases.
     pub(super) async fn lease(&self, session: SessionId, r: Lease) -> R<LeaseReply> {
         let leases = &self.shared.leases;
         if !leases.is_attached(session) {
             return Err(Errno::NOTSUP);
         }
-        if r.kind != LeaseKind::None && !self.stat_gfid(&r.gfid).await?.is_dir() {
-            return Err(Errno::NOTDIR);
+        if r.kind != LeaseKind::None {
+            let stat = self.stat_gfid(&r.gfid).await?;
+            match (stat.is_dir(), stat.is_regular(), r.kind) {
+                (true, _, _) | (false, true, LeaseKind::Read) => {}
+                (false, true, _) => return Err(Errno::INVAL),
+                (false, false, _) => return Err(Errno::NOTDIR),
+            }
         }
         let kind = leases.grant(session, r.gfid, r.kind).await?;
         Ok(LeaseReply { kind })

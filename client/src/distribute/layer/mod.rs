@@ -587,6 +587,10 @@ impl<L: Layer> Layer for Distribute<L> {
         self.bricks_cover_listed_attrs()
     }
 
+    fn file_leases(&self) -> bool {
+        self.bricks_lease() && self.bricks.in_service().all(|(_, b)| b.file_leases())
+    }
+
     fn events(&self) -> broadcast::Receiver<LayerEvent> {
         self.events.subscribe()
     }
