@@ -712,16 +712,35 @@ fn a_recall_drops_the_names_the_holder_s_kernel_cached() {
 /// pages it cached until their attributes' lifetime runs out.
 #[test]
 fn a_file_read_here_and_changed_in_another_mount_reads_changed_at_once() {
-    let mut a = Mounted::with_brick(&["--lease-recall-timeout-ms", RECALL_TIMEOUT_MS], &[]);
+    let a = Mounted::with_brick(&["--lease-recall-timeout-ms", RECALL_TIMEOUT_MS], &[]);
+    file_changed_elsewhere_reads_changed_under_its_lease(a);
+}
+
+/// The same over a distributed volume: the file's lease is held on the brick that has it.
+#[test]
+fn a_file_s_read_lease_holds_on_a_distributed_volume() {
+    let args = |_| {
+        vec![
+            "--lease-recall-timeout-ms".to_owned(),
+            RECALL_TIMEOUT_MS.to_owned(),
+        ]
+    };
+    let a = Mounted::distributed_with(3, args, &[]);
+    file_changed_elsewhere_reads_changed_under_its_lease(a);
+}
+
+fn file_changed_elsewhere_reads_changed_under_its_lease(mut a: Mounted) {
     fs::create_dir(a.path("d")).expect("mkdir");
-    fs::write(a.path("d/f"), b"0000").expect("write");
+    for n in ["f", "g", "h"] {
+        fs::write(a.path(&format!("d/{n}")), b"0000").expect("write");
+    }
     fsync_dir(&a.path("d")).expect("sent");
     let b = a.another("b", &[]);
-    let rewrite = |data: &[u8]| {
+    let rewrite = |n: &str, data: &[u8]| {
         use std::io::Write;
         let mut f = fs::OpenOptions::new()
             .write(true)
-            .open(b.path("d/f"))
+            .open(b.path(&format!("d/{n}")))
             .expect("open in b");
         f.write_all(data).expect("write in b");
     };
@@ -729,7 +748,9 @@ fn a_file_read_here_and_changed_in_another_mount_reads_changed_at_once() {
         ("on", b"1111", b"2222", b"2222"),
         ("off", b"3333", b"4444", b"3333"),
     ] {
-        rewrite(before);
+        for n in ["f", "g", "h"] {
+            rewrite(n, before);
+        }
         a.unmount();
         // Caches that outlive the test, and no directory listed at a lookup: only a lease
         // on the file itself can make the kernel read it again.
@@ -739,17 +760,20 @@ fn a_file_read_here_and_changed_in_another_mount_reads_changed_at_once() {
             "listing-prefetch=off",
             &format!("file-leases={file_leases}"),
         ]);
-        // Read twice: the first read after the lookup refreshes what the kernel holds.
-        for _ in 0..2 {
-            assert_eq!(fs::read(a.path("d/f")).expect("read in a"), before);
+        for n in ["f", "g", "h"] {
+            // Read twice: the first read after the lookup refreshes what the kernel holds.
+            for _ in 0..2 {
+                let read = fs::read(a.path(&format!("d/{n}"))).expect("read in a");
+                assert_eq!(read, before);
+            }
+            rewrite(n, after);
+            assert_eq!(
+                fs::read(a.path(&format!("d/{n}"))).expect("read in a again"),
+                seen,
+                "{n}, file-leases={file_leases}\n{}",
+                a.logs()
+            );
         }
-        rewrite(after);
-        assert_eq!(
-            fs::read(a.path("d/f")).expect("read in a again"),
-            seen,
-            "file-leases={file_leases}\n{}",
-            a.logs()
-        );
     }
 }
 
