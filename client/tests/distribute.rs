@@ -82,6 +82,13 @@ async fn close(v: &Distribute<BrickClient>) {
     }
 }
 
+/// A one-byte file `path` (holding "x") made through `v`.
+async fn put_x<L: Layer>(v: &Distribute<L>, creds: &Creds, path: &str) {
+    v.put(creds, path, Bytes::from_static(b"x"), 0o644)
+        .await
+        .expect("put");
+}
+
 /// Directory `path` made through `v`, and the brick each name in it hashes to.
 async fn hashed_dir<L: Layer>(
     v: &Distribute<L>,
@@ -828,14 +835,7 @@ fn rmdir_keeps_a_directory_that_is_not_empty_on_some_brick() {
             .map(|i| format!("f{i}"))
             .find(|n| inner.hashed_brick(n.as_bytes(), Munging::default()) != Some(dir_hashed))
             .expect("a name");
-        v.put(
-            &creds,
-            &format!("/d/{file}"),
-            Bytes::from_static(b"x"),
-            0o644,
-        )
-        .await
-        .expect("put");
+        put_x(&v, &creds, &format!("/d/{file}")).await;
         let rmdir = kiln_wire::Rmdir {
             parent: Gfid::ROOT,
             name: name("d"),
@@ -967,14 +967,10 @@ fn a_batch_removes_directories_after_their_files_and_answers_in_order() {
             );
             for f in 0..5 {
                 let path = format!("/t/{d}/f{f}");
-                v.put(&creds, &path, Bytes::from_static(b"x"), 0o644)
-                    .await
-                    .expect("put");
+                put_x(&v, &creds, &path).await;
             }
         }
-        v.put(&creds, "/t/top", Bytes::from_static(b"x"), 0o644)
-            .await
-            .expect("put");
+        put_x(&v, &creds, "/t/top").await;
         let unlink = |parent: Gfid, n: &str| kiln_wire::Unlink {
             parent,
             name: name(n),
@@ -1060,14 +1056,7 @@ fn unlinks_remove_files_where_they_live_and_their_link_files() {
         let mut moved = Vec::new();
         for i in 0..8 {
             let from = format!("f{i}");
-            v.put(
-                &creds,
-                &format!("/u/{from}"),
-                Bytes::from_static(b"x"),
-                0o644,
-            )
-            .await
-            .expect("put");
+            put_x(&v, &creds, &format!("/u/{from}")).await;
             let to = (0..)
                 .map(|j| format!("g{i}-{j}"))
                 .find(|to| hashed(to) != hashed(&from))
@@ -1080,9 +1069,7 @@ fn unlinks_remove_files_where_they_live_and_their_link_files() {
         }
         let plain: Vec<String> = (0..8).map(|i| format!("p{i}")).collect();
         for p in &plain {
-            v.put(&creds, &format!("/u/{p}"), Bytes::from_static(b"x"), 0o644)
-                .await
-                .expect("put");
+            put_x(&v, &creds, &format!("/u/{p}")).await;
         }
         let unlink = |n: &str| -> kiln_wire::FopRequest {
             kiln_wire::Unlink {
