@@ -2024,6 +2024,7 @@ impl Gluster {
             .env("LC_ALL", locale);
         self.run(&mut cmd, MOUNT_TIMEOUT)?;
         self.mounts.push(point.clone());
+        wait_all_connected(&log)?;
         Ok(Client {
             mount: point,
             munging,
@@ -2317,6 +2318,29 @@ fn process_named(name: &str) -> bool {
     entries.filter_map(Result::ok).any(|entry| {
         std::fs::read_to_string(entry.path().join("comm")).is_ok_and(|comm| comm.trim() == name)
     })
+}
+
+/// Waits (bounded) until the FUSE client logging to `log` has reached every brick: `mount`
+/// returns before the client has, and a brick not reached yet hides its files (ENOTCONN).
+fn wait_all_connected(log: &Path) -> anyhow::Result<()> {
+    let deadline = Instant::now() + READY_TIMEOUT;
+    loop {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        let connected: BTreeSet<&str> = (text.lines())
+            .filter(|l| l.contains("Connected, attached to remote volume"))
+            .filter_map(|l| l.split_whitespace().find(|w| w.contains("-client-")))
+            .collect();
+        if connected.len() >= BRICKS {
+            return Ok(());
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "the GlusterFS client reached {} of {BRICKS} bricks after {READY_TIMEOUT:?}; see {}",
+            connected.len(),
+            log.display()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 /// The pids of the online bricks in `gluster volume status VOL --xml`.
