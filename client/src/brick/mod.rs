@@ -448,6 +448,12 @@ impl BrickClient {
         Ok(live)
     }
 
+    /// Whether the current connection's brick took every capability in `wanted`.
+    fn offers(&self, wanted: Capabilities) -> bool {
+        self.current()
+            .is_some_and(|live| live.hello.capabilities.contains(wanted))
+    }
+
     fn current(&self) -> Option<Live> {
         let live = self.inner.live.lock().ok()?.clone()?;
         live.conn
@@ -846,28 +852,19 @@ impl Layer for BrickClient {
     }
 
     fn leases(&self) -> bool {
-        self.current()
-            .is_some_and(|live| live.hello.capabilities.contains(Capabilities::LEASES))
+        self.offers(Capabilities::LEASES)
     }
 
     fn listed_attrs(&self) -> bool {
-        let wanted = Capabilities::LEASES.union(Capabilities::LISTED_ATTRS);
-        self.current()
-            .is_some_and(|live| live.hello.capabilities.contains(wanted))
+        self.offers(Capabilities::LEASES.union(Capabilities::LISTED_ATTRS))
     }
 
     fn file_leases(&self) -> bool {
-        let wanted = Capabilities::LEASES.union(Capabilities::FILE_LEASES);
-        self.current()
-            .is_some_and(|live| live.hello.capabilities.contains(wanted))
+        self.offers(Capabilities::LEASES.union(Capabilities::FILE_LEASES))
     }
 
     fn unlink_settled(&self) -> bool {
-        self.current().is_some_and(|live| {
-            live.hello
-                .capabilities
-                .contains(Capabilities::UNLINK_SETTLED)
-        })
+        self.offers(Capabilities::UNLINK_SETTLED)
     }
 
     fn events(&self) -> tokio::sync::broadcast::Receiver<LayerEvent> {

@@ -435,15 +435,12 @@ impl<E: Exec> Fops<E> {
             Q::Put(r) => A::Put(self.put(creds, r, self.parent_attrs(session)).await?),
             Q::Unlink(r) => {
                 let parents = self.parent_attrs(session);
-                A::Unlink(
-                    self.unlink(creds, &r.parent, &r.name, parents, false)
-                        .await?,
-                )
+                A::Unlink(self.unlink(creds, &r.parent, &r.name, parents).await?)
             }
             Q::UnlinkSettled(r) => {
                 let parents = self.parent_attrs(session);
                 A::UnlinkSettled(
-                    self.unlink(creds, &r.parent, &r.name, parents, true)
+                    self.unlink_settled(creds, &r.parent, &r.name, parents)
                         .await?,
                 )
             }

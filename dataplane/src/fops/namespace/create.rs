@@ -479,9 +479,7 @@ impl<E: Exec> Fops<E> {
             .await
             .is_ok_and(|found| found.iatt.gfid == *gfid)
         {
-            let _ = self
-                .unlink(&brick, parent, name, ParentAttrs::Omit, false)
-                .await;
+            let _ = self.unlink(&brick, parent, name, ParentAttrs::Omit).await;
         }
     }
 

@@ -14,18 +14,30 @@ use crate::exec::Exec;
 use crate::op::{self, DirFd, Stat, Step, cstr};
 
 impl<E: Exec> Fops<E> {
-    /// UNLINK; with `only_settled` (UNLINK_SETTLED) a regular file with the sticky bit set —
-    /// a distribution link file, or a file being moved — is left as it is, answered EXDEV.
     pub(in crate::fops) async fn unlink(
         &self,
         creds: &Creds,
         parent: &Gfid,
         name: &Name,
         parents: ParentAttrs,
-        only_settled: bool,
     ) -> R<RemoveReply> {
-        let fop = Removal::Unlink { only_settled };
-        self.remove(fop, creds, parent, name, parents).await
+        let removal = Removal::Unlink {
+            only_settled: false,
+        };
+        self.remove(removal, creds, parent, name, parents).await
+    }
+
+    /// UNLINK_SETTLED: UNLINK, but a regular file with the sticky bit set — a distribution
+    /// link file, or a file being moved — is left as it is, answered EXDEV.
+    pub(in crate::fops) async fn unlink_settled(
+        &self,
+        creds: &Creds,
+        parent: &Gfid,
+        name: &Name,
+        parents: ParentAttrs,
+    ) -> R<RemoveReply> {
+        let removal = Removal::Unlink { only_settled: true };
+        self.remove(removal, creds, parent, name, parents).await
     }
 
     pub(in crate::fops) async fn rmdir(
