@@ -414,6 +414,16 @@ pub const OPTIONS: &[OptionDef] = &[
                KiB (0: the kernel's 128 KiB, one READ in flight)",
     },
     OptionDef {
+        key: "performance.write-behind",
+        kind: ValueKind::Bool,
+        default: "on",
+        apply: Apply::Mount,
+        brick: BrickFlag::None,
+        help: "a mount gathers each open file's writes (up to a MiB) and sends them when \
+               they stop continuing each other, at close or fsync, or before the file is \
+               read back from the brick; a refusal is returned at the next close or fsync",
+    },
+    OptionDef {
         key: "performance.writeback-cache",
         kind: ValueKind::Bool,
         default: "off",

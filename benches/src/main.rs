@@ -251,6 +251,10 @@ struct SmallfileArgs {
     files: usize,
     #[arg(long, default_value_t = 4096)]
     file_bytes: usize,
+    /// The syscall targets' create and append write each file's bytes in write(2)s of this
+    /// many (default: one write); the engine and volume targets send them as one fop.
+    #[arg(long)]
+    record_bytes: Option<usize>,
     /// Files per directory (directories are made as needed).
     #[arg(long, default_value_t = 100)]
     fanout: usize,
@@ -470,6 +474,7 @@ impl SmallfileArgs {
             threads: self.threads,
             files: self.files,
             file_bytes: self.file_bytes,
+            record_bytes: self.record_bytes,
             fanout: self.fanout,
             fsync: self.fsync,
             seed: self.seed,

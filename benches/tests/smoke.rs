@@ -822,12 +822,17 @@ mod needs_root {
             "8",
             "--file-bytes",
             "1000",
+            // Four writes per create and append (read checks every byte arrived).
+            "--record-bytes",
+            "300",
             "--targets",
             &targets,
             "--plot",
             plot.to_str().expect("utf-8 path"),
         ]);
         assert_eq!(lines[0]["environment"]["seed"], 0x736d_616c_6c66_u64);
+        let note = lines.iter().find_map(|l| l.get("smallfile"));
+        assert_eq!(note.expect("the smallfile note")["record_bytes"], 300);
         let records = records(&lines);
         let path_target = format!("path={}", elsewhere.display());
         for target in ["local", "engine", "volume", &path_target, "kiln-mount"] {

@@ -1077,6 +1077,138 @@ fn a_large_file_written_behind_is_seen_whole_by_both_mounts() {
     assert_brick_consistent(&a);
 }
 
+/// A file the mount did not make, written in small pieces, goes to the brick a MiB at a
+/// time (`write-behind`): the writer reads back every byte and the size it wrote at once,
+/// from a fresh handle and through listings and lookups that ask the brick; another mount
+/// reads the file whole after the writer's close. With `write-behind=off` every piece is
+/// a WRITE (the control).
+#[test]
+fn a_file_made_elsewhere_is_written_behind_and_whole_after_close() {
+    use std::io::{Read, Write};
+    let metrics = common::free_loopback_addr();
+    let mut a = Mounted::with_brick(&counted(&metrics), &[]);
+    fs::create_dir(a.path("d")).expect("mkdir");
+    fs::write(a.path("d/f"), b"made before").expect("write");
+    fsync_dir(&a.path("d")).expect("sent");
+    let b = a.another("b", &[]);
+    let writes = || common::fop_calls(&common::scrape(&metrics), "WRITE");
+    let piece = |i: usize| vec![(i % 251) as u8; 4096];
+    let pieces = 300;
+    for (write_behind, most_writes) in [("on", 2.0), ("off", f64::MAX)] {
+        a.unmount();
+        // Every stat and lookup asks the mount, which asks the brick.
+        let no_caches = ["attr-timeout-ms=0", "entry-timeout-ms=0"];
+        a.mount(&[
+            no_caches[0],
+            no_caches[1],
+            &format!("write-behind={write_behind}"),
+        ]);
+        let before = writes();
+        let mut file = fs::OpenOptions::new()
+            .write(true)
+            .truncate(true)
+            .open(a.path("d/f"))
+            .expect("open");
+        let mut expected = Vec::new();
+        for i in 0..pieces {
+            file.write_all(&piece(i)).expect("write");
+            expected.extend_from_slice(&piece(i));
+            if i == pieces / 2 {
+                let mut read = Vec::new();
+                let mut again = fs::File::open(a.path("d/f")).expect("open again");
+                again.read_to_end(&mut read).expect("read back");
+                assert!(read == expected, "the writer reads {} bytes", read.len());
+                let listed = sh_ok(&a.mountpoint, "ls -l d/f | awk '{print $5}'");
+                assert_eq!(listed.trim(), expected.len().to_string(), "ls -l");
+                let size = fs::metadata(a.path("d/f")).expect("stat").len();
+                assert_eq!(size, expected.len() as u64, "stat");
+            }
+        }
+        let sent = writes() - before;
+        assert!(
+            sent <= most_writes,
+            "{sent} WRITEs before the close, write-behind={write_behind}"
+        );
+        drop(file);
+        if write_behind == "off" {
+            assert!(sent >= pieces as f64, "{sent} WRITEs for {pieces} pieces");
+        }
+        let seen = fs::read(b.path("d/f")).expect("read in b");
+        assert!(
+            seen == expected,
+            "b reads {} bytes after the close, write-behind={write_behind}",
+            seen.len()
+        );
+    }
+    assert_brick_consistent(&a);
+}
+
+/// A write the mount gathered and the brick then refuses (the file made immutable on the
+/// brick meanwhile) is the error of the file's next `fsync`, and of its next `close`.
+#[test]
+fn a_write_refused_behind_is_the_next_fsync_s_and_close_s_error() {
+    let mut a = brick();
+    fs::create_dir(a.path("d")).expect("mkdir");
+    fs::write(a.path("d/g"), b"made before").expect("write");
+    fsync_dir(&a.path("d")).expect("sent");
+    a.unmount();
+    a.mount(&[]);
+    let on_brick = a.cluster.brick.join("d/g");
+    // Python's `os.close` reports what close(2) returns. The brick's file is made immutable
+    // by ioctl, not by `chattr`: a child process would close its copy of the descriptor at
+    // exec, and that close sends what was gathered.
+    let script = r#"
+import fcntl, os, struct, sys
+path, on_brick = sys.argv[1], sys.argv[2]
+GET, SET, IMMUTABLE = 0x80086601, 0x40086602, 0x10
+def immutable(on):
+    b = os.open(on_brick, os.O_RDONLY)
+    flags = struct.unpack("i", fcntl.ioctl(b, GET, bytes(4)))[0]
+    flags = flags | IMMUTABLE if on else flags & ~IMMUTABLE
+    fcntl.ioctl(b, SET, struct.pack("i", flags))
+    os.close(b)
+fd = os.open(path, os.O_WRONLY)
+os.write(fd, b"first")
+immutable(True)
+try:
+    os.write(fd, b", second")
+    os.fsync(fd)
+    print("fsync ok")
+except OSError as e:
+    print("fsync", e.errno)
+os.lseek(fd, 0, os.SEEK_SET)
+os.write(fd, b"third")
+try:
+    os.close(fd)
+    print("close ok")
+except OSError as e:
+    print("close", e.errno)
+immutable(False)
+"#;
+    let out = std::process::Command::new("python3")
+        .args(["-c", script])
+        .arg(a.path("d/g"))
+        .arg(&on_brick)
+        .output()
+        .expect("python3 runs");
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{said}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        said,
+        format!("fsync {}\nclose {}\n", libc::EPERM, libc::EPERM)
+    );
+    // Nothing of it reached the file (the kernel may keep the pages written, as it does a
+    // local file's after a write-back error).
+    assert_eq!(
+        fs::read(&on_brick).expect("read on the brick"),
+        b"made before"
+    );
+}
+
 #[test]
 fn renames_and_unlinks_race_across_mounts() {
     let a = brick();

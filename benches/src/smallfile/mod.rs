@@ -88,6 +88,9 @@ pub struct SmallfileBench {
     /// Files per thread.
     pub files: usize,
     pub file_bytes: usize,
+    /// Bytes per write(2) of a create or append on the syscall targets (`None`: the whole
+    /// file in one).
+    pub record_bytes: Option<usize>,
     /// Files per directory.
     pub fanout: usize,
     /// fsync after every create and append.
@@ -183,10 +186,14 @@ pub fn run(
     if brick_targets && bench.file_bytes > IO_SIZE_MAX_BYTES {
         bail!("--file-bytes: one PUT or WRITE carries at most {IO_SIZE_MAX_BYTES} bytes");
     }
+    if bench.record_bytes == Some(0) {
+        bail!("--record-bytes must be at least 1");
+    }
     let layout = Layout {
         files,
         fanout,
         file_bytes: bench.file_bytes,
+        record_bytes: bench.record_bytes.unwrap_or(bench.file_bytes).max(1),
         seed: bench.seed,
     };
     let steps = plan(&bench.ops, bench.file_bytes);
@@ -201,7 +208,7 @@ pub fn run(
             "plan": steps.iter().map(describe).collect::<Vec<_>>(),
             "unmeasured": "steps in parentheses set up a precondition or clean up",
             "threads": threads, "files_per_thread": files, "file_bytes": bench.file_bytes,
-            "fanout": fanout, "dirs_per_thread": layout.dirs(), "fsync": bench.fsync,
+            "record_bytes": layout.record_bytes, "fanout": fanout, "dirs_per_thread": layout.dirs(), "fsync": bench.fsync,
             "seed": bench.seed,
             "ratio": format!("ops/s / {}'s ops/s", bench.targets[0].name()),
         }),

@@ -147,6 +147,8 @@ pub(super) struct Layout {
     pub(super) files: usize,
     pub(super) fanout: usize,
     pub(super) file_bytes: usize,
+    /// Bytes per write(2) on the syscall targets, at least 1.
+    pub(super) record_bytes: usize,
     pub(super) seed: u64,
 }
 
@@ -267,6 +269,7 @@ mod tests {
             files: 25,
             fanout: 10,
             file_bytes: 1,
+            record_bytes: 1,
             seed: 1,
         };
         assert_eq!(layout.dirs(), 3);

@@ -144,7 +144,7 @@ impl SyscallRunner {
                     .write(true)
                     .create_new(true)
                     .open(path)?;
-                f.write_all(&self.data)?;
+                self.write_records(&mut f)?;
                 if self.fsync {
                     f.sync_all()?;
                 }
@@ -158,7 +158,7 @@ impl SyscallRunner {
             }
             SmallfileOp::Append => {
                 let mut f = std::fs::File::options().append(true).open(path)?;
-                f.write_all(&self.data)?;
+                self.write_records(&mut f)?;
                 if self.fsync {
                     f.sync_all()?;
                 }
@@ -199,6 +199,14 @@ impl SyscallRunner {
     }
 
     /// Lists `dir` (and `lstat`s every entry for `ls -l`); returns the entry count.
+    /// Writes the file's bytes to `f` in records of the layout's size.
+    fn write_records(&self, f: &mut std::fs::File) -> std::io::Result<()> {
+        for record in self.data.chunks(self.layout.record_bytes) {
+            f.write_all(record)?;
+        }
+        Ok(())
+    }
+
     fn list(&self, dir: &Path, stat_each: bool) -> anyhow::Result<usize> {
         let mut entries = 0;
         for entry in std::fs::read_dir(dir)? {

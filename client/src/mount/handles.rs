@@ -284,8 +284,9 @@ pub(super) struct Handles<F> {
     /// Bytes of deferred creates closed without a FLUSH, at most
     /// [`UNFLUSHED_TOTAL_BYTES_MAX`].
     unflushed_bytes: Arc<AtomicUsize>,
-    /// The handles holding writes not yet sent, and their nodes.
-    with_unsent: Mutex<HashMap<u64, u64>>,
+    /// The handles holding writes not yet sent: kept here until those are on the brick, past
+    /// the handle's release too, so that a fop on the file finds them (and waits for them).
+    with_unsent: Mutex<HashMap<u64, Arc<Open<F>>>>,
 }
 
 impl<F> Handles<F> {
@@ -305,33 +306,26 @@ impl<F> Handles<F> {
         self.unsent_lock().contains_key(&fh.0)
     }
 
-    /// Notes that handle `fh` on node `ino` holds writes not yet sent (`true`), or no longer.
-    fn note_unsent(&self, fh: u64, ino: u64, holds: bool) {
-        match holds {
-            true => self.unsent_lock().insert(fh, ino),
-            false => self.unsent_lock().remove(&fh),
-        };
+    /// Notes that handle `fh` (`open`) holds writes not yet sent.
+    fn note_unsent(&self, fh: u64, open: &Arc<Open<F>>) {
+        self.unsent_lock().insert(fh, open.clone());
     }
 
-    /// The handles holding writes not yet sent: on node `ino`, or all.
+    /// Notes that what handle `fh` held is on the brick (or refused).
+    fn note_sent(&self, fh: u64) {
+        self.unsent_lock().remove(&fh);
+    }
+
+    /// The handles holding writes not yet sent (or being sent): on node `ino`, or all.
     fn with_unsent(&self, ino: Option<u64>) -> Vec<(u64, Arc<Open<F>>)> {
-        let fhs: Vec<u64> = self
-            .unsent_lock()
+        self.unsent_lock()
             .iter()
-            .filter(|&(_, &on)| ino.is_none_or(|ino| ino == on))
-            .map(|(&fh, _)| fh)
-            .collect();
-        // Most fops of the mount look here first: nothing to find is the usual answer.
-        if fhs.is_empty() {
-            return Vec::new();
-        }
-        let files = self.lock();
-        fhs.into_iter()
-            .filter_map(|fh| Some((fh, files.get(&fh)?.clone())))
+            .filter(|(_, open)| ino.is_none_or(|ino| ino == open.ino))
+            .map(|(&fh, open)| (fh, open.clone()))
             .collect()
     }
 
-    fn unsent_lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, u64>> {
+    fn unsent_lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<Open<F>>>> {
         self.with_unsent.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -573,8 +567,10 @@ impl<L: Layer> Shared<L> {
         // Where the hold stands before the changes queued are sent: those made after are
         // counted in by the hold, those before are on the brick when it lists.
         let held = self.leases.listing_mark(&gfid);
-        // A listing shows the files created here that are still deferred.
+        // A listing shows the files created here that are still deferred, and the sizes of
+        // those written here.
         self.settle_dir(Some(gfid)).await;
+        self.send_undescribed_writes().await;
         let lease = match self.uses_leases() && !self.leases.has_lease(&gfid) {
             true => LeaseKind::Read,
             false => LeaseKind::None,
@@ -838,14 +834,15 @@ impl<L: Layer> Shared<L> {
     }
 
     /// Gathers `data`, written at `offset` through handle `fh` (`open`) by `c`, to go later
-    /// with the writes that continue it, when the mount describes the file itself; whether
-    /// it did. What the handle gathered before and `data` does not continue is sent first,
-    /// and its refusal is this write's error.
+    /// with the writes that continue it, when the mount describes the file itself or writes
+    /// behind ([`super::MountOptions::write_behind`]); whether it did. What the handle
+    /// gathered before and `data` does not continue is sent first, and its refusal is this
+    /// write's error.
     async fn write_behind(
         &self,
         c: &Creds,
         fh: FileHandle,
-        open: &Open<L::Fd>,
+        open: &Arc<Open<L::Fd>>,
         offset: u64,
         data: &Bytes,
     ) -> Result<bool> {
@@ -863,14 +860,15 @@ impl<L: Layer> Shared<L> {
         };
         if !gathered {
             if let Some(earlier) = unsent.take() {
-                self.handles.note_unsent(fh.0, open.ino, false);
-                self.send_unsent(open, earlier).await?;
+                let sent = self.send_unsent(open, earlier).await;
+                self.handles.note_sent(fh.0);
+                sent?;
             }
             // O_SYNC, O_DSYNC and O_DIRECT writes are on the brick when they return.
             let synchronous = [OpenFlags::SYNC, OpenFlags::DSYNC, OpenFlags::DIRECT];
             let may_gather = !synchronous.iter().any(|&f| open.flags.contains(f))
                 && data.len() < UNSENT_BYTES_MAX
-                && self.leases.local(&gfid).is_some();
+                && (self.options.write_behind || self.leases.local(&gfid).is_some());
             let budget = may_gather
                 .then(|| {
                     let total = &self.handles.unsent_bytes;
@@ -886,7 +884,7 @@ impl<L: Layer> Shared<L> {
                 data: bytes::BytesMut::from(&data[..]),
                 _budget: budget,
             });
-            self.handles.note_unsent(fh.0, open.ino, true);
+            self.handles.note_unsent(fh.0, open);
         }
         let end = offset + data.len() as u64;
         self.leases.update_local(&gfid, |iatt| {
@@ -919,6 +917,22 @@ impl<L: Layer> Shared<L> {
         }
     }
 
+    /// Sends the writes gathered for the files the mount does not describe itself, before a
+    /// fop whose reply may carry their attributes (a LOOKUP, a listing, a LINK): the brick
+    /// must not tell the kernel a size or time older than what it wrote. The files the
+    /// mount describes are answered from that description instead.
+    pub(super) async fn send_undescribed_writes(&self) {
+        for (fh, open) in self.handles.with_unsent(None) {
+            let described = self
+                .inodes
+                .gfid(open.ino)
+                .and_then(|g| self.leases.local(&g));
+            if described.is_none() {
+                self.send_handle_writes(fh, &open).await;
+            }
+        }
+    }
+
     /// Sends the writes gathered by handle `fh` (`open`), keeping a refusal for the file's
     /// next `close` or `fsync`.
     async fn send_handle_writes(&self, fh: u64, open: &Open<L::Fd>) {
@@ -926,8 +940,10 @@ impl<L: Layer> Shared<L> {
         let Some(held) = unsent.take() else {
             return;
         };
-        self.handles.note_unsent(fh, open.ino, false);
-        if let Err(e) = self.send_unsent(open, held).await
+        let sent = self.send_unsent(open, held).await;
+        // Only now: a fop on the file that looks meanwhile waits for the lock above.
+        self.handles.note_sent(fh);
+        if let Err(e) = sent
             && let Some(gfid) = self.inodes.gfid(open.ino)
         {
             tracing::warn!(error = ?e, "data written behind was refused by the brick");
@@ -1168,7 +1184,7 @@ impl<L: Layer> Shared<L> {
         if self.settle(open.ino).await.is_ok() {
             self.pending.take_failure(open.ino);
         }
-        if let Ok(open) = Arc::try_unwrap(open)
+        if let Some(open) = sole(open).await
             && let Some(fd) = open.fd.into_inner()
             && let Err(e) = self.layer.release(c, fd).await
         {
@@ -1286,6 +1302,7 @@ impl<L: Layer> Shared<L> {
             // What the listing keeps must hold the deferred creates made before it.
             self.settle_dir(Some(dir)).await;
         }
+        self.send_undescribed_writes().await;
         let size = ReaddirSize::new(READDIR_FETCH_BYTES).ok_or(Errno::EINVAL)?;
         let fop = FdFop::new(|fd| kiln_wire::ReaddirpXattrs { fd, offset, size }.into());
         let reply = self.layer.call_fd(c, self.fd(open).await?, fop).await;
@@ -1328,6 +1345,24 @@ impl<L: Layer> Shared<L> {
             listing.from = offset;
         }
     }
+}
+
+/// Times a released handle's last holders get to let it go, a millisecond apart: tasks that
+/// looked at its writes not yet sent ([`Handles::with_unsent`]) drop it once those are sent.
+const RELEASE_WAITS: u32 = 1000;
+
+/// `open` once no other task holds it, or `None` if one still does after [`RELEASE_WAITS`]
+/// (its fd then goes with the session).
+async fn sole<F>(mut open: Arc<Open<F>>) -> Option<Open<F>> {
+    for _ in 0..RELEASE_WAITS {
+        match Arc::try_unwrap(open) {
+            Ok(open) => return Some(open),
+            Err(shared) => open = shared,
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    tracing::warn!("a released handle is still in use; its fd goes with the session");
+    None
 }
 
 #[cfg(test)]

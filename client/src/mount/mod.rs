@@ -77,6 +77,12 @@ pub struct MountOptions {
     /// a read lease, so another client's change to it drops what the kernel caches of it
     /// at once ([`file_leases`]).
     pub file_leases: bool,
+    /// A file's writes are gathered (up to a MiB per open file) and sent when they stop
+    /// continuing each other, at its close or `fsync`, before any fop that reads it back
+    /// from the brick, and before a lock changes: a WRITE costs no round trip, and a
+    /// refusal is returned at the next `close` or `fsync` (GlusterFS's write-behind).
+    /// Off, only the files the mount made under a directory's write lease gather theirs.
+    pub write_behind: bool,
     /// With listings fetched ahead, the next small files of a directory read in the order it
     /// was listed are fetched ahead of the reader ([`prefetch`]).
     pub file_prefetch: bool,
@@ -131,6 +137,7 @@ impl Default for MountOptions {
             behind_bytes_max: 64 << 20,
             listing_prefetch: true,
             file_leases: true,
+            write_behind: true,
             file_prefetch: true,
             read_ahead_kib: READ_AHEAD_KIB_DEFAULT,
             connections: 1,
@@ -196,6 +203,7 @@ impl MountOptions {
             "behind-bytes-max" => self.behind_bytes_max = bytes(key, value)?,
             "listing-prefetch" => flag(&mut self.listing_prefetch)?,
             "file-leases" => flag(&mut self.file_leases)?,
+            "write-behind" => flag(&mut self.write_behind)?,
             "file-prefetch" => flag(&mut self.file_prefetch)?,
             "read-ahead-kib" => self.read_ahead_kib = kib(key, value)?,
             "connections" => self.connections = connections(key, value)?,

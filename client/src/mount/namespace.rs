@@ -179,6 +179,10 @@ impl<L: Layer> Shared<L> {
         }
         let is_dir = matches!(fop, FopRequest::Mkdir(_));
         let is_link = matches!(fop, FopRequest::Link(_));
+        if is_link {
+            // Its reply carries the file's attributes.
+            self.send_undescribed_writes().await;
+        }
         let reply = self.call_with_leases(c, fop, &wants).await;
         if reply.is_ok() {
             self.leases.add_entry(&parent, &name, gfid);

@@ -261,6 +261,7 @@ impl<L: Layer> Shared<L> {
         if !self.leases.asks_before_queued(&lookup.parent) {
             self.behind.settle(&lookup.parent).await;
         }
+        self.send_undescribed_writes().await;
         let (parent, name) = (lookup.parent, lookup.name.clone());
         // Asked under a lease of a directory whose entries are not all known: the answer
         // is learned.
