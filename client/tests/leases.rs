@@ -1143,6 +1143,51 @@ fn a_file_made_elsewhere_is_written_behind_and_whole_after_close() {
     assert_brick_consistent(&a);
 }
 
+/// Writes gathered behind go to the brick before the lock they were made under is let go:
+/// another mount that takes the lock next reads them, while the writer still has the file
+/// open (POSIX locks order writers across clients; close-to-open alone would not).
+#[test]
+fn writes_before_an_unlock_are_read_by_the_next_locker_in_another_mount() {
+    let mut a = brick();
+    fs::create_dir(a.path("d")).expect("mkdir");
+    fs::write(a.path("d/f"), b"made before").expect("write");
+    fsync_dir(&a.path("d")).expect("sent");
+    // Mounted again: no lease left whose recall would send the writes.
+    a.unmount();
+    a.mount(&[]);
+    let b = a.another("b", &[]);
+    let script = r#"
+import fcntl, os, sys
+in_a, in_b = sys.argv[1], sys.argv[2]
+a = os.open(in_a, os.O_RDWR)
+fcntl.lockf(a, fcntl.LOCK_EX)
+for i in range(10):
+    os.write(a, bytes([65 + i]) * 4096)
+fcntl.lockf(a, fcntl.LOCK_UN)
+b = os.open(in_b, os.O_RDWR)
+fcntl.lockf(b, fcntl.LOCK_EX)
+data = os.read(b, 1 << 20)
+want = b"".join(bytes([65 + i]) * 4096 for i in range(10))
+print("whole" if data == want else "read %d bytes" % len(data))
+fcntl.lockf(b, fcntl.LOCK_UN)
+os.close(b)
+os.close(a)
+"#;
+    let out = std::process::Command::new("python3")
+        .args(["-c", script])
+        .arg(a.path("d/f"))
+        .arg(b.path("d/f"))
+        .output()
+        .expect("python3 runs");
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{said}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(said.trim(), "whole");
+}
+
 /// A write the mount gathered and the brick then refuses (the file made immutable on the
 /// brick meanwhile) is the error of the file's next `fsync`, and of its next `close`.
 #[test]
