@@ -123,7 +123,10 @@ impl<L: Layer> KilnFs<L> {
     fn note_change(&self, inos: &[INodeNo]) {
         for ino in inos {
             match self.shared.inodes.gfid(ino.0) {
-                Some(gfid) => self.shared.leases.note_change(gfid),
+                Some(gfid) => {
+                    self.shared.made.forget(&gfid);
+                    self.shared.leases.note_change(gfid);
+                }
                 None => return self.shared.leases.note_any_change(),
             }
         }

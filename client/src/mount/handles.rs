@@ -722,6 +722,11 @@ impl<L: Layer> Shared<L> {
         if let Some(data) = open.read_ahead(offset, size, self.leases.changes()) {
             return Ok(data);
         }
+        if let Some(data) = self.made_content(open.ino) {
+            let start = usize::try_from(offset).map_or(data.len(), |o| o.min(data.len()));
+            let end = data.len().min(start + size as usize);
+            return Ok(data.slice(start..end));
+        }
         if let Some(slot) = self.pending.get(open.ino)
             && let Some(pending) = slot.lock().await.as_ref()
         {
@@ -954,8 +959,18 @@ impl<L: Layer> Shared<L> {
     /// Forgets the mount's description of node `ino`: the brick changed it.
     pub(super) fn forget_described(&self, ino: u64) {
         if let Some(gfid) = self.inodes.gfid(ino) {
+            self.made.forget(&gfid);
             self.leases.forget_local(&gfid);
         }
+    }
+
+    /// The content of node `ino` as the mount made it, while the mount still describes the
+    /// file ([`super::made`]).
+    fn made_content(&self, ino: u64) -> Option<Bytes> {
+        let gfid = self.inodes.gfid(ino)?;
+        let data = self.made.get(&gfid)?;
+        let described = self.leases.local(&gfid)?;
+        (described.iatt.size == data.len() as u64).then_some(data)
     }
 
     /// Runs the fd fop `fop` through handle `open`.
@@ -1111,6 +1126,7 @@ impl<L: Layer> Shared<L> {
         let put = pending.into_put().ok()?;
         let touches = [iatt.gfid, put.parent];
         let content = put.data.clone().into_bytes();
+        self.made.keep(iatt.gfid, content.clone());
         self.leases.describe(iatt);
         self.behind.push(&creds, put.into(), &touches).await;
         Some(content)
@@ -1180,8 +1196,14 @@ impl<L: Layer> Shared<L> {
             self.close_unflushed(c, &open).await;
             self.close_behind(open.ino).await;
         }
-        // Normally the close (FLUSH) has sent a deferred create already.
-        if self.settle(open.ino).await.is_ok() {
+        // Normally the close (FLUSH) has sent a deferred create already, or queued its PUT
+        // behind, which nothing here waits for: a release waiting for its file's PUT would
+        // be woken at every batch answered before it, as would every other such release.
+        let sent = match self.pending.get(open.ino) {
+            Some(_) => self.settle(open.ino).await,
+            None => Ok(()),
+        };
+        if sent.is_ok() {
             self.pending.take_failure(open.ino);
         }
         if let Some(open) = sole(open).await

@@ -22,6 +22,7 @@ mod fs;
 mod handles;
 mod inodes;
 mod leases;
+mod made;
 mod namespace;
 mod pending;
 mod prefetch;

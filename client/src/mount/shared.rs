@@ -21,6 +21,7 @@ use super::file_leases::FileLeases;
 use super::handles::{Handles, Open};
 use super::inodes::Inodes;
 use super::leases::{Answer, Leases};
+use super::made::MadeFiles;
 use super::pending::{ParentAttr, PendingCreates};
 use super::prefetch::Prefetch;
 use crate::{Error, FdFop, Layer};
@@ -37,6 +38,8 @@ pub(super) struct Shared<L: Layer> {
     pub(super) files: FileLeases,
     pub(super) behind: Behind,
     pub(super) prefetch: Prefetch,
+    /// The content of small files made here, answering their reads.
+    pub(super) made: MadeFiles,
     /// Tells the kernel to drop what it caches (set once the FUSE session exists).
     pub(super) kernel: std::sync::OnceLock<fuser::Notifier>,
 }
@@ -60,6 +63,7 @@ impl<L: Layer> Shared<L> {
             leases: Leases::default(),
             files: FileLeases::default(),
             prefetch: Prefetch::default(),
+            made: MadeFiles::default(),
             kernel: std::sync::OnceLock::new(),
         }
     }
