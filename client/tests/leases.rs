@@ -1126,6 +1126,16 @@ fn files_made_here_read_back_without_the_brick_and_never_stale() {
     assert_brick_consistent(&a);
 }
 
+/// Makes `d/<name>` holding "made before" through mount `a` and sends it to the brick, then
+/// mounts `a` again with `options`: the new mount holds no lease and describes nothing.
+fn file_made_before(a: &mut Mounted, name: &str, options: &[&str]) {
+    fs::create_dir_all(a.path("d")).expect("mkdir");
+    fs::write(a.path(&format!("d/{name}")), b"made before").expect("write");
+    fsync_dir(&a.path("d")).expect("sent");
+    a.unmount();
+    a.mount(options);
+}
+
 /// A file the mount did not make, written in small pieces, goes to the brick a MiB at a
 /// time (`write-behind`): the writer reads back every byte and the size it wrote at once,
 /// from a fresh handle and through listings and lookups that ask the brick; another mount
@@ -1136,9 +1146,7 @@ fn a_file_made_elsewhere_is_written_behind_and_whole_after_close() {
     use std::io::{Read, Write};
     let metrics = common::free_loopback_addr();
     let mut a = Mounted::with_brick(&counted(&metrics), &[]);
-    fs::create_dir(a.path("d")).expect("mkdir");
-    fs::write(a.path("d/f"), b"made before").expect("write");
-    fsync_dir(&a.path("d")).expect("sent");
+    file_made_before(&mut a, "f", &[]);
     let b = a.another("b", &[]);
     let writes = || common::fop_calls(&common::scrape(&metrics), "WRITE");
     let piece = |i: usize| vec![(i % 251) as u8; 4096];
@@ -1200,12 +1208,8 @@ fn a_file_made_elsewhere_is_written_behind_and_whole_after_close() {
 #[test]
 fn writes_before_an_unlock_are_read_by_the_next_locker_in_another_mount() {
     let mut a = brick();
-    fs::create_dir(a.path("d")).expect("mkdir");
-    fs::write(a.path("d/f"), b"made before").expect("write");
-    fsync_dir(&a.path("d")).expect("sent");
-    // Mounted again: no lease left whose recall would send the writes.
-    a.unmount();
-    a.mount(&[]);
+    // No lease left whose recall would send the writes.
+    file_made_before(&mut a, "f", &[]);
     let b = a.another("b", &[]);
     let script = r#"
 import fcntl, os, sys
@@ -1244,11 +1248,7 @@ os.close(a)
 #[test]
 fn a_write_refused_behind_is_the_next_fsync_s_and_close_s_error() {
     let mut a = brick();
-    fs::create_dir(a.path("d")).expect("mkdir");
-    fs::write(a.path("d/g"), b"made before").expect("write");
-    fsync_dir(&a.path("d")).expect("sent");
-    a.unmount();
-    a.mount(&[]);
+    file_made_before(&mut a, "g", &[]);
     let on_brick = a.cluster.brick.join("d/g");
     // Python's `os.close` reports what close(2) returns. The brick's file is made immutable
     // by ioctl, not by `chattr`: a child process would close its copy of the descriptor at
