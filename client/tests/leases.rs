@@ -1126,6 +1126,19 @@ fn files_made_here_read_back_without_the_brick_and_never_stale() {
     assert_brick_consistent(&a);
 }
 
+/// Runs Python `script` with `args`; what it printed (it must succeed).
+fn python(script: &str, args: &[&Path]) -> String {
+    let out = std::process::Command::new("python3")
+        .args(["-c", script])
+        .args(args)
+        .output()
+        .expect("python3 runs");
+    let said = String::from_utf8_lossy(&out.stdout).into_owned();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{said}{err}");
+    said
+}
+
 /// Makes `d/<name>` holding "made before" through mount `a` and sends it to the brick, then
 /// mounts `a` again with `options`: the new mount holds no lease and describes nothing.
 fn file_made_before(a: &mut Mounted, name: &str, options: &[&str]) {
@@ -1228,18 +1241,7 @@ fcntl.lockf(b, fcntl.LOCK_UN)
 os.close(b)
 os.close(a)
 "#;
-    let out = std::process::Command::new("python3")
-        .args(["-c", script])
-        .arg(a.path("d/f"))
-        .arg(b.path("d/f"))
-        .output()
-        .expect("python3 runs");
-    let said = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{said}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let said = python(script, &[&a.path("d/f"), &b.path("d/f")]);
     assert_eq!(said.trim(), "whole");
 }
 
@@ -1281,18 +1283,7 @@ except OSError as e:
     print("close", e.errno)
 immutable(False)
 "#;
-    let out = std::process::Command::new("python3")
-        .args(["-c", script])
-        .arg(a.path("d/g"))
-        .arg(&on_brick)
-        .output()
-        .expect("python3 runs");
-    let said = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{said}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let said = python(script, &[&a.path("d/g"), &on_brick]);
     assert_eq!(
         said,
         format!("fsync {}\nclose {}\n", libc::EPERM, libc::EPERM)
