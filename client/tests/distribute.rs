@@ -117,6 +117,24 @@ fn rename_in(dir: Gfid, from: &str, to: &str) -> kiln_wire::FopRequest {
     .into()
 }
 
+/// UNLINK of `n` in directory `parent`.
+fn unlink_in(parent: Gfid, n: &str) -> kiln_wire::FopRequest {
+    kiln_wire::Unlink {
+        parent,
+        name: name(n),
+    }
+    .into()
+}
+
+/// Each fop's answer in a BATCH reply: done, or its error.
+fn answers(reply: &kiln_wire::BatchReply) -> Vec<Result<(), ErrorCode>> {
+    reply
+        .results
+        .iter()
+        .map(|r| r.as_ref().map(drop).map_err(|e| *e))
+        .collect()
+}
+
 fn name(s: &str) -> Name {
     Name::new(s.to_owned()).expect("name")
 }
@@ -971,10 +989,6 @@ fn a_batch_removes_directories_after_their_files_and_answers_in_order() {
             }
         }
         put_x(&v, &creds, "/t/top").await;
-        let unlink = |parent: Gfid, n: &str| kiln_wire::Unlink {
-            parent,
-            name: name(n),
-        };
         let rmdir = |parent: Gfid, n: &str| kiln_wire::Rmdir {
             parent,
             name: name(n),
@@ -984,7 +998,7 @@ fn a_batch_removes_directories_after_their_files_and_answers_in_order() {
         for (d, dir) in ["a", "b"].into_iter().zip(&dirs) {
             for f in 0..5 {
                 batch
-                    .push(unlink(dir.gfid, &format!("f{f}")).into())
+                    .push(unlink_in(dir.gfid, &format!("f{f}")))
                     .expect("fits");
                 expected.push(Ok(()));
             }
@@ -994,7 +1008,7 @@ fn a_batch_removes_directories_after_their_files_and_answers_in_order() {
         // c keeps one file.
         for f in 0..4 {
             batch
-                .push(unlink(dirs[2].gfid, &format!("f{f}")).into())
+                .push(unlink_in(dirs[2].gfid, &format!("f{f}")))
                 .expect("fits");
             expected.push(Ok(()));
         }
@@ -1007,7 +1021,7 @@ fn a_batch_removes_directories_after_their_files_and_answers_in_order() {
         };
         let tail: [(kiln_wire::FopRequest, Result<(), ErrorCode>); 5] = [
             (rmdir(t.gfid, "c").into(), Err(ErrorCode::NotEmpty)),
-            (unlink(t.gfid, "top").into(), Ok(())),
+            (unlink_in(t.gfid, "top"), Ok(())),
             (rmdir(Gfid::ROOT, "t").into(), Err(ErrorCode::NotEmpty)),
             (mkdir.clone().into(), Ok(())),
             (rmdir(t.gfid, "nowhere").into(), Err(ErrorCode::NoEnt)),
@@ -1017,12 +1031,7 @@ fn a_batch_removes_directories_after_their_files_and_answers_in_order() {
             expected.push(answer);
         }
         let answered = v.batch(batch).await.expect("batch");
-        let answers: Vec<Result<(), ErrorCode>> = answered
-            .results
-            .iter()
-            .map(|r| r.as_ref().map(drop).map_err(|e| *e))
-            .collect();
-        assert_eq!(answers, expected);
+        assert_eq!(answers(&answered), expected);
         assert!(
             volume.holders("t/b").is_empty(),
             "b removed from every brick"
@@ -1071,13 +1080,7 @@ fn unlinks_remove_files_where_they_live_and_their_link_files() {
         for p in &plain {
             put_x(&v, &creds, &format!("/u/{p}")).await;
         }
-        let unlink = |n: &str| -> kiln_wire::FopRequest {
-            kiln_wire::Unlink {
-                parent: dir.gfid,
-                name: name(n),
-            }
-            .into()
-        };
+        let unlink = |n: &str| unlink_in(dir.gfid, n);
         let (alone, batched) = ([&moved[0], &plain[0]], moved[1..].iter().chain(&plain[1..]));
         for n in alone {
             v.call(&creds, unlink(n)).await.expect("unlink alone");
@@ -1088,14 +1091,9 @@ fn unlinks_remove_files_where_they_live_and_their_link_files() {
         }
         batch.push(unlink("nowhere")).expect("fits");
         let answered = v.batch(batch).await.expect("batch");
-        let answers: Vec<Result<(), ErrorCode>> = answered
-            .results
-            .iter()
-            .map(|r| r.as_ref().map(drop).map_err(|e| *e))
-            .collect();
         let mut expected = vec![Ok(()); batched.count()];
         expected.push(Err(ErrorCode::NoEnt));
-        assert_eq!(answers, expected);
+        assert_eq!(answers(&answered), expected);
         for n in moved.iter().chain(&plain) {
             assert!(
                 volume.holders(&format!("u/{n}")).is_empty(),

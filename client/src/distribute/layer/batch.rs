@@ -229,8 +229,7 @@ impl<L: Layer> Distribute<L> {
             FopRequest::Unlink(r) => (r.parent, &r.name, Direct::Remove),
             _ => return None,
         };
-        let (hashed, layout) = self.hashed(parent, name).await.ok()?;
-        authoritative(&layout).then(|| direct(hashed))
+        self.settled_brick(parent, name).await.map(direct)
     }
 
     /// The fops `fop_of(i)` of each brick's indexes in `by_brick`, as one BATCH per brick, all

@@ -669,8 +669,7 @@ impl<L: Layer> Distribute<L> {
         creds: &Creds,
         r: kiln_wire::Unlink,
     ) -> Result<FopReply, Error> {
-        if let Ok((hashed, layout)) = self.hashed(r.parent, &r.name).await
-            && authoritative(&layout)
+        if let Some(hashed) = self.settled_brick(r.parent, &r.name).await
             && self.takes_unlink_settled(hashed)
         {
             let (parent, name) = (r.parent, r.name.clone());
@@ -865,6 +864,14 @@ impl<L: Layer> Distribute<L> {
                 .await;
         }
         linked
+    }
+
+    /// The brick `name` in directory `parent` hashes to, where the parent's layout is
+    /// authoritative: a name not there is nowhere, one there lives there unless it is a link
+    /// file or being moved.
+    pub(super) async fn settled_brick(&self, parent: Gfid, name: &Name) -> Option<usize> {
+        let (hashed, layout) = self.hashed(parent, name).await.ok()?;
+        authoritative(&layout).then_some(hashed)
     }
 
     /// Whether brick `i` takes UNLINK_SETTLED.
