@@ -312,20 +312,20 @@ pub trait LayerExt: Layer {
         }
     }
 
-    /// Writes `data` (at most 1 MiB) at `offset`; the file's attributes after.
+    /// Writes `data` (at most 1 MiB) at `offset`; the file's attributes before and after.
     fn write(
         &self,
         creds: &Creds,
         fd: &Self::Fd,
         offset: u64,
         data: Bytes,
-    ) -> impl Future<Output = Result<Iatt, Error>> + Send {
+    ) -> impl Future<Output = Result<kiln_wire::AttrChange, Error>> + Send {
         async move {
             let data = kiln_wire::Payload::new(data)
                 .map_err(|e| Error::Fop(ErrorCode::from_errno(e.errno())))?;
             let fop = FdFop::new(|fd| kiln_wire::Write { fd, offset, data }.into());
             match self.call_fd(creds, fd, fop).await? {
-                FopReply::Write(r) => Ok(r.post),
+                FopReply::Write(r) => Ok(r),
                 _ => Err(unexpected("WRITE")),
             }
         }

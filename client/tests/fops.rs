@@ -136,11 +136,11 @@ async fn exercise(v: &BrickClient, seen: &mut std::collections::BTreeSet<FopCode
         .expect("create");
     let file = created.iatt.gfid;
     seen.insert(FopCode::Write);
-    let post = v
+    let written = v
         .write(&creds, &fd, 0, Bytes::from_static(b"hello, kiln"))
         .await
         .expect("write");
-    assert_eq!(post.size, 11);
+    assert_eq!((written.pre.size, written.post.size), (0, 11));
     call_fd!(&fd, Flush, |fd| kiln_wire::Flush { fd, lock_owner: 1 });
     call_fd!(&fd, Fsync, |fd| kiln_wire::Fsync { fd, datasync: true });
     let st = call_fd!(&fd, Fstat, |fd| kiln_wire::Fstat { fd });

@@ -1126,6 +1126,87 @@ fn files_made_here_read_back_without_the_brick_and_never_stale() {
     assert_brick_consistent(&a);
 }
 
+/// The kernel keeps the pages a mount wrote to a file it did not make: reading the file back
+/// after the close asks the brick one STAT under the new lease, not the data — rewritten in
+/// place or emptied and written again. Another mount's change shows at the next open all
+/// the same (close-to-open). With `file-leases=off` the kernel drops the pages whenever the
+/// file's mtime moves, so the read goes to the brick (the control).
+#[test]
+fn pages_written_here_are_read_back_without_the_brick_and_never_stale() {
+    use std::io::Write;
+    let metrics = common::free_loopback_addr();
+    let mut a = Mounted::with_brick(&counted(&metrics), &[]);
+    file_made_before(&mut a, "f", &[]);
+    let b = a.another("b", &[]);
+    let reads = || {
+        let now = common::scrape(&metrics);
+        ["READ", "GET"].map(|fop| common::fop_calls(&now, fop))
+    };
+    // Whole pages: the kernel keeps a page a write filled whole.
+    let content = |fill: u8| vec![fill; 16 * 4096];
+    for (file_leases, kept) in [("on", true), ("off", false)] {
+        a.unmount();
+        a.mount(&[&format!("file-leases={file_leases}")]);
+        for (fill, truncate) in [(b'1', false), (b'2', true)] {
+            let mut file = fs::OpenOptions::new()
+                .write(true)
+                .truncate(truncate)
+                .open(a.path("d/f"))
+                .expect("open");
+            for piece in content(fill).chunks(4096) {
+                file.write_all(piece).expect("write");
+            }
+            drop(file);
+            let before = reads();
+            assert!(fs::read(a.path("d/f")).expect("read") == content(fill));
+            let asked = reads() != before;
+            assert_eq!(
+                asked,
+                !kept,
+                "file-leases={file_leases}, truncate={truncate}: READ and GET {before:?} \
+                 before, {:?} after\n{}",
+                reads(),
+                a.logs()
+            );
+        }
+        // Changed in the other mount and closed there: read changed here.
+        fs::write(b.path("d/f"), content(b'b')).expect("write in b");
+        assert!(
+            fs::read(a.path("d/f")).expect("read") == content(b'b'),
+            "file-leases={file_leases}: a reads what b wrote"
+        );
+    }
+    assert_brick_consistent(&a);
+}
+
+/// A file held open for writing here (no read lease covers it) and changed in another mount
+/// reads changed through the same handle once a stat here has seen the change: the kernel's
+/// pages of it go before the stat returns.
+#[test]
+fn a_file_open_here_reads_another_mount_s_change_after_a_stat() {
+    use std::io::{Read, Seek};
+    let mut a = brick();
+    file_made_before(&mut a, "f", &["attr-timeout-ms=0"]);
+    let b = a.another("b", &[]);
+    let mut file = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(a.path("d/f"))
+        .expect("open");
+    let read = |file: &mut fs::File| {
+        let mut read = Vec::new();
+        file.rewind().expect("rewind");
+        file.read_to_end(&mut read).expect("read");
+        read
+    };
+    assert_eq!(read(&mut file), b"made before");
+    // As long, so that only the mtime tells.
+    fs::write(b.path("d/f"), b"changed in b").expect("write in b");
+    fs::write(b.path("d/f"), b"made in b!!").expect("write in b");
+    fs::metadata(a.path("d/f")).expect("stat");
+    assert_eq!(read(&mut file), b"made in b!!", "{}", a.logs());
+}
+
 /// Runs Python `script` with `args`; what it printed (it must succeed).
 fn python(script: &str, args: &[&Path]) -> String {
     let out = std::process::Command::new("python3")

@@ -63,7 +63,7 @@ fn supplementary_groups(pid: u32) -> Groups {
 /// How the kernel should treat a file opened with `flags`: O_DIRECT bypasses its page cache
 /// (the brick's own cache still serves it: the brick cannot honour O_DIRECT's alignment
 /// rules for buffers it did not allocate, and O_DIRECT promises no durability anyway); other
-/// opens keep what is cached, which the kernel drops when the file's mtime or size changes.
+/// opens keep what is cached, which goes when the file changes elsewhere ([`super::pages`]).
 pub(super) fn fopen_flags(flags: i32) -> FopenFlags {
     if flags & libc::O_DIRECT != 0 {
         FopenFlags::FOPEN_DIRECT_IO

@@ -20,6 +20,7 @@ use std::future::Future;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
@@ -256,7 +257,12 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         let _ = config.set_max_readahead(io_max);
         let _ = config.set_max_background(BACKGROUND_MAX);
         let _ = config.set_congestion_threshold(BACKGROUND_MAX * 3 / 4);
-        let wanted = self.shared.options.kernel_features();
+        // Every page the kernel keeps is covered by a lease only where files are leased.
+        let pages_told = self.shared.uses_file_leases()
+            && config
+                .capabilities()
+                .contains(InitFlags::FUSE_EXPLICIT_INVAL_DATA);
+        let wanted = self.shared.options.kernel_features(pages_told);
         let available = wanted & config.capabilities();
         if available != wanted {
             tracing::warn!(missing = ?(wanted & !available), "the kernel lacks FUSE features");
@@ -264,6 +270,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         config
             .add_capabilities(available)
             .map_err(|missing| std::io::Error::other(format!("FUSE features {missing:?}")))?;
+        self.shared.pages_told.store(pages_told, Ordering::Relaxed);
         if self.shared.options.fuse_uring {
             match config.add_capabilities(InitFlags::FUSE_OVER_IO_URING) {
                 Ok(()) => tracing::info!("the kernel's requests come through io_uring"),
@@ -329,6 +336,8 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
             reply,
             async move {
                 let iatt = s.stat(&c, ino.0, fh).await?;
+                // Stale pages go before the kernel has the attributes (and reads on).
+                s.drop_stale_pages(ino.0, &iatt).await;
                 Ok(s.attr(ino.0, &iatt))
             },
             |reply, (attr, ttl)| reply.attr(&ttl, &attr),

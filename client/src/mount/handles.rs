@@ -45,6 +45,7 @@ use super::convert::{
     Result, errno, fopen_flags, name_of, open_mode, requested_access, seek_what, unexpected,
 };
 use super::leases::{Answer, LISTED_ENTRIES_KEPT_MAX, Mark};
+use super::pages::Stamp;
 use super::pending::{DEFERRED_BYTES_MAX, Pending, killed_suidgid};
 use super::shared::{Shared, Ttl, store_pages};
 use crate::path::new_gfid;
@@ -440,6 +441,10 @@ impl<L: Layer> Shared<L> {
             // Writes (or O_TRUNC) change it on the brick.
             self.forget_described(ino);
         }
+        if open_flags.contains(OpenFlags::TRUNC) {
+            // The kernel emptied its pages too: none left that could be stale.
+            self.inodes.pages_dropped(ino);
+        }
         let open = Open {
             executing: flags & EXEC_OPEN != 0,
             no_flush: self.no_flush(ino, access, flags),
@@ -491,7 +496,23 @@ impl<L: Layer> Shared<L> {
             Err(()) => self.give_back_file(gfid).await,
         }
         self.invalidate_attrs(&[gfid]).await;
-        true
+        !self.pages_current(c, gfid).await
+    }
+
+    /// Whether the kernel's pages of file `gfid` are pages this mount wrote and the brick,
+    /// asked now that a lease covers the file, still holds that version of its data
+    /// ([`super::pages`]): one STAT instead of reading the file again.
+    async fn pages_current(&self, c: &Creds, gfid: Gfid) -> bool {
+        let Some(ino) = self.inodes.ino_of(&gfid) else {
+            return false;
+        };
+        if self.inodes.pages_written(ino).is_none() {
+            return false;
+        }
+        match self.layer.call(c, kiln_wire::Stat { gfid }.into()).await {
+            Ok(FopReply::Stat(r)) => !self.inodes.pages_seen(ino, Stamp::of(&r.iatt)),
+            _ => false,
+        }
     }
 
     /// Whether the mount answers for what the kernel caches of `gfid` by other means than a
@@ -818,6 +839,7 @@ impl<L: Layer> Shared<L> {
         }
         let written = self.layer.write(c, fd, offset, data).await;
         self.forget_described(open.ino);
+        self.note_written(open.ino, &written);
         written.map_err(errno)?;
         Ok(len)
     }
@@ -911,6 +933,7 @@ impl<L: Layer> Shared<L> {
             ..
         } = unsent;
         let written = self.layer.write(&creds, fd, offset, data.freeze()).await;
+        self.note_written(open.ino, &written);
         written.map(drop).map_err(errno)
     }
 
@@ -1097,6 +1120,9 @@ impl<L: Layer> Shared<L> {
                 self.behind.settle(&parent).await;
             }
             let sent = self.pending.settle(&self.layer, ino).await.map_err(errno)?;
+            if let Some(iatt) = &sent {
+                self.note_data_changed(None, iatt);
+            }
             // Made under the directory's write lease: the mount describes it while it holds
             // the lease (its writes can then go behind), as it does the files it sends at
             // close.

@@ -15,6 +15,7 @@ use std::time::Instant;
 
 use kiln_wire::{Gfid, XattrPresence};
 
+use super::pages::{Pages, Stamp};
 use super::pending::ParentAttr;
 
 /// The root directory's node id (`FUSE_ROOT_ID`).
@@ -51,6 +52,8 @@ struct Node {
     dir_attr: Option<(ParentAttr, Instant)>,
     /// The directory whose listing last showed this file to the kernel.
     listed_in: Option<Gfid>,
+    /// What the kernel's pages of this file match.
+    pages: Pages,
 }
 
 impl Inodes {
@@ -67,6 +70,7 @@ impl Inodes {
                 probed: None,
                 dir_attr: None,
                 listed_in: None,
+                pages: Pages::default(),
             },
         );
         map.by_gfid.insert(Gfid::ROOT, ROOT_INO);
@@ -109,6 +113,7 @@ impl Inodes {
                 probed: None,
                 dir_attr: None,
                 listed_in: None,
+                pages: Pages::default(),
             },
         );
         map.by_gfid.insert(gfid, ino);
@@ -127,6 +132,40 @@ impl Inodes {
             map.by_ino.remove(&ino);
             map.by_gfid.remove(&gfid);
         }
+    }
+
+    /// The brick shows file `ino` as `seen`: whether the kernel's pages of it must go
+    /// ([`Pages::seen`]).
+    pub(crate) fn pages_seen(&self, ino: u64, seen: Stamp) -> bool {
+        self.with_pages(ino, |p| p.seen(seen)).unwrap_or(false)
+    }
+
+    /// This mount changed file `gfid`'s data on the brick from `before` to `after`: the node
+    /// whose pages must go, if they must ([`Pages::changed`]).
+    pub(crate) fn pages_changed(
+        &self,
+        gfid: &Gfid,
+        before: Option<Stamp>,
+        after: Stamp,
+    ) -> Option<u64> {
+        let ino = self.ino_of(gfid)?;
+        self.with_pages(ino, |p| p.changed(before, after))
+            .filter(|&stale| stale)
+            .map(|_| ino)
+    }
+
+    /// The kernel's pages of `ino` went (or hold what the brick refused).
+    pub(crate) fn pages_dropped(&self, ino: u64) {
+        self.with_pages(ino, Pages::dropped);
+    }
+
+    /// The version the pages this mount wrote to `ino` match, if the kernel may hold any.
+    pub(crate) fn pages_written(&self, ino: u64) -> Option<Stamp> {
+        self.with_pages(ino, |p| p.written()).flatten()
+    }
+
+    fn with_pages<T>(&self, ino: u64, f: impl FnOnce(&mut Pages) -> T) -> Option<T> {
+        self.lock().by_ino.get_mut(&ino).map(|n| f(&mut n.pages))
     }
 
     /// Marks `ino` as having had a POSIX lock taken through the mount.

@@ -2,11 +2,13 @@
 //!
 //! A deferred create in a held directory goes to the brick as one PUT queued behind its close
 //! ([`super::pending`]), and the mount describes the file while it holds the directory's write
-//! lease. The kernel's pages of it rarely survive until it is read: its first write dropped
-//! the attributes the kernel had from the CREATE, and the next ones it gets (the file's final
-//! mtime) differ, so `FUSE_AUTO_INVAL_DATA` drops the pages stored at the close. A build
-//! reading the objects it just compiled, or a copy checked right after it is made, would read
-//! every file back from the brick. The content is kept here instead, and a READ of such a
+//! lease. Without file leases the kernel's pages of it rarely survive until it is read: its
+//! first write dropped the attributes the kernel had from the CREATE, and the next ones it
+//! gets (the file's final mtime) differ, so `FUSE_AUTO_INVAL_DATA` drops the pages stored at
+//! the close (with them the mount keeps the pages, [`super::pages`], but the kernel may have
+//! reclaimed them). A build reading the objects it just compiled, or a copy checked right
+//! after it is made, would read every file back from the brick. The content is kept here
+//! too, and a READ of such a
 //! file is answered from it while the mount still describes the file — no other client can
 //! have changed it without a recall, which ends the description — and nothing here changed
 //! its data ([`MadeFiles::forget`] at every write, truncate and open for writing).

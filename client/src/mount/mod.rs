@@ -13,6 +13,7 @@
 //! * `namespace`: namespace fops answered under a lease, or run on the brick.
 //! * `behind`: the queue of changes answered here and not yet on the brick.
 //! * `inodes`: node ids ↔ GFIDs with the kernel's lookup counts.
+//! * `pages`: what the kernel's page cache of each file matches, to drop it only when stale.
 //! * `convert`: FUSE ↔ wire types, the caller's credentials, errnos.
 
 mod behind;
@@ -24,6 +25,7 @@ mod inodes;
 mod leases;
 mod made;
 mod namespace;
+mod pages;
 mod pending;
 mod prefetch;
 mod shared;
@@ -237,13 +239,14 @@ impl MountOptions {
         }
     }
 
-    /// The FUSE features the mount asks the kernel for at INIT.
-    fn kernel_features(&self) -> InitFlags {
+    /// The FUSE features the mount asks the kernel for at INIT, the mount telling the kernel
+    /// when to drop a file's pages where `pages_told` (else the kernel drops them when a file's
+    /// mtime or size moves: [`pages`]).
+    fn kernel_features(&self, pages_told: bool) -> InitFlags {
         let mut wanted = InitFlags::FUSE_POSIX_LOCKS
             | InitFlags::FUSE_ATOMIC_O_TRUNC
             | InitFlags::FUSE_DO_READDIRPLUS
             | InitFlags::FUSE_PARALLEL_DIROPS
-            | InitFlags::FUSE_AUTO_INVAL_DATA
             | InitFlags::FUSE_CACHE_SYMLINKS
             // The brick writes, truncates and chowns as the caller, so its own kernel clears
             // set-id bits and capabilities; the FUSE kernel need not ask first (and with v2
@@ -255,6 +258,10 @@ impl MountOptions {
             wanted |= InitFlags::FUSE_WRITEBACK_CACHE;
         }
         wanted
+            | match pages_told {
+                true => InitFlags::FUSE_EXPLICIT_INVAL_DATA,
+                false => InitFlags::FUSE_AUTO_INVAL_DATA,
+            }
     }
 
     /// The mount(2) flags.

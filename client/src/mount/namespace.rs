@@ -616,6 +616,9 @@ impl<L: Layer> Shared<L> {
                 Err(e) => (behind::all_failed(&sent, &e), false),
             };
             for (queued, result) in sent.iter().zip(&results) {
+                if let Ok(reply) = result {
+                    self.note_data_change(reply);
+                }
                 if let FopRequest::Lease(asked) = &queued.fop
                     && asked.kind != LeaseKind::None
                     && !matches!(result, Ok(FopReply::Lease(r)) if r.kind == asked.kind)

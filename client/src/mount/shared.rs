@@ -5,6 +5,7 @@
 
 use std::ffi::OsStr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -22,6 +23,7 @@ use super::handles::{Handles, Open};
 use super::inodes::Inodes;
 use super::leases::{Answer, Leases};
 use super::made::MadeFiles;
+use super::pages::Stamp;
 use super::pending::{ParentAttr, PendingCreates};
 use super::prefetch::Prefetch;
 use crate::{Error, FdFop, Layer};
@@ -42,6 +44,9 @@ pub(super) struct Shared<L: Layer> {
     pub(super) made: MadeFiles,
     /// Tells the kernel to drop what it caches (set once the FUSE session exists).
     pub(super) kernel: std::sync::OnceLock<fuser::Notifier>,
+    /// The kernel drops a file's pages only when the mount tells it ([`super::pages`]; set
+    /// at INIT).
+    pub(super) pages_told: AtomicBool,
 }
 
 /// The kernel's cache lifetimes for one reply.
@@ -65,6 +70,7 @@ impl<L: Layer> Shared<L> {
             prefetch: Prefetch::default(),
             made: MadeFiles::default(),
             kernel: std::sync::OnceLock::new(),
+            pages_told: AtomicBool::new(false),
         }
     }
 
@@ -169,28 +175,118 @@ impl<L: Layer> Shared<L> {
 
     /// `iatt` as the attributes of node `ino`.
     pub(super) fn attr(&self, ino: u64, iatt: &Iatt) -> (FileAttr, Duration) {
-        let iatt = self.described(iatt);
+        let iatt = self.described(ino, iatt);
         self.note_dir(ino, &iatt);
         (file_attr(ino, &iatt), self.options.attr_timeout)
     }
 
     /// An entry handed to the kernel: counts a lookup of its node.
     pub(super) fn entry(&self, iatt: &Iatt) -> (FileAttr, Ttl) {
-        let iatt = self.described(iatt);
         let ino = self.inodes.remember(iatt.gfid);
+        let iatt = self.described(ino, iatt);
         self.note_dir(ino, &iatt);
         (file_attr(ino, &iatt), self.ttl())
     }
 
-    /// What the kernel is told of the object `iatt` describes: the mount's own description
-    /// where it keeps one (an object made, or a directory held, under a lease), so that one
-    /// mount never shows two versions of an object (the brick's times differ from the
-    /// mount's by the moments it took to catch up, and tar's "file changed as we read it"
-    /// compares them).
-    fn described(&self, iatt: &Iatt) -> Iatt {
-        self.leases
-            .local(&iatt.gfid)
-            .map_or_else(|| iatt.clone(), |local| local.iatt)
+    /// What the kernel is told of node `ino`, which the brick describes as `iatt`: the
+    /// mount's own description where it keeps one (an object made, or a directory held,
+    /// under a lease), so that one mount never shows two versions of an object (the brick's
+    /// times differ from the mount's by the moments it took to catch up, and tar's "file
+    /// changed as we read it" compares them). A file the brick describes otherwise than the
+    /// kernel's pages of it have their pages dropped, soon.
+    fn described(&self, ino: u64, iatt: &Iatt) -> Iatt {
+        match self.leases.local(&iatt.gfid) {
+            Some(local) => local.iatt,
+            None => {
+                if self.pages_stale(ino, iatt) {
+                    self.drop_pages_soon(ino);
+                }
+                iatt.clone()
+            }
+        }
+    }
+
+    /// Whether the brick's `iatt` of node `ino` shows another version of its data than the
+    /// kernel's pages of it hold; the pages are taken as matching it from now on.
+    fn pages_stale(&self, ino: u64, iatt: &Iatt) -> bool {
+        self.pages_told.load(Ordering::Relaxed)
+            && iatt.file_type == FileType::Regular
+            && self.inodes.pages_seen(ino, Stamp::of(iatt))
+    }
+
+    /// Drops the kernel's pages of node `ino` if the brick's `iatt` shows another version of
+    /// its data than they hold; returns once they are gone (off the runtime's threads: the
+    /// kernel waits for the locks of pages being read, whose READs other tasks answer).
+    pub(super) async fn drop_stale_pages(&self, ino: u64, iatt: &Iatt) {
+        if self.leases.local(&iatt.gfid).is_none()
+            && self.pages_stale(ino, iatt)
+            && let Some(gfid) = self.inodes.gfid(ino)
+        {
+            self.invalidate_files(&[gfid]).await;
+        }
+    }
+
+    /// Has the kernel drop its pages of node `ino` without waiting for it (an answer on the
+    /// FUSE thread cannot wait: the kernel may wait on a READ only that thread reads).
+    pub(super) fn drop_pages_soon(&self, ino: u64) {
+        self.inodes.pages_dropped(ino);
+        let Some(kernel) = self.kernel.get().cloned() else {
+            return;
+        };
+        let invalidate = move || {
+            let _ = kernel.inval_inode(fuser::INodeNo(ino), 0, 0);
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => _ = runtime.spawn_blocking(invalidate),
+            Err(_) => _ = std::thread::spawn(invalidate),
+        }
+    }
+
+    /// Notes what `reply`, the brick's answer to a fop of this mount, changed of a file's data
+    /// (a WRITE, truncate, allocation, new times, or a PUT that made the file).
+    pub(super) fn note_data_change(&self, reply: &FopReply) {
+        match reply {
+            FopReply::Write(r)
+            | FopReply::Setattr(r)
+            | FopReply::Fsetattr(r)
+            | FopReply::Truncate(r)
+            | FopReply::Ftruncate(r)
+            | FopReply::Fallocate(r)
+            | FopReply::Discard(r)
+            | FopReply::Zerofill(r) => self.note_data_changed(Some(&r.pre), &r.post),
+            FopReply::Put(r) => self.note_data_changed(None, &r.iatt),
+            _ => {}
+        }
+    }
+
+    /// This mount changed a file's data on the brick from `before` (`None`: it made the file)
+    /// to `after`. The kernel's pages hold the change (it came through them); they go if the
+    /// brick had changed since the version they match.
+    pub(super) fn note_data_changed(&self, before: Option<&Iatt>, after: &Iatt) {
+        if !self.pages_told.load(Ordering::Relaxed) {
+            return;
+        }
+        let before = before.map(Stamp::of);
+        if let Some(ino) = self
+            .inodes
+            .pages_changed(&after.gfid, before, Stamp::of(after))
+        {
+            self.drop_pages_soon(ino);
+        }
+    }
+
+    /// Notes the brick's answer to a WRITE of node `ino`: a refused one leaves in the
+    /// kernel's pages what the brick does not hold.
+    pub(super) fn note_written(
+        &self,
+        ino: u64,
+        written: &std::result::Result<kiln_wire::AttrChange, Error>,
+    ) {
+        match written {
+            Ok(r) => self.note_data_changed(Some(&r.pre), &r.post),
+            Err(_) if self.pages_told.load(Ordering::Relaxed) => self.drop_pages_soon(ino),
+            Err(_) => {}
+        }
     }
 
     /// Keeps a directory's permission bits and owner for deciding deferred creates in it.
@@ -406,6 +502,9 @@ impl<L: Layer> Shared<L> {
         if let (Some(open), Some(size)) = (&open, attr.size) {
             let fop = FdFop::new(|fd| kiln_wire::Ftruncate { fd, size }.into());
             let reply = self.layer.call_fd(c, self.fd(open).await?, fop).await;
+            if let Ok(changed) = &reply {
+                self.note_data_change(changed);
+            }
             // The brick describes the file from now on (its size moved).
             self.leases.forget_local(&self.gfid(ino)?);
             truncated = Some(attr_of(reply)?);
@@ -429,6 +528,9 @@ impl<L: Layer> Shared<L> {
                 self.call_node(c, ino, setattr.into()).await
             }
         };
+        if let Ok(changed) = &reply {
+            self.note_data_change(changed);
+        }
         self.leases.forget_local(&gfid);
         attr_of(reply)
     }
