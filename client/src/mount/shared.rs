@@ -193,7 +193,8 @@ impl<L: Layer> Shared<L> {
     /// under a lease), so that one mount never shows two versions of an object (the brick's
     /// times differ from the mount's by the moments it took to catch up, and tar's "file
     /// changed as we read it" compares them). A file the brick describes otherwise than the
-    /// kernel's pages of it have their pages dropped, soon.
+    /// kernel's pages of it has them dropped, soon (a GETATTR's or LOOKUP's answer has them
+    /// dropped first: [`Shared::drop_stale_pages`]).
     fn described(&self, ino: u64, iatt: &Iatt) -> Iatt {
         match self.leases.local(&iatt.gfid) {
             Some(local) => local.iatt,
@@ -375,6 +376,10 @@ impl<L: Layer> Shared<L> {
             Ok(FopReply::LookupXattrs(r)) => {
                 if r.iatt.file_type != FileType::Directory {
                     learn(Some(r.iatt.gfid));
+                }
+                if let Some(ino) = self.inodes.ino_of(&r.iatt.gfid) {
+                    // Stale pages go before the kernel has the entry (and reads on).
+                    self.drop_stale_pages(ino, &r.iatt).await;
                 }
                 let (attr, mut ttl) = self.entry(&r.iatt);
                 self.note_xattrs(attr.ino.0, r.xattrs);
