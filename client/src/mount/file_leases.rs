@@ -9,6 +9,9 @@
 //! * The brick recalls the lease before another client changes the file (its data, size,
 //!   mode, times, xattrs or links through it): the mount has the kernel drop the file's pages
 //!   and attributes, then gives the lease back, so the next read there sees the change.
+//! * The attributes the brick gave with a grant (where asked: [`super::pages`]) answer the
+//!   file's stats while the lease is held and nothing was changed through the mount since
+//!   ([`FileLeases::attrs`]): another client's change recalls the lease first.
 //! * A file whose lease the brick refused (another client changed it lately) is not asked
 //!   about again for [`REFUSED_FOR`].
 //! * At most [`FILE_LEASES_MAX`] are held; the least lately opened goes back first (its
@@ -20,7 +23,7 @@ use std::num::NonZeroUsize;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use kiln_wire::Gfid;
+use kiln_wire::{Gfid, Iatt};
 
 /// Files held under a read lease at most.
 pub(super) const FILE_LEASES_MAX: usize = 4096;
@@ -37,7 +40,9 @@ pub(super) struct FileLeases {
 
 #[derive(Debug)]
 struct State {
-    held: lru::LruCache<Gfid, ()>,
+    /// Each file held, with the attributes the brick gave under the lease and the count of
+    /// changes through the mount when they were asked, if noted.
+    held: lru::LruCache<Gfid, Option<(Iatt, u64)>>,
     /// Files whose lease the brick refused, and when.
     refused: lru::LruCache<Gfid, Instant>,
     /// File recalls seen so far.
@@ -95,8 +100,25 @@ impl FileLeases {
         if state.recalls != asked {
             return Err(());
         }
-        let pushed = state.held.push(gfid, ());
-        Ok(pushed.map(|(evicted, ())| evicted).filter(|e| *e != gfid))
+        let pushed = state.held.push(gfid, None);
+        Ok(pushed.map(|(evicted, _)| evicted).filter(|e| *e != gfid))
+    }
+
+    /// Notes `iatt`, the brick's attributes of held file `gfid` under its lease, asked when
+    /// `changes` changes had been made through the mount.
+    pub(super) fn note_attrs(&self, gfid: &Gfid, iatt: Iatt, changes: u64) {
+        if let Some(noted) = self.lock().held.peek_mut(gfid) {
+            *noted = Some((iatt, changes));
+        }
+    }
+
+    /// The attributes noted of held file `gfid`, if no change was made through the mount
+    /// since they were asked (`changes` made now).
+    pub(super) fn attrs(&self, gfid: &Gfid, changes: u64) -> Option<Iatt> {
+        match self.lock().held.peek(gfid) {
+            Some(Some((iatt, asked))) if *asked == changes => Some(iatt.clone()),
+            _ => None,
+        }
     }
 
     /// A recall of `gfid` came: a grant asked before is not taken; whether the mount held it.
@@ -110,7 +132,7 @@ impl FileLeases {
     pub(super) fn release_all(&self) -> Vec<Gfid> {
         let mut state = self.lock();
         state.recalls += 1;
-        let held = state.held.iter().map(|(gfid, ())| *gfid).collect();
+        let held = state.held.iter().map(|(gfid, _)| *gfid).collect();
         state.held.clear();
         held
     }

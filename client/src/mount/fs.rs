@@ -122,6 +122,7 @@ impl<L: Layer> KilnFs<L> {
     /// entries it changes), before it runs: no listing the mount kept that shows one of them
     /// answers after it. A node the mount does not know may be anything.
     fn note_change(&self, inos: &[INodeNo]) {
+        self.shared.changes.fetch_add(1, Ordering::AcqRel);
         for ino in inos {
             match self.shared.inodes.gfid(ino.0) {
                 Some(gfid) => {

@@ -37,8 +37,8 @@ use bytes::Bytes;
 use fuser::{Errno, FileAttr, FileHandle, FopenFlags, LockOwner};
 use kiln_wire::limits::IO_SIZE_MAX_BYTES;
 use kiln_wire::{
-    AccessMode, Creds, DirEntryXattrs, ErrorCode, FopReply, Gfid, Lease, LeaseKind, Lock, LockCmd,
-    Mode, OpenFlags, ReadSize, ReaddirSize, SetAttr,
+    AccessMode, Batch, Creds, DirEntryXattrs, ErrorCode, FopReply, FopRequest, Gfid, Iatt, Lease,
+    LeaseKind, Lock, LockCmd, Mode, OpenFlags, ReadSize, ReaddirSize, SetAttr,
 };
 
 use super::convert::{
@@ -472,11 +472,9 @@ impl<L: Layer> Shared<L> {
             return false;
         }
         let asked = self.files.asked();
-        let lease = Lease {
-            gfid,
-            kind: LeaseKind::Read,
-        };
-        match self.layer.call(c, lease.into()).await {
+        let changes = self.changes.load(Ordering::Acquire);
+        let (granted, version) = self.ask_file_lease(c, gfid).await;
+        match granted {
             Ok(FopReply::Lease(r)) if r.kind == LeaseKind::Read => {}
             // Refused (another client changed it lately): as without leases.
             Ok(_) => {
@@ -493,26 +491,59 @@ impl<L: Layer> Shared<L> {
                 tokio::spawn(async move { s.give_back_file(evicted).await });
             }
             // A recall came since it was asked: it goes back, and the file is changing.
-            Err(()) => self.give_back_file(gfid).await,
+            Err(()) => {
+                self.give_back_file(gfid).await;
+                return true;
+            }
         }
         self.invalidate_attrs(&[gfid]).await;
-        !self.pages_current(c, gfid).await
+        let Some((ino, iatt)) = version else {
+            return true;
+        };
+        if self.handles.with_unsent(Some(ino)).is_empty() {
+            // They answer the stats that follow (a read reaching the end asks the size).
+            self.files.note_attrs(&gfid, iatt.clone(), changes);
+        }
+        // Pages this mount wrote stay where the brick, under the lease, shows their version.
+        self.inodes.pages_seen(ino, Stamp::of(&iatt))
     }
 
-    /// Whether the kernel's pages of file `gfid` are pages this mount wrote and the brick,
-    /// asked now that a lease covers the file, still holds that version of its data
-    /// ([`super::pages`]): one STAT instead of reading the file again.
-    async fn pages_current(&self, c: &Creds, gfid: Gfid) -> bool {
-        let Some(ino) = self.inodes.ino_of(&gfid) else {
-            return false;
+    /// LEASE (read) of file `gfid`, as `c`. Where the kernel may hold pages this mount wrote
+    /// ([`super::pages`]), a STAT goes after it in the same BATCH, which the brick runs in
+    /// order: the file's node and its attributes under the lease come with the answer, in one
+    /// round trip (a STAT sent beside the LEASE could be answered before the grant).
+    async fn ask_file_lease(
+        &self,
+        c: &Creds,
+        gfid: Gfid,
+    ) -> (std::result::Result<FopReply, Error>, Option<(u64, Iatt)>) {
+        let lease: FopRequest = Lease {
+            gfid,
+            kind: LeaseKind::Read,
+        }
+        .into();
+        let written = self.inodes.ino_of(&gfid);
+        let Some(ino) = written.filter(|&ino| self.inodes.pages_written(ino).is_some()) else {
+            return (self.layer.call(c, lease).await, None);
         };
-        if self.inodes.pages_written(ino).is_none() {
-            return false;
+        let mut batch = Batch::new(c.clone());
+        let stat = kiln_wire::Stat { gfid }.into();
+        if batch.push(lease.clone()).and(batch.push(stat)).is_err() {
+            return (self.layer.call(c, lease).await, None);
         }
-        match self.layer.call(c, kiln_wire::Stat { gfid }.into()).await {
-            Ok(FopReply::Stat(r)) => !self.inodes.pages_seen(ino, Stamp::of(&r.iatt)),
-            _ => false,
-        }
+        let mut results = match self.layer.batch(batch).await {
+            Ok(reply) => reply.results.into_iter(),
+            Err(e) => return (Err(e), None),
+        };
+        let granted = match results.next() {
+            Some(granted) => granted.map_err(Error::Fop),
+            None => Err(Error::Protocol("a BATCH of two answered none".into())),
+        };
+        let version = match results.next() {
+            Some(Ok(FopReply::Stat(r))) => Some((ino, r.iatt)),
+            _ => None,
+        };
+        (granted, version)
     }
 
     /// Whether the mount answers for what the kernel caches of `gfid` by other means than a

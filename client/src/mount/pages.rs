@@ -13,7 +13,7 @@
 //!
 //! What another client sees stays close-to-open: an open for reading that takes a lease keeps
 //! the pages only when the brick, asked after the grant, still shows the stamp (see
-//! `Shared::pages_current`), and a change from elsewhere recalls the lease first.
+//! `Shared::ask_file_lease`), and a change from elsewhere recalls the lease first.
 
 use kiln_wire::{Iatt, Timespec};
 

@@ -5,7 +5,7 @@
 
 use std::ffi::OsStr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -47,6 +47,9 @@ pub(super) struct Shared<L: Layer> {
     /// The kernel drops a file's pages only when the mount tells it ([`super::pages`]; set
     /// at INIT).
     pub(super) pages_told: AtomicBool,
+    /// Requests that change something, counted as they come (attributes noted under a file
+    /// lease answer only while this has not moved: [`super::file_leases`]).
+    pub(super) changes: AtomicU64,
 }
 
 /// The kernel's cache lifetimes for one reply.
@@ -71,6 +74,7 @@ impl<L: Layer> Shared<L> {
             made: MadeFiles::default(),
             kernel: std::sync::OnceLock::new(),
             pages_told: AtomicBool::new(false),
+            changes: AtomicU64::new(0),
         }
     }
 
@@ -455,8 +459,19 @@ impl<L: Layer> Shared<L> {
         if let Some((iatt, _)) = listed_in.and_then(|(dir, gfid)| self.listed(&dir, &gfid)) {
             return Ok(iatt);
         }
+        // A file as the brick gave it under its lease, nothing changed here since.
+        let leased = self.inodes.gfid(ino).and_then(|gfid| {
+            let changes = self.changes.load(Ordering::Acquire);
+            self.files.attrs(&gfid, changes)
+        });
+        if let Some(iatt) = leased {
+            return Ok(iatt);
+        }
         self.settle(ino).await?;
-        if let Some(open) = fh.and_then(|fh| self.handles.get(fh).ok()) {
+        // Through the handle's fd where it has one; one opened behind is not opened on the
+        // brick for this (the kernel asks a file's size at every read that reaches its end).
+        let open = fh.and_then(|fh| self.handles.get(fh).ok());
+        if let Some(open) = open.filter(|open| open.fd.initialized()) {
             return fstat(open).await;
         }
         let gfid = self.gfid(ino)?;
