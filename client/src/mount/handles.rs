@@ -523,13 +523,12 @@ impl<L: Layer> Shared<L> {
         }
         .into();
         let written = self.inodes.ino_of(&gfid);
-        let Some(ino) = written.filter(|&ino| self.inodes.pages_written(ino).is_some()) else {
+        let Some(ino) = written.filter(|&ino| self.inodes.pages_written(ino)) else {
             return (self.layer.call(c, lease).await, None);
         };
         let mut batch = Batch::new(c.clone());
-        let stat = kiln_wire::Stat { gfid }.into();
-        if batch.push(lease.clone()).and(batch.push(stat)).is_err() {
-            return (self.layer.call(c, lease).await, None);
+        for fop in [lease, kiln_wire::Stat { gfid }.into()] {
+            batch.push(fop).expect("two fops that name no fd batch");
         }
         let mut results = match self.layer.batch(batch).await {
             Ok(reply) => reply.results.into_iter(),

@@ -159,9 +159,9 @@ impl Inodes {
         self.with_pages(ino, Pages::dropped);
     }
 
-    /// The version the pages this mount wrote to `ino` match, if the kernel may hold any.
-    pub(crate) fn pages_written(&self, ino: u64) -> Option<Stamp> {
-        self.with_pages(ino, |p| p.written()).flatten()
+    /// Whether the kernel may hold pages this mount wrote to `ino`, of a known version.
+    pub(crate) fn pages_written(&self, ino: u64) -> bool {
+        self.with_pages(ino, |p| p.written().is_some()) == Some(true)
     }
 
     fn with_pages<T>(&self, ino: u64, f: impl FnOnce(&mut Pages) -> T) -> Option<T> {

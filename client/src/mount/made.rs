@@ -15,7 +15,6 @@
 //!
 //! At most [`MADE_BYTES_MAX`] bytes are kept, the oldest files going first.
 
-use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 
 use bytes::Bytes;
@@ -25,20 +24,27 @@ use kiln_wire::Gfid;
 pub(super) const MADE_BYTES_MAX: usize = 64 << 20;
 
 /// The content of files made here, by GFID, oldest first.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(super) struct MadeFiles {
     state: Mutex<State>,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct State {
-    /// Each file's content, and the number it was kept under.
-    files: HashMap<Gfid, (u64, Bytes)>,
-    /// What was kept, oldest first: a file forgotten or kept again since stays here until
-    /// its turn comes (its number no longer matches) or the queue is compacted.
-    order: VecDeque<(Gfid, u64)>,
-    next: u64,
+    /// Each file's content, the one kept last most recent (reads do not reorder it).
+    files: lru::LruCache<Gfid, Bytes>,
     bytes: usize,
+}
+
+impl Default for MadeFiles {
+    fn default() -> MadeFiles {
+        MadeFiles {
+            state: Mutex::new(State {
+                files: lru::LruCache::unbounded(),
+                bytes: 0,
+            }),
+        }
+    }
 }
 
 impl MadeFiles {
@@ -50,28 +56,19 @@ impl MadeFiles {
         let mut state = self.lock();
         state.remove(&gfid);
         while state.bytes + data.len() > MADE_BYTES_MAX {
-            let Some((oldest, kept)) = state.order.pop_front() else {
+            let Some((_, oldest)) = state.files.pop_lru() else {
                 break;
             };
-            if state.files.get(&oldest).is_some_and(|(n, _)| *n == kept) {
-                state.remove(&oldest);
-            }
+            state.bytes -= oldest.len();
         }
-        let n = state.next;
-        state.next += 1;
         state.bytes += data.len();
-        state.files.insert(gfid, (n, data));
-        state.order.push_back((gfid, n));
-        if state.order.len() > 2 * state.files.len() + 1024 {
-            let State { files, order, .. } = &mut *state;
-            order.retain(|(g, kept)| files.get(g).is_some_and(|(n, _)| n == kept));
-        }
+        state.files.put(gfid, data);
         debug_assert!(state.bytes <= MADE_BYTES_MAX);
     }
 
     /// The content kept of file `gfid`, if any.
     pub(super) fn get(&self, gfid: &Gfid) -> Option<Bytes> {
-        self.lock().files.get(gfid).map(|(_, data)| data.clone())
+        self.lock().files.peek(gfid).cloned()
     }
 
     /// Forgets the content of file `gfid`: it changes.
@@ -86,7 +83,7 @@ impl MadeFiles {
 
 impl State {
     fn remove(&mut self, gfid: &Gfid) {
-        if let Some((_, data)) = self.files.remove(gfid) {
+        if let Some(data) = self.files.pop(gfid) {
             self.bytes -= data.len();
         }
     }
@@ -125,13 +122,15 @@ mod tests {
         made.keep(gfid(10), Bytes::from(vec![10; quarter]));
         made.keep(gfid(9), Bytes::from(vec![9; quarter]));
         assert!(made.get(&gfid(9)).is_some(), "9 is the newest");
-        // Forgetting and keeping many times leaves a bounded queue.
+        // Forgetting and keeping many times leaves only what is kept.
         for _ in 0..10_000 {
             made.keep(gfid(11), Bytes::from_static(b"x"));
             made.forget(&gfid(11));
         }
         let state = made.lock();
-        assert!(state.order.len() <= 2 * state.files.len() + 1024);
+        let kept: usize = state.files.iter().map(|(_, data)| data.len()).sum();
+        assert_eq!(state.bytes, kept);
+        assert!(state.files.peek(&gfid(11)).is_none() && state.files.len() <= 4);
         drop(state);
         // Nothing kept of an empty file, or of one larger than the bound.
         made.keep(gfid(7), Bytes::new());

@@ -179,17 +179,20 @@ impl<L: Layer> Shared<L> {
 
     /// `iatt` as the attributes of node `ino`.
     pub(super) fn attr(&self, ino: u64, iatt: &Iatt) -> (FileAttr, Duration) {
-        let iatt = self.described(ino, iatt);
-        self.note_dir(ino, &iatt);
-        (file_attr(ino, &iatt), self.options.attr_timeout)
+        (self.told(ino, iatt), self.options.attr_timeout)
     }
 
     /// An entry handed to the kernel: counts a lookup of its node.
     pub(super) fn entry(&self, iatt: &Iatt) -> (FileAttr, Ttl) {
         let ino = self.inodes.remember(iatt.gfid);
+        (self.told(ino, iatt), self.ttl())
+    }
+
+    /// The attributes the kernel is told of node `ino`, which the brick describes as `iatt`.
+    fn told(&self, ino: u64, iatt: &Iatt) -> FileAttr {
         let iatt = self.described(ino, iatt);
         self.note_dir(ino, &iatt);
-        (file_attr(ino, &iatt), self.ttl())
+        file_attr(ino, &iatt)
     }
 
     /// What the kernel is told of node `ino`, which the brick describes as `iatt`: the
@@ -234,7 +237,6 @@ impl<L: Layer> Shared<L> {
     /// Has the kernel drop its pages of node `ino` without waiting for it (an answer on the
     /// FUSE thread cannot wait: the kernel may wait on a READ only that thread reads).
     pub(super) fn drop_pages_soon(&self, ino: u64) {
-        self.inodes.pages_dropped(ino);
         let Some(kernel) = self.kernel.get().cloned() else {
             return;
         };
@@ -289,7 +291,10 @@ impl<L: Layer> Shared<L> {
     ) {
         match written {
             Ok(r) => self.note_data_changed(Some(&r.pre), &r.post),
-            Err(_) if self.pages_told.load(Ordering::Relaxed) => self.drop_pages_soon(ino),
+            Err(_) if self.pages_told.load(Ordering::Relaxed) => {
+                self.inodes.pages_dropped(ino);
+                self.drop_pages_soon(ino);
+            }
             Err(_) => {}
         }
     }
