@@ -184,6 +184,10 @@ struct MgmtArgs {
     /// directory, all torn down after).
     #[arg(long)]
     no_glusterfs: bool,
+    /// Also time `kiln --version` and the sets with this `kiln` (the static build of
+    /// `scripts/build-static-kiln`), alternating with the one beside kiln-bench.
+    #[arg(long)]
+    static_kiln: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -442,6 +446,7 @@ impl MgmtArgs {
             tasks: self.tasks,
             store: self.store,
             glusterfs: !self.no_glusterfs,
+            static_kiln: self.static_kiln,
         }
     }
 }

@@ -123,6 +123,9 @@ pub struct Supervisor {
     bricks: Mutex<HashMap<String, Running>>,
     /// Each volume's live brick options as last pushed to (or started with) its bricks here.
     pushed: Mutex<HashMap<String, BTreeMap<String, String>>>,
+    /// Held for a whole push: a `volume set`'s push and the reconcile its commit wakes would
+    /// otherwise both push the same generation to every brick at once.
+    pushing: tokio::sync::Mutex<()>,
 }
 
 impl std::fmt::Debug for Supervisor {
@@ -157,6 +160,7 @@ impl Supervisor {
             current,
             bricks: Mutex::new(HashMap::new()),
             pushed: Mutex::new(HashMap::new()),
+            pushing: tokio::sync::Mutex::new(()),
         })
     }
 
@@ -443,17 +447,23 @@ impl Supervisor {
         reports
     }
 
-    /// Pushes the live options of `volume` at `generation` to its running bricks. Returns,
-    /// per brick, the generation it now runs or why it did not take the push.
+    /// Pushes the live options of `volume` at `generation` to its running bricks that run an
+    /// older generation. Returns, per brick, the generation it now runs or why it did not
+    /// take the push.
     pub async fn push(
         &self,
         volume: &Volume,
         generation: u64,
     ) -> Vec<(String, Result<u64, String>)> {
         let push = live_push(volume, generation);
+        let _pushing = self.pushing.lock().await;
         let mut results = Vec::new();
         for i in self.local_bricks(volume) {
             let name = Brick::name(&volume.name, i);
+            if let Some(runs) = self.generation_at_least(&name, generation) {
+                results.push((name, Ok(runs)));
+                continue;
+            }
             let socket = self.launch.control_socket(&name);
             let result = ask(&socket, &push, control::EXCHANGE)
                 .await
@@ -474,6 +484,14 @@ impl Supervisor {
             );
         }
         results
+    }
+
+    /// The generation brick `name` runs, if it is `generation` or later (a push took it there
+    /// already).
+    fn generation_at_least(&self, name: &str, generation: u64) -> Option<u64> {
+        let bricks = lock(&self.bricks);
+        let runs = lock(&bricks.get(name)?.run).generation;
+        (runs >= generation).then_some(runs)
     }
 }
 

@@ -79,12 +79,8 @@ struct Stopped {
 impl Mgmtd {
     /// Starts `kiln-mgmtd` in `dir`: on its embedded store, or on the etcd at `etcd` as
     /// host [`MGMTD_HOST`] of cluster [`MGMTD_CLUSTER`].
-    fn start(
-        bins: &Bins,
-        mgmtd_bin: &Path,
-        dir: &Path,
-        etcd: Option<&str>,
-    ) -> anyhow::Result<Mgmtd> {
+    fn start(bins: &Bins, dir: &Path, etcd: Option<&str>) -> anyhow::Result<Mgmtd> {
+        let mgmtd_bin = bins.find("kiln-mgmtd")?;
         let state = dir.join("state");
         let socket = dir.join("run/mgmtd.sock");
         check_socket_path(&socket)?;
@@ -99,7 +95,7 @@ impl Mgmtd {
             .append(true)
             .open(&log)
             .with_context(|| format!("cannot open {}", log.display()))?;
-        let mut command = Command::new(mgmtd_bin);
+        let mut command = Command::new(&mgmtd_bin);
         command
             .arg("--state-dir")
             .arg(&state)
@@ -158,8 +154,13 @@ impl Mgmtd {
 
     /// Runs `kiln <args>` against this daemon.
     fn kiln(&self, args: &[&str]) -> anyhow::Result<Ran> {
+        self.run(&self.kiln, args)
+    }
+
+    /// Runs executable `kiln` with `args` against this daemon.
+    fn run(&self, kiln: &Path, args: &[&str]) -> anyhow::Result<Ran> {
         run_captured(
-            Command::new(&self.kiln)
+            Command::new(kiln)
                 .args(args)
                 .env("KILN_MGMT_SOCKET", &self.socket),
             COMMAND_TIMEOUT,
@@ -168,10 +169,16 @@ impl Mgmtd {
 
     /// Runs `kiln <args>` and fails unless it succeeds.
     fn ok(&self, args: &[&str]) -> anyhow::Result<Ran> {
-        let ran = self.kiln(args)?;
+        self.ok_with(&self.kiln, args)
+    }
+
+    /// Runs executable `kiln` with `args` and fails unless it succeeds.
+    fn ok_with(&self, kiln: &Path, args: &[&str]) -> anyhow::Result<Ran> {
+        let ran = self.run(kiln, args)?;
         if !ran.status.success() {
             bail!(
-                "kiln {} failed ({}): {}\nkiln-mgmtd's log:\n{}",
+                "{} {} failed ({}): {}\nkiln-mgmtd's log:\n{}",
+                kiln.display(),
                 args.join(" "),
                 ran.status,
                 ran.stderr.trim(),
@@ -246,27 +253,54 @@ fn applied_live(ran: &Ran) -> bool {
     ran.stdout.contains("; applied by")
 }
 
-/// `n` measured `kiln volume set` processes, values from `*next` on. Returns sets/s, the
-/// latency of each and how many were applied by a running brick.
-fn cli_sets(m: &Mgmtd, n: usize, next: &mut usize) -> anyhow::Result<(f64, Histogram<u64>, usize)> {
-    let mut h = histogram()?;
-    let mut applied = 0;
-    let start = Instant::now();
-    for _ in 0..n {
-        let v = value(*next);
-        *next += 1;
-        let ran = m.ok(&["volume", "set", VOLUME_NAME, KEY, &v])?;
-        h.record(nanos(ran.elapsed))?;
-        applied += usize::from(applied_live(&ran));
+/// What one `kiln` executable's measured sets gave.
+struct Sets {
+    /// Sets per second of that executable's own time (spawn to exit).
+    rate: f64,
+    latency: Histogram<u64>,
+    /// How many a running brick applied.
+    applied: usize,
+}
+
+/// `n` measured `kiln volume set` processes per executable of `kilns`, taking turns, values
+/// from `*next` on.
+fn cli_sets(m: &Mgmtd, kilns: &[&Path], n: usize, next: &mut usize) -> anyhow::Result<Vec<Sets>> {
+    let mut sets = Vec::with_capacity(kilns.len());
+    for _ in kilns {
+        sets.push(Sets {
+            rate: 0.0,
+            latency: histogram()?,
+            applied: 0,
+        });
     }
-    Ok((n as f64 / start.elapsed().as_secs_f64(), h, applied))
+    let mut took = vec![Duration::ZERO; kilns.len()];
+    for _ in 0..n {
+        for (i, kiln) in kilns.iter().enumerate() {
+            let v = value(*next);
+            *next += 1;
+            let ran = m.ok_with(kiln, &["volume", "set", VOLUME_NAME, KEY, &v])?;
+            sets[i].latency.record(nanos(ran.elapsed))?;
+            sets[i].applied += usize::from(applied_live(&ran));
+            took[i] += ran.elapsed;
+        }
+    }
+    for (s, took) in sets.iter_mut().zip(took) {
+        s.rate = n as f64 / took.as_secs_f64();
+    }
+    Ok(sets)
 }
 
 /// (a) What a command costs before it talks to the daemon, spawned, reaped and timed as the
 /// sets are: `true` (the smallest program: this harness's spawn, exec and reap) and
-/// `kiln --version` (kiln's exec, dynamic linking, runtime start and argument parsing, no
-/// socket).
-fn spawn_floors(m: &Mgmtd, sets: usize, floor: Floor, rows: &mut Rows<'_>) -> anyhow::Result<()> {
+/// `kiln --version` of each build (kiln's exec, dynamic linking, runtime start and argument
+/// parsing, no socket).
+fn spawn_floors(
+    m: &Mgmtd,
+    kilns: &[(&Path, &str)],
+    sets: usize,
+    floor: Floor,
+    rows: &mut Rows<'_>,
+) -> anyhow::Result<()> {
     let true_run = || -> anyhow::Result<Duration> {
         let ran = run_captured(&mut Command::new("true"), COMMAND_TIMEOUT)?;
         if !ran.status.success() {
@@ -274,16 +308,21 @@ fn spawn_floors(m: &Mgmtd, sets: usize, floor: Floor, rows: &mut Rows<'_>) -> an
         }
         Ok(ran.elapsed)
     };
-    let version_run = || Ok(m.ok(&["--version"])?.elapsed);
-    for (target, run) in [
-        ("true", &true_run as &dyn Fn() -> anyhow::Result<Duration>),
-        ("kiln-version", &version_run),
-    ] {
-        let (rate, h) = sampled(sets, |_| run())?;
+    let (rate, h) = sampled(sets, |_| true_run())?;
+    rows.push(latency_record(
+        "mgmt.spawn",
+        "true",
+        json!({ "runs": sets }),
+        rate,
+        &h,
+        floor,
+    ));
+    for &(kiln, suffix) in kilns {
+        let (rate, h) = sampled(sets, |_| Ok(m.ok_with(kiln, &["--version"])?.elapsed))?;
         rows.push(latency_record(
             "mgmt.spawn",
-            target,
-            json!({ "runs": sets }),
+            &format!("kiln-version{suffix}"),
+            json!({ "runs": sets, "kiln": kiln.display().to_string() }),
             rate,
             &h,
             floor,
@@ -293,10 +332,11 @@ fn spawn_floors(m: &Mgmtd, sets: usize, floor: Floor, rows: &mut Rows<'_>) -> an
 }
 
 /// (a) `kiln volume set` through a real `kiln-mgmtd` (on the etcd at `etcd`, if given), with
-/// the volume created, then started; their p50s.
+/// the volume created, then started, by the `kiln` beside kiln-bench and, taking turns with
+/// it, by `static_kiln`; the first one's p50s.
 pub(super) fn cli(
     bins: &Bins,
-    mgmtd_bin: &Path,
+    static_kiln: Option<&Path>,
     root: &Path,
     etcd: Option<&str>,
     sets: usize,
@@ -306,49 +346,56 @@ pub(super) fn cli(
     let dir = root.join("mgmtd");
     std::fs::create_dir_all(&dir)?;
     let brick = dir.join("bricks/b0");
-    let mut m = start_with_volume(bins, mgmtd_bin, &dir, etcd, &brick, rows)?;
+    let mut m = start_with_volume(bins, &dir, etcd, &brick, rows)?;
     let mut next = 0;
     let warm = warmup(sets);
+    let mut kilns = vec![(bins.kiln.as_path(), "")];
+    kilns.extend(static_kiln.map(|kiln| (kiln, "-static")));
+    let paths: Vec<&Path> = kilns.iter().map(|&(kiln, _)| kiln).collect();
 
-    spawn_floors(&m, sets, floor, rows)?;
+    spawn_floors(&m, &kilns, sets, floor, rows)?;
 
     // Created, not started: parse, commit, answer.
     for _ in 0..warm {
-        m.ok(&["volume", "set", VOLUME_NAME, KEY, &value(next)])?;
-        next += 1;
+        for kiln in &paths {
+            m.ok_with(kiln, &["volume", "set", VOLUME_NAME, KEY, &value(next)])?;
+            next += 1;
+        }
     }
-    let (rate, h, _) = cli_sets(&m, sets, &mut next)?;
-    let created_p50_us = micros(&h, 0.5);
-    rows.push(latency_record(
-        "mgmt.set",
-        "kiln-cli",
-        json!({ "sets": sets, "key": KEY, "volume": "created" }),
-        rate,
-        &h,
-        floor,
-    ));
+    let created = cli_sets(&m, &paths, sets, &mut next)?;
+    for (s, &(kiln, suffix)) in created.iter().zip(&kilns) {
+        rows.push(latency_record(
+            "mgmt.set",
+            &format!("kiln-cli{suffix}"),
+            json!({ "sets": sets, "key": KEY, "volume": "created", "kiln": kiln.display().to_string() }),
+            s.rate,
+            &s.latency,
+            floor,
+        ));
+    }
 
     // Started: each set is also pushed to the running brick.
     m.ok(&["volume", "start", VOLUME_NAME])?;
     let deadline = Instant::now() + BRICK_TIMEOUT;
     let brick_pids = running_bricks(&m, deadline)?;
     warm_up_live(&m, &dir, warm, &mut next, deadline)?;
-    let (rate, h, applied) = cli_sets(&m, sets, &mut next)?;
-    let started_p50_us = micros(&h, 0.5);
-    rows.push(latency_record(
-        "mgmt.set",
-        "kiln-cli-started",
-        json!({ "sets": sets, "key": KEY, "volume": "started", "bricks": brick_pids.len(),
-                "applied_live": applied }),
-        rate,
-        &h,
-        floor,
-    ));
+    let started = cli_sets(&m, &paths, sets, &mut next)?;
+    for (s, &(kiln, suffix)) in started.iter().zip(&kilns) {
+        rows.push(latency_record(
+            "mgmt.set",
+            &format!("kiln-cli-started{suffix}"),
+            json!({ "sets": sets, "key": KEY, "volume": "started", "bricks": brick_pids.len(),
+                    "applied_live": s.applied, "kiln": kiln.display().to_string() }),
+            s.rate,
+            &s.latency,
+            floor,
+        ));
+    }
 
     stop_cleanly(&mut m, &brick_pids, &brick, rows)?;
     Ok(KilnSets {
-        created_p50_us,
-        started_p50_us,
+        created_p50_us: micros(&created[0].latency, 0.5),
+        started_p50_us: micros(&started[0].latency, 0.5),
     })
 }
 
@@ -356,7 +403,6 @@ pub(super) fn cli(
 /// `brick` with a free port.
 fn start_with_volume(
     bins: &Bins,
-    mgmtd_bin: &Path,
     dir: &Path,
     etcd: Option<&str>,
     brick: &Path,
@@ -364,7 +410,7 @@ fn start_with_volume(
 ) -> anyhow::Result<Mgmtd> {
     let brick_s = brick.to_str().context("the scratch path is not UTF-8")?;
     let port = free_port()?;
-    let m = Mgmtd::start(bins, mgmtd_bin, dir, etcd)?;
+    let m = Mgmtd::start(bins, dir, etcd)?;
     rows.note(
         "mgmtd",
         &json!({

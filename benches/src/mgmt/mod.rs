@@ -38,6 +38,9 @@
 //!   `kiln volume --json status v` shows the brick running and a set has reached it: each set
 //!   also pushes the live options to the running brick over its control socket.
 //!   `params.applied_live` counts the sets whose answer says the brick applied them.
+//! * With `--static-kiln PATH`, `kiln-version-static`, `kiln-cli-static` and
+//!   `kiln-cli-started-static`: the same with that `kiln` (the static build), each command
+//!   alternating with the default build's so both see the same daemon and disk.
 //!
 //! With `--store etcd` the run starts one etcd member (`etcd` on PATH or Debian's; the run
 //! fails when it is not installed) on free loopback ports, its data directory in the scratch
@@ -137,6 +140,8 @@ pub struct MgmtBench {
     pub store: MgmtStore,
     /// Measure `gluster volume set` too, where GlusterFS is installed.
     pub glusterfs: bool,
+    /// A second `kiln` (the static build) timed beside the first: rows `*-static`.
+    pub static_kiln: Option<std::path::PathBuf>,
 }
 
 /// Which configuration store the commit and set phases run on.
@@ -256,7 +261,14 @@ pub fn run(
     let sets = bench.sets.max(1);
     let tasks = bench.tasks.max(1);
     let bins = Bins::beside_this_executable()?;
-    let mgmtd = bins.find("kiln-mgmtd")?;
+    // Missing executables fail the run before it measures anything.
+    bins.find("kiln-mgmtd")?;
+    if let Some(kiln) = bench.static_kiln.as_ref().filter(|kiln| !kiln.is_file()) {
+        anyhow::bail!(
+            "--static-kiln {} is not a file: build it with scripts/build-static-kiln",
+            kiln.display()
+        );
+    }
     let root = std::path::absolute(scratch.path().join("mgmt"))?;
     std::fs::create_dir_all(&root).with_context(|| format!("cannot create {}", root.display()))?;
     // Started before the daemon that uses it, so it is killed after it.
@@ -310,7 +322,7 @@ pub fn run(
     let endpoint = etcd.as_ref().map(|server| server.member.client_url());
     let kiln = cli(
         &bins,
-        &mgmtd,
+        bench.static_kiln.as_deref(),
         &root,
         endpoint.as_deref(),
         sets,
