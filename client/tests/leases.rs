@@ -1102,21 +1102,18 @@ fn files_made_here_read_back_without_the_brick_and_never_stale() {
     assert_brick_consistent(&a);
 }
 
-/// The kernel keeps the pages a mount wrote to a file it did not make: reading the file back
-/// after the close asks the brick its version under the new lease (one BATCH), not the data —
-/// rewritten in place or emptied and written again; the attributes given with the lease
-/// answer the stats after, until a change here. Another mount's change shows at the next open
-/// all the same (close-to-open). With `file-leases=off` the kernel drops the pages whenever
-/// the file's mtime moves, so the read goes to the brick (the control).
+/// The kernel keeps the pages a mount wrote to a file it did not make, and the mount takes the
+/// file's read lease once the writing handle is released: reading the file back afterwards
+/// asks the brick nothing (no LEASE, READ or GET) — rewritten in place or emptied and written
+/// again; the attributes given with the lease answer the stats after, until a change here.
+/// Another mount's change shows at the next open all the same (close-to-open). With
+/// `file-leases=off` the kernel drops the pages whenever the file's mtime moves, so the read
+/// goes to the brick (the control).
 #[test]
 fn pages_written_here_are_read_back_without_the_brick_and_never_stale() {
     let metrics = common::free_loopback_addr();
     let a = Mounted::with_brick(&counted(&metrics), &[]);
-    let reads = || {
-        let now = common::scrape(&metrics);
-        Some(["READ", "GET"].map(|fop| common::fop_calls(&now, fop)))
-    };
-    pages_written_here_read_back(a, reads);
+    pages_written_here_read_back(a, Some(&metrics));
 }
 
 /// The same over a distributed volume (the LEASE and the STAT after it in one BATCH, run in
@@ -1129,13 +1126,19 @@ fn pages_written_here_are_never_stale_on_a_distributed_volume() {
             RECALL_TIMEOUT_MS.to_owned(),
         ]
     };
-    pages_written_here_read_back(Mounted::distributed_with(3, args, &[]), || None);
+    pages_written_here_read_back(Mounted::distributed_with(3, args, &[]), None);
+}
+
+/// The brick's READ, GET and LEASE calls, from its metrics at `metrics`.
+fn reads_and_leases(metrics: &str) -> [f64; 3] {
+    let now = common::scrape(metrics);
+    ["READ", "GET", "LEASE"].map(|fop| common::fop_calls(&now, fop))
 }
 
 /// Writes, closes and reads back a file made before `a` with file leases on and off, and
-/// checks with `reads` (the brick's READ and GET calls, where counted) whether the reads
-/// reached the brick; then reads another mount's change.
-fn pages_written_here_read_back(mut a: Mounted, reads: impl Fn() -> Option<[f64; 2]>) {
+/// checks with the brick's metrics at `metrics` (where counted) whether the read-back reached
+/// the brick; then reads another mount's change.
+fn pages_written_here_read_back(mut a: Mounted, metrics: Option<&str>) {
     use std::io::Write;
     file_made_before(&mut a, "f", &[]);
     let b = a.another("b", &[]);
@@ -1144,6 +1147,7 @@ fn pages_written_here_read_back(mut a: Mounted, reads: impl Fn() -> Option<[f64;
     for (file_leases, kept) in [("on", true), ("off", false)] {
         a.unmount();
         a.mount(&[&format!("file-leases={file_leases}")]);
+        let leases_at_mount = metrics.map(|m| reads_and_leases(m)[2]);
         for (fill, truncate) in [(b'1', false), (b'2', true)] {
             let mut file = fs::OpenOptions::new()
                 .write(true)
@@ -1154,14 +1158,26 @@ fn pages_written_here_read_back(mut a: Mounted, reads: impl Fn() -> Option<[f64;
                 file.write_all(piece).expect("write");
             }
             drop(file);
-            let before = reads();
+            if let (Some(metrics), Some(at_mount), true) = (metrics, leases_at_mount, kept) {
+                // The lease is taken behind the release, which close(2) does not wait for.
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while reads_and_leases(metrics)[2] == at_mount {
+                    assert!(
+                        Instant::now() < deadline,
+                        "no LEASE after the release\n{}",
+                        a.logs()
+                    );
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            }
+            let before = metrics.map(reads_and_leases);
             assert!(fs::read(a.path("d/f")).expect("read") == content(fill));
-            if let (Some(before), Some(after)) = (before, reads()) {
+            if let (Some(before), Some(after)) = (before, metrics.map(reads_and_leases)) {
                 assert_eq!(
                     after != before,
                     !kept,
-                    "file-leases={file_leases}, truncate={truncate}: READ and GET {before:?} \
-                     before, {after:?} after\n{}",
+                    "file-leases={file_leases}, truncate={truncate}: READ, GET and LEASE \
+                     {before:?} before, {after:?} after\n{}",
                     a.logs()
                 );
             }

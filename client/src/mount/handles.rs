@@ -463,14 +463,41 @@ impl<L: Layer> Shared<L> {
     /// what the kernel cached before must go (a lease taken now, or a recall under way). The
     /// kernel's attributes of a file leased now are dropped here; its pages by the open.
     async fn lease_file(self: &Arc<Self>, c: &Creds, gfid: Gfid, access: AccessMode) -> bool {
-        if access != AccessMode::ReadOnly
-            || !self.uses_file_leases()
-            || self.files.holds(&gfid)
-            || self.cached_truly(&gfid)
-            || !self.files.may_ask(&gfid)
+        access == AccessMode::ReadOnly
+            && self.may_lease_file(&gfid)
+            && self.take_file_lease(c, gfid).await
+    }
+
+    /// After the release of a handle that wrote file `ino`: its read lease, asked now rather
+    /// than at the next open for reading, so that reading back what the mount wrote waits
+    /// for nothing — where the kernel may keep pages this mount wrote (the brick shows their
+    /// version under the lease: [`Shared::ask_file_lease`]); else the pages go.
+    async fn lease_written(self: &Arc<Self>, c: &Creds, ino: u64) {
+        let Some(gfid) = self.inodes.gfid(ino) else {
+            return;
+        };
+        if self.inodes.pages_written(ino)
+            && self.may_lease_file(&gfid)
+            && self.take_file_lease(c, gfid).await
         {
-            return false;
+            self.invalidate_files(&[gfid]).await;
         }
+    }
+
+    /// Whether a read lease on file `gfid` is worth asking: file leases are on, the mount
+    /// holds none, nothing else keeps the kernel's caches of it true, and the brick did not
+    /// refuse one lately.
+    fn may_lease_file(&self, gfid: &Gfid) -> bool {
+        self.uses_file_leases()
+            && !self.files.holds(gfid)
+            && !self.cached_truly(gfid)
+            && self.files.may_ask(gfid)
+    }
+
+    /// Asks and takes a read lease on file `gfid`: whether what the kernel cached of it before
+    /// must go (a lease taken now over pages of no version the brick showed, or a recall
+    /// under way). The kernel's attributes of it are dropped here.
+    async fn take_file_lease(self: &Arc<Self>, c: &Creds, gfid: Gfid) -> bool {
         let asked = self.files.asked();
         let changes = self.changes.load(Ordering::Acquire);
         let (granted, version) = self.ask_file_lease(c, gfid).await;
@@ -1246,7 +1273,14 @@ impl<L: Layer> Shared<L> {
 
     /// Ends handle `open` (already forgotten by the table) once its tasks are done: sends
     /// a deferred create the close has not, and releases the fd below.
-    pub(super) async fn release_handle(&self, c: &Creds, fh: FileHandle, open: Arc<Open<L::Fd>>) {
+    pub(super) async fn release_handle(
+        self: &Arc<Self>,
+        c: &Creds,
+        fh: FileHandle,
+        open: Arc<Open<L::Fd>>,
+    ) {
+        let ino = open.ino;
+        let wrote = open.access != AccessMode::ReadOnly && !open.directory;
         self.send_handle_writes(fh.0, &open).await;
         if open.no_flush {
             self.close_unflushed(c, &open).await;
@@ -1267,6 +1301,9 @@ impl<L: Layer> Shared<L> {
             && let Err(e) = self.layer.release(c, fd).await
         {
             tracing::debug!(error = %e, "release failed; the fd goes with the session");
+        }
+        if wrote {
+            self.lease_written(c, ino).await;
         }
     }
 
