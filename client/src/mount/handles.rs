@@ -465,20 +465,21 @@ impl<L: Layer> Shared<L> {
     async fn lease_file(self: &Arc<Self>, c: &Creds, gfid: Gfid, access: AccessMode) -> bool {
         access == AccessMode::ReadOnly
             && self.may_lease_file(&gfid)
-            && self.take_file_lease(c, gfid).await
+            && self.take_file_lease(c, gfid, Settled::Yes).await
     }
 
     /// After the release of a handle that wrote file `ino`: its read lease, asked now rather
     /// than at the next open for reading, so that reading back what the mount wrote waits
     /// for nothing — where the kernel may keep pages this mount wrote (the brick shows their
-    /// version under the lease: [`Shared::ask_file_lease`]); else the pages go.
+    /// version under the lease: [`Shared::ask_file_lease`]); else the pages go. The program
+    /// goes on meanwhile: the attributes given with the grant are not kept ([`Settled::No`]).
     async fn lease_written(self: &Arc<Self>, c: &Creds, ino: u64) {
         let Some(gfid) = self.inodes.gfid(ino) else {
             return;
         };
         if self.inodes.pages_written(ino)
             && self.may_lease_file(&gfid)
-            && self.take_file_lease(c, gfid).await
+            && self.take_file_lease(c, gfid, Settled::No).await
         {
             self.invalidate_files(&[gfid]).await;
         }
@@ -497,7 +498,7 @@ impl<L: Layer> Shared<L> {
     /// Asks and takes a read lease on file `gfid`: whether what the kernel cached of it before
     /// must go (a lease taken now over pages of no version the brick showed, or a recall
     /// under way). The kernel's attributes of it are dropped here.
-    async fn take_file_lease(self: &Arc<Self>, c: &Creds, gfid: Gfid) -> bool {
+    async fn take_file_lease(self: &Arc<Self>, c: &Creds, gfid: Gfid, settled: Settled) -> bool {
         let asked = self.files.asked();
         let changes = self.changes.load(Ordering::Acquire);
         let (granted, version) = self.ask_file_lease(c, gfid).await;
@@ -527,7 +528,7 @@ impl<L: Layer> Shared<L> {
         let Some((ino, iatt)) = version else {
             return true;
         };
-        if self.handles.with_unsent(Some(ino)).is_empty() {
+        if settled == Settled::Yes && self.handles.with_unsent(Some(ino)).is_empty() {
             // They answer the stats that follow (a read reaching the end asks the size).
             self.files.note_attrs(&gfid, iatt.clone(), changes);
         }
@@ -1465,6 +1466,16 @@ impl<L: Layer> Shared<L> {
 /// Times a released handle's last holders get to let it go, a millisecond apart: tasks that
 /// looked at its writes not yet sent ([`Handles::with_unsent`]) drop it once those are sent.
 const RELEASE_WAITS: u32 = 1000;
+
+/// Whether the changes this mount made to a file were all answered when its lease was asked
+/// (an open: the program waits for its own changes), so that the attributes the brick gave
+/// under the grant may answer later stats; a release's lease is asked while the program goes
+/// on (a chmod right after a close could reach the brick after the STAT).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Settled {
+    Yes,
+    No,
+}
 
 /// `open` once no other task holds it, or `None` if one still does after [`RELEASE_WAITS`]
 /// (its fd then goes with the session).
