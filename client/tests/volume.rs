@@ -397,8 +397,17 @@ fn live_options_reach_running_bricks() {
     };
     assert!(as_client("bob").status.success());
 
+    let brick_log = m.state.join("logs/live-b0.log");
+    let pushes = || {
+        let log = std::fs::read_to_string(&brick_log).expect("the brick's log");
+        log.matches("live options applied").count()
+    };
+    let pushed_before = pushes();
     let said = m.ok(&["volume", "set", "live", "auth.allow", "admin"]);
     assert!(said.contains("applied by 1 running brick"), "{said}");
+    // The reconcile the commit wakes finds the brick at that generation already.
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(pushes(), pushed_before + 1, "one push per set");
     let refused = as_client("bob");
     assert!(!refused.status.success());
     assert!(
