@@ -31,7 +31,9 @@ use kiln_admin::pki::{self, Role};
 // No global allocator of its own (the daemons and the brick use mimalloc): `kiln` starts for
 // every admin command, and here it starts ~1 ms sooner on the system's allocator
 // (`perf stat -r 100 kiln --version`: 1.7 against 2.8 ms of CPU), while the mount's workloads
-// ran no slower on it (`kiln-bench mount`, within run-to-run noise).
+// ran no slower on it (`kiln-bench mount`, within run-to-run noise). The static build on musl
+// (`scripts/build-static-kiln`) takes mimalloc: musl's allocator would serialise the mount's
+// threads, and the command starts ~0.1 ms later for it.
 #[cfg(target_env = "musl")]
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;

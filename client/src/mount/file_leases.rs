@@ -10,7 +10,8 @@
 //!   mode, times, xattrs or links through it): the mount has the kernel drop the file's pages
 //!   and attributes, then gives the lease back, so the next read there sees the change.
 //! * The attributes the brick gave with a grant (where asked: [`super::pages`]) answer the
-//!   file's stats while the lease is held and nothing was changed through the mount since
+//!   file's stats while the lease is held and the file was not changed through the mount
+//!   since the [`ChangeMark`] they were asked at, nor any file removed or renamed
 //!   ([`FileLeases::attrs`]): another client's change recalls the lease first.
 //! * A file whose lease the brick refused (another client changed it lately) is not asked
 //!   about again for [`REFUSED_FOR`].
@@ -24,6 +25,16 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use kiln_wire::{Gfid, Iatt};
+
+/// Where the changes made through the mount stood at one moment: the number of the last one
+/// made (`Shared::changes`; each file notes the number of its own last change) and how many
+/// of them changed files the mount could not name (a removal or rename changes the removed
+/// or renamed file's links and ctime).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct ChangeMark {
+    pub(super) last: u64,
+    pub(super) blind: u64,
+}
 
 /// Files held under a read lease at most.
 pub(super) const FILE_LEASES_MAX: usize = 4096;
@@ -40,9 +51,9 @@ pub(super) struct FileLeases {
 
 #[derive(Debug)]
 struct State {
-    /// Each file held, with the attributes the brick gave under the lease and the count of
-    /// changes through the mount when they were asked, if noted.
-    held: lru::LruCache<Gfid, Option<(Iatt, u64)>>,
+    /// Each file held, with the attributes the brick gave under the lease and the mark of
+    /// the changes through the mount they are as of, if noted.
+    held: lru::LruCache<Gfid, Option<(Iatt, ChangeMark)>>,
     /// Files whose lease the brick refused, and when.
     refused: lru::LruCache<Gfid, Instant>,
     /// File recalls seen so far.
@@ -104,21 +115,18 @@ impl FileLeases {
         Ok(pushed.map(|(evicted, _)| evicted).filter(|e| *e != gfid))
     }
 
-    /// Notes `iatt`, the brick's attributes of held file `gfid` under its lease, asked when
-    /// `changes` changes had been made through the mount.
-    pub(super) fn note_attrs(&self, gfid: &Gfid, iatt: Iatt, changes: u64) {
+    /// Notes `iatt`, the brick's attributes of held file `gfid` under its lease, as of
+    /// `mark`: every change made through the mount before it had been answered when they
+    /// were asked.
+    pub(super) fn note_attrs(&self, gfid: &Gfid, iatt: Iatt, mark: ChangeMark) {
         if let Some(noted) = self.lock().held.peek_mut(gfid) {
-            *noted = Some((iatt, changes));
+            *noted = Some((iatt, mark));
         }
     }
 
-    /// The attributes noted of held file `gfid`, if no change was made through the mount
-    /// since they were asked (`changes` made now).
-    pub(super) fn attrs(&self, gfid: &Gfid, changes: u64) -> Option<Iatt> {
-        match self.lock().held.peek(gfid) {
-            Some(Some((iatt, asked))) if *asked == changes => Some(iatt.clone()),
-            _ => None,
-        }
+    /// The attributes noted of held file `gfid` and the mark they are as of.
+    pub(super) fn attrs(&self, gfid: &Gfid) -> Option<(Iatt, ChangeMark)> {
+        self.lock().held.peek(gfid).cloned().flatten()
     }
 
     /// A recall of `gfid` came: a grant asked before is not taken; whether the mount held it.

@@ -122,14 +122,17 @@ impl<L: Layer> KilnFs<L> {
     /// entries it changes), before it runs: no listing the mount kept that shows one of them
     /// answers after it. A node the mount does not know may be anything.
     fn note_change(&self, inos: &[INodeNo]) {
-        self.shared.changes.fetch_add(1, Ordering::AcqRel);
+        let seq = self.shared.changes.fetch_add(1, Ordering::AcqRel) + 1;
         for ino in inos {
             match self.shared.inodes.gfid(ino.0) {
-                Some(gfid) => {
+                Some(gfid) if self.shared.inodes.note_changed(ino.0, seq) => {
                     self.shared.made.forget(&gfid);
                     self.shared.leases.note_change(gfid);
                 }
-                None => return self.shared.leases.note_any_change(),
+                _ => {
+                    self.shared.blind_changes.fetch_add(1, Ordering::AcqRel);
+                    return self.shared.leases.note_any_change();
+                }
             }
         }
     }
@@ -186,6 +189,8 @@ impl<L: Layer> KilnFs<L> {
         build: impl FnOnce(&Shared<L>) -> Result<FopRequest> + Send + 'static,
     ) {
         self.note_change(changes);
+        // The file removed or renamed changes too (its links, its ctime), by its name.
+        self.shared.blind_changes.fetch_add(1, Ordering::AcqRel);
         let (s, c) = (self.shared(), creds(req));
         self.spawn(
             reply,
@@ -224,8 +229,11 @@ impl<L: Layer> KilnFs<L> {
             return;
         };
         self.shared.store_released(&open);
+        // Every change this program made before its close was answered by now (a write
+        // through this handle is sent below, before anything is asked).
+        let mark = self.shared.change_mark();
         let (s, c) = (self.shared(), creds(req));
-        self.run(async move { s.release_handle(&c, fh, open).await });
+        self.run(async move { s.release_handle(&c, fh, open, mark).await });
     }
 }
 

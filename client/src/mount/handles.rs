@@ -44,6 +44,7 @@ use kiln_wire::{
 use super::convert::{
     Result, errno, fopen_flags, name_of, open_mode, requested_access, seek_what, unexpected,
 };
+use super::file_leases::ChangeMark;
 use super::leases::{Answer, LISTED_ENTRIES_KEPT_MAX, Mark};
 use super::pages::Stamp;
 use super::pending::{DEFERRED_BYTES_MAX, Pending, killed_suidgid};
@@ -463,24 +464,28 @@ impl<L: Layer> Shared<L> {
     /// what the kernel cached before must go (a lease taken now, or a recall under way). The
     /// kernel's attributes of a file leased now are dropped here; its pages by the open.
     async fn lease_file(self: &Arc<Self>, c: &Creds, gfid: Gfid, access: AccessMode) -> bool {
+        // The program that opens waits for its own changes: all answered before the ask.
         access == AccessMode::ReadOnly
             && self.may_lease_file(&gfid)
-            && self.take_file_lease(c, gfid, Settled::Yes).await
+            && self.take_file_lease(c, gfid, self.change_mark()).await
     }
 
     /// After the release of a handle that wrote file `ino`: its read lease, asked now rather
     /// than at the next open for reading, so that reading back what the mount wrote waits
     /// for nothing — where the kernel may keep pages this mount wrote (the brick shows their
-    /// version under the lease: [`Shared::ask_file_lease`]); else the pages go. The program
-    /// goes on meanwhile: the attributes given with the grant are not kept ([`Settled::No`]).
-    async fn lease_written(self: &Arc<Self>, c: &Creds, ino: u64) {
+    /// version under the lease: [`Shared::ask_file_lease`]); else the pages go. `mark` is
+    /// where the changes through the mount stood when the release came: the program goes on
+    /// meanwhile, and the grant's attributes answer its stats only while the file has no
+    /// change after it.
+    async fn lease_written(self: &Arc<Self>, c: &Creds, ino: u64, mark: ChangeMark) {
         let Some(gfid) = self.inodes.gfid(ino) else {
             return;
         };
-        if self.inodes.pages_written(ino)
-            && self.may_lease_file(&gfid)
-            && self.take_file_lease(c, gfid, Settled::No).await
-        {
+        if !self.inodes.pages_written(ino) || !self.may_lease_file(&gfid) {
+            return;
+        }
+        // Changes to it queued behind (a chmod made under a directory lease) go first.
+        if self.settle(ino).await.is_ok() && self.take_file_lease(c, gfid, mark).await {
             self.invalidate_files(&[gfid]).await;
         }
     }
@@ -497,10 +502,10 @@ impl<L: Layer> Shared<L> {
 
     /// Asks and takes a read lease on file `gfid`: whether what the kernel cached of it before
     /// must go (a lease taken now over pages of no version the brick showed, or a recall
-    /// under way). The kernel's attributes of it are dropped here.
-    async fn take_file_lease(self: &Arc<Self>, c: &Creds, gfid: Gfid, settled: Settled) -> bool {
+    /// under way). The kernel's attributes of it are dropped here. Every change made through
+    /// the mount before `mark` has been answered: the attributes the grant gives are as of it.
+    async fn take_file_lease(self: &Arc<Self>, c: &Creds, gfid: Gfid, mark: ChangeMark) -> bool {
         let asked = self.files.asked();
-        let changes = self.changes.load(Ordering::Acquire);
         let (granted, version) = self.ask_file_lease(c, gfid).await;
         match granted {
             Ok(FopReply::Lease(r)) if r.kind == LeaseKind::Read => {}
@@ -528,9 +533,9 @@ impl<L: Layer> Shared<L> {
         let Some((ino, iatt)) = version else {
             return true;
         };
-        if settled == Settled::Yes && self.handles.with_unsent(Some(ino)).is_empty() {
+        if self.handles.with_unsent(Some(ino)).is_empty() {
             // They answer the stats that follow (a read reaching the end asks the size).
-            self.files.note_attrs(&gfid, iatt.clone(), changes);
+            self.files.note_attrs(&gfid, iatt.clone(), mark);
         }
         // Pages this mount wrote stay where the brick, under the lease, shows their version.
         self.inodes.pages_seen(ino, Stamp::of(&iatt))
@@ -1273,12 +1278,15 @@ impl<L: Layer> Shared<L> {
     }
 
     /// Ends handle `open` (already forgotten by the table) once its tasks are done: sends
-    /// a deferred create the close has not, and releases the fd below.
+    /// a deferred create the close has not, and releases the fd below; then, where it wrote,
+    /// takes the file's read lease (`mark`: where the changes through the mount stood when
+    /// the release came).
     pub(super) async fn release_handle(
         self: &Arc<Self>,
         c: &Creds,
         fh: FileHandle,
         open: Arc<Open<L::Fd>>,
+        mark: ChangeMark,
     ) {
         let ino = open.ino;
         let wrote = open.access != AccessMode::ReadOnly && !open.directory;
@@ -1304,7 +1312,7 @@ impl<L: Layer> Shared<L> {
             tracing::debug!(error = %e, "release failed; the fd goes with the session");
         }
         if wrote {
-            self.lease_written(c, ino).await;
+            self.lease_written(c, ino, mark).await;
         }
     }
 
@@ -1466,16 +1474,6 @@ impl<L: Layer> Shared<L> {
 /// Times a released handle's last holders get to let it go, a millisecond apart: tasks that
 /// looked at its writes not yet sent ([`Handles::with_unsent`]) drop it once those are sent.
 const RELEASE_WAITS: u32 = 1000;
-
-/// Whether the changes this mount made to a file were all answered when its lease was asked
-/// (an open: the program waits for its own changes), so that the attributes the brick gave
-/// under the grant may answer later stats; a release's lease is asked while the program goes
-/// on (a chmod right after a close could reach the brick after the STAT).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Settled {
-    Yes,
-    No,
-}
 
 /// `open` once no other task holds it, or `None` if one still does after [`RELEASE_WAITS`]
 /// (its fd then goes with the session).

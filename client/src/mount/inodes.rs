@@ -54,6 +54,9 @@ struct Node {
     listed_in: Option<Gfid>,
     /// What the kernel's pages of this file match.
     pages: Pages,
+    /// The number of the last change made to it through the mount (`Shared::changes`); 0:
+    /// none since the node was made (a change needs the node).
+    changed_at: u64,
 }
 
 impl Inodes {
@@ -71,6 +74,7 @@ impl Inodes {
                 dir_attr: None,
                 listed_in: None,
                 pages: Pages::default(),
+                changed_at: 0,
             },
         );
         map.by_gfid.insert(Gfid::ROOT, ROOT_INO);
@@ -114,6 +118,7 @@ impl Inodes {
                 dir_attr: None,
                 listed_in: None,
                 pages: Pages::default(),
+                changed_at: 0,
             },
         );
         map.by_gfid.insert(gfid, ino);
@@ -157,6 +162,24 @@ impl Inodes {
     /// The kernel's pages of `ino` went (or hold what the brick refused).
     pub(crate) fn pages_dropped(&self, ino: u64) {
         self.with_pages(ino, Pages::dropped);
+    }
+
+    /// Notes change number `seq`, made to `ino` through the mount: whether the node is known.
+    pub(crate) fn note_changed(&self, ino: u64, seq: u64) -> bool {
+        self.lock()
+            .by_ino
+            .get_mut(&ino)
+            .map(|node| node.changed_at = node.changed_at.max(seq))
+            .is_some()
+    }
+
+    /// Whether `ino` was changed through the mount after change number `seq` (an unknown
+    /// node: it may have been).
+    pub(crate) fn changed_after(&self, ino: u64, seq: u64) -> bool {
+        self.lock()
+            .by_ino
+            .get(&ino)
+            .is_none_or(|node| node.changed_at > seq)
     }
 
     /// Whether the kernel may hold pages this mount wrote to `ino`, of a known version.

@@ -18,7 +18,7 @@ use kiln_wire::{
 use super::MountOptions;
 use super::behind::Behind;
 use super::convert::{Result, attr_of, errno, file_attr, name_of, unexpected};
-use super::file_leases::FileLeases;
+use super::file_leases::{ChangeMark, FileLeases};
 use super::handles::{Handles, Open};
 use super::inodes::Inodes;
 use super::leases::{Answer, Leases};
@@ -47,9 +47,12 @@ pub(super) struct Shared<L: Layer> {
     /// The kernel drops a file's pages only when the mount tells it ([`super::pages`]; set
     /// at INIT).
     pub(super) pages_told: AtomicBool,
-    /// Requests that change something, counted as they come (attributes noted under a file
-    /// lease answer only while this has not moved: [`super::file_leases`]).
+    /// Requests that change something, numbered as they come; each file notes the number of
+    /// its own last one ([`Inodes::note_changed`]). Attributes noted under a file lease
+    /// answer while their file has none after their [`ChangeMark`].
     pub(super) changes: AtomicU64,
+    /// Of those, the ones that change files the mount cannot name ([`ChangeMark::blind`]).
+    pub(super) blind_changes: AtomicU64,
 }
 
 /// The kernel's cache lifetimes for one reply.
@@ -75,7 +78,22 @@ impl<L: Layer> Shared<L> {
             kernel: std::sync::OnceLock::new(),
             pages_told: AtomicBool::new(false),
             changes: AtomicU64::new(0),
+            blind_changes: AtomicU64::new(0),
         }
+    }
+
+    /// Where the changes made through the mount stand now.
+    pub(super) fn change_mark(&self) -> ChangeMark {
+        ChangeMark {
+            last: self.changes.load(Ordering::Acquire),
+            blind: self.blind_changes.load(Ordering::Acquire),
+        }
+    }
+
+    /// Whether file `ino` is as it was at `mark` as far as changes through the mount go.
+    pub(super) fn unchanged_since(&self, ino: u64, mark: ChangeMark) -> bool {
+        self.blind_changes.load(Ordering::Acquire) == mark.blind
+            && !self.inodes.changed_after(ino, mark.last)
     }
 
     /// Has the kernel drop its cached attributes of `gfids` (those it still holds); returns
@@ -464,12 +482,14 @@ impl<L: Layer> Shared<L> {
         if let Some((iatt, _)) = listed_in.and_then(|(dir, gfid)| self.listed(&dir, &gfid)) {
             return Ok(iatt);
         }
-        // A file as the brick gave it under its lease, nothing changed here since.
-        let leased = self.inodes.gfid(ino).and_then(|gfid| {
-            let changes = self.changes.load(Ordering::Acquire);
-            self.files.attrs(&gfid, changes)
-        });
-        if let Some(iatt) = leased {
+        // A file as the brick gave it under its lease, not changed here since.
+        let leased = self
+            .inodes
+            .gfid(ino)
+            .and_then(|gfid| self.files.attrs(&gfid));
+        if let Some((iatt, mark)) = leased
+            && self.unchanged_since(ino, mark)
+        {
             return Ok(iatt);
         }
         self.settle(ino).await?;
