@@ -916,6 +916,10 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         reply: ReplyCreate,
     ) {
         self.note_change(&[parent]);
+        if flags & (libc::O_TRUNC | libc::O_EXCL) == libc::O_TRUNC {
+            // The name may be a file another client made meanwhile: emptied, by its name.
+            self.shared.blind_changes.fetch_add(1, Ordering::AcqRel);
+        }
         let (s, c, name) = (self.shared(), creds(req), name.to_owned());
         self.spawn(
             reply,
