@@ -122,10 +122,10 @@ impl<L: Layer> KilnFs<L> {
     /// entries it changes), before it runs: no listing the mount kept that shows one of them
     /// answers after it. A node the mount does not know may be anything.
     fn note_change(&self, inos: &[INodeNo]) {
-        let seq = self.shared.changes.fetch_add(1, Ordering::AcqRel) + 1;
+        self.shared.inodes.note_change(inos.iter().map(|ino| ino.0));
         for ino in inos {
             match self.shared.inodes.gfid(ino.0) {
-                Some(gfid) if self.shared.inodes.note_changed(ino.0, seq) => {
+                Some(gfid) => {
                     self.shared.made.forget(&gfid);
                     self.shared.leases.note_change(gfid);
                 }

@@ -30,6 +30,9 @@ pub(crate) struct Inodes {
 struct Map {
     by_ino: HashMap<u64, Node>,
     by_gfid: HashMap<Gfid, u64>,
+    /// Requests that change something through the mount are numbered as they come: the
+    /// number of the last one.
+    last_change: u64,
 }
 
 #[derive(Debug)]
@@ -54,8 +57,9 @@ struct Node {
     listed_in: Option<Gfid>,
     /// What the kernel's pages of this file match.
     pages: Pages,
-    /// The number of the last change made to it through the mount (`Shared::changes`); 0:
-    /// none since the node was made (a change needs the node).
+    /// The number of the last change made to it through the mount ([`Inodes::note_change`]);
+    /// a node made anew takes the last number of all (the file may have changed through a
+    /// node the kernel has forgotten since).
     changed_at: u64,
 }
 
@@ -102,6 +106,7 @@ impl Inodes {
             }
             return ino;
         }
+        let changed_at = map.last_change;
         let mut ino = preferred_ino(gfid);
         while ino <= ROOT_INO || map.by_ino.contains_key(&ino) {
             ino = ino.wrapping_add(1);
@@ -118,7 +123,7 @@ impl Inodes {
                 dir_attr: None,
                 listed_in: None,
                 pages: Pages::default(),
-                changed_at: 0,
+                changed_at,
             },
         );
         map.by_gfid.insert(gfid, ino);
@@ -164,13 +169,21 @@ impl Inodes {
         self.with_pages(ino, Pages::dropped);
     }
 
-    /// Notes change number `seq`, made to `ino` through the mount: whether the node is known.
-    pub(crate) fn note_changed(&self, ino: u64, seq: u64) -> bool {
-        self.lock()
-            .by_ino
-            .get_mut(&ino)
-            .map(|node| node.changed_at = node.changed_at.max(seq))
-            .is_some()
+    /// Numbers a request that changes nodes `inos` (the unknown ones aside) as it comes.
+    pub(crate) fn note_change(&self, inos: impl IntoIterator<Item = u64>) {
+        let mut map = self.lock();
+        map.last_change += 1;
+        let seq = map.last_change;
+        for ino in inos {
+            if let Some(node) = map.by_ino.get_mut(&ino) {
+                node.changed_at = seq;
+            }
+        }
+    }
+
+    /// The number of the last request that changed something through the mount.
+    pub(crate) fn last_change(&self) -> u64 {
+        self.lock().last_change
     }
 
     /// Whether `ino` was changed through the mount after change number `seq` (an unknown

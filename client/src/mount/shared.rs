@@ -47,11 +47,8 @@ pub(super) struct Shared<L: Layer> {
     /// The kernel drops a file's pages only when the mount tells it ([`super::pages`]; set
     /// at INIT).
     pub(super) pages_told: AtomicBool,
-    /// Requests that change something, numbered as they come; each file notes the number of
-    /// its own last one ([`Inodes::note_changed`]). Attributes noted under a file lease
-    /// answer while their file has none after their [`ChangeMark`].
-    pub(super) changes: AtomicU64,
-    /// Of those, the ones that change files the mount cannot name ([`ChangeMark::blind`]).
+    /// Requests that change files the mount cannot name, counted as they come
+    /// ([`ChangeMark::blind`]; the others are numbered per file: [`Inodes::note_change`]).
     pub(super) blind_changes: AtomicU64,
 }
 
@@ -77,7 +74,6 @@ impl<L: Layer> Shared<L> {
             made: MadeFiles::default(),
             kernel: std::sync::OnceLock::new(),
             pages_told: AtomicBool::new(false),
-            changes: AtomicU64::new(0),
             blind_changes: AtomicU64::new(0),
         }
     }
@@ -85,7 +81,7 @@ impl<L: Layer> Shared<L> {
     /// Where the changes made through the mount stand now.
     pub(super) fn change_mark(&self) -> ChangeMark {
         ChangeMark {
-            last: self.changes.load(Ordering::Acquire),
+            last: self.inodes.last_change(),
             blind: self.blind_changes.load(Ordering::Acquire),
         }
     }
