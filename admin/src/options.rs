@@ -414,6 +414,16 @@ pub const OPTIONS: &[OptionDef] = &[
                KiB (0: the kernel's 128 KiB, one READ in flight)",
     },
     OptionDef {
+        key: "performance.release-leases",
+        kind: ValueKind::Bool,
+        default: "on",
+        apply: Apply::Mount,
+        brick: BrickFlag::None,
+        help: "with file leases, a mount takes the read lease of a file it wrote when the \
+               writing handle is released (a round trip behind each close of a file \
+               rewritten there), so reading it back waits for nothing",
+    },
+    OptionDef {
         key: "performance.write-behind",
         kind: ValueKind::Bool,
         default: "on",

@@ -1217,6 +1217,7 @@ fn pages_written_here_read_back(mut a: Mounted, metrics: Option<&str>) {
 /// A chmod right after the close of a file written here shows in the stats after, though
 /// the file's lease, asked behind that close, may be answered before the brick took the chmod;
 /// and a chmod after the lease shows after the kernel forgot the file and looked it up again.
+/// With `release-leases=off` no lease is asked behind a close.
 #[test]
 fn a_chmod_right_after_a_close_shows_once_the_lease_is_taken() {
     use std::io::Write;
@@ -1252,6 +1253,13 @@ fn a_chmod_right_after_a_close_shows_once_the_lease_is_taken() {
         let meta = fs::metadata(&path).expect("stat");
         assert_eq!(meta.mode() & 0o777, 0o640, "round {round}\n{}", a.logs());
     }
+    // `release-leases=off`: a close asks nothing behind it.
+    a.unmount();
+    a.mount(&["release-leases=off"]);
+    let leases = reads_and_leases(&metrics)[2];
+    fs::write(a.path("d/f"), b"rewritten").expect("write");
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(reads_and_leases(&metrics)[2], leases, "{}", a.logs());
 }
 
 /// A file held open for writing here (no read lease covers it) and changed in another mount

@@ -1311,7 +1311,7 @@ impl<L: Layer> Shared<L> {
         {
             tracing::debug!(error = %e, "release failed; the fd goes with the session");
         }
-        if wrote {
+        if wrote && self.options.release_leases {
             self.lease_written(c, ino, mark).await;
         }
     }

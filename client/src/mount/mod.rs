@@ -80,6 +80,10 @@ pub struct MountOptions {
     /// a read lease, so another client's change to it drops what the kernel caches of it
     /// at once ([`file_leases`]).
     pub file_leases: bool,
+    /// With file leases, a file this mount wrote gets its read lease when the writing handle
+    /// is released (a round trip behind each close of a file rewritten here), so reading it
+    /// back waits for nothing.
+    pub release_leases: bool,
     /// A file's writes are gathered (up to a MiB per open file) and sent when they stop
     /// continuing each other, at its close or `fsync`, before any fop that reads it back
     /// from the brick, and before a lock changes: a WRITE costs no round trip, and a
@@ -140,6 +144,7 @@ impl Default for MountOptions {
             behind_bytes_max: 64 << 20,
             listing_prefetch: true,
             file_leases: true,
+            release_leases: true,
             write_behind: true,
             file_prefetch: true,
             read_ahead_kib: READ_AHEAD_KIB_DEFAULT,
@@ -206,6 +211,7 @@ impl MountOptions {
             "behind-bytes-max" => self.behind_bytes_max = bytes(key, value)?,
             "listing-prefetch" => flag(&mut self.listing_prefetch)?,
             "file-leases" => flag(&mut self.file_leases)?,
+            "release-leases" => flag(&mut self.release_leases)?,
             "write-behind" => flag(&mut self.write_behind)?,
             "file-prefetch" => flag(&mut self.file_prefetch)?,
             "read-ahead-kib" => self.read_ahead_kib = kib(key, value)?,
