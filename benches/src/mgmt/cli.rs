@@ -255,11 +255,18 @@ fn applied_live(ran: &Ran) -> bool {
 
 /// What one `kiln` executable's measured sets gave.
 struct Sets {
-    /// Sets per second of that executable's own time (spawn to exit).
-    rate: f64,
     latency: Histogram<u64>,
     /// How many a running brick applied.
     applied: usize,
+    /// Their time, spawn to exit, all together.
+    took: Duration,
+}
+
+impl Sets {
+    /// Sets per second of that executable's own time.
+    fn rate(&self) -> f64 {
+        self.latency.len() as f64 / self.took.as_secs_f64()
+    }
 }
 
 /// `n` measured `kiln volume set` processes per executable of `kilns`, taking turns, values
@@ -268,24 +275,20 @@ fn cli_sets(m: &Mgmtd, kilns: &[&Path], n: usize, next: &mut usize) -> anyhow::R
     let mut sets = Vec::with_capacity(kilns.len());
     for _ in kilns {
         sets.push(Sets {
-            rate: 0.0,
             latency: histogram()?,
             applied: 0,
+            took: Duration::ZERO,
         });
     }
-    let mut took = vec![Duration::ZERO; kilns.len()];
     for _ in 0..n {
-        for (i, kiln) in kilns.iter().enumerate() {
+        for (kiln, s) in kilns.iter().zip(&mut sets) {
             let v = value(*next);
             *next += 1;
             let ran = m.ok_with(kiln, &["volume", "set", VOLUME_NAME, KEY, &v])?;
-            sets[i].latency.record(nanos(ran.elapsed))?;
-            sets[i].applied += usize::from(applied_live(&ran));
-            took[i] += ran.elapsed;
+            s.latency.record(nanos(ran.elapsed))?;
+            s.applied += usize::from(applied_live(&ran));
+            s.took += ran.elapsed;
         }
-    }
-    for (s, took) in sets.iter_mut().zip(took) {
-        s.rate = n as f64 / took.as_secs_f64();
     }
     Ok(sets)
 }
@@ -368,7 +371,7 @@ pub(super) fn cli(
             "mgmt.set",
             &format!("kiln-cli{suffix}"),
             json!({ "sets": sets, "key": KEY, "volume": "created", "kiln": kiln.display().to_string() }),
-            s.rate,
+            s.rate(),
             &s.latency,
             floor,
         ));
@@ -386,7 +389,7 @@ pub(super) fn cli(
             &format!("kiln-cli-started{suffix}"),
             json!({ "sets": sets, "key": KEY, "volume": "started", "bricks": brick_pids.len(),
                     "applied_live": s.applied, "kiln": kiln.display().to_string() }),
-            s.rate,
+            s.rate(),
             &s.latency,
             floor,
         ));

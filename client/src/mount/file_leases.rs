@@ -26,15 +26,7 @@ use std::time::{Duration, Instant};
 
 use kiln_wire::{Gfid, Iatt};
 
-/// Where the changes made through the mount stood at one moment: the number of the last one
-/// made (`Inodes::note_change`; each file notes the number of its own last change) and how many
-/// of them changed files the mount could not name (a removal or rename changes the removed
-/// or renamed file's links and ctime).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct ChangeMark {
-    pub(super) last: u64,
-    pub(super) blind: u64,
-}
+use super::inodes::ChangeMark;
 
 /// Files held under a read lease at most.
 pub(super) const FILE_LEASES_MAX: usize = 4096;

@@ -129,10 +129,7 @@ impl<L: Layer> KilnFs<L> {
                     self.shared.made.forget(&gfid);
                     self.shared.leases.note_change(gfid);
                 }
-                _ => {
-                    self.shared.blind_changes.fetch_add(1, Ordering::AcqRel);
-                    return self.shared.leases.note_any_change();
-                }
+                None => return self.shared.leases.note_any_change(),
             }
         }
     }
@@ -190,7 +187,7 @@ impl<L: Layer> KilnFs<L> {
     ) {
         self.note_change(changes);
         // The file removed or renamed changes too (its links, its ctime), by its name.
-        self.shared.blind_changes.fetch_add(1, Ordering::AcqRel);
+        self.shared.inodes.note_blind_change();
         let (s, c) = (self.shared(), creds(req));
         self.spawn(
             reply,
@@ -231,7 +228,7 @@ impl<L: Layer> KilnFs<L> {
         self.shared.store_released(&open);
         // Every change this program made before its close was answered by now (a write
         // through this handle is sent below, before anything is asked).
-        let mark = self.shared.change_mark();
+        let mark = self.shared.inodes.change_mark();
         let (s, c) = (self.shared(), creds(req));
         self.run(async move { s.release_handle(&c, fh, open, mark).await });
     }
@@ -918,7 +915,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         self.note_change(&[parent]);
         if flags & (libc::O_TRUNC | libc::O_EXCL) == libc::O_TRUNC {
             // The name may be a file another client made meanwhile: emptied, by its name.
-            self.shared.blind_changes.fetch_add(1, Ordering::AcqRel);
+            self.shared.inodes.note_blind_change();
         }
         let (s, c, name) = (self.shared(), creds(req), name.to_owned());
         self.spawn(

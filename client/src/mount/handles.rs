@@ -44,7 +44,7 @@ use kiln_wire::{
 use super::convert::{
     Result, errno, fopen_flags, name_of, open_mode, requested_access, seek_what, unexpected,
 };
-use super::file_leases::ChangeMark;
+use super::inodes::ChangeMark;
 use super::leases::{Answer, LISTED_ENTRIES_KEPT_MAX, Mark};
 use super::pages::Stamp;
 use super::pending::{DEFERRED_BYTES_MAX, Pending, killed_suidgid};
@@ -467,7 +467,9 @@ impl<L: Layer> Shared<L> {
         // The program that opens waits for its own changes: all answered before the ask.
         access == AccessMode::ReadOnly
             && self.may_lease_file(&gfid)
-            && self.take_file_lease(c, gfid, self.change_mark()).await
+            && self
+                .take_file_lease(c, gfid, self.inodes.change_mark())
+                .await
     }
 
     /// After the release of a handle that wrote file `ino`: its read lease, asked now rather
@@ -476,12 +478,15 @@ impl<L: Layer> Shared<L> {
     /// version under the lease: [`Shared::ask_file_lease`]); else the pages go. `mark` is
     /// where the changes through the mount stood when the release came: the program goes on
     /// meanwhile, and the grant's attributes answer its stats only while the file has no
-    /// change after it.
+    /// change after it. Not with `release-leases` off.
     async fn lease_written(self: &Arc<Self>, c: &Creds, ino: u64, mark: ChangeMark) {
         let Some(gfid) = self.inodes.gfid(ino) else {
             return;
         };
-        if !self.inodes.pages_written(ino) || !self.may_lease_file(&gfid) {
+        if !self.options.release_leases
+            || !self.inodes.pages_written(ino)
+            || !self.may_lease_file(&gfid)
+        {
             return;
         }
         // Changes to it queued behind (a chmod made under a directory lease) go first.
@@ -1311,7 +1316,7 @@ impl<L: Layer> Shared<L> {
         {
             tracing::debug!(error = %e, "release failed; the fd goes with the session");
         }
-        if wrote && self.options.release_leases {
+        if wrote {
             self.lease_written(c, ino, mark).await;
         }
     }

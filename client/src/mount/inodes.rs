@@ -33,6 +33,18 @@ struct Map {
     /// Requests that change something through the mount are numbered as they come: the
     /// number of the last one.
     last_change: u64,
+    /// Of those, the ones that changed files the mount cannot name ([`ChangeMark::blind`]).
+    blind_changes: u64,
+}
+
+/// Where the changes made through the mount stood at one moment: the number of the last one
+/// (each node notes the number of its own last change) and how many of them changed files
+/// the mount could not name (a removal or rename changes the removed or renamed file's links
+/// and ctime; a node the mount does not know may be anything).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ChangeMark {
+    last: u64,
+    blind: u64,
 }
 
 #[derive(Debug)]
@@ -169,30 +181,45 @@ impl Inodes {
         self.with_pages(ino, Pages::dropped);
     }
 
-    /// Numbers a request that changes nodes `inos` (the unknown ones aside) as it comes.
+    /// Numbers a request that changes nodes `inos` as it comes; one the mount does not know
+    /// makes it a blind change.
     pub(crate) fn note_change(&self, inos: impl IntoIterator<Item = u64>) {
         let mut map = self.lock();
         map.last_change += 1;
         let seq = map.last_change;
         for ino in inos {
-            if let Some(node) = map.by_ino.get_mut(&ino) {
-                node.changed_at = seq;
+            match map.by_ino.get_mut(&ino) {
+                Some(node) => node.changed_at = seq,
+                None => {
+                    map.blind_changes += 1;
+                    return;
+                }
             }
         }
     }
 
-    /// The number of the last request that changed something through the mount.
-    pub(crate) fn last_change(&self) -> u64 {
-        self.lock().last_change
+    /// Notes a change to a file the mount can name only by its name ([`ChangeMark::blind`]).
+    pub(crate) fn note_blind_change(&self) {
+        self.lock().blind_changes += 1;
     }
 
-    /// Whether `ino` was changed through the mount after change number `seq` (an unknown
-    /// node: it may have been).
-    pub(crate) fn changed_after(&self, ino: u64, seq: u64) -> bool {
-        self.lock()
-            .by_ino
-            .get(&ino)
-            .is_none_or(|node| node.changed_at > seq)
+    /// Where the changes made through the mount stand now.
+    pub(crate) fn change_mark(&self) -> ChangeMark {
+        let map = self.lock();
+        ChangeMark {
+            last: map.last_change,
+            blind: map.blind_changes,
+        }
+    }
+
+    /// Whether file `ino` is as it was at `mark` as far as changes through the mount go.
+    pub(crate) fn unchanged_since(&self, ino: u64, mark: ChangeMark) -> bool {
+        let map = self.lock();
+        map.blind_changes == mark.blind
+            && map
+                .by_ino
+                .get(&ino)
+                .is_some_and(|node| node.changed_at <= mark.last)
     }
 
     /// Whether the kernel may hold pages this mount wrote to `ino`, of a known version.

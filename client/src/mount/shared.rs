@@ -5,7 +5,7 @@
 
 use std::ffi::OsStr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -18,7 +18,7 @@ use kiln_wire::{
 use super::MountOptions;
 use super::behind::Behind;
 use super::convert::{Result, attr_of, errno, file_attr, name_of, unexpected};
-use super::file_leases::{ChangeMark, FileLeases};
+use super::file_leases::FileLeases;
 use super::handles::{Handles, Open};
 use super::inodes::Inodes;
 use super::leases::{Answer, Leases};
@@ -47,9 +47,6 @@ pub(super) struct Shared<L: Layer> {
     /// The kernel drops a file's pages only when the mount tells it ([`super::pages`]; set
     /// at INIT).
     pub(super) pages_told: AtomicBool,
-    /// Requests that change files the mount cannot name, counted as they come
-    /// ([`ChangeMark::blind`]; the others are numbered per file: [`Inodes::note_change`]).
-    pub(super) blind_changes: AtomicU64,
 }
 
 /// The kernel's cache lifetimes for one reply.
@@ -74,22 +71,7 @@ impl<L: Layer> Shared<L> {
             made: MadeFiles::default(),
             kernel: std::sync::OnceLock::new(),
             pages_told: AtomicBool::new(false),
-            blind_changes: AtomicU64::new(0),
         }
-    }
-
-    /// Where the changes made through the mount stand now.
-    pub(super) fn change_mark(&self) -> ChangeMark {
-        ChangeMark {
-            last: self.inodes.last_change(),
-            blind: self.blind_changes.load(Ordering::Acquire),
-        }
-    }
-
-    /// Whether file `ino` is as it was at `mark` as far as changes through the mount go.
-    pub(super) fn unchanged_since(&self, ino: u64, mark: ChangeMark) -> bool {
-        self.blind_changes.load(Ordering::Acquire) == mark.blind
-            && !self.inodes.changed_after(ino, mark.last)
     }
 
     /// Has the kernel drop its cached attributes of `gfids` (those it still holds); returns
@@ -484,7 +466,7 @@ impl<L: Layer> Shared<L> {
             .gfid(ino)
             .and_then(|gfid| self.files.attrs(&gfid));
         if let Some((iatt, mark)) = leased
-            && self.unchanged_since(ino, mark)
+            && self.inodes.unchanged_since(ino, mark)
         {
             return Ok(iatt);
         }
