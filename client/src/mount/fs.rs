@@ -96,6 +96,24 @@ impl<L: Layer> KilnFs<L> {
         });
     }
 
+    /// [`KilnFs::spawn`] for a request that changes something: `changing` is numbered again
+    /// once `work` is done, before the answer goes.
+    fn spawn_changing<R: Fail + Send + 'static, T: Send + 'static>(
+        &self,
+        changing: impl Into<Option<Changing<L>>>,
+        reply: R,
+        work: impl Future<Output = Result<T>> + Send + 'static,
+        ok: impl FnOnce(R, T) + Send + 'static,
+    ) {
+        let changing = changing.into();
+        let work = async move {
+            let done = work.await;
+            drop(changing);
+            done
+        };
+        self.spawn(reply, work, ok);
+    }
+
     /// Runs `task` for a request: its first steps at once on the FUSE thread, the rest (from
     /// its first wait on) as a task of the runtime. A request the mount answers itself (a
     /// held directory's lookup, a change queued behind, a kept listing, a deferred create's
@@ -120,17 +138,27 @@ impl<L: Layer> KilnFs<L> {
 
     /// Notes a fop that may change nodes `inos` (the objects and the directories whose
     /// entries it changes), before it runs: no listing the mount kept that shows one of them
-    /// answers after it. A node the mount does not know may be anything.
-    fn note_change(&self, inos: &[INodeNo]) {
-        self.shared.inodes.note_change(inos.iter().map(|ino| ino.0));
-        for ino in inos {
-            match self.shared.inodes.gfid(ino.0) {
+    /// answers after it. A node the mount does not know may be anything. The change is
+    /// numbered now and again once answered ([`Changing`]).
+    fn note_change(&self, inos: &[INodeNo]) -> Changing<L> {
+        let inos: Vec<u64> = inos.iter().map(|ino| ino.0).collect();
+        self.shared.inodes.note_change(inos.iter().copied());
+        for &ino in &inos {
+            match self.shared.inodes.gfid(ino) {
                 Some(gfid) => {
                     self.shared.made.forget(&gfid);
                     self.shared.leases.note_change(gfid);
                 }
-                None => return self.shared.leases.note_any_change(),
+                None => {
+                    self.shared.leases.note_any_change();
+                    break;
+                }
             }
+        }
+        Changing {
+            shared: self.shared(),
+            inos,
+            blind: false,
         }
     }
 
@@ -141,10 +169,12 @@ impl<L: Layer> KilnFs<L> {
         req: &Request,
         reply: ReplyEmpty,
         ino: u64,
+        changing: Option<Changing<L>>,
         build: impl FnOnce(&Shared<L>) -> Result<FopRequest> + Send + 'static,
     ) {
         let (s, c) = (self.shared(), creds(req));
-        self.spawn(
+        self.spawn_changing(
+            changing,
             reply,
             async move {
                 s.settle(ino).await?;
@@ -164,9 +194,10 @@ impl<L: Layer> KilnFs<L> {
         changes: &[INodeNo],
         build: impl FnOnce(&Shared<L>) -> Result<FopRequest> + Send + 'static,
     ) {
-        self.note_change(changes);
+        let changing = self.note_change(changes);
         let (s, c) = (self.shared(), creds(req));
-        self.spawn(
+        self.spawn_changing(
+            changing,
             reply,
             async move {
                 let fop = build(&s)?;
@@ -185,11 +216,11 @@ impl<L: Layer> KilnFs<L> {
         changes: &[INodeNo],
         build: impl FnOnce(&Shared<L>) -> Result<FopRequest> + Send + 'static,
     ) {
-        self.note_change(changes);
         // The file removed or renamed changes too (its links, its ctime), by its name.
-        self.shared.inodes.note_blind_change();
+        let changing = self.note_change(changes).blind();
         let (s, c) = (self.shared(), creds(req));
-        self.spawn(
+        self.spawn_changing(
+            changing,
             reply,
             async move {
                 let fop = build(&s)?;
@@ -231,6 +262,36 @@ impl<L: Layer> KilnFs<L> {
         let mark = self.shared.inodes.change_mark();
         let (s, c) = (self.shared(), creds(req));
         self.run(async move { s.release_handle(&c, fh, open, mark).await });
+    }
+}
+
+/// A change on its way through the mount ([`KilnFs::note_change`]), numbered again when it
+/// drops — once the fop is answered, before the answer goes. Attributes a file lease's STAT
+/// read while the change was on its way may predate it on the brick: numbered at its answer
+/// too, the change counts as after any mark taken meanwhile ([`unchanged_since`](super::inodes::Inodes::unchanged_since)).
+#[must_use]
+struct Changing<L: Layer> {
+    shared: Arc<Shared<L>>,
+    inos: Vec<u64>,
+    /// It also changes a file the mount can name only by its name.
+    blind: bool,
+}
+
+impl<L: Layer> Changing<L> {
+    /// The change also changes a file by its name ([`note_blind_change`](super::inodes::Inodes::note_blind_change)).
+    fn blind(mut self) -> Changing<L> {
+        self.shared.inodes.note_blind_change();
+        self.blind = true;
+        self
+    }
+}
+
+impl<L: Layer> Drop for Changing<L> {
+    fn drop(&mut self) {
+        self.shared.inodes.note_change(self.inos.iter().copied());
+        if self.blind {
+            self.shared.inodes.note_blind_change();
+        }
     }
 }
 
@@ -368,7 +429,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
-        self.note_change(&[ino]);
+        let changing = self.note_change(&[ino]);
         let (s, c) = (self.shared(), creds(req));
         let attr = SetAttr {
             mode: mode.map(Mode::from_st_mode),
@@ -378,7 +439,8 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
             atime: atime.map(time_set),
             mtime: mtime.map(time_set),
         };
-        self.spawn(
+        self.spawn_changing(
+            changing,
             reply,
             async move {
                 let iatt = s.setattr(&c, ino.0, fh, attr).await?;
@@ -535,11 +597,11 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
     }
 
     fn open(&self, req: &Request, ino: INodeNo, flags: FuseOpenFlags, reply: ReplyOpen) {
-        if flags.0 & libc::O_ACCMODE != libc::O_RDONLY || flags.0 & libc::O_TRUNC != 0 {
-            self.note_change(&[ino]);
-        }
+        let changes = flags.0 & libc::O_ACCMODE != libc::O_RDONLY || flags.0 & libc::O_TRUNC != 0;
+        let changing = changes.then(|| self.note_change(&[ino]));
         let (s, c) = (self.shared(), creds(req));
-        self.spawn(
+        self.spawn_changing(
+            changing,
             reply,
             async move { s.open_handle(&c, ino.0, flags.0).await },
             |reply, opened| reply.opened(opened.fh, opened.flags),
@@ -582,11 +644,12 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
-        self.note_change(&[ino]);
+        let changing = self.note_change(&[ino]);
         let (s, c) = (self.shared(), creds(req));
         let data = Bytes::copy_from_slice(data);
         let kill_suidgid = write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID);
-        self.spawn(
+        self.spawn_changing(
+            changing,
             reply,
             async move { s.write(&c, fh, offset, data, kill_suidgid).await },
             |reply, len| reply.written(len),
@@ -614,9 +677,10 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
             return;
         }
         // It may send a deferred create.
-        self.note_change(&[ino]);
+        let changing = self.note_change(&[ino]);
         let (s, c) = (self.shared(), creds(req));
-        self.spawn(
+        self.spawn_changing(
+            changing,
             reply,
             async move { s.flush(&c, ino.0, fh, lock_owner, locked).await },
             |reply, ()| reply.ok(),
@@ -824,12 +888,12 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
             reply.error(Errno::from_i32(libc::EOPNOTSUPP));
             return;
         }
-        self.note_change(&[ino]);
+        let changing = self.note_change(&[ino]);
         self.shared.inodes.forget_xattr(ino.0, name.as_bytes());
         let name = xattr_name(name);
         let value = XattrValue::new(Bytes::copy_from_slice(value))
             .map_err(|_| Errno::from_i32(libc::E2BIG));
-        self.run_done(req, reply, ino.0, move |s| {
+        self.run_done(req, reply, ino.0, Some(changing), move |s| {
             let mode = xattr_set_mode(flags)?;
             let gfid = s.gfid(ino.0)?;
             s.touch_ctime(&gfid);
@@ -882,10 +946,10 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
             reply.error(Errno::from_i32(libc::EOPNOTSUPP));
             return;
         }
-        self.note_change(&[ino]);
+        let changing = self.note_change(&[ino]);
         self.shared.inodes.forget_xattr(ino.0, name.as_bytes());
         let name = xattr_name(name);
-        self.run_done(req, reply, ino.0, move |s| {
+        self.run_done(req, reply, ino.0, Some(changing), move |s| {
             let gfid = s.gfid(ino.0)?;
             s.touch_ctime(&gfid);
             Ok(kiln_wire::Removexattr { gfid, name: name? }.into())
@@ -893,7 +957,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
     }
 
     fn access(&self, req: &Request, ino: INodeNo, mask: AccessFlags, reply: ReplyEmpty) {
-        self.run_done(req, reply, ino.0, move |s| {
+        self.run_done(req, reply, ino.0, None, move |s| {
             Ok(kiln_wire::Access {
                 gfid: s.gfid(ino.0)?,
                 mask: access_mask(mask),
@@ -912,13 +976,14 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         flags: i32,
         reply: ReplyCreate,
     ) {
-        self.note_change(&[parent]);
+        let mut changing = self.note_change(&[parent]);
         if flags & (libc::O_TRUNC | libc::O_EXCL) == libc::O_TRUNC {
             // The name may be a file another client made meanwhile: emptied, by its name.
-            self.shared.inodes.note_blind_change();
+            changing = changing.blind();
         }
         let (s, c, name) = (self.shared(), creds(req), name.to_owned());
-        self.spawn(
+        self.spawn_changing(
+            changing,
             reply,
             async move {
                 let created = s.create_handle(&c, parent.0, &name, (mode, umask, flags));
@@ -997,9 +1062,10 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         mode: i32,
         reply: ReplyEmpty,
     ) {
-        self.note_change(&[ino]);
+        let changing = self.note_change(&[ino]);
         let (s, c) = (self.shared(), creds(req));
-        self.spawn(
+        self.spawn_changing(
+            changing,
             reply,
             async move {
                 let open = s.handles.get(fh)?;

@@ -30,8 +30,8 @@ pub(crate) struct Inodes {
 struct Map {
     by_ino: HashMap<u64, Node>,
     by_gfid: HashMap<Gfid, u64>,
-    /// Requests that change something through the mount are numbered as they come: the
-    /// number of the last one.
+    /// Requests that change something through the mount are numbered as they come and again
+    /// as they are answered: the number of the last one.
     last_change: u64,
     /// Of those, the ones that changed files the mount cannot name ([`ChangeMark::blind`]).
     blind_changes: u64,
@@ -181,8 +181,8 @@ impl Inodes {
         self.with_pages(ino, Pages::dropped);
     }
 
-    /// Numbers a request that changes nodes `inos` as it comes; one the mount does not know
-    /// makes it a blind change.
+    /// Numbers a request that changes nodes `inos`, as it comes and again as it is answered;
+    /// one the mount does not know makes it a blind change.
     pub(crate) fn note_change(&self, inos: impl IntoIterator<Item = u64>) {
         let mut map = self.lock();
         map.last_change += 1;
@@ -396,6 +396,42 @@ mod tests {
         inodes.forget(ROOT_INO, 100);
         assert_eq!(inodes.gfid(ROOT_INO), Some(Gfid::ROOT));
         assert_eq!(inodes.remember(Gfid::ROOT), ROOT_INO);
+    }
+
+    #[test]
+    fn a_file_is_unchanged_since_a_mark_until_a_change_to_it_is_numbered_after() {
+        let inodes = Inodes::new();
+        let (file, other) = (inodes.remember(gfid(50, 1)), inodes.remember(gfid(51, 1)));
+        inodes.note_change([file]);
+        let mark = inodes.change_mark();
+        assert!(inodes.unchanged_since(file, mark));
+        inodes.note_change([other]);
+        assert!(inodes.unchanged_since(file, mark), "another file's change");
+
+        // A change that came before the mark and was answered after it: numbered again at
+        // its answer, it counts against the mark.
+        inodes.note_change([file]);
+        let mark = inodes.change_mark();
+        assert!(inodes.unchanged_since(file, mark));
+        inodes.note_change([file]);
+        assert!(!inodes.unchanged_since(file, mark));
+
+        // A change by a name counts against every file; so does one to a node not known.
+        let mark = inodes.change_mark();
+        inodes.note_blind_change();
+        assert!(!inodes.unchanged_since(other, mark));
+        let mark = inodes.change_mark();
+        inodes.note_change([999]);
+        assert!(!inodes.unchanged_since(other, mark));
+
+        // A node made anew may have changed (through a node of its own) while it was
+        // forgotten: any change since the mark counts against it.
+        let mark = inodes.change_mark();
+        inodes.forget(other, 1);
+        assert!(!inodes.unchanged_since(other, mark), "not known");
+        inodes.note_change([file]);
+        let again = inodes.remember(gfid(51, 1));
+        assert!(!inodes.unchanged_since(again, mark));
     }
 
     #[test]
