@@ -754,6 +754,33 @@ fn xattrs(kind: EngineKind) {
             .map(|n| String::from_utf8_lossy(n.as_bytes()).into_owned())
             .collect();
         assert_eq!(names, vec!["user.color"], "internal xattrs are hidden");
+        // `trusted.*` shows to root alone, as the kernel lists it.
+        let trusted = XattrName::new(&b"trusted.note"[..]).expect("valid");
+        let note = Setxattr {
+            gfid,
+            name: trusted.clone(),
+            value: value(b"n"),
+            mode: XattrSetMode::Create,
+        };
+        h.call(&root(), note).expect("root sets trusted.*");
+        let listed = |creds: &Creds| {
+            let FopReply::Listxattr(l) = h.call(creds, Listxattr { gfid }).expect("list") else {
+                panic!()
+            };
+            let mut names: Vec<_> = l.entries.iter().map(|n| n.as_bytes().to_vec()).collect();
+            names.sort();
+            names
+        };
+        assert_eq!(
+            listed(&root()),
+            vec![b"trusted.note".to_vec(), b"user.color".to_vec()]
+        );
+        assert_eq!(listed(&user(1000)), vec![b"user.color".to_vec()]);
+        let unnote = Removexattr {
+            gfid,
+            name: trusted,
+        };
+        h.call(&root(), unnote).expect("root removes trusted.*");
         h.call(
             &root(),
             Removexattr {

@@ -436,7 +436,14 @@ impl<L: Layer> Shared<L> {
                 }
             }
         };
-        let (fd, leased_now) = tokio::join!(opened, self.lease_file(c, gfid, access));
+        // The kernel asks for security.capability before the first write through the handle
+        // (to drop it): learnt beside the open, not after it.
+        let probe = async {
+            if access != AccessMode::ReadOnly && !self.inodes.probed_known(ino) {
+                self.probe_xattrs(c, ino).await;
+            }
+        };
+        let (fd, leased_now, ()) = tokio::join!(opened, self.lease_file(c, gfid, access), probe);
         let fd = fd?;
         if access != AccessMode::ReadOnly {
             // Writes (or O_TRUNC) change it on the brick.

@@ -599,7 +599,7 @@ impl<L: Layer> Shared<L> {
 
     /// Lists node `ino`'s xattrs and remembers which of the probed ones it has, for the
     /// attribute lifetime (nothing, if the list does not come).
-    async fn probe_xattrs(&self, c: &Creds, ino: u64) {
+    pub(super) async fn probe_xattrs(&self, c: &Creds, ino: u64) {
         let Ok(gfid) = self.gfid(ino) else {
             return;
         };

@@ -12,7 +12,7 @@ use kiln_wire::{
 };
 use rustix::io::Errno;
 
-use super::resolve::Named;
+use super::resolve::{Named, ObjectPath};
 use super::{Fops, R};
 use crate::brick::GFID_XATTR;
 use crate::creds::ActAs;
@@ -23,6 +23,10 @@ use crate::sys;
 /// Longest list of xattr names a presence check reads, in bytes; an object with a longer one
 /// is answered [`XattrPresence::UNKNOWN`] (its client asks).
 const PRESENCE_LIST_LEN_MAX_BYTES: usize = 4 * 1024;
+
+/// How much of a LISTXATTR's names the first read takes, in bytes; a longer list is read again
+/// into [`limits::XATTR_VALUE_LEN_MAX_BYTES`].
+const LIST_FIRST_READ_BYTES: usize = 4 * 1024;
 
 /// Names clients may read but never change: the brick's own bookkeeping, and GlusterFS's
 /// replication changelog (a brick moved between GlusterFS and Kiln keeps its meaning).
@@ -124,29 +128,39 @@ impl<E: Exec> Fops<E> {
         })
     }
 
+    /// LISTXATTR, on the worker: listing needs no permission on the object, so the brick
+    /// lists as itself and leaves out what the caller could not see — `trusted.*` but for
+    /// root — as the kernel would.
     pub(super) async fn listxattr(&self, creds: &Creds, object: Named<'_>) -> R<ListxattrReply> {
         let object = self.named_path(object).await?;
-        let creds = creds.clone();
-        let list = self
-            .exec
-            .blocking(move || {
-                let _as = ActAs::new(&creds)?;
-                let mut buf = vec![0u8; limits::XATTR_VALUE_LEN_MAX_BYTES];
-                let n = match object.proc_path() {
-                    (path, true) => rustix::fs::listxattr(&*path, &mut buf[..])?,
-                    (path, false) => rustix::fs::llistxattr(&*path, &mut buf[..])?,
-                };
-                buf.truncate(n);
-                Ok::<_, Errno>(buf)
-            })
-            .await?;
+        let list = list_names(&object)?;
+        let visible = |n: &XattrName| creds.uid == 0 || !n.as_bytes().starts_with(b"trusted.");
         let entries = list
             .split(|&b| b == 0)
             .filter_map(|n| XattrName::new(Bytes::copy_from_slice(n)).ok())
-            .filter(|n| !protected(n))
+            .filter(|n| !protected(n) && visible(n))
             .collect();
         Ok(ListxattrReply { entries, eof: true })
     }
+}
+
+/// The xattr names of `object`, NUL-ended: read into [`LIST_FIRST_READ_BYTES`] first.
+fn list_names(object: &ObjectPath) -> Result<Vec<u8>, Errno> {
+    let (path, follow) = object.proc_path();
+    let list = |buf: &mut [u8]| match follow {
+        true => rustix::fs::listxattr(&*path, buf),
+        false => rustix::fs::llistxattr(&*path, buf),
+    };
+    let mut buf = vec![0u8; LIST_FIRST_READ_BYTES];
+    let len = match list(&mut buf) {
+        Err(Errno::RANGE) => {
+            buf = vec![0u8; limits::XATTR_VALUE_LEN_MAX_BYTES];
+            list(&mut buf)?
+        }
+        len => len?,
+    };
+    buf.truncate(len);
+    Ok(buf)
 }
 
 /// Which probed xattrs `name` in `dir` has (not following a symlink: a client asks about
