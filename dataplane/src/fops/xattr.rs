@@ -17,7 +17,7 @@ use super::{Fops, R};
 use crate::brick::GFID_XATTR;
 use crate::creds::ActAs;
 use crate::exec::Exec;
-use crate::op::{DirFd, cstr};
+use crate::op::{self, DirFd, Step, cstr};
 use crate::sys;
 
 /// Longest list of xattr names a presence check reads, in bytes; an object with a longer one
@@ -102,27 +102,23 @@ impl<E: Exec> Fops<E> {
         Ok(kiln_wire::Done {})
     }
 
+    /// GETXATTR, on the worker as the caller ([`op::GetXattr`]).
     pub(super) async fn getxattr(
         &self,
         creds: &Creds,
         object: Named<'_>,
         name: &XattrName,
     ) -> R<XattrReply> {
+        // Held open until the step has run: its path names the object through it.
         let object = self.named_path(object).await?;
-        let (creds, name) = (creds.clone(), cstr(name.as_bytes()));
-        let value = self
-            .exec
-            .blocking(move || {
-                let _as = ActAs::new(&creds)?;
-                let mut buf = vec![0u8; limits::XATTR_VALUE_LEN_MAX_BYTES];
-                let n = match object.proc_path() {
-                    (path, true) => rustix::fs::getxattr(&*path, &*name, &mut buf[..])?,
-                    (path, false) => rustix::fs::lgetxattr(&*path, &*name, &mut buf[..])?,
-                };
-                buf.truncate(n);
-                Ok::<_, Errno>(buf)
-            })
-            .await?;
+        let (path, follow) = object.proc_path();
+        let get = op::GetXattr {
+            path,
+            follow,
+            xattr: cstr(name.as_bytes()),
+        };
+        let value: Bytes = self.run_one(Step::caller(get, creds)).await?;
+        drop(object);
         Ok(XattrReply {
             value: XattrValue::new(value).map_err(|_| Errno::TOOBIG)?,
         })

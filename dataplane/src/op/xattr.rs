@@ -1,12 +1,21 @@
 //! Setting the brick's own xattrs (`trusted.gfid`): on an open file through the ring, or on a
-//! name without following it (`lsetxattr`, which io_uring lacks: on the pool).
+//! name without following it (`lsetxattr`, which io_uring lacks: on the pool). Reading one
+//! for a client, on the worker.
 
 use std::ffi::CString;
 
 use io_uring::{opcode, squeue};
 use rustix::fs::XattrFlags;
 
-use super::{Buf, DirFd, FileRef, RingOp, StepResult, len32, on_file, proc_path, value};
+use bytes::Bytes;
+use kiln_wire::limits::XATTR_VALUE_LEN_MAX_BYTES;
+use rustix::io::Errno;
+
+use super::{Buf, DirFd, Done, FileRef, RingOp, StepResult, len32, on_file, proc_path, value};
+
+/// How much of a value [`GetXattr`] reads first, in bytes; a longer one is read again into
+/// [`XATTR_VALUE_LEN_MAX_BYTES`].
+const GET_FIRST_READ_BYTES: usize = 4 * 1024;
 
 /// `fsetxattr(file, name, value, flags)`.
 #[derive(Debug)]
@@ -25,6 +34,15 @@ pub struct SetXattrAt {
     pub xattr: CString,
     pub value: Vec<u8>,
     pub flags: i32,
+}
+
+/// `getxattr` of the object at `path` (a `/proc/self/fd/N/…` path whose fd the caller keeps
+/// open), following it or not (`lgetxattr`): the value.
+#[derive(Debug)]
+pub struct GetXattr {
+    pub path: CString,
+    pub follow: bool,
+    pub xattr: CString,
 }
 
 impl RingOp for FSetXattr {
@@ -78,5 +96,37 @@ impl RingOp for SetXattrAt {
             &self.value,
             flags,
         ))
+    }
+}
+
+impl RingOp for GetXattr {
+    const OPCODE: Option<(u8, &'static str)> = None;
+
+    /// An object the brick has just resolved: its xattrs are in its inode or one block, a few
+    /// microseconds, cheaper than a trip to the pool.
+    fn inline(&self) -> bool {
+        true
+    }
+
+    fn sqe(&self, _buf: &mut Buf, _slot: Option<u32>) -> squeue::Entry {
+        super::invariant("getxattr of a path goes inline");
+        opcode::Nop::new().build()
+    }
+
+    fn blocking(self) -> StepResult {
+        let get = |buf: &mut [u8]| match self.follow {
+            true => rustix::fs::getxattr(&*self.path, &*self.xattr, buf),
+            false => rustix::fs::lgetxattr(&*self.path, &*self.xattr, buf),
+        };
+        let mut buf = vec![0u8; GET_FIRST_READ_BYTES];
+        let len = match get(&mut buf) {
+            Err(Errno::RANGE) => {
+                buf = vec![0u8; XATTR_VALUE_LEN_MAX_BYTES];
+                get(&mut buf)?
+            }
+            len => len?,
+        };
+        buf.truncate(len);
+        Ok(Done::Data(Bytes::from(buf)))
     }
 }
