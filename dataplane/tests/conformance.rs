@@ -781,6 +781,19 @@ fn xattrs(kind: EngineKind) {
             name: trusted,
         };
         h.call(&root(), unnote).expect("root removes trusted.*");
+        // A user's calls are checked as the user's: no write permission, no change.
+        assert_eq!(
+            h.call(&user(1000), set(b"green", XattrSetMode::Upsert)).err(),
+            Some(ErrorCode::Access)
+        );
+        let unset_as_user = Removexattr {
+            gfid,
+            name: xname.clone(),
+        };
+        assert_eq!(
+            h.call(&user(1000), unset_as_user).err(),
+            Some(ErrorCode::Access)
+        );
         h.call(
             &root(),
             Removexattr {

@@ -14,7 +14,7 @@ use super::{Fops, R, iatt};
 use crate::brick::Brick;
 use crate::creds::ActAs;
 use crate::exec::Exec;
-use crate::op::{self, Stat, Step, cstr};
+use crate::op::{self, FileRef, Stat, Step, cstr};
 
 impl<E: Exec> Fops<E> {
     pub(super) async fn lookup(&self, creds: &Creds, parent: &Gfid, name: &Name) -> R<LookupReply> {
@@ -167,13 +167,12 @@ impl<E: Exec> Fops<E> {
                 _ => {}
             }
         }
-        let (creds, fd) = (creds.clone(), pinned.fd.clone());
-        self.exec
-            .blocking(move || {
-                let _as = ActAs::new(&creds)?;
-                op::set_attrs(std::os::fd::AsFd::as_fd(&*fd), &attr)
-            })
-            .await?;
+        // Mode, owner and times on the worker; a size on the pool ([`op::SetAttrs`]).
+        let set = op::SetAttrs {
+            file: FileRef::Fd(pinned.fd.clone()),
+            attr,
+        };
+        self.run_one::<()>(Step::caller(set, creds)).await?;
         let post = self.fstat_dir(&pinned.fd).await?;
         Ok(AttrChange {
             pre: iatt(&pre, *gfid),

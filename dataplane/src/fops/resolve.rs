@@ -13,33 +13,7 @@ use crate::brick::{Brick, GLUSTERFS_DIR};
 use crate::cache::InodeKey;
 use crate::exec::Exec;
 use crate::fdtable::{OpenFile, OpenKind, SessionId};
-use crate::op::{self, DirFd, FileRef, Stat, Step, cstr, fd_path, proc_path};
-
-/// How a path-only call (xattrs, access) reaches an object.
-#[derive(Debug, Clone)]
-pub(super) enum ObjectPath {
-    /// A directory, through `/proc/self/fd/N` of its held fd: the magic link is followed and
-    /// ends at the directory, with no lookup of `.` in it (which would need search permission
-    /// its owner may have taken away).
-    Dir(DirFd),
-    /// Anything else, through its handle in a held handle directory; a final symlink is not
-    /// followed.
-    Handle(DirFd, CString),
-    /// A regular file a client holds open, through `/proc/self/fd/N` of the brick's fd: the
-    /// file whatever happened to its names since (unlinked, or moved off by a rebalance).
-    Open(DirFd),
-}
-
-impl ObjectPath {
-    /// The path, and whether calls on it follow a final symlink.
-    pub(super) fn proc_path(&self) -> (CString, bool) {
-        match self {
-            ObjectPath::Dir(dir) => (fd_path(dir), true),
-            ObjectPath::Handle(dir, name) => (proc_path(dir, name), false),
-            ObjectPath::Open(file) => (fd_path(file), true),
-        }
-    }
-}
+use crate::op::{self, DirFd, FileRef, ObjectPath, Stat, Step, cstr};
 
 /// The mode a rebalance's move leaves on the file it moved away, before it removes its name
 /// (GlusterFS's link-file look).

@@ -1,5 +1,6 @@
 //! Extended attributes: SETXATTR, GETXATTR, LISTXATTR, REMOVEXATTR (and their fd forms), as
-//! the caller, through `/proc/self/fd/N/...` paths (io_uring's xattr opcodes take no dirfd).
+//! the caller, through `/proc/self/fd/N/...` paths (io_uring's xattr opcodes take no dirfd),
+//! on the worker ([`op::GetXattr`]).
 //! The brick's own bookkeeping (`trusted.gfid`, `trusted.glusterfs.*`, `trusted.kiln.*`) can be
 //! read by clients but never changed (but for GlusterFS's distribution xattrs, which clients
 //! own).
@@ -12,12 +13,11 @@ use kiln_wire::{
 };
 use rustix::io::Errno;
 
-use super::resolve::{Named, ObjectPath};
+use super::resolve::Named;
 use super::{Fops, R};
 use crate::brick::GFID_XATTR;
-use crate::creds::ActAs;
 use crate::exec::Exec;
-use crate::op::{self, DirFd, Step, cstr};
+use crate::op::{self, DirFd, ObjectPath, Step, cstr};
 use crate::sys;
 
 /// Longest list of xattr names a presence check reads, in bytes; an object with a longer one
@@ -60,22 +60,18 @@ impl<E: Exec> Fops<E> {
         if unchangeable(name) {
             return Err(Errno::PERM);
         }
-        let object = self.named_path(object).await?;
-        let (creds, name, value) = (creds.clone(), cstr(name.as_bytes()), value.to_vec());
         let flags = match mode {
             XattrSetMode::Upsert => rustix::fs::XattrFlags::empty(),
             XattrSetMode::Create => rustix::fs::XattrFlags::CREATE,
             XattrSetMode::Replace => rustix::fs::XattrFlags::REPLACE,
         };
-        self.exec
-            .blocking(move || {
-                let _as = ActAs::new(&creds)?;
-                match object.proc_path() {
-                    (path, true) => rustix::fs::setxattr(&*path, &*name, &value, flags),
-                    (path, false) => rustix::fs::lsetxattr(&*path, &*name, &value, flags),
-                }
-            })
-            .await?;
+        let set = op::SetXattr {
+            object: self.named_path(object).await?,
+            xattr: cstr(name.as_bytes()),
+            value: value.to_vec(),
+            flags,
+        };
+        self.run_one::<()>(Step::caller(set, creds)).await?;
         Ok(kiln_wire::Done {})
     }
 
@@ -88,37 +84,26 @@ impl<E: Exec> Fops<E> {
         if unchangeable(name) {
             return Err(Errno::PERM);
         }
-        let object = self.named_path(object).await?;
-        let (creds, name) = (creds.clone(), cstr(name.as_bytes()));
-        self.exec
-            .blocking(move || {
-                let _as = ActAs::new(&creds)?;
-                match object.proc_path() {
-                    (path, true) => rustix::fs::removexattr(&*path, &*name),
-                    (path, false) => rustix::fs::lremovexattr(&*path, &*name),
-                }
-            })
-            .await?;
+        let remove = op::RemoveXattr {
+            object: self.named_path(object).await?,
+            xattr: cstr(name.as_bytes()),
+        };
+        self.run_one::<()>(Step::caller(remove, creds)).await?;
         Ok(kiln_wire::Done {})
     }
 
-    /// GETXATTR, on the worker as the caller ([`op::GetXattr`]).
+    /// GETXATTR as the caller, on the worker ([`op::GetXattr`]).
     pub(super) async fn getxattr(
         &self,
         creds: &Creds,
         object: Named<'_>,
         name: &XattrName,
     ) -> R<XattrReply> {
-        // Held open until the step has run: its path names the object through it.
-        let object = self.named_path(object).await?;
-        let (path, follow) = object.proc_path();
         let get = op::GetXattr {
-            path,
-            follow,
+            object: self.named_path(object).await?,
             xattr: cstr(name.as_bytes()),
         };
         let value: Bytes = self.run_one(Step::caller(get, creds)).await?;
-        drop(object);
         Ok(XattrReply {
             value: XattrValue::new(value).map_err(|_| Errno::TOOBIG)?,
         })

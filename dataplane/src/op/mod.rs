@@ -40,7 +40,7 @@ pub use io::{Fallocate, Fsync, Ftruncate, Read, Write};
 pub use namespace::{Link, LinkFile, Mkdir, Mknod, Rename, Symlink, Unlink};
 pub use open::{Close, Open};
 pub use stat::{Fstat, Statx, lstat_at};
-pub use xattr::{FSetXattr, GetXattr, SetXattrAt};
+pub use xattr::{FSetXattr, GetXattr, ObjectPath, RemoveXattr, SetXattr, SetXattrAt};
 
 /// A directory fd shared by caches and in-flight steps.
 pub type DirFd = Arc<OwnedFd>;
@@ -321,8 +321,28 @@ macro_rules! ops {
 }
 
 ops!(
-    Statx, Fstat, Open, Close, Mkdir, Mknod, Symlink, Link, LinkFile, Rename, Unlink, FSetXattr,
-    SetXattrAt, GetXattr, SetAttrs, Write, Read, Fsync, Fallocate, Ftruncate,
+    Statx,
+    Fstat,
+    Open,
+    Close,
+    Mkdir,
+    Mknod,
+    Symlink,
+    Link,
+    LinkFile,
+    Rename,
+    Unlink,
+    FSetXattr,
+    SetXattrAt,
+    GetXattr,
+    SetXattr,
+    RemoveXattr,
+    SetAttrs,
+    Write,
+    Read,
+    Fsync,
+    Fallocate,
+    Ftruncate,
 );
 
 const fn count_some(codes: &[Option<(u8, &str)>]) -> usize {

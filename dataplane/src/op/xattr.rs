@@ -1,6 +1,8 @@
 //! Setting the brick's own xattrs (`trusted.gfid`): on an open file through the ring, or on a
-//! name without following it (`lsetxattr`, which io_uring lacks: on the pool). Reading one
-//! for a client, on the worker.
+//! name without following it (`lsetxattr`, which io_uring lacks: on the pool). A client's
+//! xattr calls, by path ([`ObjectPath`]), on the worker: an object the brick has just
+//! resolved has its xattrs in its inode or one block, a few microseconds, cheaper than a trip
+//! to the pool.
 
 use std::ffi::CString;
 
@@ -11,7 +13,9 @@ use bytes::Bytes;
 use kiln_wire::limits::XATTR_VALUE_LEN_MAX_BYTES;
 use rustix::io::Errno;
 
-use super::{Buf, DirFd, Done, FileRef, RingOp, StepResult, len32, on_file, proc_path, value};
+use super::{
+    Buf, DirFd, Done, FileRef, RingOp, StepResult, fd_path, len32, on_file, proc_path, value,
+};
 
 /// How much of a value [`GetXattr`] reads first, in bytes; a longer one is read again into
 /// [`XATTR_VALUE_LEN_MAX_BYTES`].
@@ -36,12 +40,53 @@ pub struct SetXattrAt {
     pub flags: i32,
 }
 
-/// `getxattr` of the object at `path` (a `/proc/self/fd/N/…` path whose fd the caller keeps
-/// open), following it or not (`lgetxattr`): the value.
+/// How a path-only call (xattrs, access) reaches an object; it holds the fd the path goes
+/// through.
+#[derive(Debug, Clone)]
+pub enum ObjectPath {
+    /// A directory, through `/proc/self/fd/N` of its held fd: the magic link is followed and
+    /// ends at the directory, with no lookup of `.` in it (which would need search permission
+    /// its owner may have taken away).
+    Dir(DirFd),
+    /// Anything else, through its handle in a held handle directory; a final symlink is not
+    /// followed.
+    Handle(DirFd, CString),
+    /// A regular file a client holds open, through `/proc/self/fd/N` of the brick's fd: the
+    /// file whatever happened to its names since (unlinked, or moved off by a rebalance).
+    Open(DirFd),
+}
+
+impl ObjectPath {
+    /// The path, and whether calls on it follow a final symlink.
+    pub fn proc_path(&self) -> (CString, bool) {
+        match self {
+            ObjectPath::Dir(dir) => (fd_path(dir), true),
+            ObjectPath::Handle(dir, name) => (proc_path(dir, name), false),
+            ObjectPath::Open(file) => (fd_path(file), true),
+        }
+    }
+}
+
+/// `getxattr` (`lgetxattr` where the path is not followed): the value.
 #[derive(Debug)]
 pub struct GetXattr {
-    pub path: CString,
-    pub follow: bool,
+    pub object: ObjectPath,
+    pub xattr: CString,
+}
+
+/// `setxattr` (`lsetxattr` where the path is not followed).
+#[derive(Debug)]
+pub struct SetXattr {
+    pub object: ObjectPath,
+    pub xattr: CString,
+    pub value: Vec<u8>,
+    pub flags: XattrFlags,
+}
+
+/// `removexattr` (`lremovexattr` where the path is not followed).
+#[derive(Debug)]
+pub struct RemoveXattr {
+    pub object: ObjectPath,
     pub xattr: CString,
 }
 
@@ -99,34 +144,59 @@ impl RingOp for SetXattrAt {
     }
 }
 
-impl RingOp for GetXattr {
-    const OPCODE: Option<(u8, &'static str)> = None;
+/// The [`RingOp`] of a client's xattr call on a path: inline, with no ring opcode.
+macro_rules! path_xattr_op {
+    ($name:ident, $what:literal, |$op:ident| $call:expr) => {
+        impl RingOp for $name {
+            const OPCODE: Option<(u8, &'static str)> = None;
 
-    /// An object the brick has just resolved: its xattrs are in its inode or one block, a few
-    /// microseconds, cheaper than a trip to the pool.
-    fn inline(&self) -> bool {
-        true
-    }
-
-    fn sqe(&self, _buf: &mut Buf, _slot: Option<u32>) -> squeue::Entry {
-        super::invariant("getxattr of a path goes inline");
-        opcode::Nop::new().build()
-    }
-
-    fn blocking(self) -> StepResult {
-        let get = |buf: &mut [u8]| match self.follow {
-            true => rustix::fs::getxattr(&*self.path, &*self.xattr, buf),
-            false => rustix::fs::lgetxattr(&*self.path, &*self.xattr, buf),
-        };
-        let mut buf = vec![0u8; GET_FIRST_READ_BYTES];
-        let len = match get(&mut buf) {
-            Err(Errno::RANGE) => {
-                buf = vec![0u8; XATTR_VALUE_LEN_MAX_BYTES];
-                get(&mut buf)?
+            fn inline(&self) -> bool {
+                true
             }
-            len => len?,
-        };
-        buf.truncate(len);
-        Ok(Done::Data(Bytes::from(buf)))
-    }
+
+            fn sqe(&self, _buf: &mut Buf, _slot: Option<u32>) -> squeue::Entry {
+                super::invariant(concat!($what, " of a path goes inline"));
+                opcode::Nop::new().build()
+            }
+
+            fn blocking(self) -> StepResult {
+                let $op = self;
+                $call
+            }
+        }
+    };
 }
+
+path_xattr_op!(GetXattr, "getxattr", |op| {
+    let (path, follow) = op.object.proc_path();
+    let get = |buf: &mut [u8]| match follow {
+        true => rustix::fs::getxattr(&*path, &*op.xattr, buf),
+        false => rustix::fs::lgetxattr(&*path, &*op.xattr, buf),
+    };
+    let mut buf = vec![0u8; GET_FIRST_READ_BYTES];
+    let len = match get(&mut buf) {
+        Err(Errno::RANGE) => {
+            buf = vec![0u8; XATTR_VALUE_LEN_MAX_BYTES];
+            get(&mut buf)?
+        }
+        len => len?,
+    };
+    buf.truncate(len);
+    Ok(Done::Data(Bytes::from(buf)))
+});
+
+path_xattr_op!(SetXattr, "setxattr", |op| {
+    let (path, follow) = op.object.proc_path();
+    value(match follow {
+        true => rustix::fs::setxattr(&*path, &*op.xattr, &op.value, op.flags),
+        false => rustix::fs::lsetxattr(&*path, &*op.xattr, &op.value, op.flags),
+    })
+});
+
+path_xattr_op!(RemoveXattr, "removexattr", |op| {
+    let (path, follow) = op.object.proc_path();
+    value(match follow {
+        true => rustix::fs::removexattr(&*path, &*op.xattr),
+        false => rustix::fs::lremovexattr(&*path, &*op.xattr),
+    })
+});
