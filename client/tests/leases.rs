@@ -1138,11 +1138,19 @@ fn reads_and_leases(metrics: &str) -> [f64; 4] {
 /// Waits (bounded) until the brick at `metrics` has served more LEASEs than `leases`, and a
 /// moment more for the mount to take the grant's answer.
 fn wait_for_a_lease(a: &Mounted, metrics: &str, leases: f64) {
+    wait_for_more(a, metrics, 2, leases);
+}
+
+/// Waits (bounded) until the brick at `metrics` has served more of fop `which` (an index
+/// into [`reads_and_leases`]) than `served`, and a moment more for the mount to take the
+/// answer.
+fn wait_for_more(a: &Mounted, metrics: &str, which: usize, served: f64) {
     let deadline = Instant::now() + Duration::from_secs(10);
-    while reads_and_leases(metrics)[2] == leases {
+    while reads_and_leases(metrics)[which] == served {
         assert!(
             Instant::now() < deadline,
-            "no LEASE after the release\n{}",
+            "no {} after the release\n{}",
+            ["READ", "GET", "LEASE", "STAT"][which],
             a.logs()
         );
         std::thread::sleep(Duration::from_millis(10));
@@ -1172,19 +1180,24 @@ fn pages_written_here_read_back(mut a: Mounted, metrics: Option<&str>) {
             for piece in content(fill).chunks(4096) {
                 file.write_all(piece).expect("write");
             }
+            let at_close = metrics.map(reads_and_leases);
             drop(file);
-            if let (Some(metrics), Some(at_mount), true) = (metrics, leases_at_mount, kept) {
-                // The lease is taken behind the release, which close(2) does not wait for.
-                wait_for_a_lease(&a, metrics, at_mount);
+            if let (Some(metrics), Some(at_mount), Some(at_close), true) =
+                (metrics, leases_at_mount, at_close, kept)
+            {
+                // The lease is taken behind the release, which close(2) does not wait for;
+                // a file held already (rewritten, after the chmod below) gets a STAT there.
+                match truncate {
+                    false => wait_for_a_lease(&a, metrics, at_mount),
+                    true => wait_for_more(&a, metrics, 3, at_close[3]),
+                }
             }
             let before = metrics.map(reads_and_leases);
             assert!(fs::read(a.path("d/f")).expect("read") == content(fill));
             if let (Some(before), Some(after)) = (before, metrics.map(reads_and_leases)) {
-                // The first read-back asks nothing; after the chmod below, the next one asks
-                // the file's attributes (a STAT) but still no data and no lease.
-                let asked = if truncate { 3 } else { 4 };
+                // A read-back asks nothing: no data, no lease, no attributes.
                 assert_eq!(
-                    after[..asked] != before[..asked],
+                    after != before,
                     !kept,
                     "file-leases={file_leases}, truncate={truncate}: READ, GET, LEASE and STAT \
                      {before:?} before, {after:?} after\n{}",

@@ -783,7 +783,8 @@ fn xattrs(kind: EngineKind) {
         h.call(&root(), unnote).expect("root removes trusted.*");
         // A user's calls are checked as the user's: no write permission, no change.
         assert_eq!(
-            h.call(&user(1000), set(b"green", XattrSetMode::Upsert)).err(),
+            h.call(&user(1000), set(b"green", XattrSetMode::Upsert))
+                .err(),
             Some(ErrorCode::Access)
         );
         let unset_as_user = Removexattr {

@@ -90,7 +90,8 @@ impl FileLeases {
         self.lock().refused.put(gfid, Instant::now());
     }
 
-    /// Notes a lease about to be asked: the mark its grant is taken with.
+    /// Notes a lease (or a held file's attributes) about to be asked: the mark its answer is
+    /// taken with.
     pub(super) fn asked(&self) -> u64 {
         self.lock().recalls
     }
@@ -109,9 +110,14 @@ impl FileLeases {
 
     /// Notes `iatt`, the brick's attributes of held file `gfid` under its lease, as of
     /// `mark`: every change made through the mount before it had been answered when they
-    /// were asked.
-    pub(super) fn note_attrs(&self, gfid: &Gfid, iatt: Iatt, mark: ChangeMark) {
-        if let Some(noted) = self.lock().held.peek_mut(gfid) {
+    /// were asked, at `asked` ([`FileLeases::asked`]). Attributes asked before a recall may
+    /// predate the change it was for: not noted.
+    pub(super) fn note_attrs(&self, gfid: &Gfid, iatt: Iatt, mark: ChangeMark, asked: u64) {
+        let mut state = self.lock();
+        if state.recalls != asked {
+            return;
+        }
+        if let Some(noted) = state.held.peek_mut(gfid) {
             *noted = Some((iatt, mark));
         }
     }

@@ -485,20 +485,40 @@ impl<L: Layer> Shared<L> {
     /// version under the lease: [`Shared::ask_file_lease`]); else the pages go. `mark` is
     /// where the changes through the mount stood when the release came: the program goes on
     /// meanwhile, and the grant's attributes answer its stats only while the file has no
-    /// change after it. Not with `release-leases` off.
+    /// change after it. A file whose lease the mount holds already (rewritten) gets its
+    /// attributes as the brick has them now, noted as a grant's would be. Not with
+    /// `release-leases` off.
     async fn lease_written(self: &Arc<Self>, c: &Creds, ino: u64, mark: ChangeMark) {
         let Some(gfid) = self.inodes.gfid(ino) else {
             return;
         };
-        if !self.options.release_leases
-            || !self.inodes.pages_written(ino)
-            || !self.may_lease_file(&gfid)
-        {
+        if !self.options.release_leases || !self.inodes.pages_written(ino) {
+            return;
+        }
+        let held = self.uses_file_leases() && self.files.holds(&gfid);
+        if !held && !self.may_lease_file(&gfid) {
             return;
         }
         // Changes to it queued behind (a chmod made under a directory lease) go first.
-        if self.settle(ino).await.is_ok() && self.take_file_lease(c, gfid, mark).await {
+        if self.settle(ino).await.is_err() {
+            return;
+        }
+        if held {
+            self.note_held_attrs(c, ino, gfid, mark).await;
+        } else if self.take_file_lease(c, gfid, mark).await {
             self.invalidate_files(&[gfid]).await;
+        }
+    }
+
+    /// STAT of held file `gfid` (node `ino`), noted to answer its stats as of `mark`
+    /// ([`super::file_leases`]) — unless writes through another handle are still unsent.
+    async fn note_held_attrs(&self, c: &Creds, ino: u64, gfid: Gfid, mark: ChangeMark) {
+        let asked = self.files.asked();
+        let stat = self.layer.call(c, kiln_wire::Stat { gfid }.into()).await;
+        if let Ok(FopReply::Stat(r)) = stat
+            && self.handles.with_unsent(Some(ino)).is_empty()
+        {
+            self.files.note_attrs(&gfid, r.iatt, mark, asked);
         }
     }
 
@@ -547,7 +567,7 @@ impl<L: Layer> Shared<L> {
         };
         if self.handles.with_unsent(Some(ino)).is_empty() {
             // They answer the stats that follow (a read reaching the end asks the size).
-            self.files.note_attrs(&gfid, iatt.clone(), mark);
+            self.files.note_attrs(&gfid, iatt.clone(), mark, asked);
         }
         // Pages this mount wrote stay where the brick, under the lease, shows their version.
         self.inodes.pages_seen(ino, Stamp::of(&iatt))
