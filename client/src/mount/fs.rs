@@ -268,7 +268,8 @@ impl<L: Layer> KilnFs<L> {
 /// A change on its way through the mount ([`KilnFs::note_change`]), numbered again when it
 /// drops — once the fop is answered, before the answer goes. Attributes a file lease's STAT
 /// read while the change was on its way may predate it on the brick: numbered at its answer
-/// too, the change counts as after any mark taken meanwhile ([`unchanged_since`](super::inodes::Inodes::unchanged_since)).
+/// too, the change counts as after any mark taken meanwhile
+/// ([`unchanged_since`](super::inodes::Inodes::unchanged_since)).
 #[must_use]
 struct Changing<L: Layer> {
     shared: Arc<Shared<L>>,
@@ -278,7 +279,8 @@ struct Changing<L: Layer> {
 }
 
 impl<L: Layer> Changing<L> {
-    /// The change also changes a file by its name ([`note_blind_change`](super::inodes::Inodes::note_blind_change)).
+    /// The change also changes a file by its name
+    /// ([`note_blind_change`](super::inodes::Inodes::note_blind_change)).
     fn blind(mut self) -> Changing<L> {
         self.shared.inodes.note_blind_change();
         self.blind = true;

@@ -1,6 +1,7 @@
 //! Extended attributes: SETXATTR, GETXATTR, LISTXATTR, REMOVEXATTR (and their fd forms), as
-//! the caller, through `/proc/self/fd/N/...` paths (io_uring's xattr opcodes take no dirfd),
-//! on the worker ([`op::GetXattr`]).
+//! the caller (LISTXATTR as the brick, showing what the caller may see), through
+//! `/proc/self/fd/N/...` paths (io_uring's xattr opcodes take no dirfd), on the worker
+//! ([`op::GetXattr`]).
 //! The brick's own bookkeeping (`trusted.gfid`, `trusted.glusterfs.*`, `trusted.kiln.*`) can be
 //! read by clients but never changed (but for GlusterFS's distribution xattrs, which clients
 //! own).
@@ -9,7 +10,7 @@ use std::ffi::CStr;
 
 use bytes::Bytes;
 use kiln_wire::{
-    Creds, ListxattrReply, XattrName, XattrPresence, XattrReply, XattrSetMode, XattrValue, limits,
+    Creds, ListxattrReply, XattrName, XattrPresence, XattrReply, XattrSetMode, XattrValue,
 };
 use rustix::io::Errno;
 
@@ -23,10 +24,6 @@ use crate::sys;
 /// Longest list of xattr names a presence check reads, in bytes; an object with a longer one
 /// is answered [`XattrPresence::UNKNOWN`] (its client asks).
 const PRESENCE_LIST_LEN_MAX_BYTES: usize = 4 * 1024;
-
-/// How much of a LISTXATTR's names the first read takes, in bytes; a longer list is read again
-/// into [`limits::XATTR_VALUE_LEN_MAX_BYTES`].
-const LIST_FIRST_READ_BYTES: usize = 4 * 1024;
 
 /// Names clients may read but never change: the brick's own bookkeeping, and GlusterFS's
 /// replication changelog (a brick moved between GlusterFS and Kiln keeps its meaning).
@@ -125,23 +122,13 @@ impl<E: Exec> Fops<E> {
     }
 }
 
-/// The xattr names of `object`, NUL-ended: read into [`LIST_FIRST_READ_BYTES`] first.
+/// The xattr names of `object`, NUL-ended.
 fn list_names(object: &ObjectPath) -> Result<Vec<u8>, Errno> {
     let (path, follow) = object.proc_path();
-    let list = |buf: &mut [u8]| match follow {
+    op::read_xattr(|buf| match follow {
         true => rustix::fs::listxattr(&*path, buf),
         false => rustix::fs::llistxattr(&*path, buf),
-    };
-    let mut buf = vec![0u8; LIST_FIRST_READ_BYTES];
-    let len = match list(&mut buf) {
-        Err(Errno::RANGE) => {
-            buf = vec![0u8; limits::XATTR_VALUE_LEN_MAX_BYTES];
-            list(&mut buf)?
-        }
-        len => len?,
-    };
-    buf.truncate(len);
-    Ok(buf)
+    })
 }
 
 /// Which probed xattrs `name` in `dir` has (not following a symlink: a client asks about

@@ -40,7 +40,7 @@ pub use io::{Fallocate, Fsync, Ftruncate, Read, Write};
 pub use namespace::{Link, LinkFile, Mkdir, Mknod, Rename, Symlink, Unlink};
 pub use open::{Close, Open};
 pub use stat::{Fstat, Statx, lstat_at};
-pub use xattr::{FSetXattr, GetXattr, ObjectPath, RemoveXattr, SetXattr, SetXattrAt};
+pub use xattr::{FSetXattr, GetXattr, ObjectPath, RemoveXattr, SetXattr, SetXattrAt, read_xattr};
 
 /// A directory fd shared by caches and in-flight steps.
 pub type DirFd = Arc<OwnedFd>;

@@ -17,9 +17,9 @@ use super::{
     Buf, DirFd, Done, FileRef, RingOp, StepResult, fd_path, len32, on_file, proc_path, value,
 };
 
-/// How much of a value [`GetXattr`] reads first, in bytes; a longer one is read again into
-/// [`XATTR_VALUE_LEN_MAX_BYTES`].
-const GET_FIRST_READ_BYTES: usize = 4 * 1024;
+/// How much of a value or a list of names [`read_xattr`] takes first, in bytes; a longer one
+/// is read again into [`XATTR_VALUE_LEN_MAX_BYTES`].
+const FIRST_READ_BYTES: usize = 4 * 1024;
 
 /// `fsetxattr(file, name, value, flags)`.
 #[derive(Debug)]
@@ -169,20 +169,11 @@ macro_rules! path_xattr_op {
 
 path_xattr_op!(GetXattr, "getxattr", |op| {
     let (path, follow) = op.object.proc_path();
-    let get = |buf: &mut [u8]| match follow {
+    let value = read_xattr(|buf| match follow {
         true => rustix::fs::getxattr(&*path, &*op.xattr, buf),
         false => rustix::fs::lgetxattr(&*path, &*op.xattr, buf),
-    };
-    let mut buf = vec![0u8; GET_FIRST_READ_BYTES];
-    let len = match get(&mut buf) {
-        Err(Errno::RANGE) => {
-            buf = vec![0u8; XATTR_VALUE_LEN_MAX_BYTES];
-            get(&mut buf)?
-        }
-        len => len?,
-    };
-    buf.truncate(len);
-    Ok(Done::Data(Bytes::from(buf)))
+    })?;
+    Ok(Done::Data(Bytes::from(value)))
 });
 
 path_xattr_op!(SetXattr, "setxattr", |op| {
@@ -200,3 +191,18 @@ path_xattr_op!(RemoveXattr, "removexattr", |op| {
         false => rustix::fs::lremovexattr(&*path, &*op.xattr),
     })
 });
+
+/// What `read` (a `getxattr` or `listxattr` call) puts in a buffer: into [`FIRST_READ_BYTES`]
+/// first, and into the largest an xattr may be only when that is too short.
+pub fn read_xattr(read: impl Fn(&mut [u8]) -> Result<usize, Errno>) -> Result<Vec<u8>, Errno> {
+    let mut buf = vec![0u8; FIRST_READ_BYTES];
+    let len = match read(&mut buf) {
+        Err(Errno::RANGE) => {
+            buf = vec![0u8; XATTR_VALUE_LEN_MAX_BYTES];
+            read(&mut buf)?
+        }
+        len => len?,
+    };
+    buf.truncate(len);
+    Ok(buf)
+}
