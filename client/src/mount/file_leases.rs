@@ -43,13 +43,25 @@ pub(super) struct FileLeases {
 
 #[derive(Debug)]
 struct State {
-    /// Each file held, with the attributes the brick gave under the lease and the mark of
-    /// the changes through the mount they are as of, if noted.
-    held: lru::LruCache<Gfid, Option<(Iatt, ChangeMark)>>,
+    /// Each file held.
+    held: lru::LruCache<Gfid, Held>,
     /// Files whose lease the brick refused, and when.
     refused: lru::LruCache<Gfid, Instant>,
     /// File recalls seen so far.
     recalls: u64,
+    /// Grants taken so far.
+    grants: u64,
+}
+
+/// A lease the mount holds on a file.
+#[derive(Debug)]
+struct Held {
+    /// Which grant it is (the number of grants taken before it): attributes asked under an
+    /// earlier one of the same file, given back since, are not this one's.
+    grant: u64,
+    /// The attributes the brick gave under the lease and the mark of the changes through the
+    /// mount they are as of, if noted.
+    attrs: Option<(Iatt, ChangeMark)>,
 }
 
 impl Default for FileLeases {
@@ -60,6 +72,7 @@ impl Default for FileLeases {
                 held: lru::LruCache::new(capacity(FILE_LEASES_MAX)),
                 refused: lru::LruCache::new(capacity(REFUSED_MAX)),
                 recalls: 0,
+                grants: 0,
             }),
         }
     }
@@ -90,41 +103,52 @@ impl FileLeases {
         self.lock().refused.put(gfid, Instant::now());
     }
 
-    /// Notes a lease (or a held file's attributes) about to be asked: the mark its answer is
-    /// taken with.
+    /// Notes a lease about to be asked: the mark its grant is taken with.
     pub(super) fn asked(&self) -> u64 {
         self.lock().recalls
     }
 
     /// Takes the grant of a read lease on `gfid` asked at mark `asked`: `Err(())` when a
-    /// recall came since (the grant must go back); else the file the mount lets go of to
-    /// make room, if any, whose lease goes back.
-    pub(super) fn take(&self, gfid: Gfid, asked: u64) -> Result<Option<Gfid>, ()> {
+    /// recall came since (the grant must go back); else which grant it is, and the file the
+    /// mount lets go of to make room, if any, whose lease goes back.
+    pub(super) fn take(&self, gfid: Gfid, asked: u64) -> Result<(u64, Option<Gfid>), ()> {
         let mut state = self.lock();
         if state.recalls != asked {
             return Err(());
         }
-        let pushed = state.held.push(gfid, None);
-        Ok(pushed.map(|(evicted, _)| evicted).filter(|e| *e != gfid))
+        let grant = state.grants;
+        state.grants += 1;
+        let pushed = state.held.push(gfid, Held { grant, attrs: None });
+        Ok((
+            grant,
+            pushed.map(|(evicted, _)| evicted).filter(|e| *e != gfid),
+        ))
     }
 
-    /// Notes `iatt`, the brick's attributes of held file `gfid` under its lease, as of
-    /// `mark`: every change made through the mount before it had been answered when they
-    /// were asked, at `asked` ([`FileLeases::asked`]). Attributes asked before a recall may
-    /// predate the change it was for: not noted.
-    pub(super) fn note_attrs(&self, gfid: &Gfid, iatt: Iatt, mark: ChangeMark, asked: u64) {
-        let mut state = self.lock();
-        if state.recalls != asked {
-            return;
-        }
-        if let Some(noted) = state.held.peek_mut(gfid) {
-            *noted = Some((iatt, mark));
+    /// Which grant the mount holds file `gfid` under, if any (the file then counts as
+    /// lately opened).
+    pub(super) fn grant_of(&self, gfid: &Gfid) -> Option<u64> {
+        self.lock().held.get(gfid).map(|held| held.grant)
+    }
+
+    /// Notes `iatt`, the brick's attributes of file `gfid` asked under grant `grant`, as of
+    /// `mark` (every change made through the mount before it had been answered when they
+    /// were asked) — if the file is still held under that grant: a recall takes the lease
+    /// away, and the attributes may predate the change it was for.
+    pub(super) fn note_attrs(&self, gfid: &Gfid, grant: u64, iatt: Iatt, mark: ChangeMark) {
+        if let Some(held) = self.lock().held.peek_mut(gfid)
+            && held.grant == grant
+        {
+            held.attrs = Some((iatt, mark));
         }
     }
 
     /// The attributes noted of held file `gfid` and the mark they are as of.
     pub(super) fn attrs(&self, gfid: &Gfid) -> Option<(Iatt, ChangeMark)> {
-        self.lock().held.peek(gfid).cloned().flatten()
+        self.lock()
+            .held
+            .peek(gfid)
+            .and_then(|held| held.attrs.clone())
     }
 
     /// A recall of `gfid` came: a grant asked before is not taken; whether the mount held it.
@@ -163,13 +187,33 @@ mod tests {
     fn a_grant_is_taken_unless_a_recall_came_since_it_was_asked() {
         let leases = FileLeases::default();
         let asked = leases.asked();
-        assert_eq!(leases.take(gfid(1), asked), Ok(None));
+        assert_eq!(leases.take(gfid(1), asked), Ok((0, None)));
         assert!(leases.holds(&gfid(1)));
         let asked = leases.asked();
         assert!(!leases.recalled(&gfid(2)), "not held");
         assert_eq!(leases.take(gfid(2), asked), Err(()), "a recall overtook it");
         assert!(leases.recalled(&gfid(1)));
         assert!(!leases.holds(&gfid(1)));
+    }
+
+    #[test]
+    fn attributes_are_noted_under_the_grant_they_were_asked_under() {
+        let leases = FileLeases::default();
+        let iatt =
+            super::super::leases::new_iatt(gfid(1), kiln_wire::FileType::Regular, 0o644, 0, 0, 0);
+        let mark = crate::mount::inodes::Inodes::new().change_mark();
+        let (first, _) = leases.take(gfid(1), leases.asked()).expect("taken");
+        assert_eq!(leases.grant_of(&gfid(1)), Some(first));
+        leases.note_attrs(&gfid(1), first, iatt.clone(), mark);
+        assert!(leases.attrs(&gfid(1)).is_some());
+        // Recalled and taken again: attributes asked under the first grant are not noted.
+        assert!(leases.recalled(&gfid(1)));
+        assert_eq!(leases.grant_of(&gfid(1)), None);
+        let (second, _) = leases.take(gfid(1), leases.asked()).expect("taken");
+        leases.note_attrs(&gfid(1), first, iatt.clone(), mark);
+        assert!(leases.attrs(&gfid(1)).is_none());
+        leases.note_attrs(&gfid(1), second, iatt, mark);
+        assert!(leases.attrs(&gfid(1)).is_some());
     }
 
     #[test]
@@ -184,17 +228,18 @@ mod tests {
     #[test]
     fn the_least_lately_opened_goes_first_and_all_go_with_the_session() {
         let leases = FileLeases::default();
+        let evicted = |n| {
+            leases
+                .take(gfid(n), leases.asked())
+                .map(|(_, evicted)| evicted)
+        };
         for n in 0..FILE_LEASES_MAX as u32 {
-            assert_eq!(leases.take(gfid(n), leases.asked()), Ok(None));
+            assert_eq!(evicted(n), Ok(None));
         }
         assert!(leases.holds(&gfid(0)), "opened again: now the latest");
-        assert_eq!(
-            leases.take(gfid(0), leases.asked()),
-            Ok(None),
-            "held already"
-        );
+        assert_eq!(evicted(0), Ok(None), "held already");
         let next = FILE_LEASES_MAX as u32;
-        assert_eq!(leases.take(gfid(next), leases.asked()), Ok(Some(gfid(1))));
+        assert_eq!(evicted(next), Ok(Some(gfid(1))));
         assert_eq!(leases.release_all().len(), FILE_LEASES_MAX);
         assert!(!leases.holds(&gfid(0)));
     }

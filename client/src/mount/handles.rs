@@ -495,30 +495,33 @@ impl<L: Layer> Shared<L> {
         if !self.options.release_leases || !self.inodes.pages_written(ino) {
             return;
         }
-        let held = self.uses_file_leases() && self.files.holds(&gfid);
-        if !held && !self.may_lease_file(&gfid) {
+        let held = match self.uses_file_leases() {
+            true => self.files.grant_of(&gfid),
+            false => None,
+        };
+        if held.is_none() && !self.may_lease_file(&gfid) {
             return;
         }
         // Changes to it queued behind (a chmod made under a directory lease) go first.
         if self.settle(ino).await.is_err() {
             return;
         }
-        if held {
-            self.note_held_attrs(c, ino, gfid, mark).await;
+        if let Some(grant) = held {
+            self.note_held_attrs(c, ino, gfid, grant, mark).await;
         } else if self.take_file_lease(c, gfid, mark).await {
             self.invalidate_files(&[gfid]).await;
         }
     }
 
-    /// STAT of held file `gfid` (node `ino`), noted to answer its stats as of `mark`
-    /// ([`super::file_leases`]) — unless writes through another handle are still unsent.
-    async fn note_held_attrs(&self, c: &Creds, ino: u64, gfid: Gfid, mark: ChangeMark) {
-        let asked = self.files.asked();
+    /// STAT of file `gfid` (node `ino`) held under `grant`, noted to answer its stats as of
+    /// `mark` ([`super::file_leases`]) — unless writes through another handle are still
+    /// unsent.
+    async fn note_held_attrs(&self, c: &Creds, ino: u64, gfid: Gfid, grant: u64, mark: ChangeMark) {
         let stat = self.layer.call(c, kiln_wire::Stat { gfid }.into()).await;
         if let Ok(FopReply::Stat(r)) = stat
             && self.handles.with_unsent(Some(ino)).is_empty()
         {
-            self.files.note_attrs(&gfid, r.iatt, mark, asked);
+            self.files.note_attrs(&gfid, grant, r.iatt, mark);
         }
     }
 
@@ -548,26 +551,27 @@ impl<L: Layer> Shared<L> {
             }
             Err(_) => return false,
         }
-        match self.files.take(gfid, asked) {
-            Ok(None) => {}
+        let grant = match self.files.take(gfid, asked) {
+            Ok((grant, None)) => grant,
             // Room made: the least lately opened goes back, off this open's way.
-            Ok(Some(evicted)) => {
+            Ok((grant, Some(evicted))) => {
                 let s = self.clone();
                 tokio::spawn(async move { s.give_back_file(evicted).await });
+                grant
             }
             // A recall came since it was asked: it goes back, and the file is changing.
             Err(()) => {
                 self.give_back_file(gfid).await;
                 return true;
             }
-        }
+        };
         self.invalidate_attrs(&[gfid]).await;
         let Some((ino, iatt)) = version else {
             return true;
         };
         if self.handles.with_unsent(Some(ino)).is_empty() {
             // They answer the stats that follow (a read reaching the end asks the size).
-            self.files.note_attrs(&gfid, iatt.clone(), mark, asked);
+            self.files.note_attrs(&gfid, grant, iatt.clone(), mark);
         }
         // Pages this mount wrote stay where the brick, under the lease, shows their version.
         self.inodes.pages_seen(ino, Stamp::of(&iatt))
