@@ -140,10 +140,19 @@ impl<L: Layer> KilnFs<L> {
     /// entries it changes), before it runs: no listing the mount kept that shows one of them
     /// answers after it. A node the mount does not know may be anything. The change is
     /// numbered now and again once answered ([`Changing`]).
-    fn note_change(&self, inos: &[INodeNo]) -> Changing<L> {
-        let inos: Vec<u64> = inos.iter().map(|ino| ino.0).collect();
-        self.shared.inodes.note_change(inos.iter().copied());
-        for &ino in &inos {
+    fn note_change(&self, changed: &[INodeNo]) -> Changing<L> {
+        assert!(
+            changed.len() <= CHANGED_NODES_MAX,
+            "a fop changes at most two nodes"
+        );
+        let mut inos = [None; CHANGED_NODES_MAX];
+        for (slot, ino) in inos.iter_mut().zip(changed) {
+            *slot = Some(ino.0);
+        }
+        self.shared
+            .inodes
+            .note_change(inos.iter().flatten().copied());
+        for &ino in inos.iter().flatten() {
             match self.shared.inodes.gfid(ino) {
                 Some(gfid) => {
                     self.shared.made.forget(&gfid);
@@ -265,6 +274,9 @@ impl<L: Layer> KilnFs<L> {
     }
 }
 
+/// Nodes one fop changes at most: a rename's two directories, a link's file and directory.
+const CHANGED_NODES_MAX: usize = 2;
+
 /// A change on its way through the mount ([`KilnFs::note_change`]), numbered again when it
 /// drops — once the fop is answered, before the answer goes. Attributes a file lease's STAT
 /// read while the change was on its way may predate it on the brick: numbered at its answer
@@ -273,7 +285,8 @@ impl<L: Layer> KilnFs<L> {
 #[must_use]
 struct Changing<L: Layer> {
     shared: Arc<Shared<L>>,
-    inos: Vec<u64>,
+    /// The nodes it changes (no allocation per request: a write is one).
+    inos: [Option<u64>; CHANGED_NODES_MAX],
     /// It also changes a file the mount can name only by its name.
     blind: bool,
 }
@@ -290,7 +303,9 @@ impl<L: Layer> Changing<L> {
 
 impl<L: Layer> Drop for Changing<L> {
     fn drop(&mut self) {
-        self.shared.inodes.note_change(self.inos.iter().copied());
+        self.shared
+            .inodes
+            .note_change(self.inos.iter().flatten().copied());
         if self.blind {
             self.shared.inodes.note_blind_change();
         }

@@ -495,10 +495,7 @@ impl<L: Layer> Shared<L> {
         if !self.options.release_leases || !self.inodes.pages_written(ino) {
             return;
         }
-        let held = match self.uses_file_leases() {
-            true => self.files.grant_of(&gfid),
-            false => None,
-        };
+        let held = self.files.grant_of(&gfid);
         if held.is_none() && !self.may_lease_file(&gfid) {
             return;
         }
@@ -514,14 +511,19 @@ impl<L: Layer> Shared<L> {
     }
 
     /// STAT of file `gfid` (node `ino`) held under `grant`, noted to answer its stats as of
-    /// `mark` ([`super::file_leases`]) — unless writes through another handle are still
-    /// unsent.
+    /// `mark` ([`Shared::note_leased_attrs`]).
     async fn note_held_attrs(&self, c: &Creds, ino: u64, gfid: Gfid, grant: u64, mark: ChangeMark) {
         let stat = self.layer.call(c, kiln_wire::Stat { gfid }.into()).await;
-        if let Ok(FopReply::Stat(r)) = stat
-            && self.handles.with_unsent(Some(ino)).is_empty()
-        {
-            self.files.note_attrs(&gfid, grant, r.iatt, mark);
+        if let Ok(FopReply::Stat(r)) = stat {
+            self.note_leased_attrs(ino, gfid, grant, r.iatt, mark);
+        }
+    }
+
+    /// Notes `iatt`, asked under `grant` as of `mark`, to answer the stats of file `gfid`
+    /// (node `ino`) that follow — unless writes through another handle are still unsent.
+    fn note_leased_attrs(&self, ino: u64, gfid: Gfid, grant: u64, iatt: Iatt, mark: ChangeMark) {
+        if self.handles.with_unsent(Some(ino)).is_empty() {
+            self.files.note_attrs(&gfid, grant, iatt, mark);
         }
     }
 
@@ -569,10 +571,8 @@ impl<L: Layer> Shared<L> {
         let Some((ino, iatt)) = version else {
             return true;
         };
-        if self.handles.with_unsent(Some(ino)).is_empty() {
-            // They answer the stats that follow (a read reaching the end asks the size).
-            self.files.note_attrs(&gfid, grant, iatt.clone(), mark);
-        }
+        // They answer the stats that follow (a read reaching the end asks the size).
+        self.note_leased_attrs(ino, gfid, grant, iatt.clone(), mark);
         // Pages this mount wrote stay where the brick, under the lease, shows their version.
         self.inodes.pages_seen(ino, Stamp::of(&iatt))
     }
