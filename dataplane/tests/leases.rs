@@ -567,7 +567,7 @@ fn a_change_to_a_listed_object_recalls_the_lease_it_was_listed_under(kind: Engin
         };
         Setattr { gfid, attr }.into()
     };
-    let changes: [(&str, FopRequest); 4] = [
+    let changes: [(&str, FopRequest); 5] = [
         ("a SETATTR of a listed file", chmod(f)),
         (
             "a LINK to a listed file",
@@ -588,6 +588,14 @@ fn a_change_to_a_listed_object_recalls_the_lease_it_was_listed_under(kind: Engin
             .into(),
         ),
         ("a PUT in a listed subdirectory", put(&h, sub, "g")),
+        (
+            "an UNLINK of another name of a listed file",
+            Unlink {
+                parent: Gfid::ROOT,
+                name: name("f2"),
+            }
+            .into(),
+        ),
     ];
     h.rt.block_on(async {
         for (what, change) in changes {
@@ -609,7 +617,8 @@ fn a_change_to_a_listed_object_recalls_the_lease_it_was_listed_under(kind: Engin
 }
 
 /// A read lease on a file (capability `FILE_LEASES`) shares reads, and is recalled before
-/// another session changes the file: by its GFID (SETATTR) or through an fd (WRITE).
+/// another session changes the file: by its GFID (SETATTR), through an fd (WRITE), or by
+/// removing another of its names (UNLINK).
 fn a_file_s_read_lease_is_recalled_before_another_session_changes_the_file(kind: EngineKind) {
     let h = harness(kind, BOUND);
     let f = h.put(Gfid::ROOT, "f", b"first").expect("put");
@@ -673,6 +682,27 @@ fn a_file_s_read_lease_is_recalled_before_another_session_changes_the_file(kind:
         assert_eq!(recall(&mut events).await.gfid, f);
         assert_eq!(lease(&a, f, LeaseKind::None).await, Ok(LeaseKind::None));
         bounded("the held SETATTR", change).await.expect("setattr");
+        // Another name of the file removed changes its link count: recalled too.
+        let link = Link {
+            gfid: f,
+            new_parent: Gfid::ROOT,
+            new_name: name("f2"),
+        };
+        b.call(root(), link.into()).await.expect("link");
+        assert_eq!(lease(&a, f, LeaseKind::Read).await, Ok(LeaseKind::Read));
+        let unlink = Unlink {
+            parent: Gfid::ROOT,
+            name: name("f2"),
+        };
+        let mut change = Box::pin(b.call(root(), unlink.into()));
+        still_held(
+            "an UNLINK of another name of a file under another session's read lease",
+            &mut change,
+        )
+        .await;
+        assert_eq!(recall(&mut events).await.gfid, f);
+        assert_eq!(lease(&a, f, LeaseKind::None).await, Ok(LeaseKind::None));
+        bounded("the held UNLINK", change).await.expect("unlink");
     });
     assert_eq!(h.read_all(f).expect("read"), b"again");
 }

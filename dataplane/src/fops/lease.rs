@@ -1,5 +1,5 @@
-//! LEASE (and OPENDIR_LIST's lease), and what the lease check needs from the disk: the
-//! directory an RMDIR or a replacing RENAME would remove. The lease rules themselves are
+//! LEASE (and OPENDIR_LIST's lease), and what the lease check needs from the disk: what an
+//! RMDIR, an UNLINK or a replacing RENAME would remove. The lease rules themselves are
 //! [`crate::leases`]'s.
 
 use kiln_wire::{Gfid, Lease, LeaseKind, LeaseReply, Name};
@@ -49,18 +49,38 @@ impl<E: Exec> Fops<E> {
         took.await.unwrap_or(LeaseKind::None)
     }
 
-    /// The GFID of `parent/name` if it is a directory, looked up as the brick; `None` for
-    /// anything else or a failed lookup (the fop that would remove it then fails itself).
-    pub(super) async fn dir_gfid_at(&self, parent: &Gfid, name: &Name) -> Option<Gfid> {
-        Self::check_entry(parent, name).ok()?;
-        let dir = self.dir(parent).await.ok()?;
-        let step = Step::brick(op::Statx::of(&dir, &cstr(name.as_bytes())));
-        let stat: Stat = self.run_one(step).await.ok()?;
-        if !stat.is_dir() {
-            return None;
+    /// What `parent/name`, which a fop would remove, is for the lease check, looked up as the
+    /// brick: a directory always, another object only when `objects`.
+    pub(super) async fn removed_at(&self, parent: &Gfid, name: &Name, objects: bool) -> Removed {
+        let looked: R<Removed> = async {
+            Self::check_entry(parent, name)?;
+            let dir = self.dir(parent).await?;
+            let step = Step::brick(op::Statx::of(&dir, &cstr(name.as_bytes())));
+            let stat: Stat = self.run_one(step).await?;
+            if !stat.is_dir() && !objects {
+                return Ok(Removed::Unresolved);
+            }
+            let gfid = self.gfid_at(parent, &dir, name.as_bytes(), &stat).await?;
+            Ok(match stat.is_dir() {
+                true => Removed::Dir(gfid),
+                false => Removed::Object(gfid),
+            })
         }
-        self.gfid_at(parent, &dir, name.as_bytes(), &stat)
-            .await
-            .ok()
+        .await;
+        // A failed lookup: the fop that would remove it fails itself.
+        looked.unwrap_or(Removed::Nothing)
     }
+}
+
+/// What a fop would remove, as the lease check sees it ([`Fops::removed_at`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Removed {
+    /// A directory: its leases go with it.
+    Dir(Gfid),
+    /// Another object, whose link count changes.
+    Object(Gfid),
+    /// Not a directory, and not looked further up.
+    Unresolved,
+    /// Nothing there, or nothing the brick could look up.
+    Nothing,
 }

@@ -26,13 +26,14 @@ use kiln_wire::*;
 use rustix::io::Errno;
 
 use self::chain::{Chain, FromDone, Results};
+use self::lease::Removed;
 pub(crate) use self::namespace::spawn_dir_record_sweeper;
 use self::resolve::Named;
 use crate::brick::Brick;
 use crate::cache::{CacheState, DirCache, GfidCache};
 use crate::exec::Exec;
 use crate::fdtable::{FdTable, OpenKind, SessionId};
-use crate::leases::{self, LeaseSettings, Leases, Targets};
+use crate::leases::{self, Access, LeaseSettings, Leases, Refused, Targets};
 use crate::locks::LockTable;
 use crate::op::{FileRef, Stat, Step, StepResult};
 use crate::profile::{self, Profile};
@@ -360,19 +361,26 @@ impl<E: Exec> Fops<E> {
         if register && let Some(_unchecked) = leases.enter(&self.lease_slot) {
             return run(fop).await;
         }
-        let targets = self.lease_targets(session, &fop).await;
-        let admitted = match leases.admit(session, targets, register).await {
-            Ok(admitted) => admitted,
-            Err(e) => return self.refused(fop.code(), e).await,
+        let mut objects = leases.objects_wanted(session);
+        let admitted = loop {
+            let targets = self.lease_targets(session, &fop, objects).await;
+            match leases.admit(session, targets, register).await {
+                Ok(admitted) => break admitted,
+                Err(Refused::Stale) => return self.refused(fop.code(), Errno::STALE).await,
+                // Another session took a lease since: targets with the object looked up.
+                Err(Refused::Unresolved) => objects = true,
+            }
         };
         let result = run(fop).await;
         admitted.finish(result.is_ok());
         result
     }
 
-    /// The directories `fop` touches: its fd's object, and the directory it would remove
-    /// (looked up as the brick; only a directory counts).
-    async fn lease_targets(&self, session: SessionId, fop: &FopRequest) -> Targets {
+    /// The directories `fop` touches: its fd's object, and what it would remove (looked up
+    /// as the brick): a directory, or — when `objects` — another object, whose link count
+    /// it changes. Without `objects` an UNLINK looks nothing up and a replacing RENAME only
+    /// whether its target is a directory: the targets are then unresolved.
+    async fn lease_targets(&self, session: SessionId, fop: &FopRequest, objects: bool) -> Targets {
         let touches = leases::touches(fop);
         let mut dirs = touches.dirs;
         if let Some((fd, access)) = touches.fd
@@ -380,11 +388,23 @@ impl<E: Exec> Fops<E> {
         {
             dirs.push((file.gfid, access));
         }
-        let removed = match &touches.removes {
-            Some((parent, name)) => self.dir_gfid_at(parent, name).await,
-            None => None,
+        let Some((parent, name)) = &touches.removes else {
+            return Targets::new(dirs, None);
         };
-        Targets::new(dirs, removed)
+        let never_a_dir = matches!(fop, FopRequest::Unlink(_) | FopRequest::UnlinkSettled(_));
+        let removed = match never_a_dir && !objects {
+            true => Removed::Unresolved,
+            false => self.removed_at(parent, name, objects).await,
+        };
+        match removed {
+            Removed::Dir(gfid) => Targets::new(dirs, Some(gfid)),
+            Removed::Object(gfid) => {
+                dirs.push((gfid, Access::Change));
+                Targets::new(dirs, None)
+            }
+            Removed::Unresolved => Targets::new(dirs, None).unresolved(),
+            Removed::Nothing => Targets::new(dirs, None),
+        }
     }
 
     /// A fop the lease check refused, counted in the profile as the fop's error.

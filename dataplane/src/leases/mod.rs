@@ -40,7 +40,7 @@ mod touches;
 
 pub use gate::{Slot, Unarmed};
 pub use listed::Cover;
-pub use shared::{Admitted, Leases};
+pub use shared::{Admitted, Leases, Refused};
 pub use touches::{Access, Targets, Touches, touches};
 
 /// Leases one session may hold at once; past it, LEASE answers none.

@@ -26,6 +26,16 @@ enum Ask {
     ListingWhereNone,
 }
 
+/// Why [`Leases::admit`] did not let a fop run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refused {
+    /// The session's lease on a touched directory was revoked (ESTALE).
+    Stale,
+    /// The fop removes a name whose object it did not look up, and another session may hold
+    /// a lease on that object now: look it up and ask again.
+    Unresolved,
+}
+
 /// The brick's leases and the gate in front of every fop.
 #[derive(Debug, Default)]
 pub struct Leases {
@@ -102,16 +112,21 @@ impl Leases {
         self.gate.is_armed()
     }
 
+    /// Whether a fop of `session` that removes a name must look its object up for the check
+    /// ([`Targets::unresolved`] otherwise).
+    pub fn objects_wanted(&self, session: SessionId) -> bool {
+        lock(&self.table).objects_wanted(session)
+    }
+
     /// Waits until no other session's lease conflicts with a fop of `session` touching
     /// `targets` (recalling them), then lets it run, registered as running there when
-    /// `register` (until the returned guard goes). ESTALE when the session's own lease on one
-    /// of them was revoked.
+    /// `register` (until the returned guard goes).
     pub async fn admit(
         &self,
         session: SessionId,
         mut targets: Targets,
         register: bool,
-    ) -> Result<Admitted<'_>, Errno> {
+    ) -> Result<Admitted<'_>, Refused> {
         let mut waited = false;
         loop {
             let changed = self.changed.notified();
@@ -143,7 +158,8 @@ impl Leases {
                         targets: register.then_some(targets),
                     });
                 }
-                Check::Stale => return Err(Errno::STALE),
+                Check::Stale => return Err(Refused::Stale),
+                Check::Unresolved => return Err(Refused::Unresolved),
                 Check::Wait(due) => {
                     waited = true;
                     let due = tokio::time::Instant::from_std(due);
@@ -228,8 +244,8 @@ impl Leases {
     }
 
     /// One attempt of [`Leases::grant`]: `None` when the lease could be granted but fops that
-    /// passed the disarmed gate are still running (counted in `arming`, which the caller's
-    /// `Arming` gives back).
+    /// passed the disarmed gate, or other sessions' removals that did not look their object
+    /// up, are still running (counted in `arming`, which the caller's `Arming` gives back).
     fn try_grant(
         &self,
         session: SessionId,
@@ -256,7 +272,9 @@ impl Leases {
                 wake = true;
                 kind
             }
-            Decision::Raise(kind) if self.ready(&mut table) => {
+            Decision::Raise(kind)
+                if self.ready(&mut table) && !table.unresolved_by_others(session) =>
+            {
                 table.set(session, gfid, kind);
                 table.stats.grants += 1;
                 kind
@@ -306,8 +324,9 @@ impl Leases {
     }
 }
 
-/// A grant waiting for the gate's drain, for as long as this lives (even if the grant is
-/// dropped meanwhile): the gate stays armed for it.
+/// A grant waiting for the gate's drain or for unresolved removals, for as long as this lives
+/// (even if the grant is dropped meanwhile): the gate stays armed for it, and removals look
+/// their object up.
 struct Arming<'a>(&'a Leases);
 
 impl Drop for Arming<'_> {
@@ -356,6 +375,8 @@ impl Drop for Admitted<'_> {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
 
     #[test]
@@ -375,5 +396,40 @@ mod tests {
         assert!(!leases.is_armed(), "quiet: disarmed again");
         drop(table);
         assert!(leases.enter(&slot).is_some());
+    }
+
+    /// A removal that did not look its object up (no other session held a lease) holds off
+    /// another session's grant until it ends, and meanwhile every removal looks up.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_grant_waits_for_removals_that_did_not_look_their_object_up() {
+        use super::super::Access;
+        let gfid = |n| Gfid::from_bytes([n; 16]).expect("not null");
+        let (dir, file) = (gfid(1), gfid(2));
+        let settings = LeaseSettings {
+            enabled: true,
+            ..LeaseSettings::default()
+        };
+        let leases = Leases::new(settings);
+        let (_remover_events, _asker_events) = (leases.attach(1), leases.attach(2));
+        assert_eq!(
+            leases.grant(1, dir, LeaseKind::Write).await,
+            Ok(LeaseKind::Write)
+        );
+        assert!(!leases.objects_wanted(1), "nobody else holds a lease");
+        let removal = || Targets::new(vec![(dir, Access::Change)], None).unresolved();
+        let running = leases.admit(1, removal(), true).await.expect("admitted");
+        let mut grant = Box::pin(leases.grant(2, file, LeaseKind::Read));
+        let early = tokio::time::timeout(Duration::from_millis(20), &mut grant).await;
+        assert!(early.is_err(), "granted while the removal runs");
+        assert!(leases.objects_wanted(1), "a grant waits: removals look up");
+        let again = leases.admit(1, removal(), true).await.err();
+        assert_eq!(again, Some(Refused::Unresolved));
+        drop(running);
+        let granted = tokio::time::timeout(Duration::from_secs(10), grant).await;
+        assert_eq!(granted.expect("granted in time"), Ok(LeaseKind::Read));
+        assert!(
+            leases.objects_wanted(1),
+            "another session holds a lease now"
+        );
     }
 }

@@ -104,6 +104,9 @@ pub(super) enum Check {
     Stale,
     /// Conflicting leases are recalled; the first recall runs out at this instant.
     Wait(Instant),
+    /// The fop removes a name whose object it did not look up, and that object may be under
+    /// another session's lease now ([`Table::objects_wanted`]): look it up and ask again.
+    Unresolved,
 }
 
 /// Every lease of a brick, plain data.
@@ -120,8 +123,12 @@ pub(super) struct Table {
     next_due: Option<Instant>,
     /// Gate parity whose fops must end before a lease may be granted.
     pub(super) draining: Option<usize>,
-    /// Grants waiting for that drain: the gate stays armed for them.
+    /// Grants waiting for that drain, or for `unresolved`'s removals to end: the gate stays
+    /// armed for them.
     pub(super) arming: usize,
+    /// The sessions of running fops that remove a name whose object was not looked up, one
+    /// entry per fop ([`Targets::unresolved`]).
+    unresolved: Vec<SessionId>,
     /// Directory count after the last sweep.
     swept_at: usize,
     /// What listings under leases returned.
@@ -161,6 +168,20 @@ impl Table {
     /// Whether nothing needs the gate armed: no lease and no revoked mark.
     pub(super) fn is_quiet(&self) -> bool {
         self.held == 0 && self.revoked == 0
+    }
+
+    /// Whether a fop of `session` that removes a name must look its object up for the check:
+    /// another session holds a lease (on the object, or on a directory that listed it,
+    /// perhaps), or a grant waits for such fops to end.
+    pub(super) fn objects_wanted(&self, session: SessionId) -> bool {
+        let own = self.sessions.get(&session).map_or(0, |s| s.held);
+        self.held > own || self.arming > 0
+    }
+
+    /// Whether a fop of another session than `session` that removes a name whose object was
+    /// not looked up is running: no lease is granted to `session` until it ends.
+    pub(super) fn unresolved_by_others(&self, session: SessionId) -> bool {
+        self.unresolved.iter().any(|&s| s != session)
     }
 
     pub(super) fn holder(&self, session: SessionId, gfid: &Gfid) -> Option<&Holder> {
@@ -292,6 +313,9 @@ impl Table {
         if stale {
             return Check::Stale;
         }
+        if targets.unresolved && self.objects_wanted(session) {
+            return Check::Unresolved;
+        }
         self.renew_recalls(session, now);
         let mut first_due: Option<Instant> = None;
         for (gfid, access) in targets.all() {
@@ -413,6 +437,9 @@ impl Table {
 
     pub(super) fn register(&mut self, session: SessionId, targets: &Targets) {
         self.count_change(targets);
+        if targets.unresolved {
+            self.unresolved.push(session);
+        }
         for (gfid, access) in targets.all() {
             self.dirs
                 .entry(gfid)
@@ -424,6 +451,11 @@ impl Table {
 
     pub(super) fn unregister(&mut self, session: SessionId, targets: &Targets, now: Instant) {
         self.count_change(targets);
+        if targets.unresolved
+            && let Some(at) = self.unresolved.iter().position(|&s| s == session)
+        {
+            self.unresolved.swap_remove(at);
+        }
         for (gfid, access) in targets.all() {
             let Some(dir) = self.dirs.get_mut(&gfid) else {
                 continue;

@@ -20,7 +20,8 @@ pub struct Touches {
     pub dirs: Vec<(Gfid, Access)>,
     /// The open fd of an fd fop, whose object is touched.
     pub fd: Option<(FdId, Access)>,
-    /// The entry (parent, name) an RMDIR or a replacing RENAME would remove, if a directory.
+    /// The entry (parent, name) the fop would remove: an RMDIR's, an UNLINK's, a replacing
+    /// RENAME's target.
     pub removes: Option<(Gfid, Name)>,
 }
 
@@ -45,8 +46,16 @@ pub fn touches(fop: &FopRequest) -> Touches {
         Q::Symlink(r) => dirs(&[(r.parent, Change)]),
         Q::Create(r) => dirs(&[(r.parent, Change)]),
         Q::Put(r) => dirs(&[(r.parent, Change)]),
-        Q::Unlink(r) => dirs(&[(r.parent, Change)]),
-        Q::UnlinkSettled(r) => dirs(&[(r.parent, Change)]),
+        // A name gone changes its object's link count: the object is looked up when another
+        // session's lease may be on it (`Targets::unresolved`).
+        Q::Unlink(r) => Touches {
+            removes: Some((r.parent, r.name.clone())),
+            ..dirs(&[(r.parent, Change)])
+        },
+        Q::UnlinkSettled(r) => Touches {
+            removes: Some((r.parent, r.name.clone())),
+            ..dirs(&[(r.parent, Change)])
+        },
         Q::Rmdir(r) => Touches {
             removes: Some((r.parent, r.name.clone())),
             ..dirs(&[(r.parent, Change)])
@@ -95,6 +104,10 @@ pub struct Targets {
     /// The directories where a listing under a lease returned an object the fop changes
     /// (`listed`): changed too, for the leases there, but never stale for its own session.
     pub(super) listed_in: Vec<Gfid>,
+    /// The fop removes a name whose object (not a directory) was not looked up, as no other
+    /// session held a lease then: checked again under the lock, and a grant to another
+    /// session waits until it ends.
+    pub(super) unresolved: bool,
 }
 
 impl Targets {
@@ -106,6 +119,15 @@ impl Targets {
             dirs,
             removed,
             listed_in: Vec::new(),
+            unresolved: false,
+        }
+    }
+
+    /// These targets, for a fop that removes a name whose object was not looked up.
+    pub fn unresolved(self) -> Targets {
+        Targets {
+            unresolved: true,
+            ..self
         }
     }
 
@@ -152,6 +174,15 @@ mod tests {
         );
         assert_eq!(rmdir.dirs, [(p, Access::Change)]);
         assert_eq!(rmdir.removes, Some((p, n.clone())));
+        let unlink = touches(
+            &kiln_wire::Unlink {
+                parent: p,
+                name: n.clone(),
+            }
+            .into(),
+        );
+        assert_eq!(unlink.dirs, [(p, Access::Change)]);
+        assert_eq!(unlink.removes, Some((p, n.clone())));
         let rename = |mode| Rename {
             old_parent: p,
             old_name: n.clone(),
