@@ -28,7 +28,10 @@
 //! (made as needed, before the first op), and `t{thread}/m{k}/s{i}` for mkdir/rmdir.
 //! `--threads` workers each own one `t{thread}` and go through their files one at a time:
 //! OS threads on the syscall targets, tasks on the engine and volume targets. On the engine
-//! and volume targets every GFID is derived from `--seed`.
+//! and volume targets every GFID is derived from `--seed`. On the syscall targets each
+//! worker ends each op's pass with an fsync of its `t{thread}` directory, inside the pass's
+//! time: a mount that answers ahead of its server (Kiln's, under leases) is timed until the
+//! pass's changes are on the server, and the next pass does not pay for them.
 //!
 //! Targets (`--targets`, measured in the order given; every ratio is against the first):
 //!
