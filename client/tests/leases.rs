@@ -1142,9 +1142,12 @@ fn wait_for_a_lease(a: &Mounted, metrics: &str, leases: f64) {
 }
 
 /// Waits (bounded) until the brick at `metrics` has served more of fop `which` (an index
-/// into [`reads_and_leases`]) than `served`, and a moment more for the mount to take the
-/// answer.
+/// into [`reads_and_leases`]) than `served`, then until none of those fops has been served
+/// for [`QUIET`] (on a loaded machine the release's own fop may come after another), so the
+/// mount has taken the last answer.
 fn wait_for_more(a: &Mounted, metrics: &str, which: usize, served: f64) {
+    /// How long the counters must stay still.
+    const QUIET: Duration = Duration::from_millis(300);
     let deadline = Instant::now() + Duration::from_secs(10);
     while reads_and_leases(metrics)[which] == served {
         assert!(
@@ -1155,7 +1158,14 @@ fn wait_for_more(a: &Mounted, metrics: &str, which: usize, served: f64) {
         );
         std::thread::sleep(Duration::from_millis(10));
     }
-    std::thread::sleep(Duration::from_millis(200));
+    let (mut last, mut still_since) = (reads_and_leases(metrics), Instant::now());
+    while still_since.elapsed() < QUIET && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+        let now = reads_and_leases(metrics);
+        if now != last {
+            (last, still_since) = (now, Instant::now());
+        }
+    }
 }
 
 /// Writes, closes and reads back a file made before `a` with file leases on and off, and
