@@ -59,15 +59,13 @@ impl NewKind {
         matches!(self, NewKind::File { .. } | NewKind::Dir { .. })
     }
 
-    /// Whether the chain's open outlives it: a CREATE's file, for the caller; a directory's,
-    /// for the brick's held directories (the next fop there would open it again).
     fn keeps_open(&self) -> bool {
         matches!(
             self,
             NewKind::File {
                 keep_open: true,
                 ..
-            } | NewKind::Dir { .. }
+            }
         )
     }
 }
@@ -144,11 +142,7 @@ impl<E: Exec> Fops<E> {
             gfid: r.gfid,
             parents,
         };
-        let (reply, opened) = self.make_entry(creds, &new, kind).await?;
-        if let Some(FileRef::Fd(dir)) = opened {
-            self.hold_dir(r.gfid, dir);
-        }
-        Ok(reply)
+        Ok(self.make_entry(creds, &new, kind).await?.0)
     }
 
     pub(in crate::fops) async fn symlink(
@@ -663,13 +657,12 @@ fn push_commit(
                 mode: *mode,
             };
             let commit = chain.push(Step::caller(mkdir, creds).barrier());
-            // A plain fd: held as the new directory's afterwards.
             let open = op::Open {
                 dir,
                 name,
                 flags: libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW,
                 mode: 0,
-                fixed: false,
+                fixed: true,
             };
             (commit, Some(chain.push(Step::brick(open))))
         }
