@@ -361,7 +361,8 @@ impl<E: Exec> Fops<E> {
         if register && let Some(_unchecked) = leases.enter(&self.lease_slot) {
             return run(fop).await;
         }
-        let mut objects = leases.objects_wanted(session);
+        // Removals look their object up only when the check asks for it (`Refused::Unresolved`).
+        let mut objects = false;
         let admitted = loop {
             let targets = self.lease_targets(session, &fop, objects).await;
             match leases.admit(session, targets, register).await {

@@ -112,12 +112,6 @@ impl Leases {
         self.gate.is_armed()
     }
 
-    /// Whether a fop of `session` that removes a name must look its object up for the check
-    /// ([`Targets::unresolved`] otherwise).
-    pub fn objects_wanted(&self, session: SessionId) -> bool {
-        lock(&self.table).objects_wanted(session)
-    }
-
     /// Waits until no other session's lease conflicts with a fop of `session` touching
     /// `targets` (recalling them), then lets it run, registered as running there when
     /// `register` (until the returned guard goes).
@@ -415,20 +409,26 @@ mod tests {
             leases.grant(1, dir, LeaseKind::Write).await,
             Ok(LeaseKind::Write)
         );
-        assert!(!leases.objects_wanted(1), "nobody else holds a lease");
+        assert!(
+            !lock(&leases.table).objects_wanted(1),
+            "nobody else holds a lease"
+        );
         let removal = || Targets::new(vec![(dir, Access::Change)], None).unresolved();
         let running = leases.admit(1, removal(), true).await.expect("admitted");
         let mut grant = Box::pin(leases.grant(2, file, LeaseKind::Read));
         let early = tokio::time::timeout(Duration::from_millis(20), &mut grant).await;
         assert!(early.is_err(), "granted while the removal runs");
-        assert!(leases.objects_wanted(1), "a grant waits: removals look up");
+        assert!(
+            lock(&leases.table).objects_wanted(1),
+            "a grant waits: removals look up"
+        );
         let again = leases.admit(1, removal(), true).await.err();
         assert_eq!(again, Some(Refused::Unresolved));
         drop(running);
         let granted = tokio::time::timeout(Duration::from_secs(10), grant).await;
         assert_eq!(granted.expect("granted in time"), Ok(LeaseKind::Read));
         assert!(
-            leases.objects_wanted(1),
+            lock(&leases.table).objects_wanted(1),
             "another session holds a lease now"
         );
     }
