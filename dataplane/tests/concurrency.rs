@@ -13,6 +13,7 @@ use kiln_wire::*;
 per_engine!(
     concurrent_sessions_agree,
     links_racing_unlinks_of_the_last_name_keep_the_file_whole,
+    creates_racing_lookups_of_their_names_succeed,
 );
 
 const SESSIONS: usize = 32;
@@ -161,5 +162,73 @@ fn links_racing_unlinks_of_the_last_name_keep_the_file_whole(kind: EngineKind) {
         }
     }
     assert!(linked_in_time > 0, "no LINK ever won the race");
+    h.assert_consistent();
+}
+
+/// Creates (MKDIR, PUT, CREATE) racing with LOOKUPs of their names from another session: a
+/// lookup between a new name and its handle finds the handle missing and makes it, and the
+/// create must still succeed — its object reachable by its GFID, and the brick clean. (It
+/// failed with EEXIST and undid itself, leaving the handle the lookup made without a name.)
+fn creates_racing_lookups_of_their_names_succeed(kind: EngineKind) {
+    const ROUNDS: usize = 300;
+    let h = Harness::new(kind);
+    let (maker, looker) = (h.engine.session(), h.engine.session());
+    let mut seen_before_the_reply = 0;
+    for i in 0..ROUNDS {
+        let (n, gfid) = (format!("n{i}"), h.gfid());
+        let make: FopRequest = match i % 3 {
+            0 => Mkdir {
+                parent: Gfid::ROOT,
+                name: name(&n),
+                gfid,
+                mode: mode(0o755),
+                umask: mode(0),
+            }
+            .into(),
+            1 => small_put(Gfid::ROOT, &n, gfid, b"x").into(),
+            _ => Create {
+                parent: Gfid::ROOT,
+                name: name(&n),
+                gfid,
+                access: AccessMode::WriteOnly,
+                flags: OpenFlags::empty(),
+                mode: mode(0o644),
+                umask: mode(0),
+            }
+            .into(),
+        };
+        let lookup = Lookup {
+            parent: Gfid::ROOT,
+            name: name(&n),
+        };
+        let replied = std::sync::atomic::AtomicBool::new(false);
+        let (made, seen) = h.rt.block_on(async {
+            let make = async {
+                let made = maker.call(root(), make).await;
+                replied.store(true, std::sync::atomic::Ordering::Release);
+                made
+            };
+            let look = async {
+                let mut seen = false;
+                while !replied.load(std::sync::atomic::Ordering::Acquire) {
+                    seen |= looker.call(root(), lookup.clone().into()).await.is_ok();
+                }
+                seen
+            };
+            tokio::join!(make, look)
+        });
+        made.unwrap_or_else(|e| panic!("round {i}: {e}"));
+        seen_before_the_reply += usize::from(seen);
+        assert_eq!(
+            h.lookup(Gfid::ROOT, &n).expect("named").gfid,
+            gfid,
+            "round {i}"
+        );
+        assert_eq!(h.stat(gfid).expect("by its handle").gfid, gfid, "round {i}");
+    }
+    assert!(
+        seen_before_the_reply > 0,
+        "no lookup ever found a name before its create replied"
+    );
     h.assert_consistent();
 }

@@ -139,6 +139,20 @@ impl Results {
         matches!(self.results.get(at.index), Some(Some(Ok(_))))
     }
 
+    /// The step's `statx`, when it succeeded (it stays for [`Results::take`]).
+    pub(crate) fn stat(&self, at: At<Stat>) -> Option<&Stat> {
+        match self.results.get(at.index) {
+            Some(Some(Ok(Done::Stat(stat)))) => Some(stat),
+            _ => None,
+        }
+    }
+
+    /// Counts a failed step as done: what it was to make, another fop made meanwhile.
+    pub(crate) fn excuse(&mut self, at: At<()>) {
+        debug_assert!(self.error(at).is_some(), "only a failed step is excused");
+        self.results[at.index] = Some(Ok(Done::Value(0)));
+    }
+
     /// The step's errno, if it failed.
     pub(crate) fn error<T>(&self, at: At<T>) -> Option<Errno> {
         match self.results.get(at.index) {

@@ -16,6 +16,7 @@ use super::{files, parent_iatt};
 use crate::brick::Brick;
 use crate::brick::GFID_XATTR;
 use crate::brick::intent::{self, RecordKind, record_name};
+use crate::cache::InodeKey;
 use crate::exec::Exec;
 use crate::fdtable::SessionId;
 use crate::op::{self, DirFd, FileRef, Stat, Step, cstr};
@@ -235,6 +236,8 @@ impl<E: Exec> Fops<E> {
             };
         }
         let opened = steps.opened.and_then(|at| results.take(at).ok());
+        self.excuse_healed_handle(&mut results, steps.handle, steps.stat, &gfid)
+            .await;
         if let Some(e) = results.first_error() {
             self.undo_entry(&entry, &kind, &steps, &results, opened)
                 .await;
@@ -334,6 +337,37 @@ impl<E: Exec> Fops<E> {
                 new_name: handle,
             }),
         })
+    }
+
+    /// Excuses the handle step of a create that met EEXIST because the handle it was to
+    /// make names the object made: a lookup of the new name between its naming and its
+    /// handle found the handle missing and made it
+    /// ([`read_or_heal_gfid`](crate::brick::layout::read_or_heal_gfid)). Anything else
+    /// under that name stays the create's error, and the create is undone.
+    pub(super) async fn excuse_healed_handle(
+        &self,
+        results: &mut Results,
+        handle: At<()>,
+        made: At<Stat>,
+        gfid: &Gfid,
+    ) {
+        let Some(made) = results.stat(made) else {
+            return;
+        };
+        if results.error(handle) != Some(Errno::EXIST) {
+            return;
+        }
+        let handle_stat = op::Statx {
+            dir: self.brick.handle_dir(gfid).clone(),
+            name: Brick::handle_name(gfid),
+            // A directory's handle is a symlink to it.
+            nofollow: !made.is_dir(),
+        };
+        let same = (self.run_one::<Stat>(Step::brick(handle_stat)).await)
+            .is_ok_and(|found| InodeKey::of(&found) == InodeKey::of(made));
+        if same {
+            results.excuse(handle);
+        }
     }
 
     /// Writes `data` at 0 into the chain's file, as the caller (synced under write-through);

@@ -134,6 +134,8 @@ impl<E: Exec> Fops<E> {
             }
         };
         let opened = results.take(steps.opened)?;
+        self.excuse_healed_handle(&mut results, steps.handle, steps.stat, &file.gfid)
+            .await;
         if let Some(e) = results.first_error() {
             // Newest first; the record covers a name left without its handle meanwhile.
             if results.ok(steps.handle) {
