@@ -78,6 +78,11 @@ impl<E: Exec> Fops<E> {
         Ok(dir)
     }
 
+    /// Holds `dir` as directory `gfid`'s fd (a MKDIR's own open of the directory it made).
+    pub(super) fn hold_dir(&self, gfid: Gfid, dir: DirFd) {
+        lock(&self.dirs).insert(gfid, dir);
+    }
+
     /// Forgets directory `gfid`'s held fd (it was removed).
     pub(super) fn forget_dir(&self, gfid: &Gfid) {
         lock(&self.dirs).remove(gfid);

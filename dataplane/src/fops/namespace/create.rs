@@ -60,13 +60,15 @@ impl NewKind {
         matches!(self, NewKind::File { .. } | NewKind::Dir { .. })
     }
 
+    /// Whether the chain's open outlives it: a CREATE's file, for the caller; a directory's,
+    /// for the brick's held directories (the next fop there would open it again).
     fn keeps_open(&self) -> bool {
         matches!(
             self,
             NewKind::File {
                 keep_open: true,
                 ..
-            }
+            } | NewKind::Dir { .. }
         )
     }
 }
@@ -143,7 +145,11 @@ impl<E: Exec> Fops<E> {
             gfid: r.gfid,
             parents,
         };
-        Ok(self.make_entry(creds, &new, kind).await?.0)
+        let (reply, opened) = self.make_entry(creds, &new, kind).await?;
+        if let Some(FileRef::Fd(dir)) = opened {
+            self.hold_dir(r.gfid, dir);
+        }
+        Ok(reply)
     }
 
     pub(in crate::fops) async fn symlink(
@@ -691,12 +697,13 @@ fn push_commit(
                 mode: *mode,
             };
             let commit = chain.push(Step::caller(mkdir, creds).barrier());
+            // A plain fd: held as the new directory's afterwards.
             let open = op::Open {
                 dir,
                 name,
                 flags: libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW,
                 mode: 0,
-                fixed: true,
+                fixed: false,
             };
             (commit, Some(chain.push(Step::brick(open))))
         }
