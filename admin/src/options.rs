@@ -521,8 +521,7 @@ pub const OPTIONS: &[OptionDef] = &[
         default: "4096",
         apply: Apply::Restart,
         brick: BrickFlag::Value("dirfd-cache-entries"),
-        help: "directory fds held open per worker thread (a brick holds up to event-threads \
-               times this)",
+        help: "directory fds the brick holds open (one cache for all its worker threads)",
     },
     OptionDef {
         key: "storage.fsync-policy",

@@ -240,6 +240,7 @@ pub struct EngineState {
     /// Open fds of each session, by session id.
     pub fd_tables: BTreeMap<SessionId, usize>,
     pub gfid_cache: CacheState,
+    /// The held directory fds (brick-wide, not per worker).
     pub dirfd_cache: CacheState,
     pub ring: RingStats,
     /// The brick's leases (brick-wide, not per worker).
@@ -251,7 +252,7 @@ impl EngineState {
         EngineState {
             fd_tables: fops.fd_tables,
             gfid_cache: fops.gfid_cache,
-            dirfd_cache: fops.dirfd_cache,
+            dirfd_cache: CacheState::default(),
             ring,
             leases: LeaseStats::default(),
         }
@@ -264,7 +265,6 @@ impl EngineState {
     fn add(&mut self, other: EngineState) {
         self.fd_tables.extend(other.fd_tables);
         self.gfid_cache += other.gfid_cache;
-        self.dirfd_cache += other.dirfd_cache;
         self.ring += other.ring;
     }
 }
@@ -391,13 +391,16 @@ impl Engine {
     /// brick's leases.
     pub async fn state(&self) -> EngineState {
         let leases = self.leases().stats();
+        let dirfd_cache = self.inner.shared.dirfd_cache_state();
         if let Some(engine) = &self.inner.blocking {
             return EngineState {
+                dirfd_cache,
                 leases,
                 ..LocalEngine::Blocking(engine.clone()).state()
             };
         }
         let mut total = EngineState {
+            dirfd_cache,
             leases,
             ..EngineState::default()
         };

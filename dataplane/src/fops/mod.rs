@@ -84,7 +84,6 @@ pub struct Fops<E> {
     exec: E,
     config: FopsConfig,
     gfids: Mutex<GfidCache>,
-    dirs: Mutex<DirCache>,
     /// Each open session. A session is opened explicitly and removed when it ends, so a fop
     /// still in flight for an ended session cannot open a file for it that nobody would ever
     /// release (it gets EBADF), and nothing is left behind.
@@ -121,6 +120,9 @@ pub struct BrickState {
     pub profile: Profile,
     next_session: AtomicU64,
     locks: Mutex<LockTable>,
+    /// Held directory fds by GFID, one cache for every worker: a directory removed through
+    /// one worker is gone from all (a worker's own cache kept serving it).
+    dirs: Mutex<DirCache>,
     /// Directory leases and the gate every fop passes.
     pub leases: Leases,
     /// GFIDs with removals of names under way or waiting (their handles may be gone or parked
@@ -141,11 +143,17 @@ impl BrickState {
             profile: Profile::default(),
             next_session: AtomicU64::new(1),
             locks: Mutex::new(LockTable::new(config.locks_per_client_max)),
+            dirs: Mutex::new(DirCache::new(config.dirfd_cache_entries)),
             leases: Leases::new(config.leases),
             removals: Mutex::new(HashMap::new()),
             dir_records: Mutex::new(HashMap::new()),
             poisoned: AtomicBool::new(false),
         }
+    }
+
+    /// The held directory fds' cache (brick-wide), for state dumps.
+    pub fn dirfd_cache_state(&self) -> CacheState {
+        lock(&self.dirs).state()
     }
 
     /// A new session id, unique on this brick.
@@ -213,7 +221,6 @@ pub struct FopsState {
     /// Open fds of each session, by session id.
     pub fd_tables: BTreeMap<SessionId, usize>,
     pub gfid_cache: CacheState,
-    pub dirfd_cache: CacheState,
 }
 
 type R<T> = Result<T, Errno>;
@@ -238,7 +245,6 @@ impl<E: Exec> Fops<E> {
     pub fn new(brick: Arc<Brick>, shared: Arc<BrickState>, exec: E, config: FopsConfig) -> Fops<E> {
         Fops {
             gfids: Mutex::new(GfidCache::new(config.gfid_cache_entries)),
-            dirs: Mutex::new(DirCache::new(config.dirfd_cache_entries)),
             sessions: Mutex::new(HashMap::new()),
             lease_slot: shared.leases.slot(),
             shared,
@@ -272,7 +278,6 @@ impl<E: Exec> Fops<E> {
         FopsState {
             fd_tables,
             gfid_cache: lock(&self.gfids).state(),
-            dirfd_cache: lock(&self.dirs).state(),
         }
     }
 

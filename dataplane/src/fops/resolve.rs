@@ -65,7 +65,7 @@ impl<E: Exec> Fops<E> {
         if gfid.is_root() {
             return Ok(self.brick.root.clone());
         }
-        if let Some(dir) = lock(&self.dirs).get(gfid) {
+        if let Some(dir) = lock(&self.shared.dirs).get(gfid) {
             return Ok(dir);
         }
         let brick = self.brick.clone();
@@ -74,18 +74,18 @@ impl<E: Exec> Fops<E> {
             .exec
             .blocking(move || open_dir_by_gfid(&brick, &g, 0))
             .await?;
-        lock(&self.dirs).insert(*gfid, dir.clone());
+        lock(&self.shared.dirs).insert(*gfid, dir.clone());
         Ok(dir)
     }
 
     /// Holds `dir` as directory `gfid`'s fd (a MKDIR's own open of the directory it made).
     pub(super) fn hold_dir(&self, gfid: Gfid, dir: DirFd) {
-        lock(&self.dirs).insert(gfid, dir);
+        lock(&self.shared.dirs).insert(gfid, dir);
     }
 
     /// Forgets directory `gfid`'s held fd (it was removed).
     pub(super) fn forget_dir(&self, gfid: &Gfid) {
-        lock(&self.dirs).remove(gfid);
+        lock(&self.shared.dirs).remove(gfid);
     }
 
     /// The GFID of `dir/name` (whose `statx` is `stat`): cached by inode, else read from its
@@ -172,7 +172,7 @@ impl<E: Exec> Fops<E> {
 
     /// `statx` of the object `gfid`, following a directory's handle symlink.
     pub(super) async fn stat_gfid(&self, gfid: &Gfid) -> R<Stat> {
-        if gfid.is_root() || lock(&self.dirs).get(gfid).is_some() {
+        if gfid.is_root() || lock(&self.shared.dirs).get(gfid).is_some() {
             return self.fstat_dir(&self.dir(gfid).await?).await;
         }
         let step = Step::brick(op::Statx::of(
@@ -245,7 +245,7 @@ impl<E: Exec> Fops<E> {
     /// through it reach this inode whatever happens to its names, and never what a symlink
     /// points at.
     pub(super) async fn pin(&self, gfid: &Gfid) -> R<Pinned> {
-        if gfid.is_root() || lock(&self.dirs).get(gfid).is_some() {
+        if gfid.is_root() || lock(&self.shared.dirs).get(gfid).is_some() {
             return self.pin_dir(gfid).await;
         }
         let open = op::Open::path(self.brick.handle_dir(gfid), &Brick::handle_name(gfid));
