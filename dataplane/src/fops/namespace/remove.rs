@@ -147,8 +147,12 @@ impl<E: Exec> Fops<E> {
                 return Err(e);
             }
         };
-        if self.fstat_dir(held).await.is_ok_and(|st| st.nlink >= 1) {
-            self.relink_handle(gfid, held).await;
+        if self.fstat_dir(held).await.is_ok_and(|st| st.nlink >= 1)
+            && self.relink_handle(gfid, held).await == Relinked::WasThere
+        {
+            // The unlink failed, or a lookup of the name between the two unlinks found the
+            // handle missing and made it: then the handle is all that is left of the file.
+            self.drop_handle_if_unnamed(gfid).await;
         }
         if let Some(e) = results.error(commit) {
             return Err(e);
@@ -157,7 +161,7 @@ impl<E: Exec> Fops<E> {
     }
 
     /// Links the handle of `gfid` to the open file `held` again (it is still named).
-    async fn relink_handle(&self, gfid: &Gfid, held: &DirFd) {
+    async fn relink_handle(&self, gfid: &Gfid, held: &DirFd) -> Relinked {
         let link = op::LinkFile::of(
             held,
             self.brick.handle_dir(gfid).clone(),
@@ -165,10 +169,14 @@ impl<E: Exec> Fops<E> {
             self.brick.link_by_fd,
         );
         match self.run1(Step::brick(link)).await {
-            // The handle never went (its unlink failed).
-            Ok(_) | Err(Errno::EXIST) => {}
+            Ok(_) => Relinked::Linked,
+            // The handle never went (its unlink failed), or a lookup healed it.
+            Err(Errno::EXIST) => Relinked::WasThere,
             // Healed by a lookup of a name of the file once its GFID is no longer cached.
-            Err(e) => tracing::warn!(%gfid, error = %e, "a handle could not be relinked"),
+            Err(e) => {
+                tracing::warn!(%gfid, error = %e, "a handle could not be relinked");
+                Relinked::Failed
+            }
         }
     }
 
@@ -252,6 +260,14 @@ impl<E: Exec> Fops<E> {
             self.unlink_quietly(&dir, &handle, false).await;
         }
     }
+}
+
+/// What [`Fops::relink_handle`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Relinked {
+    Linked,
+    WasThere,
+    Failed,
 }
 
 /// The name a removal takes away, and what it names.
