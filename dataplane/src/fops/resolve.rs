@@ -173,7 +173,7 @@ impl<E: Exec> Fops<E> {
     /// `statx` of the object `gfid`, following a directory's handle symlink.
     pub(super) async fn stat_gfid(&self, gfid: &Gfid) -> R<Stat> {
         if gfid.is_root() || lock(&self.shared.dirs).get(gfid).is_some() {
-            return self.fstat_dir(&self.dir(gfid).await?).await;
+            return Ok(self.pin_dir(gfid).await?.stat);
         }
         let step = Step::brick(op::Statx::of(
             self.brick.handle_dir(gfid),
@@ -190,7 +190,7 @@ impl<E: Exec> Fops<E> {
         // directory's handle (a separate symlink with no GFID of its own).
         match self.is_own_handle(gfid).await {
             true => Ok(stat),
-            false => self.fstat_dir(&self.dir(gfid).await?).await,
+            false => Ok(self.pin_dir(gfid).await?.stat),
         }
     }
 
@@ -276,9 +276,15 @@ impl<E: Exec> Fops<E> {
         }
     }
 
+    /// Directory `gfid` by its held fd; ESTALE once it is removed (an fd opened before an
+    /// RMDIR and cached after it is forgotten here).
     async fn pin_dir(&self, gfid: &Gfid) -> R<Pinned> {
         let fd = self.dir(gfid).await?;
         let stat = self.fstat_dir(&fd).await?;
+        if stat.nlink == 0 {
+            self.forget_dir(gfid);
+            return Err(Errno::STALE);
+        }
         Ok(Pinned { fd, stat })
     }
 
