@@ -15,6 +15,7 @@ per_engine!(
     links_racing_unlinks_of_the_last_name_keep_the_file_whole,
     creates_racing_lookups_of_their_names_succeed,
     removals_and_renames_racing_lookups_leave_the_brick_clean,
+    creates_of_one_name_from_two_sessions_make_one_object,
 );
 
 const SESSIONS: usize = 32;
@@ -302,6 +303,69 @@ fn removals_and_renames_racing_lookups_leave_the_brick_clean(kind: EngineKind) {
             2 => assert_eq!(h.stat(gfid).expect("moved").gfid, gfid, "round {i}"),
             _ => assert!(h.stat(gfid).is_err(), "round {i}: removed, yet reachable"),
         }
+    }
+    h.assert_consistent();
+}
+
+/// Two sessions create one name at once (MKDIR, PUT, CREATE, each with its own GFID): one
+/// wins, the other gets EEXIST and leaves nothing of its object behind — the name holds the
+/// winner, the loser's GFID reaches nothing, and the brick checks clean.
+fn creates_of_one_name_from_two_sessions_make_one_object(kind: EngineKind) {
+    const ROUNDS: usize = 150;
+    let h = Harness::new(kind);
+    let sessions = [h.engine.session(), h.engine.session()];
+    for i in 0..ROUNDS {
+        let n = format!("n{i}");
+        let gfids = [h.gfid(), h.gfid()];
+        let make = |gfid: Gfid| -> FopRequest {
+            match i % 3 {
+                0 => Mkdir {
+                    parent: Gfid::ROOT,
+                    name: name(&n),
+                    gfid,
+                    mode: mode(0o755),
+                    umask: mode(0),
+                }
+                .into(),
+                1 => small_put(Gfid::ROOT, &n, gfid, b"x").into(),
+                _ => Create {
+                    parent: Gfid::ROOT,
+                    name: name(&n),
+                    gfid,
+                    access: AccessMode::WriteOnly,
+                    flags: OpenFlags::EXCL,
+                    mode: mode(0o644),
+                    umask: mode(0),
+                }
+                .into(),
+            }
+        };
+        let results = h.rt.block_on(async {
+            let [a, b] = &sessions;
+            let (ra, rb) = tokio::join!(
+                a.call(root(), make(gfids[0])),
+                b.call(root(), make(gfids[1]))
+            );
+            [ra.map(drop), rb.map(drop)]
+        });
+        let won: Vec<usize> = (0..2).filter(|&k| results[k].is_ok()).collect();
+        assert_eq!(won.len(), 1, "round {i}: {results:?}");
+        let (winner, loser) = (gfids[won[0]], gfids[1 - won[0]]);
+        assert_eq!(results[1 - won[0]], Err(ErrorCode::Exist), "round {i}");
+        assert_eq!(
+            h.lookup(Gfid::ROOT, &n).expect("named").gfid,
+            winner,
+            "round {i}"
+        );
+        assert_eq!(
+            h.stat(winner).expect("the winner").gfid,
+            winner,
+            "round {i}"
+        );
+        assert!(
+            h.stat(loser).is_err(),
+            "round {i}: the loser's object is reachable"
+        );
     }
     h.assert_consistent();
 }

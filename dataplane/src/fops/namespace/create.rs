@@ -423,7 +423,9 @@ impl<E: Exec> Fops<E> {
     }
 
     /// A create whose name is taken: a retry of one that already happened carries the same
-    /// GFID and gets its reply; anything else is EEXIST.
+    /// GFID and gets its reply; anything else is EEXIST — also when the name's object is
+    /// still being made by another create (its lookup says ENOENT until it has its GFID) or
+    /// was removed since.
     async fn retried(
         &self,
         creds: &Creds,
@@ -432,7 +434,10 @@ impl<E: Exec> Fops<E> {
         gfid: Gfid,
         kind: &NewKind,
     ) -> R<(EntryReply, Option<FileRef>)> {
-        let same = self.same_entry(creds, parent, name, gfid, kind).await?;
+        let same = match self.same_entry(creds, parent, name, gfid, kind).await {
+            Err(Errno::NOENT) => None,
+            same => same?,
+        };
         same.map(|reply| (reply, None)).ok_or(Errno::EXIST)
     }
 
