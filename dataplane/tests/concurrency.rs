@@ -17,6 +17,7 @@ per_engine!(
     removals_and_renames_racing_lookups_leave_the_brick_clean,
     creates_of_one_name_from_two_sessions_make_one_object,
     creates_inside_a_directory_being_renamed_succeed,
+    namespace_fops_racing_on_one_name_leave_the_brick_clean,
 );
 
 const SESSIONS: usize = 32;
@@ -400,5 +401,103 @@ fn creates_inside_a_directory_being_renamed_succeed(kind: EngineKind) {
     let last = format!("d{}", ROUNDS % 2);
     assert_eq!(h.lookup(Gfid::ROOT, &last).expect("renamed").gfid, dir);
     assert_eq!(h.list(dir).expect("list").len(), ROUNDS);
+    h.assert_consistent();
+}
+
+/// Pairs of namespace fops on one name from two sessions at once — two renames of one source,
+/// a replacing rename against an unlink of its target, a directory's rename against its
+/// RMDIR, a MKDIR against an RMDIR — each fop succeeding or failing as POSIX allows for one
+/// order or the other, the object left reachable by its GFID exactly when a name holds it,
+/// and the brick clean after all.
+fn namespace_fops_racing_on_one_name_leave_the_brick_clean(kind: EngineKind) {
+    const ROUNDS: usize = 100;
+    let h = Harness::new(kind);
+    let (a, b) = (h.engine.session(), h.engine.session());
+    let rename = |from: &str, to: &str| -> FopRequest {
+        Rename {
+            old_parent: Gfid::ROOT,
+            old_name: name(from),
+            new_parent: Gfid::ROOT,
+            new_name: name(to),
+            mode: RenameMode::Replace,
+        }
+        .into()
+    };
+    let unlink = |n: &str| -> FopRequest {
+        Unlink {
+            parent: Gfid::ROOT,
+            name: name(n),
+        }
+        .into()
+    };
+    let rmdir = |n: &str| -> FopRequest {
+        Rmdir {
+            parent: Gfid::ROOT,
+            name: name(n),
+        }
+        .into()
+    };
+    let race = |x: FopRequest, y: FopRequest| {
+        h.rt.block_on(async { tokio::join!(a.call(root(), x), b.call(root(), y)) })
+    };
+    let named = |n: &str| h.lookup(Gfid::ROOT, n).ok().map(|iatt| iatt.gfid);
+    for i in 0..ROUNDS {
+        let (s, t, u) = (format!("s{i}"), format!("t{i}"), format!("u{i}"));
+        // Two renames of one source: one moves it, the other finds it gone.
+        let file = h.put(Gfid::ROOT, &s, b"x").expect("put");
+        let (x, y) = race(rename(&s, &t), rename(&s, &u));
+        assert!(x.is_ok() != y.is_ok(), "round {i}: {x:?} {y:?}");
+        assert_eq!(
+            [named(&s), named(&t), named(&u)].iter().flatten().count(),
+            1
+        );
+        assert_eq!(h.stat(file).expect("moved once").gfid, file, "round {i}");
+        for n in [&t, &u] {
+            let _ = h.unlink(Gfid::ROOT, n);
+        }
+        // A rename onto a name another session unlinks meanwhile.
+        let (src, target) = (
+            h.put(Gfid::ROOT, &s, b"s").expect("put"),
+            h.put(Gfid::ROOT, &t, b"t").expect("put"),
+        );
+        let (x, y) = race(rename(&s, &t), unlink(&t));
+        x.unwrap_or_else(|e| panic!("round {i}: rename: {e}"));
+        match (y, named(&t)) {
+            // The unlink came first, or removed what the rename had put there.
+            (Ok(_), Some(g)) => assert_eq!(g, src, "round {i}"),
+            (Ok(_), None) => assert!(h.stat(src).is_err(), "round {i}: unnamed, yet reachable"),
+            (Err(e), _) => panic!("round {i}: unlink: {e}"),
+        }
+        assert!(
+            h.stat(target).is_err(),
+            "round {i}: the replaced file is reachable"
+        );
+        let _ = h.unlink(Gfid::ROOT, &t);
+        // A directory's rename against its RMDIR: one of them wins.
+        let dir = h.mkdir(Gfid::ROOT, &s).expect("mkdir");
+        let (x, y) = race(rename(&s, &t), rmdir(&s));
+        assert!(x.is_ok() != y.is_ok(), "round {i}: {x:?} {y:?}");
+        match x.is_ok() {
+            true => assert_eq!(named(&t), Some(dir), "round {i}"),
+            false => assert!(h.stat(dir).is_err(), "round {i}: removed, yet reachable"),
+        }
+        let _ = h.rmdir(Gfid::ROOT, &t);
+        // A MKDIR against an RMDIR of the same name.
+        let (x, y) = race(
+            Mkdir {
+                parent: Gfid::ROOT,
+                name: name(&u),
+                gfid: h.gfid(),
+                mode: mode(0o755),
+                umask: mode(0),
+            }
+            .into(),
+            rmdir(&u),
+        );
+        x.unwrap_or_else(|e| panic!("round {i}: mkdir: {e}"));
+        assert_eq!(named(&u).is_some(), y.is_err(), "round {i}: {y:?}");
+        let _ = h.rmdir(Gfid::ROOT, &u);
+    }
+    assert!(h.list(Gfid::ROOT).expect("list").is_empty());
     h.assert_consistent();
 }

@@ -6,13 +6,15 @@
 //! [`namespace`] (create, mkdir, mknod, symlink, put, link, unlink, rmdir, rename — with the
 //! intent protocol of `docs/disk-layout.md`), [`files`] (open, read, write, fsync, fallocate,
 //! seek, locks, release), [`dirs`] (opendir, readdir, readdirp), [`xattr`] and [`lease`]
-//! (LEASE; the lease check around every fop is [`Fops::call_with`]).
+//! (LEASE; the lease check around every fop is [`Fops::call_with`], which also has the fops
+//! that change a name take turns on it: [`name_turns`]).
 
 mod attr;
 mod chain;
 mod dirs;
 mod files;
 mod lease;
+mod name_turns;
 mod namespace;
 mod resolve;
 mod xattr;
@@ -27,6 +29,7 @@ use rustix::io::Errno;
 
 use self::chain::{Chain, FromDone, Results};
 use self::lease::Removed;
+use self::name_turns::NameTurns;
 pub(crate) use self::namespace::spawn_dir_record_sweeper;
 use self::resolve::Named;
 use crate::brick::Brick;
@@ -120,6 +123,8 @@ pub struct BrickState {
     pub profile: Profile,
     next_session: AtomicU64,
     locks: Mutex<LockTable>,
+    /// The turns namespace fops take on the names they change.
+    name_turns: NameTurns,
     /// Held directory fds by GFID, one cache for every worker: a directory removed through
     /// one worker is gone from all (a worker's own cache kept serving it).
     dirs: Mutex<DirCache>,
@@ -143,6 +148,7 @@ impl BrickState {
             profile: Profile::default(),
             next_session: AtomicU64::new(1),
             locks: Mutex::new(LockTable::new(config.locks_per_client_max)),
+            name_turns: NameTurns::new(),
             dirs: Mutex::new(DirCache::new(config.dirfd_cache_entries)),
             leases: Leases::new(config.leases),
             removals: Mutex::new(HashMap::new()),
@@ -364,6 +370,7 @@ impl<E: Exec> Fops<E> {
             _ => true,
         };
         if register && let Some(_unchecked) = leases.enter(&self.lease_slot) {
+            let _turn = self.shared.name_turns.take(&fop).await;
             return run(fop).await;
         }
         // Removals look their object up only when the check asks for it (`Refused::Unresolved`).
@@ -377,7 +384,9 @@ impl<E: Exec> Fops<E> {
                 Err(Refused::Unresolved) => objects = true,
             }
         };
+        let turn = self.shared.name_turns.take(&fop).await;
         let result = run(fop).await;
+        drop(turn);
         admitted.finish(result.is_ok());
         result
     }
