@@ -7,7 +7,7 @@ use std::collections::BTreeSet;
 
 use bytes::Bytes;
 use common::*;
-use kiln_dataplane::EngineKind;
+use kiln_dataplane::{EngineKind, FopsConfig};
 use kiln_wire::*;
 
 per_engine!(
@@ -18,6 +18,7 @@ per_engine!(
     creates_of_one_name_from_two_sessions_make_one_object,
     creates_inside_a_directory_being_renamed_succeed,
     namespace_fops_racing_on_one_name_leave_the_brick_clean,
+    directories_being_renamed_stay_reachable_by_their_gfids,
 );
 
 const SESSIONS: usize = 32;
@@ -499,5 +500,52 @@ fn namespace_fops_racing_on_one_name_leave_the_brick_clean(kind: EngineKind) {
         let _ = h.rmdir(Gfid::ROOT, &u);
     }
     assert!(h.list(Gfid::ROOT).expect("list").is_empty());
+    h.assert_consistent();
+}
+
+/// Directories renamed back and forth while another session stats them by GFID, with a
+/// held-directory cache too small to keep them (so each stat may find its directory through
+/// the handle a rename is replacing): every stat finds its directory.
+fn directories_being_renamed_stay_reachable_by_their_gfids(kind: EngineKind) {
+    const DIRS: usize = 64;
+    const ROUNDS: usize = 20;
+    let small_cache = FopsConfig {
+        dirfd_cache_entries: std::num::NonZeroUsize::new(16).expect("not zero"),
+        ..FopsConfig::default()
+    };
+    let h = Harness::with(kind, small_cache);
+    let dirs: Vec<Gfid> = (0..DIRS)
+        .map(|k| h.mkdir(Gfid::ROOT, &format!("a{k}")).expect("mkdir"))
+        .collect();
+    let (renamer, stater) = (h.engine.session(), h.engine.session());
+    for round in 0..ROUNDS {
+        let (from, to) = match round % 2 {
+            0 => ("a", "b"),
+            _ => ("b", "a"),
+        };
+        let renames = async {
+            for k in 0..DIRS {
+                let rename = Rename {
+                    old_parent: Gfid::ROOT,
+                    old_name: name(&format!("{from}{k}")),
+                    new_parent: Gfid::ROOT,
+                    new_name: name(&format!("{to}{k}")),
+                    mode: RenameMode::Replace,
+                };
+                renamer.call(root(), rename.into()).await.expect("rename");
+            }
+        };
+        let stats = async {
+            let mut failed = Vec::new();
+            for &gfid in dirs.iter().chain(&dirs) {
+                if let Err(e) = stater.call(root(), Stat { gfid }.into()).await {
+                    failed.push(e);
+                }
+            }
+            failed
+        };
+        let ((), failed) = h.rt.block_on(async { tokio::join!(renames, stats) });
+        assert!(failed.is_empty(), "round {round}: {failed:?}");
+    }
     h.assert_consistent();
 }

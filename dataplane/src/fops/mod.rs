@@ -14,6 +14,7 @@ mod chain;
 mod dirs;
 mod files;
 mod lease;
+mod moving_dirs;
 mod name_turns;
 mod namespace;
 mod resolve;
@@ -29,6 +30,7 @@ use rustix::io::Errno;
 
 use self::chain::{Chain, FromDone, Results};
 use self::lease::Removed;
+use self::moving_dirs::MovingDirs;
 use self::name_turns::NameTurns;
 pub(crate) use self::namespace::spawn_dir_record_sweeper;
 use self::resolve::Named;
@@ -46,7 +48,7 @@ use crate::profile::{self, Profile};
 pub struct FopsConfig {
     /// inode → GFID entries (`network.inode-lru-limit`), per worker.
     pub gfid_cache_entries: NonZeroUsize,
-    /// Directory fds held open (`storage.dirfd-cache-entries`), per worker.
+    /// Directory fds held open (`storage.dirfd-cache-entries`), for the whole brick.
     pub dirfd_cache_entries: NonZeroUsize,
     pub open_files_per_client_max: usize,
     /// POSIX lock ranges one session may hold; ENOLCK past it.
@@ -125,6 +127,8 @@ pub struct BrickState {
     locks: Mutex<LockTable>,
     /// The turns namespace fops take on the names they change.
     name_turns: NameTurns,
+    /// Directories a RENAME is moving (their handles being replaced).
+    moving_dirs: MovingDirs,
     /// Held directory fds by GFID, one cache for every worker: a directory removed through
     /// one worker is gone from all (a worker's own cache kept serving it).
     dirs: Mutex<DirCache>,
@@ -149,6 +153,7 @@ impl BrickState {
             next_session: AtomicU64::new(1),
             locks: Mutex::new(LockTable::new(config.locks_per_client_max)),
             name_turns: NameTurns::new(),
+            moving_dirs: MovingDirs::default(),
             dirs: Mutex::new(DirCache::new(config.dirfd_cache_entries)),
             leases: Leases::new(config.leases),
             removals: Mutex::new(HashMap::new()),

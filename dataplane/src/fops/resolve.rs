@@ -68,12 +68,23 @@ impl<E: Exec> Fops<E> {
         if let Some(dir) = lock(&self.shared.dirs).get(gfid) {
             return Ok(dir);
         }
-        let brick = self.brick.clone();
-        let g = *gfid;
-        let dir = self
-            .exec
-            .blocking(move || open_dir_by_gfid(&brick, &g, 0))
-            .await?;
+        // A RENAME replacing its handle meanwhile: looked up again once the move ended.
+        const MOVES_WAITED_MAX: usize = 4;
+        let mut moves = 0;
+        let dir = loop {
+            let since = self.shared.moving_dirs.ended();
+            let (brick, g) = (self.brick.clone(), *gfid);
+            let opened = self.exec.blocking(move || open_dir_by_gfid(&brick, &g, 0));
+            match opened.await {
+                Err(Errno::STALE)
+                    if moves < MOVES_WAITED_MAX
+                        && self.shared.moving_dirs.look_again(gfid, since).await =>
+                {
+                    moves += 1;
+                }
+                opened => break opened?,
+            }
+        };
         lock(&self.shared.dirs).insert(*gfid, dir.clone());
         Ok(dir)
     }

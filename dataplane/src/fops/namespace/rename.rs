@@ -85,7 +85,10 @@ impl<E: Exec> Fops<E> {
             None => None,
         };
         let (chain, steps) = self.rename_chain(creds, &r, &ends, &plan);
+        let moving = (plan.moved.iter().map(|m| m.gfid)).collect();
+        let moving = self.shared.moving_dirs.mark(moving);
         let mut results = self.run_namespace(FopCode::Rename, chain).await?;
+        drop(moving);
         let victim = plan
             .victim
             .filter(|_| steps.victim.is_some_and(|at| results.ok(at)));
