@@ -503,9 +503,10 @@ fn namespace_fops_racing_on_one_name_leave_the_brick_clean(kind: EngineKind) {
     h.assert_consistent();
 }
 
-/// Directories renamed back and forth while another session stats them by GFID, with a
-/// held-directory cache too small to keep them (so each stat may find its directory through
-/// the handle a rename is replacing): every stat finds its directory.
+/// Directories renamed back and forth while another session stats them, and a directory
+/// inside each, by GFID, with a held-directory cache too small to keep them (so each stat may
+/// find its directory through the handle a rename is replacing, its own or its parent's):
+/// every stat finds its directory.
 fn directories_being_renamed_stay_reachable_by_their_gfids(kind: EngineKind) {
     const DIRS: usize = 64;
     const ROUNDS: usize = 20;
@@ -514,9 +515,14 @@ fn directories_being_renamed_stay_reachable_by_their_gfids(kind: EngineKind) {
         ..FopsConfig::default()
     };
     let h = Harness::with(kind, small_cache);
-    let dirs: Vec<Gfid> = (0..DIRS)
+    let moved: Vec<Gfid> = (0..DIRS)
         .map(|k| h.mkdir(Gfid::ROOT, &format!("a{k}")).expect("mkdir"))
         .collect();
+    // And a directory inside each, found through its parent's handle.
+    let inner: Vec<Gfid> = (moved.iter())
+        .map(|&parent| h.mkdir(parent, "inner").expect("mkdir"))
+        .collect();
+    let dirs: Vec<Gfid> = moved.iter().chain(&inner).copied().collect();
     let (renamer, stater) = (h.engine.session(), h.engine.session());
     for round in 0..ROUNDS {
         let (from, to) = match round % 2 {

@@ -1,9 +1,9 @@
 //! Directories a RENAME is moving. A directory's handle is a symlink to its parent's handle
 //! and its name, so between a rename's commit and the new handle's install the old one points
-//! at nothing: a lookup of the directory by its GFID then fails though the directory is
-//! there. The rename marks each directory it moves for its whole chain; a lookup by GFID that
-//! fails waits for a move of that directory to end (or notices one ended since it began) and
-//! looks again.
+//! at nothing: a lookup of the directory by its GFID — or of any directory below it, whose
+//! handle resolves through it — then fails though the directory is there. The rename marks
+//! the directories it moves for its whole chain; a lookup by GFID that fails while moves are
+//! under way waits for them to end (or notices one ended since it began) and looks again.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -44,20 +44,28 @@ impl MovingDirs {
         self.ended.load(Ordering::Acquire)
     }
 
-    /// After a lookup of `gfid` begun when [`MovingDirs::ended`] was `since` failed: whether
-    /// to look again — once a move of `gfid` under way has ended, or at once when a move
-    /// ended meanwhile (it may have been this directory's).
-    pub(crate) async fn look_again(&self, gfid: &Gfid, since: u64) -> bool {
-        let notify = lock(&self.moving).get(gfid).cloned();
-        let Some(notify) = notify else {
-            return self.ended() != since;
+    /// After a lookup by GFID begun when [`MovingDirs::ended`] was `since` failed: whether
+    /// to look again — at once when a move ended meanwhile (it may have been the directory's
+    /// own, or an ancestor's, whose handle its handle resolves through), else once every move
+    /// under way now has ended; no, when none is.
+    pub(crate) async fn look_again(&self, since: u64) -> bool {
+        let under_way: Vec<Arc<Notify>>;
+        // Registered under the lock a move's end takes to count itself and wake them.
+        let (ends, ended_since) = {
+            let moving = lock(&self.moving);
+            under_way = moving.values().cloned().collect();
+            let ends: Vec<_> = under_way.iter().map(|n| n.notified()).collect();
+            (ends, self.ended() != since)
         };
-        let ended = notify.notified();
-        // Ended between the lookup above and the registration of `ended`?
-        if !lock(&self.moving).contains_key(gfid) {
+        if ended_since {
             return true;
         }
-        ended.await;
+        if ends.is_empty() {
+            return false;
+        }
+        for end in ends {
+            end.await;
+        }
         true
     }
 }
@@ -65,12 +73,12 @@ impl MovingDirs {
 impl Drop for Moving<'_> {
     fn drop(&mut self) {
         let mut moving = lock(&self.dirs.moving);
+        self.dirs.ended.fetch_add(1, Ordering::Release);
         for gfid in &self.gfids {
             if let Some(notify) = moving.remove(gfid) {
                 notify.notify_waiters();
             }
         }
-        self.dirs.ended.fetch_add(1, Ordering::Release);
     }
 }
 
@@ -85,21 +93,24 @@ mod tests {
     }
 
     #[tokio::test(flavor = "current_thread")]
-    async fn a_failed_lookup_waits_for_the_move_of_its_directory_and_only_for_that() {
+    async fn a_failed_lookup_looks_again_once_the_moves_under_way_ended() {
         let dirs = MovingDirs::default();
         let since = dirs.ended();
-        assert!(!dirs.look_again(&gfid(1), since).await, "nothing moved");
-        let moved = gfid(1);
-        let moving = dirs.mark(vec![moved]);
-        let waiting = dirs.look_again(&moved, since);
+        assert!(
+            !dirs.look_again(since).await,
+            "nothing moved: the failure stands"
+        );
+        let moving = dirs.mark(vec![gfid(1)]);
+        let waiting = dirs.look_again(since);
         tokio::pin!(waiting);
         let early = tokio::time::timeout(Duration::from_millis(20), &mut waiting).await;
-        assert!(early.is_err(), "looked again while the move was under way");
-        // Another directory's lookup does not wait, and looks again only once a move ended.
-        assert!(!dirs.look_again(&gfid(2), since).await);
+        assert!(early.is_err(), "looked again while a move was under way");
         drop(moving);
         assert!(waiting.await);
-        assert!(dirs.look_again(&gfid(2), since).await, "a move ended since");
-        assert!(!dirs.look_again(&gfid(2), dirs.ended()).await);
+        assert!(
+            dirs.look_again(since).await,
+            "a move ended since the lookup began"
+        );
+        assert!(!dirs.look_again(dirs.ended()).await);
     }
 }

@@ -78,7 +78,7 @@ impl<E: Exec> Fops<E> {
             match opened.await {
                 Err(Errno::STALE)
                     if moves < MOVES_WAITED_MAX
-                        && self.shared.moving_dirs.look_again(gfid, since).await =>
+                        && self.shared.moving_dirs.look_again(since).await =>
                 {
                     moves += 1;
                 }
