@@ -170,6 +170,32 @@ fn links_racing_unlinks_of_the_last_name_keep_the_file_whole(kind: EngineKind) {
     h.assert_consistent();
 }
 
+/// The `round`th create of `n` in the root with identity `gfid`: a MKDIR, a PUT or a CREATE
+/// (`EXCL`), in turn.
+fn create_in_root(round: usize, n: &str, gfid: Gfid) -> FopRequest {
+    match round % 3 {
+        0 => Mkdir {
+            parent: Gfid::ROOT,
+            name: name(n),
+            gfid,
+            mode: mode(0o755),
+            umask: mode(0),
+        }
+        .into(),
+        1 => small_put(Gfid::ROOT, n, gfid, b"x").into(),
+        _ => Create {
+            parent: Gfid::ROOT,
+            name: name(n),
+            gfid,
+            access: AccessMode::WriteOnly,
+            flags: OpenFlags::EXCL,
+            mode: mode(0o644),
+            umask: mode(0),
+        }
+        .into(),
+    }
+}
+
 /// Creates (MKDIR, PUT, CREATE) racing with LOOKUPs of their names from another session: a
 /// lookup between a new name and its handle finds the handle missing and makes it, and the
 /// create must still succeed — its object reachable by its GFID, and the brick clean. (It
@@ -181,27 +207,7 @@ fn creates_racing_lookups_of_their_names_succeed(kind: EngineKind) {
     let mut seen_before_the_reply = 0;
     for i in 0..ROUNDS {
         let (n, gfid) = (format!("n{i}"), h.gfid());
-        let make: FopRequest = match i % 3 {
-            0 => Mkdir {
-                parent: Gfid::ROOT,
-                name: name(&n),
-                gfid,
-                mode: mode(0o755),
-                umask: mode(0),
-            }
-            .into(),
-            1 => small_put(Gfid::ROOT, &n, gfid, b"x").into(),
-            _ => Create {
-                parent: Gfid::ROOT,
-                name: name(&n),
-                gfid,
-                access: AccessMode::WriteOnly,
-                flags: OpenFlags::empty(),
-                mode: mode(0o644),
-                umask: mode(0),
-            }
-            .into(),
-        };
+        let make = create_in_root(i, &n, gfid);
         let lookup = Lookup {
             parent: Gfid::ROOT,
             name: name(&n),
@@ -320,29 +326,7 @@ fn creates_of_one_name_from_two_sessions_make_one_object(kind: EngineKind) {
     for i in 0..ROUNDS {
         let n = format!("n{i}");
         let gfids = [h.gfid(), h.gfid()];
-        let make = |gfid: Gfid| -> FopRequest {
-            match i % 3 {
-                0 => Mkdir {
-                    parent: Gfid::ROOT,
-                    name: name(&n),
-                    gfid,
-                    mode: mode(0o755),
-                    umask: mode(0),
-                }
-                .into(),
-                1 => small_put(Gfid::ROOT, &n, gfid, b"x").into(),
-                _ => Create {
-                    parent: Gfid::ROOT,
-                    name: name(&n),
-                    gfid,
-                    access: AccessMode::WriteOnly,
-                    flags: OpenFlags::EXCL,
-                    mode: mode(0o644),
-                    umask: mode(0),
-                }
-                .into(),
-            }
-        };
+        let make = |gfid| create_in_root(i, &n, gfid);
         let results = h.rt.block_on(async {
             let [a, b] = &sessions;
             let (ra, rb) = tokio::join!(
