@@ -170,9 +170,10 @@ impl<E: Exec> Fops<E> {
         );
         match self.run1(Step::brick(link)).await {
             Ok(_) => Relinked::Linked,
-            // The handle never went (its unlink failed), or a lookup healed it.
+            // The handle never went (its unlink failed), or a lookup of a name of the file
+            // (one whose worker had not cached its GFID) healed it.
             Err(Errno::EXIST) => Relinked::WasThere,
-            // Healed by a lookup of a name of the file once its GFID is no longer cached.
+            // Left for the next lookup of a name of the file to heal.
             Err(e) => {
                 tracing::warn!(%gfid, error = %e, "a handle could not be relinked");
                 Relinked::Failed
