@@ -783,6 +783,14 @@ mod needs_root {
             .expect("untar fops");
         assert!(num(untar, "fops_per_file") >= 1.0, "{untar}");
         assert!(untar["fops"]["PUT"].as_u64().unwrap_or(0) <= 200, "{untar}");
+        // Counted as git ends: the unmeasured count of the checkout after it lists every
+        // directory git made; git itself lists hardly any.
+        let clone = fops
+            .iter()
+            .find(|n| n["phase"] == "git_clone")
+            .expect("git_clone fops");
+        let count = |code: &str| clone["fops"][code].as_u64().unwrap_or(0);
+        assert!(count("OPENDIR_LIST") < count("MKDIR"), "{clone}");
         let goals = lines
             .iter()
             .filter(|l| l.get("mount_goal").is_some())

@@ -52,7 +52,8 @@
 //! each at least 5× faster than GlusterFS when it ran).
 //!
 //! Round trips: the Kiln target's brick keeps its fop profile (`--count-fop-hits
-//! --latency-measurement`), read on its control socket just before and after every phase;
+//! --latency-measurement`), read on its control socket just before every phase and as its
+//! timed command ends (before the unmeasured checks of what it did);
 //! a `mount_fops` note per phase gives the fops by code, their total, and per file the
 //! bounds of the round trips (see [`fops`]: the profile counts the fops inside a BATCH, not
 //! the BATCH requests), and the brick's busy time.
@@ -356,13 +357,13 @@ pub fn run(
             check_stop()?;
             caches.drop_before(&[&root, &place.base], out);
             let before = place.control().map(FopCounts::read);
-            let measured = run_phase(phase, &work, &place.base, target, cloned)?;
+            let mut measured = run_phase(phase, &work, &place, target, cloned)?;
             if phase == Phase::GitClone {
                 cloned = measured.cloned;
             }
             results.seconds.insert((phase, target), measured.seconds);
-            if let (Some(before), Some(socket)) = (before, place.control()) {
-                let note = fops_note(phase, &measured, before, socket, &mut results);
+            if let (Some(before), Some(after)) = (before, measured.fops_after.take()) {
+                let note = fops_note(phase, &measured, before, after, &mut results);
                 out.note("mount_fops", &note);
             }
             for r in phase_records(phase, target, &measured, &results.seconds) {
@@ -381,16 +382,16 @@ pub fn run(
     Ok(records)
 }
 
-/// The `mount_fops` note of a Kiln phase: the brick's fops since `before`. A profile that
-/// cannot be read is reported in the note, not a reason to stop the run.
+/// The `mount_fops` note of a Kiln phase: the brick's fops between `before` and `after`. A
+/// profile that cannot be read is reported in the note, not a reason to stop the run.
 fn fops_note(
     phase: Phase,
     measured: &Measured,
     before: anyhow::Result<FopCounts>,
-    socket: &Path,
+    after: anyhow::Result<FopCounts>,
     results: &mut Results,
 ) -> serde_json::Value {
-    let counts = before.and_then(|b| Ok((b, FopCounts::read(socket)?)));
+    let counts = before.and_then(|b| Ok((b, after?)));
     let mut note = match counts {
         Ok((before, after)) => after.since(&before, measured.files, measured.seconds),
         Err(e) => json!({ "error": format!("{e:#}") }),
@@ -495,17 +496,21 @@ struct Measured {
     stream_bytes: Option<u64>,
     /// What the clone put in DIR (git_clone only; rm removes it too).
     cloned: Entries,
+    /// The brick's fop counts when the timed command ended (a Kiln target's), before the
+    /// phase's unmeasured checks (git_clone's `git fsck` and file count) add their own.
+    fops_after: Option<anyhow::Result<FopCounts>>,
 }
 
-/// Runs `phase` on `base/t`, checks what it did, and returns its time. `cloned`: what the
-/// git_clone phase left in DIR.
+/// Runs `phase` on `place`'s `base/t`, checks what it did, and returns its time. `cloned`:
+/// what the git_clone phase left in DIR.
 fn run_phase(
     phase: Phase,
     work: &Work,
-    base: &Path,
+    place: &Place,
     target: Target,
     cloned: Entries,
 ) -> anyhow::Result<Measured> {
+    let base = &place.base;
     let dir = base.join(WORK_DIR);
     let what = || format!("{} on {}", phase.workload(), target.name());
     let (mut cmd, sink) = command(phase, work, base)?;
@@ -522,6 +527,7 @@ fn run_phase(
         dirs: tree.dirs,
         stream_bytes: None,
         cloned: Entries::default(),
+        fops_after: place.control().map(FopCounts::read),
     };
     match phase {
         Phase::Untar => measured.stream_bytes = Some(tree.tar_bytes),
