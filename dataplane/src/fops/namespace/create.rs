@@ -423,9 +423,8 @@ impl<E: Exec> Fops<E> {
     }
 
     /// A create whose name is taken: a retry of one that already happened carries the same
-    /// GFID and gets its reply; anything else is EEXIST — also when the name's object is
-    /// still being made by another create (its lookup says ENOENT until it has its GFID) or
-    /// was removed since.
+    /// GFID and gets its reply; anything else is EEXIST. (Another create of the name is never
+    /// half-made here: creates take turns on their names, `fops/name_turns.rs`.)
     async fn retried(
         &self,
         creds: &Creds,
@@ -434,10 +433,7 @@ impl<E: Exec> Fops<E> {
         gfid: Gfid,
         kind: &NewKind,
     ) -> R<(EntryReply, Option<FileRef>)> {
-        let same = match self.same_entry(creds, parent, name, gfid, kind).await {
-            Err(Errno::NOENT) => None,
-            same => same?,
-        };
+        let same = self.same_entry(creds, parent, name, gfid, kind).await?;
         same.map(|reply| (reply, None)).ok_or(Errno::EXIST)
     }
 

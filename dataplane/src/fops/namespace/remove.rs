@@ -148,7 +148,7 @@ impl<E: Exec> Fops<E> {
             }
         };
         if self.fstat_dir(held).await.is_ok_and(|st| st.nlink >= 1)
-            && self.relink_handle(gfid, held).await == Relinked::WasThere
+            && self.relink_handle(gfid, held).await
         {
             // The unlink failed, or a lookup of the name between the two unlinks found the
             // handle missing and made it: then the handle is all that is left of the file.
@@ -160,8 +160,9 @@ impl<E: Exec> Fops<E> {
         named.parent_iatts(&mut results, pre, post)
     }
 
-    /// Links the handle of `gfid` to the open file `held` again (it is still named).
-    async fn relink_handle(&self, gfid: &Gfid, held: &DirFd) -> Relinked {
+    /// Links the handle of `gfid` to the open file `held` again (it is still named); whether
+    /// a handle was there already.
+    async fn relink_handle(&self, gfid: &Gfid, held: &DirFd) -> bool {
         let link = op::LinkFile::of(
             held,
             self.brick.handle_dir(gfid).clone(),
@@ -169,14 +170,14 @@ impl<E: Exec> Fops<E> {
             self.brick.link_by_fd,
         );
         match self.run1(Step::brick(link)).await {
-            Ok(_) => Relinked::Linked,
+            Ok(_) => false,
             // The handle never went (its unlink failed), or a lookup of a name of the file
             // (one whose worker had not cached its GFID) healed it.
-            Err(Errno::EXIST) => Relinked::WasThere,
+            Err(Errno::EXIST) => true,
             // Left for the next lookup of a name of the file to heal.
             Err(e) => {
                 tracing::warn!(%gfid, error = %e, "a handle could not be relinked");
-                Relinked::Failed
+                false
             }
         }
     }
@@ -261,14 +262,6 @@ impl<E: Exec> Fops<E> {
             self.unlink_quietly(&dir, &handle, false).await;
         }
     }
-}
-
-/// What [`Fops::relink_handle`] found.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Relinked {
-    Linked,
-    WasThere,
-    Failed,
 }
 
 /// The name a removal takes away, and what it names.
