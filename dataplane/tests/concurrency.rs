@@ -19,6 +19,8 @@ per_engine!(
     creates_inside_a_directory_being_renamed_succeed,
     namespace_fops_racing_on_one_name_leave_the_brick_clean,
     directories_being_renamed_stay_reachable_by_their_gfids,
+    directories_renamed_into_each_other_never_make_a_loop,
+    fops_into_a_directory_racing_its_rmdir_leave_nothing_behind,
 );
 
 const SESSIONS: usize = 32;
@@ -538,4 +540,135 @@ fn directories_being_renamed_stay_reachable_by_their_gfids(kind: EngineKind) {
         assert!(failed.is_empty(), "round {round}: {failed:?}");
     }
     h.assert_consistent();
+}
+
+/// Two directories each renamed into the other at once, from two sessions: one rename wins,
+/// the other is refused (a directory cannot move below itself), both stay reachable from the
+/// root by name and by GFID, and the brick checks clean.
+fn directories_renamed_into_each_other_never_make_a_loop(kind: EngineKind) {
+    const ROUNDS: usize = 100;
+    let h = Harness::new(kind);
+    let (a, b) = (h.engine.session(), h.engine.session());
+    let (da, db) = (
+        h.mkdir(Gfid::ROOT, "a").expect("mkdir"),
+        h.mkdir(Gfid::ROOT, "b").expect("mkdir"),
+    );
+    let into = |dir: &str, parent: Gfid| -> FopRequest {
+        Rename {
+            old_parent: Gfid::ROOT,
+            old_name: name(dir),
+            new_parent: parent,
+            new_name: name(dir),
+            mode: RenameMode::Replace,
+        }
+        .into()
+    };
+    for i in 0..ROUNDS {
+        let (x, y) = h.rt.block_on(async {
+            tokio::join!(a.call(root(), into("a", db)), b.call(root(), into("b", da)))
+        });
+        assert!(x.is_ok() != y.is_ok(), "round {i}: {x:?} {y:?}");
+        let (moved, (outer, outer_gfid), (inner, inner_gfid)) = match x.is_ok() {
+            true => ("a", ("b", db), ("a", da)),
+            false => ("b", ("a", da), ("b", db)),
+        };
+        let refused = if x.is_ok() { y } else { x };
+        assert_eq!(refused, Err(ErrorCode::Inval), "round {i}: moving {moved}");
+        assert_eq!(h.lookup(Gfid::ROOT, outer).expect("outer").gfid, outer_gfid);
+        assert_eq!(h.lookup(outer_gfid, inner).expect("inner").gfid, inner_gfid);
+        for gfid in [da, db] {
+            assert_eq!(h.stat(gfid).expect("reachable").gfid, gfid, "round {i}");
+        }
+        h.rename(outer_gfid, inner, Gfid::ROOT, inner, RenameMode::Replace)
+            .unwrap_or_else(|e| panic!("round {i}: moving {inner} back: {e}"));
+    }
+    h.assert_consistent();
+}
+
+/// Fops that make or move something into a directory racing with its RMDIR, from two
+/// sessions: either the fop wins and the RMDIR finds the directory not empty, or the RMDIR
+/// wins and the fop fails — never both, so nothing is left inside a removed directory — and
+/// the brick checks clean.
+fn fops_into_a_directory_racing_its_rmdir_leave_nothing_behind(kind: EngineKind) {
+    const ROUNDS: usize = 150;
+    let h = Harness::new(kind);
+    let (a, b) = (h.engine.session(), h.engine.session());
+    let mut fop_won = 0;
+    for i in 0..ROUNDS {
+        let dir = h.mkdir(Gfid::ROOT, "p").expect("mkdir");
+        let (made, gfid) = (format!("x{i}"), h.gfid());
+        let fop: FopRequest = match i % 4 {
+            0 => create_in_dir(dir, &made, gfid, 0),
+            1 => create_in_dir(dir, &made, gfid, 1),
+            2 => {
+                h.put(Gfid::ROOT, &made, b"x").expect("put");
+                rename_into(dir, &made)
+            }
+            _ => {
+                h.mkdir(Gfid::ROOT, &made).expect("mkdir");
+                rename_into(dir, &made)
+            }
+        };
+        let rmdir = Rmdir {
+            parent: Gfid::ROOT,
+            name: name("p"),
+        };
+        let (x, y) = h
+            .rt
+            .block_on(async { tokio::join!(a.call(root(), fop), b.call(root(), rmdir.into())) });
+        assert!(x.is_ok() != y.is_ok(), "round {i}: {x:?} {y:?}");
+        match y {
+            Ok(_) => assert!(h.stat(dir).is_err(), "round {i}: removed, yet reachable"),
+            Err(e) => {
+                assert_eq!(e, ErrorCode::NotEmpty, "round {i}");
+                fop_won += 1;
+                let inside = h.lookup(dir, &made).expect("made inside");
+                match inside.file_type {
+                    FileType::Directory => h.rmdir(dir, &made),
+                    _ => h.unlink(dir, &made),
+                }
+                .unwrap_or_else(|e| panic!("round {i}: clearing: {e}"));
+                h.rmdir(Gfid::ROOT, "p").expect("rmdir");
+            }
+        }
+        // What a refused rename was to move is still where it was.
+        if i % 4 >= 2 && y.is_ok() {
+            let left = h.lookup(Gfid::ROOT, &made).expect("still in the root");
+            match left.file_type {
+                FileType::Directory => h.rmdir(Gfid::ROOT, &made),
+                _ => h.unlink(Gfid::ROOT, &made),
+            }
+            .expect("clearing");
+        }
+    }
+    assert!(fop_won > 0, "no fop ever won the race");
+    assert!(h.list(Gfid::ROOT).expect("list").is_empty());
+    h.assert_consistent();
+}
+
+/// A MKDIR (`kind` 0) or a PUT (else) of `n` in `parent`.
+fn create_in_dir(parent: Gfid, n: &str, gfid: Gfid, kind: usize) -> FopRequest {
+    match kind {
+        0 => Mkdir {
+            parent,
+            name: name(n),
+            gfid,
+            mode: mode(0o755),
+            umask: mode(0),
+        }
+        .into(),
+        _ => small_put(parent, n, gfid, b"x").into(),
+    }
+}
+
+/// A RENAME of the root's `n` into `parent` under the same name.
+fn rename_into(parent: Gfid, n: &str) -> FopRequest {
+    Rename {
+        old_parent: Gfid::ROOT,
+        old_name: name(n),
+        new_parent: parent,
+        new_name: name(n),
+        mode: RenameMode::Replace,
+    }
+    .into()
 }
