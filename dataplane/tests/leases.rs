@@ -567,7 +567,7 @@ fn a_change_to_a_listed_object_recalls_the_lease_it_was_listed_under(kind: Engin
         };
         Setattr { gfid, attr }.into()
     };
-    let changes: [(&str, FopRequest); 5] = [
+    let changes: [(&str, FopRequest); 6] = [
         ("a SETATTR of a listed file", chmod(f)),
         (
             "a LINK to a listed file",
@@ -589,10 +589,21 @@ fn a_change_to_a_listed_object_recalls_the_lease_it_was_listed_under(kind: Engin
         ),
         ("a PUT in a listed subdirectory", put(&h, sub, "g")),
         (
+            "a RENAME of another name of a listed file",
+            Rename {
+                old_parent: Gfid::ROOT,
+                old_name: name("f2"),
+                new_parent: Gfid::ROOT,
+                new_name: name("f3"),
+                mode: RenameMode::NoReplace,
+            }
+            .into(),
+        ),
+        (
             "an UNLINK of another name of a listed file",
             Unlink {
                 parent: Gfid::ROOT,
-                name: name("f2"),
+                name: name("f3"),
             }
             .into(),
         ),
@@ -618,7 +629,7 @@ fn a_change_to_a_listed_object_recalls_the_lease_it_was_listed_under(kind: Engin
 
 /// A read lease on a file (capability `FILE_LEASES`) shares reads, and is recalled before
 /// another session changes the file: by its GFID (SETATTR), through an fd (WRITE), or by
-/// removing another of its names (UNLINK).
+/// renaming (RENAME) or removing (UNLINK) another of its names.
 fn a_file_s_read_lease_is_recalled_before_another_session_changes_the_file(kind: EngineKind) {
     let h = harness(kind, BOUND);
     let f = h.put(Gfid::ROOT, "f", b"first").expect("put");
@@ -690,9 +701,26 @@ fn a_file_s_read_lease_is_recalled_before_another_session_changes_the_file(kind:
         };
         b.call(root(), link.into()).await.expect("link");
         assert_eq!(lease(&a, f, LeaseKind::Read).await, Ok(LeaseKind::Read));
+        let rename = Rename {
+            old_parent: Gfid::ROOT,
+            old_name: name("f2"),
+            new_parent: Gfid::ROOT,
+            new_name: name("f3"),
+            mode: RenameMode::Replace,
+        };
+        let mut change = Box::pin(b.call(root(), rename.into()));
+        still_held(
+            "a RENAME of another name of a file under another session's read lease",
+            &mut change,
+        )
+        .await;
+        assert_eq!(recall(&mut events).await.gfid, f);
+        assert_eq!(lease(&a, f, LeaseKind::None).await, Ok(LeaseKind::None));
+        bounded("the held RENAME", change).await.expect("rename");
+        assert_eq!(lease(&a, f, LeaseKind::Read).await, Ok(LeaseKind::Read));
         let unlink = Unlink {
             parent: Gfid::ROOT,
-            name: name("f2"),
+            name: name("f3"),
         };
         let mut change = Box::pin(b.call(root(), unlink.into()));
         still_held(

@@ -49,8 +49,8 @@ impl<E: Exec> Fops<E> {
         took.await.unwrap_or(LeaseKind::None)
     }
 
-    /// What `parent/name`, which a fop would remove, is for the lease check, looked up as the
-    /// brick: a directory always, another object only when `objects`.
+    /// What `parent/name`, which a fop would remove (or move), is for the lease check, looked
+    /// up as the brick: a directory always, another object only when `objects`.
     pub(super) async fn removed_at(&self, parent: &Gfid, name: &Name, objects: bool) -> Removed {
         let looked: R<Removed> = async {
             Self::check_entry(parent, name)?;

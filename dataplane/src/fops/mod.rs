@@ -398,8 +398,9 @@ impl<E: Exec> Fops<E> {
 
     /// The directories `fop` touches: its fd's object, and what it would remove (looked up
     /// as the brick): a directory, or — when `objects` — another object, whose link count
-    /// it changes. Without `objects` an UNLINK looks nothing up and a replacing RENAME only
-    /// whether its target is a directory: the targets are then unresolved.
+    /// it changes; and, when `objects`, the files a RENAME moves. Without `objects` an UNLINK
+    /// looks nothing up and a replacing RENAME only whether its target is a directory: the
+    /// targets are then unresolved.
     async fn lease_targets(&self, session: SessionId, fop: &FopRequest, objects: bool) -> Targets {
         let touches = leases::touches(fop);
         let mut dirs = touches.dirs;
@@ -408,7 +409,29 @@ impl<E: Exec> Fops<E> {
         {
             dirs.push((file.gfid, access));
         }
-        let Some((parent, name)) = &touches.removes else {
+        // A moved directory's one name is in a parent the fop changes already.
+        for (parent, name) in touches.moves.iter().filter(|_| objects) {
+            if let Removed::Object(gfid) = self.removed_at(parent, name, true).await {
+                dirs.push((gfid, Access::Change));
+            }
+        }
+        let removes = touches.removes.as_ref();
+        let targets = self.removal_targets(fop, dirs, removes, objects).await;
+        match touches.moves.is_empty() || objects {
+            true => targets,
+            false => targets.unresolved(),
+        }
+    }
+
+    /// `dirs`, and what the fop would remove at `removes`, as [`Fops::lease_targets`] says.
+    async fn removal_targets(
+        &self,
+        fop: &FopRequest,
+        mut dirs: Vec<(Gfid, Access)>,
+        removes: Option<&(Gfid, Name)>,
+        objects: bool,
+    ) -> Targets {
+        let Some((parent, name)) = removes else {
             return Targets::new(dirs, None);
         };
         let never_a_dir = matches!(fop, FopRequest::Unlink(_) | FopRequest::UnlinkSettled(_));

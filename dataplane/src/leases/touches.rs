@@ -23,6 +23,10 @@ pub struct Touches {
     /// The entry (parent, name) the fop would remove: an RMDIR's, an UNLINK's, a replacing
     /// RENAME's target.
     pub removes: Option<(Gfid, Name)>,
+    /// The entries (parent, name) a RENAME moves — its source, and an exchange's target:
+    /// their objects change (their ctime), which a listing of another of their names, or a
+    /// lease on the object itself, shows.
+    pub moves: Vec<(Gfid, Name)>,
 }
 
 /// What `fop` touches (`docs/wire.md`, "Conflicts"). LEASE touches nothing: it has rules of
@@ -62,6 +66,13 @@ pub fn touches(fop: &FopRequest) -> Touches {
         },
         Q::Rename(r) => Touches {
             removes: (r.mode == RenameMode::Replace).then(|| (r.new_parent, r.new_name.clone())),
+            moves: match r.mode {
+                RenameMode::Exchange => vec![
+                    (r.old_parent, r.old_name.clone()),
+                    (r.new_parent, r.new_name.clone()),
+                ],
+                _ => vec![(r.old_parent, r.old_name.clone())],
+            },
             ..dirs(&[(r.old_parent, Change), (r.new_parent, Change)])
         },
         // A new name changes the object's link count.
@@ -104,8 +115,8 @@ pub struct Targets {
     /// The directories where a listing under a lease returned an object the fop changes
     /// (`listed`): changed too, for the leases there, but never stale for its own session.
     pub(super) listed_in: Vec<Gfid>,
-    /// The fop removes a name whose object (not a directory) was not looked up, as no other
-    /// session held a lease then: checked again under the lock, and a grant to another
+    /// The fop removes or moves a name whose object (not a directory) was not looked up, as
+    /// no other session held a lease then: checked again under the lock, and a grant to another
     /// session waits until it ends.
     pub(super) unresolved: bool,
 }
@@ -123,7 +134,7 @@ impl Targets {
         }
     }
 
-    /// These targets, for a fop that removes a name whose object was not looked up.
+    /// These targets, for a fop that removes or moves a name whose object was not looked up.
     pub fn unresolved(self) -> Targets {
         Targets {
             unresolved: true,
@@ -193,7 +204,10 @@ mod tests {
         let replace = touches(&rename(RenameMode::Replace).into());
         assert_eq!(replace.dirs, [(p, Access::Change), (q, Access::Change)]);
         assert_eq!(replace.removes, Some((q, n.clone())));
-        assert_eq!(touches(&rename(RenameMode::Exchange).into()).removes, None);
+        assert_eq!(replace.moves, [(p, n.clone())]);
+        let exchange = touches(&rename(RenameMode::Exchange).into());
+        assert_eq!(exchange.removes, None);
+        assert_eq!(exchange.moves, [(p, n.clone()), (q, n.clone())]);
         let setattr = Setattr {
             gfid: p,
             attr: Default::default(),
