@@ -23,6 +23,7 @@ per_engine!(
     xattrs,
     setattr_fields,
     hard_links,
+    renames_between_names_of_one_file_change_nothing,
     fallocate_and_seek,
     locks_between_sessions,
     deep_tree_resolves_by_handle,
@@ -1013,6 +1014,42 @@ fn hard_links(kind: EngineKind) {
     };
     assert_eq!(r.data.as_bytes(), b"linked");
     assert_eq!(h.stat(f).err(), Some(ErrorCode::Stale));
+    h.assert_consistent();
+}
+
+/// `rename(2)` between two names of one file (and of a name onto itself) does nothing and
+/// succeeds, in every mode but NOREPLACE: both names stay, and so does the file's handle.
+fn renames_between_names_of_one_file_change_nothing(kind: EngineKind) {
+    let h = Harness::new(kind);
+    let f = h.put(Gfid::ROOT, "f", b"one file").expect("put");
+    let d = h.mkdir(Gfid::ROOT, "d").expect("mkdir");
+    let link = Link {
+        gfid: f,
+        new_parent: d,
+        new_name: name("g"),
+    };
+    h.call(&root(), link).expect("link");
+    for mode in [RenameMode::Replace, RenameMode::Exchange] {
+        h.rename(Gfid::ROOT, "f", d, "g", mode)
+            .unwrap_or_else(|e| panic!("{mode:?} onto another name: {e}"));
+        h.rename(Gfid::ROOT, "f", Gfid::ROOT, "f", mode)
+            .unwrap_or_else(|e| panic!("{mode:?} onto itself: {e}"));
+        for (parent, n) in [(Gfid::ROOT, "f"), (d, "g")] {
+            assert_eq!(h.lookup(parent, n).expect(n).gfid, f, "{mode:?}");
+        }
+        assert_eq!(h.stat(f).expect("by its GFID").nlink, 2, "{mode:?}");
+        h.assert_consistent();
+    }
+    assert_eq!(
+        h.rename(Gfid::ROOT, "f", d, "g", RenameMode::NoReplace)
+            .err(),
+        Some(ErrorCode::Exist)
+    );
+    let sub = h.mkdir(Gfid::ROOT, "sub").expect("mkdir");
+    h.rename(Gfid::ROOT, "sub", Gfid::ROOT, "sub", RenameMode::Replace)
+        .expect("a directory onto itself");
+    assert_eq!(h.stat(sub).expect("by its GFID").gfid, sub);
+    assert_eq!(h.read_all(f).expect("read"), b"one file");
     h.assert_consistent();
 }
 
