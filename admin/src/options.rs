@@ -315,8 +315,9 @@ pub const OPTIONS: &[OptionDef] = &[
         default: "on",
         apply: Apply::Mount,
         brick: BrickFlag::None,
-        help: "a mount sends a small new file as one PUT at its first close (a refused create \
-               then fails the close) instead of a CREATE, WRITEs and SETATTRs",
+        help: "a mount sends a small new file, of a name it knows free under a lease, as one \
+               PUT at its first close (a refused create then fails the close) instead of a \
+               CREATE, WRITEs and SETATTRs",
     },
     OptionDef {
         key: "performance.entry-timeout-ms",

@@ -1483,6 +1483,66 @@ immutable(False)
     );
 }
 
+/// Two mounts create one new name at once, round after round: without `O_EXCL` both opens
+/// succeed on one file (both lines appended are in it, read alike in each mount, nothing
+/// stale); with `O_EXCL` exactly one open succeeds, and the other says EEXIST at once.
+#[test]
+fn creates_of_one_name_race_across_mounts() {
+    const ROUNDS: usize = 20;
+    let a = brick();
+    let b = a.another("b", &[]);
+    fs::create_dir(a.path("d")).expect("mkdir");
+    fsync_dir(&a.path("d")).expect("sent");
+    let both = std::sync::Arc::new(std::sync::Barrier::new(2));
+    let racer = |dir: std::path::PathBuf, tag: &'static str| {
+        let both = both.clone();
+        std::thread::spawn(move || {
+            let mut exclusive_wins = 0;
+            for i in 0..ROUNDS {
+                both.wait();
+                let mut open = fs::OpenOptions::new();
+                let shared = open
+                    .append(true)
+                    .create(true)
+                    .open(dir.join(format!("r{i}")));
+                std::io::Write::write_all(&mut shared.expect("open(O_CREAT)"), tag.as_bytes())
+                    .expect("append");
+                both.wait();
+                let exclusive = fs::OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .open(dir.join(format!("x{i}")));
+                match exclusive {
+                    Ok(mut f) => {
+                        std::io::Write::write_all(&mut f, tag.as_bytes()).expect("write");
+                        exclusive_wins += 1;
+                    }
+                    Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::AlreadyExists),
+                }
+            }
+            exclusive_wins
+        })
+    };
+    let (in_a, in_b) = (racer(a.path("d"), "A\n"), racer(b.path("d"), "B\n"));
+    let wins = in_a.join().expect("a's thread") + in_b.join().expect("b's thread");
+    assert_eq!(wins, ROUNDS, "one O_EXCL create of each name succeeds");
+    for i in 0..ROUNDS {
+        for dir in [a.path("d"), b.path("d")] {
+            let mut lines: Vec<String> = fs::read_to_string(dir.join(format!("r{i}")))
+                .unwrap_or_else(|e| panic!("r{i}: {e}"))
+                .lines()
+                .map(str::to_owned)
+                .collect();
+            lines.sort();
+            assert_eq!(lines, ["A", "B"], "r{i}");
+            let x = fs::read_to_string(dir.join(format!("x{i}")))
+                .unwrap_or_else(|e| panic!("x{i}: {e}"));
+            assert!(x == "A\n" || x == "B\n", "x{i}: {x:?}");
+        }
+    }
+    assert_brick_consistent(&a);
+}
+
 #[test]
 fn renames_and_unlinks_race_across_mounts() {
     let a = brick();

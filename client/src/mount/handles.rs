@@ -751,7 +751,11 @@ impl<L: Layer> Shared<L> {
             umask: Mode::from_st_mode(umask),
         };
         let (parent_gfid, name) = (create.parent, create.name.clone());
-        // In a held directory the mount may know whether the name is taken.
+        // In a held directory the mount may know whether the name is taken. A create is
+        // answered here only of a name known free there: another client's create of it
+        // recalls the lease first, and the recall sends this file to the brick before the
+        // lease goes back, so the brick never refuses the name later (an `O_EXCL` create
+        // that two clients were both told succeeded, or a plain one told EEXIST at close).
         let answer = self.leases.lookup(&parent_gfid, &name);
         let taken = matches!(answer, Answer::Present(_));
         let known_free = answer == Answer::Absent;
@@ -763,13 +767,12 @@ impl<L: Layer> Shared<L> {
         let (iatt, fd) = match parent_attr {
             Some(parent_attr)
                 if self.options.deferred_create
-                    && !taken
+                    && known_free
                     && requested_access(flags) == AccessMode::WriteOnly
                     && flags & libc::O_DIRECT == 0
                     && open_flags.bits() & synchronous == 0 =>
             {
-                let mut pending = Pending::new(create, parent_attr, c.clone());
-                pending.name_free = known_free;
+                let pending = Pending::new(create, parent_attr, c.clone());
                 let iatt = pending.iatt();
                 (iatt, Err(pending))
             }
@@ -779,10 +782,7 @@ impl<L: Layer> Shared<L> {
                 (created.iatt, Ok(fd))
             }
         };
-        // A name the mount did not know free is its entry once the brick has made it.
-        if fd.is_ok() || known_free {
-            self.leases.add_entry(&parent_gfid, &name, iatt.gfid);
-        }
+        self.leases.add_entry(&parent_gfid, &name, iatt.gfid);
         self.touch_dir(&parent_gfid, 0);
         let (attr, mut ttl) = self.entry(&iatt);
         self.inodes.mark_bare(attr.ino.0, Instant::now() + ttl.attr);
@@ -801,15 +801,13 @@ impl<L: Layer> Shared<L> {
             .unwrap_or(OpenFlags::empty());
         // Its close would only queue the PUT behind: the release does that, and the closer
         // is spared a FUSE request it would wait for.
-        let unflushed = (fd.is_none()
-            && known_free
-            && self.leases.holds(&parent_gfid)
-            && !self.options.writeback_cache)
-            .then(|| {
-                let total = &self.handles.unflushed_bytes;
-                Budgeted::reserve(total, DEFERRED_BYTES_MAX, UNFLUSHED_TOTAL_BYTES_MAX)
-            })
-            .flatten();
+        let unflushed =
+            (fd.is_none() && self.leases.holds(&parent_gfid) && !self.options.writeback_cache)
+                .then(|| {
+                    let total = &self.handles.unflushed_bytes;
+                    Budgeted::reserve(total, DEFERRED_BYTES_MAX, UNFLUSHED_TOTAL_BYTES_MAX)
+                })
+                .flatten();
         // A deferred create's handle is opened late as root: the create granted it
         // its access, whatever mode the file was given.
         let open = Open {
@@ -1242,8 +1240,8 @@ impl<L: Layer> Shared<L> {
     /// content. `None` when it must be sent now.
     async fn close_behind(&self, ino: u64) -> Option<Bytes> {
         let slot = self.pending.get(ino)?;
-        let parent = slot.lock().await.as_ref().map(|p| (p.parent, p.name_free));
-        if !parent.is_some_and(|(p, free)| free && self.leases.holds(&p)) {
+        let parent = slot.lock().await.as_ref().map(|p| p.parent);
+        if !parent.is_some_and(|p| self.leases.holds(&p)) {
             return None;
         }
         let pending = self.pending.take(ino).await?;

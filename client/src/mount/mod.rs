@@ -63,8 +63,9 @@ pub struct MountOptions {
     pub negative_timeout: Duration,
     /// The kernel gathers writes in its page cache and sends them in large batches.
     pub writeback_cache: bool,
-    /// Small new files are sent as one PUT at their first close instead of a CREATE, WRITEs
-    /// and SETATTRs; the brick's refusal of the create then fails the close.
+    /// Small new files, of names known free under a lease, are sent as one PUT at their
+    /// first close instead of a CREATE, WRITEs and SETATTRs; the brick's refusal of the
+    /// create then fails the close.
     pub deferred_create: bool,
     /// The mount takes a write lease on each directory it makes and answers namespace fops
     /// there itself, sending them to the brick behind; a refusal is reported at the next

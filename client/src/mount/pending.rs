@@ -7,10 +7,11 @@
 //! caller, and its data and attribute changes are gathered until the first close (or until
 //! anything else needs it on the brick), which sends them as one PUT.
 //!
-//! What the caller gives up is when errors show: a create that the brick refuses (another
-//! client made the name meanwhile, the brick is full) fails the `close`, as a write-back
-//! cache does. Only creates that look certain are deferred: the parent's permissions are
-//! known and allow it, and the caller asked for nothing synchronous.
+//! What the caller gives up is when errors show: a create that the brick refuses (the brick
+//! is full) fails the `close`, as a write-back cache does. Only creates that look certain
+//! are deferred: of a name the mount knows free under a lease on its directory (another
+//! client's create of it recalls the lease, and the recall sends the file first), where the
+//! parent's permissions are known and allow it, and the caller asked for nothing synchronous.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -41,9 +42,6 @@ pub(crate) struct Pending {
     attr: SetAttr,
     /// What the kernel is told the file looks like.
     iatt: Iatt,
-    /// The name was known free in a held directory when the file was made: under that
-    /// directory's write lease its PUT may go behind.
-    pub(crate) name_free: bool,
 }
 
 /// The parent directory's attributes that decide a create: who may, and the new file's group.
@@ -102,7 +100,6 @@ impl Pending {
             data: Vec::new(),
             attr: SetAttr::default(),
             iatt,
-            name_free: false,
         }
     }
 
