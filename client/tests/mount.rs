@@ -1511,6 +1511,94 @@ fn background_mounts_and_the_mount_helper() {
     );
 }
 
+/// Two processes' worth of namespace changes (files and directories made, renamed across two
+/// directories, removed) racing listings of those directories, for a few seconds: everything
+/// ends. The kernel sends a FORGET as a request of its own, from inside a READDIRPLUS, for an
+/// entry it cannot link (one a rename moved meanwhile); over io_uring such a request holds
+/// its queue entry until the mount commits it, and the listing waited for that forever
+/// (within seconds of this churn, before the mount committed requests that take no reply).
+/// A run that does not end in a minute aborts the mount's connection and fails.
+#[test]
+fn listings_racing_renames_never_hang_the_mount() {
+    const CHURN: Duration = Duration::from_secs(6);
+    let m = Mounted::new(&[]);
+    let root = m.path("churn");
+    for dir in ["d0", "d1"] {
+        fs::create_dir_all(root.join(dir)).expect("mkdir");
+    }
+    let (done, finished) = std::sync::mpsc::channel();
+    for seed in [1u64, 2] {
+        let (root, done) = (root.clone(), done.clone());
+        std::thread::spawn(move || {
+            let ops = churn(&root, seed, CHURN);
+            let _ = done.send(ops);
+        });
+    }
+    let mut ops = 0;
+    for _ in 0..2 {
+        match finished.recv_timeout(CHURN + Duration::from_secs(60)) {
+            Ok(n) => ops += n,
+            Err(_) => {
+                abort_fuse_connection(&m.mountpoint);
+                panic!("a racing listing or change never ended: the mount hung");
+            }
+        }
+    }
+    assert!(ops > 1_000, "only {ops} operations ran");
+}
+
+/// Random namespace changes and listings under `root` (its directories `d0` and `d1`, names
+/// `n0`..`n11` in each and in `root`) for `time`, ignoring the errors a race gives; how many
+/// ran.
+fn churn(root: &Path, seed: u64, time: Duration) -> usize {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut next = move |n: u64| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state % n
+    };
+    let end = Instant::now() + time;
+    let mut ops = 0;
+    while Instant::now() < end {
+        let dirs = ["", "d0", "d1"];
+        let op = next(6);
+        let mut pick = || {
+            root.join(dirs[next(3) as usize])
+                .join(format!("n{}", next(12)))
+        };
+        let _ = match op {
+            0 => fs::write(pick(), b"x").map(drop),
+            1 => fs::create_dir(pick()),
+            2 => fs::rename(pick(), pick()),
+            3 => fs::remove_file(pick()),
+            4 => fs::remove_dir(pick()),
+            _ => {
+                let dir = pick().parent().expect("a parent").to_owned();
+                fs::read_dir(dir).map(|entries| entries.for_each(drop))
+            }
+        };
+        ops += 1;
+    }
+    ops
+}
+
+/// Aborts the FUSE connection of the mount at `mountpoint` (`fusectl`'s `abort`), so that
+/// whatever waits on it ends.
+fn abort_fuse_connection(mountpoint: &Path) {
+    let connections = Path::new("/sys/fs/fuse/connections");
+    if fs::read_dir(connections).is_ok_and(|mut d| d.next().is_none()) {
+        let _ = Command::new("mount")
+            .args(["-t", "fusectl", "none"])
+            .arg(connections)
+            .status();
+    }
+    // The connection is named by the minor number of the mount's device.
+    let dev = fs::metadata(mountpoint).map(|m| m.dev()).unwrap_or(0);
+    let minor = (dev & 0xff) | ((dev >> 12) & 0xfff00);
+    let _ = fs::write(connections.join(minor.to_string()).join("abort"), b"1");
+}
+
 /// Whether the kernel offers FUSE over io_uring: Linux 6.14+ built with it (the `fuse`
 /// module has an `enable_uring` switch) and the switch on. `scripts/test` turns it on and sets
 /// `KILN_REQUIRE_FUSE_URING=1`, so a kernel that has the switch must have it on.

@@ -47,6 +47,7 @@ use log::warn;
 use crate::Filesystem;
 use crate::channel::Channel;
 use crate::channel::ChannelSender;
+use crate::ll::fuse_abi::fuse_opcode;
 use crate::request::ReplyTo;
 use crate::request::RequestWithSender;
 use crate::session::SessionEventLoop;
@@ -409,9 +410,22 @@ impl Queue {
             unsafe { std::slice::from_raw_parts(scratch.as_ptr().cast::<u8>(), scratch.len() * 8) };
         match RequestWithSender::replying_to(ReplyTo::Ring(reply()), &bytes[..len]) {
             Some(req) => req.dispatch(se),
-            None => reply().error(unique, libc::EIO),
+            None => return reply().error(unique, libc::EIO),
+        }
+        // A request the file system answers nothing still holds its entry until committed,
+        // and its sender waits until then: the kernel sends a FORGET as a request of its own
+        // when READDIRPLUS cannot link an entry it returned, from inside the listing.
+        let opcode = u32::from_ne_bytes(header[4..8].try_into().expect("4 bytes"));
+        if takes_no_reply(opcode) {
+            reply().error(unique, 0);
         }
     }
+}
+
+/// Whether requests of `opcode` get no reply from the file system (`FUSE_FORGET`,
+/// `FUSE_BATCH_FORGET`).
+fn takes_no_reply(opcode: u32) -> bool {
+    opcode == fuse_opcode::FUSE_FORGET as u32 || opcode == fuse_opcode::FUSE_BATCH_FORGET as u32
 }
 
 /// Copies a request's in-header, operation header and payload into `scratch`, one after the
@@ -529,7 +543,7 @@ impl RingReply {
         self.queue.commit(self.index)
     }
 
-    /// Answers request `unique` with `errno` only.
+    /// Answers request `unique` with `errno` only (0: done, with nothing to say).
     fn error(&self, unique: u64, errno: i32) {
         let mut out = [0u8; OUT_HEADER_BYTES];
         out[0..4].copy_from_slice(&(OUT_HEADER_BYTES as u32).to_ne_bytes());
