@@ -1511,6 +1511,27 @@ fn background_mounts_and_the_mount_helper() {
     );
 }
 
+/// A file is no terminal: the ioctl stdio asks of every file it opens (`TCGETS`, through
+/// `isatty`) is answered ENOTTY, as a local file system answers it, and leaves the mount's
+/// log quiet.
+#[test]
+fn a_file_is_no_terminal_and_its_ioctls_log_nothing() {
+    let m = Mounted::new(&[]);
+    write(&m.path("f"), b"text");
+    let script = "import errno, fcntl, sys, termios\n\
+                  f = open(sys.argv[1])\n\
+                  print(f.isatty(), f.read())\n\
+                  try:\n    fcntl.ioctl(f.fileno(), termios.TCGETS, bytes(64))\n\
+                  except OSError as e:\n    print(errno.errorcode[e.errno])";
+    let out = Command::new("python3")
+        .args(["-c", script])
+        .arg(m.path("f"))
+        .output()
+        .expect("python3");
+    assert_eq!(text(&out).trim(), "False text\nENOTTY");
+    assert!(!m.logs().contains("ioctl"), "{}", m.logs());
+}
+
 /// Two processes' worth of namespace changes (files and directories made, renamed across two
 /// directories, removed) racing listings of those directories, for a few seconds: everything
 /// ends. The kernel sends a FORGET as a request of its own, from inside a READDIRPLUS, for an

@@ -1119,6 +1119,22 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
             |reply, offset| reply.offset(offset),
         );
     }
+
+    /// No ioctl is a file's here: ENOTTY, as a local file system answers the terminal ioctl
+    /// (`TCGETS`) that Python's and C's stdio ask of every file they open, and nothing logged.
+    fn ioctl(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _flags: fuser::IoctlFlags,
+        _cmd: u32,
+        _in_data: &[u8],
+        _out_size: u32,
+        reply: fuser::ReplyIoctl,
+    ) {
+        reply.error(Errno::ENOTTY);
+    }
 }
 
 #[cfg(test)]
