@@ -663,44 +663,40 @@ fn a_file_s_read_lease_is_recalled_before_another_session_changes_the_file(kind:
             events.try_recv().is_err(),
             "reads and an open conflict with no read lease"
         );
+        // `change` by b, under a's read lease of the file, is held until a gives it back.
+        let mut held = async |what: &str, change: FopRequest| {
+            assert_eq!(lease(&a, f, LeaseKind::Read).await, Ok(LeaseKind::Read));
+            let mut change = Box::pin(b.call(root(), change));
+            let under = format!("{what} under another session's read lease of the file");
+            still_held(&under, &mut change).await;
+            let recalled = recall(&mut events).await;
+            assert_eq!(
+                (recalled.gfid, recalled.kind),
+                (f, LeaseKind::None),
+                "{what}"
+            );
+            assert_eq!(lease(&a, f, LeaseKind::None).await, Ok(LeaseKind::None));
+            bounded(what, change).await.expect(what);
+        };
         let data = Payload::new(bytes::Bytes::from_static(b"again")).expect("small");
         let write = Write {
             fd: opened.fd,
             offset: 0,
             data,
         };
-        let mut change = Box::pin(b.call(root(), write.into()));
-        still_held(
-            "a WRITE under another session's read lease of the file",
-            &mut change,
-        )
-        .await;
-        let recalled = recall(&mut events).await;
-        assert_eq!((recalled.gfid, recalled.kind), (f, LeaseKind::None));
-        assert_eq!(lease(&a, f, LeaseKind::None).await, Ok(LeaseKind::None));
-        bounded("the held WRITE", change).await.expect("write");
-        assert_eq!(lease(&a, f, LeaseKind::Read).await, Ok(LeaseKind::Read));
+        held("a WRITE", write.into()).await;
         let attr = SetAttr {
             mode: Some(mode(0o600)),
             ..SetAttr::default()
         };
-        let mut change = Box::pin(b.call(root(), Setattr { gfid: f, attr }.into()));
-        still_held(
-            "a SETATTR under another session's read lease of the file",
-            &mut change,
-        )
-        .await;
-        assert_eq!(recall(&mut events).await.gfid, f);
-        assert_eq!(lease(&a, f, LeaseKind::None).await, Ok(LeaseKind::None));
-        bounded("the held SETATTR", change).await.expect("setattr");
-        // Another name of the file removed changes its link count: recalled too.
+        held("a SETATTR", Setattr { gfid: f, attr }.into()).await;
+        // Another name of the file renamed or removed changes its ctime or link count.
         let link = Link {
             gfid: f,
             new_parent: Gfid::ROOT,
             new_name: name("f2"),
         };
         b.call(root(), link.into()).await.expect("link");
-        assert_eq!(lease(&a, f, LeaseKind::Read).await, Ok(LeaseKind::Read));
         let rename = Rename {
             old_parent: Gfid::ROOT,
             old_name: name("f2"),
@@ -708,29 +704,12 @@ fn a_file_s_read_lease_is_recalled_before_another_session_changes_the_file(kind:
             new_name: name("f3"),
             mode: RenameMode::Replace,
         };
-        let mut change = Box::pin(b.call(root(), rename.into()));
-        still_held(
-            "a RENAME of another name of a file under another session's read lease",
-            &mut change,
-        )
-        .await;
-        assert_eq!(recall(&mut events).await.gfid, f);
-        assert_eq!(lease(&a, f, LeaseKind::None).await, Ok(LeaseKind::None));
-        bounded("the held RENAME", change).await.expect("rename");
-        assert_eq!(lease(&a, f, LeaseKind::Read).await, Ok(LeaseKind::Read));
+        held("a RENAME of another name", rename.into()).await;
         let unlink = Unlink {
             parent: Gfid::ROOT,
             name: name("f3"),
         };
-        let mut change = Box::pin(b.call(root(), unlink.into()));
-        still_held(
-            "an UNLINK of another name of a file under another session's read lease",
-            &mut change,
-        )
-        .await;
-        assert_eq!(recall(&mut events).await.gfid, f);
-        assert_eq!(lease(&a, f, LeaseKind::None).await, Ok(LeaseKind::None));
-        bounded("the held UNLINK", change).await.expect("unlink");
+        held("an UNLINK of another name", unlink.into()).await;
     });
     assert_eq!(h.read_all(f).expect("read"), b"again");
 }
