@@ -1568,6 +1568,65 @@ fn listings_racing_renames_never_hang_the_mount() {
     assert!(ops > 1_000, "only {ops} operations ran");
 }
 
+/// A file opened for reading stays readable while another process removes or replaces its
+/// name, as on a local file system: one thread replaces (`rename` over) and removes names
+/// while another opens and reads them, for a few seconds, and no read of a file that opened
+/// fails. A read-only handle takes its brick fd at its first read, so a removal gives the
+/// handles in its way their fds first, and a handle opened while a removal is under way
+/// (until the brick has answered it, queued behind under a lease too) takes its fd at once
+/// (before, 4 of 31 000 and 9 of 38 000 reads failed, ESTALE, in two runs).
+#[test]
+fn files_open_for_reading_outlive_removals_by_another_process() {
+    const RACE: Duration = Duration::from_secs(5);
+    let m = Mounted::new(&[]);
+    let dir = m.path("d");
+    fs::create_dir(&dir).expect("mkdir");
+    let end = Instant::now() + RACE;
+    let changer = {
+        let dir = dir.clone();
+        std::thread::spawn(move || {
+            for i in 0.. {
+                if Instant::now() > end {
+                    break;
+                }
+                // A change a millisecond: the names exist most of the time.
+                std::thread::sleep(Duration::from_millis(1));
+                let name = dir.join(format!("n{}", i % 8));
+                match i % 3 {
+                    2 => _ = fs::remove_file(&name),
+                    _ => {
+                        let new = dir.join(format!("new{}", i % 8));
+                        fs::write(&new, format!("version {i}")).expect("write");
+                        fs::rename(&new, &name).expect("rename over");
+                    }
+                }
+            }
+        })
+    };
+    let (mut reads, mut failed) = (0, Vec::new());
+    for i in 0.. {
+        if Instant::now() > end {
+            break;
+        }
+        let Ok(mut file) = fs::File::open(dir.join(format!("n{}", i % 8))) else {
+            continue;
+        };
+        let mut data = String::new();
+        match file.read_to_string(&mut data) {
+            Ok(_) => reads += 1,
+            Err(e) => failed.push(e),
+        }
+    }
+    changer.join().expect("the changing thread");
+    assert!(
+        failed.is_empty(),
+        "{} of {reads} reads failed: {:?}",
+        failed.len(),
+        &failed[..failed.len().min(5)]
+    );
+    assert!(reads > 100, "only {reads} reads");
+}
+
 /// Random namespace changes and listings under `root` (its directories `d0` and `d1`, names
 /// `n0`..`n11` in each and in `root`) for `time`, ignoring the errors a race gives; how many
 /// ran.

@@ -20,6 +20,7 @@ use kiln_wire::limits::{BATCH_FOPS_MAX, FRAME_BODY_LEN_MAX_BYTES};
 use kiln_wire::{Batch, Creds, ErrorCode, FopReply, FopRequest, Gfid};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, watch};
 
+use super::handles::Removal;
 use crate::Error;
 
 /// What one queued fop costs besides its names, target and data, in bytes: its fixed fields
@@ -41,6 +42,8 @@ pub(super) struct Queued {
     /// Its size on the wire, at most.
     wire_bytes: usize,
     _room: OwnedSemaphorePermit,
+    /// A removal of names, noted until the brick has answered it.
+    _removal: Option<Removal>,
 }
 
 impl Queued {
@@ -90,6 +93,18 @@ impl Behind {
     /// Queues `fop`, run as `creds`, changing `touches` (the object first); waits while the
     /// queue is full. Its sequence number.
     pub(super) async fn push(&self, creds: &Creds, fop: FopRequest, touches: &[Gfid]) -> u64 {
+        self.push_removal(creds, fop, touches, None).await
+    }
+
+    /// [`Behind::push`] of a removal of names, whose `removal` is kept until the brick has
+    /// answered it.
+    pub(super) async fn push_removal(
+        &self,
+        creds: &Creds,
+        fop: FopRequest,
+        touches: &[Gfid],
+        removal: Option<Removal>,
+    ) -> u64 {
         debug_assert!(fop.batchable(), "{} cannot be queued", fop.code().name());
         let wire_bytes = wire_bytes(&fop);
         let cost = wire_bytes.min(self.room_bytes);
@@ -113,6 +128,7 @@ impl Behind {
                 touches: touches.to_vec(),
                 wire_bytes,
                 _room: room,
+                _removal: removal,
             });
             seq
         };

@@ -289,6 +289,33 @@ pub(super) struct Handles<F> {
     /// The handles holding writes not yet sent: kept here until those are on the brick, past
     /// the handle's release too, so that a fop on the file finds them (and waits for them).
     with_unsent: Mutex<HashMap<u64, Arc<Open<F>>>>,
+    /// Removals of names under way ([`Removal`]): a handle added meanwhile takes its fd at
+    /// once rather than at its first use, when its file may be gone from the brick.
+    removals: Arc<AtomicUsize>,
+    /// Removals begun so far.
+    removals_begun: AtomicU64,
+}
+
+/// Where removals of names stood when an open began ([`Handles::removal_mark`]).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct RemovalMark {
+    begun: u64,
+    under_way: bool,
+}
+
+/// A removal of names under way, from before it looks for the handles in its way until the
+/// brick has answered it (dropped then). An open file must outlive an unlink, as on a local
+/// file system: a handle opened before the removal looked is given its fd by the removal
+/// ([`Shared::anchor_handles`]) or keeps the removal off the queue; one added after takes its
+/// fd at once ([`Handles::add_opened`]), so no handle is left to open a file the brick no
+/// longer has.
+#[derive(Debug)]
+pub(super) struct Removal(Arc<AtomicUsize>);
+
+impl Drop for Removal {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 impl<F> Handles<F> {
@@ -300,7 +327,28 @@ impl<F> Handles<F> {
             unsent_bytes: Arc::new(AtomicUsize::new(0)),
             unflushed_bytes: Arc::new(AtomicUsize::new(0)),
             with_unsent: Mutex::new(HashMap::new()),
+            removals: Arc::new(AtomicUsize::new(0)),
+            removals_begun: AtomicU64::new(0),
         }
+    }
+
+    /// Where removals of names stand, as an open begins.
+    pub(super) fn removal_mark(&self) -> RemovalMark {
+        let _table = self.lock();
+        RemovalMark {
+            begun: self.removals_begun.load(Ordering::SeqCst),
+            under_way: self.removals.load(Ordering::SeqCst) > 0,
+        }
+    }
+
+    /// Notes a removal of names under way, before it looks for the handles in its way.
+    pub(super) fn removal(&self) -> Removal {
+        // Under the table's lock: a handle added before is in the table when the removal
+        // looks, one added after sees the count (`add_opened`).
+        let _table = self.lock();
+        self.removals.fetch_add(1, Ordering::SeqCst);
+        self.removals_begun.fetch_add(1, Ordering::SeqCst);
+        Removal(self.removals.clone())
     }
 
     /// Whether handle `fh` holds writes not yet sent.
@@ -337,13 +385,24 @@ impl<F> Handles<F> {
         fh
     }
 
-    /// Adds `open`, opened with kernel `flags`.
-    fn add_opened(&self, open: Open<F>, flags: i32) -> Opened {
+    /// Adds `open`, opened with kernel `flags`; with whether it must take its fd now: it has
+    /// none, and a removal of names was under way at some moment since `mark` (the open's
+    /// start; a file it waited for may be gone from the brick).
+    fn add_opened(&self, open: Open<F>, flags: i32, mark: RemovalMark) -> (Opened, bool) {
         let flags = open.fopen_flags(flags);
-        Opened {
-            fh: FileHandle(self.add(open)),
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        let late = open.fd.get().is_none();
+        let mut table = self.lock();
+        table.insert(fh, Arc::new(open));
+        let removing = mark.under_way
+            || self.removals.load(Ordering::SeqCst) > 0
+            || self.removals_begun.load(Ordering::SeqCst) != mark.begun;
+        drop(table);
+        let opened = Opened {
+            fh: FileHandle(fh),
             flags,
-        }
+        };
+        (opened, late && removing)
     }
 
     /// Notes that `owner` takes POSIX locks through handle `fh`: a handle closed without a
@@ -421,6 +480,7 @@ impl<L: Layer> Shared<L> {
         flags: i32,
     ) -> Result<Opened> {
         let gfid = self.gfid(ino)?;
+        let removals = self.handles.removal_mark();
         if flags & libc::O_TRUNC != 0 && self.handles.executing(ino) {
             // The kernel refuses it too, but only once the file system has opened — and
             // truncated — the file: the brick must not cut a running program short.
@@ -458,7 +518,16 @@ impl<L: Layer> Shared<L> {
             no_flush: self.no_flush(ino, access, flags),
             ..Open::new(fd, ino, access, open_flags, c)
         };
-        let mut opened = self.handles.add_opened(open, flags);
+        let (mut opened, fd_now) = self.handles.add_opened(open, flags, removals);
+        if fd_now {
+            // A removal under way may take the file from the brick: its fd now, or the
+            // open fails as one after the removal would.
+            let open = self.handles.get(opened.fh)?;
+            if let Err(e) = self.late_fd(&open).await {
+                self.handles.take(opened.fh);
+                return Err(e);
+            }
+        }
         if leased_now {
             // The pages the kernel kept may predate the lease: read again under it.
             opened.flags.remove(FopenFlags::FOPEN_KEEP_CACHE);
@@ -815,14 +884,17 @@ impl<L: Layer> Shared<L> {
             unflushed,
             ..Open::new(fd, attr.ino.0, access, reopen, &Creds::root())
         };
-        Ok((attr, ttl, self.handles.add_opened(open, flags)))
+        // A deferred create's handle gets no fd before its file is on the brick.
+        let removals = self.handles.removal_mark();
+        Ok((attr, ttl, self.handles.add_opened(open, flags, removals).0))
     }
 
     /// Whether an open is answered at once and made on the brick at the handle's first use
     /// (GlusterFS's open-behind): a plain read-only open, when the kernel has checked the
     /// caller's permission itself (`default_permissions`). A read served from the kernel's
     /// page cache then costs the brick nothing, and a file removed by another client in
-    /// between fails the first read (ESTALE) instead of the open.
+    /// between fails the first read (ESTALE) instead of the open (through this mount, a
+    /// removal gives such handles their fds first: [`Removal`]).
     fn opens_late(&self, access: AccessMode, flags: OpenFlags) -> bool {
         self.options.default_permissions && access == AccessMode::ReadOnly && flags.bits() == 0
     }

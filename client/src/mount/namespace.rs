@@ -404,11 +404,13 @@ impl<L: Layer> Shared<L> {
             return Ok(());
         }
         // On the brick: the deferred creates and queued changes first, and every open handle
-        // gets its fd (a removed file must stay readable through it).
+        // gets its fd (a removed file must stay readable through it), those opened while
+        // the removal runs too.
         self.settle_dir(None).await;
         for parent in change.parents() {
             self.behind.settle(&parent).await;
         }
+        let _removal = self.handles.removal();
         self.anchor_handles().await;
         let wants = self.write_leases_for(&change.parents());
         self.call_with_leases(c, fop, &wants).await.map_err(errno)?;
@@ -424,6 +426,8 @@ impl<L: Layer> Shared<L> {
                 return Ok(false);
             }
         }
+        // Noted before it looks for open handles, kept until the brick has answered it.
+        let removal = self.handles.removal();
         let (object, gone) = match change {
             Change::Make { .. } => return Ok(false),
             Change::Unlink { parent, name } => match self.leases.lookup(parent, name) {
@@ -468,7 +472,12 @@ impl<L: Layer> Shared<L> {
         touches.extend(gone);
         touches.extend(change.parents());
         self.note_changed(change);
-        self.behind.push(c, fop.clone(), &touches).await;
+        // A rename that replaces nothing takes no file away.
+        let takes_a_file = !matches!(change, Change::Rename { .. }) || gone.is_some();
+        let removal = takes_a_file.then_some(removal);
+        self.behind
+            .push_removal(c, fop.clone(), &touches, removal)
+            .await;
         Ok(true)
     }
 
