@@ -172,21 +172,21 @@ fn links_racing_unlinks_of_the_last_name_keep_the_file_whole(kind: EngineKind) {
     h.assert_consistent();
 }
 
-/// The `round`th create of `n` in the root with identity `gfid`: a MKDIR, a PUT or a CREATE
+/// The `round`th create of `n` in `parent` with identity `gfid`: a MKDIR, a PUT or a CREATE
 /// (`EXCL`), in turn.
-fn create_in_root(round: usize, n: &str, gfid: Gfid) -> FopRequest {
+fn create_in(parent: Gfid, round: usize, n: &str, gfid: Gfid) -> FopRequest {
     match round % 3 {
         0 => Mkdir {
-            parent: Gfid::ROOT,
+            parent,
             name: name(n),
             gfid,
             mode: mode(0o755),
             umask: mode(0),
         }
         .into(),
-        1 => small_put(Gfid::ROOT, n, gfid, b"x").into(),
+        1 => small_put(parent, n, gfid, b"x").into(),
         _ => Create {
-            parent: Gfid::ROOT,
+            parent,
             name: name(n),
             gfid,
             access: AccessMode::WriteOnly,
@@ -209,7 +209,7 @@ fn creates_racing_lookups_of_their_names_succeed(kind: EngineKind) {
     let mut seen_before_the_reply = 0;
     for i in 0..ROUNDS {
         let (n, gfid) = (format!("n{i}"), h.gfid());
-        let make = create_in_root(i, &n, gfid);
+        let make = create_in(Gfid::ROOT, i, &n, gfid);
         let lookup = Lookup {
             parent: Gfid::ROOT,
             name: name(&n),
@@ -328,7 +328,7 @@ fn creates_of_one_name_from_two_sessions_make_one_object(kind: EngineKind) {
     for i in 0..ROUNDS {
         let n = format!("n{i}");
         let gfids = [h.gfid(), h.gfid()];
-        let make = |gfid| create_in_root(i, &n, gfid);
+        let make = |gfid| create_in(Gfid::ROOT, i, &n, gfid);
         let results = h.rt.block_on(async {
             let [a, b] = &sessions;
             let (ra, rb) = tokio::join!(
@@ -598,8 +598,8 @@ fn fops_into_a_directory_racing_its_rmdir_leave_nothing_behind(kind: EngineKind)
         let dir = h.mkdir(Gfid::ROOT, "p").expect("mkdir");
         let (made, gfid) = (format!("x{i}"), h.gfid());
         let fop: FopRequest = match i % 4 {
-            0 => create_in_dir(dir, &made, gfid, 0),
-            1 => create_in_dir(dir, &made, gfid, 1),
+            // A MKDIR, a PUT.
+            k @ (0 | 1) => create_in(dir, k, &made, gfid),
             2 => {
                 h.put(Gfid::ROOT, &made, b"x").expect("put");
                 rename_into(dir, &made)
@@ -644,21 +644,6 @@ fn fops_into_a_directory_racing_its_rmdir_leave_nothing_behind(kind: EngineKind)
     assert!(fop_won > 0, "no fop ever won the race");
     assert!(h.list(Gfid::ROOT).expect("list").is_empty());
     h.assert_consistent();
-}
-
-/// A MKDIR (`kind` 0) or a PUT (else) of `n` in `parent`.
-fn create_in_dir(parent: Gfid, n: &str, gfid: Gfid, kind: usize) -> FopRequest {
-    match kind {
-        0 => Mkdir {
-            parent,
-            name: name(n),
-            gfid,
-            mode: mode(0o755),
-            umask: mode(0),
-        }
-        .into(),
-        _ => small_put(parent, n, gfid, b"x").into(),
-    }
 }
 
 /// A RENAME of the root's `n` into `parent` under the same name.

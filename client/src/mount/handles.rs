@@ -307,7 +307,7 @@ pub(super) struct RemovalMark {
 /// brick has answered it (dropped then). An open file must outlive an unlink, as on a local
 /// file system: a handle opened before the removal looked is given its fd by the removal
 /// ([`Shared::anchor_handles`]) or keeps the removal off the queue; one added after takes its
-/// fd at once ([`Handles::add_opened`]), so no handle is left to open a file the brick no
+/// fd at once ([`Handles::insert`]), so no handle is left to open a file the brick no
 /// longer has.
 #[derive(Debug)]
 pub(super) struct Removal(Arc<AtomicUsize>);
@@ -334,7 +334,6 @@ impl<F> Handles<F> {
 
     /// Where removals of names stand, as an open begins.
     pub(super) fn removal_mark(&self) -> RemovalMark {
-        let _table = self.lock();
         RemovalMark {
             begun: self.removals_begun.load(Ordering::SeqCst),
             under_way: self.removals.load(Ordering::SeqCst) > 0,
@@ -344,7 +343,7 @@ impl<F> Handles<F> {
     /// Notes a removal of names under way, before it looks for the handles in its way.
     pub(super) fn removal(&self) -> Removal {
         // Under the table's lock: a handle added before is in the table when the removal
-        // looks, one added after sees the count (`add_opened`).
+        // looks, one added after sees the count (`insert`).
         let _table = self.lock();
         self.removals.fetch_add(1, Ordering::SeqCst);
         self.removals_begun.fetch_add(1, Ordering::SeqCst);
@@ -379,30 +378,39 @@ impl<F> Handles<F> {
         self.with_unsent.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Adds `open`; its handle number.
     fn add(&self, open: Open<F>) -> u64 {
-        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
-        self.lock().insert(fh, Arc::new(open));
-        fh
+        self.insert(open, None).0
     }
 
-    /// Adds `open`, opened with kernel `flags`; with whether it must take its fd now: it has
-    /// none, and a removal of names was under way at some moment since `mark` (the open's
-    /// start; a file it waited for may be gone from the brick).
-    fn add_opened(&self, open: Open<F>, flags: i32, mark: RemovalMark) -> (Opened, bool) {
+    /// Adds `open`, opened with kernel `flags`; with whether it must take its fd now (see
+    /// [`Handles::insert`]).
+    fn add_opened(&self, open: Open<F>, flags: i32, mark: Option<RemovalMark>) -> (Opened, bool) {
         let flags = open.fopen_flags(flags);
-        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
-        let late = open.fd.get().is_none();
-        let mut table = self.lock();
-        table.insert(fh, Arc::new(open));
-        let removing = mark.under_way
-            || self.removals.load(Ordering::SeqCst) > 0
-            || self.removals_begun.load(Ordering::SeqCst) != mark.begun;
-        drop(table);
+        let (fh, fd_now) = self.insert(open, mark);
         let opened = Opened {
             fh: FileHandle(fh),
             flags,
         };
-        (opened, late && removing)
+        (opened, fd_now)
+    }
+
+    /// Adds `open`: its handle number, and — given `mark`, where removals of names stood when
+    /// the open began — whether it must take its fd now: it has none, and a removal was under
+    /// way at some moment since (a file the open waited for may be gone from the brick).
+    fn insert(&self, open: Open<F>, mark: Option<RemovalMark>) -> (u64, bool) {
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        let late = open.fd.get().is_none();
+        let mut table = self.lock();
+        table.insert(fh, Arc::new(open));
+        // Read under the table's lock: see `Handles::removal`.
+        let removing = mark.is_some_and(|mark| {
+            mark.under_way
+                || self.removals.load(Ordering::SeqCst) > 0
+                || self.removals_begun.load(Ordering::SeqCst) != mark.begun
+        });
+        drop(table);
+        (fh, late && removing)
     }
 
     /// Notes that `owner` takes POSIX locks through handle `fh`: a handle closed without a
@@ -518,7 +526,7 @@ impl<L: Layer> Shared<L> {
             no_flush: self.no_flush(ino, access, flags),
             ..Open::new(fd, ino, access, open_flags, c)
         };
-        let (mut opened, fd_now) = self.handles.add_opened(open, flags, removals);
+        let (mut opened, fd_now) = self.handles.add_opened(open, flags, Some(removals));
         if fd_now {
             // A removal under way may take the file from the brick: its fd now, or the
             // open fails as one after the removal would.
@@ -885,8 +893,7 @@ impl<L: Layer> Shared<L> {
             ..Open::new(fd, attr.ino.0, access, reopen, &Creds::root())
         };
         // A deferred create's handle gets no fd before its file is on the brick.
-        let removals = self.handles.removal_mark();
-        Ok((attr, ttl, self.handles.add_opened(open, flags, removals).0))
+        Ok((attr, ttl, self.handles.add_opened(open, flags, None).0))
     }
 
     /// Whether an open is answered at once and made on the brick at the handle's first use

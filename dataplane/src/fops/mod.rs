@@ -410,7 +410,8 @@ impl<E: Exec> Fops<E> {
             dirs.push((file.gfid, access));
         }
         // A moved directory's one name is in a parent the fop changes already.
-        for (parent, name) in touches.moves.iter().filter(|_| objects) {
+        let moved = if objects { &touches.moves[..] } else { &[] };
+        for (parent, name) in moved {
             if let Removed::Object(gfid) = self.removed_at(parent, name, true).await {
                 dirs.push((gfid, Access::Change));
             }
