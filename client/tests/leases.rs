@@ -657,6 +657,34 @@ fn a_recall_drops_what_the_holder_s_kernel_cached() {
     assert_eq!((mode(&a.path("d")), mode(&a.path("d/f"))), (0o700, 0o600));
 }
 
+/// What a mount learned of a file's xattrs under its read lease — a name the brick said is
+/// absent — goes with the lease's recall, as the attributes its kernel caches do: before, an
+/// xattr another mount set stayed "absent" here for the attribute lifetime.
+#[test]
+fn a_recall_drops_what_the_holder_knew_of_xattrs() {
+    let mut a = Mounted::with_brick(&["--lease-recall-timeout-ms", RECALL_TIMEOUT_MS], &[]);
+    // Caches that outlive the test, and no directory listed at a lookup: the file's own lease
+    // is all that covers it.
+    let long = [
+        "attr-timeout-ms=60000",
+        "entry-timeout-ms=60000",
+        "listing-prefetch=off",
+    ];
+    file_made_before(&mut a, "f", &long);
+    let b = a.another("b", &[]);
+    let colour = |m: &Mounted| {
+        let mut value = [0u8; 16];
+        let path = m.path("d/f");
+        rustix::fs::getxattr(path.as_path(), "user.colour", &mut value).map(|n| value[..n].to_vec())
+    };
+    assert_eq!(fs::read(a.path("d/f")).expect("read in a"), b"made before");
+    assert_eq!(colour(&a), Err(rustix::io::Errno::NODATA));
+    let flags = rustix::fs::XattrFlags::empty();
+    rustix::fs::setxattr(b.path("d/f").as_path(), "user.colour", b"red", flags)
+        .expect("setxattr in b");
+    assert_eq!(colour(&a).as_deref(), Ok(&b"red"[..]), "{}", a.logs());
+}
+
 #[test]
 fn a_recall_drops_the_names_the_holder_s_kernel_cached() {
     // Entries and absences cached for a minute: only the recall can make the first mount's

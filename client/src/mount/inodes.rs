@@ -317,6 +317,18 @@ impl Inodes {
         }
     }
 
+    /// Forgets what is known of `ino`'s xattrs and, for a directory, its permission bits:
+    /// another client may have changed them (the kernel is told to drop the attributes it
+    /// caches at the same time).
+    pub(crate) fn forget_attrs(&self, ino: u64) {
+        if let Some(node) = self.lock().by_ino.get_mut(&ino) {
+            node.bare_until = None;
+            node.absent_xattrs.clear();
+            node.probed = None;
+            node.dir_attr = None;
+        }
+    }
+
     /// Whether `ino` is known to have no xattr `name` now.
     pub(crate) fn xattr_is_absent(&self, ino: u64, name: &[u8]) -> bool {
         let now = Instant::now();

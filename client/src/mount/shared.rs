@@ -74,8 +74,8 @@ impl<L: Layer> Shared<L> {
         }
     }
 
-    /// Has the kernel drop its cached attributes of `gfids` (those it still holds); returns
-    /// once it has. Off the runtime's threads: the write to `/dev/fuse` may wait for the
+    /// Has the kernel drop its cached attributes of `gfids` (those it still holds), and the
+    /// mount what it knows of their xattrs and permission bits; returns once it has. Off the runtime's threads: the write to `/dev/fuse` may wait for the
     /// kernel.
     pub(super) async fn invalidate_attrs(&self, gfids: &[Gfid]) {
         // An offset below zero: attributes only, no page cache range.
@@ -96,6 +96,9 @@ impl<L: Layer> Shared<L> {
         let inos: Vec<u64> = gfids.iter().filter_map(|g| self.inodes.ino_of(g)).collect();
         if inos.is_empty() {
             return;
+        }
+        for &ino in &inos {
+            self.inodes.forget_attrs(ino);
         }
         let dropped = tokio::task::spawn_blocking(move || {
             for ino in inos {
