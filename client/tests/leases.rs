@@ -1607,6 +1607,63 @@ fn renames_and_unlinks_race_across_mounts() {
     assert_brick_consistent(&a);
 }
 
+/// A file another mount keeps replacing — written anew and renamed over, as programs save a
+/// file whole — reads whole here at every open. An open of a file replaced since the kernel
+/// looked it up fails (ESTALE, and the kernel looks the name up again) rather than its first
+/// read; a file open here when the other mount replaces it has its brick fd by then. Before,
+/// a read-only open here was answered without the brick, and the reads of a file replaced
+/// since failed ESTALE for as long as the kernel kept the name (most reads of this test).
+#[test]
+fn a_file_replaced_by_rename_in_another_mount_reads_whole_at_every_open() {
+    use std::io::Read;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let a = brick();
+    let b = a.another("b", &[]);
+    fs::create_dir(a.path("d")).expect("mkdir");
+    fs::write(a.path("d/target"), "v0 whole").expect("write");
+    let (dir, done) = (a.path("d"), std::sync::Arc::new(AtomicBool::new(false)));
+    let writer = std::thread::spawn({
+        let done = done.clone();
+        move || {
+            for i in 1..=200 {
+                let new = dir.join(format!("new{}", i % 4));
+                fs::write(&new, format!("v{i} whole")).expect("write");
+                fs::rename(&new, dir.join("target")).expect("rename over");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            done.store(true, Ordering::Relaxed);
+        }
+    });
+    let (mut whole, mut opens_lost, mut failed) = (0, 0, Vec::new());
+    while !done.load(Ordering::Relaxed) {
+        let mut content = String::new();
+        match fs::File::open(b.path("d/target")) {
+            // The kernel looks a name up again once: an open can still lose to two
+            // replacements in a row (as over NFS).
+            Err(e) if e.raw_os_error() == Some(libc::ESTALE) => opens_lost += 1,
+            Err(e) => failed.push(format!("open: {e}")),
+            Ok(mut f) => match f.read_to_string(&mut content) {
+                Ok(_) if content.ends_with(" whole") => whole += 1,
+                other => failed.push(format!("read: {other:?} {content:?}")),
+            },
+        }
+    }
+    writer.join().expect("the writer");
+    assert!(whole > 100, "only {whole} reads");
+    let failures = failed.len();
+    assert!(
+        failed.is_empty(),
+        "{failures} of {} failed: {:?}",
+        whole + failures,
+        &failed[..failures.min(5)]
+    );
+    assert!(
+        opens_lost * 1000 <= whole,
+        "{opens_lost} of {whole} opens lost"
+    );
+    assert_brick_consistent(&a);
+}
+
 #[test]
 fn a_stopped_holder_loses_its_lease_after_the_bound() {
     let a = brick();

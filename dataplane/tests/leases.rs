@@ -710,6 +710,15 @@ fn a_file_s_read_lease_is_recalled_before_another_session_changes_the_file(kind:
             name: name("f3"),
         };
         held("an UNLINK of another name", unlink.into()).await;
+        // Renamed over, its last name goes (and with it the file, on the brick).
+        b.call(root(), put(&h, Gfid::ROOT, "g")).await.expect("put");
+        let rename = Rename {
+            old_parent: Gfid::ROOT,
+            old_name: name("g"),
+            new_parent: Gfid::ROOT,
+            new_name: name("f"),
+            mode: RenameMode::Replace,
+        };
+        held("a RENAME over its last name", rename.into()).await;
     });
-    assert_eq!(h.read_all(f).expect("read"), b"again");
 }

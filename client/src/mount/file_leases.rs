@@ -20,6 +20,7 @@
 //!   travel on different streams) stops that grant from being taken: each ask notes how many
 //!   recalls the mount had seen, and a grant asked before any later one is given back.
 
+use std::collections::HashSet;
 use std::num::NonZeroUsize;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -47,6 +48,9 @@ struct State {
     held: lru::LruCache<Gfid, Held>,
     /// Files whose lease the brick refused, and when.
     refused: lru::LruCache<Gfid, Instant>,
+    /// Files whose recall came and whose lease is not back yet: the brick still counts the
+    /// lease as this mount's, and would answer an ask with it, but it is about to go.
+    recalling: HashSet<Gfid>,
     /// File recalls seen so far.
     recalls: u64,
     /// Grants taken so far.
@@ -71,6 +75,7 @@ impl Default for FileLeases {
             state: Mutex::new(State {
                 held: lru::LruCache::new(capacity(FILE_LEASES_MAX)),
                 refused: lru::LruCache::new(capacity(REFUSED_MAX)),
+                recalling: HashSet::new(),
                 recalls: 0,
                 grants: 0,
             }),
@@ -85,9 +90,13 @@ impl FileLeases {
         self.lock().held.get(gfid).is_some()
     }
 
-    /// Whether a lease on `gfid` may be asked now: not within [`REFUSED_FOR`] of a refusal.
+    /// Whether a lease on `gfid` may be asked now: not while its recall is answered, nor
+    /// within [`REFUSED_FOR`] of a refusal.
     pub(super) fn may_ask(&self, gfid: &Gfid) -> bool {
         let mut state = self.lock();
+        if state.recalling.contains(gfid) {
+            return false;
+        }
         match state.refused.peek(gfid) {
             Some(at) if at.elapsed() < REFUSED_FOR => false,
             Some(_) => {
@@ -151,11 +160,24 @@ impl FileLeases {
             .and_then(|held| held.attrs.clone())
     }
 
-    /// A recall of `gfid` came: a grant asked before is not taken; whether the mount held it.
+    /// A recall of `gfid` came: a grant asked before is not taken; whether the mount held it
+    /// (then [`FileLeases::given_back`] follows).
     pub(super) fn recalled(&self, gfid: &Gfid) -> bool {
         let mut state = self.lock();
         state.recalls += 1;
-        state.held.pop(gfid).is_some()
+        let held = state.held.pop(gfid).is_some();
+        if held {
+            state.recalling.insert(*gfid);
+        }
+        held
+    }
+
+    /// The recalled lease on `gfid` went back. A grant asked before is not taken either: the
+    /// brick answers an ask with the lease it still counts as this mount's, the one that went.
+    pub(super) fn given_back(&self, gfid: &Gfid) {
+        let mut state = self.lock();
+        state.recalls += 1;
+        state.recalling.remove(gfid);
     }
 
     /// Every lease is gone (the session that held them ended): the files held.
@@ -194,6 +216,21 @@ mod tests {
         assert_eq!(leases.take(gfid(2), asked), Err(()), "a recall overtook it");
         assert!(leases.recalled(&gfid(1)));
         assert!(!leases.holds(&gfid(1)));
+    }
+
+    #[test]
+    fn no_grant_is_taken_while_a_recalled_lease_goes_back() {
+        let leases = FileLeases::default();
+        assert!(leases.take(gfid(1), leases.asked()).is_ok());
+        assert!(leases.recalled(&gfid(1)));
+        assert!(!leases.may_ask(&gfid(1)), "its recall is being answered");
+        // Asked anyway, the brick would answer with the lease about to go.
+        let asked = leases.asked();
+        leases.given_back(&gfid(1));
+        assert_eq!(leases.take(gfid(1), asked), Err(()));
+        assert!(!leases.holds(&gfid(1)));
+        assert!(leases.may_ask(&gfid(1)), "back: the brick decides");
+        assert!(leases.take(gfid(1), leases.asked()).is_ok());
     }
 
     #[test]

@@ -3,11 +3,17 @@
 //!
 //! A handle gets its fd at open, or later:
 //!
-//! * **Open-behind** (GlusterFS's name): a plain read-only open is answered at once and
-//!   opened below, as its opener, at the handle's first use ([`Shared::late_fd`]) — a read
-//!   from the kernel's page cache costs the brick nothing. Its first read from the start is
-//!   one GET of up to [`GET_AHEAD_BYTES`], whatever the kernel asked: the rest answers the
-//!   handle's next reads, so a file of that size is read whole with one round trip and no fd.
+//! * **Open-behind** (GlusterFS's name): a plain read-only open of a file a lease covers (the
+//!   file's read lease, held or taken by the open, or its directory's over a kept listing or
+//!   the mount's own description) is answered without opening it below, as its opener, until
+//!   the handle's first use ([`Shared::late_fd`]) — a read from the kernel's page cache costs
+//!   the brick nothing. Its first read from the start is one GET of up to
+//!   [`GET_AHEAD_BYTES`], whatever the kernel asked: the rest answers the handle's next
+//!   reads, so a file of that size is read whole with one round trip and no fd. Another
+//!   client's removal of the file recalls the lease first, and the recall gives the handles
+//!   on it their fds ([`Shared::anchor_handles_on`]); a file no lease covers is opened below
+//!   at once, so that an open of a file gone from the brick fails (ESTALE: the kernel looks
+//!   the name up again) rather than its first read.
 //! * **Deferred creates**: a small write-only create is answered by the mount and sent as one
 //!   PUT at close ([`super::pending`]); its handles get their fds after the PUT.
 //! * **Kept listings**: a directory held under a lease whose last listing the mount keeps
@@ -51,6 +57,17 @@ use super::pending::{DEFERRED_BYTES_MAX, Pending, killed_suidgid};
 use super::shared::{Shared, Ttl, store_pages};
 use crate::path::new_gfid;
 use crate::{Error, FdFop, Layer, LayerExt};
+
+/// What an open learned of a file's read lease.
+#[derive(Debug, Clone, Copy)]
+struct FileLease {
+    /// A lease (the file's, or its directory's over a kept listing) covers the file: another
+    /// client's change or removal of it is recalled first.
+    covered: bool,
+    /// What the kernel cached of the file before must go (a lease taken now over pages of no
+    /// version the brick showed, or a recall under way).
+    drop_cache: bool,
+}
 
 /// The kernel's `FMODE_EXEC` as FUSE passes it in an OPEN's flags: the file is opened to be
 /// run. While it is open the kernel refuses writers (ETXTBSY).
@@ -489,6 +506,7 @@ impl<L: Layer> Shared<L> {
     ) -> Result<Opened> {
         let gfid = self.gfid(ino)?;
         let removals = self.handles.removal_mark();
+        let recalls = self.recalls_seen();
         if flags & libc::O_TRUNC != 0 && self.handles.executing(ino) {
             // The kernel refuses it too, but only once the file system has opened — and
             // truncated — the file: the brick must not cut a running program short.
@@ -496,8 +514,9 @@ impl<L: Layer> Shared<L> {
         }
         self.settle(ino).await?;
         let (access, open_flags) = open_mode(flags, self.options.writeback_cache);
+        let late = self.opens_late(access, open_flags);
         let opened = async {
-            match self.opens_late(access, open_flags) {
+            match late {
                 true => Ok(None),
                 false => {
                     Some(self.open_below(c, gfid, flags, access, open_flags).await).transpose()
@@ -511,8 +530,19 @@ impl<L: Layer> Shared<L> {
                 self.probe_xattrs(c, ino).await;
             }
         };
-        let (fd, leased_now, ()) = tokio::join!(opened, self.lease_file(c, gfid, access), probe);
-        let fd = fd?;
+        let (fd, lease, ()) = tokio::join!(opened, self.lease_file(c, gfid, access), probe);
+        let fd = match (fd?, lease) {
+            (Some(fd), _) => Some(fd),
+            // Gone from the brick since the kernel looked it up: the open fails, and the
+            // kernel looks the name up again.
+            (None, Err(gone)) => return Err(gone),
+            (None, Ok(lease)) if lease.covered => None,
+            // Nothing would tell the mount of another client's removal before the first
+            // read: the fd now, so that the open fails if the file is gone already, as it
+            // would on a local disk, and the handle outlives a later removal.
+            (None, Ok(_)) => Some(self.open_below(c, gfid, flags, access, open_flags).await?),
+        };
+        let leased_now = lease.is_ok_and(|lease| lease.drop_cache);
         if access != AccessMode::ReadOnly {
             // Writes (or O_TRUNC) change it on the brick.
             self.forget_described(ino);
@@ -527,7 +557,9 @@ impl<L: Layer> Shared<L> {
             ..Open::new(fd, ino, access, open_flags, c)
         };
         let (mut opened, fd_now) = self.handles.add_opened(open, flags, Some(removals));
-        if fd_now {
+        // A recall since the open began may have been for another client's removal of the
+        // file, and gave fds only to the handles in the table then.
+        if fd_now || self.recalls_seen() != recalls {
             // A removal under way may take the file from the brick: its fd now, or the
             // open fails as one after the removal would.
             let open = self.handles.get(opened.fh)?;
@@ -544,16 +576,25 @@ impl<L: Layer> Shared<L> {
     }
 
     /// Asks a read lease on file `gfid`, opened for `access`, where the mount holds none and
-    /// nothing else keeps the kernel's caches of it true ([`super::file_leases`]): whether
-    /// what the kernel cached before must go (a lease taken now, or a recall under way). The
-    /// kernel's attributes of a file leased now are dropped here; its pages by the open.
-    async fn lease_file(self: &Arc<Self>, c: &Creds, gfid: Gfid, access: AccessMode) -> bool {
+    /// nothing else keeps the kernel's caches of it true ([`super::file_leases`]); ESTALE
+    /// when the brick no longer has the file. The kernel's attributes of a file leased now
+    /// are dropped here; its pages by the open.
+    async fn lease_file(
+        self: &Arc<Self>,
+        c: &Creds,
+        gfid: Gfid,
+        access: AccessMode,
+    ) -> Result<FileLease> {
+        let covered = self.files.holds(&gfid) || self.cached_truly(&gfid);
+        if access != AccessMode::ReadOnly || covered || !self.may_lease_file(&gfid) {
+            return Ok(FileLease {
+                covered,
+                drop_cache: false,
+            });
+        }
         // The program that opens waits for its own changes: all answered before the ask.
-        access == AccessMode::ReadOnly
-            && self.may_lease_file(&gfid)
-            && self
-                .take_file_lease(c, gfid, self.inodes.change_mark())
-                .await
+        self.take_file_lease(c, gfid, self.inodes.change_mark())
+            .await
     }
 
     /// After the release of a handle that wrote file `ino`: its read lease, asked now rather
@@ -582,7 +623,11 @@ impl<L: Layer> Shared<L> {
         }
         if let Some(grant) = held {
             self.note_held_attrs(c, ino, gfid, grant, mark).await;
-        } else if self.take_file_lease(c, gfid, mark).await {
+        } else if self
+            .take_file_lease(c, gfid, mark)
+            .await
+            .is_ok_and(|l| l.drop_cache)
+        {
             self.invalidate_files(&[gfid]).await;
         }
     }
@@ -614,22 +659,39 @@ impl<L: Layer> Shared<L> {
             && self.files.may_ask(gfid)
     }
 
-    /// Asks and takes a read lease on file `gfid`: whether what the kernel cached of it before
-    /// must go (a lease taken now over pages of no version the brick showed, or a recall
-    /// under way). The kernel's attributes of it are dropped here. Every change made through
-    /// the mount before `mark` has been answered: the attributes the grant gives are as of it.
-    async fn take_file_lease(self: &Arc<Self>, c: &Creds, gfid: Gfid, mark: ChangeMark) -> bool {
+    /// Asks and takes a read lease on file `gfid` (ESTALE when the brick no longer has it).
+    /// The kernel's attributes of it are dropped here. Every change made through the mount
+    /// before `mark` has been answered: the attributes the grant gives are as of it.
+    async fn take_file_lease(
+        self: &Arc<Self>,
+        c: &Creds,
+        gfid: Gfid,
+        mark: ChangeMark,
+    ) -> Result<FileLease> {
         let asked = self.files.asked();
         let (granted, version) = self.ask_file_lease(c, gfid).await;
+        let uncovered = |drop_cache| {
+            Ok(FileLease {
+                covered: false,
+                drop_cache,
+            })
+        };
         match granted {
             Ok(FopReply::Lease(r)) if r.kind == LeaseKind::Read => {}
             // Refused (another client changed it lately): as without leases.
             Ok(_) => {
                 self.files.refused(gfid);
-                return false;
+                return uncovered(false);
             }
-            Err(_) => return false,
+            Err(Error::Fop(ErrorCode::Stale | ErrorCode::NoEnt)) => return Err(Errno::ESTALE),
+            Err(_) => return uncovered(false),
         }
+        let covered = |drop_cache| {
+            Ok(FileLease {
+                covered: true,
+                drop_cache,
+            })
+        };
         let grant = match self.files.take(gfid, asked) {
             Ok((grant, None)) => grant,
             // Room made: the least lately opened goes back, off this open's way.
@@ -641,17 +703,17 @@ impl<L: Layer> Shared<L> {
             // A recall came since it was asked: it goes back, and the file is changing.
             Err(()) => {
                 self.give_back_file(gfid).await;
-                return true;
+                return uncovered(true);
             }
         };
         self.invalidate_attrs(&[gfid]).await;
         let Some((ino, iatt)) = version else {
-            return true;
+            return covered(true);
         };
         // They answer the stats that follow (a read reaching the end asks the size).
         self.note_leased_attrs(ino, gfid, grant, iatt.clone(), mark);
         // Pages this mount wrote stay where the brick, under the lease, shows their version.
-        self.inodes.pages_seen(ino, Stamp::of(&iatt))
+        covered(self.inodes.pages_seen(ino, Stamp::of(&iatt)))
     }
 
     /// LEASE (read) of file `gfid`, as `c`. Where the kernel may hold pages this mount wrote
@@ -896,12 +958,17 @@ impl<L: Layer> Shared<L> {
         Ok((attr, ttl, self.handles.add_opened(open, flags, None).0))
     }
 
-    /// Whether an open is answered at once and made on the brick at the handle's first use
-    /// (GlusterFS's open-behind): a plain read-only open, when the kernel has checked the
-    /// caller's permission itself (`default_permissions`). A read served from the kernel's
-    /// page cache then costs the brick nothing, and a file removed by another client in
-    /// between fails the first read (ESTALE) instead of the open (through this mount, a
-    /// removal gives such handles their fds first: [`Removal`]).
+    /// How many recalls (of directory and file leases) the mount has seen.
+    fn recalls_seen(&self) -> u64 {
+        self.leases.recalls() + self.files.asked()
+    }
+
+    /// Whether an open may be answered at once and made on the brick at the handle's first
+    /// use (GlusterFS's open-behind): a plain read-only open, when the kernel has checked the
+    /// caller's permission itself (`default_permissions`) — and a lease covers the file
+    /// ([`Shared::open_handle`]). A read served from the kernel's page cache then costs the
+    /// brick nothing; a removal gives such handles their fds first, through this mount
+    /// ([`Removal`]) or another (the recall of the lease).
     fn opens_late(&self, access: AccessMode, flags: OpenFlags) -> bool {
         self.options.default_permissions && access == AccessMode::ReadOnly && flags.bits() == 0
     }
@@ -1386,6 +1453,21 @@ impl<L: Layer> Shared<L> {
         for open in self.handles.without_fd(&waiting) {
             if let Err(e) = self.late_fd(&open).await {
                 tracing::warn!(?e, "cannot open a settled create");
+            }
+        }
+    }
+
+    /// Gives the handles on `gfids` still without an fd their fds, before a lease that
+    /// covers those files goes back: another client is about to change or remove them, and
+    /// an open file must outlive its removal there as here.
+    pub(super) async fn anchor_handles_on(&self, gfids: &[Gfid]) {
+        let inos: Vec<u64> = gfids.iter().filter_map(|g| self.inodes.ino_of(g)).collect();
+        for open in self.handles.without_fd(&[]) {
+            if !open.directory
+                && inos.contains(&open.ino)
+                && let Err(e) = self.late_fd(&open).await
+            {
+                tracing::debug!(?e, "a handle lost its file before a recall");
             }
         }
     }

@@ -710,6 +710,7 @@ impl<L: Layer> Shared<L> {
         let mut described = self.leases.described_in(&recall.gfid);
         // The objects its listing showed too: the recall may be for a change to one of them.
         described.extend(self.leases.listed_in(&recall.gfid));
+        self.anchor_handles_on(&described).await;
         let names = self.leases.names_told(&recall.gfid);
         let held = self.leases.release(&recall.gfid);
         // Data written behind reaches the brick before the lease goes back, so the recalling
@@ -743,12 +744,19 @@ impl<L: Layer> Shared<L> {
     /// Gives back the read lease on a file: what the kernel caches of it goes first, so its
     /// next read sees the change the recall is for.
     pub(super) async fn give_back_file(&self, gfid: Gfid) {
+        self.anchor_handles_on(&[gfid]).await;
         self.invalidate_files(&[gfid]).await;
         let lease = Lease {
             gfid,
             kind: LeaseKind::None,
         };
         let _ = self.layer.call(&Creds::root(), lease.into()).await;
+    }
+
+    /// Gives back the read lease on a file its recall took ([`Shared::give_back_file`]).
+    async fn give_back_recalled_file(&self, gfid: Gfid) {
+        self.give_back_file(gfid).await;
+        self.files.given_back(&gfid);
     }
 
     /// Follows the events from below until the mount goes: a recalled directory is no longer
@@ -771,7 +779,7 @@ impl<L: Layer> Shared<L> {
                     // A grant of this file or directory whose reply comes from now on is not
                     // taken.
                     if self.files.recalled(&recall.gfid) {
-                        giving_back.push(Either::Left(self.give_back_file(recall.gfid)));
+                        giving_back.push(Either::Left(self.give_back_recalled_file(recall.gfid)));
                     } else {
                         self.leases.recalled(recall.gfid);
                         giving_back.push(Either::Right(self.give_back(recall)));

@@ -62,6 +62,15 @@ impl From<Zerofill> for FallocateRange {
     }
 }
 
+/// ESTALE for a file whose handle went between its look and its open (its last name removed
+/// meanwhile), as for one gone before: the client looks the name up again.
+fn gone_is_stale(e: Errno) -> Errno {
+    match e {
+        Errno::NOENT => Errno::STALE,
+        e => e,
+    }
+}
+
 impl<E: Exec> Fops<E> {
     pub(super) async fn open(
         &self,
@@ -72,7 +81,10 @@ impl<E: Exec> Fops<E> {
         flags: OpenFlags,
     ) -> R<OpenReply> {
         let open = self.open_op(gfid, access, flags, false).await?;
-        let file: FileRef = self.run_one(Step::caller(open, creds)).await?;
+        let file: FileRef = self
+            .run_one(Step::caller(open, creds))
+            .await
+            .map_err(gone_is_stale)?;
         let fd = self
             .keep_open(session, *gfid, file, access != AccessMode::ReadOnly)
             .await?;
@@ -99,7 +111,7 @@ impl<E: Exec> Fops<E> {
             file: FileRef::Chain,
         }));
         let mut results = self.run(chain).await;
-        results.take(opened)?;
+        results.take(opened).map_err(gone_is_stale)?;
         results.take(close)?;
         let data = results.take(data)?;
         let data = Payload::new(data).map_err(|_| op::invariant("a read over the limit"))?;

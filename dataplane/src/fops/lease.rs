@@ -30,6 +30,15 @@ impl<E: Exec> Fops<E> {
             }
         }
         let kind = leases.grant(session, r.gfid, r.kind).await?;
+        // A removal that ran between the look above and the grant recalled nothing: the
+        // object must still be there now that the grant is noted (any removal from now on
+        // recalls it first).
+        if kind != LeaseKind::None
+            && let Err(e) = self.stat_gfid(&r.gfid).await
+        {
+            leases.give_back(session, r.gfid, kind);
+            return Err(e);
+        }
         Ok(LeaseReply { kind })
     }
 
