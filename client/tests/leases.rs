@@ -1664,6 +1664,43 @@ fn a_file_replaced_by_rename_in_another_mount_reads_whole_at_every_open() {
     assert_brick_consistent(&a);
 }
 
+/// A file a program keeps open and writes a line at a time — a log, new or appended to —
+/// reaches another mount about a second after each write, without a close or fsync: the
+/// mount sends what it answered behind once it is a second old. Before, the lines stayed in
+/// the writer's mount until its close or a MiB of them (and a killed mount lost them all).
+#[test]
+fn lines_written_to_a_file_kept_open_reach_another_mount_within_seconds() {
+    use std::io::Write;
+    let a = brick();
+    let b = a.another("b", &[]);
+    fs::create_dir(a.path("logs")).expect("mkdir");
+    fs::write(a.path("logs/old.log"), "old\n").expect("write");
+    fsync_dir(&a.path("logs")).expect("sent");
+    for (name, first) in [("new.log", ""), ("old.log", "old\n")] {
+        let mut log = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(a.path(&format!("logs/{name}")))
+            .expect("open the log");
+        let mut expected = first.to_owned();
+        for i in 0..3 {
+            let line = format!("{name} line {i}\n");
+            log.write_all(line.as_bytes()).expect("write a line");
+            expected.push_str(&line);
+            let written = Instant::now();
+            let seen = |content: &str| content == expected;
+            while !fs::read_to_string(b.path(&format!("logs/{name}"))).is_ok_and(|c| seen(&c)) {
+                assert!(
+                    written.elapsed() < Duration::from_secs(10),
+                    "{name}: line {i} not seen in the other mount 10 s after its write"
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+    assert_brick_consistent(&a);
+}
+
 #[test]
 fn a_stopped_holder_loses_its_lease_after_the_bound() {
     let a = brick();

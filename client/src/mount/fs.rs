@@ -53,7 +53,7 @@ pub(crate) struct KilnFs<L: Layer> {
     runtime: Handle,
     shared: Arc<Shared<L>>,
     /// The sender of changes made behind and the listener for recalls.
-    tasks: [tokio::task::JoinHandle<()>; 2],
+    tasks: [tokio::task::JoinHandle<()>; 3],
 }
 
 /// How long an unmount waits for the changes made behind to reach the brick.
@@ -73,6 +73,7 @@ impl<L: Layer> KilnFs<L> {
         let tasks = [
             runtime.spawn(shared.clone().send_behind()),
             runtime.spawn(shared.clone().follow_events()),
+            runtime.spawn(shared.clone().send_old_writes()),
         ];
         KilnFs {
             runtime,

@@ -88,6 +88,9 @@ const AHEAD_BYTES_MAX: usize = 64 << 20;
 const UNSENT_BYTES_MAX: usize = IO_SIZE_MAX_BYTES;
 /// Bytes written behind that the mount's handles hold at once; past it, writes go through.
 const UNSENT_TOTAL_BYTES_MAX: usize = 64 << 20;
+/// How long a write answered behind (gathered, or a deferred create's) waits at most for
+/// the writes that continue it or its file's close before it is sent anyway.
+const BEHIND_AGE_MAX: Duration = Duration::from_secs(1);
 /// Bytes the deferred creates closed without a FLUSH may hold at once, counted at their
 /// most ([`DEFERRED_BYTES_MAX`] each) from create to release: their closers do not wait for
 /// the queue behind to have room, so past it a create's handle keeps its FLUSH.
@@ -132,12 +135,13 @@ pub(super) struct Opened {
 }
 
 /// Writes through one handle answered but not yet sent: bytes from `offset` on, as `creds`
-/// wrote them.
+/// wrote them, the first at `since`.
 #[derive(Debug)]
 struct Unsent {
     creds: Creds,
     offset: u64,
     data: bytes::BytesMut,
+    since: Instant,
     _budget: Budgeted,
 }
 
@@ -1152,6 +1156,7 @@ impl<L: Layer> Shared<L> {
                 creds: c.clone(),
                 offset,
                 data: bytes::BytesMut::from(&data[..]),
+                since: Instant::now(),
                 _budget: budget,
             });
             self.handles.note_unsent(fh.0, open);
@@ -1200,6 +1205,32 @@ impl<L: Layer> Shared<L> {
                 .and_then(|g| self.leases.local(&g));
             if described.is_none() {
                 self.send_handle_writes(fh, &open).await;
+            }
+        }
+    }
+
+    /// Sends, every half [`BEHIND_AGE_MAX`] until the mount ends, the writes gathered behind
+    /// and the creates deferred at least that long ago: a file a program keeps open (a log)
+    /// reaches the brick, and other clients, that long after its writes at most — not at
+    /// its close or a MiB later — and a killed mount loses no more than that of it.
+    pub(super) async fn send_old_writes(self: Arc<Self>) {
+        let mut every = tokio::time::interval(BEHIND_AGE_MAX / 2);
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            every.tick().await;
+            for (fh, open) in self.handles.with_unsent(None) {
+                let old = open.unsent.try_lock().is_ok_and(|unsent| {
+                    unsent
+                        .as_ref()
+                        .is_some_and(|u| u.since.elapsed() >= BEHIND_AGE_MAX)
+                });
+                if old {
+                    self.send_handle_writes(fh, &open).await;
+                }
+            }
+            for ino in self.pending.older_than(BEHIND_AGE_MAX) {
+                // A refusal is kept for the file's close.
+                let _ = self.settle(ino).await;
             }
         }
     }

@@ -42,6 +42,8 @@ pub(crate) struct Pending {
     attr: SetAttr,
     /// What the kernel is told the file looks like.
     iatt: Iatt,
+    /// When the create was answered.
+    made_at: std::time::Instant,
 }
 
 /// The parent directory's attributes that decide a create: who may, and the new file's group.
@@ -100,6 +102,7 @@ impl Pending {
             data: Vec::new(),
             attr: SetAttr::default(),
             iatt,
+            made_at: std::time::Instant::now(),
         }
     }
 
@@ -352,6 +355,19 @@ impl PendingCreates {
             }
         }
         found
+    }
+
+    /// Node ids of deferred files answered at least `age` ago (those not being worked on
+    /// this moment).
+    pub(crate) fn older_than(&self, age: std::time::Duration) -> Vec<u64> {
+        self.lock()
+            .iter()
+            .filter(|(_, p)| {
+                p.try_lock()
+                    .is_ok_and(|p| p.as_ref().is_some_and(|p| p.made_at.elapsed() >= age))
+            })
+            .map(|(ino, _)| *ino)
+            .collect()
     }
 
     /// Sends node `ino`'s file to the brick if it is still deferred; its attributes then.
