@@ -180,6 +180,11 @@ impl FileLeases {
         state.recalling.remove(gfid);
     }
 
+    /// Forgets the lease on `gfid` (to be given back); whether the mount held one.
+    pub(super) fn forget(&self, gfid: &Gfid) -> bool {
+        self.lock().held.pop(gfid).is_some()
+    }
+
     /// Every lease is gone (the session that held them ended): the files held.
     pub(super) fn release_all(&self) -> Vec<Gfid> {
         let mut state = self.lock();

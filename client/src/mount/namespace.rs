@@ -414,8 +414,26 @@ impl<L: Layer> Shared<L> {
         self.anchor_handles().await;
         let wants = self.write_leases_for(&change.parents());
         self.call_with_leases(c, fop, &wants).await.map_err(errno)?;
-        self.note_changed(&change);
+        let removed = self.note_changed(&change);
+        self.give_back_removed(removed).await;
         Ok(())
+    }
+
+    /// Gives back the read lease this mount holds on file `removed`, if any, whose name it
+    /// just removed: the file may be gone from the brick, whose removal by this mount
+    /// recalled nothing, and a lease on a gone file covers nothing (an open of it answered
+    /// without the brick would fail at its first read). Queued behind the removal.
+    async fn give_back_removed(&self, removed: Option<Gfid>) {
+        let Some(gfid) = removed.filter(|g| self.files.forget(g)) else {
+            return;
+        };
+        let lease = Lease {
+            gfid,
+            kind: LeaseKind::None,
+        };
+        self.behind
+            .push(&Creds::root(), lease.into(), &[gfid])
+            .await;
     }
 
     /// Answers a removal or rename here and queues it, when every name it needs is in a held
@@ -471,23 +489,27 @@ impl<L: Layer> Shared<L> {
         let mut touches = vec![object];
         touches.extend(gone);
         touches.extend(change.parents());
-        self.note_changed(change);
+        let removed = self.note_changed(change);
         // A rename that replaces nothing takes no file away.
         let takes_a_file = !matches!(change, Change::Rename { .. }) || gone.is_some();
         let removal = takes_a_file.then_some(removal);
         self.behind
             .push_removal(c, fop.clone(), &touches, removal)
             .await;
+        self.give_back_removed(removed).await;
         Ok(true)
     }
 
-    /// Records in the held directories what `change` did there.
-    fn note_changed(&self, change: &Change) {
+    /// Records in the held directories what `change` did there; the object whose name it
+    /// removed, where the mount knew it (it may have no name left).
+    fn note_changed(&self, change: &Change) -> Option<Gfid> {
+        let mut removed = None;
         match change {
             Change::Make { .. } => {}
             Change::Unlink { parent, name } => {
                 if let Some(g) = self.leases.remove_entry(parent, name) {
                     self.unlinked(&g);
+                    removed = Some(g);
                 }
                 self.touch_dir(parent, 0);
             }
@@ -546,6 +568,7 @@ impl<L: Layer> Shared<L> {
                     }
                     self.leases.release(&replaced);
                     self.unlinked(&replaced);
+                    removed = Some(replaced);
                 }
                 match source {
                     Some(source) => {
@@ -574,6 +597,7 @@ impl<L: Layer> Shared<L> {
                 }
             }
         }
+        removed
     }
 
     /// Whether a handle is open on object `gfid` (its removal must wait for the brick).

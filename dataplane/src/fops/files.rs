@@ -62,8 +62,9 @@ impl From<Zerofill> for FallocateRange {
     }
 }
 
-/// ESTALE for a file whose handle went between its look and its open (its last name removed
-/// meanwhile), as for one gone before: the client looks the name up again.
+/// ESTALE for a file whose handle went between its look and its open, or its open and its
+/// stat (its last name removed meanwhile), as for one gone before: the client looks the
+/// name up again.
 fn gone_is_stale(e: Errno) -> Errno {
     match e {
         Errno::NOENT => Errno::STALE,
@@ -117,7 +118,7 @@ impl<E: Exec> Fops<E> {
         let data = Payload::new(data).map_err(|_| op::invariant("a read over the limit"))?;
         Ok(ReadReply {
             data,
-            iatt: iatt(&results.take(stat)?, r.gfid),
+            iatt: iatt(&results.take(stat).map_err(gone_is_stale)?, r.gfid),
         })
     }
 
