@@ -52,7 +52,8 @@ const BACKGROUND_MAX: u16 = 64;
 pub(crate) struct KilnFs<L: Layer> {
     runtime: Handle,
     shared: Arc<Shared<L>>,
-    /// The sender of changes made behind and the listener for recalls.
+    /// The sender of changes made behind, the listener for recalls, and the sender of
+    /// what waited behind a second.
     tasks: [tokio::task::JoinHandle<()>; 3],
 }
 
