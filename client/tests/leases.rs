@@ -1612,7 +1612,7 @@ fn renames_and_unlinks_race_across_mounts() {
 /// looked it up fails (ESTALE, and the kernel looks the name up again) rather than its first
 /// read; a file open here when the other mount replaces it has its brick fd by then. Before,
 /// a read-only open here was answered without the brick, and the reads of a file replaced
-/// since failed ESTALE for as long as the kernel kept the name (most reads of this test).
+/// since failed ESTALE for as long as the kernel kept the name (thousands in this test).
 #[test]
 fn a_file_replaced_by_rename_in_another_mount_reads_whole_at_every_open() {
     use std::io::Read;
