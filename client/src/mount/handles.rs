@@ -69,6 +69,16 @@ struct FileLease {
     drop_cache: bool,
 }
 
+impl FileLease {
+    /// Nothing asked: the kernel's caches stay as they are.
+    fn kept(covered: bool) -> FileLease {
+        FileLease {
+            covered,
+            drop_cache: false,
+        }
+    }
+}
+
 /// The kernel's `FMODE_EXEC` as FUSE passes it in an OPEN's flags: the file is opened to be
 /// run. While it is open the kernel refuses writers (ETXTBSY).
 const EXEC_OPEN: i32 = 0x20;
@@ -589,12 +599,9 @@ impl<L: Layer> Shared<L> {
         gfid: Gfid,
         access: AccessMode,
     ) -> Result<FileLease> {
-        let covered = self.files.holds(&gfid) || self.cached_truly(&gfid);
-        if access != AccessMode::ReadOnly || covered || !self.may_lease_file(&gfid) {
-            return Ok(FileLease {
-                covered,
-                drop_cache: false,
-            });
+        let covered = self.lease_covers(&gfid);
+        if access != AccessMode::ReadOnly || covered || !self.may_ask_file_lease(&gfid) {
+            return Ok(FileLease::kept(covered));
         }
         // The program that opens waits for its own changes: all answered before the ask.
         self.take_file_lease(c, gfid, self.inodes.change_mark())
@@ -657,10 +664,19 @@ impl<L: Layer> Shared<L> {
     /// holds none, nothing else keeps the kernel's caches of it true, and the brick did not
     /// refuse one lately.
     fn may_lease_file(&self, gfid: &Gfid) -> bool {
-        self.uses_file_leases()
-            && !self.files.holds(gfid)
-            && !self.cached_truly(gfid)
-            && self.files.may_ask(gfid)
+        !self.lease_covers(gfid) && self.may_ask_file_lease(gfid)
+    }
+
+    /// Whether a lease covers file `gfid`: its own read lease, or what
+    /// [`Shared::cached_truly`] says.
+    fn lease_covers(&self, gfid: &Gfid) -> bool {
+        self.files.holds(gfid) || self.cached_truly(gfid)
+    }
+
+    /// Whether a read lease on file `gfid` may be asked: file leases are on, and the brick
+    /// did not refuse one lately (nor is its recall being answered).
+    fn may_ask_file_lease(&self, gfid: &Gfid) -> bool {
+        self.uses_file_leases() && self.files.may_ask(gfid)
     }
 
     /// Asks and takes a read lease on file `gfid` (ESTALE when the brick no longer has it).
@@ -680,6 +696,12 @@ impl<L: Layer> Shared<L> {
                 drop_cache,
             })
         };
+        let covered = |drop_cache| {
+            Ok(FileLease {
+                covered: true,
+                drop_cache,
+            })
+        };
         match granted {
             Ok(FopReply::Lease(r)) if r.kind == LeaseKind::Read => {}
             // Refused (another client changed it lately): as without leases.
@@ -690,12 +712,6 @@ impl<L: Layer> Shared<L> {
             Err(Error::Fop(ErrorCode::Stale | ErrorCode::NoEnt)) => return Err(Errno::ESTALE),
             Err(_) => return uncovered(false),
         }
-        let covered = |drop_cache| {
-            Ok(FileLease {
-                covered: true,
-                drop_cache,
-            })
-        };
         let grant = match self.files.take(gfid, asked) {
             Ok((grant, None)) => grant,
             // Room made: the least lately opened goes back, off this open's way.
