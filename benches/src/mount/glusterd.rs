@@ -2,7 +2,10 @@
 //! the `gluster volume set` row of `kiln-bench mgmt`. For the mount, Debian's
 //! `glusterfs-server` is installed with `apt-get` when `glusterd`, `gluster` or `glusterfs`
 //! is missing (`mgmt` installs nothing: [`Glusterd::set_up_installed`]). Then `glusterd -N`
-//! is started in the background unless a glusterd already runs (no systemd needed), and a
+//! is started in the background unless a glusterd already runs (no systemd needed), with a
+//! working directory of its own in the scratch directory — the host's (`/var/lib/glusterd`)
+//! would bring back every volume defined there before and start their bricks beside the
+//! measured one — and a
 //! single-brick volume created with `force` (its brick in the scratch directory) on the
 //! first address of this host glusterd accepts as its own (the host name, then
 //! `hostname -I`; glusterd refuses `127.0.0.1` and `localhost` for a brick) and started,
@@ -99,8 +102,15 @@ impl Glusterd {
         };
         let running = !glusterd_pids().is_empty();
         if !running {
+            let state = root.join("glusterd");
+            std::fs::create_dir_all(&state)
+                .with_context(|| format!("cannot create {}", state.display()))?;
             let mut cmd = Command::new("glusterd");
             cmd.arg("-N")
+                .arg(format!(
+                    "--xlator-option=management.working-directory={}",
+                    state.display()
+                ))
                 .arg(format!(
                     "--log-file={}",
                     logs.join("glusterd.log").display()
@@ -110,7 +120,8 @@ impl Glusterd {
         }
         g.detail["glusterd"] = json!(match running {
             true => "already running: used, left running",
-            false => "started by kiln-bench (glusterd -N), stopped at the end",
+            false =>
+                "started by kiln-bench (glusterd -N, its own working directory), stopped at the end",
         });
         g.detail["version"] = json!(version("glusterd"));
         g.wait_answering()?;
