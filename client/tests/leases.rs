@@ -1082,8 +1082,10 @@ fn a_large_file_written_behind_is_seen_whole_by_both_mounts() {
 }
 
 /// Small files made in a held directory read back without the brick (their content kept
-/// by the mount while it describes them), whole; one rewritten here, and one changed by
-/// another mount, read back changed.
+/// by the mount while it describes them), whole — those synced before their close too, as
+/// a mail is delivered, and renamed after; one written again after its fsync reads back
+/// with that write; one rewritten here, and one changed by another mount, read back
+/// changed.
 #[test]
 fn files_made_here_read_back_without_the_brick_and_never_stale() {
     use std::io::Write;
@@ -1092,18 +1094,42 @@ fn files_made_here_read_back_without_the_brick_and_never_stale() {
     fs::create_dir(a.path("d")).expect("mkdir");
     let content = |i: usize| format!("{i}").repeat(1000 + i);
     for i in 0..20 {
-        fs::write(a.path(&format!("d/f{i}")), content(i)).expect("write");
+        let path = a.path(&format!("d/f{i}"));
+        if i % 2 == 0 {
+            // Its PUT goes at the fsync, not behind the close.
+            let mut file = fs::File::create(&path).expect("create");
+            file.write_all(content(i).as_bytes()).expect("write");
+            file.sync_all().expect("fsync");
+        } else {
+            fs::write(path, content(i)).expect("write");
+        }
     }
+    fs::rename(a.path("d/f4"), a.path("d/f4.moved")).expect("rename");
+    let path = |i: usize| match i {
+        4 => a.path("d/f4.moved"),
+        i => a.path(&format!("d/f{i}")),
+    };
     let reads = || {
         let now = common::scrape(&metrics);
         ["READ", "GET", "OPEN"].map(|fop| common::fop_calls(&now, fop))
     };
     let before = reads();
     for i in 0..20 {
-        let read = fs::read_to_string(a.path(&format!("d/f{i}"))).expect("read");
+        let read = fs::read_to_string(path(i)).expect("read");
         assert_eq!(read, content(i), "f{i}");
     }
     assert_eq!(reads(), before, "READ, GET and OPEN asked of the brick");
+
+    // Written again after its fsync: read back with that write.
+    let mut file = fs::File::create(a.path("d/g")).expect("create");
+    file.write_all(b"synced").expect("write");
+    file.sync_all().expect("fsync");
+    file.write_all(b", then more").expect("write after the fsync");
+    drop(file);
+    assert_eq!(
+        fs::read_to_string(a.path("d/g")).expect("read"),
+        "synced, then more"
+    );
 
     // Rewritten in place here: read back as rewritten.
     let mut file = fs::OpenOptions::new()
@@ -1124,7 +1150,7 @@ fn files_made_here_read_back_without_the_brick_and_never_stale() {
         "changed in b"
     );
     for i in 3..20 {
-        let read = fs::read_to_string(a.path(&format!("d/f{i}"))).expect("read");
+        let read = fs::read_to_string(path(i)).expect("read");
         assert_eq!(read, content(i), "f{i}");
     }
     assert_brick_consistent(&a);

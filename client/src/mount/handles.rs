@@ -1096,6 +1096,11 @@ impl<L: Layer> Shared<L> {
         } else if kill_suidgid {
             self.kill_suidgid(c, open.ino, fh).await?;
         }
+        // What the mount kept of the file's content, sent meanwhile (by an fsync this write
+        // waited for), is not its content any more.
+        if let Some(gfid) = self.inodes.gfid(open.ino) {
+            self.made.forget(&gfid);
+        }
         let fd = self.fd(&open).await?;
         if self.write_behind(c, fh, &open, offset, &data).await? {
             return Ok(len);
@@ -1409,16 +1414,22 @@ impl<L: Layer> Shared<L> {
             if let Some(parent) = parent {
                 self.behind.settle(&parent).await;
             }
+            let mark = self.inodes.change_mark();
             let sent = self.pending.settle(&self.layer, ino).await.map_err(errno)?;
-            if let Some(iatt) = &sent {
+            if let Some((iatt, _)) = &sent {
                 self.note_data_changed(None, iatt);
             }
             // Made under the directory's write lease: the mount describes it while it holds
-            // the lease (its writes can then go behind), as it does the files it sends at
-            // close.
-            if let (Some(iatt), Some(parent)) = (sent, parent)
+            // the lease (its writes can then go behind) and answers its reads from the
+            // content it sent, as it does for the files it sends at close — a file synced
+            // before its close (a mail delivered) is read back without the brick too — unless
+            // a write waited for the PUT meanwhile (its own note of the change came first).
+            if let (Some((iatt, content)), Some(parent)) = (sent, parent)
                 && self.leases.holds(&parent)
             {
+                if self.inodes.unchanged_since(ino, mark) {
+                    self.made.keep(iatt.gfid, content);
+                }
                 self.leases.describe(iatt);
             }
         }

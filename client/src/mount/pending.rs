@@ -234,12 +234,14 @@ impl Pending {
         self.put_of(Bytes::from(data))
     }
 
-    /// Sends the file to the brick as one PUT, as its creator (its bytes move into the PUT).
-    async fn send(self, layer: &impl Layer) -> Result<Iatt, Error> {
+    /// Sends the file to the brick as one PUT, as its creator (its bytes move into the PUT);
+    /// its attributes and content then.
+    async fn send(self, layer: &impl Layer) -> Result<(Iatt, Bytes), Error> {
         let creds = self.creds.clone();
         let put = self.into_put()?;
+        let content = put.data.clone().into_bytes();
         match layer.call(&creds, put.into()).await? {
-            FopReply::Put(r) => Ok(r.iatt),
+            FopReply::Put(r) => Ok((r.iatt, content)),
             other => Err(Error::Protocol(format!(
                 "a {} reply to PUT",
                 other.code().name()
@@ -370,9 +372,13 @@ impl PendingCreates {
             .collect()
     }
 
-    /// Sends node `ino`'s file to the brick if it is still deferred; its attributes then.
-    /// Once settled (or refused) the node is an ordinary one.
-    pub(crate) async fn settle(&self, layer: &impl Layer, ino: u64) -> Result<Option<Iatt>, Error> {
+    /// Sends node `ino`'s file to the brick if it is still deferred; its attributes and
+    /// content then. Once settled (or refused) the node is an ordinary one.
+    pub(crate) async fn settle(
+        &self,
+        layer: &impl Layer,
+        ino: u64,
+    ) -> Result<Option<(Iatt, Bytes)>, Error> {
         let Some(slot) = self.get(ino) else {
             return Ok(None);
         };
