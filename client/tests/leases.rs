@@ -1124,7 +1124,8 @@ fn files_made_here_read_back_without_the_brick_and_never_stale() {
     let mut file = fs::File::create(a.path("d/g")).expect("create");
     file.write_all(b"synced").expect("write");
     file.sync_all().expect("fsync");
-    file.write_all(b", then more").expect("write after the fsync");
+    file.write_all(b", then more")
+        .expect("write after the fsync");
     drop(file);
     assert_eq!(
         fs::read_to_string(a.path("d/g")).expect("read"),
