@@ -1423,7 +1423,8 @@ impl<L: Layer> Shared<L> {
             // the lease (its writes can then go behind) and answers its reads from the
             // content it sent, as it does for the files it sends at close — a file synced
             // before its close (a mail delivered) is read back without the brick too — unless
-            // a write waited for the PUT meanwhile (its own note of the change came first).
+            // a change to it was answered meanwhile (a write that waited for the PUT drops
+            // the content itself when it runs).
             if let (Some((iatt, content)), Some(parent)) = (sent, parent)
                 && self.leases.holds(&parent)
             {
