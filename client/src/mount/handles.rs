@@ -1084,22 +1084,25 @@ impl<L: Layer> Shared<L> {
         let len = u32::try_from(data.len()).map_err(|_| Errno::EINVAL)?;
         // Through its page cache the kernel drops the set-ID bits itself.
         let kill_suidgid = kill_suidgid && open.writes_direct();
-        if let Some(slot) = self.pending.get(open.ino)
-            && let Some(pending) = slot.lock().await.as_mut()
-        {
-            if kill_suidgid {
-                pending.kill_suidgid();
+        let mut deferred = false;
+        if let Some(slot) = self.pending.get(open.ino) {
+            match slot.lock().await.as_mut() {
+                Some(pending) => {
+                    deferred = true;
+                    if kill_suidgid {
+                        pending.kill_suidgid();
+                    }
+                    if pending.write(offset, &data) {
+                        return Ok(len);
+                    }
+                }
+                // Sent while this write waited (by an fsync): the content the mount kept of
+                // it is not the file's any more.
+                None => self.forget_made(open.ino),
             }
-            if pending.write(offset, &data) {
-                return Ok(len);
-            }
-        } else if kill_suidgid {
-            self.kill_suidgid(c, open.ino, fh).await?;
         }
-        // What the mount kept of the file's content, sent meanwhile (by an fsync this write
-        // waited for), is not its content any more.
-        if let Some(gfid) = self.inodes.gfid(open.ino) {
-            self.made.forget(&gfid);
+        if kill_suidgid && !deferred {
+            self.kill_suidgid(c, open.ino, fh).await?;
         }
         let fd = self.fd(&open).await?;
         if self.write_behind(c, fh, &open, offset, &data).await? {
@@ -1282,6 +1285,13 @@ impl<L: Layer> Shared<L> {
         }
     }
 
+    /// Forgets the content the mount kept of node `ino` ([`super::made`]).
+    fn forget_made(&self, ino: u64) {
+        if let Some(gfid) = self.inodes.gfid(ino) {
+            self.made.forget(&gfid);
+        }
+    }
+
     /// The content of node `ino` as the mount made it, while the mount still describes the
     /// file ([`super::made`]).
     fn made_content(&self, ino: u64) -> Option<Bytes> {
@@ -1317,12 +1327,8 @@ impl<L: Layer> Shared<L> {
         self.send_writes_behind(Some(ino)).await;
         if let Some(content) = self.close_behind(ino).await {
             self.store_content(ino, content).await;
-        } else {
-            let content = self.pending.content(ino).await;
-            self.settle(ino).await?;
-            if let Some(content) = content {
-                self.store_content(ino, content).await;
-            }
+        } else if let Some(content) = self.settle(ino).await? {
+            self.store_content(ino, content).await;
         }
         if let Some(errno) = self.pending.take_failure(ino) {
             return Err(Errno::from_i32(errno));
@@ -1379,7 +1385,7 @@ impl<L: Layer> Shared<L> {
         match open.directory {
             // A listing shows the files created here that are still deferred.
             true => self.settle_dir(Some(self.gfid(open.ino)?)).await,
-            false => self.settle(open.ino).await?,
+            false => drop(self.settle(open.ino).await?),
         }
         self.late_fd(open).await
     }
@@ -1406,8 +1412,10 @@ impl<L: Layer> Shared<L> {
     /// handles open on it get their fds on first use, or from [`Shared::anchor_handles`]
     /// before a fop that could remove the file: most are about to be released (a create's
     /// PUT is sent at its close), and opening them now would cost two round trips per file.
-    pub(super) async fn settle(&self, ino: u64) -> Result<()> {
+    /// The content it sent, if it sent one.
+    pub(super) async fn settle(&self, ino: u64) -> Result<Option<Bytes>> {
         self.send_writes_behind(Some(ino)).await;
+        let mut content_sent = None;
         if let Some(slot) = self.pending.get(ino) {
             // Its directory may itself be queued.
             let parent = slot.lock().await.as_ref().map(|p| p.parent);
@@ -1416,28 +1424,27 @@ impl<L: Layer> Shared<L> {
             }
             let mark = self.inodes.change_mark();
             let sent = self.pending.settle(&self.layer, ino).await.map_err(errno)?;
-            if let Some((iatt, _)) = &sent {
-                self.note_data_changed(None, iatt);
-            }
-            // Made under the directory's write lease: the mount describes it while it holds
-            // the lease (its writes can then go behind) and answers its reads from the
-            // content it sent, as it does for the files it sends at close — a file synced
-            // before its close (a mail delivered) is read back without the brick too — unless
-            // a change to it was answered meanwhile (a write that waited for the PUT drops
-            // the content itself when it runs).
-            if let (Some((iatt, content)), Some(parent)) = (sent, parent)
-                && self.leases.holds(&parent)
-            {
-                if self.inodes.unchanged_since(ino, mark) {
-                    self.made.keep(iatt.gfid, content);
+            if let Some((iatt, content)) = sent {
+                self.note_data_changed(None, &iatt);
+                // Made under the directory's write lease: the mount describes it while it
+                // holds the lease (its writes can then go behind) and answers its reads from
+                // the content it sent, as it does for the files it sends at close — a file
+                // synced before its close (a mail delivered) is read back without the brick
+                // too — unless a change to it was answered meanwhile (a write that waited for
+                // the PUT drops the content itself when it runs).
+                if parent.is_some_and(|p| self.leases.holds(&p)) {
+                    if self.inodes.unchanged_since(ino, mark) {
+                        self.made.keep(iatt.gfid, content.clone());
+                    }
+                    self.leases.describe(iatt);
                 }
-                self.leases.describe(iatt);
+                content_sent = Some(content);
             }
         }
         if let Some(gfid) = self.inodes.gfid(ino) {
             self.behind.settle(&gfid).await;
         }
-        Ok(())
+        Ok(content_sent)
     }
 
     /// The first close of a deferred create in a held directory, of a name it knew free: its
@@ -1554,7 +1561,7 @@ impl<L: Layer> Shared<L> {
         // be woken at every batch answered before it, as would every other such release.
         let sent = match self.pending.get(open.ino) {
             Some(_) => self.settle(open.ino).await,
-            None => Ok(()),
+            None => Ok(None),
         };
         if sent.is_ok() {
             self.pending.take_failure(open.ino);

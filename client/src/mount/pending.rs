@@ -403,13 +403,6 @@ impl PendingCreates {
         result.map(Some)
     }
 
-    /// The bytes of node `ino`'s file while it is still deferred.
-    pub(crate) async fn content(&self, ino: u64) -> Option<Bytes> {
-        let slot = self.get(ino)?;
-        let pending = slot.lock().await;
-        pending.as_ref().map(|p| Bytes::copy_from_slice(&p.data))
-    }
-
     /// Takes node `ino`'s file out of the deferred creates (to be sent another way).
     pub(crate) async fn take(&self, ino: u64) -> Option<Pending> {
         let slot = self.get(ino)?;
