@@ -5,11 +5,11 @@ mod common;
 use bytes::Bytes;
 use common::{Cluster, runtime};
 use kiln_client::path::new_gfid;
-use kiln_client::{BrickClient, Error, FdFop, Layer, LayerExt, Paths};
+use kiln_client::{BrickClient, ConnectOptions, Error, FdFop, Layer, LayerExt, Paths};
 use kiln_wire::{
-    AccessMask, AccessMode, Creds, DirEntryXattrs, ErrorCode, FileType, FopCode, FopReply, Gfid,
-    LeaseKind, Lock, LockCmd, LockKind, Mode, Name, NodeType, OpenFlags, Payload, ReadSize,
-    ReaddirSize, RenameMode, SeekWhat, SetAttr, SymlinkTarget, XattrName, XattrPresence,
+    AccessMask, AccessMode, Capabilities, Creds, DirEntryXattrs, ErrorCode, FileType, FopCode,
+    FopReply, Gfid, LeaseKind, Lock, LockCmd, LockKind, Mode, Name, NodeType, OpenFlags, Payload,
+    ReadSize, ReaddirSize, RenameMode, SeekWhat, SetAttr, SymlinkTarget, XattrName, XattrPresence,
     XattrSetMode, XattrValue,
 };
 
@@ -373,20 +373,26 @@ async fn exercise(v: &BrickClient, seen: &mut std::collections::BTreeSet<FopCode
         }
     );
     assert_eq!(fifo.iatt.file_type, FileType::Fifo);
-    let put = call!(
-        Put,
-        kiln_wire::Put {
-            parent: dir,
-            name: name("small"),
-            gfid: new_gfid(),
-            mode: mode(0o644),
-            umask: mode(0),
-            flags: OpenFlags::empty(),
-            data: Payload::new(Bytes::from_static(b"tiny")).expect("payload"),
-            attr: SetAttr::default(),
-        }
-    );
+    let small = kiln_wire::Put {
+        parent: dir,
+        name: name("small"),
+        gfid: new_gfid(),
+        mode: mode(0o644),
+        umask: mode(0),
+        flags: OpenFlags::empty(),
+        data: Payload::new(Bytes::from_static(b"tiny")).expect("payload"),
+        attr: SetAttr::default(),
+    };
+    let put = call!(Put, small.clone());
     assert_eq!(put.iatt.size, 4);
+    let mail = kiln_wire::Put {
+        name: name("mail"),
+        gfid: new_gfid(),
+        data: Payload::new(Bytes::from_static(b"a mail")).expect("payload"),
+        ..small
+    };
+    let synced = call!(PutSynced, kiln_wire::PutSynced { put: mail });
+    assert_eq!(synced.iatt.size, 6);
 
     // Directory reading.
     seen.insert(FopCode::Opendir);
@@ -399,7 +405,7 @@ async fn exercise(v: &BrickClient, seen: &mut std::collections::BTreeSet<FopCode
     });
     let mut names: Vec<String> = plain.entries.iter().map(|e| e.name.to_string()).collect();
     names.sort();
-    assert_eq!(names, ["fifo", "file", "hard", "small", "sym"]);
+    assert_eq!(names, ["fifo", "file", "hard", "mail", "small", "sym"]);
     let plus = call_fd!(&dfd, Readdirp, |fd| kiln_wire::Readdirp {
         fd,
         offset: 0,
@@ -528,6 +534,108 @@ async fn exercise(v: &BrickClient, seen: &mut std::collections::BTreeSet<FopCode
         .await
         .expect_err("ENOTEMPTY");
     assert_eq!(code(&not_empty), ErrorCode::NotEmpty);
+}
+
+/// A client that speaks as an older one — its HELLO without `PUT_SYNCED`, `GET` and
+/// `UNLINK_SETTLED` — has those fops answered all the same, each sent as the older fops it
+/// stands for (counted by the brick): PUT_SYNCED as PUT, then OPEN, FSYNC and RELEASE as
+/// root (the file's mode lets its maker write it, not open it again); GET as OPEN, READ and
+/// RELEASE; UNLINK_SETTLED as LOOKUP and UNLINK.
+#[test]
+fn fops_a_session_lacks_go_as_the_older_fops() {
+    let cluster = Cluster::new();
+    let metrics = common::free_loopback_addr();
+    let args = ["--count-fop-hits", "--metrics-listen", &metrics];
+    let brickd = cluster.start("127.0.0.1:0", &args);
+    let older = Capabilities::PUT_SYNCED
+        .union(Capabilities::GET)
+        .union(Capabilities::UNLINK_SETTLED);
+    let options = ConnectOptions {
+        capabilities: Capabilities::OFFERED.without(older),
+        ..cluster.options(brickd.addr, "alice")
+    };
+    let calls = |fops: &[&str]| {
+        let now = common::scrape(&metrics);
+        fops.iter()
+            .map(|fop| common::fop_calls(&now, fop))
+            .collect::<Vec<_>>()
+    };
+    runtime().block_on(async {
+        let v = BrickClient::connect(options).await.expect("connect");
+        let hello = v.hello().await.expect("hello");
+        assert_eq!(hello.capabilities.intersection(older), Capabilities::NONE);
+        let user = Creds {
+            uid: 1000,
+            gid: 1000,
+            ..Creds::root()
+        };
+        let dir = v
+            .call(
+                &Creds::root(),
+                kiln_wire::Mkdir {
+                    parent: Gfid::ROOT,
+                    name: name("spool"),
+                    gfid: new_gfid(),
+                    mode: mode(0o777),
+                    umask: mode(0),
+                }
+                .into(),
+            )
+            .await
+            .expect("mkdir");
+        let FopReply::Mkdir(dir) = dir else {
+            panic!("{dir:?}")
+        };
+        let put = kiln_wire::Put {
+            parent: dir.iatt.gfid,
+            name: name("mail"),
+            gfid: new_gfid(),
+            mode: mode(0o200),
+            umask: mode(0),
+            flags: OpenFlags::EXCL,
+            data: Payload::new(Bytes::from_static(b"a mail")).expect("payload"),
+            attr: SetAttr::default(),
+        };
+        let gfid = put.gfid;
+        let before = calls(&["PUT", "OPEN", "FSYNC", "RELEASE", "PUT_SYNCED"]);
+        match v.call(&user, kiln_wire::PutSynced { put }.into()).await {
+            Ok(FopReply::PutSynced(made)) => assert_eq!((made.iatt.size, made.iatt.uid), (6, 1000)),
+            other => panic!("PUT_SYNCED: {other:?}"),
+        }
+        let after = calls(&["PUT", "OPEN", "FSYNC", "RELEASE", "PUT_SYNCED"]);
+        let sent: Vec<f64> = after.iter().zip(&before).map(|(a, b)| a - b).collect();
+        assert_eq!(sent, [1.0, 1.0, 1.0, 1.0, 0.0], "PUT, OPEN, FSYNC, RELEASE");
+
+        let size = ReadSize::new(64).expect("size");
+        let get = kiln_wire::Get {
+            gfid,
+            offset: 0,
+            size,
+        };
+        match v.call(&Creds::root(), get.into()).await {
+            Ok(FopReply::Get(read)) => assert_eq!(read.data.as_bytes(), b"a mail"),
+            other => panic!("GET: {other:?}"),
+        }
+        let unlink = kiln_wire::UnlinkSettled {
+            parent: dir.iatt.gfid,
+            name: name("mail"),
+        };
+        let unlinked = v.call(&user, unlink.into()).await;
+        assert!(
+            matches!(unlinked, Ok(FopReply::UnlinkSettled(_))),
+            "{unlinked:?}"
+        );
+        let after = calls(&["GET", "UNLINK_SETTLED", "LOOKUP", "UNLINK", "READ"]);
+        assert_eq!(
+            (after[0], after[1]),
+            (0.0, 0.0),
+            "GET or UNLINK_SETTLED sent"
+        );
+        assert!(after[2] >= 1.0 && after[3] >= 1.0 && after[4] >= 1.0);
+        let gone = v.lookup(&Creds::root(), dir.iatt.gfid, &name("mail")).await;
+        assert_eq!(gone.map_err(|e| code(&e)).err(), Some(ErrorCode::NoEnt));
+        v.close().await;
+    });
 }
 
 #[test]

@@ -1157,6 +1157,69 @@ fn files_made_here_read_back_without_the_brick_and_never_stale() {
     assert_brick_consistent(&a);
 }
 
+/// A file written and fsynced before its close — a mail delivered into a maildir — reaches
+/// the brick as one PUT_SYNCED, fsynced there as it is made: no OPEN or FSYNC after it, and
+/// no PUT at its close. A file written again after its fsync and synced again gets an FSYNC
+/// for that write (through an fd opened then). Another mount reads each file whole.
+#[test]
+fn a_file_synced_before_its_close_is_made_durable_in_one_round_trip() {
+    use std::io::Write;
+    let metrics = common::free_loopback_addr();
+    let a = Mounted::with_brick(&counted(&metrics), &[]);
+    for dir in ["Maildir/tmp", "Maildir/new"] {
+        fs::create_dir_all(a.path(dir)).expect("mkdir");
+    }
+    let mail = |i: usize| format!("From: {i}\n\n").repeat(100);
+    let sent = || {
+        let now = common::scrape(&metrics);
+        ["PUT_SYNCED", "PUT", "OPEN", "FSYNC", "CREATE"].map(|fop| common::fop_calls(&now, fop))
+    };
+    let before = sent();
+    for i in 0..10 {
+        let tmp = a.path(&format!("Maildir/tmp/{i}"));
+        let mut file = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)
+            .expect("create");
+        file.write_all(mail(i).as_bytes()).expect("write");
+        file.sync_all().expect("fsync");
+        drop(file);
+        fs::rename(&tmp, a.path(&format!("Maildir/new/{i}"))).expect("rename");
+    }
+    let delivered = sent();
+    let per_fop: Vec<f64> = delivered.iter().zip(&before).map(|(a, b)| a - b).collect();
+    assert_eq!(
+        per_fop,
+        [10.0, 0.0, 0.0, 0.0, 0.0],
+        "PUT_SYNCED, PUT, OPEN, FSYNC, CREATE"
+    );
+
+    let mut log = fs::File::create(a.path("log")).expect("create");
+    log.write_all(b"one").expect("write");
+    log.sync_all().expect("fsync");
+    log.write_all(b", two").expect("write after the fsync");
+    log.sync_all().expect("fsync again");
+    drop(log);
+    let per_fop: Vec<f64> = sent().iter().zip(&delivered).map(|(a, b)| a - b).collect();
+    assert_eq!(
+        (per_fop[0], per_fop[3]),
+        (1.0, 1.0),
+        "one PUT_SYNCED, one FSYNC: {per_fop:?}"
+    );
+
+    let b = a.another("b", &[]);
+    for i in 0..10 {
+        let read = fs::read_to_string(b.path(&format!("Maildir/new/{i}"))).expect("read in b");
+        assert_eq!(read, mail(i), "mail {i}");
+    }
+    assert_eq!(
+        fs::read_to_string(b.path("log")).expect("read in b"),
+        "one, two"
+    );
+    assert_brick_consistent(&a);
+}
+
 /// The kernel keeps the pages a mount wrote to a file it did not make, and the mount takes the
 /// file's read lease once the writing handle is released: reading the file back afterwards
 /// asks the brick no LEASE, READ or GET (only the file's attributes) — rewritten in place or

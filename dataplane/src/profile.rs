@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 use kiln_admin::control::{FopProfile, LatencySummary, ProfileReport};
-use kiln_wire::{ErrorCode, FopCode, FopReply, FopRequest};
+use kiln_wire::{ErrorCode, FopCode, FopReply, FopRequest, PutSynced};
 use rustix::io::Errno;
 
 /// Longest latency a histogram holds, in nanoseconds (one hour); longer calls count as this.
@@ -108,7 +108,7 @@ impl DataBytes for FopReply {
 pub fn request_bytes(fop: &FopRequest) -> u64 {
     match fop {
         FopRequest::Write(w) => w.data.len() as u64,
-        FopRequest::Put(p) => p.data.len() as u64,
+        FopRequest::Put(p) | FopRequest::PutSynced(PutSynced { put: p }) => p.data.len() as u64,
         _ => 0,
     }
 }

@@ -194,6 +194,10 @@ wire_struct! {
         pub data: Payload,
         pub attr: SetAttr,
     }
+    /// PUT answered once the new file is also fsynced, as FSYNC of an fd of it would be (a
+    /// retry's too): a file written and synced before its close in one round trip
+    /// (capability `PUT_SYNCED`).
+    pub struct PutSynced { pub put: Put }
 
     /// Asks for a lease of `kind` on directory `gfid`, or gives back the one held (`None`).
     /// The brick never recalls another session's lease to grant one.
@@ -491,6 +495,7 @@ fops! {
     104 "GET" Get(Get) -> ReadReply;
     105 "OPENDIR_LIST" OpendirList(OpendirList) -> OpendirListReply;
     106 "UNLINK_SETTLED" UnlinkSettled(UnlinkSettled) -> RemoveReply;
+    107 "PUT_SYNCED" PutSynced(PutSynced) -> EntryReply;
 }
 
 /// Matches the fops on an open file or directory (each names it in its `fd` field), binding
@@ -544,6 +549,7 @@ macro_rules! match_fd {
             | FopRequest::Setattr(_)
             | FopRequest::Truncate(_)
             | FopRequest::Put(_)
+            | FopRequest::PutSynced(_)
             | FopRequest::Lease(_)
             | FopRequest::Get(_)
             | FopRequest::OpendirList(_) => $none,
@@ -606,7 +612,7 @@ mod tests {
             assert!(seen.insert(code as u16), "duplicate code {}", code as u16);
             assert_eq!(FopCode::from_u16(code as u16), Some(code));
         }
-        assert_eq!(FopCode::ALL.len(), 48);
+        assert_eq!(FopCode::ALL.len(), 49);
         for (i, &code) in FopCode::ALL.iter().enumerate() {
             assert_eq!(code.index(), i);
         }
@@ -636,6 +642,7 @@ mod tests {
             (FopCode::Get, 104),
             (FopCode::OpendirList, 105),
             (FopCode::UnlinkSettled, 106),
+            (FopCode::PutSynced, 107),
         ];
         for (code, n) in frozen {
             assert_eq!(code as u16, n, "{}", code.name());

@@ -47,6 +47,8 @@ impl Capabilities {
     /// The brick grants read leases on regular files (LEASE), recalled as a directory's
     /// are before another session changes the file.
     pub const FILE_LEASES: Capabilities = Capabilities(1 << 9);
+    /// The brick answers PUT_SYNCED.
+    pub const PUT_SYNCED: Capabilities = Capabilities(1 << 10);
     /// Everything this build implements.
     pub const SUPPORTED: Capabilities = Self::INVALIDATE_EVENTS
         .union(Self::LEASES)
@@ -57,10 +59,11 @@ impl Capabilities {
         .union(Self::NO_PARENT_ATTRS)
         .union(Self::UNCHECKED_BODIES)
         .union(Self::UNLINK_SETTLED)
-        .union(Self::FILE_LEASES);
+        .union(Self::FILE_LEASES)
+        .union(Self::PUT_SYNCED);
     /// What Kiln's client and brick offer at HELLO: everything this build implements but
     /// `INVALIDATE_EVENTS` (no brick sends INVALIDATE; leases recall with RECALL).
-    pub const OFFERED: Capabilities = Capabilities(Self::SUPPORTED.0 & !Self::INVALIDATE_EVENTS.0);
+    pub const OFFERED: Capabilities = Self::SUPPORTED.without(Self::INVALIDATE_EVENTS);
 
     /// Whether a session with these capabilities sends and takes frame bodies without their
     /// checksum.
@@ -73,6 +76,10 @@ impl Capabilities {
 
     pub const fn union(self, other: Capabilities) -> Capabilities {
         Capabilities(self.0 | other.0)
+    }
+
+    pub const fn without(self, other: Capabilities) -> Capabilities {
+        Capabilities(self.0 & !other.0)
     }
 
     pub fn intersection(self, other: Capabilities) -> Capabilities {

@@ -60,6 +60,9 @@ pub struct ConnectOptions {
     /// they are free (else any); 0 = any. The brick sends a client on port `p` to its endpoint
     /// `p % endpoints`, so clients on consecutive ports reach different workers.
     pub local_port: u16,
+    /// What the client offers at HELLO: [`Capabilities::OFFERED`], or less to speak as an
+    /// older client would (the fops a brick then lacks go as the older fops they stand for).
+    pub capabilities: Capabilities,
 }
 
 impl ConnectOptions {
@@ -82,6 +85,7 @@ impl ConnectOptions {
             idle_timeout: quic::IDLE_TIMEOUT,
             connections: 1,
             local_port: 0,
+            capabilities: Capabilities::OFFERED,
         })
     }
 }
@@ -334,8 +338,44 @@ impl BrickClient {
                     _ => Err(unexpected("UNLINK")),
                 }
             }
+            FopRequest::PutSynced(r) if !has(Capabilities::PUT_SYNCED) => {
+                let gfid = r.put.gfid;
+                let FopReply::Put(made) = self.send(live, creds, r.put.into()).await? else {
+                    return Err(unexpected("PUT"));
+                };
+                self.sync_by_gfid(live, gfid).await?;
+                Ok(FopReply::PutSynced(made))
+            }
             fop => self.send(live, creds, fop).await,
         }
+    }
+
+    /// OPEN, FSYNC and RELEASE of regular file `gfid`, as root (whoever made the file may
+    /// not be allowed to open it again): what PUT_SYNCED adds to a PUT.
+    async fn sync_by_gfid(&self, live: &Live, gfid: Gfid) -> Result<(), Error> {
+        let root = Creds::root();
+        let open = kiln_wire::Open {
+            gfid,
+            access: AccessMode::ReadOnly,
+            flags: OpenFlags::empty(),
+        };
+        let FopReply::Open(opened) = self.send(live, &root, open.into()).await? else {
+            return Err(unexpected("OPEN"));
+        };
+        let fd = opened.fd;
+        let fsync = kiln_wire::Fsync {
+            fd,
+            datasync: false,
+        };
+        let synced = self.send(live, &root, fsync.into()).await;
+        if let Err(e) = self
+            .send(live, &root, kiln_wire::Release { fd }.into())
+            .await
+        {
+            // The fd goes with the session at the latest.
+            tracing::debug!(error = %e, "release after a PUT's fsync failed");
+        }
+        synced.map(drop)
     }
 
     async fn send(&self, live: &Live, creds: &Creds, fop: FopRequest) -> Result<FopReply, Error> {
@@ -479,7 +519,7 @@ impl BrickClient {
         let hello = Hello {
             version_min: PROTOCOL_VERSION,
             version_max: PROTOCOL_VERSION,
-            capabilities: Capabilities::OFFERED,
+            capabilities: options.capabilities,
             client_name: Label::new(options.client_name.clone().into_bytes())
                 .map_err(|e| Error::Tls(format!("client name: {e}")))?,
         };

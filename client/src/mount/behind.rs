@@ -259,7 +259,9 @@ impl Behind {
 /// At most the bytes `fop` takes on the wire: its fixed fields, names, target, value and data.
 fn wire_bytes(fop: &FopRequest) -> usize {
     let variable = match fop {
-        FopRequest::Put(r) => r.name.len() + r.data.len(),
+        FopRequest::Put(r) | FopRequest::PutSynced(kiln_wire::PutSynced { put: r }) => {
+            r.name.len() + r.data.len()
+        }
         FopRequest::Symlink(r) => r.name.len() + r.target.len(),
         FopRequest::Rename(r) => r.old_name.len() + r.new_name.len(),
         FopRequest::Setxattr(r) => r.name.len() + r.value.len(),

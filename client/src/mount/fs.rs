@@ -733,9 +733,13 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
             reply,
             async move {
                 // What is queued for the file reaches the brick first, and a change the brick
-                // refused is this fsync's error.
-                s.settle(ino.0).await?;
+                // refused is this fsync's error. A deferred create goes as a PUT that syncs
+                // the file: all it needs (a mail delivered: one round trip, not three).
+                let synced = s.settle_synced(ino.0).await?;
                 s.take_behind_failure(ino.0)?;
+                if synced {
+                    return Ok(());
+                }
                 let open = s.handles.get(fh)?;
                 let fop = FdFop::new(|fd| kiln_wire::Fsync { fd, datasync }.into());
                 s.call_handle(&c, &open, fop).await.map(drop)

@@ -1414,6 +1414,17 @@ impl<L: Layer> Shared<L> {
     /// PUT is sent at its close), and opening them now would cost two round trips per file.
     /// The content it sent, if it sent one.
     pub(super) async fn settle(&self, ino: u64) -> Result<Option<Bytes>> {
+        self.settle_with(ino, false).await
+    }
+
+    /// [`Shared::settle`] for an fsync: a deferred create goes as PUT_SYNCED, the file fsynced
+    /// on the brick as it is made. `true` when it went so: everything written to the file is
+    /// durable, and the fsync needs nothing more.
+    pub(super) async fn settle_synced(&self, ino: u64) -> Result<bool> {
+        Ok(self.settle_with(ino, true).await?.is_some())
+    }
+
+    async fn settle_with(&self, ino: u64, synced: bool) -> Result<Option<Bytes>> {
         self.send_writes_behind(Some(ino)).await;
         let mut content_sent = None;
         if let Some(slot) = self.pending.get(ino) {
@@ -1423,7 +1434,8 @@ impl<L: Layer> Shared<L> {
                 self.behind.settle(&parent).await;
             }
             let mark = self.inodes.change_mark();
-            let sent = self.pending.settle(&self.layer, ino).await.map_err(errno)?;
+            let sent = self.pending.settle(&self.layer, ino, synced);
+            let sent = sent.await.map_err(errno)?;
             if let Some((iatt, content)) = sent {
                 self.note_data_changed(None, &iatt);
                 // Made under the directory's write lease: the mount describes it while it

@@ -18,7 +18,8 @@ use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use kiln_wire::{
-    Creds, FileType, FopReply, Gfid, Iatt, Mode, Name, OpenFlags, Payload, SetAttr, TimeSet,
+    Creds, FileType, FopReply, Gfid, Iatt, Mode, Name, OpenFlags, Payload, PutSynced, SetAttr,
+    TimeSet,
 };
 
 use super::leases::{new_iatt, now};
@@ -234,14 +235,18 @@ impl Pending {
         self.put_of(Bytes::from(data))
     }
 
-    /// Sends the file to the brick as one PUT, as its creator (its bytes move into the PUT);
-    /// its attributes and content then.
-    async fn send(self, layer: &impl Layer) -> Result<(Iatt, Bytes), Error> {
+    /// Sends the file to the brick as one PUT, or PUT_SYNCED (`synced`), as its creator (its
+    /// bytes move into the PUT); its attributes and content then.
+    async fn send(self, layer: &impl Layer, synced: bool) -> Result<(Iatt, Bytes), Error> {
         let creds = self.creds.clone();
         let put = self.into_put()?;
         let content = put.data.clone().into_bytes();
-        match layer.call(&creds, put.into()).await? {
-            FopReply::Put(r) => Ok((r.iatt, content)),
+        let fop = match synced {
+            true => PutSynced { put }.into(),
+            false => put.into(),
+        };
+        match layer.call(&creds, fop).await? {
+            FopReply::Put(r) | FopReply::PutSynced(r) => Ok((r.iatt, content)),
             other => Err(Error::Protocol(format!(
                 "a {} reply to PUT",
                 other.code().name()
@@ -372,12 +377,14 @@ impl PendingCreates {
             .collect()
     }
 
-    /// Sends node `ino`'s file to the brick if it is still deferred; its attributes and
-    /// content then. Once settled (or refused) the node is an ordinary one.
+    /// Sends node `ino`'s file to the brick if it is still deferred, fsynced there too when
+    /// `synced`; its attributes and content then. Once settled (or refused) the node is an
+    /// ordinary one.
     pub(crate) async fn settle(
         &self,
         layer: &impl Layer,
         ino: u64,
+        synced: bool,
     ) -> Result<Option<(Iatt, Bytes)>, Error> {
         let Some(slot) = self.get(ino) else {
             return Ok(None);
@@ -387,7 +394,7 @@ impl PendingCreates {
             return Ok(None);
         };
         let name = pending.name.clone();
-        let result = pending.send(layer).await;
+        let result = pending.send(layer, synced).await;
         self.lock().remove(&ino);
         if let Err(e) = &result {
             tracing::warn!(?name, error = %e, "a deferred create failed");

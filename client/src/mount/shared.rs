@@ -260,7 +260,7 @@ impl<L: Layer> Shared<L> {
             | FopReply::Fallocate(r)
             | FopReply::Discard(r)
             | FopReply::Zerofill(r) => self.note_data_changed(Some(&r.pre), &r.post),
-            FopReply::Put(r) => self.note_data_changed(None, &r.iatt),
+            FopReply::Put(r) | FopReply::PutSynced(r) => self.note_data_changed(None, &r.iatt),
             _ => {}
         }
     }

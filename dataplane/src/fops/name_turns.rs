@@ -12,7 +12,7 @@
 
 use std::hash::{BuildHasher, Hash, Hasher};
 
-use kiln_wire::{FopRequest, Gfid, Name};
+use kiln_wire::{FopRequest, Gfid, Name, PutSynced};
 use tokio::sync::{Mutex, MutexGuard};
 
 /// Stripes: a collision between two names in use at once is a 1 in this chance.
@@ -69,7 +69,7 @@ fn changed_names(fop: &FopRequest) -> [Option<(&Gfid, &Name)>; 2] {
     let one = |parent, name| [Some((parent, name)), None];
     match fop {
         Q::Create(r) => one(&r.parent, &r.name),
-        Q::Put(r) => one(&r.parent, &r.name),
+        Q::Put(r) | Q::PutSynced(PutSynced { put: r }) => one(&r.parent, &r.name),
         Q::Mkdir(r) => one(&r.parent, &r.name),
         Q::Mknod(r) => one(&r.parent, &r.name),
         Q::Symlink(r) => one(&r.parent, &r.name),

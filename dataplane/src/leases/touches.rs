@@ -2,7 +2,7 @@
 //! before ([`Touches`]) and after ([`Targets`]) its fd and the directory it would remove are
 //! resolved.
 
-use kiln_wire::{FdId, FopRequest, Gfid, Name, OpenFlags, RenameMode};
+use kiln_wire::{FdId, FopRequest, Gfid, Name, OpenFlags, PutSynced, RenameMode};
 
 /// How a fop uses a directory it touches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,7 +49,7 @@ pub fn touches(fop: &FopRequest) -> Touches {
         Q::Mkdir(r) => dirs(&[(r.parent, Change)]),
         Q::Symlink(r) => dirs(&[(r.parent, Change)]),
         Q::Create(r) => dirs(&[(r.parent, Change)]),
-        Q::Put(r) => dirs(&[(r.parent, Change)]),
+        Q::Put(r) | Q::PutSynced(PutSynced { put: r }) => dirs(&[(r.parent, Change)]),
         // A name gone changes its object's link count: the object is looked up when another
         // session's lease may be on it (`Targets::unresolved`).
         Q::Unlink(r) => Touches {

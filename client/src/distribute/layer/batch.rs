@@ -26,7 +26,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
-use kiln_wire::{BatchReply, LeaseKind};
+use kiln_wire::{BatchReply, LeaseKind, PutSynced};
 
 use super::files::Look;
 use super::namespace::{as_unlink, authoritative};
@@ -223,7 +223,9 @@ impl<L: Layer> Distribute<L> {
     /// whose layout is authoritative, by its hashed brick.
     async fn direct(&self, fop: &FopRequest) -> Option<Direct> {
         let (parent, name, direct): (_, _, fn(usize) -> Direct) = match fop {
-            FopRequest::Put(r) => (r.parent, &r.name, Direct::Make),
+            FopRequest::Put(r) | FopRequest::PutSynced(PutSynced { put: r }) => {
+                (r.parent, &r.name, Direct::Make)
+            }
             FopRequest::Mknod(r) => (r.parent, &r.name, Direct::Make),
             FopRequest::Symlink(r) => (r.parent, &r.name, Direct::Make),
             FopRequest::Unlink(r) => (r.parent, &r.name, Direct::Remove),
@@ -431,7 +433,9 @@ impl Access {
             sets_attrs: true,
         };
         Some(match fop {
-            Q::Put(r) => entry(r.parent, &r.name, Some(r.gfid), false),
+            Q::Put(r) | Q::PutSynced(PutSynced { put: r }) => {
+                entry(r.parent, &r.name, Some(r.gfid), false)
+            }
             Q::Mkdir(r) => entry(r.parent, &r.name, Some(r.gfid), false),
             Q::Mknod(r) => entry(r.parent, &r.name, Some(r.gfid), false),
             Q::Symlink(r) => entry(r.parent, &r.name, Some(r.gfid), false),

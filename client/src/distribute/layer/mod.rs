@@ -51,7 +51,8 @@ use bytes::Bytes;
 use kiln_wire::{
     AccessMode, Batch, BatchReply, Creds, DirEntry, DirEntryXattrs, EntryReply, ErrorCode,
     FileType, FopCode, FopReply, FopRequest, FsStats, Gfid, Iatt, LeaseKind, Mode, Name, NodeType,
-    OpenFlags, ReaddirSize, ReaddirpXattrsReply, RenameMode, XattrName, XattrSetMode, XattrValue,
+    OpenFlags, PutSynced, ReaddirSize, ReaddirpXattrsReply, RenameMode, XattrName, XattrSetMode,
+    XattrValue,
 };
 use tokio::sync::broadcast;
 
@@ -388,7 +389,7 @@ impl<L: Layer> Layer for Distribute<L> {
                     let (parent, name) = (r.parent, r.name.clone());
                     self.make_file(creds, parent, &name, fop).await
                 }
-                Q::Put(ref r) => {
+                Q::Put(ref r) | Q::PutSynced(PutSynced { put: ref r }) => {
                     let (parent, name) = (r.parent, r.name.clone());
                     self.make_file(creds, parent, &name, fop).await
                 }
@@ -621,7 +622,9 @@ fn entry_iatt(reply: &FopReply) -> Result<&Iatt, Error> {
     match reply {
         FopReply::Lookup(r) => Ok(&r.iatt),
         FopReply::LookupXattrs(r) => Ok(&r.iatt),
-        FopReply::Mknod(r) | FopReply::Symlink(r) | FopReply::Put(r) => Ok(&r.iatt),
+        FopReply::Mknod(r) | FopReply::Symlink(r) | FopReply::Put(r) | FopReply::PutSynced(r) => {
+            Ok(&r.iatt)
+        }
         other => Err(unexpected(other)),
     }
 }

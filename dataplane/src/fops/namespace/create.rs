@@ -543,11 +543,14 @@ impl<E: Exec> Fops<E> {
         })
     }
 
+    /// PUT, or PUT_SYNCED (`synced`): answered once the file is also fsynced — a retry's too,
+    /// as the first attempt may have been lost before its fsync.
     pub(in crate::fops) async fn put(
         &self,
         creds: &Creds,
         r: Put,
         parents: ParentAttrs,
+        synced: bool,
     ) -> R<EntryReply> {
         if self.is_poisoned() {
             return Err(Errno::IO);
@@ -569,7 +572,10 @@ impl<E: Exec> Fops<E> {
             keep_open: false,
         };
         let new = NewName {
-            fop: FopCode::Put,
+            fop: match synced {
+                true => FopCode::PutSynced,
+                false => FopCode::Put,
+            },
             parent: &r.parent,
             name: &r.name,
             gfid: r.gfid,
@@ -591,7 +597,35 @@ impl<E: Exec> Fops<E> {
                 .await?
                 .post;
         }
+        if synced {
+            self.sync_file(&r.gfid).await?;
+        }
         Ok(entry)
+    }
+
+    /// fsync(2) of regular file `gfid` through its handle: its data and metadata, and on
+    /// ext4 and XFS the names made before it (one journal). A failed fsync poisons the brick.
+    async fn sync_file(&self, gfid: &Gfid) -> R<()> {
+        let mut chain = Chain::new();
+        let open = chain.push::<FileRef>(Step::brick(op::Open {
+            dir: self.brick.handle_dir(gfid).clone(),
+            name: Brick::handle_name(gfid),
+            flags: libc::O_RDONLY | libc::O_NOFOLLOW,
+            mode: 0,
+            fixed: true,
+        }));
+        let fsync = chain.push::<()>(Step::brick(op::Fsync {
+            file: FileRef::Chain,
+            datasync: false,
+        }));
+        let close = chain.push::<()>(Step::brick(op::Close {
+            file: FileRef::Chain,
+        }));
+        let mut results = self.run(chain).await;
+        results.take(open)?;
+        let synced = self.poison_on_fsync_error(results.take(fsync));
+        results.take(close)?;
+        synced
     }
 
     /// Replaces the content of regular file `gfid` by `data`, as the caller. Never through a
