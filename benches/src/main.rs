@@ -6,7 +6,7 @@
 //!                [--bulk-connections 1,4] [--json]
 //! kiln-bench mgmt [--sets N] [--tasks N] [--store embedded|etcd] [--no-glusterfs]
 //!                 [--loop-fs-mib M] [--json]
-//! kiln-bench mount [--files N] [--dirs N] [--linux-source auto|off|PATH] [--git-files N]
+//! kiln-bench mount [--files N] [--dirs N] [--linux-source auto|off|PATH] [--git-files N] [--mails N]
 //!                  [--targets local,bindfs,kiln,kiln-dev-fuse,kiln-dist,glusterfs] [--mount-options O,...]
 //!                  [--glusterfs-setup | --glusterfs-volume HOST:/VOL] [--json]
 //! kiln-bench smallfile [--ops create,stat,read,...] [--targets local,engine,volume,kiln-mount,path=DIR]
@@ -31,6 +31,7 @@ use kiln_bench::bricks::BrickOption;
 use kiln_bench::engine::{self, EngineBench};
 use kiln_bench::lookup_scale::{self, LookupScaleBench};
 use kiln_bench::mgmt::{self, MgmtBench, MgmtStore};
+use kiln_bench::mount::mail::{self, MailStep};
 use kiln_bench::mount::{self, MountBench, Target};
 use kiln_bench::net::{self, NetBench};
 use kiln_bench::openfds::{self, OpenTarget, OpenfdsBench};
@@ -101,6 +102,22 @@ enum Workload {
     /// and Kiln's rebalance timed (files and MiB moved per second, the 2 s layout wait left
     /// out), against a std::fs copy + unlink of as many files on the same disk, one thread.
     Rebalance(RebalanceArgs),
+    /// One maildir phase of `mount`, run by it as a command of its own on a target's
+    /// directory: `deliver` (each mail created, written, fsynced, closed, renamed into new/)
+    /// or `read` (each new mail read and moved into cur/).
+    #[command(hide = true)]
+    Mail(MailArgs),
+}
+
+#[derive(Debug, Args)]
+struct MailArgs {
+    #[arg(value_enum)]
+    step: MailStep,
+    /// The maildir (made by `deliver`).
+    dir: PathBuf,
+    /// Mails `deliver` delivers.
+    #[arg(long, default_value_t = mail::DEFAULT_MAILS)]
+    mails: usize,
 }
 
 #[derive(Debug, Args)]
@@ -230,6 +247,9 @@ struct MountArgs {
     /// Files of the repository the git_clone phase clones (the first ones of the tree).
     #[arg(long, default_value_t = mount::DEFAULT_GIT_FILES)]
     git_files: usize,
+    /// Mails the maildir phases deliver and read (0 skips them).
+    #[arg(long, default_value_t = mail::DEFAULT_MAILS)]
+    mails: usize,
     /// Do not drop the kernel's caches before each phase.
     #[arg(long)]
     keep_caches: bool,
@@ -354,6 +374,10 @@ enum EngineArg {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    if let Workload::Mail(args) = &cli.workload {
+        // A step of a running benchmark: no scratch, no report.
+        return mail::run(args.step, &args.dir, args.mails);
+    }
     let scratch = Scratch::new(cli.scratch.as_deref(), cli.loop_fs_mib, cli.loop_fs_inodes)?;
     let mut out = Reporter::new(cli.json);
     print_environment(&cli, &scratch);
@@ -397,6 +421,9 @@ impl Workload {
             Workload::Openfds(args) => openfds::run(&args.bench(), scratch, out)?,
             Workload::LookupScale(args) => lookup_scale::run(&args.bench(), scratch, out)?,
             Workload::Rebalance(args) => rebalance::run(&args.bench(), scratch, out)?,
+            Workload::Mail(args) => {
+                mail::run(args.step, &args.dir, args.mails).map(|()| Vec::new())?
+            }
         };
         Ok(())
     }
@@ -461,6 +488,7 @@ impl MountArgs {
             glusterfs_volume: self.glusterfs_volume,
             glusterfs_setup: self.glusterfs_setup,
             git_files: self.git_files.max(1),
+            mails: self.mails,
             drop_caches: !self.keep_caches,
             phase_timeout: std::time::Duration::from_secs(self.phase_timeout_s),
         })

@@ -31,16 +31,23 @@
 //!   DIR/clone` (the local transport: the pack copied, every file checked out), then,
 //!   unmeasured, `git fsck` of the clone and a count of its checked-out files, which must
 //!   equal the repository's. `files` is the repository's file count.
-//! * `mount.rm` — `rm -rf DIR && sync BASE`: the tree and the clone (`files` counts both,
-//!   the clone's `.git` included); the fsync of the parent waits, as the untar's does, until
-//!   a mount has sent the removals it answered itself.
+//! * `mount.mail_deliver` — `kiln-bench mail deliver DIR/mail --mails N` ([`mail`]): N mails
+//!   (default 5 000, 2–17 KiB) delivered into a maildir as a mail transfer agent does, each
+//!   created in `tmp/`, written, fsynced, closed and renamed into `new/`. Skipped with
+//!   `--mails 0`.
+//! * `mount.mail_read` — `kiln-bench mail read DIR/mail`: every new mail read whole and
+//!   renamed into `cur/` marked seen, as a mail server does when a client fetches them; it
+//!   prints a line per mail, and the lines must be the mails delivered.
+//! * `mount.rm` — `rm -rf DIR && sync BASE`: the tree, the clone and the maildir (`files`
+//!   counts them all, the clone's `.git` included); the fsync of the parent waits, as the
+//!   untar's does, until a mount has sent the removals it answered itself.
 //!
 //! Before every phase the scratch file system and the mount are synced (`syncfs`) and, as
 //! root, the kernel's page, dentry and inode caches are dropped (`/proc/sys/vm/drop_caches`),
 //! so every phase starts cold on every target (a FUSE server's own caches are not dropped).
-//! `--keep-caches` skips that; the `mount` note says which was done. Files are not fsynced:
-//! a phase that writes ends when the fsync of its directory returns, with the data in the
-//! page cache behind each target.
+//! `--keep-caches` skips that; the `mount` note says which was done. Files but the mails are
+//! not fsynced: a phase that writes ends when the fsync of its directory returns, with the
+//! data in the page cache behind each target.
 //!
 //! Results: `seconds` is in `params`; `ops_per_s` is files per second; `mib_per_s` is the
 //! tar stream's MiB per second (untar, read). `ratio` = reference seconds ÷ this target's
@@ -101,6 +108,7 @@ mod fops;
 mod fuse;
 mod git;
 pub(crate) mod glusterd;
+pub mod mail;
 mod tree;
 
 pub use fuse::KilnMount;
@@ -132,6 +140,8 @@ pub struct MountBench {
     pub glusterfs_setup: bool,
     /// Files of the repository `git_clone` clones, at most.
     pub git_files: usize,
+    /// Mails the maildir phases deliver and read (0: the phases are skipped).
+    pub mails: usize,
     /// Sync and drop the kernel's caches before every phase (as root).
     pub drop_caches: bool,
     /// Longest run of one phase's command.
@@ -189,6 +199,8 @@ impl Target {
 const WORK_DIR: &str = "t";
 /// The clone's directory in `DIR`.
 const CLONE_DIR: &str = "clone";
+/// The maildir's directory in `DIR`.
+const MAIL_DIR: &str = "mail";
 
 /// One measured phase.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -198,17 +210,21 @@ enum Phase {
     Ls,
     Read,
     GitClone,
+    MailDeliver,
+    MailRead,
     Rm,
 }
 
 impl Phase {
     /// In the order they run: rm last, so it removes the clone too.
-    const ALL: [Phase; 6] = [
+    const ALL: [Phase; 8] = [
         Phase::Untar,
         Phase::Stat,
         Phase::Ls,
         Phase::Read,
         Phase::GitClone,
+        Phase::MailDeliver,
+        Phase::MailRead,
         Phase::Rm,
     ];
 
@@ -219,6 +235,8 @@ impl Phase {
             Phase::Ls => "mount.ls_lR",
             Phase::Read => "mount.read",
             Phase::GitClone => "mount.git_clone",
+            Phase::MailDeliver => "mount.mail_deliver",
+            Phase::MailRead => "mount.mail_read",
             Phase::Rm => "mount.rm",
         }
     }
@@ -238,6 +256,14 @@ impl Phase {
                 "git clone --no-hardlinks --quiet REPO DIR/clone && sync DIR/clone \
                  (then, unmeasured, git fsck and a count of the checked-out files)"
             }
+            Phase::MailDeliver => {
+                "kiln-bench mail deliver DIR/mail --mails N (each mail: create in tmp/, \
+                 write, fsync, close, rename into new/; then fsync of new/)"
+            }
+            Phase::MailRead => {
+                "kiln-bench mail read DIR/mail (each new mail: read whole, rename into cur/ \
+                 marked seen; then fsync of cur/)"
+            }
             Phase::Rm => "rm -rf DIR && sync BASE (DIR's parent)",
         }
     }
@@ -249,6 +275,8 @@ struct Work<'a> {
     tree: &'a Tree,
     /// The repository `git_clone` clones; None when git is missing (the phase is skipped).
     repo: Option<&'a GitRepo>,
+    /// Mails of the maildir phases; 0 skips them.
+    mails: usize,
     logs: &'a Path,
     phase_timeout: Duration,
 }
@@ -258,6 +286,7 @@ impl Work<'_> {
         Phase::ALL
             .into_iter()
             .filter(|&p| p != Phase::GitClone || self.repo.is_some())
+            .filter(|&p| !matches!(p, Phase::MailDeliver | Phase::MailRead) || self.mails > 0)
     }
 }
 
@@ -299,6 +328,7 @@ pub fn run(
     let work = Work {
         tree: &tree,
         repo: repo.as_ref(),
+        mails: bench.mails,
         logs: &logs,
         phase_timeout: bench.phase_timeout,
     };
@@ -352,15 +382,14 @@ pub fn run(
         };
         let place = Place::start(bench, target, volume.as_deref(), &root, &logs)?;
         out.note("mount_target", &place.describe());
-        let mut cloned = Entries::default();
+        let mut added = Entries::default();
         for phase in work.phases() {
             check_stop()?;
             caches.drop_before(&[&root, &place.base], out);
             let before = place.control().map(FopCounts::read);
-            let mut measured = run_phase(phase, &work, &place, target, cloned)?;
-            if phase == Phase::GitClone {
-                cloned = measured.cloned;
-            }
+            let mut measured = run_phase(phase, &work, &place, target, added)?;
+            added.files += measured.added.files;
+            added.dirs += measured.added.dirs;
             results.seconds.insert((phase, target), measured.seconds);
             if let (Some(before), Some(after)) = (before, measured.fops_after.take()) {
                 let note = fops_note(phase, &measured, before, after, &mut results);
@@ -494,21 +523,22 @@ struct Measured {
     dirs: u64,
     /// Bytes of the tar stream (untar: the tarball's, read: what tar wrote).
     stream_bytes: Option<u64>,
-    /// What the clone put in DIR (git_clone only; rm removes it too).
-    cloned: Entries,
+    /// What the phase left in DIR beyond the tree, its own directories included (the clone,
+    /// the maildir; rm removes them too).
+    added: Entries,
     /// The brick's fop counts when the timed command ended (a Kiln target's), before the
     /// phase's unmeasured checks (git_clone's `git fsck` and file count) add their own.
     fops_after: Option<anyhow::Result<FopCounts>>,
 }
 
-/// Runs `phase` on `place`'s `base/t`, checks what it did, and returns its time. `cloned`:
-/// what the git_clone phase left in DIR.
+/// Runs `phase` on `place`'s `base/t`, checks what it did, and returns its time. `added`:
+/// what the phases before it left in DIR beyond the tree.
 fn run_phase(
     phase: Phase,
     work: &Work,
     place: &Place,
     target: Target,
-    cloned: Entries,
+    added: Entries,
 ) -> anyhow::Result<Measured> {
     let base = &place.base;
     let dir = base.join(WORK_DIR);
@@ -526,7 +556,7 @@ fn run_phase(
         files: tree.files,
         dirs: tree.dirs,
         stream_bytes: None,
-        cloned: Entries::default(),
+        added: Entries::default(),
         fops_after: place.control().map(FopCounts::read),
     };
     match phase {
@@ -551,15 +581,34 @@ fn run_phase(
         Phase::GitClone => {
             let repo = work.repo.context("git_clone without a repository")?;
             let checked = check_clone(&dir.join(CLONE_DIR), repo, work, &log).with_context(what)?;
-            (measured.files, measured.dirs, measured.cloned) = checked;
+            let cloned;
+            (measured.files, measured.dirs, cloned) = checked;
+            // The clone's own directory is among its entries' parents, not in them.
+            measured.added = Entries {
+                files: cloned.files,
+                dirs: cloned.dirs + 1,
+            };
+        }
+        Phase::MailDeliver => {
+            // The maildir and its three directories.
+            let made = Entries {
+                files: work.mails as u64,
+                dirs: mail::SUBDIRS.len() as u64 + 1,
+            };
+            (measured.files, measured.dirs, measured.added) = (made.files, made.dirs, made);
+        }
+        Phase::MailRead => {
+            (measured.files, measured.dirs) = (work.mails as u64, 0);
+            if count != work.mails as u64 {
+                bail!("{}: read {count} mails, delivered {}", what(), work.mails);
+            }
         }
         Phase::Rm if dir.exists() => {
             bail!("{}: {} is still there after rm -rf", what(), dir.display())
         }
         Phase::Rm => {
-            // The clone's own directory is among its entries' parents, not in them.
-            measured.files += cloned.files;
-            measured.dirs += cloned.dirs + u64::from(cloned != Entries::default());
+            measured.files += added.files;
+            measured.dirs += added.dirs;
         }
     }
     Ok(measured)
@@ -605,6 +654,16 @@ fn command(phase: Phase, work: &Work, base: &Path) -> anyhow::Result<(Command, S
             cmd.arg(&repo.path).arg(dir.join(CLONE_DIR));
             git::own_settings(&mut cmd);
             (cmd, Sink::Null)
+        }
+        Phase::MailDeliver | Phase::MailRead => {
+            let step = match phase {
+                Phase::MailDeliver => "deliver",
+                _ => "read",
+            };
+            let mut cmd = Command::new(std::env::current_exe()?);
+            cmd.args(["mail", step]).arg(dir.join(MAIL_DIR));
+            cmd.arg("--mails").arg(work.mails.to_string());
+            (cmd, Sink::CountLines)
         }
         Phase::Rm => {
             let mut cmd = sh(r#"rm -rf "$1" && sync "$2""#);
