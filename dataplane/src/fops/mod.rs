@@ -496,10 +496,10 @@ impl<E: Exec> Fops<E> {
             Q::Mkdir(r) => A::Mkdir(self.mkdir(creds, r, self.parent_attrs(session)).await?),
             Q::Symlink(r) => A::Symlink(self.symlink(creds, r, self.parent_attrs(session)).await?),
             Q::Create(r) => A::Create(self.create(session, creds, r).await?),
-            Q::Put(r) => A::Put(
-                self.put(creds, r, self.parent_attrs(session), false)
-                    .await?,
-            ),
+            Q::Put(r) => {
+                let parents = self.parent_attrs(session);
+                A::Put(self.put(creds, r, parents, false).await?)
+            }
             Q::PutSynced(r) => {
                 let parents = self.parent_attrs(session);
                 A::PutSynced(self.put(creds, r.put, parents, true).await?)

@@ -15,9 +15,9 @@
 //!   (`server.root-allow`) run with uid and gid 0 squashed. Refusals are logged with the
 //!   reason and told to the client at HELLO.
 //! * **Per connection** ([`connection`]). One session (its own fd table, locks and leases,
-//!   released when the connection ends), HELLO first (capabilities: `LEASES`,
-//!   `XATTR_PRESENCE`, `GET`, `OPENDIR_LIST`, `LISTED_ATTRS`, `NO_PARENT_ATTRS` and
-//!   `UNCHECKED_BODIES` when the client offers them), then one stream
+//!   released when the connection ends), HELLO first (the capabilities of
+//!   [`Capabilities::OFFERED`](kiln_wire::Capabilities::OFFERED) the client offers too), then
+//!   one stream
 //!   per call, at most `inflight_max` at once (QUIC stream credit is the backpressure), each request whole within the request timeout; a BATCH runs its
 //!   fops in order as that many calls. A frame that does not decode resets its own stream
 //!   only. RECALL events go out on unidirectional streams, one each, at most as many at once
