@@ -85,8 +85,13 @@ fn rename_a_over_b(h: &Harness) -> Result<FopReply, ErrorCode> {
     h.call(&root(), rename)
 }
 
-fn put_x(h: &Harness, gfid: Gfid) -> Result<FopReply, ErrorCode> {
-    h.call(&root(), small_put(Gfid::ROOT, "x", gfid, b"payload"))
+/// PUT of `x` with `gfid`, or PUT_SYNCED (`fop`).
+fn put_x(h: &Harness, fop: FopCode, gfid: Gfid) -> Result<FopReply, ErrorCode> {
+    let put = small_put(Gfid::ROOT, "x", gfid, b"payload");
+    match fop {
+        FopCode::PutSynced => h.call(&root(), PutSynced { put }),
+        _ => h.call(&root(), put),
+    }
 }
 
 /// After a crashed create of `x` with `gfid`: `x` is absent or is that object; a retry with
@@ -103,36 +108,27 @@ fn created_or_not(h: &Harness, gfid: Gfid, retry: impl Fn() -> Result<FopReply, 
 }
 
 fn crash_during_put(kind: EngineKind) {
+    crash_during_a_put(kind, FopCode::Put);
+}
+
+/// As PUT: the retry of a crashed PUT_SYNCED syncs what the first one made.
+fn crash_during_put_synced(kind: EngineKind) {
+    crash_during_a_put(kind, FopCode::PutSynced);
+}
+
+fn crash_during_a_put(kind: EngineKind, fop: FopCode) {
     each_crash_point(
         kind,
-        FopCode::Put,
+        fop,
         |h| vec![h.gfid()],
-        |h, ids| put_x(h, ids[0]),
+        |h, ids| put_x(h, fop, ids[0]),
         |h, ids, _| {
-            created_or_not(h, ids[0], || put_x(h, ids[0]));
+            created_or_not(h, ids[0], || put_x(h, fop, ids[0]));
             assert_eq!(
                 h.read_all(ids[0]).expect("read"),
                 b"payload",
-                "a retried PUT writes its data"
+                "a retried {fop:?} writes its data"
             );
-        },
-    );
-}
-
-/// PUT_SYNCED of `x`: as PUT, the retry of a crashed one syncs what the first made.
-fn crash_during_put_synced(kind: EngineKind) {
-    let put_synced = |h: &Harness, gfid: Gfid| {
-        let put = small_put(Gfid::ROOT, "x", gfid, b"payload");
-        h.call(&root(), PutSynced { put })
-    };
-    each_crash_point(
-        kind,
-        FopCode::PutSynced,
-        |h| vec![h.gfid()],
-        |h, ids| put_synced(h, ids[0]),
-        |h, ids, _| {
-            created_or_not(h, ids[0], || put_synced(h, ids[0]));
-            assert_eq!(h.read_all(ids[0]).expect("read"), b"payload");
         },
     );
 }

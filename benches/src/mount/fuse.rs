@@ -182,14 +182,7 @@ impl Place {
                     cmd.arg("-o").arg(bench.bindfs_options.join(","));
                 }
                 cmd.arg(&src).arg(&mnt).stdout(Stdio::null());
-                let server = Daemon::spawn("bindfs", &mut cmd, &logs.join("bindfs.log"))?;
-                let mount = place.mount.insert(FuseMount {
-                    point: mnt.clone(),
-                    fstype: "fuse",
-                    server,
-                    unmount_cmd: None,
-                });
-                mount.wait_mounted()?;
+                place.serve("bindfs", cmd, &mnt, "fuse", logs)?;
                 place.base = mnt;
                 place.detail = json!({ "bindfs": version("bindfs"), "options": bench.bindfs_options.join(","),
                                        "backing": src.display().to_string() });
@@ -223,14 +216,7 @@ impl Place {
                     ))
                     .arg(&mnt)
                     .stdout(Stdio::null());
-                let daemon = Daemon::spawn("glusterfs", &mut cmd, &logs.join("glusterfs.log"))?;
-                let mount = place.mount.insert(FuseMount {
-                    point: mnt.clone(),
-                    fstype: "fuse.glusterfs",
-                    server: daemon,
-                    unmount_cmd: None,
-                });
-                mount.wait_mounted()?;
+                place.serve("glusterfs", cmd, &mnt, "fuse.glusterfs", logs)?;
                 // The volume may hold other things: work in a fresh directory of its own.
                 let base = mnt.join(format!("kiln-bench-{}", std::process::id()));
                 std::fs::create_dir(&base)
@@ -239,20 +225,16 @@ impl Place {
                 place.detail = json!({ "glusterfs": version("glusterfs"), "volume": volume });
             }
             Target::Moosefs => {
-                let servers = place.moosefs.insert(MooseFs::start(&dir, logs)?);
                 let mnt = dir.join("mnt");
                 std::fs::create_dir(&mnt)?;
-                let mut cmd = servers.mount_command(&mnt);
-                let server = Daemon::spawn("mfsmount", &mut cmd, &logs.join("mfsmount.log"))?;
-                let mut mount = FuseMount {
-                    point: mnt.clone(),
-                    fstype: "fuse",
-                    server,
-                    unmount_cmd: None,
-                };
-                mount.wait_mounted()?;
-                place.mount = Some(mount);
-                servers.ready(&mnt, logs)?;
+                let cmd = place
+                    .moosefs
+                    .insert(MooseFs::start(&dir, logs)?)
+                    .mount_command(&mnt);
+                place.serve("mfsmount", cmd, &mnt, "fuse", logs)?;
+                if let Some(servers) = place.moosefs.as_mut() {
+                    servers.ready(&mnt, logs)?;
+                }
                 place.base = mnt;
                 place.detail = MooseFs::describe();
             }
@@ -260,20 +242,33 @@ impl Place {
                 juicefs::format(&dir, logs)?;
                 let mnt = dir.join("mnt");
                 std::fs::create_dir(&mnt)?;
-                let mut cmd = juicefs::mount_command(&dir, &mnt);
-                let server = Daemon::spawn("juicefs", &mut cmd, &logs.join("juicefs.log"))?;
-                let mount = place.mount.insert(FuseMount {
-                    point: mnt.clone(),
-                    fstype: "fuse.juicefs",
-                    server,
-                    unmount_cmd: None,
-                });
-                mount.wait_mounted()?;
+                let cmd = juicefs::mount_command(&dir, &mnt);
+                place.serve("juicefs", cmd, &mnt, "fuse.juicefs", logs)?;
                 place.base = mnt;
                 place.detail = juicefs::describe();
             }
         }
         Ok(place)
+    }
+
+    /// Runs `cmd`, a FUSE server in the foreground (logging to `logs/NAME.log`), and waits
+    /// until its mount of type `fstype` on `point` shows.
+    fn serve(
+        &mut self,
+        name: &'static str,
+        mut cmd: Command,
+        point: &Path,
+        fstype: &'static str,
+        logs: &Path,
+    ) -> anyhow::Result<()> {
+        let server = Daemon::spawn(name, &mut cmd, &logs.join(format!("{name}.log")))?;
+        let mount = self.mount.insert(FuseMount {
+            point: point.to_owned(),
+            fstype,
+            server,
+            unmount_cmd: None,
+        });
+        mount.wait_mounted()
     }
 
     /// `bricks` fresh bricks, `kiln-brickd serve` of each on loopback, and `kiln mount -f` of
