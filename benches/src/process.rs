@@ -339,17 +339,14 @@ pub fn which(name: &str) -> Option<PathBuf> {
 
 /// The first line of `NAME --version`.
 pub fn version(name: &str) -> String {
-    version_of(&[name, "--version"])
+    version_with(name, "--version")
 }
 
-/// The first line a command that prints its version prints (`command[0]` with the rest as
-/// arguments); empty if it cannot run.
-pub fn version_of(command: &[&str]) -> String {
-    let Some((program, args)) = command.split_first() else {
-        return String::new();
-    };
-    Command::new(program)
-        .args(args)
+/// The first line of `NAME FLAG`, for a program whose version flag is not `--version`; empty
+/// if it cannot run.
+pub fn version_with(name: &str, flag: &str) -> String {
+    Command::new(name)
+        .arg(flag)
         .stdin(Stdio::null())
         .output()
         .ok()

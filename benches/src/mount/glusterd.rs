@@ -362,7 +362,7 @@ fn glusterd_pids() -> Vec<u32> {
 }
 
 /// This host's names for a brick: its host name, then the addresses `hostname -I` lists.
-fn host_candidates() -> Vec<String> {
+pub(super) fn host_candidates() -> Vec<String> {
     let mut hosts = vec![
         rustix::system::uname()
             .nodename()

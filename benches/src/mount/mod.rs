@@ -690,22 +690,22 @@ fn command(phase: Phase, work: &Work, base: &Path) -> anyhow::Result<(Command, S
             git::own_settings(&mut cmd);
             (cmd, Sink::Null)
         }
-        Phase::MailDeliver | Phase::MailRead => {
-            let step = match phase {
-                Phase::MailDeliver => "deliver",
-                _ => "read",
-            };
-            let mut cmd = Command::new(std::env::current_exe()?);
-            cmd.args(["mail", step]).arg(dir.join(MAIL_DIR));
-            cmd.arg("--mails").arg(work.mails.to_string());
-            (cmd, Sink::CountLines)
-        }
+        Phase::MailDeliver => (mail_step("deliver", &dir, work.mails)?, Sink::Null),
+        Phase::MailRead => (mail_step("read", &dir, work.mails)?, Sink::CountLines),
         Phase::Rm => {
             let mut cmd = sh(r#"rm -rf "$1" && sync "$2""#);
             cmd.arg(&dir).arg(base);
             (cmd, Sink::Null)
         }
     })
+}
+
+/// `kiln-bench mail STEP DIR/mail --mails MAILS`, this executable run as a phase's command.
+fn mail_step(step: &str, dir: &Path, mails: usize) -> anyhow::Result<Command> {
+    let mut cmd = Command::new(std::env::current_exe()?);
+    cmd.args(["mail", step]).arg(dir.join(MAIL_DIR));
+    cmd.arg("--mails").arg(mails.to_string());
+    Ok(cmd)
 }
 
 /// Checks a clone (unmeasured): `git fsck`, and as many checked-out files as the repository

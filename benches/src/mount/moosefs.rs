@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use serde_json::json;
 
-use crate::process::{Daemon, check_stop, log_tail, run_bounded, run_captured};
+use crate::process::{Daemon, check_stop, log_tail, run_bounded};
 
 /// The programs the target runs, and the packages they come in.
 pub(super) const PROGRAMS: [&str; 5] = [
@@ -189,7 +189,7 @@ impl MooseFs {
 
     /// What the target runs, for its note.
     pub(super) fn describe() -> serde_json::Value {
-        json!({ "moosefs": crate::process::version_of(&["mfsmaster", "-v"]),
+        json!({ "moosefs": crate::process::version_with("mfsmaster", "-v"),
                 "servers": "mfsmaster and one mfschunkserver on this host, goal 1, trash time 0",
                 "mount": "mfsmount -f (default options)" })
     }
@@ -209,11 +209,10 @@ impl MooseFs {
     }
 }
 
-/// This host's first IPv4 address that is not loopback (`hostname -I`).
+/// This host's first IPv4 address that is not loopback (of those `hostname -I` lists).
 pub(super) fn host_address() -> anyhow::Result<Ipv4Addr> {
-    let ran = run_captured(Command::new("hostname").arg("-I"), COMMAND_TIMEOUT)?;
-    ran.stdout
-        .split_whitespace()
+    super::glusterd::host_candidates()
+        .iter()
         .filter_map(|a| a.parse::<Ipv4Addr>().ok())
         .find(|a| !a.is_loopback())
         .context("no IPv4 address but loopback (hostname -I), and a chunkserver needs one")

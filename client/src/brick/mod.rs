@@ -296,23 +296,9 @@ impl BrickClient {
                 }
             }
             FopRequest::Get(r) if !has(Capabilities::GET) => {
-                let open = kiln_wire::Open {
-                    gfid: r.gfid,
-                    access: AccessMode::ReadOnly,
-                    flags: OpenFlags::empty(),
-                };
-                let FopReply::Open(opened) = self.send(live, creds, open.into()).await? else {
-                    return Err(unexpected("OPEN"));
-                };
-                let (fd, offset, size) = (opened.fd, r.offset, r.size);
-                let read = self.send(live, creds, kiln_wire::Read { fd, offset, size }.into());
-                let read = read.await;
-                let release = kiln_wire::Release { fd };
-                if let Err(e) = self.send(live, creds, release.into()).await {
-                    // The data read stands; the fd goes with the session at the latest.
-                    tracing::debug!(error = %e, "release after a GET's read failed");
-                }
-                match read? {
+                let (offset, size) = (r.offset, r.size);
+                let read = |fd| kiln_wire::Read { fd, offset, size }.into();
+                match self.on_read_only_fd(live, creds, r.gfid, read).await? {
                     FopReply::Read(r) => Ok(FopReply::Get(r)),
                     _ => Err(unexpected("READ")),
                 }
@@ -343,39 +329,47 @@ impl BrickClient {
                 let FopReply::Put(made) = self.send(live, creds, r.put.into()).await? else {
                     return Err(unexpected("PUT"));
                 };
-                self.sync_by_gfid(live, gfid).await?;
+                // As root: whoever made the file may not be allowed to open it again.
+                let fsync = |fd| {
+                    let datasync = false;
+                    kiln_wire::Fsync { fd, datasync }.into()
+                };
+                self.on_read_only_fd(live, &Creds::root(), gfid, fsync)
+                    .await?;
                 Ok(FopReply::PutSynced(made))
             }
             fop => self.send(live, creds, fop).await,
         }
     }
 
-    /// OPEN, FSYNC and RELEASE of regular file `gfid`, as root (whoever made the file may
-    /// not be allowed to open it again): what PUT_SYNCED adds to a PUT.
-    async fn sync_by_gfid(&self, live: &Live, gfid: Gfid) -> Result<(), Error> {
-        let root = Creds::root();
+    /// OPEN of regular file `gfid` for reading as `creds`, the fop `fop` makes of the fd,
+    /// and RELEASE: a fop on a file by GFID where the brick lacks the one-round-trip form
+    /// (GET's READ, PUT_SYNCED's FSYNC). The fop's reply, whatever the release's.
+    async fn on_read_only_fd(
+        &self,
+        live: &Live,
+        creds: &Creds,
+        gfid: Gfid,
+        fop: impl FnOnce(FdId) -> FopRequest,
+    ) -> Result<FopReply, Error> {
         let open = kiln_wire::Open {
             gfid,
             access: AccessMode::ReadOnly,
             flags: OpenFlags::empty(),
         };
-        let FopReply::Open(opened) = self.send(live, &root, open.into()).await? else {
+        let FopReply::Open(opened) = self.send(live, creds, open.into()).await? else {
             return Err(unexpected("OPEN"));
         };
         let fd = opened.fd;
-        let fsync = kiln_wire::Fsync {
-            fd,
-            datasync: false,
-        };
-        let synced = self.send(live, &root, fsync.into()).await;
+        let reply = self.send(live, creds, fop(fd)).await;
         if let Err(e) = self
-            .send(live, &root, kiln_wire::Release { fd }.into())
+            .send(live, creds, kiln_wire::Release { fd }.into())
             .await
         {
-            // The fd goes with the session at the latest.
-            tracing::debug!(error = %e, "release after a PUT's fsync failed");
+            // The fop's reply stands; the fd goes with the session at the latest.
+            tracing::debug!(error = %e, "release after a fop on a GFID's fd failed");
         }
-        synced.map(drop)
+        reply
     }
 
     async fn send(&self, live: &Live, creds: &Creds, fop: FopRequest) -> Result<FopReply, Error> {
