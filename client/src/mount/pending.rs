@@ -315,6 +315,11 @@ impl PendingCreates {
         self.lock().get(&ino).cloned()
     }
 
+    /// Whether node `ino` is a deferred file not yet sent (or being sent).
+    pub(crate) fn contains(&self, ino: u64) -> bool {
+        self.lock().contains_key(&ino)
+    }
+
     pub(crate) fn is_empty(&self) -> bool {
         self.lock().is_empty()
     }

@@ -218,6 +218,9 @@ impl<L: Layer> Shared<L> {
     fn pages_stale(&self, ino: u64, iatt: &Iatt) -> bool {
         self.pages_told.load(Ordering::Relaxed)
             && iatt.file_type == FileType::Regular
+            // A deferred create's description is the mount's own, of the pages written here;
+            // its PUT's answer gives the pages their first version.
+            && !self.pending.contains(ino)
             && self.inodes.pages_seen(ino, Stamp::of(iatt))
     }
 
