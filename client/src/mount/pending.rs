@@ -25,8 +25,9 @@ use kiln_wire::{
 use super::leases::{new_iatt, now};
 use crate::{Error, Layer};
 
-/// Bytes a deferred file may gather before it is sent and written through an fd instead.
-pub(crate) const DEFERRED_BYTES_MAX: usize = 256 * 1024;
+/// Bytes a deferred file may gather before it is sent and written through an fd instead:
+/// what one PUT carries, as one WRITE does.
+pub(crate) const DEFERRED_BYTES_MAX: usize = kiln_wire::limits::IO_SIZE_MAX_BYTES;
 
 /// A created file not yet on the brick.
 #[derive(Debug)]
