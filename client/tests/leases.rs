@@ -1241,6 +1241,51 @@ fn deliver_mails_in_one_round_trip_each(a: &Mounted, metrics: &[String]) {
     assert_brick_consistent(a);
 }
 
+/// New files held open at once past what the mount keeps of deferred creates (64 MiB,
+/// counted at 1 MiB each) are made on the brick at their create instead: what the mount
+/// holds stays bounded, and every file is whole.
+#[test]
+fn new_files_held_open_past_the_bound_are_made_on_the_brick() {
+    use std::io::Write;
+    /// Deferred creates the mount keeps open at once.
+    const KEPT: usize = 64;
+    let metrics = common::free_loopback_addr();
+    let a = Mounted::with_brick(&counted(&metrics), &[]);
+    // A directory it made: the mount holds it, and knows its names free.
+    fs::create_dir(a.path("d")).expect("mkdir");
+    let calls = || {
+        let now = common::scrape(&metrics);
+        ["PUT", "CREATE"].map(|fop| common::fop_calls(&now, fop))
+    };
+    let before = calls();
+    let mut files: Vec<fs::File> = (0..KEPT + 8)
+        .map(|i| {
+            fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(a.path(&format!("d/{i}")))
+                .expect("create")
+        })
+        .collect();
+    for (i, file) in files.iter_mut().enumerate() {
+        file.write_all(format!("file {i}").as_bytes())
+            .expect("write");
+    }
+    drop(files);
+    fsync_dir(&a.path("d")).expect("fsync the directory");
+    let made = calls();
+    assert_eq!(
+        [made[0] - before[0], made[1] - before[1]],
+        [KEPT as f64, 8.0],
+        "PUT, CREATE\n{}",
+        a.logs()
+    );
+    for i in 0..KEPT + 8 {
+        let read = fs::read_to_string(a.path(&format!("d/{i}"))).expect("read");
+        assert_eq!(read, format!("file {i}"));
+    }
+}
+
 /// The kernel keeps the pages a mount wrote to a file it did not make, and the mount takes the
 /// file's read lease once the writing handle is released: reading the file back afterwards
 /// asks the brick no LEASE, READ or GET (only the file's attributes) — rewritten in place or

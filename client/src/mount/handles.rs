@@ -101,9 +101,10 @@ const UNSENT_TOTAL_BYTES_MAX: usize = 64 << 20;
 /// How long a write answered behind (gathered, or a deferred create's) waits at most for
 /// the writes that continue it or its file's close before it is sent anyway.
 const BEHIND_AGE_MAX: Duration = Duration::from_secs(1);
-/// Bytes the deferred creates closed without a FLUSH may hold at once, counted at their
-/// most ([`DEFERRED_BYTES_MAX`] each) from create to release: their closers do not wait for
-/// the queue behind to have room, so past it a create's handle keeps its FLUSH.
+/// Bytes the deferred creates in held directories may hold at once, counted at their most
+/// ([`DEFERRED_BYTES_MAX`] each) from create to release: past it a file is made on the
+/// brick at its create. They are closed without a FLUSH, their closers not waiting for the
+/// queue behind to have room.
 const UNFLUSHED_TOTAL_BYTES_MAX: usize = 64 << 20;
 
 /// An open file or directory behind a FUSE file handle; `F` is the layer's fd.
@@ -923,10 +924,21 @@ impl<L: Layer> Shared<L> {
         }
         let synchronous = OpenFlags::SYNC.bits() | OpenFlags::DSYNC.bits();
         let parent_attr = self.inodes.dir_attr(parent).filter(|p| p.allows_create(c));
+        // A deferred create in a held directory holds its data under a total; with none
+        // left, the file is made on the brick now. (One in a directory the mount knows
+        // without holding it keeps its FLUSH, outside the total, as before.)
+        let held = self.leases.holds(&parent_gfid);
+        let unflushed = (held && !self.options.writeback_cache)
+            .then(|| {
+                let total = &self.handles.unflushed_bytes;
+                Budgeted::reserve(total, DEFERRED_BYTES_MAX, UNFLUSHED_TOTAL_BYTES_MAX)
+            })
+            .flatten();
         let (iatt, fd) = match parent_attr {
             Some(parent_attr)
                 if self.options.deferred_create
                     && known_free
+                    && (unflushed.is_some() || self.options.writeback_cache || !held)
                     && requested_access(flags) == AccessMode::WriteOnly
                     && flags & libc::O_DIRECT == 0
                     && open_flags.bits() & synchronous == 0 =>
@@ -960,13 +972,7 @@ impl<L: Layer> Shared<L> {
             .unwrap_or(OpenFlags::empty());
         // Its close would only queue the PUT behind: the release does that, and the closer
         // is spared a FUSE request it would wait for.
-        let unflushed =
-            (fd.is_none() && self.leases.holds(&parent_gfid) && !self.options.writeback_cache)
-                .then(|| {
-                    let total = &self.handles.unflushed_bytes;
-                    Budgeted::reserve(total, DEFERRED_BYTES_MAX, UNFLUSHED_TOTAL_BYTES_MAX)
-                })
-                .flatten();
+        let unflushed = unflushed.filter(|_| fd.is_none());
         // A deferred create's handle is opened late as root: the create granted it
         // its access, whatever mode the file was given.
         let open = Open {
