@@ -923,26 +923,27 @@ impl<L: Layer> Shared<L> {
             return Err(Errno::EEXIST);
         }
         let synchronous = OpenFlags::SYNC.bits() | OpenFlags::DSYNC.bits();
-        let parent_attr = self.inodes.dir_attr(parent).filter(|p| p.allows_create(c));
+        let deferrable = self.options.deferred_create
+            && known_free
+            && requested_access(flags) == AccessMode::WriteOnly
+            && flags & libc::O_DIRECT == 0
+            && open_flags.bits() & synchronous == 0;
+        let parent_attr = self
+            .inodes
+            .dir_attr(parent)
+            .filter(|p| deferrable && p.allows_create(c));
         // A deferred create in a held directory holds its data under a total; with none
         // left, the file is made on the brick now. (One in a directory the mount knows
         // without holding it keeps its FLUSH, outside the total, as before.)
         let held = self.leases.holds(&parent_gfid);
-        let unflushed = (held && !self.options.writeback_cache)
+        let unflushed = (parent_attr.is_some() && held && !self.options.writeback_cache)
             .then(|| {
                 let total = &self.handles.unflushed_bytes;
                 Budgeted::reserve(total, DEFERRED_BYTES_MAX, UNFLUSHED_TOTAL_BYTES_MAX)
             })
             .flatten();
         let (iatt, fd) = match parent_attr {
-            Some(parent_attr)
-                if self.options.deferred_create
-                    && known_free
-                    && (unflushed.is_some() || self.options.writeback_cache || !held)
-                    && requested_access(flags) == AccessMode::WriteOnly
-                    && flags & libc::O_DIRECT == 0
-                    && open_flags.bits() & synchronous == 0 =>
-            {
+            Some(parent_attr) if unflushed.is_some() || self.options.writeback_cache || !held => {
                 let pending = Pending::new(create, parent_attr, c.clone());
                 let iatt = pending.iatt();
                 (iatt, Err(pending))
@@ -970,11 +971,10 @@ impl<L: Layer> Shared<L> {
         // A late open must not truncate what the PUT wrote.
         let reopen = OpenFlags::from_bits(open_flags.bits() & !OpenFlags::TRUNC.bits())
             .unwrap_or(OpenFlags::empty());
-        // Its close would only queue the PUT behind: the release does that, and the closer
-        // is spared a FUSE request it would wait for.
-        let unflushed = unflushed.filter(|_| fd.is_none());
         // A deferred create's handle is opened late as root: the create granted it
-        // its access, whatever mode the file was given.
+        // its access, whatever mode the file was given. Under the total its close would only
+        // queue the PUT behind: the release does that, and the closer is spared a FUSE
+        // request it would wait for.
         let open = Open {
             no_flush: unflushed.is_some(),
             unflushed,
