@@ -10,8 +10,8 @@
 //!   (a write lease: any fop; a read lease: a fop that changes the directory), sends each
 //!   holder a RECALL once, and waits — on a [`Notify`], holding no thread — until every one is
 //!   back: returned by LEASE, its session ended, or revoked `features.lease-recall-timeout-ms`
-//!   after the recall. A revoked session gets ESTALE for fops touching that directory until it
-//!   sends LEASE for it again. A fop that passed the check is registered as running there
+//!   after the recall. A session whose write lease was revoked gets ESTALE for fops changing
+//!   that directory until it sends LEASE for it again; a revoked read lease leaves no mark. A fop that passed the check is registered as running there
 //!   until it ends, so no lease is granted under it.
 //! * **Free when unused.** While no lease and no revoked mark exist the gate is disarmed and a
 //!   fop pays an atomic add and sub on its worker's own counter and three loads

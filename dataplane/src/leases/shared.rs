@@ -29,7 +29,7 @@ enum Ask {
 /// Why [`Leases::admit`] did not let a fop run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Refused {
-    /// The session's lease on a touched directory was revoked (ESTALE).
+    /// The fop changes a directory where the session's write lease was revoked (ESTALE).
     Stale,
     /// The fop removes a name whose object it did not look up, and another session may hold
     /// a lease on that object now: look it up and ask again.

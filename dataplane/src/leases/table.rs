@@ -31,7 +31,8 @@ pub(super) struct Holder {
 #[derive(Debug, Default)]
 struct Dir {
     holders: Vec<Holder>,
-    /// Sessions whose lease here was revoked: ESTALE until they send LEASE again.
+    /// Sessions whose write lease here was revoked: their changes here get ESTALE until
+    /// they send LEASE again.
     revoked: Vec<SessionId>,
     /// Fops that passed the check and are running, by session.
     running: Vec<(SessionId, Access)>,
@@ -100,7 +101,7 @@ pub(super) enum Decision {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Check {
     Clear,
-    /// The session's lease on a touched directory was revoked.
+    /// The fop changes a directory where the session's write lease was revoked.
     Stale,
     /// Conflicting leases are recalled; the first recall runs out at this instant.
     Wait(Instant),
@@ -302,13 +303,16 @@ impl Table {
         }
     }
 
-    /// What a fop of `session` touching `targets` meets: a revoked mark of its own, leases of
-    /// others to recall (each recalled once: its holder gets a RECALL event now), or nothing.
+    /// What a fop of `session` touching `targets` meets: a revoked mark of its own where it
+    /// changes something, leases of others to recall (each recalled once: its holder gets a
+    /// RECALL event now), or nothing.
     pub(super) fn check(&mut self, session: SessionId, targets: &Targets, now: Instant) -> Check {
-        let stale = targets.dirs.iter().any(|(gfid, _)| {
-            self.dirs
-                .get(gfid)
-                .is_some_and(|d| d.revoked.contains(&session))
+        let stale = targets.dirs.iter().any(|(gfid, access)| {
+            *access == Access::Change
+                && self
+                    .dirs
+                    .get(gfid)
+                    .is_some_and(|d| d.revoked.contains(&session))
         });
         if stale {
             return Check::Stale;
@@ -473,12 +477,15 @@ impl Table {
         }
     }
 
-    /// Revokes every recalled lease whose recall ran out by `now`; how many.
+    /// Revokes every recalled lease whose recall ran out by `now`; how many. A revoked write
+    /// lease leaves its holder a mark there: changes it meant to send under the lease, still
+    /// to come, fail instead of landing late. A read lease had none; its holder's later
+    /// fops there are as anyone's.
     pub(super) fn expire(&mut self, now: Instant) -> usize {
         if self.next_due.is_none_or(|due| now < due) {
             return 0;
         }
-        let mut revoked = 0;
+        let (mut revoked, mut marked) = (0, 0);
         let mut next_due: Option<Instant> = None;
         let mut unheld = Vec::new();
         for (gfid, dir) in &mut self.dirs {
@@ -489,9 +496,16 @@ impl Table {
                 match holder.recall_due {
                     Some(due) if due <= now => {
                         dir.holders.swap_remove(i);
-                        dir.revoked.push(holder.session);
+                        let mark = holder.kind == LeaseKind::Write;
+                        if mark {
+                            dir.revoked.push(holder.session);
+                            marked += 1;
+                        }
                         if let Some(attached) = self.sessions.get_mut(&holder.session) {
                             attached.held -= 1;
+                            if !mark {
+                                attached.dirs.remove(gfid);
+                            }
                         }
                         let session = holder.session;
                         tracing::info!(session, %gfid, "lease revoked: not back in time");
@@ -512,7 +526,7 @@ impl Table {
         }
         self.next_due = next_due;
         self.held -= revoked;
-        self.revoked += revoked;
+        self.revoked += marked;
         self.stats.revocations += revoked as u64;
         revoked
     }
@@ -868,10 +882,30 @@ mod tests {
         assert_eq!(t.expire(due), 1);
         assert_eq!((t.held, t.revoked, t.stats.revocations), (0, 1, 1));
         assert_eq!(t.check(2, &on(d, Access::Look), due), Check::Clear);
-        assert_eq!(t.check(1, &on(d, Access::Look), due), Check::Stale);
-        assert_eq!(t.check(1, &on(gfid(2), Access::Look), due), Check::Clear);
+        assert_eq!(t.check(1, &on(d, Access::Change), due), Check::Stale);
+        assert_eq!(
+            t.check(1, &on(d, Access::Look), due),
+            Check::Clear,
+            "reads go on"
+        );
+        assert_eq!(t.check(1, &on(gfid(2), Access::Change), due), Check::Clear);
         assert_eq!(lease(&mut t, 1, d, No, due), No, "LEASE clears the mark");
-        assert_eq!(t.check(1, &on(d, Access::Look), due), Check::Clear);
+        assert_eq!(t.check(1, &on(d, Access::Change), due), Check::Clear);
+        assert!(t.is_quiet());
+    }
+
+    #[test]
+    fn a_revoked_read_lease_leaves_no_mark() {
+        let (mut t, _q) = table(&[1, 2]);
+        let (d, now) = (gfid(1), Instant::now());
+        lease(&mut t, 1, d, Read, now);
+        let Check::Wait(due) = t.check(2, &on(d, Access::Change), now) else {
+            panic!("no wait")
+        };
+        assert_eq!(t.expire(due), 1);
+        assert_eq!((t.held, t.revoked, t.stats.revocations), (0, 0, 1));
+        assert_eq!(t.check(1, &on(d, Access::Change), due), Check::Clear);
+        assert!(t.sessions[&1].dirs.is_empty());
         assert!(t.is_quiet());
     }
 
