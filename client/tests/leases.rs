@@ -1246,19 +1246,53 @@ fn deliver_mails_in_one_round_trip_each(a: &Mounted, metrics: &[String]) {
 /// holds stays bounded, and every file is whole.
 #[test]
 fn new_files_held_open_past_the_bound_are_made_on_the_brick() {
-    use std::io::Write;
-    /// Deferred creates the mount keeps open at once.
-    const KEPT: usize = 64;
     let metrics = common::free_loopback_addr();
     let a = Mounted::with_brick(&counted(&metrics), &[]);
     // A directory it made: the mount holds it, and knows its names free.
     fs::create_dir(a.path("d")).expect("mkdir");
+    new_files_held_open_past_the_bound(&a, &metrics);
+}
+
+/// The same in a directory the mount knows without holding its write lease: it listed the
+/// directory under a read lease, and the write lease its first create asks for waits for
+/// another mount, stopped, to give back its own read lease (revoked after 5 s). Those files
+/// that are deferred are sent at their close.
+#[test]
+fn new_files_held_open_past_the_bound_are_made_on_the_brick_without_a_write_lease() {
+    let metrics = common::free_loopback_addr();
+    // A lease recalled from the stopped mount is revoked after 5 s; no contention window.
+    let mut args = counted(&metrics).to_vec();
+    args[1] = "5000";
+    args.extend(["--lease-contention-ms", "0"]);
+    let a = Mounted::with_brick(&args, &[]);
+    let b = a.another("b", &[]);
+    fs::create_dir(b.path("d")).expect("mkdir");
+    // Its write lease recalled for a's listing (no contention window); then both hold read
+    // leases.
+    assert!(names(&a.path("d")).is_empty());
+    assert!(names(&b.path("d")).is_empty());
+    signal(b.pid(), rustix::process::Signal::STOP);
+    new_files_held_open_past_the_bound(&a, &metrics);
+    signal(b.pid(), rustix::process::Signal::CONT);
+    // Its read lease revoked meanwhile, the stopped mount lists the directory whole (a
+    // revoked read lease leaves the brick no mark against its holder).
+    assert_eq!(names(&b.path("d")).len(), DEFERRED_KEPT + 8);
+}
+
+/// Deferred creates a mount keeps open at once.
+const DEFERRED_KEPT: usize = 64;
+
+/// Opens `DEFERRED_KEPT` + 8 new files at once in `a`'s directory `d`, writes and closes
+/// them: the brick (fops counted at `metrics`) sees as many PUTs as the mount keeps and a
+/// CREATE for each file past them, and every file reads back whole.
+fn new_files_held_open_past_the_bound(a: &Mounted, metrics: &str) {
+    use std::io::Write;
     let calls = || {
-        let now = common::scrape(&metrics);
+        let now = common::scrape(metrics);
         ["PUT", "CREATE"].map(|fop| common::fop_calls(&now, fop))
     };
     let before = calls();
-    let mut files: Vec<fs::File> = (0..KEPT + 8)
+    let mut files: Vec<fs::File> = (0..DEFERRED_KEPT + 8)
         .map(|i| {
             fs::OpenOptions::new()
                 .write(true)
@@ -1276,11 +1310,11 @@ fn new_files_held_open_past_the_bound_are_made_on_the_brick() {
     let made = calls();
     assert_eq!(
         [made[0] - before[0], made[1] - before[1]],
-        [KEPT as f64, 8.0],
+        [DEFERRED_KEPT as f64, 8.0],
         "PUT, CREATE\n{}",
         a.logs()
     );
-    for i in 0..KEPT + 8 {
+    for i in 0..DEFERRED_KEPT + 8 {
         let read = fs::read_to_string(a.path(&format!("d/{i}"))).expect("read");
         assert_eq!(read, format!("file {i}"));
     }
