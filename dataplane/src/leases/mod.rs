@@ -11,8 +11,9 @@
 //!   holder a RECALL once, and waits — on a [`Notify`], holding no thread — until every one is
 //!   back: returned by LEASE, its session ended, or revoked `features.lease-recall-timeout-ms`
 //!   after the recall. A session whose write lease was revoked gets ESTALE for fops changing
-//!   that directory until it sends LEASE for it again; a revoked read lease leaves no mark. A fop that passed the check is registered as running there
-//!   until it ends, so no lease is granted under it.
+//!   that directory until it sends LEASE for it again; a revoked read lease leaves no mark.
+//!   A fop that passed the check is registered as running there until it ends, so no lease
+//!   is granted under it.
 //! * **Free when unused.** While no lease and no revoked mark exist the gate is disarmed and a
 //!   fop pays an atomic add and sub on its worker's own counter and three loads
 //!   ([`Leases::enter`]). The first grant arms it, then waits until every fop that passed the
