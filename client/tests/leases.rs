@@ -1280,6 +1280,16 @@ fn new_files_held_open_past_the_bound_are_made_on_the_brick_without_a_write_leas
     assert_eq!(names(&b.path("d")).len(), DEFERRED_KEPT + 8);
 }
 
+/// The same with the kernel's writeback cache: the files keep their FLUSH (the kernel writes
+/// their pages back at it), under the same total.
+#[test]
+fn new_files_held_open_past_the_bound_are_made_on_the_brick_with_the_writeback_cache() {
+    let metrics = common::free_loopback_addr();
+    let a = Mounted::with_brick(&counted(&metrics), &["writeback-cache=on"]);
+    fs::create_dir(a.path("d")).expect("mkdir");
+    new_files_held_open_past_the_bound(&a, &metrics);
+}
+
 /// Deferred creates a mount keeps open at once.
 const DEFERRED_KEPT: usize = 64;
 

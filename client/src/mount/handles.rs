@@ -103,8 +103,8 @@ const UNSENT_TOTAL_BYTES_MAX: usize = 64 << 20;
 const BEHIND_AGE_MAX: Duration = Duration::from_secs(1);
 /// Bytes the deferred creates may hold at once, counted at their most
 /// ([`DEFERRED_BYTES_MAX`] each) from create to release: past it a file is made on the
-/// brick at its create. Those in held directories are closed without a FLUSH, their closers
-/// not waiting for the queue behind to have room.
+/// brick at its create. Those in held directories are closed without a FLUSH (unless the
+/// writeback cache is on), their closers not waiting for the queue behind to have room.
 const DEFERRED_TOTAL_BYTES_MAX: usize = 64 << 20;
 
 /// An open file or directory behind a FUSE file handle; `F` is the layer's fd.
@@ -933,14 +933,12 @@ impl<L: Layer> Shared<L> {
             .filter(|p| deferrable && p.allows_create(c));
         // A deferred create holds its data under a total; with none left, the file is made
         // on the brick now.
-        let share = (parent_attr.is_some() && !self.options.writeback_cache)
-            .then(|| {
-                let total = &self.handles.deferred_bytes;
-                Budgeted::reserve(total, DEFERRED_BYTES_MAX, DEFERRED_TOTAL_BYTES_MAX)
-            })
-            .flatten();
+        let share = parent_attr.as_ref().and_then(|_| {
+            let total = &self.handles.deferred_bytes;
+            Budgeted::reserve(total, DEFERRED_BYTES_MAX, DEFERRED_TOTAL_BYTES_MAX)
+        });
         let (iatt, fd) = match parent_attr {
-            Some(parent_attr) if share.is_some() || self.options.writeback_cache => {
+            Some(parent_attr) if share.is_some() => {
                 let pending = Pending::new(create, parent_attr, c.clone());
                 let iatt = pending.iatt();
                 (iatt, Err(pending))
@@ -971,9 +969,11 @@ impl<L: Layer> Shared<L> {
         // A deferred create's handle is opened late as root: the create granted it
         // its access, whatever mode the file was given. In a held directory its close would
         // only queue the PUT behind: the release does that, and the closer is spared a FUSE
-        // request it would wait for. Elsewhere the close sends the PUT.
+        // request it would wait for. Elsewhere, and with the writeback cache (the kernel
+        // writes the file's pages back at its FLUSH), the close sends the PUT.
+        let held = self.leases.holds(&parent_gfid) && !self.options.writeback_cache;
         let open = Open {
-            no_flush: share.is_some() && self.leases.holds(&parent_gfid),
+            no_flush: share.is_some() && held,
             deferred_share: share,
             ..Open::new(fd, attr.ino.0, access, reopen, &Creds::root())
         };
