@@ -971,9 +971,10 @@ impl<L: Layer> Shared<L> {
         // only queue the PUT behind: the release does that, and the closer is spared a FUSE
         // request it would wait for. Elsewhere, and with the writeback cache (the kernel
         // writes the file's pages back at its FLUSH), the close sends the PUT.
-        let held = self.leases.holds(&parent_gfid) && !self.options.writeback_cache;
+        let no_flush =
+            share.is_some() && !self.options.writeback_cache && self.leases.holds(&parent_gfid);
         let open = Open {
-            no_flush: share.is_some() && held,
+            no_flush,
             deferred_share: share,
             ..Open::new(fd, attr.ino.0, access, reopen, &Creds::root())
         };

@@ -649,6 +649,14 @@ mod tests {
         }
     }
 
+    /// The instant a fop held for recalls waits until.
+    fn waits(check: Check) -> Instant {
+        match check {
+            Check::Wait(due) => due,
+            other => panic!("no wait: {other:?}"),
+        }
+    }
+
     fn on(g: Gfid, access: Access) -> Targets {
         Targets::new(vec![(g, access)], None)
     }
@@ -846,9 +854,7 @@ mod tests {
         let (mut t, _q) = table(&[1, 2]);
         let (d, elsewhere, now) = (gfid(1), gfid(2), Instant::now());
         lease(&mut t, 1, d, Write, now);
-        let Check::Wait(due) = t.check(2, &on(d, Access::Look), now) else {
-            panic!("no wait")
-        };
+        let due = waits(t.check(2, &on(d, Access::Look), now));
         // Its queued changes, in any directory, reach the brick: each one renews.
         let later = due - Duration::from_millis(1);
         assert_eq!(
@@ -875,9 +881,7 @@ mod tests {
         let (mut t, _q) = table(&[1, 2]);
         let (d, now) = (gfid(1), Instant::now());
         lease(&mut t, 1, d, Write, now);
-        let Check::Wait(due) = t.check(2, &on(d, Access::Look), now) else {
-            panic!("no wait")
-        };
+        let due = waits(t.check(2, &on(d, Access::Look), now));
         assert_eq!(t.expire(due - Duration::from_millis(1)), 0, "not yet");
         assert_eq!(t.expire(due), 1);
         assert_eq!((t.held, t.revoked, t.stats.revocations), (0, 1, 1));
@@ -899,9 +903,7 @@ mod tests {
         let (mut t, _q) = table(&[1, 2]);
         let (d, now) = (gfid(1), Instant::now());
         lease(&mut t, 1, d, Read, now);
-        let Check::Wait(due) = t.check(2, &on(d, Access::Change), now) else {
-            panic!("no wait")
-        };
+        let due = waits(t.check(2, &on(d, Access::Change), now));
         assert_eq!(t.expire(due), 1);
         assert_eq!((t.held, t.revoked, t.stats.revocations), (0, 0, 1));
         assert_eq!(t.check(1, &on(d, Access::Change), due), Check::Clear);
