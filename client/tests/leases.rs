@@ -1241,6 +1241,44 @@ fn deliver_mails_in_one_round_trip_each(a: &Mounted, metrics: &[String]) {
     assert_brick_consistent(a);
 }
 
+/// A file made here, synced and still open, renamed between held directories: the rename
+/// is answered here and sent behind, without opening the file on the brick first (its
+/// handle reaches it by GFID), and what is written through the handle after lands under
+/// the new name.
+#[test]
+fn a_file_still_open_is_renamed_behind_without_an_open() {
+    use std::io::Write;
+    let metrics = common::free_loopback_addr();
+    let a = Mounted::with_brick(&counted(&metrics), &[]);
+    for dir in ["tmp", "new"] {
+        fs::create_dir(a.path(dir)).expect("mkdir");
+    }
+    let opens = || common::fop_calls(&common::scrape(&metrics), "OPEN");
+    let before = opens();
+    let mut file = fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(a.path("tmp/f"))
+        .expect("create");
+    file.write_all(b"one").expect("write");
+    file.sync_all().expect("fsync");
+    fs::rename(a.path("tmp/f"), a.path("new/f")).expect("rename");
+    assert_eq!(opens() - before, 0.0, "no OPEN for the rename");
+    file.write_all(b", two").expect("write after the rename");
+    drop(file);
+    assert_eq!(
+        fs::read_to_string(a.path("new/f")).expect("read"),
+        "one, two"
+    );
+    let b = a.another("b", &[]);
+    assert_eq!(
+        fs::read_to_string(b.path("new/f")).expect("read in b"),
+        "one, two"
+    );
+    assert!(!b.path("tmp/f").exists(), "the old name is gone in b");
+    assert_brick_consistent(&a);
+}
+
 /// New files held open at once past what the mount keeps of deferred creates (64 MiB,
 /// counted at 1 MiB each) are made on the brick at their create instead: what the mount
 /// holds stays bounded, and every file is whole.

@@ -403,15 +403,19 @@ impl<L: Layer> Shared<L> {
         if self.uses_leases() && self.change_behind(c, &fop, &change).await? {
             return Ok(());
         }
-        // On the brick: the deferred creates and queued changes first, and every open handle
-        // gets its fd (a removed file must stay readable through it), those opened while
-        // the removal runs too.
+        // On the brick: the deferred creates and queued changes first, and, where the change
+        // may take a file away, every open handle gets its fd (a removed file must stay
+        // readable through it), those opened while the removal runs too.
         self.settle_dir(None).await;
         for parent in change.parents() {
             self.behind.settle(&parent).await;
         }
-        let _removal = self.handles.removal();
-        self.anchor_handles().await;
+        let removal = self
+            .may_remove_a_file(&change)
+            .then(|| self.handles.removal());
+        if removal.is_some() {
+            self.anchor_handles().await;
+        }
         let wants = self.write_leases_for(&change.parents());
         self.call_with_leases(c, fop, &wants).await.map_err(errno)?;
         let removed = self.note_changed(&change);
@@ -466,8 +470,10 @@ impl<L: Layer> Shared<L> {
                 new_name,
                 mode,
             } => {
+                // A file still open may be renamed behind (its handles reach it by GFID),
+                // once its create is on the brick or queued before the rename.
                 let source = match self.leases.lookup(parent, name) {
-                    Answer::Present(g) if !self.is_open(&g) => g,
+                    Answer::Present(g) if !self.is_deferred(&g) => g,
                     Answer::Absent => return Err(Errno::ENOENT),
                     _ => return Ok(false),
                 };
@@ -498,6 +504,23 @@ impl<L: Layer> Shared<L> {
             .await;
         self.give_back_removed(removed).await;
         Ok(true)
+    }
+
+    /// Whether `change` may take a name's file away: all but a rename that replaces no
+    /// name (an exchange, or onto a name taken by nothing or known free).
+    fn may_remove_a_file(&self, change: &Change) -> bool {
+        match change {
+            Change::Rename {
+                new_parent,
+                new_name,
+                mode,
+                ..
+            } => {
+                *mode == RenameMode::Replace
+                    && !matches!(self.leases.lookup(new_parent, new_name), Answer::Absent)
+            }
+            _ => true,
+        }
     }
 
     /// Records in the held directories what `change` did there; the object whose name it
@@ -605,6 +628,14 @@ impl<L: Layer> Shared<L> {
         self.inodes
             .ino_of(gfid)
             .is_some_and(|ino| self.handles.any_on(ino).is_some())
+    }
+
+    /// Whether object `gfid` is a file made here whose create is not yet sent (or is being
+    /// sent): a change to its name must wait for it.
+    fn is_deferred(&self, gfid: &Gfid) -> bool {
+        self.inodes
+            .ino_of(gfid)
+            .is_some_and(|ino| self.pending.contains(ino))
     }
 
     /// SETATTR of `gfid`, made under a lease and still queued, answered here: the creator or
