@@ -1291,6 +1291,43 @@ fn new_files_held_open_past_the_bound_are_made_on_the_brick() {
     new_files_held_open_past_the_bound(&a, &metrics);
 }
 
+/// The same in a directory the mount knows without holding its write lease: it listed the
+/// directory under a read lease, and the write lease its first create asks for waits for
+/// another mount, stopped, to give back its own read lease (revoked after 5 s). Those files
+/// that are deferred are sent at their close.
+#[test]
+fn new_files_held_open_past_the_bound_are_made_on_the_brick_without_a_write_lease() {
+    let metrics = common::free_loopback_addr();
+    // A lease recalled from the stopped mount is revoked after 5 s; no contention window.
+    let mut args = counted(&metrics).to_vec();
+    args[1] = "5000";
+    args.extend(["--lease-contention-ms", "0"]);
+    let a = Mounted::with_brick(&args, &[]);
+    let b = a.another("b", &[]);
+    fs::create_dir(b.path("d")).expect("mkdir");
+    // Its write lease recalled by a's first listing (no contention window), b and then a
+    // list it under read leases.
+    for dir in [a.path("d"), b.path("d"), a.path("d")] {
+        assert!(names(&dir).is_empty());
+    }
+    signal(b.pid(), rustix::process::Signal::STOP);
+    new_files_held_open_past_the_bound(&a, &metrics);
+    signal(b.pid(), rustix::process::Signal::CONT);
+    // Its read lease revoked meanwhile, the stopped mount lists the directory whole (a
+    // revoked read lease leaves the brick no mark against its holder).
+    assert_eq!(names(&b.path("d")).len(), DEFERRED_KEPT + 8);
+}
+
+/// The same with the kernel's writeback cache: the files keep their FLUSH (the kernel writes
+/// their pages back at it), under the same total.
+#[test]
+fn new_files_held_open_past_the_bound_are_made_on_the_brick_with_the_writeback_cache() {
+    let metrics = common::free_loopback_addr();
+    let a = Mounted::with_brick(&counted(&metrics), &["writeback-cache=on"]);
+    fs::create_dir(a.path("d")).expect("mkdir");
+    new_files_held_open_past_the_bound(&a, &metrics);
+}
+
 /// Deferred creates a mount keeps open at once.
 const DEFERRED_KEPT: usize = 64;
 

@@ -101,11 +101,11 @@ const UNSENT_TOTAL_BYTES_MAX: usize = 64 << 20;
 /// How long a write answered behind (gathered, or a deferred create's) waits at most for
 /// the writes that continue it or its file's close before it is sent anyway.
 const BEHIND_AGE_MAX: Duration = Duration::from_secs(1);
-/// Bytes the deferred creates in held directories may hold at once, counted at their most
+/// Bytes the deferred creates may hold at once, counted at their most
 /// ([`DEFERRED_BYTES_MAX`] each) from create to release: past it a file is made on the
-/// brick at its create. They are closed without a FLUSH, their closers not waiting for the
-/// queue behind to have room.
-const UNFLUSHED_TOTAL_BYTES_MAX: usize = 64 << 20;
+/// brick at its create. Those in held directories are closed without a FLUSH (unless the
+/// writeback cache is on), their closers not waiting for the queue behind to have room.
+const DEFERRED_TOTAL_BYTES_MAX: usize = 64 << 20;
 
 /// An open file or directory behind a FUSE file handle; `F` is the layer's fd.
 #[derive(Debug)]
@@ -134,8 +134,8 @@ pub(super) struct Open<F> {
     no_flush: bool,
     /// Owners that took POSIX locks through a `no_flush` handle.
     lock_owners: Mutex<Vec<u64>>,
-    /// A `no_flush` deferred create's share of [`UNFLUSHED_TOTAL_BYTES_MAX`].
-    unflushed: Option<Budgeted>,
+    /// A deferred create's share of [`DEFERRED_TOTAL_BYTES_MAX`].
+    deferred_share: Option<Budgeted>,
 }
 
 /// A handle just opened: its number and the flags the kernel is to keep it with.
@@ -231,7 +231,7 @@ impl<F> Open<F> {
             unsent: tokio::sync::Mutex::new(None),
             no_flush: false,
             lock_owners: Mutex::new(Vec::new()),
-            unflushed: None,
+            deferred_share: None,
         }
     }
 
@@ -254,7 +254,7 @@ impl<F> Open<F> {
     /// ([`Shared::store_released`]); a write-only handle is never mapped. The kernel leaves
     /// the set-ID bits to the mount ([`Shared::write`]).
     fn writes_direct(&self) -> bool {
-        self.unflushed.is_some()
+        self.no_flush && self.deferred_share.is_some()
     }
 
     /// `size` bytes at `offset` from what the first read fetched, if it has them and the
@@ -315,9 +315,8 @@ pub(super) struct Handles<F> {
     ahead_bytes: Arc<AtomicUsize>,
     /// Bytes the handles hold written behind, at most [`UNSENT_TOTAL_BYTES_MAX`].
     unsent_bytes: Arc<AtomicUsize>,
-    /// Bytes of deferred creates closed without a FLUSH, at most
-    /// [`UNFLUSHED_TOTAL_BYTES_MAX`].
-    unflushed_bytes: Arc<AtomicUsize>,
+    /// Bytes of deferred creates, at most [`DEFERRED_TOTAL_BYTES_MAX`].
+    deferred_bytes: Arc<AtomicUsize>,
     /// The handles holding writes not yet sent: kept here until those are on the brick, past
     /// the handle's release too, so that a fop on the file finds them (and waits for them).
     with_unsent: Mutex<HashMap<u64, Arc<Open<F>>>>,
@@ -357,7 +356,7 @@ impl<F> Handles<F> {
             next_fh: AtomicU64::new(1),
             ahead_bytes: Arc::new(AtomicUsize::new(0)),
             unsent_bytes: Arc::new(AtomicUsize::new(0)),
-            unflushed_bytes: Arc::new(AtomicUsize::new(0)),
+            deferred_bytes: Arc::new(AtomicUsize::new(0)),
             with_unsent: Mutex::new(HashMap::new()),
             removals: Arc::new(AtomicUsize::new(0)),
             removals_begun: AtomicU64::new(0),
@@ -932,18 +931,14 @@ impl<L: Layer> Shared<L> {
             .inodes
             .dir_attr(parent)
             .filter(|p| deferrable && p.allows_create(c));
-        // A deferred create in a held directory holds its data under a total; with none
-        // left, the file is made on the brick now. (One in a directory the mount knows
-        // without holding it keeps its FLUSH, outside the total, as before.)
-        let held = self.leases.holds(&parent_gfid);
-        let unflushed = (parent_attr.is_some() && held && !self.options.writeback_cache)
-            .then(|| {
-                let total = &self.handles.unflushed_bytes;
-                Budgeted::reserve(total, DEFERRED_BYTES_MAX, UNFLUSHED_TOTAL_BYTES_MAX)
-            })
-            .flatten();
+        // A deferred create holds its data under a total; with none left, the file is made
+        // on the brick now.
+        let share = parent_attr.as_ref().and_then(|_| {
+            let total = &self.handles.deferred_bytes;
+            Budgeted::reserve(total, DEFERRED_BYTES_MAX, DEFERRED_TOTAL_BYTES_MAX)
+        });
         let (iatt, fd) = match parent_attr {
-            Some(parent_attr) if unflushed.is_some() || self.options.writeback_cache || !held => {
+            Some(parent_attr) if share.is_some() => {
                 let pending = Pending::new(create, parent_attr, c.clone());
                 let iatt = pending.iatt();
                 (iatt, Err(pending))
@@ -972,12 +967,15 @@ impl<L: Layer> Shared<L> {
         let reopen = OpenFlags::from_bits(open_flags.bits() & !OpenFlags::TRUNC.bits())
             .unwrap_or(OpenFlags::empty());
         // A deferred create's handle is opened late as root: the create granted it
-        // its access, whatever mode the file was given. Under the total its close would only
-        // queue the PUT behind: the release does that, and the closer is spared a FUSE
-        // request it would wait for.
+        // its access, whatever mode the file was given. In a held directory its close would
+        // only queue the PUT behind: the release does that, and the closer is spared a FUSE
+        // request it would wait for. Elsewhere, and with the writeback cache (the kernel
+        // writes the file's pages back at its FLUSH), the close sends the PUT.
+        let no_flush =
+            share.is_some() && !self.options.writeback_cache && self.leases.holds(&parent_gfid);
         let open = Open {
-            no_flush: unflushed.is_some(),
-            unflushed,
+            no_flush,
+            deferred_share: share,
             ..Open::new(fd, attr.ino.0, access, reopen, &Creds::root())
         };
         // A deferred create's handle gets no fd before its file is on the brick.
