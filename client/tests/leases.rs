@@ -1279,6 +1279,133 @@ fn a_file_still_open_is_renamed_behind_without_an_open() {
     assert_brick_consistent(&a);
 }
 
+/// An ext4 file system of a few MiB in a loop file, mounted; unmounted when dropped.
+struct SmallDisk {
+    dir: std::path::PathBuf,
+}
+
+impl SmallDisk {
+    fn new(scratch: &Path, mib: u64) -> SmallDisk {
+        let (image, dir) = (scratch.join("disk.img"), scratch.join("disk"));
+        fs::create_dir(&dir).expect("mkdir");
+        let file = fs::File::create(&image).expect("image");
+        file.set_len(mib << 20).expect("size the image");
+        sh_ok(
+            scratch,
+            &format!(
+                "mkfs.ext4 -q -F -N 1024 {} && mount -o loop {} {}",
+                image.display(),
+                image.display(),
+                dir.display()
+            ),
+        );
+        SmallDisk { dir }
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg(&self.dir).status();
+    }
+}
+
+/// A brick whose disk fills during an untar through the mount (files made, written, their
+/// modes and times set, closed; none synced): tar hears of it at its calls, with ENOSPC (not
+/// only at a later fsync, and never with ESTALE), and the directory's fsync reports the
+/// changes refused after they were answered. The mount then shows what the brick holds:
+/// every file listed is whole (or one tar said it could not write), another mount lists the
+/// same, `rm -rf` empties the tree, the brick checks clean, and once space is freed files are
+/// made again.
+#[test]
+fn a_brick_out_of_space_is_an_error_at_the_call_and_the_mount_shows_what_it_holds() {
+    /// Directories, files in each, bytes per file: 64 MiB for a 32 MiB disk.
+    const DIRS: usize = 4;
+    const FILES_PER_DIR: usize = 1000;
+    const FILE_BYTES: usize = 16 << 10;
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let source = scratch.path().join("src");
+    for d in 0..DIRS {
+        let dir = source.join(format!("d/s{d}"));
+        fs::create_dir_all(&dir).expect("mkdir");
+        for i in 0..FILES_PER_DIR {
+            let byte = b'a' + ((d * FILES_PER_DIR + i) % 26) as u8;
+            fs::write(dir.join(format!("f{i}")), vec![byte; FILE_BYTES]).expect("write");
+        }
+    }
+    sh_ok(&source, "tar -cf ../tree.tar d");
+    let disk = SmallDisk::new(scratch.path(), 32);
+    let mut a = Mounted::new(&[]);
+    a.unmount();
+    drop(a.brickd.take());
+    let brick = common::format_brick(&disk.dir.join("brick"));
+    a.brickd = Some(a.cluster.start_brick(&brick, "127.0.0.1:0", &[]));
+    a.mount(&[]);
+
+    let untar = mount_common::sh(
+        &a.mountpoint,
+        &format!("tar -xf {}/tree.tar", scratch.path().display()),
+    );
+    let said = String::from_utf8_lossy(&untar.stderr).into_owned();
+    assert!(
+        !untar.status.success(),
+        "tar filled a 32 MiB disk with 64 MiB without an error"
+    );
+    assert!(said.contains("No space left on device"), "{said}");
+    assert!(!said.contains("Stale file handle"), "{said}");
+    let synced = fs::File::open(a.path("d")).expect("open d").sync_all();
+    assert_eq!(
+        synced.map_err(|e| e.raw_os_error()),
+        Err(Some(libc::ENOSPC)),
+        "the directory's fsync reports the refusals after the answers"
+    );
+    // Past the 2 s after a refusal for want of space in which the mount answers no change
+    // ahead: what follows is answered from what it knows, as it would be any time later.
+    std::thread::sleep(Duration::from_secs(3));
+
+    let listed = files_under(&a.path("d"));
+    assert!(!listed.is_empty(), "nothing of the untar is on the brick");
+    for path in &listed {
+        let whole = fs::read(source.join(path)).expect("a file of the tree");
+        if fs::read(a.path(path)).expect("read") != whole {
+            assert!(
+                said.contains(path.as_str()),
+                "{path} not whole, and tar was told it was"
+            );
+        }
+    }
+    let b = a.another("b", &[]);
+    assert_eq!(
+        files_under(&b.path("d")),
+        listed,
+        "the other mount lists the same"
+    );
+    fs::remove_dir_all(a.path("d")).expect("rm -rf after the disk filled");
+    assert!(!b.path("d").exists(), "gone in the other mount");
+    common::assert_brick_checks_clean(&brick);
+    fs::write(a.path("after"), b"fits again").expect("a file once space is freed");
+    assert_eq!(fs::read(b.path("after")).expect("read in b"), b"fits again");
+}
+
+/// The files under `dir` (a mount's `d`), as `d/…` paths, sorted.
+fn files_under(dir: &Path) -> Vec<String> {
+    let top = dir.parent().expect("a parent");
+    let mut files = Vec::new();
+    let mut dirs = vec![dir.to_path_buf()];
+    while let Some(next) = dirs.pop() {
+        for entry in fs::read_dir(&next).expect("list") {
+            let path = entry.expect("entry").path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else {
+                let relative = path.strip_prefix(top).expect("under the mount");
+                files.push(relative.to_str().expect("utf-8").to_owned());
+            }
+        }
+    }
+    files.sort();
+    files
+}
+
 /// New files held open at once past what the mount keeps of deferred creates (64 MiB,
 /// counted at 1 MiB each) are made on the brick at their create instead: what the mount
 /// holds stays bounded, and every file is whole.

@@ -719,6 +719,51 @@ fn full_disk_gives_enospc_and_loses_nothing() {
     }
 }
 
+/// A disk whose inodes are all used: creates fail with ENOSPC, and every file can still be
+/// unlinked — with no inode for the directory's `dir` record, the name goes before the
+/// handle — leaving the brick consistent; then files are made again.
+#[test]
+fn a_disk_out_of_inodes_can_still_be_emptied() {
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let mnt = scratch.path().join("mnt");
+    let image = scratch.path().join("small.img");
+    let _unmount = new_ext4(&image, 16, &["-N", "1024"], &mnt, "defaults");
+    let path = mnt.join("brick");
+    kiln_dataplane::Brick::format(&path).expect("format");
+    for kind in [EngineKind::Blocking, EngineKind::Uring] {
+        let h = Harness::reopen(
+            tempfile::tempdir().expect("tmp"),
+            &path,
+            kind,
+            FopsConfig::default(),
+        );
+        let dir = h.mkdir(Gfid::ROOT, &format!("{kind:?}")).expect("mkdir");
+        let mut names = Vec::new();
+        let put = |names: &mut Vec<String>| {
+            let name = format!("f{}", names.len());
+            h.put(dir, &name, b"x").map(|_| names.push(name))
+        };
+        let err = loop {
+            if let Err(e) = put(&mut names) {
+                break e;
+            }
+            assert!(names.len() < 2048, "1024 inodes hold 2048 files");
+        };
+        assert_eq!(err, ErrorCode::NoSpace, "{kind:?}");
+        // The creates' `dir` record goes after 1 s idle; the inode it frees is taken again,
+        // so the unlinks find no room for a record of their own.
+        std::thread::sleep(std::time::Duration::from_millis(2500));
+        let _ = put(&mut names);
+        for name in &names {
+            h.unlink(dir, name).expect("unlink on a disk out of inodes");
+        }
+        h.assert_consistent();
+        h.put(dir, "after", b"fits again")
+            .expect("put after freeing inodes");
+        h.assert_consistent();
+    }
+}
+
 /// Two interrupted directory renames, one into the other: the inner move's record resolves
 /// only once the outer one is installed, which repair does in passes.
 #[test]

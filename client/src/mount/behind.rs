@@ -12,9 +12,16 @@
 //! `fsync` or `close` of the object (and `fsync` of its directory) to report, as NFS and
 //! CephFS report write-back errors. The bytes queued are bounded: an application that gets
 //! ahead of the brick waits at the bound.
+//!
+//! A refusal for want of space (ENOSPC, EDQUOT), of a change made behind or of one the
+//! application waited for, stops the mount answering changes ahead for
+//! [`SPACE_REFUSAL_HOLD`] ([`Behind::refusing_space`]): they go to the brick while the
+//! application waits, so a program filling the disk hears of it at the call that meets it,
+//! as NFS writes synchronously after a write error.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use kiln_wire::limits::{BATCH_FOPS_MAX, FRAME_BODY_LEN_MAX_BYTES};
 use kiln_wire::{Batch, Creds, ErrorCode, FopReply, FopRequest, Gfid};
@@ -29,6 +36,10 @@ const FOP_OVERHEAD_BYTES: usize = 256;
 
 /// Bytes of fops one batch carries at most: a frame, less room for the batch's own fields.
 const BATCH_BYTES_MAX: usize = FRAME_BODY_LEN_MAX_BYTES - 4096;
+
+/// How long after the brick's last refusal for want of space the mount answers no change
+/// ahead.
+const SPACE_REFUSAL_HOLD: Duration = Duration::from_secs(2);
 
 /// A change waiting to be sent.
 #[derive(Debug)]
@@ -61,6 +72,9 @@ struct State {
     dirty: HashMap<Gfid, u64>,
     /// The first error of each object's queued changes, until reported.
     failed: HashMap<Gfid, i32>,
+    /// The objects of refused changes, whose leases the mount is to give back
+    /// ([`Behind::refused_in`]).
+    refused_in: Vec<Gfid>,
 }
 
 /// The mount's queue of changes not yet on the brick.
@@ -74,6 +88,10 @@ pub(super) struct Behind {
     queued: Notify,
     /// The highest sequence number the brick has answered.
     answered: watch::Sender<u64>,
+    /// When the brick last refused a change for want of space.
+    space_refused: Mutex<Option<Instant>>,
+    /// Wakes [`Behind::refused_in`].
+    refused: Notify,
 }
 
 impl Behind {
@@ -87,7 +105,45 @@ impl Behind {
             room_bytes: bytes_max,
             queued: Notify::new(),
             answered: watch::Sender::new(0),
+            space_refused: Mutex::new(None),
+            refused: Notify::new(),
         }
+    }
+
+    /// Notes that the brick refused a change answered ahead in directory `dir` (or of
+    /// directory `dir`): what the mount told of it may not be what the brick holds, so the
+    /// mount gives the directory's lease back and the brick answers for it again.
+    pub(super) fn note_refused_in(&self, dir: Gfid) {
+        self.lock().refused_in.push(dir);
+        self.refused.notify_one();
+    }
+
+    /// Waits for refused changes ([`Behind::note_refused_in`]); the objects they touched.
+    pub(super) async fn refused_in(&self) -> Vec<Gfid> {
+        loop {
+            let taken = std::mem::take(&mut self.lock().refused_in);
+            if !taken.is_empty() {
+                return taken;
+            }
+            self.refused.notified().await;
+        }
+    }
+
+    /// Notes a refusal by the brick (`errno`), of a change made behind or not: one for want
+    /// of space holds changes back from being answered ahead.
+    pub(super) fn note_refusal(&self, errno: i32) {
+        if matches!(errno, libc::ENOSPC | libc::EDQUOT) {
+            *self.space_refused.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
+        }
+    }
+
+    /// Whether the brick refused a change for want of space in the last
+    /// [`SPACE_REFUSAL_HOLD`]: the mount then answers no change ahead.
+    pub(super) fn refusing_space(&self) -> bool {
+        self.space_refused
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some_and(|at| at.elapsed() < SPACE_REFUSAL_HOLD)
     }
 
     /// Queues `fop`, run as `creds`, changing `touches` (the object first); waits while the
@@ -229,10 +285,13 @@ impl Behind {
         for (queued, result) in sent.iter().zip(results) {
             if let Err(e) = result {
                 let errno = e.errno();
+                self.note_refusal(errno);
                 tracing::warn!(fop = queued.fop.code().name(), error = %e, "a change made behind failed on the brick");
                 for gfid in &queued.touches {
                     state.failed.entry(*gfid).or_insert(errno);
                 }
+                state.refused_in.extend(&queued.touches);
+                self.refused.notify_one();
             }
             for gfid in &queued.touches {
                 if state.dirty.get(gfid) == Some(&queued.seq) {
@@ -248,6 +307,7 @@ impl Behind {
     /// Keeps `errno`, the refusal of a change to `gfid` made behind outside this queue (data
     /// written behind, [`super::handles`]), for the next `fsync` or `close` to report.
     pub(super) fn note_failure(&self, gfid: Gfid, errno: i32) {
+        self.note_refusal(errno);
         self.lock().failed.entry(gfid).or_insert(errno);
     }
 
@@ -336,6 +396,24 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_refusal_for_want_of_space_holds_changes_back_and_names_what_it_touched() {
+        let behind = Behind::new(1 << 20);
+        let root = Creds::root();
+        behind.push(&root, mkdir(1), &[gfid(1), Gfid::ROOT]).await;
+        let (_, sent) = behind.next_batch().await;
+        behind.answered(&sent, &all_failed(&sent, &Error::Fop(ErrorCode::Exist)));
+        assert!(!behind.refusing_space(), "EEXIST is no want of space");
+        assert_eq!(behind.refused_in().await, [gfid(1), Gfid::ROOT]);
+        behind.push(&root, mkdir(2), &[gfid(2), Gfid::ROOT]).await;
+        let (_, sent) = behind.next_batch().await;
+        behind.answered(&sent, &all_failed(&sent, &Error::Fop(ErrorCode::NoSpace)));
+        assert!(behind.refusing_space());
+        assert_eq!(behind.refused_in().await, [gfid(2), Gfid::ROOT]);
+        behind.note_refusal(libc::EDQUOT);
+        assert!(behind.refusing_space());
+    }
+
+    #[tokio::test]
     async fn settle_waits_for_the_objects_last_change_only() {
         let behind = Arc::new(Behind::new(1 << 20));
         let root = Creds::root();
@@ -355,7 +433,7 @@ mod tests {
         assert_eq!(sent.len(), 2);
         assert!(!waiter.is_finished());
         behind.answered(&sent, &all_failed(&sent, &Error::Fop(ErrorCode::NoEnt)));
-        tokio::time::timeout(std::time::Duration::from_secs(5), waiter)
+        tokio::time::timeout(Duration::from_secs(5), waiter)
             .await
             .expect("settled")
             .expect("task");
@@ -376,7 +454,7 @@ mod tests {
         let (_, sent) = behind.next_batch().await;
         behind.answered(&sent, &all_failed(&sent, &Error::Fop(ErrorCode::Io)));
         drop(sent);
-        tokio::time::timeout(std::time::Duration::from_secs(5), third)
+        tokio::time::timeout(Duration::from_secs(5), third)
             .await
             .expect("room made")
             .expect("task");

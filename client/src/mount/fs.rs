@@ -90,10 +90,11 @@ impl<L: Layer> KilnFs<L> {
         work: impl Future<Output = Result<T>> + Send + 'static,
         ok: impl FnOnce(R, T) + Send + 'static,
     ) {
+        let shared = self.shared();
         self.run(async move {
             match work.await {
                 Ok(value) => ok(reply, value),
-                Err(e) => reply.fail(e),
+                Err(e) => reply.fail(shared.refused(e)),
             }
         });
     }

@@ -924,6 +924,7 @@ impl<L: Layer> Shared<L> {
         let synchronous = OpenFlags::SYNC.bits() | OpenFlags::DSYNC.bits();
         let deferrable = self.options.deferred_create
             && known_free
+            && !self.behind.refusing_space()
             && requested_access(flags) == AccessMode::WriteOnly
             && flags & libc::O_DIRECT == 0
             && open_flags.bits() & synchronous == 0;
@@ -1170,7 +1171,8 @@ impl<L: Layer> Shared<L> {
             let synchronous = [OpenFlags::SYNC, OpenFlags::DSYNC, OpenFlags::DIRECT];
             let may_gather = !synchronous.iter().any(|&f| open.flags.contains(f))
                 && data.len() < UNSENT_BYTES_MAX
-                && (self.options.write_behind || self.leases.local(&gfid).is_some());
+                && (self.options.write_behind || self.leases.local(&gfid).is_some())
+                && !self.behind.refusing_space();
             let budget = may_gather
                 .then(|| {
                     let total = &self.handles.unsent_bytes;
@@ -1438,8 +1440,13 @@ impl<L: Layer> Shared<L> {
                 self.behind.settle(&parent).await;
             }
             let mark = self.inodes.change_mark();
-            let sent = self.pending.settle(&self.layer, ino, synced);
-            let sent = sent.await.map_err(errno)?;
+            let sent = self.pending.settle(&self.layer, ino, synced).await;
+            let sent = sent.map_err(|e| {
+                if let Some(parent) = parent {
+                    self.behind.note_refused_in(parent);
+                }
+                self.refused(errno(e))
+            })?;
             if let Some((iatt, content)) = sent {
                 self.note_data_changed(None, &iatt);
                 // Made under the directory's write lease: the mount describes it while it

@@ -347,9 +347,9 @@ impl<L: Layer> Shared<L> {
 
     /// The permission bits of held directory `dir` when `c` may make and remove names in it
     /// without asking: write and search permission, and no sticky bit (whose rule needs the
-    /// owners of the entries).
+    /// owners of the entries); none while the brick refuses changes for want of space.
     fn writable_held_dir(&self, c: &Creds, dir: &Gfid) -> Option<ParentAttr> {
-        if !self.leases.holds(dir) {
+        if !self.leases.holds(dir) || self.behind.refusing_space() {
             return None;
         }
         let ino = self.inodes.ino_of(dir)?;
@@ -828,6 +828,18 @@ impl<L: Layer> Shared<L> {
             let event = tokio::select! {
                 event = events.recv() => event,
                 Some(()) = giving_back.next(), if !giving_back.is_empty() => continue,
+                // A change answered ahead there was refused: the brick answers for the
+                // directory again, as after a recall.
+                refused = self.behind.refused_in() => {
+                    for gfid in refused {
+                        if self.leases.holds(&gfid) {
+                            self.leases.recalled(gfid);
+                            let kind = LeaseKind::None;
+                            giving_back.push(Either::Right(self.give_back(Recall { gfid, kind })));
+                        }
+                    }
+                    continue;
+                }
             };
             match event {
                 Ok(LayerEvent::Recall(recall)) => {

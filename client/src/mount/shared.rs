@@ -268,6 +268,13 @@ impl<L: Layer> Shared<L> {
         }
     }
 
+    /// Notes error `e`, about to reach the application or kept for it: a refusal for want
+    /// of space holds changes back from being answered ahead ([`Behind::refusing_space`]).
+    pub(super) fn refused(&self, e: Errno) -> Errno {
+        self.behind.note_refusal(e.code());
+        e
+    }
+
     /// This mount changed a file's data on the brick from `before` (`None`: it made the file)
     /// to `after`. The kernel's pages hold the change (it came through them); they go if the
     /// brick had changed since the version they match.

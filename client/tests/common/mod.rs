@@ -146,7 +146,7 @@ impl Cluster {
 }
 
 /// Makes directory `brick` and formats it as a brick.
-fn format_brick(brick: &Path) -> PathBuf {
+pub fn format_brick(brick: &Path) -> PathBuf {
     std::fs::create_dir(brick).expect("brick dir");
     let status = Command::new(bin("kiln-brickd"))
         .arg("format")

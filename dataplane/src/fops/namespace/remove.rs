@@ -113,31 +113,46 @@ impl<E: Exec> Fops<E> {
 
     /// UNLINK of a file's last name, held open as `held`: its handle goes first, then the
     /// caller's unlink commits, under the directory's `dir` record (a crash between the two
-    /// leaves the file named without its handle, which start-up repair heals). A file still
-    /// named afterwards — the unlink was refused, or a LINK or RENAME of it raced in — gets
-    /// its handle back from `held`. The parent's attributes before and after.
+    /// leaves the file named without its handle, which start-up repair heals). On a file
+    /// system with no room for the record (a full disk, its inodes used up) the name goes
+    /// first and then the handle, so a full disk can be emptied: a crash between the two
+    /// leaves a stale handle, which `kiln-brickd check` reports and `--repair` removes. A
+    /// file still named afterwards — the unlink was refused, or a LINK or RENAME of it raced
+    /// in — gets its handle back from `held`. The parent's attributes before and after.
     async fn unlink_last_name(
         &self,
         creds: &Creds,
         named: &Named,
         held: &DirFd,
     ) -> R<(Iatt, Iatt)> {
-        let under_record = self.under_dir_record(&named.parent).await?;
+        let under_record = match self.under_dir_record(&named.parent).await {
+            Ok(guard) => Some(guard),
+            Err(Errno::NOSPC | Errno::DQUOT) => None,
+            Err(e) => return Err(e),
+        };
         let (dir, gfid) = (&named.dir, &named.gfid);
         let mut chain = Chain::new();
         let pre = named.parents.push(&mut chain, dir);
         // A missing handle (a damaged brick) is no reason to refuse the unlink.
-        chain.push::<()>(Step::brick(op::Unlink {
-            dir: self.brick.handle_dir(gfid).clone(),
-            name: Brick::handle_name(gfid),
-            dir_flag: false,
-        }));
+        let handle = || {
+            Step::brick(op::Unlink {
+                dir: self.brick.handle_dir(gfid).clone(),
+                name: Brick::handle_name(gfid),
+                dir_flag: false,
+            })
+        };
+        if under_record.is_some() {
+            chain.push::<()>(handle());
+        }
         let unlink = op::Unlink {
             dir: dir.clone(),
             name: named.name.clone(),
             dir_flag: false,
         };
         let commit = chain.push::<()>(Step::caller(unlink, creds).barrier());
+        if under_record.is_none() {
+            chain.push::<()>(handle());
+        }
         let post = named.parents.push(&mut chain, dir);
         let mut results = match self.run_namespace(FopCode::Unlink, chain).await {
             Ok(results) => results,
