@@ -872,12 +872,22 @@ fn a_daemon_without_the_clusters_ca_refuses_to_start() {
             .stderr(Stdio::piped());
         (command, state)
     };
-    // The first daemon makes the cluster's CA and records it.
+    // The first daemon makes the cluster's CA and records it. Its log goes to a file: a
+    // pipe nobody reads would stop it once full.
     let (mut first, first_state) = daemon("first");
+    let first_log = dir.path().join("first.log");
+    first.stderr(std::fs::File::create(&first_log).expect("log"));
     let mut first = first.spawn().expect("kiln-mgmtd");
+    let said = || std::fs::read_to_string(&first_log).unwrap_or_default();
     let deadline = Instant::now() + Duration::from_secs(30);
     while !first_state.join("tls/ca.crt").exists() {
-        assert!(Instant::now() < deadline, "no CA made");
+        if let Ok(Some(status)) = first.try_wait() {
+            panic!(
+                "the first daemon exited ({status}) without a CA:\n{}",
+                said()
+            );
+        }
+        assert!(Instant::now() < deadline, "no CA made:\n{}", said());
         std::thread::sleep(Duration::from_millis(50));
     }
     // One with no CA, and one with a CA of its own, are refused with what to do.

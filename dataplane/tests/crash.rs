@@ -663,16 +663,29 @@ fn mount_loop(image: &Path, mnt: &Path, options: &str) -> Unmount {
     Unmount(mnt.to_owned())
 }
 
+/// A brick formatted on a fresh 16 MiB ext4 of `inodes` inodes in `scratch`; the file
+/// system is unmounted when the guard goes.
+fn small_brick(scratch: &Path, inodes: u32) -> (Unmount, std::path::PathBuf) {
+    let mnt = scratch.join("mnt");
+    let inodes = inodes.to_string();
+    let unmount = new_ext4(
+        &scratch.join("small.img"),
+        16,
+        &["-N", &inodes],
+        &mnt,
+        "defaults",
+    );
+    let path = mnt.join("brick");
+    kiln_dataplane::Brick::format(&path).expect("format");
+    (unmount, path)
+}
+
 /// A full disk: creates and writes fail with ENOSPC (or EDQUOT-like errors the kernel gives),
 /// never with a wrong success, and the brick stays consistent; after space is freed it works.
 #[test]
 fn full_disk_gives_enospc_and_loses_nothing() {
     let scratch = tempfile::tempdir().expect("tempdir");
-    let mnt = scratch.path().join("mnt");
-    let image = scratch.path().join("small.img");
-    let _unmount = new_ext4(&image, 16, &["-N", "4096"], &mnt, "defaults");
-    let path = mnt.join("brick");
-    kiln_dataplane::Brick::format(&path).expect("format");
+    let (_unmount, path) = small_brick(scratch.path(), 4096);
     for kind in [EngineKind::Blocking, EngineKind::Uring] {
         let h = Harness::reopen(
             tempfile::tempdir().expect("tmp"),
@@ -725,11 +738,7 @@ fn full_disk_gives_enospc_and_loses_nothing() {
 #[test]
 fn a_disk_out_of_inodes_can_still_be_emptied() {
     let scratch = tempfile::tempdir().expect("tempdir");
-    let mnt = scratch.path().join("mnt");
-    let image = scratch.path().join("small.img");
-    let _unmount = new_ext4(&image, 16, &["-N", "1024"], &mnt, "defaults");
-    let path = mnt.join("brick");
-    kiln_dataplane::Brick::format(&path).expect("format");
+    let (_unmount, path) = small_brick(scratch.path(), 1024);
     for kind in [EngineKind::Blocking, EngineKind::Uring] {
         let h = Harness::reopen(
             tempfile::tempdir().expect("tmp"),
