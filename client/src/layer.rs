@@ -19,6 +19,13 @@ use tokio::sync::broadcast;
 
 use crate::error::Error;
 
+/// The highest offset of a directory listing that no layer gives an entry: the mount lists
+/// `.` and `..` (which no brick lists) at offsets 1 and 2. A brick's offsets are its file
+/// system's cookies, none of which is 1 or 2 past the file system's own `.` and `..` (a
+/// cookie says where the next entry begins: ext4 and XFS count bytes or hashes, btrfs an
+/// index from 2); distribution numbers its own from above this.
+pub const DOT_OFFSET_MAX: u64 = 2;
+
 /// One layer of the client stack: the fops the mount and the path helpers send, with the
 /// caller's credentials on every call (a layer is shared by every caller of a mount).
 ///

@@ -466,6 +466,91 @@ fn files_directories_and_links_behave_like_a_local_file_system() {
     assert!(st.f_blocks > 0 && st.f_bsize > 0);
 }
 
+/// `.` and `..` come first in every listing, as a local file system lists them, and a
+/// listing goes on from any offset it gave (`seekdir` to a `telldir`), on one brick and
+/// over three (whose listings number their own offsets).
+#[test]
+fn listings_show_the_dot_entries_first_and_go_on_from_any_offset() {
+    for m in [Mounted::new(&[]), Mounted::distributed(3, &[])] {
+        let dir = m.path("many");
+        fs::create_dir(&dir).expect("mkdir");
+        for i in 0..300 {
+            write(
+                &m.path(&format!("many/a-rather-long-file-name-{i:04}")),
+                b"",
+            );
+        }
+        let fd = rustix::fs::open(
+            &dir,
+            rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::DIRECTORY,
+            rustix::fs::Mode::empty(),
+        )
+        .expect("open the directory");
+        let all = entries_from(&fd, 0);
+        let names: Vec<&str> = all.iter().map(|(name, ..)| name.as_str()).collect();
+        assert_eq!(names[..2], [".", ".."]);
+        let ino = fs::metadata(&dir).expect("stat").ino();
+        assert_eq!(all[0].1, ino, "`.` is the directory itself");
+        let mut files = names[2..].to_vec();
+        files.sort_unstable();
+        files.dedup();
+        assert_eq!((files.len(), names.len()), (300, 302), "each file once");
+        // Forwards first: distribution's offsets hold until a listing from the start (of
+        // which `..` and the entry after it are, for the layers below the mount).
+        for i in [3, 150, all.len() - 1, all.len(), 2, 1] {
+            let (from, rest) = (all[i - 1].2, &all[i..]);
+            let listed = entries_from(&fd, from);
+            assert_eq!(named(&listed), named(rest), "the listing after entry {i}");
+        }
+        assert_eq!(
+            named(&entries_from(&fd, 0)),
+            named(&all),
+            "from the start again"
+        );
+
+        let root = rustix::fs::open(
+            &m.mountpoint,
+            rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::DIRECTORY,
+            rustix::fs::Mode::empty(),
+        )
+        .expect("open the root");
+        let root_ino = fs::metadata(&m.mountpoint).expect("stat").ino();
+        let dots: Vec<_> = entries_from(&root, 0)
+            .into_iter()
+            .take(2)
+            .map(|(name, ino, _)| (name, ino))
+            .collect();
+        assert_eq!(
+            dots,
+            [(".".to_owned(), root_ino), ("..".to_owned(), root_ino)],
+            "the root is its own parent"
+        );
+    }
+}
+
+/// The entries of open directory `fd` from its offset `from`, read 1 KiB at a time (many
+/// `getdents64` calls): name, inode number, the offset after it.
+fn entries_from(fd: &rustix::fd::OwnedFd, from: u64) -> Vec<(String, u64, u64)> {
+    rustix::fs::seek(fd, rustix::fs::SeekFrom::Start(from)).expect("seekdir");
+    let mut buf = vec![std::mem::MaybeUninit::uninit(); 1024];
+    let mut raw = rustix::fs::RawDir::new(fd, &mut buf);
+    let mut out = Vec::new();
+    while let Some(entry) = raw.next() {
+        let entry = entry.expect("getdents64");
+        let name = entry.file_name().to_string_lossy().into_owned();
+        out.push((name, entry.ino(), entry.next_entry_cookie()));
+    }
+    out
+}
+
+/// The names and inode numbers of listed `entries`.
+fn named(entries: &[(String, u64, u64)]) -> Vec<(&str, u64)> {
+    entries
+        .iter()
+        .map(|(name, ino, _)| (name.as_str(), *ino))
+        .collect()
+}
+
 /// `is_fifo` without importing the extension trait under another name.
 trait FifoLike {
     fn is_fifo_like(&self) -> bool;

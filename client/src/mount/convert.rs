@@ -20,7 +20,7 @@ use kiln_wire::{
 
 use super::shared::Ttl;
 use crate::Error;
-use crate::layer::FdFop;
+use crate::layer::{DOT_OFFSET_MAX, FdFop};
 
 /// What a mount's fop ends in: a value for the reply, or the errno the kernel is given.
 pub(super) type Result<T> = std::result::Result<T, Errno>;
@@ -290,6 +290,38 @@ pub(super) fn negative_attr() -> FileAttr {
         rdev: 0,
         blksize: 0,
         flags: 0,
+    }
+}
+
+/// `.` and `..`, which no brick lists: a listing's first two entries, each with the offset
+/// after it (no layer gives an entry those offsets).
+const DOTS: [(&str, u64); 2] = [(".", DOT_OFFSET_MAX - 1), ("..", DOT_OFFSET_MAX)];
+
+/// The inode number libfuse lists for an entry whose number it does not know.
+const UNKNOWN_INO: u64 = 0xffff_ffff;
+
+/// What is left of `.` and `..` to list from the kernel's `offset`, and the offset the
+/// layers' listing goes on from.
+pub(super) fn dots_from(offset: u64) -> (&'static [(&'static str, u64)], u64) {
+    match usize::try_from(offset) {
+        Ok(n) if n <= DOTS.len() => (&DOTS[n..], 0),
+        _ => (&[], offset),
+    }
+}
+
+/// What a listing of directory `dir` shows of `.` or `..` (`dot`): the directory itself, or
+/// its parent, which the mount knows only of the root (itself; elsewhere the unknown inode).
+/// The kernel takes neither as a lookup, so only the number and type count.
+pub(super) fn dot_attr(dir: INodeNo, dot: &str) -> FileAttr {
+    let ino = match dot {
+        "." => dir,
+        _ if dir == INodeNo::ROOT => dir,
+        _ => INodeNo(UNKNOWN_INO),
+    };
+    FileAttr {
+        ino,
+        kind: fuser::FileType::Directory,
+        ..negative_attr()
     }
 }
 

@@ -36,9 +36,9 @@ use tokio::runtime::Handle;
 
 use super::MountOptions;
 use super::convert::{
-    Fail, GEN, Result, access_mask, creds, errno, fallocate_fops, file_kind, fuse_lock, name_of,
-    negative_attr, node_type, os, rename_mode, reply_entry, reply_xattr, time_set, wire_lock,
-    xattr_name, xattr_set_mode,
+    Fail, GEN, Result, access_mask, creds, dot_attr, dots_from, errno, fallocate_fops, file_kind,
+    fuse_lock, name_of, negative_attr, node_type, os, rename_mode, reply_entry, reply_xattr,
+    time_set, wire_lock, xattr_name, xattr_set_mode,
 };
 use super::shared::Shared;
 use crate::path::new_gfid;
@@ -766,7 +766,7 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
     fn readdir(
         &self,
         req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         reply: ReplyDirectory,
@@ -774,6 +774,17 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
         let (s, c) = (self.shared(), creds(req));
         self.run(async move {
             let mut reply = reply;
+            let (dots, offset) = dots_from(offset);
+            for &(dot, next) in dots {
+                if reply.add(
+                    dot_attr(ino, dot).ino,
+                    next,
+                    fuser::FileType::Directory,
+                    dot,
+                ) {
+                    return reply.ok();
+                }
+            }
             let result = s
                 .list(&c, fh, offset, |e| {
                     let kind = file_kind(e.iatt.file_type);
@@ -807,6 +818,13 @@ impl<L: Layer> fuser::Filesystem for KilnFs<L> {
             // Where a file's kept listing is found again (its GETATTR, its read-ahead).
             let listed_in = dir.filter(|_| s.answers_from_listings());
             let mut ahead = Vec::new();
+            let (dots, offset) = dots_from(offset);
+            for &(dot, next) in dots {
+                let attr = dot_attr(ino, dot);
+                if reply.add(attr.ino, next, dot, &Duration::ZERO, &attr, GEN) {
+                    return reply.ok();
+                }
+            }
             let result = s
                 .list(&c, fh, offset, |e| {
                     // Each entry the kernel takes counts as a lookup; one that does not fit

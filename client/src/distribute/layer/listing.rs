@@ -5,6 +5,7 @@ use kiln_wire::limits::{BATCH_FOPS_MAX, READDIRP_ENTRY_BYTES};
 
 use super::heal::merge_times;
 use super::*;
+use crate::layer::DOT_OFFSET_MAX;
 
 /// What one listed entry counts against a reply's size besides its name, as a brick counts
 /// it.
@@ -22,8 +23,9 @@ pub struct DirFds<F> {
     pub(super) offsets: Mutex<Offsets>,
 }
 
-/// This layer's offsets in one directory: offset `n` (from 1) continues listing brick `.0`
-/// after its own offset `.1`; the latest [`OFFSETS_KEPT`] are kept.
+/// This layer's offsets in one directory: offset `n` (from [`DOT_OFFSET_MAX`] + 1, below
+/// which the mount lists `.` and `..`) continues listing brick `.0` after its own offset
+/// `.1`; the latest [`OFFSETS_KEPT`] are kept.
 #[derive(Debug, Default)]
 pub(super) struct Offsets {
     /// The offset of `kept[0]`.
@@ -39,12 +41,12 @@ impl Offsets {
             self.first += 1;
         }
         self.kept.push_back((brick, at));
-        self.first + self.kept.len() as u64
+        DOT_OFFSET_MAX + self.first + self.kept.len() as u64
     }
 
     /// Where offset `n` continues; `None` for one never given or no longer kept.
     fn get(&self, n: u64) -> Option<(usize, u64)> {
-        let index = n.checked_sub(self.first + 1)?;
+        let index = n.checked_sub(DOT_OFFSET_MAX + self.first + 1)?;
         self.kept.get(usize::try_from(index).ok()?).copied()
     }
 
@@ -395,24 +397,35 @@ mod tests {
     #[test]
     fn offsets_are_kept_in_a_window_and_never_reused() {
         let mut offsets = Offsets::default();
-        assert_eq!(offsets.get(1), None);
-        assert_eq!(offsets.push(0, 10), 1);
-        assert_eq!(offsets.push(1, 20), 2);
+        let first = DOT_OFFSET_MAX + 1;
+        assert_eq!(offsets.get(first), None);
         assert_eq!(
-            (offsets.get(1), offsets.get(2)),
+            offsets.push(0, 10),
+            first,
+            "the mount's `.` and `..` come before"
+        );
+        assert_eq!(offsets.push(1, 20), first + 1);
+        assert_eq!(
+            (offsets.get(first), offsets.get(first + 1)),
             (Some((0, 10)), Some((1, 20)))
         );
         offsets.restart();
-        assert_eq!(offsets.get(2), None, "a new listing's offsets are new");
-        assert_eq!(offsets.push(2, 30), 3);
+        assert_eq!(
+            offsets.get(first + 1),
+            None,
+            "a new listing's offsets are new"
+        );
+        assert_eq!(offsets.push(2, 30), first + 2);
         for i in 0..OFFSETS_KEPT as u64 {
             offsets.push(0, i);
         }
-        assert_eq!(offsets.get(3), None, "the oldest went");
+        assert_eq!(offsets.get(first + 2), None, "the oldest went");
         assert_eq!(
-            offsets.get(3 + OFFSETS_KEPT as u64),
+            offsets.get(first + 2 + OFFSETS_KEPT as u64),
             Some((0, OFFSETS_KEPT as u64 - 1))
         );
-        assert_eq!(offsets.get(0), None);
+        for dot in 0..first {
+            assert_eq!(offsets.get(dot), None);
+        }
     }
 }
