@@ -902,6 +902,54 @@ fn a_daemon_without_the_clusters_ca_refuses_to_start() {
     let _ = first.wait();
 }
 
+/// A daemon started before its etcd (as an init system may start them) says it waits, and
+/// starts once etcd answers.
+#[test]
+fn a_daemon_started_before_its_etcd_waits_for_it() {
+    let Some(etcd) = etcd_for_test("a_daemon_started_before_its_etcd") else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let member = Member::single().expect("free ports");
+    let (state, socket) = (dir.path().join("state"), dir.path().join("run/mgmtd.sock"));
+    let log = dir.path().join("daemon.log");
+    let mut daemon = Command::new(bin("kiln-mgmtd"))
+        .arg("--state-dir")
+        .arg(&state)
+        .arg("--socket")
+        .arg(&socket)
+        .args(["--host", "127.0.0.1", "--cluster", "late"])
+        .args(["--etcd", &member.client_url()])
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).expect("log"))
+        .spawn()
+        .expect("kiln-mgmtd");
+    let said = || std::fs::read_to_string(&log).unwrap_or_default();
+    let mut wait_for = |what: &str, done: &dyn Fn() -> bool| {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !done() {
+            if let Ok(Some(status)) = daemon.try_wait() {
+                panic!("the daemon exited ({status}) before {what}:\n{}", said());
+            }
+            assert!(Instant::now() < deadline, "not {what}:\n{}", said());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    wait_for("saying it waits", &|| {
+        said().contains("etcd does not answer yet")
+    });
+    let data = dir.path().join("etcd");
+    let _server = EtcdServer::start_single(&etcd, &member, &data).expect("etcd");
+    let answers = || {
+        kiln_of(&socket, &state, &["cluster", "status"])
+            .status
+            .success()
+    };
+    wait_for("answering", &answers);
+    let _ = daemon.kill();
+    let _ = daemon.wait();
+}
+
 /// A host of a cluster on the loopback etcd `url`: its state directory and socket.
 struct LoopbackHost {
     state: PathBuf,

@@ -50,6 +50,15 @@ pub struct Member {
 }
 
 impl Member {
+    /// The member of a one-member cluster on free loopback ports, not started.
+    pub fn single() -> anyhow::Result<Member> {
+        Ok(Member {
+            name: "solo".to_owned(),
+            client: free_loopback_port()?,
+            peer: free_loopback_port()?,
+        })
+    }
+
     pub fn client_url(&self) -> String {
         format!("http://{}", self.client)
     }
@@ -130,12 +139,12 @@ impl EtcdServer {
 
     /// A one-member cluster on free loopback ports.
     pub fn single(etcd: &Path, data_dir: &Path) -> anyhow::Result<EtcdServer> {
-        let member = Member {
-            name: "solo".to_owned(),
-            client: free_loopback_port()?,
-            peer: free_loopback_port()?,
-        };
-        EtcdServer::start(etcd, &member, std::slice::from_ref(&member), data_dir, &[])
+        EtcdServer::start_single(etcd, &Member::single()?, data_dir)
+    }
+
+    /// `member` as a one-member cluster.
+    pub fn start_single(etcd: &Path, member: &Member, data_dir: &Path) -> anyhow::Result<Self> {
+        EtcdServer::start(etcd, member, std::slice::from_ref(member), data_dir, &[])
     }
 
     /// A one-member cluster for test `test`, its data in `data_dir`; `None` where etcd is

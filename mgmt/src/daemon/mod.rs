@@ -32,7 +32,7 @@ use tokio::net::{UnixListener, UnixStream};
 use crate::fanout;
 use crate::membership;
 use crate::store::etcd::{EtcdStore, EtcdTarget};
-use crate::store::{CommitError, ConfigStore, LogStore, StoreOptions};
+use crate::store::{CommitError, ConfigStore, LogStore, StoreError, StoreOptions};
 use crate::supervisor::{CurrentConfig, Launch, Supervisor};
 use crate::tasks::Tasks;
 use crate::volume::{Change, Cluster};
@@ -232,20 +232,58 @@ async fn open_store(config: &DaemonConfig, tls_dir: &Path) -> anyhow::Result<Con
         tracing::info!(generation = report.generation, "configuration loaded");
         return Ok(ConfigStore::Log(store));
     };
-    if config.host.is_none() {
+    let Some(host) = config.host.as_deref() else {
         anyhow::bail!("a daemon of a cluster on etcd needs its host's name (--host)");
-    }
-    let store = EtcdStore::<Cluster>::open(target.clone())
-        .await
-        .context("cannot open the configuration in etcd")?;
-    crate::cluster::check_ca(store.etcd(), tls_dir).await?;
-    membership::register(store.etcd(), config.host.as_deref().unwrap_or_default()).await?;
+    };
+    let (deadline, mut pause) = (Instant::now() + ETCD_START_WAIT, ETCD_START_PAUSE_MIN);
+    let store = loop {
+        match open_etcd_store(target, tls_dir, host).await {
+            Err(e) if unanswered(&e) && Instant::now() + pause < deadline => {
+                tracing::warn!(error = %format!("{e:#}"), "etcd does not answer yet; trying again in {pause:?}");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(ETCD_START_PAUSE_MAX);
+            }
+            opened => break opened?,
+        }
+    };
     tracing::info!(
         cluster = %target.cluster,
         generation = store.generation(),
         "configuration loaded from etcd"
     );
     Ok(ConfigStore::Etcd(Box::new(store)))
+}
+
+/// How long a daemon of a cluster keeps trying etcd at its start — an etcd started beside
+/// it by the init system, or a cluster electing a leader — before it gives up.
+const ETCD_START_WAIT: Duration = Duration::from_secs(60);
+/// The first and the longest pause between two tries.
+const ETCD_START_PAUSE_MIN: Duration = Duration::from_millis(100);
+const ETCD_START_PAUSE_MAX: Duration = Duration::from_secs(5);
+
+/// The configuration in etcd at `target`, once this host's CA is the cluster's (or the
+/// cluster's first) and `host` is a member.
+async fn open_etcd_store(
+    target: &EtcdTarget,
+    tls_dir: &Path,
+    host: &str,
+) -> anyhow::Result<EtcdStore<Cluster>> {
+    let store = EtcdStore::<Cluster>::open(target.clone())
+        .await
+        .context("cannot open the configuration in etcd")?;
+    crate::cluster::check_ca(store.etcd(), tls_dir).await?;
+    membership::register(store.etcd(), host).await?;
+    Ok(store)
+}
+
+/// Whether `e` came of etcd not answering, so trying again may succeed.
+fn unanswered(e: &anyhow::Error) -> bool {
+    e.chain().any(|cause| {
+        matches!(
+            cause.downcast_ref::<StoreError>(),
+            Some(StoreError::EtcdUnanswered { .. })
+        )
+    })
 }
 
 /// Binds the command socket, root-only ([`kiln_admin::exchange::bind_private`]), unless
@@ -286,7 +324,9 @@ impl Daemon {
     async fn commit(&self, change: Change) -> anyhow::Result<u64> {
         self.store.commit(vec![change]).await.map_err(|e| match e {
             CommitError::Rejected(e) => anyhow::Error::from(e),
-            CommitError::Store(e @ crate::store::StoreError::Etcd { .. }) => anyhow::Error::from(e)
+            CommitError::Store(
+                e @ (StoreError::Etcd { .. } | StoreError::EtcdUnanswered { .. }),
+            ) => anyhow::Error::from(e)
                 .context("the change may or may not have been saved (etcd did not answer)"),
             CommitError::Store(e) => anyhow::Error::from(e).context("the change was not saved"),
         })

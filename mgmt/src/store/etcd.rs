@@ -98,11 +98,11 @@ impl Etcd {
         for endpoint in &target.endpoints {
             let client = Client::connect([endpoint], Some(options.clone()))
                 .await
-                .map_err(|e| unreachable(target, e.to_string()))?;
+                .map_err(|e| unanswered(target, e.to_string()))?;
             members.push(client);
         }
         if members.is_empty() {
-            return Err(unreachable(target, "no endpoints".to_owned()));
+            return Err(refused(target, "no endpoints".to_owned()));
         }
         Ok(Etcd {
             target: target.clone(),
@@ -135,16 +135,17 @@ impl Etcd {
                     return Ok(value);
                 }
                 Ok(Err(e)) if elsewhere(&e) => failures.push(format!("{endpoint}: {e}")),
-                Ok(Err(e)) => return Err(unreachable(&self.target, e.to_string())),
+                Ok(Err(e)) => return Err(refused(&self.target, e.to_string())),
                 Err(_) => failures.push(format!(
                     "{endpoint}: no answer within {ETCD_REQUEST_TIMEOUT:?}"
                 )),
             }
         }
-        Err(StoreError::Etcd {
-            endpoints: self.target.endpoints.join(","),
-            error: format!("no member with quorum answered ({})", failures.join("; ")),
-        })
+        let failures = failures.join("; ");
+        Err(unanswered(
+            &self.target,
+            format!("no member with quorum answered ({failures})"),
+        ))
     }
 
     /// `get` of `key` (as [`Etcd::call`]).
@@ -292,8 +293,17 @@ fn elsewhere(error: &etcd_client::Error) -> bool {
     }
 }
 
-fn unreachable(target: &EtcdTarget, error: String) -> StoreError {
+/// etcd at `target` refused a request, or cannot be used as given.
+fn refused(target: &EtcdTarget, error: String) -> StoreError {
     StoreError::Etcd {
+        endpoints: target.endpoints.join(","),
+        error,
+    }
+}
+
+/// No member of `target` answered.
+fn unanswered(target: &EtcdTarget, error: String) -> StoreError {
+    StoreError::EtcdUnanswered {
         endpoints: target.endpoints.join(","),
         error,
     }

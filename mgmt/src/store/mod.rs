@@ -103,6 +103,10 @@ pub enum StoreError {
     Closed,
     #[error("etcd at {endpoints}: {error}")]
     Etcd { endpoints: String, error: String },
+    /// No member could be reached, or none with quorum answered in time: the same request
+    /// may succeed later.
+    #[error("etcd at {endpoints} does not answer: {error}")]
+    EtcdUnanswered { endpoints: String, error: String },
     #[error("the configuration in etcd cannot be read: {reason}")]
     Diverged { reason: String },
     #[error("the change lost {attempts} races with other daemons' changes in a row; try again")]
