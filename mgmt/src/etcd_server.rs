@@ -142,9 +142,13 @@ impl EtcdServer {
         EtcdServer::start_single(etcd, &Member::single()?, data_dir)
     }
 
-    /// `member` as a one-member cluster.
+    /// `member` as a one-member cluster, once it has elected itself and answers (a member
+    /// listens before it has a leader, and refuses requests until then).
     pub fn start_single(etcd: &Path, member: &Member, data_dir: &Path) -> anyhow::Result<Self> {
-        EtcdServer::start(etcd, member, std::slice::from_ref(member), data_dir, &[])
+        let mut server =
+            EtcdServer::start(etcd, member, std::slice::from_ref(member), data_dir, &[])?;
+        server.wait_healthy()?;
+        Ok(server)
     }
 
     /// A one-member cluster for test `test`, its data in `data_dir`; `None` where etcd is
@@ -184,6 +188,39 @@ impl EtcdServer {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// Waits until the member says it is healthy (`/health`: it has a leader).
+    fn wait_healthy(&mut self) -> anyhow::Result<()> {
+        let deadline = Instant::now() + START_WAIT;
+        while !self.healthy() {
+            if let Some(status) = self.child.try_wait()? {
+                bail!("etcd member {} exited ({status})", self.member.name);
+            }
+            if Instant::now() >= deadline {
+                bail!(
+                    "etcd member {} is not healthy after {START_WAIT:?}; see {}",
+                    self.member.name,
+                    self.data_dir.with_extension("log").display()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(())
+    }
+
+    /// Whether the member's `/health` says so.
+    fn healthy(&self) -> bool {
+        use std::io::{Read, Write};
+        let timeout = Duration::from_secs(1);
+        let Ok(mut stream) = TcpStream::connect_timeout(&self.member.client, timeout) else {
+            return false;
+        };
+        let mut answer = String::new();
+        let _ = stream.set_read_timeout(Some(timeout));
+        stream.write_all(b"GET /health HTTP/1.0\r\n\r\n").is_ok()
+            && stream.read_to_string(&mut answer).is_ok()
+            && answer.contains(r#""health":"true""#)
     }
 
     /// Kills the member at once (as a crash would).
