@@ -300,6 +300,19 @@ pub const OPTIONS: &[OptionDef] = &[
                yet on the brick; an application further ahead waits",
     },
     OptionDef {
+        key: "performance.behind-free-mib",
+        kind: ValueKind::Integer {
+            min: 0,
+            max: 1 << 20,
+        },
+        default: "192",
+        apply: Apply::Mount,
+        brick: BrickFlag::None,
+        help: "free space on the volume, in MiB, below which a mount answers no change ahead: \
+               changes go to the brick while the program waits, so a full volume is an error \
+               at the call (0: always ahead)",
+    },
+    OptionDef {
         key: "performance.connections",
         // `kiln_client::CONNECTIONS_MAX` (a mount test checks they agree).
         kind: ValueKind::Integer { min: 1, max: 16 },

@@ -1309,29 +1309,36 @@ impl Drop for SmallDisk {
     }
 }
 
-/// A brick whose disk fills during an untar through the mount (files made, written, their
-/// modes and times set, closed; none synced): tar hears of it at its calls, with ENOSPC (not
-/// only at a later fsync, and never with ESTALE), and the directory's fsync reports the
-/// changes refused after they were answered. The mount then shows what the brick holds:
-/// every file listed is whole (or one tar said it could not write), another mount lists the
-/// same, `rm -rf` empties the tree, the brick checks clean, and once space is freed files are
-/// made again.
-#[test]
-fn a_brick_out_of_space_is_an_error_at_the_call_and_the_mount_shows_what_it_holds() {
-    /// Directories, files in each, bytes per file: 64 MiB for a 32 MiB disk.
-    const DIRS: usize = 4;
-    const FILES_PER_DIR: usize = 1000;
-    const FILE_BYTES: usize = 16 << 10;
+/// Directories, files in each, bytes per file of [`untar_onto_a_small_disk`]'s tarball: 64
+/// MiB (and 4 000 inodes) for a 32 MiB disk of 1 024 inodes.
+const FULL_DIRS: usize = 4;
+const FULL_FILES_PER_DIR: usize = 1000;
+const FULL_FILE_BYTES: usize = 16 << 10;
+
+/// An untar by real tar, through a mount with `options`, onto a brick whose disk fills: the
+/// mount, what tar said on stderr, the tarball's files as `d/…` paths, where their content is
+/// (`src/`), and the brick. The tar must have failed with ENOSPC and never ESTALE.
+struct Untarred {
+    a: Mounted,
+    said: String,
+    files: Vec<String>,
+    scratch: tempfile::TempDir,
+    brick: std::path::PathBuf,
+    _disk: SmallDisk,
+}
+
+fn untar_onto_a_small_disk(options: &[&str]) -> Untarred {
     let scratch = tempfile::tempdir().expect("tempdir");
     let source = scratch.path().join("src");
-    for d in 0..DIRS {
+    for d in 0..FULL_DIRS {
         let dir = source.join(format!("d/s{d}"));
         fs::create_dir_all(&dir).expect("mkdir");
-        for i in 0..FILES_PER_DIR {
-            let byte = b'a' + ((d * FILES_PER_DIR + i) % 26) as u8;
-            fs::write(dir.join(format!("f{i}")), vec![byte; FILE_BYTES]).expect("write");
+        for i in 0..FULL_FILES_PER_DIR {
+            let byte = b'a' + ((d * FULL_FILES_PER_DIR + i) % 26) as u8;
+            fs::write(dir.join(format!("f{i}")), vec![byte; FULL_FILE_BYTES]).expect("write");
         }
     }
+    let files = files_under(&source.join("d"));
     sh_ok(&source, "tar -cf ../tree.tar d");
     let disk = SmallDisk::new(scratch.path(), 32);
     let mut a = Mounted::new(&[]);
@@ -1339,7 +1346,7 @@ fn a_brick_out_of_space_is_an_error_at_the_call_and_the_mount_shows_what_it_hold
     drop(a.brickd.take());
     let brick = common::format_brick(&disk.dir.join("brick"));
     a.brickd = Some(a.cluster.start_brick(&brick, "127.0.0.1:0", &[]));
-    a.mount(&[]);
+    a.mount(options);
 
     let untar = mount_common::sh(
         &a.mountpoint,
@@ -1352,6 +1359,39 @@ fn a_brick_out_of_space_is_an_error_at_the_call_and_the_mount_shows_what_it_hold
     );
     assert!(said.contains("No space left on device"), "{said}");
     assert!(!said.contains("Stale file handle"), "{said}");
+    Untarred {
+        a,
+        said,
+        files,
+        scratch,
+        brick,
+        _disk: disk,
+    }
+}
+
+impl Untarred {
+    /// Whether tar named `path` in an error.
+    fn named(&self, path: &str) -> bool {
+        self.said.contains(&format!("{path}:"))
+    }
+
+    /// The tarball's content of `path`.
+    fn whole(&self, path: &str) -> Vec<u8> {
+        fs::read(self.scratch.path().join("src").join(path)).expect("a file of the tree")
+    }
+}
+
+/// A brick whose disk fills during an untar through a mount that answers changes ahead
+/// whatever the free space (`behind-free-mib=0`; files made, written, their modes and times
+/// set, closed; none synced): tar hears of it at its calls, with ENOSPC (not only at a later
+/// fsync, and never with ESTALE), and the directory's fsync reports the changes refused
+/// after they were answered. The mount then shows what the brick holds: every file listed is
+/// whole (or one tar said it could not write), another mount lists the same, `rm -rf`
+/// empties the tree, the brick checks clean, and once space is freed files are made again.
+#[test]
+fn a_brick_out_of_space_is_an_error_at_the_call_and_the_mount_shows_what_it_holds() {
+    let untarred = untar_onto_a_small_disk(&["behind-free-mib=0"]);
+    let a = &untarred.a;
     let synced = fs::File::open(a.path("d")).expect("open d").sync_all();
     assert_eq!(
         synced.map_err(|e| e.raw_os_error()),
@@ -1365,10 +1405,9 @@ fn a_brick_out_of_space_is_an_error_at_the_call_and_the_mount_shows_what_it_hold
     let listed = files_under(&a.path("d"));
     assert!(!listed.is_empty(), "nothing of the untar is on the brick");
     for path in &listed {
-        let whole = fs::read(source.join(path)).expect("a file of the tree");
-        if fs::read(a.path(path)).expect("read") != whole {
+        if fs::read(a.path(path)).expect("read") != untarred.whole(path) {
             assert!(
-                said.contains(path.as_str()),
+                untarred.named(path),
                 "{path} not whole, and tar was told it was"
             );
         }
@@ -1381,9 +1420,29 @@ fn a_brick_out_of_space_is_an_error_at_the_call_and_the_mount_shows_what_it_hold
     );
     fs::remove_dir_all(a.path("d")).expect("rm -rf after the disk filled");
     assert!(!b.path("d").exists(), "gone in the other mount");
-    common::assert_brick_checks_clean(&brick);
+    common::assert_brick_checks_clean(&untarred.brick);
     fs::write(a.path("after"), b"fits again").expect("a file once space is freed");
     assert_eq!(fs::read(b.path("after")).expect("read in b"), b"fits again");
+}
+
+/// On a volume with less free space than `performance.behind-free-mib` (192 MiB by
+/// default) the mount answers nothing ahead: every refusal is the call's, so every file tar
+/// did not name in an error is there and whole, and an fsync after has nothing to report.
+#[test]
+fn a_nearly_full_volume_is_written_through_and_every_refusal_is_the_calls() {
+    let untarred = untar_onto_a_small_disk(&[]);
+    let a = &untarred.a;
+    let synced = fs::File::open(a.path("d")).expect("open d").sync_all();
+    assert!(synced.is_ok(), "a refusal reported late: {synced:?}");
+    let mut kept = 0;
+    for path in untarred.files.iter().filter(|p| !untarred.named(p)) {
+        let read = fs::read(a.path(path));
+        let read = read.unwrap_or_else(|e| panic!("{path}, which tar made without an error: {e}"));
+        assert!(read == untarred.whole(path), "{path} not whole");
+        kept += 1;
+    }
+    assert!(kept > 0, "tar made no file:\n{}", untarred.said);
+    common::assert_brick_checks_clean(&untarred.brick);
 }
 
 /// The files under `dir` (a mount's `d`), as `d/…` paths, sorted.

@@ -63,7 +63,8 @@ pub(crate) struct MountArgs {
     mountpoint: PathBuf,
     /// Comma-separated options: attr-timeout-ms=N, entry-timeout-ms=N,
     /// negative-timeout-ms=N, writeback-cache[=on|off], deferred-create[=on|off],
-    /// leases[=on|off], behind-bytes-max=N, read-ahead-kib=N, connections=N (to each brick;
+    /// leases[=on|off], behind-bytes-max=N, behind-free-mib=N (free space below which
+    /// nothing is answered ahead), read-ahead-kib=N, connections=N (to each brick;
     /// large reads and writes are spread over them), default-permissions[=on|off],
     /// selinux[=on|off] and acl[=on|off] (both off by default), ro, rw, suid, dev (both off
     /// by default), noexec, noatime; tls-dir=DIR, client=NAME, server-name=NAME,

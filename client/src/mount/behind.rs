@@ -15,9 +15,10 @@
 //!
 //! A refusal for want of space (ENOSPC, EDQUOT), of a change made behind or of one the
 //! application waited for, stops the mount answering changes ahead for
-//! [`SPACE_REFUSAL_HOLD`] ([`Behind::refusing_space`]): they go to the brick while the
+//! [`SPACE_REFUSAL_HOLD`] ([`Behind::short_of_space`]): they go to the brick while the
 //! application waits, so a program filling the disk hears of it at the call that meets it,
-//! as NFS writes synchronously after a write error.
+//! as NFS writes synchronously after a write error. So does a volume nearly full
+//! ([`super::space`]).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -28,6 +29,7 @@ use kiln_wire::{Batch, Creds, ErrorCode, FopReply, FopRequest, Gfid};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, watch};
 
 use super::handles::Removal;
+use super::space::{Space, disk_bytes};
 use crate::Error;
 
 /// What one queued fop costs besides its names, target and data, in bytes: its fixed fields
@@ -52,6 +54,8 @@ pub(super) struct Queued {
     touches: Vec<Gfid>,
     /// Its size on the wire, at most.
     wire_bytes: usize,
+    /// The most it takes on disk.
+    disk_bytes: u64,
     _room: OwnedSemaphorePermit,
     /// A removal of names, noted until the brick has answered it.
     _removal: Option<Removal>,
@@ -90,12 +94,16 @@ pub(super) struct Behind {
     answered: watch::Sender<u64>,
     /// When the brick last refused a change for want of space.
     space_refused: Mutex<Option<Instant>>,
+    /// The volume's free space, as the queue weighs it.
+    pub(super) space: Space,
     /// Wakes [`Behind::refused_in`].
     refused: Notify,
 }
 
 impl Behind {
-    pub(super) fn new(bytes_max: usize) -> Behind {
+    /// A queue of `bytes_max` bytes on the wire at most, which answers nothing ahead below
+    /// `free_floor_bytes` of free space on the volume.
+    pub(super) fn new(bytes_max: usize, free_floor_bytes: u64) -> Behind {
         Behind {
             state: Mutex::new(State {
                 next_seq: 1,
@@ -106,6 +114,7 @@ impl Behind {
             queued: Notify::new(),
             answered: watch::Sender::new(0),
             space_refused: Mutex::new(None),
+            space: Space::new(free_floor_bytes),
             refused: Notify::new(),
         }
     }
@@ -137,13 +146,15 @@ impl Behind {
         }
     }
 
-    /// Whether the brick refused a change for want of space in the last
-    /// [`SPACE_REFUSAL_HOLD`]: the mount then answers no change ahead.
-    pub(super) fn refusing_space(&self) -> bool {
-        self.space_refused
+    /// Whether the mount answers no change ahead for want of space: the brick refused one
+    /// in the last [`SPACE_REFUSAL_HOLD`], or the volume is nearly full ([`Space::is_low`]).
+    pub(super) fn short_of_space(&self) -> bool {
+        let refused = self
+            .space_refused
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .is_some_and(|at| at.elapsed() < SPACE_REFUSAL_HOLD)
+            .is_some_and(|at| at.elapsed() < SPACE_REFUSAL_HOLD);
+        refused || self.space.is_low()
     }
 
     /// Queues `fop`, run as `creds`, changing `touches` (the object first); waits while the
@@ -163,6 +174,7 @@ impl Behind {
     ) -> u64 {
         debug_assert!(fop.batchable(), "{} cannot be queued", fop.code().name());
         let wire_bytes = wire_bytes(&fop);
+        let disk_bytes = disk_bytes(wire_bytes);
         let cost = wire_bytes.min(self.room_bytes);
         let room = self
             .room
@@ -183,11 +195,13 @@ impl Behind {
                 fop,
                 touches: touches.to_vec(),
                 wire_bytes,
+                disk_bytes,
                 _room: room,
                 _removal: removal,
             });
             seq
         };
+        self.space.queued(disk_bytes);
         self.queued.notify_one();
         seq
     }
@@ -283,6 +297,7 @@ impl Behind {
     pub(super) fn answered(&self, sent: &[Queued], results: &[Result<(), Error>]) {
         let mut state = self.lock();
         for (queued, result) in sent.iter().zip(results) {
+            self.space.answered(queued.disk_bytes);
             if let Err(e) = result {
                 let errno = e.errno();
                 self.note_refusal(errno);
@@ -368,7 +383,7 @@ mod tests {
 
     #[tokio::test]
     async fn batches_keep_order_and_split_by_caller() {
-        let behind = Behind::new(1 << 20);
+        let behind = Behind::new(1 << 20, 0);
         let (root, user) = (
             Creds::root(),
             Creds {
@@ -397,25 +412,25 @@ mod tests {
 
     #[tokio::test]
     async fn a_refusal_for_want_of_space_holds_changes_back_and_names_what_it_touched() {
-        let behind = Behind::new(1 << 20);
+        let behind = Behind::new(1 << 20, 0);
         let root = Creds::root();
         behind.push(&root, mkdir(1), &[gfid(1), Gfid::ROOT]).await;
         let (_, sent) = behind.next_batch().await;
         behind.answered(&sent, &all_failed(&sent, &Error::Fop(ErrorCode::Exist)));
-        assert!(!behind.refusing_space(), "EEXIST is no want of space");
+        assert!(!behind.short_of_space(), "EEXIST is no want of space");
         assert_eq!(behind.refused_in().await, [gfid(1), Gfid::ROOT]);
         behind.push(&root, mkdir(2), &[gfid(2), Gfid::ROOT]).await;
         let (_, sent) = behind.next_batch().await;
         behind.answered(&sent, &all_failed(&sent, &Error::Fop(ErrorCode::NoSpace)));
-        assert!(behind.refusing_space());
+        assert!(behind.short_of_space());
         assert_eq!(behind.refused_in().await, [gfid(2), Gfid::ROOT]);
         behind.note_refusal(libc::EDQUOT);
-        assert!(behind.refusing_space());
+        assert!(behind.short_of_space());
     }
 
     #[tokio::test]
     async fn settle_waits_for_the_objects_last_change_only() {
-        let behind = Arc::new(Behind::new(1 << 20));
+        let behind = Arc::new(Behind::new(1 << 20, 0));
         let root = Creds::root();
         behind.push(&root, mkdir(1), &[gfid(1)]).await;
         let unlink = Unlink {
@@ -441,7 +456,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_full_queue_makes_the_pusher_wait() {
-        let behind = Arc::new(Behind::new(2 * wire_bytes(&mkdir(1))));
+        let behind = Arc::new(Behind::new(2 * wire_bytes(&mkdir(1)), 0));
         let root = Creds::root();
         behind.push(&root, mkdir(1), &[gfid(1)]).await;
         behind.push(&root, mkdir(2), &[gfid(2)]).await;

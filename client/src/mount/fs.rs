@@ -54,7 +54,7 @@ pub(crate) struct KilnFs<L: Layer> {
     shared: Arc<Shared<L>>,
     /// The sender of changes made behind, the listener for recalls, and the sender of
     /// what waited behind a second.
-    tasks: [tokio::task::JoinHandle<()>; 3],
+    tasks: [tokio::task::JoinHandle<()>; 4],
 }
 
 /// How long an unmount waits for the changes made behind to reach the brick.
@@ -75,6 +75,7 @@ impl<L: Layer> KilnFs<L> {
             runtime.spawn(shared.clone().send_behind()),
             runtime.spawn(shared.clone().follow_events()),
             runtime.spawn(shared.clone().send_old_writes()),
+            runtime.spawn(shared.clone().watch_free_space()),
         ];
         KilnFs {
             runtime,

@@ -924,7 +924,7 @@ impl<L: Layer> Shared<L> {
         let synchronous = OpenFlags::SYNC.bits() | OpenFlags::DSYNC.bits();
         let deferrable = self.options.deferred_create
             && known_free
-            && !self.behind.refusing_space()
+            && !self.behind.short_of_space()
             && requested_access(flags) == AccessMode::WriteOnly
             && flags & libc::O_DIRECT == 0
             && open_flags.bits() & synchronous == 0;
@@ -1172,7 +1172,7 @@ impl<L: Layer> Shared<L> {
             let may_gather = !synchronous.iter().any(|&f| open.flags.contains(f))
                 && data.len() < UNSENT_BYTES_MAX
                 && (self.options.write_behind || self.leases.local(&gfid).is_some())
-                && !self.behind.refusing_space();
+                && !self.behind.short_of_space();
             let budget = may_gather
                 .then(|| {
                     let total = &self.handles.unsent_bytes;

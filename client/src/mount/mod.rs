@@ -29,6 +29,7 @@ mod pages;
 mod pending;
 mod prefetch;
 mod shared;
+mod space;
 
 use std::ffi::CString;
 use std::io;
@@ -49,6 +50,14 @@ pub const READ_AHEAD_KIB_DEFAULT: u32 = 4 * 1024;
 
 /// The most read-ahead a mount may be given.
 pub const READ_AHEAD_KIB_MAX: u32 = 64 * 1024;
+
+/// The free space below which a mount answers no change ahead unless told otherwise: what
+/// it may hold that is not queued yet (deferred files' data and writes gathered behind,
+/// 64 MiB each), and 64 MiB for other clients and the file system's own blocks.
+pub const BEHIND_FREE_MIB_DEFAULT: u64 = 192;
+
+/// The highest floor of free space a mount may be given: 1 TiB.
+pub const BEHIND_FREE_MIB_MAX: u64 = 1 << 20;
 
 /// How a volume is mounted: the kernel's cache lifetimes and the usual mount flags.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -74,6 +83,9 @@ pub struct MountOptions {
     /// Bytes of changes (small files' data included) the mount may hold not yet on the
     /// brick; an application that gets further ahead waits.
     pub behind_bytes_max: usize,
+    /// Free space on the volume, in MiB, below which the mount answers no change ahead
+    /// ([`space`]); 0: it always does.
+    pub behind_free_mib: u64,
     /// With leases, the first subdirectories a listing shows are listed ahead of a walk that
     /// may open them next ([`prefetch`]).
     pub listing_prefetch: bool,
@@ -143,6 +155,7 @@ impl Default for MountOptions {
             deferred_create: true,
             leases: true,
             behind_bytes_max: 64 << 20,
+            behind_free_mib: BEHIND_FREE_MIB_DEFAULT,
             listing_prefetch: true,
             file_leases: true,
             release_leases: true,
@@ -210,6 +223,7 @@ impl MountOptions {
             "deferred-create" => flag(&mut self.deferred_create)?,
             "leases" => flag(&mut self.leases)?,
             "behind-bytes-max" => self.behind_bytes_max = bytes(key, value)?,
+            "behind-free-mib" => self.behind_free_mib = mib(key, value)?,
             "listing-prefetch" => flag(&mut self.listing_prefetch)?,
             "file-leases" => flag(&mut self.file_leases)?,
             "release-leases" => flag(&mut self.release_leases)?,
@@ -305,6 +319,18 @@ fn bytes(key: &str, value: Option<&str>) -> Result<usize, OptionError> {
             format!("'{value}' is not a number of bytes of at least 1 MiB"),
         )),
     }
+}
+
+fn mib(key: &str, value: Option<&str>) -> Result<u64, OptionError> {
+    let value = value.ok_or_else(|| bad(key, "needs a number of MiB".into()))?;
+    value
+        .parse()
+        .ok()
+        .filter(|&n| n <= BEHIND_FREE_MIB_MAX)
+        .ok_or_else(|| {
+            let max = BEHIND_FREE_MIB_MAX;
+            bad(key, format!("'{value}' is not a number of MiB up to {max}"))
+        })
 }
 
 fn kib(key: &str, value: Option<&str>) -> Result<u32, OptionError> {
@@ -538,5 +564,22 @@ mod tests {
                 Err(OptionError::BadValue { .. })
             ));
         }
+        assert_eq!(o.behind_free_mib, BEHIND_FREE_MIB_DEFAULT);
+        o.set("behind-free-mib", Some("0")).expect("valid");
+        assert_eq!(o.behind_free_mib, 0);
+        for bad_mib in [None, Some("-1"), Some("1048577"), Some("lots")] {
+            assert!(matches!(
+                o.set("behind-free-mib", bad_mib),
+                Err(OptionError::BadValue { .. })
+            ));
+        }
+        // The volume option allows what the mount does, with the same default.
+        let volume_option =
+            kiln_admin::options::find("performance.behind-free-mib").expect("known");
+        assert!(matches!(
+            volume_option.kind,
+            kiln_admin::options::ValueKind::Integer { min: 0, max } if max == BEHIND_FREE_MIB_MAX
+        ));
+        assert_eq!(volume_option.default, BEHIND_FREE_MIB_DEFAULT.to_string());
     }
 }

@@ -349,7 +349,7 @@ impl<L: Layer> Shared<L> {
     /// without asking: write and search permission, and no sticky bit (whose rule needs the
     /// owners of the entries); none while the brick refuses changes for want of space.
     fn writable_held_dir(&self, c: &Creds, dir: &Gfid) -> Option<ParentAttr> {
-        if !self.leases.holds(dir) || self.behind.refusing_space() {
+        if !self.leases.holds(dir) || self.behind.short_of_space() {
             return None;
         }
         let ino = self.inodes.ino_of(dir)?;

@@ -26,6 +26,7 @@ use super::made::MadeFiles;
 use super::pages::Stamp;
 use super::pending::{ParentAttr, PendingCreates};
 use super::prefetch::Prefetch;
+use super::space::SPACE_CHECK_INTERVAL;
 use crate::{Error, FdFop, Layer};
 
 /// What the tasks share; `L` is the client stack below the mount.
@@ -60,7 +61,7 @@ impl<L: Layer> Shared<L> {
     pub(super) fn new(layer: L, options: MountOptions) -> Shared<L> {
         Shared {
             layer,
-            behind: Behind::new(options.behind_bytes_max),
+            behind: Behind::new(options.behind_bytes_max, options.behind_free_mib << 20),
             options,
             inodes: Inodes::new(),
             handles: Handles::new(),
@@ -269,7 +270,7 @@ impl<L: Layer> Shared<L> {
     }
 
     /// Notes error `e`, about to reach the application or kept for it: a refusal for want
-    /// of space holds changes back from being answered ahead ([`Behind::refusing_space`]).
+    /// of space holds changes back from being answered ahead ([`Behind::short_of_space`]).
     pub(super) fn refused(&self, e: Errno) -> Errno {
         self.behind.note_refusal(e.code());
         e
@@ -671,6 +672,31 @@ impl<L: Layer> Shared<L> {
                 self.layer.call_fd(c, fd, by_fd).await
             }
             reply => reply,
+        }
+    }
+
+    /// Learns the volume's free space ([`super::space`]) now, then each
+    /// [`SPACE_CHECK_INTERVAL`] in which changes were queued behind, until the mount ends.
+    pub(super) async fn watch_free_space(self: Arc<Self>) {
+        if !self.behind.space.watched() {
+            return;
+        }
+        let mut every = tokio::time::interval(SPACE_CHECK_INTERVAL);
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last = None;
+        loop {
+            every.tick().await;
+            let asked = self.behind.space.asking();
+            if last == Some(asked.queued) {
+                continue;
+            }
+            match self.statfs(&Creds::root()).await {
+                Ok(stats) => {
+                    self.behind.space.found(asked, &stats);
+                    last = Some(asked.queued);
+                }
+                Err(e) => tracing::debug!(error = ?e, "the volume's free space is not known"),
+            }
         }
     }
 
