@@ -676,7 +676,9 @@ impl<L: Layer> Shared<L> {
     }
 
     /// Learns the volume's free space ([`super::space`]) now, then each
-    /// [`SPACE_CHECK_INTERVAL`] in which changes were queued behind, until the mount ends.
+    /// [`SPACE_CHECK_INTERVAL`] in which changes were queued behind or the space was low
+    /// (nothing is queued then: what was owed at the last STATFS may be on the brick now),
+    /// until the mount ends.
     pub(super) async fn watch_free_space(self: Arc<Self>) {
         if !self.behind.space.watched() {
             return;
@@ -687,7 +689,7 @@ impl<L: Layer> Shared<L> {
         loop {
             every.tick().await;
             let asked = self.behind.space.asking();
-            if last == Some(asked.queued) {
+            if last == Some(asked.queued) && !self.behind.space.is_low() {
                 continue;
             }
             match self.statfs(&Creds::root()).await {

@@ -7,7 +7,7 @@
 //! synchronously once the cluster is nearly full.
 //!
 //! The mount asks (STATFS) at its start, then each [`SPACE_CHECK_INTERVAL`] in which it
-//! queued something. Every change queued counts at once, at the most it may take on disk
+//! queued something or found the space low. Every change queued counts at once, at the most it may take on disk
 //! ([`disk_bytes`]); the floor is there for what is not queued yet (deferred files' data,
 //! writes gathered behind: 64 MiB each at most) and for other clients.
 
