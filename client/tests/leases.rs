@@ -1445,6 +1445,63 @@ fn a_nearly_full_volume_is_written_through_and_every_refusal_is_the_calls() {
     common::assert_brick_checks_clean(&untarred.brick);
 }
 
+/// A mount that found its volume nearly full answers changes ahead again once space is
+/// freed: a new file is a CREATE on the brick while the space is low, and a PUT sent behind
+/// its close a moment after the space came back, though nothing was queued meanwhile.
+#[test]
+fn a_mount_answers_ahead_again_once_space_is_freed() {
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let disk = SmallDisk::new(scratch.path(), 32);
+    let metrics = common::free_loopback_addr();
+    let mut a = Mounted::new(&[]);
+    a.unmount();
+    drop(a.brickd.take());
+    let brick = common::format_brick(&disk.dir.join("brick"));
+    a.brickd = Some(
+        a.cluster
+            .start_brick(&brick, "127.0.0.1:0", &counted(&metrics)),
+    );
+    a.mount(&["behind-free-mib=8"]);
+    fs::create_dir(a.path("d")).expect("mkdir");
+    let calls = || ["CREATE", "PUT"].map(|fop| common::fop_calls(&common::scrape(&metrics), fop));
+    // Each new file of `d` until one reaches the brick as `fop`.
+    let mut n = 0;
+    let mut made_as = |fop: usize| {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            let before = calls();
+            n += 1;
+            // Empty: no WRITE, which would have the mount look at the space again anyway.
+            fs::File::create(a.path(&format!("d/f{n}"))).expect("an empty file");
+            fs::File::open(a.path("d"))
+                .expect("d")
+                .sync_all()
+                .expect("fsync d");
+            let after = calls();
+            if after[fop] > before[fop] && after[1 - fop] == before[1 - fop] {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no {} in 15 s",
+                ["CREATE", "PUT"][fop]
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    };
+    made_as(1);
+    // About 27 MiB free on the disk: 24 of them leave less than the floor.
+    let big = a.path("d/big");
+    fs::write(&big, vec![7; 24 << 20]).expect("24 MiB");
+    fs::File::open(&big)
+        .expect("big")
+        .sync_all()
+        .expect("fsync big");
+    made_as(0);
+    fs::remove_file(&big).expect("rm big");
+    made_as(1);
+}
+
 /// The files under `dir` (a mount's `d`), as `d/…` paths, sorted.
 fn files_under(dir: &Path) -> Vec<String> {
     let top = dir.parent().expect("a parent");

@@ -292,15 +292,21 @@ impl<L: Layer> Shared<L> {
         }
     }
 
-    /// Notes the brick's answer to a WRITE of node `ino`: a refused one leaves in the
-    /// kernel's pages what the brick does not hold.
+    /// Notes the brick's answer to a WRITE of node `ino`: the blocks it took count against
+    /// the volume's free space; a refused one leaves in the kernel's pages what the brick
+    /// does not hold.
     pub(super) fn note_written(
         &self,
         ino: u64,
         written: &std::result::Result<kiln_wire::AttrChange, Error>,
     ) {
         match written {
-            Ok(r) => self.note_data_changed(Some(&r.pre), &r.post),
+            Ok(r) => {
+                // Blocks count 512 bytes.
+                let taken = r.post.blocks.saturating_sub(r.pre.blocks) * 512;
+                self.behind.space.written(taken);
+                self.note_data_changed(Some(&r.pre), &r.post);
+            }
             Err(_) if self.pages_told.load(Ordering::Relaxed) => {
                 self.inodes.pages_dropped(ino);
                 self.drop_pages_soon(ino);

@@ -7,7 +7,8 @@
 //! synchronously once the cluster is nearly full.
 //!
 //! The mount asks (STATFS) at its start, then each [`SPACE_CHECK_INTERVAL`] in which it
-//! queued something or found the space low. Every change queued counts at once, at the most it may take on disk
+//! queued something, wrote into new blocks, or found the space low. Every change queued
+//! counts at once, at the most it may take on disk
 //! ([`disk_bytes`]); the floor is there for what is not queued yet (deferred files' data,
 //! writes gathered behind: 64 MiB each at most) and for other clients.
 
@@ -69,6 +70,13 @@ impl Space {
     /// Notes a change of `bytes` on disk at most, queued.
     pub(super) fn queued(&self, bytes: u64) {
         self.queued.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// Notes `bytes` the brick took for data sent outside the queue (a WRITE): they count
+    /// against the space last found, and call for a new look.
+    pub(super) fn written(&self, bytes: u64) {
+        self.queued(bytes);
+        self.answered(bytes);
     }
 
     /// Notes a queued change of `bytes` answered by the brick.
