@@ -860,16 +860,9 @@ fn a_daemon_without_the_clusters_ca_refuses_to_start() {
     };
     let daemon = |name: &str| {
         let state = dir.path().join(name);
-        let mut command = Command::new(bin("kiln-mgmtd"));
-        command
-            .arg("--state-dir")
-            .arg(&state)
-            .arg("--socket")
-            .arg(dir.path().join(format!("{name}-run/mgmtd.sock")))
-            .args(["--host", "127.0.0.1", "--cluster", "ca"])
-            .args(["--etcd", &server.member.client_url()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
+        let socket = dir.path().join(format!("{name}-run/mgmtd.sock"));
+        let mut command = loopback_daemon(&state, &socket, "ca", &server.member.client_url());
+        command.stderr(Stdio::piped());
         (command, state)
     };
     // The first daemon makes the cluster's CA and records it. Its log goes to a file: a
@@ -878,18 +871,9 @@ fn a_daemon_without_the_clusters_ca_refuses_to_start() {
     let first_log = dir.path().join("first.log");
     first.stderr(std::fs::File::create(&first_log).expect("log"));
     let mut first = first.spawn().expect("kiln-mgmtd");
-    let said = || std::fs::read_to_string(&first_log).unwrap_or_default();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !first_state.join("tls/ca.crt").exists() {
-        if let Ok(Some(status)) = first.try_wait() {
-            panic!(
-                "the first daemon exited ({status}) without a CA:\n{}",
-                said()
-            );
-        }
-        assert!(Instant::now() < deadline, "no CA made:\n{}", said());
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_while_running(&mut first, &first_log, "making a CA", &|| {
+        first_state.join("tls/ca.crt").exists()
+    });
     // One with no CA, and one with a CA of its own, are refused with what to do.
     let (bare, _) = daemon("bare");
     let said = refused(bare);
@@ -913,29 +897,12 @@ fn a_daemon_started_before_its_etcd_waits_for_it() {
     let member = Member::single().expect("free ports");
     let (state, socket) = (dir.path().join("state"), dir.path().join("run/mgmtd.sock"));
     let log = dir.path().join("daemon.log");
-    let mut daemon = Command::new(bin("kiln-mgmtd"))
-        .arg("--state-dir")
-        .arg(&state)
-        .arg("--socket")
-        .arg(&socket)
-        .args(["--host", "127.0.0.1", "--cluster", "late"])
-        .args(["--etcd", &member.client_url()])
-        .stdout(Stdio::null())
+    let mut daemon = loopback_daemon(&state, &socket, "late", &member.client_url())
         .stderr(std::fs::File::create(&log).expect("log"))
         .spawn()
         .expect("kiln-mgmtd");
     let said = || std::fs::read_to_string(&log).unwrap_or_default();
-    let mut wait_for = |what: &str, done: &dyn Fn() -> bool| {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while !done() {
-            if let Ok(Some(status)) = daemon.try_wait() {
-                panic!("the daemon exited ({status}) before {what}:\n{}", said());
-            }
-            assert!(Instant::now() < deadline, "not {what}:\n{}", said());
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    };
-    wait_for("saying it waits", &|| {
+    wait_while_running(&mut daemon, &log, "saying it waits", &|| {
         said().contains("etcd does not answer yet")
     });
     let data = dir.path().join("etcd");
@@ -945,9 +912,38 @@ fn a_daemon_started_before_its_etcd_waits_for_it() {
             .status
             .success()
     };
-    wait_for("answering", &answers);
+    wait_while_running(&mut daemon, &log, "answering", &answers);
     let _ = daemon.kill();
     let _ = daemon.wait();
+}
+
+/// `kiln-mgmtd` for host 127.0.0.1 of cluster `cluster` on the etcd at `etcd_url`, its state
+/// in `state` and its socket at `socket`; its stdout dropped.
+fn loopback_daemon(state: &Path, socket: &Path, cluster: &str, etcd_url: &str) -> Command {
+    let mut command = Command::new(bin("kiln-mgmtd"));
+    command
+        .arg("--state-dir")
+        .arg(state)
+        .arg("--socket")
+        .arg(socket)
+        .args(["--host", "127.0.0.1", "--cluster", cluster])
+        .args(["--etcd", etcd_url])
+        .stdout(Stdio::null());
+    command
+}
+
+/// Waits (30 s at most) until `done`, failing with `daemon`'s log at `log` if it exits
+/// first or the time runs out.
+fn wait_while_running(daemon: &mut Child, log: &Path, what: &str, done: &dyn Fn() -> bool) {
+    let said = || std::fs::read_to_string(log).unwrap_or_default();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !done() {
+        if let Ok(Some(status)) = daemon.try_wait() {
+            panic!("the daemon exited ({status}) before {what}:\n{}", said());
+        }
+        assert!(Instant::now() < deadline, "not {what}:\n{}", said());
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// A host of a cluster on the loopback etcd `url`: its state directory and socket.

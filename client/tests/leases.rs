@@ -1309,6 +1309,23 @@ impl Drop for SmallDisk {
     }
 }
 
+/// A mount with `options` of a brick run with `brick_args` on a fresh 32 MiB disk of 1 024
+/// inodes in `scratch`: the mount, the disk, the brick.
+fn mounted_on_a_small_disk(
+    scratch: &Path,
+    brick_args: &[&str],
+    options: &[&str],
+) -> (Mounted, SmallDisk, std::path::PathBuf) {
+    let disk = SmallDisk::new(scratch, 32);
+    let mut a = Mounted::new(&[]);
+    a.unmount();
+    drop(a.brickd.take());
+    let brick = common::format_brick(&disk.dir.join("brick"));
+    a.brickd = Some(a.cluster.start_brick(&brick, "127.0.0.1:0", brick_args));
+    a.mount(options);
+    (a, disk, brick)
+}
+
 /// Directories, files in each, bytes per file of [`untar_onto_a_small_disk`]'s tarball: 64
 /// MiB (and 4 000 inodes) for a 32 MiB disk of 1 024 inodes.
 const FULL_DIRS: usize = 4;
@@ -1340,13 +1357,7 @@ fn untar_onto_a_small_disk(options: &[&str]) -> Untarred {
     }
     let files = files_under(&source.join("d"));
     sh_ok(&source, "tar -cf ../tree.tar d");
-    let disk = SmallDisk::new(scratch.path(), 32);
-    let mut a = Mounted::new(&[]);
-    a.unmount();
-    drop(a.brickd.take());
-    let brick = common::format_brick(&disk.dir.join("brick"));
-    a.brickd = Some(a.cluster.start_brick(&brick, "127.0.0.1:0", &[]));
-    a.mount(options);
+    let (a, disk, brick) = mounted_on_a_small_disk(scratch.path(), &[], options);
 
     let untar = mount_common::sh(
         &a.mountpoint,
@@ -1451,17 +1462,9 @@ fn a_nearly_full_volume_is_written_through_and_every_refusal_is_the_calls() {
 #[test]
 fn a_mount_answers_ahead_again_once_space_is_freed() {
     let scratch = tempfile::tempdir().expect("tempdir");
-    let disk = SmallDisk::new(scratch.path(), 32);
     let metrics = common::free_loopback_addr();
-    let mut a = Mounted::new(&[]);
-    a.unmount();
-    drop(a.brickd.take());
-    let brick = common::format_brick(&disk.dir.join("brick"));
-    a.brickd = Some(
-        a.cluster
-            .start_brick(&brick, "127.0.0.1:0", &counted(&metrics)),
-    );
-    a.mount(&["behind-free-mib=8"]);
+    let (a, _disk, _) =
+        mounted_on_a_small_disk(scratch.path(), &counted(&metrics), &["behind-free-mib=8"]);
     fs::create_dir(a.path("d")).expect("mkdir");
     let calls = || ["CREATE", "PUT"].map(|fop| common::fop_calls(&common::scrape(&metrics), fop));
     // Each new file of `d` until one reaches the brick as `fop`.

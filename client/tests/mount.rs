@@ -480,12 +480,7 @@ fn listings_show_the_dot_entries_first_and_go_on_from_any_offset() {
                 b"",
             );
         }
-        let fd = rustix::fs::open(
-            &dir,
-            rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::DIRECTORY,
-            rustix::fs::Mode::empty(),
-        )
-        .expect("open the directory");
+        let fd = open_dir(&dir);
         let all = entries_from(&fd, 0);
         let names: Vec<&str> = all.iter().map(|(name, ..)| name.as_str()).collect();
         assert_eq!(names[..2], [".", ".."]);
@@ -508,12 +503,7 @@ fn listings_show_the_dot_entries_first_and_go_on_from_any_offset() {
             "from the start again"
         );
 
-        let root = rustix::fs::open(
-            &m.mountpoint,
-            rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::DIRECTORY,
-            rustix::fs::Mode::empty(),
-        )
-        .expect("open the root");
+        let root = open_dir(&m.mountpoint);
         let root_ino = fs::metadata(&m.mountpoint).expect("stat").ino();
         let dots: Vec<_> = entries_from(&root, 0)
             .into_iter()
@@ -526,6 +516,12 @@ fn listings_show_the_dot_entries_first_and_go_on_from_any_offset() {
             "the root is its own parent"
         );
     }
+}
+
+/// Directory `dir`, open for `getdents64`.
+fn open_dir(dir: &Path) -> rustix::fd::OwnedFd {
+    let flags = rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::DIRECTORY;
+    rustix::fs::open(dir, flags, rustix::fs::Mode::empty()).expect("open the directory")
 }
 
 /// The entries of open directory `fd` from its offset `from`, read 1 KiB at a time (many
