@@ -308,9 +308,9 @@ pub const OPTIONS: &[OptionDef] = &[
         default: "192",
         apply: Apply::Mount,
         brick: BrickFlag::None,
-        help: "free space on the volume, in MiB, below which a mount answers no change ahead: \
-               changes go to the brick while the program waits, so a full volume is an error \
-               at the call (0: always ahead)",
+        help: "free space on any brick, in MiB, below which a mount answers no change ahead \
+               (nor below 512 free inodes): changes go to the brick while the program waits, \
+               so a full brick is an error at the call (0: always ahead)",
     },
     OptionDef {
         key: "performance.connections",

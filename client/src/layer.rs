@@ -12,7 +12,7 @@ use std::future::Future;
 use bytes::Bytes;
 use kiln_wire::{
     AccessMode, Batch, BatchReply, Creds, EntryReply, ErrorCode, FdId, FopCode, FopReply,
-    FopRequest, Gfid, Iatt, LeaseKind, Lock, LockCmd, Name, OpenFlags, ReaddirSize,
+    FopRequest, FsStats, Gfid, Iatt, LeaseKind, Lock, LockCmd, Name, OpenFlags, ReaddirSize,
     ReaddirpXattrsReply, Recall,
 };
 use tokio::sync::broadcast;
@@ -141,6 +141,22 @@ pub trait Layer: Send + Sync + 'static {
     /// Only a brick client does; the distribution layer sends it to the bricks below.
     fn unlink_settled(&self) -> bool {
         false
+    }
+
+    /// STATFS of each brick below that takes new objects, apart: where a distributed
+    /// volume's STATFS sums them, a change lands on one brick, and the fullest decides
+    /// whether it fits.
+    fn statfs_each(
+        &self,
+        creds: &Creds,
+    ) -> impl Future<Output = Result<Vec<FsStats>, Error>> + Send {
+        async move {
+            let statfs = kiln_wire::Statfs { gfid: Gfid::ROOT };
+            match self.call(creds, statfs.into()).await? {
+                FopReply::Statfs(r) => Ok(vec![r.stats]),
+                _ => Err(unexpected("STATFS")),
+            }
+        }
     }
 
     /// The events from below: lease recalls, and the loss of every lease with the session

@@ -1188,6 +1188,44 @@ fn pjdfstest_passes_on_a_distributed_mount() {
     mount_common::pjdfstest_passes(&m);
 }
 
+/// A directory whose MKDIR did not reach the first brick (full, or out of reach) is listed
+/// once, from the first brick that has it, before any lookup heals it; one on every brick
+/// once too.
+#[test]
+fn a_directory_missing_on_the_first_brick_is_listed_once() {
+    let volume = Volume::start();
+    let rt = runtime();
+    let creds = Creds::root();
+    rt.block_on(async {
+        let v = volume.connect().await;
+        v.mkdir_all(&creds, "/whole", 0o755).await.expect("mkdir");
+        let gfid = kiln_client::path::new_gfid();
+        for brick in v.bricks().skip(1) {
+            let mkdir = kiln_wire::Mkdir {
+                parent: Gfid::ROOT,
+                name: name("late"),
+                gfid,
+                mode: kiln_wire::Mode::new(0o755).expect("mode"),
+                umask: kiln_wire::Mode::new(0).expect("mode"),
+            };
+            brick
+                .call(&creds, mkdir.into())
+                .await
+                .expect("mkdir on one brick");
+        }
+        assert_eq!(volume.holders("late"), [1, 2]);
+        let mut listed: Vec<String> = v
+            .read_dir(&creds, Gfid::ROOT)
+            .await
+            .expect("readdir")
+            .iter()
+            .map(|e| e.name.to_string())
+            .collect();
+        listed.sort();
+        assert_eq!(listed, ["late", "whole"]);
+    });
+}
+
 /// A directory that did not reach every brick, and a layout with a hole: a LOOKUP heals both,
 /// and every file placed before stays reachable.
 #[test]

@@ -1285,7 +1285,7 @@ struct SmallDisk {
 }
 
 impl SmallDisk {
-    fn new(scratch: &Path, mib: u64) -> SmallDisk {
+    fn new(scratch: &Path, mib: u64, inodes: u32) -> SmallDisk {
         let (image, dir) = (scratch.join("disk.img"), scratch.join("disk"));
         fs::create_dir(&dir).expect("mkdir");
         let file = fs::File::create(&image).expect("image");
@@ -1293,7 +1293,7 @@ impl SmallDisk {
         sh_ok(
             scratch,
             &format!(
-                "mkfs.ext4 -q -F -N 1024 {} && mount -o loop {} {}",
+                "mkfs.ext4 -q -F -N {inodes} {} && mount -o loop {} {}",
                 image.display(),
                 image.display(),
                 dir.display()
@@ -1309,55 +1309,77 @@ impl Drop for SmallDisk {
     }
 }
 
-/// A mount with `options` of a brick run with `brick_args` on a fresh 32 MiB disk of 1 024
-/// inodes in `scratch`: the mount, the disk, the brick.
+/// A volume whose first brick fills, and the untar that fills it.
+#[derive(Debug, Clone, Copy)]
+struct Fill {
+    /// The first brick's disk: its size and inodes.
+    disk_mib: u64,
+    disk_inodes: u32,
+    /// The volume's bricks: the first on the small disk, the others beside the cluster's.
+    bricks: usize,
+    /// Bytes of each of the tarball's 4 000 files ([`FILL_DIRS`] × [`FILL_FILES_PER_DIR`]).
+    file_bytes: usize,
+}
+
+/// 64 MiB for one brick on 32 MiB of 1 024 inodes.
+const FILL_ONE_BRICK: Fill = Fill {
+    disk_mib: 32,
+    disk_inodes: 1024,
+    bricks: 1,
+    file_bytes: 16 << 10,
+};
+
+/// Directories, and files in each, of an untar's tarball.
+const FILL_DIRS: usize = 4;
+const FILL_FILES_PER_DIR: usize = 1000;
+
+/// A mount with `options` of a volume of `fill.bricks` bricks, the first run with
+/// `brick_args` on a fresh disk of `fill`'s in `scratch`: the mount, the disk, the bricks.
 fn mounted_on_a_small_disk(
+    fill: Fill,
     scratch: &Path,
     brick_args: &[&str],
     options: &[&str],
-) -> (Mounted, SmallDisk, std::path::PathBuf) {
-    let disk = SmallDisk::new(scratch, 32);
-    let mut a = Mounted::new(&[]);
+) -> (Mounted, SmallDisk, Vec<std::path::PathBuf>) {
+    let disk = SmallDisk::new(scratch, fill.disk_mib, fill.disk_inodes);
+    let mut a = Mounted::distributed(fill.bricks, &[]);
     a.unmount();
     drop(a.brickd.take());
     let brick = common::format_brick(&disk.dir.join("brick"));
     a.brickd = Some(a.cluster.start_brick(&brick, "127.0.0.1:0", brick_args));
     a.mount(options);
-    (a, disk, brick)
+    let mut bricks = a.brick_dirs();
+    bricks[0] = brick;
+    (a, disk, bricks)
 }
 
-/// Directories, files in each, bytes per file of [`untar_onto_a_small_disk`]'s tarball: 64
-/// MiB (and 4 000 inodes) for a 32 MiB disk of 1 024 inodes.
-const FULL_DIRS: usize = 4;
-const FULL_FILES_PER_DIR: usize = 1000;
-const FULL_FILE_BYTES: usize = 16 << 10;
-
-/// An untar by real tar, through a mount with `options`, onto a brick whose disk fills: the
-/// mount, what tar said on stderr, the tarball's files as `d/…` paths, where their content is
-/// (`src/`), and the brick. The tar must have failed with ENOSPC and never ESTALE.
+/// An untar by real tar, through a mount with `options`, onto a volume whose first brick
+/// fills (`fill`): the mount, what tar said on stderr, the tarball's files as `d/…` paths,
+/// where their content is (`src/`), and the bricks. The tar must have failed with ENOSPC and
+/// never ESTALE.
 struct Untarred {
     a: Mounted,
     said: String,
     files: Vec<String>,
     scratch: tempfile::TempDir,
-    brick: std::path::PathBuf,
+    bricks: Vec<std::path::PathBuf>,
     _disk: SmallDisk,
 }
 
-fn untar_onto_a_small_disk(options: &[&str]) -> Untarred {
+fn untar_onto_a_small_disk(fill: Fill, options: &[&str]) -> Untarred {
     let scratch = tempfile::tempdir().expect("tempdir");
     let source = scratch.path().join("src");
-    for d in 0..FULL_DIRS {
+    for d in 0..FILL_DIRS {
         let dir = source.join(format!("d/s{d}"));
         fs::create_dir_all(&dir).expect("mkdir");
-        for i in 0..FULL_FILES_PER_DIR {
-            let byte = b'a' + ((d * FULL_FILES_PER_DIR + i) % 26) as u8;
-            fs::write(dir.join(format!("f{i}")), vec![byte; FULL_FILE_BYTES]).expect("write");
+        for i in 0..FILL_FILES_PER_DIR {
+            let byte = b'a' + ((d * FILL_FILES_PER_DIR + i) % 26) as u8;
+            fs::write(dir.join(format!("f{i}")), vec![byte; fill.file_bytes]).expect("write");
         }
     }
     let files = files_under(&source.join("d"));
     sh_ok(&source, "tar -cf ../tree.tar d");
-    let (a, disk, brick) = mounted_on_a_small_disk(scratch.path(), &[], options);
+    let (a, disk, bricks) = mounted_on_a_small_disk(fill, scratch.path(), &[], options);
 
     let untar = mount_common::sh(
         &a.mountpoint,
@@ -1366,7 +1388,7 @@ fn untar_onto_a_small_disk(options: &[&str]) -> Untarred {
     let said = String::from_utf8_lossy(&untar.stderr).into_owned();
     assert!(
         !untar.status.success(),
-        "tar filled a 32 MiB disk with 64 MiB without an error"
+        "tar filled a brick of {fill:?} without an error"
     );
     assert!(said.contains("No space left on device"), "{said}");
     assert!(!said.contains("Stale file handle"), "{said}");
@@ -1375,12 +1397,36 @@ fn untar_onto_a_small_disk(options: &[&str]) -> Untarred {
         said,
         files,
         scratch,
-        brick,
+        bricks,
         _disk: disk,
     }
 }
 
 impl Untarred {
+    /// Every file tar did not name in an error is there and whole, a directory's fsync has
+    /// nothing left to report, and the bricks check clean.
+    fn assert_every_refusal_was_the_calls(&self) {
+        let a = &self.a;
+        let synced = fs::File::open(a.path("d")).expect("open d").sync_all();
+        assert!(synced.is_ok(), "a refusal reported late: {synced:?}");
+        let mut kept = 0;
+        for path in self.files.iter().filter(|p| !self.named(p)) {
+            let read = fs::read(a.path(path));
+            let read =
+                read.unwrap_or_else(|e| panic!("{path}, which tar made without an error: {e}"));
+            assert!(read == self.whole(path), "{path} not whole");
+            kept += 1;
+        }
+        assert!(kept > 0, "tar made no file:\n{}", self.said);
+        self.assert_bricks_check_clean();
+    }
+
+    fn assert_bricks_check_clean(&self) {
+        for brick in &self.bricks {
+            common::assert_brick_checks_clean(brick);
+        }
+    }
+
     /// Whether tar named `path` in an error.
     fn named(&self, path: &str) -> bool {
         self.said.contains(&format!("{path}:"))
@@ -1401,7 +1447,7 @@ impl Untarred {
 /// empties the tree, the brick checks clean, and once space is freed files are made again.
 #[test]
 fn a_brick_out_of_space_is_an_error_at_the_call_and_the_mount_shows_what_it_holds() {
-    let untarred = untar_onto_a_small_disk(&["behind-free-mib=0"]);
+    let untarred = untar_onto_a_small_disk(FILL_ONE_BRICK, &["behind-free-mib=0"]);
     let a = &untarred.a;
     let synced = fs::File::open(a.path("d")).expect("open d").sync_all();
     assert_eq!(
@@ -1431,7 +1477,7 @@ fn a_brick_out_of_space_is_an_error_at_the_call_and_the_mount_shows_what_it_hold
     );
     fs::remove_dir_all(a.path("d")).expect("rm -rf after the disk filled");
     assert!(!b.path("d").exists(), "gone in the other mount");
-    common::assert_brick_checks_clean(&untarred.brick);
+    untarred.assert_bricks_check_clean();
     fs::write(a.path("after"), b"fits again").expect("a file once space is freed");
     assert_eq!(fs::read(b.path("after")).expect("read in b"), b"fits again");
 }
@@ -1441,19 +1487,44 @@ fn a_brick_out_of_space_is_an_error_at_the_call_and_the_mount_shows_what_it_hold
 /// did not name in an error is there and whole, and an fsync after has nothing to report.
 #[test]
 fn a_nearly_full_volume_is_written_through_and_every_refusal_is_the_calls() {
-    let untarred = untar_onto_a_small_disk(&[]);
-    let a = &untarred.a;
-    let synced = fs::File::open(a.path("d")).expect("open d").sync_all();
-    assert!(synced.is_ok(), "a refusal reported late: {synced:?}");
-    let mut kept = 0;
+    untar_onto_a_small_disk(FILL_ONE_BRICK, &[]).assert_every_refusal_was_the_calls();
+}
+
+/// A brick nearly out of inodes, with bytes to spare (1 KiB files on 64 MiB of 2 048 inodes,
+/// a floor of 1 MiB): the mount answers nothing ahead either.
+#[test]
+fn a_brick_nearly_out_of_inodes_is_written_through_and_every_refusal_is_the_calls() {
+    let fill = Fill {
+        disk_mib: 64,
+        disk_inodes: 2048,
+        bricks: 1,
+        file_bytes: 1024,
+    };
+    untar_onto_a_small_disk(fill, &["behind-free-mib=1"]).assert_every_refusal_was_the_calls();
+}
+
+/// One brick of a distributed volume nearly full, the other with room to spare: the fullest
+/// decides, not the volume's sum. A directory the full brick could not take a copy of is
+/// served from the other (its names all put there), and listed whole in this mount and in
+/// another.
+#[test]
+fn a_distributed_volume_with_one_brick_nearly_full_is_written_through() {
+    let fill = Fill {
+        bricks: 2,
+        ..FILL_ONE_BRICK
+    };
+    let untarred = untar_onto_a_small_disk(fill, &[]);
+    untarred.assert_every_refusal_was_the_calls();
+    let listed = files_under(&untarred.a.path("d"));
     for path in untarred.files.iter().filter(|p| !untarred.named(p)) {
-        let read = fs::read(a.path(path));
-        let read = read.unwrap_or_else(|e| panic!("{path}, which tar made without an error: {e}"));
-        assert!(read == untarred.whole(path), "{path} not whole");
-        kept += 1;
+        assert!(listed.contains(path), "{path} made, and not listed");
     }
-    assert!(kept > 0, "tar made no file:\n{}", untarred.said);
-    common::assert_brick_checks_clean(&untarred.brick);
+    let b = untarred.a.another("b", &[]);
+    assert_eq!(
+        files_under(&b.path("d")),
+        listed,
+        "another mount lists the same"
+    );
 }
 
 /// A mount that found its volume nearly full answers changes ahead again once space is
@@ -1463,8 +1534,12 @@ fn a_nearly_full_volume_is_written_through_and_every_refusal_is_the_calls() {
 fn a_mount_answers_ahead_again_once_space_is_freed() {
     let scratch = tempfile::tempdir().expect("tempdir");
     let metrics = common::free_loopback_addr();
-    let (a, _disk, _) =
-        mounted_on_a_small_disk(scratch.path(), &counted(&metrics), &["behind-free-mib=8"]);
+    let (a, _disk, _) = mounted_on_a_small_disk(
+        FILL_ONE_BRICK,
+        scratch.path(),
+        &counted(&metrics),
+        &["behind-free-mib=8"],
+    );
     fs::create_dir(a.path("d")).expect("mkdir");
     let calls = || ["CREATE", "PUT"].map(|fop| common::fop_calls(&common::scrape(&metrics), fop));
     // Each new file of `d` until one reaches the brick as `fop`.

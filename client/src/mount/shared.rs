@@ -681,7 +681,7 @@ impl<L: Layer> Shared<L> {
         }
     }
 
-    /// Learns the volume's free space ([`super::space`]) now, then each
+    /// Learns each brick's free space ([`super::space`]) now, then each
     /// [`SPACE_CHECK_INTERVAL`] in which changes were queued behind or the space was low
     /// (nothing is queued then: what was owed at the last STATFS may be on the brick now),
     /// until the mount ends.
@@ -698,9 +698,9 @@ impl<L: Layer> Shared<L> {
             if last == Some(asked.queued) && !self.behind.space.is_low() {
                 continue;
             }
-            match self.statfs(&Creds::root()).await {
-                Ok(stats) => {
-                    self.behind.space.found(asked, &stats);
+            match self.layer.statfs_each(&Creds::root()).await {
+                Ok(bricks) => {
+                    self.behind.space.found(asked, &bricks);
                     last = Some(asked.queued);
                 }
                 Err(e) => tracing::debug!(error = ?e, "the volume's free space is not known"),

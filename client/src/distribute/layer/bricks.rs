@@ -198,12 +198,6 @@ impl<L: Send + Sync + 'static> Bricks<L> {
         self.indexes().filter_map(|i| Some((i, self.get(i).ok()?)))
     }
 
-    /// The first brick in service: where a directory's own attributes are read.
-    pub(super) fn first(&self) -> Result<usize, Error> {
-        let first = self.in_service().next().map(|(i, _)| i);
-        first.ok_or(Error::Fop(ErrorCode::NotConnected))
-    }
-
     /// Each brick's share of a new layout: 1 for a serving brick, 0 for the others.
     pub(super) fn weights(&self) -> Vec<u32> {
         let share = |i| u32::from(self.role(i).is_serving());
@@ -340,7 +334,6 @@ mod tests {
             Err(Error::Fop(ErrorCode::NotConnected))
         ));
         assert_eq!(bricks.weights(), [0, 0, 1]);
-        assert_eq!(bricks.first().expect("a brick in service"), 0);
         assert_eq!(*bricks.get(2).expect("brick 2"), 8);
         // Not asked again within the interval.
         assert!(!bricks.refresh().await.expect("refresh"));

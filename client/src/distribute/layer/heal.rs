@@ -15,7 +15,8 @@ pub struct HealReport {
     pub copies_made: u64,
     /// Layouts rebuilt over every brick.
     pub layouts_healed: u64,
-    /// Directories that could not be listed or healed (each logged); the walk goes on.
+    /// Directories that could not be listed or healed, and directory copies that could
+    /// not be made (each logged); the walk goes on.
     pub failed: u64,
 }
 
@@ -24,13 +25,23 @@ pub struct HealReport {
 pub(super) struct Healed {
     dirs: AtomicU64,
     layouts: AtomicU64,
+    /// Directory copies that could not be made.
+    dirs_failed: AtomicU64,
 }
 
 impl<L: Layer> Distribute<L> {
     /// Gives directory `dir` a new layout over every serving brick (by the roles a mount
-    /// learns every [`BRICKS_REFRESH`]), equal shares; the layout kept.
-    pub(super) async fn write_new_layout(&self, dir: Gfid) -> Result<Arc<Layout>, Error> {
-        let weights = self.bricks.weights();
+    /// learns every [`BRICKS_REFRESH`]) but those `lacking` a copy of it, equal shares; the
+    /// layout kept.
+    pub(super) async fn write_new_layout(
+        &self,
+        dir: Gfid,
+        lacking: &[usize],
+    ) -> Result<Arc<Layout>, Error> {
+        let mut weights = self.bricks.weights();
+        for &brick in lacking {
+            weights[brick] = 0;
+        }
         let first = first_brick(dir.to_string().as_bytes(), weights.len())
             .map_err(|e| layout_error(dir, &e))?;
         let layout = Layout::new_directory(&weights, first, COMMIT_HASH_COMMITTED)
@@ -164,13 +175,26 @@ impl<L: Layer> Distribute<L> {
             other => return Err(unexpected(other)),
         };
         let missing = self.merge_copies(creds, iatt, found.home).await;
+        let mut lacking = false;
         for &brick in &missing {
-            self.make_dir_copy(brick, parent, name, &found.iatt).await?;
-            self.healed.dirs.fetch_add(1, Ordering::Relaxed);
-            tracing::info!(dir = %found.iatt.gfid, brick, "made a directory's missing copy");
+            let dir = found.iatt.gfid;
+            match self.make_dir_copy(brick, parent, name, &found.iatt).await {
+                Ok(()) => {
+                    self.healed.dirs.fetch_add(1, Ordering::Relaxed);
+                    tracing::info!(%dir, brick, "made a directory's missing copy");
+                }
+                // The directory is still served from the copies there are (a brick out of
+                // space or inodes cannot take one), and its layout is left as it is: a brick
+                // without a copy gets no share until a later lookup makes the copy.
+                Err(e) => {
+                    lacking = true;
+                    self.healed.dirs_failed.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(%dir, brick, error = %e, "a directory's missing copy could not be made");
+                }
+            }
         }
         let layout = self.layout(found.iatt.gfid).await?;
-        if self.needs_heal(&layout).await {
+        if !lacking && self.needs_heal(&layout).await {
             self.heal_layout(found.iatt.gfid, &layout).await?;
         }
         Ok(reply)
@@ -213,8 +237,7 @@ impl<L: Layer> Distribute<L> {
     }
 
     /// Walks the whole tree, looking up every directory, so each is healed (see
-    /// [`Layer::call`] of LOOKUP): what `kiln volume heal` runs. A directory whose first
-    /// brick lacks it is not listed, and so not reached, by this walk.
+    /// [`Layer::call`] of LOOKUP): what `kiln volume heal` runs.
     pub async fn heal_tree(&self, creds: &Creds) -> Result<HealReport, Error> {
         let stop = std::sync::atomic::AtomicBool::new(false);
         self.heal_tree_reporting(creds, &stop, &mut |_| {}).await
@@ -229,13 +252,15 @@ impl<L: Layer> Distribute<L> {
         progress: &mut (dyn FnMut(&HealReport) + Send),
     ) -> Result<HealReport, Error> {
         let before = self.healed();
+        let copies_failed = || self.healed.dirs_failed.load(Ordering::Relaxed);
+        let failed_before = copies_failed();
         let report = |dirs, failed| {
             let after = self.healed();
             HealReport {
                 dirs,
                 copies_made: after.0 - before.0,
                 layouts_healed: after.1 - before.1,
-                failed,
+                failed: failed + copies_failed() - failed_before,
             }
         };
         let root = self.layout(Gfid::ROOT).await?;

@@ -1,6 +1,8 @@
 //! Open directories: READDIRP (and READDIR) brick after brick, each directory once (with the
 //! latest times of its copies) and no link files, under offsets of this layer's own.
 
+use std::collections::{HashMap, HashSet};
+
 use kiln_wire::limits::{BATCH_FOPS_MAX, READDIRP_ENTRY_BYTES};
 
 use super::heal::merge_times;
@@ -16,11 +18,18 @@ const LISTED_ENTRY_BYTES: u64 = READDIRP_ENTRY_BYTES as u64;
 /// while the memory one open directory holds stays bounded.
 const OFFSETS_KEPT: usize = 64 * 1024;
 
-/// An open directory: its fd on each brick that has it, and the offsets given out.
+/// The subdirectories an open directory's listing remembers having shown, at most: a later
+/// brick's copies of them are not shown again, without asking the earlier bricks.
+const SHOWN_DIRS_KEPT: usize = 64 * 1024;
+
+/// An open directory: its fd on each brick that has it, the offsets given out, and the
+/// subdirectories shown since the listing last began, with the brick each was shown from (up
+/// to [`SHOWN_DIRS_KEPT`]).
 #[derive(Debug)]
 pub struct DirFds<F> {
     pub(super) fds: Vec<Option<F>>,
     pub(super) offsets: Mutex<Offsets>,
+    shown_dirs: Mutex<HashMap<Gfid, usize>>,
 }
 
 /// This layer's offsets in one directory: offset `n` (from [`DOT_OFFSET_MAX`] + 1, below
@@ -63,6 +72,7 @@ impl<F> DirFds<F> {
         DirFds {
             fds,
             offsets: Mutex::new(Offsets::default()),
+            shown_dirs: Mutex::new(HashMap::new()),
         }
     }
 }
@@ -177,13 +187,14 @@ impl<L: Layer> Distribute<L> {
             // A listing from the start: the offsets of earlier ones go.
             0 => {
                 lock(&fds.offsets).restart();
+                lock(&fds.shown_dirs).clear();
                 (0, 0)
             }
             n => lock(&fds.offsets)
                 .get(n)
                 .ok_or(Error::Fop(ErrorCode::Inval))?,
         };
-        let first = self.dir_fds(fds).next().map(|(i, _)| i);
+        let opened: Vec<usize> = self.dir_fds(fds).map(|(i, _)| i).collect();
         let mut entries = Vec::new();
         let mut left = u64::from(size.get());
         while brick < fds.fds.len() {
@@ -199,7 +210,8 @@ impl<L: Layer> Distribute<L> {
                 None => self.read_entries(creds, brick, fd, from, left).await?,
             };
             let last = reply.entries.last().map(|e| e.offset);
-            for e in self.shown(creds, brick, first, reply.entries).await? {
+            let earlier = &opened[..opened.partition_point(|&i| i < brick)];
+            for e in (self.shown(creds, fds, brick, earlier, reply.entries)).await? {
                 let cost = listed_bytes(&e);
                 if !entries.is_empty() && cost > left {
                     // Full, with entries read ahead left: the next listing goes on after the
@@ -248,19 +260,35 @@ impl<L: Layer> Distribute<L> {
         }
     }
 
-    /// What of brick `brick`'s `listed` entries this layer shows: each directory once (from
-    /// the `first` brick, with the latest times of its copies), no link files.
+    /// What of brick `brick`'s `listed` entries (in the directory open as `fds`) this layer
+    /// shows: each directory once (from the first brick that has a copy of it, of those
+    /// `earlier` bricks where the listed directory is open and this one; with the latest
+    /// times of its copies), no link files.
     async fn shown(
         &self,
         creds: &Creds,
+        fds: &DirFds<L::Fd>,
         brick: usize,
-        first: Option<usize>,
+        earlier: &[usize],
         listed: Vec<DirEntryXattrs>,
     ) -> Result<Vec<DirEntryXattrs>, Error> {
         let mut shown = Vec::with_capacity(listed.len());
+        let is_dir = |e: &DirEntryXattrs| e.iatt.file_type == FileType::Directory;
+        // Shown from an earlier brick in this listing, or else asked of the earlier bricks.
+        let (mut on_earlier, mut unseen) = (HashSet::new(), Vec::new());
+        {
+            let shown_dirs = lock(&fds.shown_dirs);
+            for gfid in listed.iter().filter(|e| is_dir(e)).map(|e| e.iatt.gfid) {
+                if shown_dirs.get(&gfid).is_some_and(|&from| from < brick) {
+                    on_earlier.insert(gfid);
+                } else {
+                    unseen.push(gfid);
+                }
+            }
+        }
+        on_earlier.extend(self.copies_on(creds, earlier, &unseen).await);
         for e in listed {
-            let is_dir = e.iatt.file_type == FileType::Directory;
-            if is_dir && Some(brick) != first {
+            if is_dir(&e) && on_earlier.contains(&e.iatt.gfid) {
                 continue;
             }
             match self.link_file_target(brick, &e.iatt).await {
@@ -271,10 +299,70 @@ impl<L: Layer> Distribute<L> {
             }
         }
         self.merge_dir_copies(creds, brick, &mut shown).await;
+        let mut shown_dirs = lock(&fds.shown_dirs);
+        for e in shown.iter().filter(|e| is_dir(e)) {
+            if shown_dirs.len() < SHOWN_DIRS_KEPT {
+                shown_dirs.insert(e.iatt.gfid, brick);
+            }
+        }
+        drop(shown_dirs);
         for e in &shown {
             self.note_home(&e.iatt, brick);
         }
         Ok(shown)
+    }
+
+    /// Which of directories `dirs` have a copy on one of `bricks`, all asked at once. A brick
+    /// out of reach is taken to have them all (a directory shows once at most).
+    async fn copies_on(&self, creds: &Creds, bricks: &[usize], dirs: &[Gfid]) -> HashSet<Gfid> {
+        if dirs.is_empty() {
+            return HashSet::new();
+        }
+        let stated = futures_util::future::join_all(
+            (bricks.iter()).map(|&brick| async move { self.stat_each(creds, brick, dirs).await }),
+        )
+        .await;
+        let mut found = HashSet::new();
+        for answers in stated {
+            for (gfid, answer) in dirs.iter().zip(answers) {
+                if !matches!(answer, Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale))) {
+                    found.insert(*gfid);
+                }
+            }
+        }
+        found
+    }
+
+    /// STAT of each of `gfids` on brick `brick`, as BATCHes: an answer for each.
+    async fn stat_each(
+        &self,
+        creds: &Creds,
+        brick: usize,
+        gfids: &[Gfid],
+    ) -> Vec<Result<FopReply, Error>> {
+        let mut answers = Vec::with_capacity(gfids.len());
+        for chunk in gfids.chunks(BATCH_FOPS_MAX) {
+            let failed = |e: Error| chunk.iter().map(|_| Err(e.clone())).collect::<Vec<_>>();
+            let mut batch = Batch::new(creds.clone());
+            for gfid in chunk {
+                let stat = kiln_wire::Stat { gfid: *gfid };
+                batch
+                    .push(stat.into())
+                    .unwrap_or_else(|e| unreachable!("a BATCH takes {BATCH_FOPS_MAX} STATs: {e}"));
+            }
+            let answered = match self.bricks.get(brick) {
+                Ok(on) => on.batch(batch).await,
+                Err(e) => Err(e),
+            };
+            answers.extend(match answered {
+                Ok(reply) if reply.results.len() == chunk.len() => (reply.results.into_iter())
+                    .map(|r| r.map_err(Error::Fop))
+                    .collect(),
+                Ok(_) => failed(Error::Protocol("a BATCH half answered".into())),
+                Err(e) => failed(e),
+            });
+        }
+        answers
     }
 
     /// Gives each directory in `shown` (listed on brick `brick`) its times as a STAT or
@@ -288,27 +376,18 @@ impl<L: Layer> Distribute<L> {
         if dirs.is_empty() {
             return;
         }
+        let gfids: Vec<Gfid> = dirs.iter().map(|&i| shown[i].iatt.gfid).collect();
         let others = self.bricks.in_service().filter(|(i, _)| *i != brick);
-        let (shown_now, dirs) = (&*shown, &dirs);
-        let stated = futures_util::future::join_all(others.map(|(_, other)| async move {
-            let mut answers = Vec::with_capacity(dirs.len());
-            for chunk in dirs.chunks(BATCH_FOPS_MAX) {
-                let mut batch = Batch::new(creds.clone());
-                for &i in chunk {
-                    let stat = kiln_wire::Stat {
-                        gfid: shown_now[i].iatt.gfid,
-                    };
-                    batch.push(stat.into()).ok()?;
-                }
-                let reply = other.batch(batch).await.ok()?;
-                answers.extend(chunk.iter().copied().zip(reply.results));
-            }
-            Some(answers)
-        }))
+        let gfids = &gfids;
+        let stated = futures_util::future::join_all(
+            others.map(|(other, _)| async move { self.stat_each(creds, other, gfids).await }),
+        )
         .await;
-        for (i, answer) in stated.into_iter().flatten().flatten() {
-            if let Ok(FopReply::Stat(copy)) = answer {
-                merge_times(&mut shown[i].iatt, &copy.iatt);
+        for answers in stated {
+            for (&i, answer) in dirs.iter().zip(answers) {
+                if let Ok(FopReply::Stat(copy)) = answer {
+                    merge_times(&mut shown[i].iatt, &copy.iatt);
+                }
             }
         }
     }

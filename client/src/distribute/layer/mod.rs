@@ -229,7 +229,7 @@ impl<L: Layer> Distribute<L> {
             (Err(e), None) => return Err(e),
         };
         if disks.iter().all(Option::is_none) {
-            return self.write_new_layout(dir).await;
+            return self.write_new_layout(dir, &[]).await;
         }
         let layout = Arc::new(Layout::from_disk(&disks).map_err(|e| layout_error(dir, &e))?);
         self.keep_layout(dir, layout.clone(), generation);
@@ -311,49 +311,59 @@ impl<L: Layer> Distribute<L> {
         Err(failure)
     }
 
-    /// Runs `fop` on brick `home` of the object it names, or on every brick for a directory
-    /// (the first brick's answer; a directory missing on another brick is skipped).
+    /// Runs `fop` on brick `home` of the object it names, or for a directory on every brick
+    /// that has a copy when it changes the directory, else on the first: the first copy's
+    /// answer (a brick without a copy, as one that was full at the MKDIR, is skipped; none
+    /// with a copy is the first brick's error).
     async fn on_object(
         &self,
         creds: &Creds,
         gfid: Gfid,
         fop: FopRequest,
     ) -> Result<FopReply, Error> {
-        match self.home(creds, gfid).await? {
-            Home::Brick(b) => self.call_on_file(creds, gfid, b, fop).await,
-            Home::Everywhere if changes_object(&fop) => {
-                let first = self.bricks.first()?;
-                let answer = self.bricks.get(first)?.call(creds, fop.clone()).await?;
-                for (_, brick) in self.bricks.in_service().filter(|(i, _)| *i != first) {
-                    match brick.call(creds, fop.clone()).await {
-                        Ok(_) | Err(Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => {}
-                        Err(e) => return Err(e),
-                    }
+        let changes = match self.home(creds, gfid).await? {
+            Home::Brick(b) => return self.call_on_file(creds, gfid, b, fop).await,
+            Home::Everywhere => changes_object(&fop),
+        };
+        let (mut answer, mut missing) = (None, None);
+        for (i, brick) in self.bricks.in_service() {
+            match brick.call(creds, fop.clone()).await {
+                Ok(reply) if answer.is_none() => answer = Some((reply, i)),
+                Ok(_) => {}
+                Err(e @ Error::Fop(ErrorCode::NoEnt | ErrorCode::Stale)) => {
+                    missing = missing.or(Some(e));
                 }
-                Ok(answer)
+                Err(e) => return Err(e),
             }
-            Home::Everywhere => {
-                let first = self.bricks.first()?;
-                let reply = self.bricks.get(first)?.call(creds, fop).await?;
-                self.merged_dir(creds, reply, first).await
+            if answer.is_some() && !changes {
+                break;
             }
+        }
+        match answer {
+            Some((reply, from)) if !changes => self.merged_dir(creds, reply, from).await,
+            Some((reply, _)) => Ok(reply),
+            None => Err(missing.unwrap_or(Error::Fop(ErrorCode::NotConnected))),
         }
     }
 
     /// STATFS: the bricks' sums, in the first brick's block size.
     async fn statfs(&self, creds: &Creds, fop: FopRequest) -> Result<FopReply, Error> {
-        let mut total: Option<FsStats> = None;
+        let each = self.statfs_of_each(creds, fop).await?;
+        let stats = each.into_iter().reduce(|sum, more| add_stats(&sum, &more));
+        let stats = stats.ok_or(Error::Fop(ErrorCode::Io))?;
+        Ok(FopReply::Statfs(kiln_wire::StatfsReply { stats }))
+    }
+
+    /// STATFS `fop` on each brick in service.
+    async fn statfs_of_each(&self, creds: &Creds, fop: FopRequest) -> Result<Vec<FsStats>, Error> {
+        let mut each = Vec::new();
         for (_, brick) in self.bricks.in_service() {
             let FopReply::Statfs(r) = brick.call(creds, fop.clone()).await? else {
                 return Err(Error::Protocol("a STATFS answered otherwise".into()));
             };
-            total = Some(match total {
-                None => r.stats,
-                Some(sum) => add_stats(&sum, &r.stats),
-            });
+            each.push(r.stats);
         }
-        let stats = total.ok_or(Error::Fop(ErrorCode::Io))?;
-        Ok(FopReply::Statfs(kiln_wire::StatfsReply { stats }))
+        Ok(each)
     }
 }
 
@@ -590,6 +600,14 @@ impl<L: Layer> Layer for Distribute<L> {
 
     fn file_leases(&self) -> bool {
         self.bricks_lease() && self.bricks.in_service().all(|(_, b)| b.file_leases())
+    }
+
+    fn statfs_each(
+        &self,
+        creds: &Creds,
+    ) -> impl Future<Output = Result<Vec<FsStats>, Error>> + Send {
+        let statfs = kiln_wire::Statfs { gfid: Gfid::ROOT };
+        self.statfs_of_each(creds, statfs.into())
     }
 
     fn events(&self) -> broadcast::Receiver<LayerEvent> {

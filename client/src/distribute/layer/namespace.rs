@@ -558,15 +558,23 @@ impl<L: Layer> Distribute<L> {
         let copies = others.map(|(i, brick)| {
             let r = r.clone();
             async move {
-                if let Err(e) = brick.call(creds, r.into()).await {
-                    // The next lookup of the directory makes the missing copy (and its share
-                    // of the layout), as GlusterFS's self-heal does.
+                let made = brick.call(creds, r.into()).await;
+                // The layout leaves the brick out, so that no name is put where the
+                // directory is not; the next lookup of the directory makes the missing copy
+                // (and gives it its share), as GlusterFS's self-heal does.
+                made.inspect_err(|e| {
                     tracing::warn!(brick = i, error = %e, "mkdir did not reach every brick");
-                }
+                })
+                .err()
+                .map(|_| i)
             }
         });
-        futures_util::future::join_all(copies).await;
-        self.write_new_layout(r.gfid).await?;
+        let lacking: Vec<usize> = futures_util::future::join_all(copies)
+            .await
+            .into_iter()
+            .flatten()
+            .collect();
+        self.write_new_layout(r.gfid, &lacking).await?;
         lock(&self.homes).put(r.gfid, Home::Everywhere);
         Ok(reply)
     }
