@@ -139,6 +139,26 @@ fn name(s: &str) -> Name {
     Name::new(s.to_owned()).expect("name")
 }
 
+/// Makes directory `dir_name` (mode 0750) in the root on bricks `on` only, as a MKDIR cut short
+/// (or refused by a full brick) leaves it: its GFID.
+async fn mkdir_on(v: &Distribute<BrickClient>, dir_name: &str, on: &[usize]) -> Gfid {
+    let gfid = kiln_client::path::new_gfid();
+    for (_, brick) in v.bricks().enumerate().filter(|(i, _)| on.contains(i)) {
+        let mkdir = kiln_wire::Mkdir {
+            parent: Gfid::ROOT,
+            name: name(dir_name),
+            gfid,
+            mode: kiln_wire::Mode::new(0o750).expect("mode"),
+            umask: kiln_wire::Mode::new(0).expect("mode"),
+        };
+        brick
+            .call(&Creds::root(), mkdir.into())
+            .await
+            .expect("mkdir on one brick");
+    }
+    gfid
+}
+
 fn xattr(path: &Path, key: &str) -> Option<Vec<u8>> {
     let mut value = vec![0; 256];
     let n = rustix::fs::lgetxattr(path, key, &mut value).ok()?;
@@ -1199,20 +1219,7 @@ fn a_directory_missing_on_the_first_brick_is_listed_once() {
     rt.block_on(async {
         let v = volume.connect().await;
         v.mkdir_all(&creds, "/whole", 0o755).await.expect("mkdir");
-        let gfid = kiln_client::path::new_gfid();
-        for brick in v.bricks().skip(1) {
-            let mkdir = kiln_wire::Mkdir {
-                parent: Gfid::ROOT,
-                name: name("late"),
-                gfid,
-                mode: kiln_wire::Mode::new(0o755).expect("mode"),
-                umask: kiln_wire::Mode::new(0).expect("mode"),
-            };
-            brick
-                .call(&creds, mkdir.into())
-                .await
-                .expect("mkdir on one brick");
-        }
+        mkdir_on(&v, "late", &[1, 2]).await;
         assert_eq!(volume.holders("late"), [1, 2]);
         let mut listed: Vec<String> = v
             .read_dir(&creds, Gfid::ROOT)
@@ -1236,20 +1243,7 @@ fn lookup_heals_missing_directory_copies_and_layout_holes() {
     rt.block_on(async {
         let v = volume.connect().await;
         // "half" made on bricks 0 and 1 only, as a mkdir cut short would leave it.
-        let gfid = kiln_client::path::new_gfid();
-        for brick in v.bricks().take(2) {
-            let mkdir = kiln_wire::Mkdir {
-                parent: Gfid::ROOT,
-                name: name("half"),
-                gfid,
-                mode: kiln_wire::Mode::new(0o750).expect("mode"),
-                umask: kiln_wire::Mode::new(0).expect("mode"),
-            };
-            brick
-                .call(&creds, mkdir.into())
-                .await
-                .expect("mkdir on one brick");
-        }
+        let gfid = mkdir_on(&v, "half", &[0, 1]).await;
         assert_eq!(volume.holders("half"), [0, 1]);
         let found = v.resolve(&creds, "/half").await.expect("lookup");
         assert_eq!(found.gfid, gfid);
