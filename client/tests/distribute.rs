@@ -139,6 +139,14 @@ fn name(s: &str) -> Name {
     Name::new(s.to_owned()).expect("name")
 }
 
+/// The names directory `dir` lists (as root), sorted.
+async fn sorted_names<L: Layer>(v: &Distribute<L>, dir: Gfid) -> Vec<String> {
+    let listed = v.read_dir(&Creds::root(), dir).await.expect("readdir");
+    let mut names: Vec<String> = listed.iter().map(|e| e.name.to_string()).collect();
+    names.sort();
+    names
+}
+
 /// Makes directory `dir_name` (mode 0750) in the root on bricks `on` only, as a MKDIR cut short
 /// (or refused by a full brick) leaves it: its GFID.
 async fn mkdir_on(v: &Distribute<BrickClient>, dir_name: &str, on: &[usize]) -> Gfid {
@@ -272,14 +280,7 @@ fn files_spread_over_bricks_by_name_hash() {
         v.mkdir_all(&creds, "/d/sub", 0o755).await.expect("subdir");
 
         // Every name once, with its attributes; every file reads back.
-        let mut listed: Vec<String> = v
-            .read_dir(&creds, dir.gfid)
-            .await
-            .expect("readdir")
-            .iter()
-            .map(|e| e.name.to_string())
-            .collect();
-        listed.sort();
+        let listed = sorted_names(&v, dir.gfid).await;
         let mut want: Vec<String> = (0..FILES).map(|i| format!("f{i}")).collect();
         want.push("sub".into());
         want.sort();
@@ -1221,15 +1222,7 @@ fn a_directory_missing_on_the_first_brick_is_listed_once() {
         v.mkdir_all(&creds, "/whole", 0o755).await.expect("mkdir");
         mkdir_on(&v, "late", &[1, 2]).await;
         assert_eq!(volume.holders("late"), [1, 2]);
-        let mut listed: Vec<String> = v
-            .read_dir(&creds, Gfid::ROOT)
-            .await
-            .expect("readdir")
-            .iter()
-            .map(|e| e.name.to_string())
-            .collect();
-        listed.sort();
-        assert_eq!(listed, ["late", "whole"]);
+        assert_eq!(sorted_names(&v, Gfid::ROOT).await, ["late", "whole"]);
     });
 }
 

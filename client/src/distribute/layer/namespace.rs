@@ -558,15 +558,12 @@ impl<L: Layer> Distribute<L> {
         let copies = others.map(|(i, brick)| {
             let r = r.clone();
             async move {
-                let made = brick.call(creds, r.into()).await;
                 // The layout leaves the brick out, so that no name is put where the
                 // directory is not; the next lookup of the directory makes the missing copy
                 // (and gives it its share), as GlusterFS's self-heal does.
-                made.inspect_err(|e| {
-                    tracing::warn!(brick = i, error = %e, "mkdir did not reach every brick");
-                })
-                .err()
-                .map(|_| i)
+                let e = brick.call(creds, r.into()).await.err()?;
+                tracing::warn!(brick = i, error = %e, "mkdir did not reach every brick");
+                Some(i)
             }
         });
         let lacking: Vec<usize> = futures_util::future::join_all(copies)
